@@ -1,0 +1,304 @@
+// The C++ half of runner's bridge to c10d; see bridge.h for the contract.
+#include "bridge.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/logger.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+#ifdef RUNNER_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+struct rn_store {
+  c10::intrusive_ptr<c10d::TCPStore> store;
+};
+
+struct rn_pg {
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  c10::intrusive_ptr<c10d::Backend> backend;
+};
+
+struct rn_ddp {
+  std::shared_ptr<c10d::Reducer> reducer;
+  std::shared_ptr<c10d::Logger> logger;
+};
+
+namespace {
+
+char* copy_message(const char* msg) {
+  size_t n = std::strlen(msg);
+  char* out = static_cast<char*>(std::malloc(n + 1));
+  if (out != nullptr) std::memcpy(out, msg, n + 1);
+  return out;
+}
+
+// Runs `body`; turns any exception into a malloc'd message. Nothing unwinds past this.
+template <typename F>
+char* protect(F&& body) noexcept {
+  try {
+    body();
+    return nullptr;
+  } catch (const c10::Error& e) {
+    return copy_message(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return copy_message(e.what());
+  } catch (...) {
+    return copy_message("unknown C++ exception");
+  }
+}
+
+at::Tensor& tensor(void* t) { return *static_cast<at::Tensor*>(t); }
+
+std::vector<at::Tensor> tensors(void** ts, size_t n) {
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) out.push_back(tensor(ts[i]));
+  return out;
+}
+
+c10d::ReduceOp reduce_op(int op) {
+  switch (op) {
+    case RN_SUM:
+    case RN_AVG:  // gloo has no AVG: sum, then divide.
+      return c10d::ReduceOp::SUM;
+    case RN_MIN:
+      return c10d::ReduceOp::MIN;
+    case RN_MAX:
+      return c10d::ReduceOp::MAX;
+  }
+  throw std::invalid_argument("unknown reduce op " + std::to_string(op));
+}
+
+void set_backend(rn_pg* out, c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                 c10::intrusive_ptr<c10d::Backend> backend, c10::DeviceType device,
+                 c10d::ProcessGroup::BackendType type) {
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  pg->setDefaultBackend(type);
+  backend->setGroupUid("runner");
+  pg->setBackend(device, type, backend);
+  out->pg = pg;
+  out->backend = backend;
+}
+
+}  // namespace
+
+extern "C" {
+
+void rn_free_string(char* s) { std::free(s); }
+void rn_free_bytes(uint8_t* b) { std::free(b); }
+
+char* rn_store_new(const char* host, uint16_t port, int is_server, int listen_fd, int num_workers,
+                   int64_t timeout_ms, rn_store** out) {
+  return protect([&] {
+    c10d::TCPStoreOptions opts;
+    opts.port = port;
+    opts.isServer = is_server != 0;
+    if (num_workers > 0) opts.numWorkers = static_cast<size_t>(num_workers);
+    opts.waitWorkers = false;
+    opts.timeout = std::chrono::milliseconds(timeout_ms);
+    if (listen_fd >= 0) opts.masterListenFd = listen_fd;
+    auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
+    *out = new rn_store{store};
+  });
+}
+
+void rn_store_free(rn_store* s) {
+  (void)protect([&] { delete s; });
+}
+
+char* rn_store_set(rn_store* s, const char* key, const uint8_t* value, size_t len) {
+  return protect([&] { s->store->set(key, std::vector<uint8_t>(value, value + len)); });
+}
+
+char* rn_store_get(rn_store* s, const char* key, uint8_t** value, size_t* len) {
+  return protect([&] {
+    auto v = s->store->get(key);
+    auto* buf = static_cast<uint8_t*>(std::malloc(v.empty() ? 1 : v.size()));
+    if (buf == nullptr) throw std::bad_alloc();
+    if (!v.empty()) std::memcpy(buf, v.data(), v.size());
+    *value = buf;
+    *len = v.size();
+  });
+}
+
+char* rn_store_add(rn_store* s, const char* key, int64_t delta, int64_t* out) {
+  return protect([&] { *out = s->store->add(key, delta); });
+}
+
+char* rn_store_check(rn_store* s, const char* key, int* present) {
+  return protect([&] { *present = s->store->check({std::string(key)}) ? 1 : 0; });
+}
+
+char* rn_store_port(rn_store* s, uint16_t* out) {
+  return protect([&] { *out = s->store->getPort(); });
+}
+
+char* rn_pg_new_gloo(rn_store* s, int rank, int size, const char* device_host, int64_t timeout_ms,
+                     rn_pg** out) {
+  return protect([&] {
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    auto store = c10::make_intrusive<c10d::PrefixStore>("runner/pg", s->store);
+    auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(device_host));
+    auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+    auto pg = std::make_unique<rn_pg>();
+    set_backend(pg.get(), store, rank, size, backend, c10::DeviceType::CPU,
+                c10d::ProcessGroup::BackendType::GLOO);
+    *out = pg.release();
+  });
+}
+
+char* rn_pg_new_nccl(rn_store* s, int rank, int size, int64_t timeout_ms, rn_pg** out) {
+#ifdef RUNNER_NCCL
+  return protect([&] {
+    auto store = c10::make_intrusive<c10d::PrefixStore>("runner/pg", s->store);
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = std::chrono::milliseconds(timeout_ms);
+    auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+    auto pg = std::make_unique<rn_pg>();
+    set_backend(pg.get(), store, rank, size, backend, c10::DeviceType::CUDA,
+                c10d::ProcessGroup::BackendType::NCCL);
+    *out = pg.release();
+  });
+#else
+  (void)s, (void)rank, (void)size, (void)timeout_ms, (void)out;
+  return copy_message("the nccl backend needs runner built with `--features cuda`");
+#endif
+}
+
+void rn_pg_free(rn_pg* pg) {
+  (void)protect([&] { delete pg; });
+}
+
+char* rn_pg_all_reduce(rn_pg* pg, void* t, int op) {
+  return protect([&] {
+    std::vector<at::Tensor> ts{tensor(t)};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = reduce_op(op);
+    pg->backend->allreduce(ts, opts)->wait();
+    if (op == RN_AVG) {
+      torch::NoGradGuard no_grad;
+      tensor(t).div_(pg->pg->getSize());
+    }
+  });
+}
+
+char* rn_pg_broadcast(rn_pg* pg, void* t, int root) {
+  return protect([&] {
+    std::vector<at::Tensor> ts{tensor(t)};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    pg->backend->broadcast(ts, opts)->wait();
+  });
+}
+
+char* rn_pg_all_gather(rn_pg* pg, void** outputs, size_t n_outputs, void* input) {
+  return protect([&] {
+    std::vector<std::vector<at::Tensor>> outs{tensors(outputs, n_outputs)};
+    std::vector<at::Tensor> in{tensor(input)};
+    pg->backend->allgather(outs, in)->wait();
+  });
+}
+
+char* rn_pg_send(rn_pg* pg, void* t, int dst, int tag) {
+  return protect([&] {
+    std::vector<at::Tensor> ts{tensor(t)};
+    pg->backend->send(ts, dst, tag)->wait();
+  });
+}
+
+char* rn_pg_recv(rn_pg* pg, void* t, int src, int tag) {
+  return protect([&] {
+    std::vector<at::Tensor> ts{tensor(t)};
+    pg->backend->recv(ts, src, tag)->wait();
+  });
+}
+
+char* rn_pg_barrier(rn_pg* pg) {
+  return protect([&] { pg->backend->barrier()->wait(); });
+}
+
+char* rn_ddp_new(rn_pg* pg, void** params_ptr, size_t n_params, int64_t bucket_cap_bytes,
+                 int64_t stats_every, rn_ddp** out) {
+  return protect([&] {
+    auto params = tensors(params_ptr, n_params);
+    {
+      // Replicas start identical whatever each rank's seed: rank 0's values win.
+      torch::NoGradGuard no_grad;
+      c10d::broadcast_coalesced(pg->pg, params, 250 * 1024 * 1024, 0);
+    }
+    // As torch.nn.parallel.DistributedDataParallel does: a small first bucket so communication
+    // starts early in the backward pass, buckets assigned in reverse (the order gradients arrive).
+    const int64_t first_bucket_cap = 1024 * 1024;
+    std::vector<bool> sparse(n_params, false);
+    std::vector<int64_t> reversed(n_params);
+    std::iota(reversed.rbegin(), reversed.rend(), 0);
+    auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(
+        params, {static_cast<size_t>(first_bucket_cap), static_cast<size_t>(bucket_cap_bytes)},
+        sparse, reversed);
+    std::reverse(buckets.begin(), buckets.end());
+    std::reverse(limits.begin(), limits.end());
+    std::vector<int64_t> limits64(limits.begin(), limits.end());
+    auto reducer = std::make_shared<c10d::Reducer>(
+        params, buckets, pg->pg, sparse, bucket_cap_bytes, /*find_unused_parameters=*/false,
+        /*gradient_as_bucket_view=*/false, std::unordered_map<size_t, std::string>{},
+        first_bucket_cap, /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false,
+        limits64);
+    auto logger = std::make_shared<c10d::Logger>(reducer);
+    reducer->set_logger(logger);
+    logger->set_construction_data_and_log("runner", {}, -1, false, false, false);
+    reducer->set_ddp_runtime_logging_sample_rate(static_cast<int>(std::max<int64_t>(stats_every, 1)));
+    *out = new rn_ddp{reducer, logger};
+  });
+}
+
+void rn_ddp_free(rn_ddp* d) {
+  (void)protect([&] { delete d; });
+}
+
+char* rn_ddp_prepare_forward(rn_ddp* d) {
+  return protect([&] {
+    d->reducer->prepare_for_forward();
+    // Collective on the first iteration after the first backward: every rank calls it.
+    d->reducer->rebuild_buckets();
+  });
+}
+
+char* rn_ddp_prepare_backward(rn_ddp* d, void** outputs, size_t n_outputs) {
+  return protect([&] { d->reducer->prepare_for_backward(tensors(outputs, n_outputs)); });
+}
+
+char* rn_ddp_record_stats(rn_ddp* d, rn_ddp_stats* out) {
+  return protect([&] {
+    d->logger->set_runtime_stats_and_log();
+    auto data = d->logger->get_ddp_logging_data();
+    auto get = [&](const char* k) -> int64_t {
+      auto it = data.ints_map.find(k);
+      return it == data.ints_map.end() ? -1 : it->second;
+    };
+    out->forward_compute_ns = get("forward_compute_time");
+    out->backward_compute_ns = get("backward_compute_time");
+    out->backward_comm_ns = get("backward_comm_time");
+    out->backward_compute_comm_overlap_ns = get("backward_compute_comm_overlap_time");
+    out->iteration = get("iteration");
+  });
+}
+
+char* rn_ddp_bucket_count(rn_ddp* d, size_t* out) {
+  return protect([&] { *out = d->logger->get_bucket_sizes().size(); });
+}
+
+}  // extern "C"

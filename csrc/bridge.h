@@ -1,0 +1,66 @@
+// Plain C interface over PyTorch's c10d (TCPStore, ProcessGroupGloo, Reducer).
+//
+// Every function that can fail returns NULL on success or an error message allocated with malloc,
+// which the caller frees with rn_free_string. No C++ exception crosses this boundary.
+// Tensors are passed as `at::Tensor*` (what tch's `Tensor::as_ptr()` points at), typed void* here.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct rn_store rn_store;
+typedef struct rn_pg rn_pg;
+typedef struct rn_ddp rn_ddp;
+
+enum rn_reduce_op { RN_SUM = 0, RN_AVG = 1, RN_MIN = 2, RN_MAX = 3 };
+
+typedef struct rn_ddp_stats {
+  // Nanoseconds, for the iteration most recently sampled; -1 when not recorded.
+  int64_t forward_compute_ns;
+  int64_t backward_compute_ns;
+  int64_t backward_comm_ns;
+  int64_t backward_compute_comm_overlap_ns;
+  int64_t iteration;
+} rn_ddp_stats;
+
+void rn_free_string(char* s);
+void rn_free_bytes(uint8_t* b);
+
+// listen_fd >= 0: a server that takes over this bound, listening socket (closed by the store).
+char* rn_store_new(const char* host, uint16_t port, int is_server, int listen_fd, int num_workers,
+                   int64_t timeout_ms, rn_store** out);
+void rn_store_free(rn_store* s);
+char* rn_store_set(rn_store* s, const char* key, const uint8_t* value, size_t len);
+char* rn_store_get(rn_store* s, const char* key, uint8_t** value, size_t* len);
+char* rn_store_add(rn_store* s, const char* key, int64_t delta, int64_t* out);
+char* rn_store_check(rn_store* s, const char* key, int* present);
+char* rn_store_port(rn_store* s, uint16_t* out);
+
+// device_host: address the gloo transport binds to (its peers connect to it).
+char* rn_pg_new_gloo(rn_store* s, int rank, int size, const char* device_host, int64_t timeout_ms,
+                     rn_pg** out);
+char* rn_pg_new_nccl(rn_store* s, int rank, int size, int64_t timeout_ms, rn_pg** out);
+void rn_pg_free(rn_pg* pg);
+char* rn_pg_all_reduce(rn_pg* pg, void* tensor, int op);
+char* rn_pg_broadcast(rn_pg* pg, void* tensor, int root);
+// outputs: `size` tensors shaped like input.
+char* rn_pg_all_gather(rn_pg* pg, void** outputs, size_t n_outputs, void* input);
+char* rn_pg_send(rn_pg* pg, void* tensor, int dst, int tag);
+char* rn_pg_recv(rn_pg* pg, void* tensor, int src, int tag);
+char* rn_pg_barrier(rn_pg* pg);
+
+// Broadcasts params from rank 0, then builds a Reducer with buckets of bucket_cap_bytes.
+char* rn_ddp_new(rn_pg* pg, void** params, size_t n_params, int64_t bucket_cap_bytes,
+                 int64_t stats_every, rn_ddp** out);
+void rn_ddp_free(rn_ddp* d);
+char* rn_ddp_prepare_forward(rn_ddp* d);
+char* rn_ddp_prepare_backward(rn_ddp* d, void** outputs, size_t n_outputs);
+char* rn_ddp_record_stats(rn_ddp* d, rn_ddp_stats* out);
+char* rn_ddp_bucket_count(rn_ddp* d, size_t* out);
+
+#ifdef __cplusplus
+}
+#endif

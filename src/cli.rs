@@ -1,0 +1,178 @@
+//! The command line: `runner run`, `runner validate`.
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+
+use crate::config::{self, ConfigError, Override, Plan};
+use crate::launch::env::RankEnv;
+use crate::launch::manifest::{Manifest, Status};
+use crate::launch::{rank, spawn};
+use crate::trace::view;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "runner",
+    version,
+    about = "Runs distributed data-parallel training experiments described by TOML files"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a pipeline: world_size rank processes on this machine (or, under torchrun, this rank).
+    Run(RunArgs),
+    /// Check a pipeline and print its resolved plan (the data-flow table); run nothing.
+    Validate(ConfigArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ConfigArgs {
+    /// The pipeline file (TOML).
+    pub file: PathBuf,
+    /// Override a value, e.g. --set train.lr=0.05 (repeatable; wins over file and environment).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// The run directory [default: results/<run.name>/<run-id>]
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+}
+
+/// Exit codes: 0 done, 1 the run failed, 2 the configuration is wrong.
+pub fn main(cli: Cli) -> ExitCode {
+    let result = match cli.command {
+        Command::Validate(args) => validate(&args),
+        Command::Run(args) => run(&args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            let code = if e.downcast_ref::<ConfigError>().is_some() {
+                2
+            } else {
+                1
+            };
+            let prefix = match RankEnv::from_env() {
+                Ok(Some(env)) => format!("error: rank {}: ", env.rank),
+                _ => "error: ".into(),
+            };
+            eprintln!("{prefix}{e:#}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
+    let overrides: Vec<Override> = args.set.iter().map(|s| Override::set(s)).collect();
+    Plan::new(config::resolve(&args.file, &overrides)?)
+}
+
+fn validate(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
+    let plan = plan(args)?;
+    print!("{}", plan.data_flow());
+    println!("\n{} is valid; nothing was run.", args.file.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run(args: &RunArgs) -> anyhow::Result<ExitCode> {
+    let plan = plan(&args.config)?;
+    let run_dir = args.out.clone().unwrap_or_else(|| {
+        Path::new("results")
+            .join(&plan.config.run.name)
+            .join(&plan.run_id)
+    });
+    match RankEnv::from_env()? {
+        Some(env) => run_rank(&plan, &env, &run_dir),
+        None => launch(&plan, args, &run_dir),
+    }
+}
+
+/// This process is one rank. Under runner's own launcher the launcher owns config.toml and the
+/// manifest; under another launcher (torchrun, Slurm) rank 0 writes them.
+fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path) -> anyhow::Result<ExitCode> {
+    let owns_run_dir = env.rank == 0 && env.launcher_pid.is_none();
+    let mut manifest = Manifest::start(plan);
+    if owns_run_dir {
+        prepare_run_dir(plan, run_dir, &manifest)?;
+    }
+    let result = rank::run(plan, env, run_dir);
+    if owns_run_dir {
+        match &result {
+            Ok(_) => manifest.end(Status::Complete, None),
+            Err(e) => manifest.end(Status::Failed, Some(format!("rank 0: {e:#}"))),
+        }
+        manifest.write(run_dir)?;
+    }
+    let rows = result?;
+    if env.rank == 0 {
+        println!("\n{}", view::epoch_table(&rows));
+        let losses: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.rank == 0)
+            .map(|r| r.global_train_loss)
+            .collect();
+        println!("  loss\n{}", view::chart("epochs", &losses, 6));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn launch(plan: &Plan, args: &RunArgs, run_dir: &Path) -> anyhow::Result<ExitCode> {
+    println!("{}", plan.data_flow());
+    let mut manifest = Manifest::start(plan);
+    prepare_run_dir(plan, run_dir, &manifest)?;
+    let mut child_args: Vec<OsString> = vec!["run".into(), args.config.file.clone().into()];
+    for s in &args.config.set {
+        child_args.extend(["--set".into(), s.into()]);
+    }
+    child_args.extend(["--out".into(), run_dir.into()]);
+    let outcome = spawn::launch(plan, &child_args)?;
+    match &outcome.failure {
+        None => {
+            manifest.end(Status::Complete, None);
+            manifest.write(run_dir)?;
+            println!("  run directory: {}", run_dir.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(f) => {
+            manifest.end(Status::Failed, Some(f.summary()));
+            manifest.write(run_dir)?;
+            eprintln!("\nerror: the run failed: {}", f.summary());
+            if !f.stderr_tail.is_empty() {
+                eprintln!("  last lines rank {} wrote to stderr:", f.rank);
+                for line in &f.stderr_tail {
+                    eprintln!("    {line}");
+                }
+            }
+            eprintln!(
+                "  run directory (traces keep every finished epoch): {}",
+                run_dir.display()
+            );
+            Ok(ExitCode::from(1))
+        }
+    }
+}
+
+fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest) -> anyhow::Result<()> {
+    std::fs::create_dir_all(run_dir)
+        .with_context(|| format!("cannot create the run directory {}", run_dir.display()))?;
+    // A rerun of the same configuration replaces the previous run's files.
+    for stale in ["trace.parquet", "steps.parquet"] {
+        let _ = std::fs::remove_file(run_dir.join(stale));
+    }
+    crate::trace::atomic_write(
+        &run_dir.join("config.toml"),
+        plan.annotated_toml().as_bytes(),
+    )?;
+    manifest.write(run_dir)
+}

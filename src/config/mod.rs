@@ -1,0 +1,25 @@
+//! Configuration: the TOML schema ([`schema`]), layering with figment ([`resolve`]) and the
+//! validated, fully resolved [`Plan`] that ranks receive.
+mod flow;
+pub mod plan;
+pub mod resolve;
+pub mod schema;
+
+pub use plan::Plan;
+pub use resolve::{resolve, Override, Resolved};
+pub use schema::Config;
+
+/// A configuration the user must fix: the message says what, where and how. Exit code 2.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct ConfigError {
+    pub message: String,
+}
+
+impl ConfigError {
+    pub fn new(message: impl Into<String>) -> Self {
+        ConfigError {
+            message: message.into(),
+        }
+    }
+}

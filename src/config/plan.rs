@@ -1,0 +1,375 @@
+//! The `Plan`: a configuration checked as a whole (values, cross-field rules, data files) with
+//! every shape known before any rank starts. Nothing downstream re-checks the configuration.
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use super::schema::*;
+use super::{ConfigError, Resolved};
+use crate::stages::load::{inspect_file, FileInfo};
+use crate::stages::shard::ShardLayout;
+
+/// What every rank needs to know, resolved and validated.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub config: Config,
+    pub sources: BTreeMap<String, String>,
+    pub pipeline_file: PathBuf,
+    /// Derived from the resolved configuration: the same config gives the same id.
+    pub run_id: String,
+    pub data: DataSpec,
+    pub layout: ShardLayout,
+    pub threads_per_rank: usize,
+    pub parameters: usize,
+}
+
+/// The data the load stage produces, with its shape.
+#[derive(Debug, Clone)]
+pub struct DataSpec {
+    pub source: Source,
+    /// Training rows.
+    pub rows: usize,
+    pub features: usize,
+    pub classes: usize,
+    pub validation_rows: usize,
+    pub noise: f64,
+    pub file: Option<FileInfo>,
+}
+
+impl Plan {
+    /// Checks everything and reports every problem found, not just the first.
+    pub fn new(resolved: Resolved) -> Result<Plan, ConfigError> {
+        let Resolved {
+            config: c,
+            sources,
+            file,
+        } = resolved;
+        let mut errors = Vec::new();
+        let mut bad = |key: &str, msg: String| errors.push(format!("`{key}`: {msg}"));
+
+        if c.run.world_size == 0 {
+            bad("run.world_size", "must be at least 1".into());
+        }
+        if !(c.run.timeout_s > 0.0) {
+            bad(
+                "run.timeout_s",
+                format!("must be positive seconds, got {}", c.run.timeout_s),
+            );
+        }
+        if !(c.run.abort_after_s >= 0.0) {
+            bad(
+                "run.abort_after_s",
+                format!("must be 0 or more seconds, got {}", c.run.abort_after_s),
+            );
+        }
+        if c.run.threads_per_rank == Some(0) {
+            bad(
+                "run.threads_per_rank",
+                "must be at least 1 (or absent for cores / world_size)".into(),
+            );
+        }
+        if c.run.name.is_empty() || c.run.name.contains(['/', '\\']) || c.run.name.starts_with('.')
+        {
+            bad(
+                "run.name",
+                format!(
+                    "{:?} cannot name a directory: use letters, digits, '-' and '_'",
+                    c.run.name
+                ),
+            );
+        }
+        match (c.run.backend, c.run.device) {
+            (Backend::Nccl, Device::Cpu) => bad(
+                "run.backend",
+                "nccl needs run.device = \"cuda\"; use \"gloo\" on CPU".into(),
+            ),
+            (_, Device::Cuda) if !cfg!(feature = "cuda") => bad(
+                "run.device",
+                "this runner was built without CUDA (cargo build --features cuda); use \"cpu\""
+                    .into(),
+            ),
+            _ => {}
+        }
+
+        let base = file.parent().map(PathBuf::from).unwrap_or_default();
+        let data = match c.load.source {
+            Source::Synthetic => {
+                for (key, given) in [
+                    ("load.path", c.load.path.is_some()),
+                    ("load.target", c.load.target.is_some()),
+                ] {
+                    if given {
+                        bad(
+                            key,
+                            "is only read by source = \"csv\" or \"parquet\"".into(),
+                        );
+                    }
+                }
+                let spec = DataSpec {
+                    source: Source::Synthetic,
+                    rows: c.load.rows.unwrap_or(10_000),
+                    features: c.load.features.unwrap_or(10),
+                    classes: c.load.classes.unwrap_or(2),
+                    validation_rows: c.load.validation_rows,
+                    noise: c.load.noise,
+                    file: None,
+                };
+                if spec.features == 0 {
+                    bad("load.features", "must be at least 1".into());
+                }
+                if !(spec.noise >= 0.0) {
+                    bad(
+                        "load.noise",
+                        format!("must be 0 or more, got {}", spec.noise),
+                    );
+                }
+                Some(spec)
+            }
+            source => file_spec(&c.load, source, &base, &mut bad),
+        };
+        if let Some(d) = &data {
+            if d.classes < 2 {
+                bad(
+                    "load.classes",
+                    format!("must be at least 2 for classification, got {}", d.classes),
+                );
+            }
+            if d.rows == 0 {
+                bad("load.rows", "must be at least 1".into());
+            }
+        }
+
+        let m = &c.wrap.model;
+        if m.hidden.contains(&0) {
+            bad(
+                "wrap.model.hidden",
+                format!("layer widths must be at least 1, got {:?}", m.hidden),
+            );
+        }
+        if !(0.0..1.0).contains(&m.dropout) {
+            bad(
+                "wrap.model.dropout",
+                format!("must be in [0, 1), got {}", m.dropout),
+            );
+        }
+        if !(c.wrap.bucket_cap_mb > 0.0) {
+            bad(
+                "wrap.bucket_cap_mb",
+                format!("must be positive, got {}", c.wrap.bucket_cap_mb),
+            );
+        }
+        let t = &c.train;
+        if t.epochs == 0 {
+            bad("train.epochs", "must be at least 1".into());
+        }
+        if t.batch_size == 0 {
+            bad("train.batch_size", "must be at least 1".into());
+        }
+        if !(t.lr > 0.0 && t.lr.is_finite()) {
+            bad("train.lr", format!("must be positive, got {}", t.lr));
+        }
+        if !(0.0..1.0).contains(&t.momentum) {
+            bad(
+                "train.momentum",
+                format!("must be in [0, 1), got {}", t.momentum),
+            );
+        }
+        if !(t.weight_decay >= 0.0) {
+            bad(
+                "train.weight_decay",
+                format!("must be 0 or more, got {}", t.weight_decay),
+            );
+        }
+
+        let layout = data
+            .as_ref()
+            .filter(|_| c.run.world_size > 0)
+            .map(|d| ShardLayout::new(d.rows, c.run.world_size, c.shard.drop_last));
+        if let (Some(l), true) = (&layout, t.batch_size > 0) {
+            if l.per_rank == 0 {
+                bad(
+                    "run.world_size",
+                    format!(
+                        "{} ranks leave no training row for some rank (rows: {})",
+                        c.run.world_size, l.rows
+                    ),
+                );
+            } else if t.batch_size > l.per_rank {
+                bad(
+                    "train.batch_size",
+                    format!(
+                        "{} per rank is larger than a rank's shard of {} rows ({} rows / {} ranks); use at most {}",
+                        t.batch_size, l.per_rank, l.rows, c.run.world_size, l.per_rank
+                    ),
+                );
+            }
+        }
+
+        if !errors.is_empty() {
+            let n = errors.len();
+            let head = if n == 1 {
+                "invalid configuration".to_string()
+            } else {
+                format!("{n} problems in the configuration")
+            };
+            return Err(ConfigError::new(format!(
+                "{}: {head}:\n  {}",
+                file.display(),
+                errors.join("\n  ")
+            )));
+        }
+        let data = data.expect("checked above");
+        let layout = layout.expect("checked above");
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads_per_rank = c
+            .run
+            .threads_per_rank
+            .unwrap_or((cores / c.run.world_size).max(1));
+        let parameters =
+            crate::model::parameter_count(data.features, &c.wrap.model.hidden, data.classes);
+        let run_id = run_id(&c);
+        Ok(Plan {
+            config: c,
+            sources,
+            pipeline_file: file,
+            run_id,
+            data,
+            layout,
+            threads_per_rank,
+            parameters,
+        })
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.config.run.world_size
+    }
+
+    /// Steps per epoch on every rank (equal, so collectives line up).
+    pub fn steps_per_epoch(&self) -> usize {
+        self.layout.per_rank.div_ceil(self.config.train.batch_size)
+    }
+
+    /// The resolved configuration as TOML, each value annotated with where it came from.
+    pub fn annotated_toml(&self) -> String {
+        let value = toml::Value::try_from(&self.config).expect("a Config serializes");
+        let mut out = format!(
+            "# The resolved configuration of run {} (runner {}), from {}.\n\
+             # Each value's comment says where it came from: default, file, env, --set or sweep axis.\n",
+            self.run_id,
+            env!("CARGO_PKG_VERSION"),
+            self.pipeline_file.display()
+        );
+        let mut leaves = Vec::new();
+        super::resolve::flatten("", &value, &mut leaves);
+        let mut section = String::new();
+        for (key, v) in leaves {
+            let (sec, name) = key.rsplit_once('.').unwrap_or(("", &key));
+            if sec != section {
+                out += &format!("\n[{sec}]\n");
+                section = sec.to_owned();
+            }
+            let from = self
+                .sources
+                .get(&key)
+                .map(String::as_str)
+                .unwrap_or("default");
+            out += &format!("{name} = {v}  # {from}\n");
+        }
+        out
+    }
+}
+
+fn file_spec(
+    load: &Load,
+    source: Source,
+    base: &std::path::Path,
+    bad: &mut impl FnMut(&str, String),
+) -> Option<DataSpec> {
+    let Some(rel) = &load.path else {
+        bad(
+            "load.path",
+            format!(
+                "source = \"{}\" needs a path to the file",
+                if source == Source::Csv {
+                    "csv"
+                } else {
+                    "parquet"
+                }
+            ),
+        );
+        return None;
+    };
+    let Some(target) = &load.target else {
+        bad(
+            "load.target",
+            "names the column holding the class labels; it is required for files".into(),
+        );
+        return None;
+    };
+    if load.noise != Load::default().noise {
+        bad(
+            "load.noise",
+            "is only read by source = \"synthetic\"".into(),
+        );
+    }
+    let path = base.join(rel);
+    let info = match inspect_file(&path, source, target) {
+        Ok(info) => info,
+        Err(e) => {
+            bad("load.path", e);
+            return None;
+        }
+    };
+    if let Some(f) = load.features {
+        if f != info.features.len() {
+            bad(
+                "load.features",
+                format!(
+                    "is {f} but {} has {} feature columns besides `{target}`",
+                    path.display(),
+                    info.features.len()
+                ),
+            );
+        }
+    }
+    let classes = load.classes.unwrap_or(info.classes);
+    if classes < info.classes {
+        bad(
+            "load.classes",
+            format!(
+                "is {classes} but `{target}` has labels up to {}",
+                info.classes - 1
+            ),
+        );
+    }
+    let total = load.rows.unwrap_or(info.rows).min(info.rows);
+    if load.validation_rows >= total {
+        bad(
+            "load.validation_rows",
+            format!(
+                "{} leaves no training rows out of {total}",
+                load.validation_rows
+            ),
+        );
+        return None;
+    }
+    Some(DataSpec {
+        source,
+        rows: total - load.validation_rows,
+        features: info.features.len(),
+        classes,
+        validation_rows: load.validation_rows,
+        noise: 0.0,
+        file: Some(FileInfo { path, ..info }),
+    })
+}
+
+/// 12 hex digits of FNV-1a over the resolved configuration's canonical JSON.
+fn run_id(c: &Config) -> String {
+    let json = serde_json::to_string(c).expect("a Config serializes");
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in json.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    format!("{:012x}", h >> 16)
+}

@@ -1,0 +1,299 @@
+//! The pipeline file's sections, one struct per stage, every field with its default.
+//! Unknown keys are errors (`deny_unknown_fields`); kinds are closed enums.
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub run: Run,
+    pub load: Load,
+    pub shard: Shard,
+    pub normalize: Normalize,
+    pub wrap: Wrap,
+    pub train: Train,
+    pub validate: Validate,
+    pub trace: Trace,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Run {
+    /// Names the run directory: results/<name>/<run-id>/.
+    pub name: String,
+    /// Seeds data generation, shuffling and initial weights.
+    pub seed: u64,
+    /// Number of ranks (processes).
+    pub world_size: usize,
+    pub backend: Backend,
+    pub device: Device,
+    /// Intra-op threads per rank; default: cores / world_size, at least 1.
+    pub threads_per_rank: Option<usize>,
+    /// Seconds any collective or rendezvous may take before the run fails.
+    pub timeout_s: f64,
+    /// Seconds the launcher lets the other ranks wind down after one fails, before killing them.
+    pub abort_after_s: f64,
+}
+
+impl Default for Run {
+    fn default() -> Self {
+        Run {
+            name: "run".into(),
+            seed: 0,
+            world_size: 1,
+            backend: Backend::Gloo,
+            device: Device::Cpu,
+            threads_per_rank: None,
+            timeout_s: 60.0,
+            abort_after_s: 5.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Gloo,
+    Nccl,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Load {
+    pub source: Source,
+    /// Training rows (synthetic); for files, the rows read (all when absent).
+    pub rows: Option<usize>,
+    /// Feature columns (synthetic); for files, checked against the file when given.
+    pub features: Option<usize>,
+    /// Number of classes (synthetic); for files, inferred from the target column when absent.
+    pub classes: Option<usize>,
+    /// Rows held out for validation (synthetic: generated after the training rows; files: the last rows).
+    pub validation_rows: usize,
+    /// Synthetic only: scale of the label noise (0 = a noiseless teacher).
+    pub noise: f64,
+    /// csv / parquet: the file, relative to the pipeline file.
+    pub path: Option<PathBuf>,
+    /// csv / parquet: the column holding integer class labels 0..classes.
+    pub target: Option<String>,
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Load {
+            source: Source::Synthetic,
+            rows: None,
+            features: None,
+            classes: None,
+            validation_rows: 1000,
+            noise: 0.5,
+            path: None,
+            target: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    Synthetic,
+    Csv,
+    Parquet,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Shard {
+    pub strategy: ShardStrategy,
+    /// Reshuffle every epoch (DistributedSampler's set_epoch); otherwise the file order.
+    pub shuffle: bool,
+    /// Drop the tail that does not divide by world_size; otherwise pad by repeating rows
+    /// (trained on, never counted twice in metrics).
+    pub drop_last: bool,
+}
+
+impl Default for Shard {
+    fn default() -> Self {
+        Shard {
+            strategy: ShardStrategy::Dataset,
+            shuffle: true,
+            drop_last: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ShardStrategy {
+    /// DistributedSampler: rank r takes positions r, r+W, r+2W, ... of each epoch's permutation.
+    Dataset,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Normalize {
+    pub method: NormalizeMethod,
+    pub scope: NormalizeScope,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NormalizeMethod {
+    /// Scale each feature to [0, 1].
+    #[default]
+    Minmax,
+    /// Zero mean, unit variance per feature.
+    Standard,
+    None,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NormalizeScope {
+    /// Statistics of the rank's own shard.
+    #[default]
+    Rank,
+    /// Statistics all-reduced across ranks: the whole training set.
+    Global,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Wrap {
+    pub strategy: WrapStrategy,
+    /// DDP gradient bucket size, in MiB.
+    pub bucket_cap_mb: f64,
+    pub model: Model,
+}
+
+impl Default for Wrap {
+    fn default() -> Self {
+        Wrap {
+            strategy: WrapStrategy::Ddp,
+            bucket_cap_mb: 25.0,
+            model: Model::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WrapStrategy {
+    /// DistributedDataParallel: gradients averaged across ranks every step.
+    Ddp,
+    /// No synchronisation: each rank trains its own replica (world_size 1, or for comparison).
+    None,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Model {
+    pub kind: ModelKind,
+    /// Widths of the hidden layers.
+    pub hidden: Vec<usize>,
+    pub activation: Activation,
+    /// Dropout probability after each hidden activation.
+    pub dropout: f64,
+}
+
+impl Default for Model {
+    fn default() -> Self {
+        Model {
+            kind: ModelKind::Mlp,
+            hidden: vec![64, 64],
+            activation: Activation::Relu,
+            dropout: 0.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    Mlp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Activation {
+    Relu,
+    Tanh,
+    Gelu,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Train {
+    pub epochs: usize,
+    /// Samples per step on each rank.
+    pub batch_size: usize,
+    pub optimizer: Optimizer,
+    pub lr: f64,
+    pub momentum: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for Train {
+    fn default() -> Self {
+        Train {
+            epochs: 5,
+            batch_size: 32,
+            optimizer: Optimizer::Sgd,
+            lr: 0.1,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Optimizer {
+    Sgd,
+    Adam,
+    Adamw,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Validate {
+    /// Validate every this many epochs (and after the last); 0 turns validation off.
+    pub every: usize,
+    pub on: ValidateOn,
+}
+
+impl Default for Validate {
+    fn default() -> Self {
+        Validate {
+            every: 1,
+            on: ValidateOn::Rank0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ValidateOn {
+    Rank0,
+    All,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Trace {
+    /// Record the phases of every this many training steps in steps.parquet (0: none).
+    pub step_every: usize,
+}
+
+impl Default for Trace {
+    fn default() -> Self {
+        Trace { step_every: 20 }
+    }
+}

@@ -1,0 +1,113 @@
+//! `extern "C"` declarations for csrc/bridge.h. Nothing but declarations: the safe API is in
+//! the sibling modules. Every `*mut c_char` returned is NULL on success or a malloc'd message.
+use std::ffi::{c_char, c_int, c_void};
+
+#[repr(C)]
+pub struct RnStore {
+    _private: [u8; 0],
+}
+#[repr(C)]
+pub struct RnPg {
+    _private: [u8; 0],
+}
+#[repr(C)]
+pub struct RnDdp {
+    _private: [u8; 0],
+}
+
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RnDdpStats {
+    pub forward_compute_ns: i64,
+    pub backward_compute_ns: i64,
+    pub backward_comm_ns: i64,
+    pub backward_compute_comm_overlap_ns: i64,
+    pub iteration: i64,
+}
+
+pub const RN_SUM: c_int = 0;
+pub const RN_AVG: c_int = 1;
+pub const RN_MIN: c_int = 2;
+pub const RN_MAX: c_int = 3;
+
+extern "C" {
+    pub fn rn_free_string(s: *mut c_char);
+    pub fn rn_free_bytes(b: *mut u8);
+
+    pub fn rn_store_new(
+        host: *const c_char,
+        port: u16,
+        is_server: c_int,
+        listen_fd: c_int,
+        num_workers: c_int,
+        timeout_ms: i64,
+        out: *mut *mut RnStore,
+    ) -> *mut c_char;
+    pub fn rn_store_free(s: *mut RnStore);
+    pub fn rn_store_set(
+        s: *mut RnStore,
+        key: *const c_char,
+        value: *const u8,
+        len: usize,
+    ) -> *mut c_char;
+    pub fn rn_store_get(
+        s: *mut RnStore,
+        key: *const c_char,
+        value: *mut *mut u8,
+        len: *mut usize,
+    ) -> *mut c_char;
+    pub fn rn_store_add(
+        s: *mut RnStore,
+        key: *const c_char,
+        delta: i64,
+        out: *mut i64,
+    ) -> *mut c_char;
+    pub fn rn_store_check(s: *mut RnStore, key: *const c_char, present: *mut c_int) -> *mut c_char;
+    pub fn rn_store_port(s: *mut RnStore, out: *mut u16) -> *mut c_char;
+
+    pub fn rn_pg_new_gloo(
+        s: *mut RnStore,
+        rank: c_int,
+        size: c_int,
+        device_host: *const c_char,
+        timeout_ms: i64,
+        out: *mut *mut RnPg,
+    ) -> *mut c_char;
+    pub fn rn_pg_new_nccl(
+        s: *mut RnStore,
+        rank: c_int,
+        size: c_int,
+        timeout_ms: i64,
+        out: *mut *mut RnPg,
+    ) -> *mut c_char;
+    pub fn rn_pg_free(pg: *mut RnPg);
+    pub fn rn_pg_all_reduce(pg: *mut RnPg, tensor: *mut c_void, op: c_int) -> *mut c_char;
+    pub fn rn_pg_broadcast(pg: *mut RnPg, tensor: *mut c_void, root: c_int) -> *mut c_char;
+    pub fn rn_pg_all_gather(
+        pg: *mut RnPg,
+        outputs: *const *mut c_void,
+        n_outputs: usize,
+        input: *mut c_void,
+    ) -> *mut c_char;
+    pub fn rn_pg_send(pg: *mut RnPg, tensor: *mut c_void, dst: c_int, tag: c_int) -> *mut c_char;
+    pub fn rn_pg_recv(pg: *mut RnPg, tensor: *mut c_void, src: c_int, tag: c_int) -> *mut c_char;
+    pub fn rn_pg_barrier(pg: *mut RnPg) -> *mut c_char;
+
+    pub fn rn_ddp_new(
+        pg: *mut RnPg,
+        params: *const *mut c_void,
+        n_params: usize,
+        bucket_cap_bytes: i64,
+        stats_every: i64,
+        out: *mut *mut RnDdp,
+    ) -> *mut c_char;
+    pub fn rn_ddp_free(d: *mut RnDdp);
+    pub fn rn_ddp_prepare_forward(d: *mut RnDdp) -> *mut c_char;
+    pub fn rn_ddp_prepare_backward(
+        d: *mut RnDdp,
+        outputs: *const *mut c_void,
+        n_outputs: usize,
+    ) -> *mut c_char;
+    pub fn rn_ddp_record_stats(d: *mut RnDdp, out: *mut RnDdpStats) -> *mut c_char;
+    pub fn rn_ddp_bucket_count(d: *mut RnDdp, out: *mut usize) -> *mut c_char;
+}

@@ -1,0 +1,253 @@
+//! `ProcessGroup`: c10d's collectives (Gloo on CPU, NCCL with the `cuda` feature) on tch tensors.
+use std::ffi::{c_void, CString};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tch::Tensor;
+
+use super::error::{Error, PeerExit, Result};
+use super::{check, ffi, Store};
+
+/// Which c10d backend carries the collectives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Gloo,
+    Nccl,
+}
+
+/// How `all_reduce` combines the ranks' tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Avg,
+    Min,
+    Max,
+}
+
+/// Store key under which a rank that left the group says how (see [`ProcessGroup::explain`]).
+pub fn exit_key(rank: usize) -> String {
+    format!("runner/exit/{rank}")
+}
+
+/// The ranks `0..size` of one job, joined through a [`Store`].
+pub struct ProcessGroup {
+    raw: NonNull<ffi::RnPg>,
+    store: Arc<Store>,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+}
+
+// SAFETY: c10d backends enqueue work behind their own locks and may be called from any thread.
+unsafe impl Send for ProcessGroup {}
+// SAFETY: as above.
+unsafe impl Sync for ProcessGroup {}
+
+impl ProcessGroup {
+    /// Joins the group as `rank` of `size`. Every collective fails after `timeout` rather than
+    /// hang. `device_host` is the address the gloo transport binds (127.0.0.1 on one node).
+    pub fn new(
+        backend: Backend,
+        store: Arc<Store>,
+        rank: usize,
+        size: usize,
+        device_host: &str,
+        timeout: Duration,
+    ) -> Result<ProcessGroup> {
+        if rank >= size {
+            return Err(Error::new(
+                "process_group.new",
+                format!("rank {rank} is not below world size {size}"),
+            ));
+        }
+        let host = CString::new(device_host)
+            .map_err(|_| Error::new("process_group.new", "device host contains a NUL byte"))?;
+        let timeout_ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
+        let mut raw = std::ptr::null_mut();
+        let err = match backend {
+            // SAFETY: the store is live for the call; `raw` is written only on success.
+            Backend::Gloo => unsafe {
+                ffi::rn_pg_new_gloo(
+                    store.raw(),
+                    rank as i32,
+                    size as i32,
+                    host.as_ptr(),
+                    timeout_ms,
+                    &mut raw,
+                )
+            },
+            // SAFETY: as above.
+            Backend::Nccl => unsafe {
+                ffi::rn_pg_new_nccl(store.raw(), rank as i32, size as i32, timeout_ms, &mut raw)
+            },
+        };
+        let op = format!("process_group.new({backend:?}, rank {rank} of {size})");
+        check(&op, err)?;
+        let raw = NonNull::new(raw).expect("rn_pg_new succeeded");
+        Ok(ProcessGroup {
+            raw,
+            store,
+            rank,
+            size,
+            timeout,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    pub(crate) fn raw(&self) -> *mut ffi::RnPg {
+        self.raw.as_ptr()
+    }
+
+    /// Reduces `t` across ranks, in place, on every rank.
+    pub fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
+        let code = match op {
+            ReduceOp::Sum => ffi::RN_SUM,
+            ReduceOp::Avg => ffi::RN_AVG,
+            ReduceOp::Min => ffi::RN_MIN,
+            ReduceOp::Max => ffi::RN_MAX,
+        };
+        let name = format!("all_reduce({op:?})");
+        self.contiguous(&name, t)?;
+        // SAFETY: `t` is a live, contiguous tensor for the duration of the blocking call.
+        let err = unsafe { ffi::rn_pg_all_reduce(self.raw(), t.as_mut_ptr() as *mut c_void, code) };
+        self.result(&name, err)
+    }
+
+    /// Copies `root`'s `t` into every other rank's `t`.
+    pub fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()> {
+        let name = format!("broadcast(root {root})");
+        self.peer(&name, root)?;
+        self.contiguous(&name, t)?;
+        // SAFETY: as in all_reduce.
+        let err =
+            unsafe { ffi::rn_pg_broadcast(self.raw(), t.as_mut_ptr() as *mut c_void, root as i32) };
+        self.result(&name, err)
+    }
+
+    /// Every rank's `t`, in rank order.
+    pub fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        self.contiguous("all_gather", t)?;
+        let outputs: Vec<Tensor> = (0..self.size).map(|_| t.empty_like()).collect();
+        let ptrs: Vec<*mut c_void> = outputs.iter().map(|o| o.as_ptr() as *mut c_void).collect();
+        // SAFETY: `ptrs` holds `size` live tensors shaped like `t`; all outlive the blocking call.
+        let err = unsafe {
+            ffi::rn_pg_all_gather(
+                self.raw(),
+                ptrs.as_ptr(),
+                ptrs.len(),
+                t.as_ptr() as *mut c_void,
+            )
+        };
+        self.result("all_gather", err)?;
+        Ok(outputs)
+    }
+
+    /// Sends `t` to rank `dst`, which must `recv` with the same `tag`.
+    pub fn send(&self, t: &Tensor, dst: usize, tag: i32) -> Result<()> {
+        let name = format!("send(to rank {dst}, tag {tag})");
+        self.peer(&name, dst)?;
+        self.contiguous(&name, t)?;
+        // SAFETY: `t` is live and contiguous for the blocking call.
+        let err =
+            unsafe { ffi::rn_pg_send(self.raw(), t.as_ptr() as *mut c_void, dst as i32, tag) };
+        self.result(&name, err)
+    }
+
+    /// Receives into `t` (already shaped) what rank `src` sends with `tag`.
+    pub fn recv(&self, t: &mut Tensor, src: usize, tag: i32) -> Result<()> {
+        let name = format!("recv(from rank {src}, tag {tag})");
+        self.peer(&name, src)?;
+        self.contiguous(&name, t)?;
+        // SAFETY: `t` is live and contiguous for the blocking call.
+        let err =
+            unsafe { ffi::rn_pg_recv(self.raw(), t.as_mut_ptr() as *mut c_void, src as i32, tag) };
+        self.result(&name, err)
+    }
+
+    pub fn barrier(&self) -> Result<()> {
+        // SAFETY: the group is live.
+        let err = unsafe { ffi::rn_pg_barrier(self.raw()) };
+        self.result("barrier", err)
+    }
+
+    /// Records in the store that this rank is leaving and why, so that peers still waiting on
+    /// it can name it in their error. Dropping the group records "left the group".
+    pub fn leave(&self, how: &str) {
+        let _ = self.store.set(&exit_key(self.rank), how.as_bytes());
+    }
+
+    fn contiguous(&self, op: &str, t: &Tensor) -> Result<()> {
+        if t.is_contiguous() {
+            Ok(())
+        } else {
+            Err(Error::new(
+                op,
+                "the tensor is not contiguous (call .contiguous() first)",
+            ))
+        }
+    }
+
+    fn peer(&self, op: &str, rank: usize) -> Result<()> {
+        if rank < self.size {
+            Ok(())
+        } else {
+            Err(Error::new(
+                op,
+                format!("rank {rank} is not below world size {}", self.size),
+            ))
+        }
+    }
+
+    fn result(&self, op: &str, err: *mut std::ffi::c_char) -> Result<()> {
+        check(op, err).map_err(|e| self.explain(e))
+    }
+
+    /// Names the peer behind a failed collective: the lowest rank that has recorded its exit in
+    /// the store (itself, or its launcher when it was killed). Waits briefly for that record,
+    /// since the peer's socket closes before its launcher notices it died.
+    pub fn explain(&self, mut e: Error) -> Error {
+        let deadline = Instant::now() + Duration::from_secs(2).min(self.timeout);
+        loop {
+            for rank in (0..self.size).filter(|&r| r != self.rank) {
+                if self.store.contains(&exit_key(rank)).unwrap_or(false) {
+                    let how = self.store.get(&exit_key(rank)).unwrap_or_default();
+                    e.peer = Some(PeerExit {
+                        rank,
+                        how: String::from_utf8_lossy(&how).into_owned(),
+                    });
+                    return e;
+                }
+            }
+            if Instant::now() >= deadline {
+                return e;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        if !self.store.contains(&exit_key(self.rank)).unwrap_or(true) {
+            self.leave("left the group");
+        }
+        // SAFETY: the handle is live and dropped exactly once.
+        unsafe { ffi::rn_pg_free(self.raw.as_ptr()) }
+    }
+}

@@ -1,0 +1,85 @@
+//! The torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...): set by `runner run` for the
+//! ranks it spawns, or by torchrun, Slurm or another launcher.
+use anyhow::{bail, Context};
+
+/// Set on ranks spawned by `runner run`: the launcher's pid (so a rank dies with it).
+pub const LAUNCHER_PID: &str = "RUNNER_LAUNCHER_PID";
+/// torchrun's flag for "the launcher hosts the store; every rank is a client".
+pub const AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankEnv {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// The store is hosted by the launcher, not by rank 0.
+    pub agent_store: bool,
+    pub launcher_pid: Option<u32>,
+}
+
+impl RankEnv {
+    /// `None` when RANK is not set (then `runner run` launches the ranks itself).
+    pub fn from_env() -> anyhow::Result<Option<RankEnv>> {
+        let Ok(rank) = std::env::var("RANK") else {
+            return Ok(None);
+        };
+        let var = |k: &str| {
+            std::env::var(k).with_context(|| {
+                format!("RANK is set, so {k} must be set too (torchrun sets both)")
+            })
+        };
+        let num = |k: &str, v: String| {
+            v.parse::<usize>()
+                .with_context(|| format!("{k}={v:?} is not a number"))
+        };
+        let rank = num("RANK", rank)?;
+        let world_size = num("WORLD_SIZE", var("WORLD_SIZE")?)?;
+        if rank >= world_size {
+            bail!("RANK={rank} is not below WORLD_SIZE={world_size}");
+        }
+        let local_rank = std::env::var("LOCAL_RANK")
+            .ok()
+            .map(|v| num("LOCAL_RANK", v))
+            .transpose()?
+            .unwrap_or(rank);
+        let local_world_size = std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .map(|v| num("LOCAL_WORLD_SIZE", v))
+            .transpose()?
+            .unwrap_or(world_size);
+        let master_addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+        let port = var("MASTER_PORT")?;
+        let master_port = port
+            .parse()
+            .with_context(|| format!("MASTER_PORT={port:?} is not a port number"))?;
+        let agent_store = std::env::var(AGENT_STORE).is_ok_and(|v| v.eq_ignore_ascii_case("true"));
+        let launcher_pid = std::env::var(LAUNCHER_PID)
+            .ok()
+            .and_then(|v| v.parse().ok());
+        Ok(Some(RankEnv {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            agent_store,
+            launcher_pid,
+        }))
+    }
+
+    /// Whether every rank runs on this host (so the transport can stay on loopback).
+    pub fn single_node(&self) -> bool {
+        self.local_world_size == self.world_size && is_loopback(&self.master_addr)
+    }
+}
+
+pub fn is_loopback(addr: &str) -> bool {
+    addr == "localhost"
+        || addr
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}

@@ -1,0 +1,89 @@
+//! One rank: join the store and the process group, run the stages, report how it ended.
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use super::env::{is_loopback, RankEnv};
+use crate::config::schema::Backend as BackendKind;
+use crate::config::Plan;
+use crate::dist::{Backend, ProcessGroup, Store};
+use crate::trace::EpochRow;
+
+pub fn run(plan: &Plan, env: &RankEnv, run_dir: &Path) -> anyhow::Result<Vec<EpochRow>> {
+    if let Some(pid) = env.launcher_pid {
+        die_with_launcher(pid);
+    }
+    if env.world_size != plan.world_size() {
+        anyhow::bail!(
+            "the launcher started {} ranks but run.world_size is {}; pass --set run.world_size={}",
+            env.world_size,
+            plan.world_size(),
+            env.world_size
+        );
+    }
+    let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
+    let store = Arc::new(open_store(env, timeout)?);
+    let host = if env.single_node() {
+        "127.0.0.1".to_string()
+    } else {
+        gloo_host()
+    };
+    let backend = match plan.config.run.backend {
+        BackendKind::Gloo => Backend::Gloo,
+        BackendKind::Nccl => Backend::Nccl,
+    };
+    let pg = ProcessGroup::new(backend, store, env.rank, env.world_size, &host, timeout)?;
+    match crate::stages::run(plan, &pg, run_dir) {
+        Ok(rows) => {
+            pg.barrier()?;
+            Ok(rows)
+        }
+        Err(e) => {
+            // Peers blocked on this rank learn why, rather than only that a socket closed.
+            pg.leave(&format!("failed: {}", first_line(&format!("{e:#}"))));
+            Err(e)
+        }
+    }
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or(s)
+}
+
+/// The store: a client of the launcher's (torchrun, runner) or, without one, served by rank 0.
+fn open_store(env: &RankEnv, timeout: Duration) -> anyhow::Result<Store> {
+    if env.rank == 0 && !env.agent_store {
+        if is_loopback(&env.master_addr) {
+            let listener =
+                TcpListener::bind(("127.0.0.1", env.master_port)).with_context(|| {
+                    format!(
+                        "cannot listen on 127.0.0.1:{} (MASTER_PORT)",
+                        env.master_port
+                    )
+                })?;
+            return Ok(Store::serve(listener, env.world_size, timeout)?);
+        }
+        return Ok(Store::listen(env.master_port, env.world_size, timeout)?);
+    }
+    Ok(Store::connect(&env.master_addr, env.master_port, timeout)?)
+}
+
+/// The address peers reach this host's gloo transport at, for multi-node runs.
+fn gloo_host() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "127.0.0.1".into())
+}
+
+/// Makes the kernel kill this rank when the launcher dies, whatever killed the launcher.
+fn die_with_launcher(pid: u32) {
+    let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
+    // The launcher may have died before the line above took effect.
+    if nix::unistd::getppid().as_raw() as u32 != pid {
+        std::process::exit(1);
+    }
+}

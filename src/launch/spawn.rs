@@ -1,0 +1,156 @@
+//! `runner run` as a launcher: hosts the store on a loopback socket it bound itself, spawns one
+//! process per rank with the torchrun variables, forwards their stderr, and supervises them.
+//! When a rank fails, the others get `run.abort_after_s` to stop on their own (they fail their
+//! next collective, naming it), then are killed. No rank outlives the launcher.
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::env::{AGENT_STORE, LAUNCHER_PID};
+use crate::config::Plan;
+use crate::dist::{exit_key, Store};
+
+const STDERR_TAIL: usize = 12;
+
+/// How the ranks ended.
+#[derive(Debug)]
+pub struct Outcome {
+    /// The first rank to fail, how, and its last stderr lines.
+    pub failure: Option<Failure>,
+}
+
+#[derive(Debug)]
+pub struct Failure {
+    pub rank: usize,
+    pub how: String,
+    pub stderr_tail: Vec<String>,
+    /// Ranks killed because they had not stopped within abort_after_s.
+    pub killed: Vec<usize>,
+}
+
+impl Failure {
+    pub fn summary(&self) -> String {
+        let mut s = format!("rank {} {}", self.rank, self.how);
+        if !self.killed.is_empty() {
+            s += &format!("; ranks {:?} were stopped", self.killed);
+        }
+        s
+    }
+}
+
+struct Rank {
+    child: Child,
+    status: Option<ExitStatus>,
+    tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+pub fn launch(plan: &Plan, child_args: &[OsString]) -> anyhow::Result<Outcome> {
+    let world = plan.world_size();
+    let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let port = listener.local_addr()?.port();
+    let store = Store::serve(listener, world, timeout)?;
+    let exe = std::env::current_exe()?;
+
+    let mut ranks = Vec::with_capacity(world);
+    let mut readers = Vec::with_capacity(world);
+    for r in 0..world {
+        let mut child = Command::new(&exe)
+            .args(child_args)
+            .env("RANK", r.to_string())
+            .env("LOCAL_RANK", r.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env(AGENT_STORE, "True")
+            .env(LAUNCHER_PID, std::process::id().to_string())
+            .env("OMP_NUM_THREADS", plan.threads_per_rank.to_string())
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
+        let stderr = child.stderr.take().expect("piped");
+        let sink = Arc::clone(&tail);
+        readers.push(std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[rank {r}] {line}");
+                let mut t = sink.lock().unwrap();
+                if t.len() == STDERR_TAIL {
+                    t.pop_front();
+                }
+                t.push_back(line);
+            }
+        }));
+        ranks.push(Rank {
+            child,
+            status: None,
+            tail,
+        });
+    }
+
+    let abort_after = Duration::from_secs_f64(plan.config.run.abort_after_s);
+    let mut first_failure: Option<(usize, String, Instant)> = None;
+    let mut killed = Vec::new();
+    loop {
+        for (r, rank) in ranks.iter_mut().enumerate() {
+            if rank.status.is_some() {
+                continue;
+            }
+            if let Some(status) = rank.child.try_wait()? {
+                rank.status = Some(status);
+                if !status.success() && first_failure.is_none() {
+                    let how = describe(status);
+                    // Peers blocked on this rank name it in their errors.
+                    let _ = store.set(&exit_key(r), how.as_bytes());
+                    first_failure = Some((r, how, Instant::now()));
+                }
+            }
+        }
+        if ranks.iter().all(|r| r.status.is_some()) {
+            break;
+        }
+        if let Some((_, _, at)) = &first_failure {
+            if at.elapsed() >= abort_after {
+                for (r, rank) in ranks
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(_, r)| r.status.is_none())
+                {
+                    let _ = rank.child.kill();
+                    rank.status = Some(rank.child.wait()?);
+                    killed.push(r);
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for reader in readers {
+        let _ = reader.join();
+    }
+    let failure = first_failure.map(|(rank, how, _)| Failure {
+        rank,
+        how,
+        stderr_tail: ranks[rank].tail.lock().unwrap().iter().cloned().collect(),
+        killed,
+    });
+    Ok(Outcome { failure })
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with code {code}"),
+        (None, Some(sig)) => {
+            let name = nix::sys::signal::Signal::try_from(sig)
+                .map(|s| s.as_str().to_owned())
+                .unwrap_or_else(|_| format!("signal {sig}"));
+            format!("was killed by {name}")
+        }
+        _ => "ended".into(),
+    }
+}

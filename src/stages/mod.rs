@@ -1,0 +1,80 @@
+//! The five stages a rank runs: load → shard → normalize → wrap → train/validate. Each stage
+//! receives what the previous one produced and the part of the plan it owns.
+pub mod load;
+pub mod normalize;
+pub mod shard;
+pub mod train;
+pub mod wrap;
+
+use std::path::Path;
+
+use crate::config::Plan;
+use crate::dist::ProcessGroup;
+use crate::trace::progress::Progress;
+use crate::trace::{self, EpochRow, StepRow};
+
+/// Runs the pipeline as `pg.rank()`. Rank 0 writes the traces after every epoch (atomically, so
+/// they always hold every finished epoch) and returns every rank's rows.
+pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path) -> anyhow::Result<Vec<EpochRow>> {
+    let c = &plan.config;
+    let rank = pg.rank();
+    tch::set_num_threads(plan.threads_per_rank as i32);
+
+    let data = load::load(&plan.data, c.run.seed).map_err(anyhow::Error::msg)?;
+    let first = shard::RankShard::take(
+        &plan.layout,
+        &shard::permutation(c.run.seed, 1, plan.layout.rows, c.shard.shuffle),
+        rank,
+    );
+    let normalizer = normalize::Normalizer::fit(
+        c.normalize.method,
+        c.normalize.scope,
+        &data.train_x.index_select(0, &first.index_tensor()),
+        &first.weight_tensor(),
+        pg,
+    )?;
+    let wrapped = wrap::wrap(plan, pg)?;
+    let progress = Progress::new(rank == 0, c.train.epochs, plan.steps_per_epoch());
+    let mut trainer = train::Trainer {
+        plan,
+        pg,
+        data: &data,
+        normalizer: &normalizer,
+        wrapped,
+        progress,
+        iteration: 0,
+    };
+
+    let (mut rows, mut steps): (Vec<EpochRow>, Vec<StepRow>) = (Vec::new(), Vec::new());
+    for epoch in 1..=c.train.epochs {
+        let out = trainer.epoch(epoch)?;
+        if rank == 0 {
+            let r0 = &out.rows[0];
+            let val = r0
+                .val_loss
+                .zip(r0.val_acc)
+                .map(|(l, a)| format!("  val loss {l:.4}  val acc {a:.4}"))
+                .unwrap_or_default();
+            trainer.progress.end_epoch(
+                &format!(
+                    "epoch {epoch}/{}  loss {:.4}  acc {:.4}{val}  {:.2}s  {:.0} samples/s per rank",
+                    c.train.epochs, r0.global_train_loss, r0.global_train_acc, r0.epoch_s, r0.samples_per_s
+                ),
+                true,
+            );
+            rows.extend(out.rows);
+            steps.extend(out.steps);
+            let ws = plan.world_size() as u32;
+            trace::write_parquet(
+                &run_dir.join("trace.parquet"),
+                &mut trace::epochs_frame(&plan.run_id, ws, &rows)?,
+            )?;
+            trace::write_parquet(
+                &run_dir.join("steps.parquet"),
+                &mut trace::steps_frame(&plan.run_id, &steps)?,
+            )?;
+        }
+    }
+    trainer.progress.finish();
+    Ok(rows)
+}

@@ -1,0 +1,232 @@
+//! Stage 5, train and validate: the epoch loop. Each step slices the rank's epoch tensor (one
+//! gather per epoch, no per-step copies), runs forward / loss / backward through DDP and updates.
+//! Metrics accumulate on tensors and are read once per epoch, then all-gathered so that rank 0
+//! holds every rank's row and the global (all-rank) metrics.
+use std::time::Instant;
+
+use tch::nn::ModuleT;
+use tch::{Kind, Reduction, Tensor};
+
+use super::load::Dataset;
+use super::normalize::Normalizer;
+use super::shard::{permutation, RankShard};
+use super::wrap::Wrapped;
+use crate::config::schema::ValidateOn;
+use crate::config::Plan;
+use crate::dist::ProcessGroup;
+use crate::trace::progress::Progress;
+use crate::trace::{EpochRow, StepRow};
+
+/// What one epoch produced; rank 0 receives every rank's rows.
+pub struct EpochOutput {
+    pub rows: Vec<EpochRow>,
+    pub steps: Vec<StepRow>,
+}
+
+/// Values each rank contributes per epoch, all-gathered as one float64 tensor.
+const EPOCH_FIELDS: usize = 8;
+const STEP_FIELDS: usize = 8;
+
+pub struct Trainer<'a, 'pg> {
+    pub plan: &'a Plan,
+    pub pg: &'pg ProcessGroup,
+    pub data: &'a Dataset,
+    pub normalizer: &'a Normalizer,
+    pub wrapped: Wrapped<'pg>,
+    pub progress: Progress,
+    /// Steps taken so far (the Reducer's iteration counter follows it).
+    pub iteration: i64,
+}
+
+impl Trainer<'_, '_> {
+    pub fn epoch(&mut self, epoch: usize) -> anyhow::Result<EpochOutput> {
+        let c = &self.plan.config;
+        let rank = self.pg.rank();
+        let start = Instant::now();
+        let perm = permutation(c.run.seed, epoch, self.plan.layout.rows, c.shard.shuffle);
+        let shard = RankShard::take(&self.plan.layout, &perm, rank);
+        let idx = shard.index_tensor();
+        let x = self
+            .normalizer
+            .apply(&self.data.train_x.index_select(0, &idx));
+        let y = self.data.train_y.index_select(0, &idx);
+        let w = shard.weight_tensor();
+
+        let b = c.train.batch_size as i64;
+        let n = self.plan.layout.per_rank as i64;
+        let steps = self.plan.steps_per_epoch();
+        let step_every = c.trace.step_every;
+        let mut loss_sum = Tensor::zeros([], (Kind::Double, tch::Device::Cpu));
+        let mut correct = Tensor::zeros([], (Kind::Double, tch::Device::Cpu));
+        let mut comm_s = 0.0;
+        let mut step_rows = Vec::new();
+        self.progress.start_epoch(epoch);
+        let report_every = (steps / 40).max(1);
+        for step in 0..steps {
+            let t0 = Instant::now();
+            let len = b.min(n - step as i64 * b);
+            let (xb, yb, wb) = (
+                x.narrow(0, step as i64 * b, len),
+                y.narrow(0, step as i64 * b, len),
+                w.narrow(0, step as i64 * b, len),
+            );
+            let t1 = Instant::now();
+            if let Some(ddp) = self.wrapped.ddp.as_mut() {
+                ddp.prepare_forward()?;
+            }
+            let logits = self.wrapped.model.forward_t(&xb, true);
+            let t2 = Instant::now();
+            let per_sample =
+                logits.cross_entropy_loss::<Tensor>(&yb, None, Reduction::None, -100, 0.0);
+            let loss = per_sample.mean(Kind::Float);
+            let t3 = Instant::now();
+            if let Some(ddp) = self.wrapped.ddp.as_mut() {
+                ddp.prepare_backward()?;
+            }
+            self.wrapped.optimizer.zero_grad();
+            loss.f_backward().map_err(|e| {
+                self.pg.explain(crate::dist::Error {
+                    op: "backward (gradient all-reduce)".into(),
+                    peer: None,
+                    message: e.to_string(),
+                })
+            })?;
+            let t4 = Instant::now();
+            self.wrapped.optimizer.step();
+            let t5 = Instant::now();
+            self.iteration += 1;
+            tch::no_grad(|| {
+                loss_sum += (per_sample.detach() * &wb).sum(Kind::Double);
+                correct += (logits.argmax(-1, false).eq_tensor(&yb).to_kind(Kind::Float) * &wb)
+                    .sum(Kind::Double);
+            });
+            let times = match self.wrapped.ddp.as_mut() {
+                Some(ddp) => ddp.reducer_times(self.iteration)?,
+                None => None,
+            };
+            comm_s += times.map_or(0.0, |t| t.backward_comm.as_secs_f64());
+            if step_every > 0 && step % step_every == 0 {
+                step_rows.push([
+                    step as f64,
+                    (t1 - t0).as_secs_f64(),
+                    (t2 - t1).as_secs_f64(),
+                    (t3 - t2).as_secs_f64(),
+                    (t4 - t3).as_secs_f64(),
+                    times.map_or(0.0, |t| t.backward_comm.as_secs_f64()),
+                    times.map_or(0.0, |t| t.overlap.as_secs_f64()),
+                    (t5 - t4).as_secs_f64(),
+                ]);
+            }
+            if rank == 0 && (step % report_every == 0 || step + 1 == steps) {
+                let done = ((step + 1) as i64 * b).min(n) as f64;
+                self.progress.step(
+                    step + 1,
+                    Some(loss.double_value(&[])),
+                    done / start.elapsed().as_secs_f64(),
+                );
+            }
+        }
+        let epoch_s = start.elapsed().as_secs_f64();
+        let samples = w.sum(Kind::Double).double_value(&[]);
+
+        let validate =
+            c.validate.every > 0 && (epoch % c.validate.every == 0 || epoch == c.train.epochs);
+        let (val_loss, val_acc) = if validate && (rank == 0 || c.validate.on == ValidateOn::All) {
+            self.validate()
+        } else {
+            (f64::NAN, f64::NAN)
+        };
+
+        let mine = Tensor::from_slice(&[
+            loss_sum.double_value(&[]),
+            correct.double_value(&[]),
+            samples,
+            steps as f64,
+            epoch_s,
+            comm_s,
+            val_loss,
+            val_acc,
+        ]);
+        debug_assert_eq!(mine.size()[0] as usize, EPOCH_FIELDS);
+        let all = self.pg.all_gather(&mine)?;
+        let v: Vec<Vec<f64>> = all
+            .iter()
+            .map(|t| Vec::<f64>::try_from(t).expect("float64 values"))
+            .collect();
+        let (g_loss, g_correct, g_samples) = v
+            .iter()
+            .fold((0.0, 0.0, 0.0), |a, r| (a.0 + r[0], a.1 + r[1], a.2 + r[2]));
+        let opt = |x: f64| (!x.is_nan()).then_some(x);
+        let rows = v
+            .iter()
+            .enumerate()
+            .map(|(r, f)| EpochRow {
+                epoch: epoch as u32,
+                rank: r as u32,
+                train_loss: f[0] / f[2],
+                train_acc: f[1] / f[2],
+                global_train_loss: g_loss / g_samples,
+                global_train_acc: g_correct / g_samples,
+                val_loss: opt(f[6]),
+                val_acc: opt(f[7]),
+                samples: f[2] as u64,
+                steps: f[3] as u64,
+                epoch_s: f[4],
+                samples_per_s: f[2] / f[4],
+                comm_s: f[5],
+            })
+            .collect();
+
+        let flat: Vec<f64> = step_rows.iter().flatten().copied().collect();
+        let steps_all = if flat.is_empty() {
+            vec![]
+        } else {
+            self.pg.all_gather(&Tensor::from_slice(&flat))?
+        };
+        let steps = steps_all
+            .iter()
+            .enumerate()
+            .flat_map(|(r, t)| {
+                let v = Vec::<f64>::try_from(t).expect("float64 values");
+                v.chunks(STEP_FIELDS)
+                    .map(|s| StepRow {
+                        epoch: epoch as u32,
+                        step: s[0] as u32,
+                        rank: r as u32,
+                        batch_s: s[1],
+                        forward_s: s[2],
+                        loss_s: s[3],
+                        backward_s: s[4],
+                        sync_s: s[5],
+                        overlap_s: s[6],
+                        update_s: s[7],
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        Ok(EpochOutput { rows, steps })
+    }
+
+    /// Mean loss and accuracy on the validation rows, normalised with this rank's statistics.
+    fn validate(&self) -> (f64, f64) {
+        if self.data.val_x.size()[0] == 0 {
+            return (f64::NAN, f64::NAN);
+        }
+        tch::no_grad(|| {
+            let logits = self
+                .wrapped
+                .model
+                .forward_t(&self.normalizer.apply(&self.data.val_x), false);
+            let loss = logits
+                .cross_entropy_for_logits(&self.data.val_y)
+                .double_value(&[]);
+            let acc = logits
+                .argmax(-1, false)
+                .eq_tensor(&self.data.val_y)
+                .to_kind(Kind::Double)
+                .mean(Kind::Double)
+                .double_value(&[]);
+            (loss, acc)
+        })
+    }
+}

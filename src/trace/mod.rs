@@ -1,0 +1,174 @@
+//! Traces: one row per rank per epoch (`trace.parquet`) and the phases of sampled training steps
+//! (`steps.parquet`), written atomically with polars; plus the terminal views of them.
+pub mod progress;
+pub mod view;
+
+use std::io::Write;
+use std::path::Path;
+
+use polars::prelude::*;
+
+/// One rank's epoch. `global_*` are all-reduced over every rank (the same on each row).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EpochRow {
+    pub epoch: u32,
+    pub rank: u32,
+    pub train_loss: f64,
+    pub train_acc: f64,
+    pub global_train_loss: f64,
+    pub global_train_acc: f64,
+    pub val_loss: Option<f64>,
+    pub val_acc: Option<f64>,
+    /// Real (not padding) samples trained on.
+    pub samples: u64,
+    pub steps: u64,
+    pub epoch_s: f64,
+    pub samples_per_s: f64,
+    /// Gradient all-reduce time measured by c10d's Reducer, summed over the epoch's steps.
+    pub comm_s: f64,
+}
+
+/// The phases of one sampled training step on one rank, in seconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepRow {
+    pub epoch: u32,
+    pub step: u32,
+    pub rank: u32,
+    pub batch_s: f64,
+    pub forward_s: f64,
+    pub loss_s: f64,
+    pub backward_s: f64,
+    /// Reducer: first bucket all-reduce start → last one's end.
+    pub sync_s: f64,
+    /// Reducer: the part of sync that overlapped backward computation.
+    pub overlap_s: f64,
+    pub update_s: f64,
+}
+
+/// The column names and types of `trace.parquet`; tests pin them.
+pub const EPOCH_COLUMNS: &[&str] = &[
+    "run_id",
+    "epoch",
+    "rank",
+    "world_size",
+    "train_loss",
+    "train_acc",
+    "global_train_loss",
+    "global_train_acc",
+    "val_loss",
+    "val_acc",
+    "samples",
+    "steps",
+    "epoch_s",
+    "samples_per_s",
+    "comm_s",
+];
+
+pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsResult<DataFrame> {
+    let n = rows.len();
+    let f =
+        |g: fn(&EpochRow) -> f64| Column::new("".into(), rows.iter().map(g).collect::<Vec<_>>());
+    let cols = vec![
+        Column::new("run_id".into(), vec![run_id; n]),
+        Column::new(
+            "epoch".into(),
+            rows.iter().map(|r| r.epoch).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "rank".into(),
+            rows.iter().map(|r| r.rank).collect::<Vec<_>>(),
+        ),
+        Column::new("world_size".into(), vec![world_size; n]),
+        f(|r| r.train_loss).with_name("train_loss".into()),
+        f(|r| r.train_acc).with_name("train_acc".into()),
+        f(|r| r.global_train_loss).with_name("global_train_loss".into()),
+        f(|r| r.global_train_acc).with_name("global_train_acc".into()),
+        Column::new(
+            "val_loss".into(),
+            rows.iter().map(|r| r.val_loss).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "val_acc".into(),
+            rows.iter().map(|r| r.val_acc).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "samples".into(),
+            rows.iter().map(|r| r.samples).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "steps".into(),
+            rows.iter().map(|r| r.steps).collect::<Vec<_>>(),
+        ),
+        f(|r| r.epoch_s).with_name("epoch_s".into()),
+        f(|r| r.samples_per_s).with_name("samples_per_s".into()),
+        f(|r| r.comm_s).with_name("comm_s".into()),
+    ];
+    DataFrame::new(n, cols)
+}
+
+pub fn steps_frame(run_id: &str, rows: &[StepRow]) -> PolarsResult<DataFrame> {
+    let n = rows.len();
+    let f = |name: &str, g: fn(&StepRow) -> f64| {
+        Column::new(name.into(), rows.iter().map(g).collect::<Vec<_>>())
+    };
+    let cols = vec![
+        Column::new("run_id".into(), vec![run_id; n]),
+        Column::new(
+            "epoch".into(),
+            rows.iter().map(|r| r.epoch).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "step".into(),
+            rows.iter().map(|r| r.step).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "rank".into(),
+            rows.iter().map(|r| r.rank).collect::<Vec<_>>(),
+        ),
+        f("batch_s", |r| r.batch_s),
+        f("forward_s", |r| r.forward_s),
+        f("loss_s", |r| r.loss_s),
+        f("backward_s", |r| r.backward_s),
+        f("sync_s", |r| r.sync_s),
+        f("overlap_s", |r| r.overlap_s),
+        f("update_s", |r| r.update_s),
+    ];
+    DataFrame::new(n, cols)
+}
+
+/// Writes `df` to `path` atomically (complete or absent, never half-written).
+pub fn write_parquet(path: &Path, df: &mut DataFrame) -> anyhow::Result<()> {
+    let mut buf = Vec::new();
+    ParquetWriter::new(&mut buf).finish(df)?;
+    atomic_write(path, &buf)
+}
+
+/// Writes to a temporary file beside `path`, syncs it, then renames it over `path`.
+pub fn atomic_write(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path.file_name().context("a file path")?.to_string_lossy();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        std::fs::File::open(dir)?.sync_all()
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.with_context(|| format!("cannot write {}", path.display()))
+}
+
+pub fn read_parquet(path: &Path) -> anyhow::Result<DataFrame> {
+    use anyhow::Context;
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let df = ParquetReader::new(file).finish();
+    anyhow::Context::with_context(df, || format!("cannot read {}", path.display()))
+}

@@ -1,0 +1,116 @@
+//! The seed pages' views in the terminal: a table with aligned columns, the epoch trace with a
+//! small text chart of the loss.
+use super::EpochRow;
+
+/// Renders rows under a header as an aligned text table.
+pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        format!("  {}\n", padded.join("  ").trim_end())
+    };
+    let mut out = line(header.to_vec());
+    out += &line(
+        widths
+            .iter()
+            .map(|w| "─".repeat(*w))
+            .collect::<Vec<_>>()
+            .iter()
+            .map(String::as_str)
+            .collect(),
+    );
+    for row in rows {
+        out += &line(row.iter().map(String::as_str).collect());
+    }
+    out
+}
+
+/// The epoch trace of rank 0's rows: global training metrics and validation.
+pub fn epoch_table(rows: &[EpochRow]) -> String {
+    let fmt = |v: Option<f64>| v.map_or("—".to_string(), |v| format!("{v:.4}"));
+    let body: Vec<Vec<String>> = rows
+        .iter()
+        .filter(|r| r.rank == 0)
+        .map(|r| {
+            vec![
+                r.epoch.to_string(),
+                format!("{:.4}", r.global_train_loss),
+                format!("{:.4}", r.global_train_acc),
+                fmt(r.val_loss),
+                fmt(r.val_acc),
+                format!("{:.2}", r.epoch_s),
+                format!("{:.0}", r.samples_per_s),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "epoch",
+            "loss ↓",
+            "accuracy ↑",
+            "val loss",
+            "val accuracy",
+            "epoch s",
+            "samples/s (rank 0)",
+        ],
+        &body,
+    )
+}
+
+/// A text chart of `values` (one column per epoch), `height` rows high, like the seed pages'.
+pub fn chart(label: &str, values: &[f64], height: usize) -> String {
+    if values.is_empty() {
+        return String::new();
+    }
+    let (lo, hi) = values
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
+    let span = (hi - lo).max(1e-12);
+    let level = |v: f64| (((v - lo) / span) * (height - 1) as f64).round() as usize;
+    let mut out = String::new();
+    for row in (0..height).rev() {
+        let y = lo + span * row as f64 / (height - 1).max(1) as f64;
+        let cells: String = values
+            .iter()
+            .map(|v| if level(*v) == row { " * " } else { "   " })
+            .collect();
+        out += &format!("  {y:>7.3} |{}\n", cells.trim_end());
+    }
+    out += &format!("          +{}\n", "---".repeat(values.len()));
+    out += &format!(
+        "          {}  {label}\n",
+        (1..=values.len())
+            .map(|e| format!("{e:>3}"))
+            .collect::<String>()
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chart_puts_the_highest_value_on_top() {
+        let c = chart("epochs", &[1.2, 0.6, 0.3], 3);
+        let lines: Vec<&str> = c.lines().collect();
+        assert!(lines[0].contains("1.200") && lines[0].ends_with('*'), "{c}");
+        assert!(lines[2].contains("0.300"), "{c}");
+        assert_eq!(lines.len(), 5);
+    }
+
+    #[test]
+    fn table_aligns_columns() {
+        let t = table(&["a", "bb"], &[vec!["xxx".into(), "y".into()]]);
+        assert_eq!(t, "  a    bb\n  ───  ──\n  xxx  y\n");
+    }
+}
