@@ -6,28 +6,171 @@ use common::{runner, text, write, TINY};
 
 struct Case {
     name: &'static str,
-    /// Appended to the TINY pipeline (later keys in a table override nothing: TOML forbids
-    /// duplicates, so cases add new keys or new tables).
+    /// Appended to the TINY pipeline (as new tables: TOML forbids redefining TINY's).
     file: &'static str,
     args: &'static [&'static str],
     env: &'static [(&'static str, &'static str)],
     expected: &'static str,
 }
 
-const CASES: &[Case] = &[Case {
-    name: "misspelled key",
-    file: "[validate]\nevry = 2\n",
-    args: &[],
-    env: &[],
-    expected: "EXPECTED",
-}];
+const CASES: &[Case] = &[
+    Case {
+        name: "misspelled key in the file",
+        file: "[validate]\nevry = 2\n",
+        args: &[],
+        env: &[],
+        expected: "error: p.toml:21:1: unknown key `validate.evry`; did you mean `validate.every`? \
+                   (valid keys in [validate]: validate.every, validate.on)\n  21 | evry = 2",
+    },
+    Case {
+        name: "misspelled section",
+        file: "[trian]\nepochs = 2\n",
+        args: &[],
+        env: &[],
+        expected: "error: p.toml:20:2: unknown key `trian`; did you mean `train`? \
+                   (valid keys in the file: run, load, shard, normalize, wrap, train, validate, trace)\n  20 | [trian]",
+    },
+    Case {
+        name: "wrong type in the file",
+        file: "[validate]\nevery = \"often\"\n",
+        args: &[],
+        env: &[],
+        expected: "error: p.toml:21:9: `validate.every`: invalid type: string \"often\", expected usize\n  21 | every = \"often\"",
+    },
+    Case {
+        name: "unknown choice",
+        file: "[validate]\non = \"rank1\"\n",
+        args: &[],
+        env: &[],
+        expected: "error: p.toml:21:6: `validate.on` cannot be \"rank1\"; did you mean \"rank0\"? (one of: \"rank0\", \"all\")\n  21 | on = \"rank1\"",
+    },
+    Case {
+        name: "duplicate key",
+        file: "[validate]\nevery = 1\nevery = 2\n",
+        args: &[],
+        env: &[],
+        expected: "error: p.toml:22:1: duplicate key\n  22 | every = 2",
+    },
+    Case {
+        name: "misspelled --set key",
+        file: "",
+        args: &["--set", "train.lrr=0.1"],
+        env: &[],
+        expected: "error: --set train.lrr=0.1: unknown key `train.lrr`; did you mean `train.lr`? (valid keys in [train]: \
+                   train.epochs, train.batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay)",
+    },
+    Case {
+        name: "--set value of the wrong type",
+        file: "",
+        args: &["--set", "train.epochs=abc"],
+        env: &[],
+        expected: "error: --set train.epochs=abc: `train.epochs`: invalid type: found string \"abc\", expected usize",
+    },
+    Case {
+        name: "--set without a value",
+        file: "",
+        args: &["--set", "train.epochs"],
+        env: &[],
+        expected: "error: --set train.epochs: expected KEY=VALUE, e.g. train.lr=0.05",
+    },
+    Case {
+        name: "misspelled environment variable",
+        file: "",
+        args: &[],
+        env: &[("RUNNER_TRAIN__LRR", "0.5")],
+        expected: "error: environment variable RUNNER_TRAIN__LRR: unknown key `train.lrr`; did you mean `train.lr`? (valid keys in [train]: \
+                   train.epochs, train.batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay)",
+    },
+    Case {
+        name: "environment value of the wrong type",
+        file: "",
+        args: &[],
+        env: &[("RUNNER_TRAIN__EPOCHS", "x")],
+        expected: "error: environment variable RUNNER_TRAIN__EPOCHS: `train.epochs`: invalid type: found string \"x\", expected usize",
+    },
+    Case {
+        name: "zero ranks",
+        file: "",
+        args: &["--set", "run.world_size=0"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `run.world_size` (--set run.world_size=0): must be at least 1",
+    },
+    Case {
+        name: "batch larger than a shard",
+        file: "",
+        args: &["--set", "train.batch_size=400"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `train.batch_size` (--set train.batch_size=400): 400 per rank is larger than \
+                   a rank's shard of 300 rows (600 rows / 2 ranks); use at most 300",
+    },
+    Case {
+        name: "one class",
+        file: "",
+        args: &[],
+        env: &[("RUNNER_LOAD__CLASSES", "1")],
+        expected: "error: p.toml: invalid configuration:\n  `load.classes` (env RUNNER_LOAD__CLASSES): must be at least 2 for classification, got 1",
+    },
+    Case {
+        name: "nccl on cpu",
+        file: "",
+        args: &["--set", "run.backend=nccl"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `run.backend` (--set run.backend=nccl): nccl needs run.device = \"cuda\"; use \"gloo\" on CPU",
+    },
+    Case {
+        name: "missing data file",
+        file: "",
+        args: &["--set", "load.source=\"csv\"", "--set", "load.path=missing.csv", "--set", "load.target=label"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `load.path` (--set load.path=missing.csv): missing.csv does not exist \
+                   (paths are relative to the pipeline file)",
+    },
+    Case {
+        name: "absent target column",
+        file: "",
+        args: &["--set", "load.source=\"csv\"", "--set", "load.path=labels.csv", "--set", "load.target=lable"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `load.path` (--set load.path=labels.csv): labels.csv has no column `lable`; \
+                   did you mean `label`? (columns: a, b, label)",
+    },
+    Case {
+        name: "target column that is not numeric",
+        file: "",
+        args: &["--set", "load.source=\"csv\"", "--set", "load.path=named.csv", "--set", "load.target=name"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `load.path` (--set load.path=named.csv): column `name` of named.csv is str, \
+                   not numeric (the target must be numbers)",
+    },
+    Case {
+        name: "features that do not match the file, and more rows than it has",
+        file: "",
+        args: &["--set", "load.source=\"csv\"", "--set", "load.path=labels.csv", "--set", "load.target=label", "--set", "load.features=5", "--set", "load.validation_rows=1"],
+        env: &[],
+        expected: "error: p.toml: 3 problems in the configuration:\n  \
+                   `load.features` (--set load.features=5): is 5 but labels.csv has 2 feature columns besides `label`\n  \
+                   `load.rows` (file p.toml:9): asks for 600 rows but labels.csv has 3\n  \
+                   `train.batch_size` (file p.toml:19): 16 per rank is larger than a rank's shard of 1 rows (2 rows / 2 ranks); use at most 1",
+    },
+    Case {
+        name: "every problem at once",
+        file: "",
+        args: &["--set", "train.lr=-1", "--set", "train.epochs=0", "--set", "wrap.model.dropout=1.5", "--set", "run.name=\"a/b\""],
+        env: &[],
+        expected: "error: p.toml: 4 problems in the configuration:\n  \
+                   `run.name` (--set run.name=\"a/b\"): \"a/b\" cannot name a directory: use letters, digits, '-' and '_'\n  \
+                   `wrap.model.dropout` (--set wrap.model.dropout=1.5): must be in [0, 1), got 1.5\n  \
+                   `train.epochs` (--set train.epochs=0): must be at least 1\n  \
+                   `train.lr` (--set train.lr=-1): must be positive, got -1",
+    },
+];
 
 fn check(case: &Case, command: &str) {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", &format!("{TINY}{}", case.file));
+    write(dir.path(), "labels.csv", "a,b,label\n1,2,0\n3,4,1\n5,6,2\n");
     write(
         dir.path(),
-        "labels.csv",
+        "named.csv",
         "a,b,label,name\n1,2,0,x\n3,4,1,y\n5,6,2,z\n",
     );
     let mut cmd = runner();

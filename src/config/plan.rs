@@ -44,7 +44,11 @@ impl Plan {
             file,
         } = resolved;
         let mut errors = Vec::new();
-        let mut bad = |key: &str, msg: String| errors.push(format!("`{key}`: {msg}"));
+        // Each problem names the key and where its value came from.
+        let mut bad = |key: &str, msg: String| {
+            let from = sources.get(key).map(String::as_str).unwrap_or("default");
+            errors.push(format!("`{key}` ({from}): {msg}"))
+        };
 
         if c.run.world_size == 0 {
             bad("run.world_size", "must be at least 1".into());
@@ -338,6 +342,16 @@ fn file_spec(
             format!(
                 "is {classes} but `{target}` has labels up to {}",
                 info.classes - 1
+            ),
+        );
+    }
+    if let Some(rows) = load.rows.filter(|r| *r > info.rows) {
+        bad(
+            "load.rows",
+            format!(
+                "asks for {rows} rows but {} has {}",
+                path.display(),
+                info.rows
             ),
         );
     }

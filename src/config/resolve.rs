@@ -57,7 +57,7 @@ pub fn resolve(file: &Path, overrides: &[Override]) -> Result<Resolved, ConfigEr
         figment = figment.merge(SetArg::parse(o)?);
     }
     let config: Config = figment.extract().map_err(|e| figment_error(e, file))?;
-    let sources = sources(&figment, &config);
+    let sources = sources(&figment, &config, &text, file);
     Ok(Resolved {
         config,
         sources,
@@ -80,12 +80,20 @@ fn toml_error(e: &toml::de::Error, path: Option<String>, text: &str, origin: &st
             let before = &text[..span.start.min(text.len())];
             let line = before.matches('\n').count() + 1;
             let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-            format!("{origin}:{line}:{col}")
+            let source = text.lines().nth(line - 1).unwrap_or("");
+            (
+                format!("{origin}:{line}:{col}"),
+                format!("\n  {line} | {source}"),
+            )
         }
-        None => origin.to_owned(),
+        None => (origin.to_owned(), String::new()),
     };
+    let (at, excerpt) = at;
     let path = path.filter(|p| p != ".");
-    ConfigError::new(format!("{at}: {}", explain(e.message(), path.as_deref())))
+    ConfigError::new(format!(
+        "{at}: {}{excerpt}",
+        explain(e.message(), path.as_deref())
+    ))
 }
 
 /// Rewrites serde's messages about unknown keys and variants into ones that name the full key
@@ -167,7 +175,9 @@ fn figment_error(e: figment::Error, file: &Path) -> ConfigError {
             let mut path = e.path.clone();
             let (kind_message, field) = match &e.kind {
                 figment::error::Kind::UnknownField(f, expected) => {
-                    path.push(f.clone());
+                    if path.last() != Some(f) {
+                        path.push(f.clone());
+                    }
                     let valid = expected
                         .iter()
                         .map(|s| format!("`{s}`"))
@@ -213,7 +223,12 @@ fn figment_error(e: figment::Error, file: &Path) -> ConfigError {
 }
 
 /// Where each leaf value of `config` came from.
-fn sources(figment: &Figment, config: &Config) -> BTreeMap<String, String> {
+fn sources(
+    figment: &Figment,
+    config: &Config,
+    text: &str,
+    file: &Path,
+) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     let value = toml::Value::try_from(config).expect("a Config serializes");
     let mut leaves = Vec::new();
@@ -223,13 +238,37 @@ fn sources(figment: &Figment, config: &Config) -> BTreeMap<String, String> {
             Some(m) if m.name.contains("environment") => {
                 format!("env RUNNER_{}", key.replace('.', "__").to_uppercase())
             }
-            Some(m) if m.name.contains("TOML") => "file".into(),
+            Some(m) if m.name.contains("TOML") => match line_of(text, &key) {
+                Some(line) => format!("file {}:{line}", file.display()),
+                None => format!("file {}", file.display()),
+            },
             Some(m) => m.name.to_string(),
             None => "default".into(),
         };
         out.insert(key, source);
     }
     out
+}
+
+/// The line (1-based) where `section.key` is set in a TOML text, following `[section]` headers.
+fn line_of(text: &str, dotted: &str) -> Option<usize> {
+    let (section, key) = dotted.rsplit_once('.').unwrap_or(("", dotted));
+    let mut current = String::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if let Some(header) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
+            current = header.trim().to_owned();
+        } else if current == section
+            && line
+                .split('=')
+                .next()
+                .is_some_and(|k| k.trim().trim_matches('"') == key)
+            && line.contains('=')
+        {
+            return Some(i + 1);
+        }
+    }
+    None
 }
 
 /// Dotted keys and values of the leaves (non-table values) of `v`.
