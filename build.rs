@@ -21,23 +21,15 @@ fn fail(what: &str) -> ! {
 
 fn main() {
     let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
-    let libtorch = env_var("LIBTORCH")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join(".deps/libtorch"));
+    let libtorch = env_var("LIBTORCH").map(PathBuf::from).unwrap_or_else(|| root.join(".deps/libtorch"));
     let lib = libtorch.join("lib");
     if !lib.join("libtorch_cpu.so").exists() {
-        fail(&format!(
-            "no libtorch at {} (lib/libtorch_cpu.so is missing)",
-            libtorch.display()
-        ));
+        fail(&format!("no libtorch at {} (lib/libtorch_cpu.so is missing)", libtorch.display()));
     }
     let gloo = env_var("GLOO_INCLUDE")
         .map(PathBuf::from)
         .into_iter()
-        .chain([
-            root.join(".deps/gloo/usr/include"),
-            PathBuf::from("/usr/include"),
-        ])
+        .chain([root.join(".deps/gloo/usr/include"), PathBuf::from("/usr/include")])
         .find(|dir| dir.join("gloo/config.h").exists())
         .unwrap_or_else(|| fail("the gloo headers (gloo/config.h) were not found"));
 
@@ -58,9 +50,7 @@ fn main() {
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .file("csrc/bridge.cpp");
     if env::var_os("CARGO_FEATURE_CUDA").is_some() {
-        build
-            .define("USE_C10D_NCCL", None)
-            .define("RUNNER_NCCL", None);
+        build.define("USE_C10D_NCCL", None).define("RUNNER_NCCL", None);
         if let Some(cuda) = env_var("CUDA_INCLUDE") {
             build.include(cuda);
         }
@@ -68,8 +58,7 @@ fn main() {
     }
     build.compile("runner_bridge");
 
-    let version = std::fs::read_to_string(libtorch.join("build-version"))
-        .unwrap_or_else(|_| "unknown".into());
+    let version = std::fs::read_to_string(libtorch.join("build-version")).unwrap_or_else(|_| "unknown".into());
     println!("cargo:rustc-env=RUNNER_LIBTORCH_VERSION={}", version.trim());
 
     println!("cargo:rustc-link-search=native={}", lib.display());

@@ -271,9 +271,11 @@ void rn_ddp_free(rn_ddp* d) {
 
 char* rn_ddp_prepare_forward(rn_ddp* d) {
   return protect([&] {
+    // Buckets are never rebuilt from the gradient-ready order (torch's default): a fixed layout
+    // keeps each gradient's place in the all-reduce, hence its summation order, the same in a
+    // run resumed from a checkpoint as in one never interrupted. Reverse parameter order is
+    // already the order an MLP's gradients become ready in.
     d->reducer->prepare_for_forward();
-    // Collective on the first iteration after the first backward: every rank calls it.
-    d->reducer->rebuild_buckets();
   });
 }
 

@@ -58,11 +58,7 @@ pub fn main(cli: Cli) -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            let code = if e.downcast_ref::<ConfigError>().is_some() {
-                2
-            } else {
-                1
-            };
+            let code = if e.downcast_ref::<ConfigError>().is_some() { 2 } else { 1 };
             let prefix = match RankEnv::from_env() {
                 Ok(Some(env)) => format!("error: rank {}: ", env.rank),
                 _ => "error: ".into(),
@@ -87,11 +83,8 @@ fn validate(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
 
 fn run(args: &RunArgs) -> anyhow::Result<ExitCode> {
     let plan = plan(&args.config)?;
-    let run_dir = args.out.clone().unwrap_or_else(|| {
-        Path::new("results")
-            .join(&plan.config.run.name)
-            .join(&plan.run_id)
-    });
+    let run_dir =
+        args.out.clone().unwrap_or_else(|| Path::new("results").join(&plan.config.run.name).join(&plan.run_id));
     match RankEnv::from_env()? {
         Some(env) => run_rank(&plan, &env, &run_dir),
         None => launch(&plan, args, &run_dir),
@@ -117,11 +110,7 @@ fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path) -> anyhow::Result<ExitCo
     let rows = result?;
     if env.rank == 0 {
         println!("\n{}", view::epoch_table(&rows));
-        let losses: Vec<f64> = rows
-            .iter()
-            .filter(|r| r.rank == 0)
-            .map(|r| r.global_train_loss)
-            .collect();
+        let losses: Vec<f64> = rows.iter().filter(|r| r.rank == 0).map(|r| r.global_train_loss).collect();
         println!("  loss\n{}", view::chart("epochs", &losses, 6));
     }
     Ok(ExitCode::SUCCESS)
@@ -136,7 +125,16 @@ fn launch(plan: &Plan, args: &RunArgs, run_dir: &Path) -> anyhow::Result<ExitCod
         child_args.extend(["--set".into(), s.into()]);
     }
     child_args.extend(["--out".into(), run_dir.into()]);
-    let outcome = spawn::launch(plan, &child_args)?;
+    let outcome = spawn::launch(plan, run_dir, &child_args)?;
+    if let Some(sig) = outcome.interrupted {
+        manifest.end(Status::Interrupted, None);
+        manifest.write(run_dir)?;
+        eprintln!(
+            "\ninterrupted: every rank was stopped; the trace keeps every finished epoch in {}",
+            run_dir.display()
+        );
+        return Ok(ExitCode::from(128 + sig as u8));
+    }
     match &outcome.failure {
         None => {
             manifest.end(Status::Complete, None);
@@ -154,10 +152,7 @@ fn launch(plan: &Plan, args: &RunArgs, run_dir: &Path) -> anyhow::Result<ExitCod
                     eprintln!("    {line}");
                 }
             }
-            eprintln!(
-                "  run directory (traces keep every finished epoch): {}",
-                run_dir.display()
-            );
+            eprintln!("  run directory (traces keep every finished epoch): {}", run_dir.display());
             Ok(ExitCode::from(1))
         }
     }
@@ -170,9 +165,6 @@ fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest) -> anyhow::
     for stale in ["trace.parquet", "steps.parquet"] {
         let _ = std::fs::remove_file(run_dir.join(stale));
     }
-    crate::trace::atomic_write(
-        &run_dir.join("config.toml"),
-        plan.annotated_toml().as_bytes(),
-    )?;
+    crate::trace::atomic_write(&run_dir.join("config.toml"), plan.annotated_toml().as_bytes())?;
     manifest.write(run_dir)
 }

@@ -88,9 +88,6 @@ mod tests {
         let xs: Vec<f64> = (0..100_000).map(|_| r.normal()).collect();
         let mean = xs.iter().sum::<f64>() / xs.len() as f64;
         let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
-        assert!(
-            mean.abs() < 0.02 && (var - 1.0).abs() < 0.02,
-            "mean {mean}, var {var}"
-        );
+        assert!(mean.abs() < 0.02 && (var - 1.0).abs() < 0.02, "mean {mean}, var {var}");
     }
 }

@@ -168,37 +168,17 @@ fn check(case: &Case, command: &str) {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", &format!("{TINY}{}", case.file));
     write(dir.path(), "labels.csv", "a,b,label\n1,2,0\n3,4,1\n5,6,2\n");
-    write(
-        dir.path(),
-        "named.csv",
-        "a,b,label,name\n1,2,0,x\n3,4,1,y\n5,6,2,z\n",
-    );
+    write(dir.path(), "named.csv", "a,b,label,name\n1,2,0,x\n3,4,1,y\n5,6,2,z\n");
     let mut cmd = runner();
-    cmd.current_dir(dir.path())
-        .args([command, "p.toml"])
-        .args(case.args);
+    cmd.current_dir(dir.path()).args([command, "p.toml"]).args(case.args);
     for (k, v) in case.env {
         cmd.env(k, v);
     }
     let out = cmd.output().unwrap();
     let (stdout, stderr) = text(&out);
-    assert_eq!(
-        out.status.code(),
-        Some(2),
-        "{}: expected exit code 2\nstdout:\n{stdout}\nstderr:\n{stderr}",
-        case.name
-    );
-    assert_eq!(
-        stderr.trim_end(),
-        case.expected,
-        "{}: the message changed",
-        case.name
-    );
-    assert!(
-        !dir.path().join("results").exists(),
-        "{}: a rejected config wrote results",
-        case.name
-    );
+    assert_eq!(out.status.code(), Some(2), "{}: expected exit code 2\nstdout:\n{stdout}\nstderr:\n{stderr}", case.name);
+    assert_eq!(stderr.trim_end(), case.expected, "{}: the message changed", case.name);
+    assert!(!dir.path().join("results").exists(), "{}: a rejected config wrote results", case.name);
 }
 
 #[test]
@@ -218,11 +198,7 @@ fn bad_configurations_are_refused_by_run_before_any_rank_starts() {
 #[test]
 fn a_missing_pipeline_file_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let out = runner()
-        .current_dir(dir.path())
-        .args(["validate", "nope.toml"])
-        .output()
-        .unwrap();
+    let out = runner().current_dir(dir.path()).args(["validate", "nope.toml"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(
         text(&out).1.trim_end(),

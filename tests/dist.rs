@@ -33,10 +33,7 @@ fn run_world(scenario: &str, world: usize, dir: &std::path::Path) -> (Vec<Output
                 .unwrap()
         })
         .collect();
-    let outputs: Vec<Output> = children
-        .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
-        .collect();
+    let outputs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
     drop(store);
     (outputs, start.elapsed())
 }
@@ -79,37 +76,23 @@ fn ddp_two_ranks_match_one_process_with_double_batch() {
     let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
     let (x, y) = parity_data();
     for step in 0..PARITY_STEPS {
-        let rows = Tensor::arange_start(
-            step * 2 * PARITY_B,
-            (step + 1) * 2 * PARITY_B,
-            (Kind::Int64, Device::Cpu),
-        );
-        let loss = model
-            .forward(&x.index_select(0, &rows))
-            .cross_entropy_for_logits(&y.index_select(0, &rows));
+        let rows = Tensor::arange_start(step * 2 * PARITY_B, (step + 1) * 2 * PARITY_B, (Kind::Int64, Device::Cpu));
+        let loss = model.forward(&x.index_select(0, &rows)).cross_entropy_for_logits(&y.index_select(0, &rows));
         opt.zero_grad();
         loss.backward();
         opt.step();
     }
     let ddp = Tensor::load(dir.path().join("params-0.pt")).unwrap();
     let single = flat_params(&vs);
-    let rel =
-        ((&ddp - &single).abs().max().double_value(&[])) / single.abs().max().double_value(&[]);
-    assert!(
-        rel < 1e-5,
-        "DDP 2×{PARITY_B} differs from 1×{} by {rel:e} (relative)",
-        2 * PARITY_B
-    );
+    let rel = ((&ddp - &single).abs().max().double_value(&[])) / single.abs().max().double_value(&[]);
+    assert!(rel < 1e-5, "DDP 2×{PARITY_B} differs from 1×{} by {rel:e} (relative)", 2 * PARITY_B);
 }
 
 #[test]
 fn a_peer_that_leaves_is_named_by_the_survivors_within_the_timeout() {
     let dir = tempfile::tempdir().unwrap();
     let (outputs, elapsed) = run_world("early_exit", 3, dir.path());
-    assert!(
-        elapsed < TIMEOUT,
-        "survivors took {elapsed:?}, longer than the {TIMEOUT:?} timeout"
-    );
+    assert!(elapsed < TIMEOUT, "survivors took {elapsed:?}, longer than the {TIMEOUT:?} timeout");
     for (rank, out) in outputs.iter().enumerate().take(2) {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
@@ -132,12 +115,7 @@ fn assert_loopback_only(pid: u32) {
     let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .unwrap()
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter_map(|l| {
-            l.to_str()?
-                .strip_prefix("socket:[")?
-                .strip_suffix(']')
-                .map(str::to_owned)
-        })
+        .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']').map(str::to_owned))
         .collect();
     let mut listening = 0;
     for table in ["tcp", "tcp6"] {
@@ -149,19 +127,11 @@ fn assert_loopback_only(pid: u32) {
             }
             listening += 1;
             let ip = f[1].split(':').next().unwrap();
-            let loopback =
-                ip.ends_with("7F") && ip.len() == 8 || ip == "00000000000000000000000001000000";
-            assert!(
-                loopback,
-                "process {pid} listens on a non-loopback address: {}",
-                f[1]
-            );
+            let loopback = ip.ends_with("7F") && ip.len() == 8 || ip == "00000000000000000000000001000000";
+            assert!(loopback, "process {pid} listens on a non-loopback address: {}", f[1]);
         }
     }
-    assert!(
-        listening > 0,
-        "process {pid} has no listening socket to check"
-    );
+    assert!(listening > 0, "process {pid} has no listening socket to check");
 }
 
 // ---- the ranks ----
@@ -171,10 +141,12 @@ const PARITY_STEPS: i64 = 20;
 
 fn parity_model(p: &nn::Path) -> nn::Sequential {
     tch::manual_seed(7);
-    nn::seq()
-        .add(nn::linear(p / "l1", 6, 16, Default::default()))
-        .add_fn(|x| x.tanh())
-        .add(nn::linear(p / "l2", 16, 3, Default::default()))
+    nn::seq().add(nn::linear(p / "l1", 6, 16, Default::default())).add_fn(|x| x.tanh()).add(nn::linear(
+        p / "l2",
+        16,
+        3,
+        Default::default(),
+    ))
 }
 
 fn parity_data() -> (Tensor, Tensor) {
@@ -186,13 +158,7 @@ fn parity_data() -> (Tensor, Tensor) {
 }
 
 fn flat_params(vs: &nn::VarStore) -> Tensor {
-    Tensor::cat(
-        &vs.trainable_variables()
-            .iter()
-            .map(|t| t.flatten(0, -1))
-            .collect::<Vec<_>>(),
-        0,
-    )
+    Tensor::cat(&vs.trainable_variables().iter().map(|t| t.flatten(0, -1)).collect::<Vec<_>>(), 0)
 }
 
 #[test]
@@ -231,10 +197,7 @@ fn collectives(pg: &ProcessGroup) {
             let of = |t: &Tensor, i: i64| t.double_value(&[i]);
             let ranks_sum = w * (w - 1.0) / 2.0;
             for (op, expect) in [
-                (
-                    ReduceOp::Sum,
-                    Box::new(move |x: f64| x * w + ranks_sum) as Box<dyn Fn(f64) -> f64>,
-                ),
+                (ReduceOp::Sum, Box::new(move |x: f64| x * w + ranks_sum) as Box<dyn Fn(f64) -> f64>),
                 (ReduceOp::Avg, Box::new(move |x: f64| x + ranks_sum / w)),
                 (ReduceOp::Min, Box::new(|x: f64| x)),
                 (ReduceOp::Max, Box::new(move |x: f64| x + w - 1.0)),
@@ -251,11 +214,7 @@ fn collectives(pg: &ProcessGroup) {
             assert_eq!(of(&t, n - 1), (n - 1) as f64 * w, "broadcast {kind:?}");
             let gathered = pg.all_gather(&(&base + r)).unwrap();
             for (src, g) in gathered.iter().enumerate() {
-                assert_eq!(
-                    of(g, n - 1),
-                    (n - 1) as f64 + src as f64,
-                    "all_gather {kind:?} from {src}"
-                );
+                assert_eq!(of(g, n - 1), (n - 1) as f64 + src as f64, "all_gather {kind:?} from {src}");
             }
             if pg.size() > 1 {
                 let next = (pg.rank() + 1) % pg.size();
@@ -270,45 +229,24 @@ fn collectives(pg: &ProcessGroup) {
                     pg.recv(&mut got, prev, 3).unwrap();
                     pg.send(&out, next, 3).unwrap();
                 }
-                assert_eq!(
-                    of(&got, n - 1),
-                    (n - 1) as f64 + prev as f64,
-                    "send/recv {kind:?}"
-                );
+                assert_eq!(of(&got, n - 1), (n - 1) as f64 + prev as f64, "send/recv {kind:?}");
             }
         }
     }
     // DDP over parameters spanning several buckets (bucket cap 1 MB, 3 × 2 MB params).
     let vs = nn::VarStore::new(Device::Cpu);
     let root = vs.root();
-    let params: Vec<Tensor> = (0..3)
-        .map(|i| root.zeros(&format!("p{i}"), &[512 * 1024]))
-        .collect();
+    let params: Vec<Tensor> = (0..3).map(|i| root.zeros(&format!("p{i}"), &[512 * 1024])).collect();
     let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 1.0, 1).unwrap();
-    assert!(
-        ddp.buckets() >= 3,
-        "expected several buckets, got {}",
-        ddp.buckets()
-    );
+    assert!(ddp.buckets() >= 3, "expected several buckets, got {}", ddp.buckets());
     ddp.prepare_forward().unwrap();
-    let loss = params
-        .iter()
-        .map(|p| (p * 0.0 + r + 1.0).sum(Kind::Float))
-        .fold(Tensor::from(0.0f32), |a, b| a + b);
-    let loss = loss
-        + params
-            .iter()
-            .map(|p| p.sum(Kind::Float) * (r + 1.0))
-            .fold(Tensor::from(0.0f32), |a, b| a + b);
+    let loss = params.iter().map(|p| (p * 0.0 + r + 1.0).sum(Kind::Float)).fold(Tensor::from(0.0f32), |a, b| a + b);
+    let loss = loss + params.iter().map(|p| p.sum(Kind::Float) * (r + 1.0)).fold(Tensor::from(0.0f32), |a, b| a + b);
     ddp.prepare_backward().unwrap();
     loss.backward();
     for p in &params {
         // d loss / d p = rank + 1 on each rank; DDP averages: (w + 1) / 2.
-        assert_eq!(
-            p.grad().double_value(&[1000]),
-            (w + 1.0) / 2.0,
-            "bucketed gradient average"
-        );
+        assert_eq!(p.grad().double_value(&[1000]), (w + 1.0) / 2.0, "bucketed gradient average");
     }
     pg.barrier().unwrap();
 }
@@ -322,12 +260,7 @@ fn ddp_identical(pg: &ProcessGroup) {
         .add_fn(|x| x.relu())
         .add(nn::linear(vs.root() / "b", 64, 4, Default::default()));
     let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 25.0, 1).unwrap();
-    let mut opt = nn::Sgd {
-        momentum: 0.9,
-        ..Default::default()
-    }
-    .build(&vs, 0.05)
-    .unwrap();
+    let mut opt = nn::Sgd { momentum: 0.9, ..Default::default() }.build(&vs, 0.05).unwrap();
     for _ in 0..20 {
         let x = Tensor::randn([16, 10], (Kind::Float, Device::Cpu));
         let y = Tensor::randint(4, [16], (Kind::Int64, Device::Cpu));
@@ -340,11 +273,7 @@ fn ddp_identical(pg: &ProcessGroup) {
     }
     let mine = flat_params(&vs);
     for (src, other) in pg.all_gather(&mine).unwrap().iter().enumerate() {
-        assert!(
-            other.equal(&mine),
-            "rank {src}'s parameters differ from rank {}'s",
-            pg.rank()
-        );
+        assert!(other.equal(&mine), "rank {src}'s parameters differ from rank {}'s", pg.rank());
     }
 }
 
@@ -360,17 +289,13 @@ fn parity(pg: &ProcessGroup, dir: &std::path::Path) {
         let start = step * 2 * PARITY_B + r * PARITY_B;
         let rows = Tensor::arange_start(start, start + PARITY_B, (Kind::Int64, Device::Cpu));
         ddp.prepare_forward().unwrap();
-        let loss = model
-            .forward(&x.index_select(0, &rows))
-            .cross_entropy_for_logits(&y.index_select(0, &rows));
+        let loss = model.forward(&x.index_select(0, &rows)).cross_entropy_for_logits(&y.index_select(0, &rows));
         ddp.prepare_backward().unwrap();
         opt.zero_grad();
         loss.backward();
         opt.step();
     }
-    flat_params(&vs)
-        .save(dir.join(format!("params-{}.pt", pg.rank())))
-        .unwrap();
+    flat_params(&vs).save(dir.join(format!("params-{}.pt", pg.rank()))).unwrap();
 }
 
 fn early_exit(pg: ProcessGroup) {

@@ -18,11 +18,7 @@ impl Plan {
         let mut shard_op = format!(
             "DistributedSampler over {w} rank{}, {}",
             if w == 1 { "" } else { "s" },
-            if c.shard.shuffle {
-                "reshuffled every epoch"
-            } else {
-                "file order"
-            }
+            if c.shard.shuffle { "reshuffled every epoch" } else { "file order" }
         );
         if l.padding() > 0 {
             shard_op += &format!(
@@ -32,11 +28,8 @@ impl Plan {
             );
         }
         if l.dropped() > 0 {
-            shard_op += &format!(
-                ", {} row{} dropped (drop_last)",
-                l.dropped(),
-                if l.dropped() == 1 { "" } else { "s" }
-            );
+            shard_op +=
+                &format!(", {} row{} dropped (drop_last)", l.dropped(), if l.dropped() == 1 { "" } else { "s" });
         }
         let norm = match c.normalize.method {
             NormalizeMethod::Minmax => "min-max to [0, 1]",
@@ -49,39 +42,26 @@ impl Plan {
         };
         let model = crate::model::describe(f, &c.wrap.model.hidden, d.classes);
         let wrap_op = match c.wrap.strategy {
-            WrapStrategy::Ddp => format!(
-                "DDP (c10d Reducer, {} MiB buckets), weights broadcast from rank 0",
-                c.wrap.bucket_cap_mb
-            ),
+            WrapStrategy::Ddp => {
+                format!("DDP (c10d Reducer, {} MiB buckets), weights broadcast from rank 0", c.wrap.bucket_cap_mb)
+            }
             WrapStrategy::None => "no synchronisation: independent replicas".into(),
         };
         let opt = format!("{:?}", c.train.optimizer).to_lowercase();
         let val = if c.validate.every == 0 {
             "off".to_string()
         } else {
-            let on = if c.validate.on == ValidateOn::All {
-                "every rank"
-            } else {
-                "rank 0"
-            };
+            let on = if c.validate.on == ValidateOn::All { "every rank" } else { "rank 0" };
             format!("every {} epoch(s) on {on}", c.validate.every)
         };
         let rows = vec![
             vec![
                 "1 load".into(),
                 source,
-                format!(
-                    "{} training + {} validation rows, {} classes",
-                    d.rows, d.validation_rows, d.classes
-                ),
+                format!("{} training + {} validation rows, {} classes", d.rows, d.validation_rows, d.classes),
                 format!("{} × {f}", d.rows),
             ],
-            vec![
-                "2 shard".into(),
-                format!("{} × {f}", d.rows),
-                shard_op,
-                format!("{} × {f} per rank", l.per_rank),
-            ],
+            vec!["2 shard".into(), format!("{} × {f}", d.rows), shard_op, format!("{} × {f} per rank", l.per_rank)],
             vec![
                 "3 normalize".into(),
                 format!("{} × {f} per rank", l.per_rank),
@@ -107,12 +87,7 @@ impl Plan {
                 ),
                 "loss, accuracy per epoch".into(),
             ],
-            vec![
-                "  validate".into(),
-                format!("{} × {f}", d.validation_rows),
-                val,
-                "val loss, val accuracy".into(),
-            ],
+            vec!["  validate".into(), format!("{} × {f}", d.validation_rows), val, "val loss, val accuracy".into()],
         ];
         format!(
             "run {} ({}): {w} rank{} × {} thread{}\n\n{}",

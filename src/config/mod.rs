@@ -18,8 +18,6 @@ pub struct ConfigError {
 
 impl ConfigError {
     pub fn new(message: impl Into<String>) -> Self {
-        ConfigError {
-            message: message.into(),
-        }
+        ConfigError { message: message.into() }
     }
 }

@@ -38,11 +38,7 @@ pub struct DataSpec {
 impl Plan {
     /// Checks everything and reports every problem found, not just the first.
     pub fn new(resolved: Resolved) -> Result<Plan, ConfigError> {
-        let Resolved {
-            config: c,
-            sources,
-            file,
-        } = resolved;
+        let Resolved { config: c, sources, file } = resolved;
         let mut errors = Vec::new();
         // Each problem names the key and where its value came from.
         let mut bad = |key: &str, msg: String| {
@@ -54,42 +50,24 @@ impl Plan {
             bad("run.world_size", "must be at least 1".into());
         }
         if !(c.run.timeout_s > 0.0) {
-            bad(
-                "run.timeout_s",
-                format!("must be positive seconds, got {}", c.run.timeout_s),
-            );
+            bad("run.timeout_s", format!("must be positive seconds, got {}", c.run.timeout_s));
         }
         if !(c.run.abort_after_s >= 0.0) {
-            bad(
-                "run.abort_after_s",
-                format!("must be 0 or more seconds, got {}", c.run.abort_after_s),
-            );
+            bad("run.abort_after_s", format!("must be 0 or more seconds, got {}", c.run.abort_after_s));
         }
         if c.run.threads_per_rank == Some(0) {
-            bad(
-                "run.threads_per_rank",
-                "must be at least 1 (or absent for cores / world_size)".into(),
-            );
+            bad("run.threads_per_rank", "must be at least 1 (or absent for cores / world_size)".into());
         }
-        if c.run.name.is_empty() || c.run.name.contains(['/', '\\']) || c.run.name.starts_with('.')
-        {
-            bad(
-                "run.name",
-                format!(
-                    "{:?} cannot name a directory: use letters, digits, '-' and '_'",
-                    c.run.name
-                ),
-            );
+        if c.run.name.is_empty() || c.run.name.contains(['/', '\\']) || c.run.name.starts_with('.') {
+            bad("run.name", format!("{:?} cannot name a directory: use letters, digits, '-' and '_'", c.run.name));
         }
         match (c.run.backend, c.run.device) {
-            (Backend::Nccl, Device::Cpu) => bad(
-                "run.backend",
-                "nccl needs run.device = \"cuda\"; use \"gloo\" on CPU".into(),
-            ),
+            (Backend::Nccl, Device::Cpu) => {
+                bad("run.backend", "nccl needs run.device = \"cuda\"; use \"gloo\" on CPU".into())
+            }
             (_, Device::Cuda) if !cfg!(feature = "cuda") => bad(
                 "run.device",
-                "this runner was built without CUDA (cargo build --features cuda); use \"cpu\""
-                    .into(),
+                "this runner was built without CUDA (cargo build --features cuda); use \"cpu\"".into(),
             ),
             _ => {}
         }
@@ -97,15 +75,9 @@ impl Plan {
         let base = file.parent().map(PathBuf::from).unwrap_or_default();
         let data = match c.load.source {
             Source::Synthetic => {
-                for (key, given) in [
-                    ("load.path", c.load.path.is_some()),
-                    ("load.target", c.load.target.is_some()),
-                ] {
+                for (key, given) in [("load.path", c.load.path.is_some()), ("load.target", c.load.target.is_some())] {
                     if given {
-                        bad(
-                            key,
-                            "is only read by source = \"csv\" or \"parquet\"".into(),
-                        );
+                        bad(key, "is only read by source = \"csv\" or \"parquet\"".into());
                     }
                 }
                 let spec = DataSpec {
@@ -121,10 +93,7 @@ impl Plan {
                     bad("load.features", "must be at least 1".into());
                 }
                 if !(spec.noise >= 0.0) {
-                    bad(
-                        "load.noise",
-                        format!("must be 0 or more, got {}", spec.noise),
-                    );
+                    bad("load.noise", format!("must be 0 or more, got {}", spec.noise));
                 }
                 Some(spec)
             }
@@ -132,10 +101,7 @@ impl Plan {
         };
         if let Some(d) = &data {
             if d.classes < 2 {
-                bad(
-                    "load.classes",
-                    format!("must be at least 2 for classification, got {}", d.classes),
-                );
+                bad("load.classes", format!("must be at least 2 for classification, got {}", d.classes));
             }
             if d.rows == 0 {
                 bad("load.rows", "must be at least 1".into());
@@ -144,22 +110,13 @@ impl Plan {
 
         let m = &c.wrap.model;
         if m.hidden.contains(&0) {
-            bad(
-                "wrap.model.hidden",
-                format!("layer widths must be at least 1, got {:?}", m.hidden),
-            );
+            bad("wrap.model.hidden", format!("layer widths must be at least 1, got {:?}", m.hidden));
         }
         if !(0.0..1.0).contains(&m.dropout) {
-            bad(
-                "wrap.model.dropout",
-                format!("must be in [0, 1), got {}", m.dropout),
-            );
+            bad("wrap.model.dropout", format!("must be in [0, 1), got {}", m.dropout));
         }
         if !(c.wrap.bucket_cap_mb > 0.0) {
-            bad(
-                "wrap.bucket_cap_mb",
-                format!("must be positive, got {}", c.wrap.bucket_cap_mb),
-            );
+            bad("wrap.bucket_cap_mb", format!("must be positive, got {}", c.wrap.bucket_cap_mb));
         }
         let t = &c.train;
         if t.epochs == 0 {
@@ -171,17 +128,17 @@ impl Plan {
         if !(t.lr > 0.0 && t.lr.is_finite()) {
             bad("train.lr", format!("must be positive, got {}", t.lr));
         }
-        if !(0.0..1.0).contains(&t.momentum) {
+        if t.optimizer != Optimizer::Sgd && t.momentum != 0.0 {
             bad(
                 "train.momentum",
-                format!("must be in [0, 1), got {}", t.momentum),
+                format!("is only used by optimizer = \"sgd\", not {:?}: remove it", t.optimizer).to_lowercase(),
             );
         }
+        if !(0.0..1.0).contains(&t.momentum) {
+            bad("train.momentum", format!("must be in [0, 1), got {}", t.momentum));
+        }
         if !(t.weight_decay >= 0.0) {
-            bad(
-                "train.weight_decay",
-                format!("must be 0 or more, got {}", t.weight_decay),
-            );
+            bad("train.weight_decay", format!("must be 0 or more, got {}", t.weight_decay));
         }
 
         let layout = data
@@ -192,10 +149,7 @@ impl Plan {
             if l.per_rank == 0 {
                 bad(
                     "run.world_size",
-                    format!(
-                        "{} ranks leave no training row for some rank (rows: {})",
-                        c.run.world_size, l.rows
-                    ),
+                    format!("{} ranks leave no training row for some rank (rows: {})", c.run.world_size, l.rows),
                 );
             } else if t.batch_size > l.per_rank {
                 bad(
@@ -210,37 +164,17 @@ impl Plan {
 
         if !errors.is_empty() {
             let n = errors.len();
-            let head = if n == 1 {
-                "invalid configuration".to_string()
-            } else {
-                format!("{n} problems in the configuration")
-            };
-            return Err(ConfigError::new(format!(
-                "{}: {head}:\n  {}",
-                file.display(),
-                errors.join("\n  ")
-            )));
+            let head =
+                if n == 1 { "invalid configuration".to_string() } else { format!("{n} problems in the configuration") };
+            return Err(ConfigError::new(format!("{}: {head}:\n  {}", file.display(), errors.join("\n  "))));
         }
         let data = data.expect("checked above");
         let layout = layout.expect("checked above");
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads_per_rank = c
-            .run
-            .threads_per_rank
-            .unwrap_or((cores / c.run.world_size).max(1));
-        let parameters =
-            crate::model::parameter_count(data.features, &c.wrap.model.hidden, data.classes);
+        let threads_per_rank = c.run.threads_per_rank.unwrap_or((cores / c.run.world_size).max(1));
+        let parameters = crate::model::parameter_count(data.features, &c.wrap.model.hidden, data.classes);
         let run_id = run_id(&c);
-        Ok(Plan {
-            config: c,
-            sources,
-            pipeline_file: file,
-            run_id,
-            data,
-            layout,
-            threads_per_rank,
-            parameters,
-        })
+        Ok(Plan { config: c, sources, pipeline_file: file, run_id, data, layout, threads_per_rank, parameters })
     }
 
     pub fn world_size(&self) -> usize {
@@ -271,11 +205,7 @@ impl Plan {
                 out += &format!("\n[{sec}]\n");
                 section = sec.to_owned();
             }
-            let from = self
-                .sources
-                .get(&key)
-                .map(String::as_str)
-                .unwrap_or("default");
+            let from = self.sources.get(&key).map(String::as_str).unwrap_or("default");
             out += &format!("{name} = {v}  # {from}\n");
         }
         out
@@ -291,29 +221,16 @@ fn file_spec(
     let Some(rel) = &load.path else {
         bad(
             "load.path",
-            format!(
-                "source = \"{}\" needs a path to the file",
-                if source == Source::Csv {
-                    "csv"
-                } else {
-                    "parquet"
-                }
-            ),
+            format!("source = \"{}\" needs a path to the file", if source == Source::Csv { "csv" } else { "parquet" }),
         );
         return None;
     };
     let Some(target) = &load.target else {
-        bad(
-            "load.target",
-            "names the column holding the class labels; it is required for files".into(),
-        );
+        bad("load.target", "names the column holding the class labels; it is required for files".into());
         return None;
     };
     if load.noise != Load::default().noise {
-        bad(
-            "load.noise",
-            "is only read by source = \"synthetic\"".into(),
-        );
+        bad("load.noise", "is only read by source = \"synthetic\"".into());
     }
     let path = base.join(rel);
     let info = match inspect_file(&path, source, target) {
@@ -327,43 +244,20 @@ fn file_spec(
         if f != info.features.len() {
             bad(
                 "load.features",
-                format!(
-                    "is {f} but {} has {} feature columns besides `{target}`",
-                    path.display(),
-                    info.features.len()
-                ),
+                format!("is {f} but {} has {} feature columns besides `{target}`", path.display(), info.features.len()),
             );
         }
     }
     let classes = load.classes.unwrap_or(info.classes);
     if classes < info.classes {
-        bad(
-            "load.classes",
-            format!(
-                "is {classes} but `{target}` has labels up to {}",
-                info.classes - 1
-            ),
-        );
+        bad("load.classes", format!("is {classes} but `{target}` has labels up to {}", info.classes - 1));
     }
     if let Some(rows) = load.rows.filter(|r| *r > info.rows) {
-        bad(
-            "load.rows",
-            format!(
-                "asks for {rows} rows but {} has {}",
-                path.display(),
-                info.rows
-            ),
-        );
+        bad("load.rows", format!("asks for {rows} rows but {} has {}", path.display(), info.rows));
     }
     let total = load.rows.unwrap_or(info.rows).min(info.rows);
     if load.validation_rows >= total {
-        bad(
-            "load.validation_rows",
-            format!(
-                "{} leaves no training rows out of {total}",
-                load.validation_rows
-            ),
-        );
+        bad("load.validation_rows", format!("{} leaves no training rows out of {total}", load.validation_rows));
         return None;
     }
     Some(DataSpec {

@@ -28,41 +28,26 @@ pub struct Override {
 
 impl Override {
     pub fn set(text: &str) -> Override {
-        Override {
-            label: "--set".into(),
-            text: text.into(),
-        }
+        Override { label: "--set".into(), text: text.into() }
     }
 }
 
 pub fn resolve(file: &Path, overrides: &[Override]) -> Result<Resolved, ConfigError> {
-    let text = std::fs::read_to_string(file).map_err(|e| {
-        ConfigError::new(format!(
-            "cannot read the pipeline file {}: {e}",
-            file.display()
-        ))
-    })?;
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| ConfigError::new(format!("cannot read the pipeline file {}: {e}", file.display())))?;
     parse_strict::<Config>(&text, &file.display().to_string())?;
 
     let mut figment = Figment::new()
         .merge(Toml::string(&text))
         // Every config key is `section.key`: only variables with `__` are meant for us, which
         // leaves alone the RUNNER_* that CI systems set (RUNNER_OS, RUNNER_TEMP, ...).
-        .merge(
-            Env::prefixed("RUNNER_")
-                .filter(|k| k.as_str().contains("__"))
-                .split("__"),
-        );
+        .merge(Env::prefixed("RUNNER_").filter(|k| k.as_str().contains("__")).split("__"));
     for o in overrides {
         figment = figment.merge(SetArg::parse(o)?);
     }
     let config: Config = figment.extract().map_err(|e| figment_error(e, file))?;
     let sources = sources(&figment, &config, &text, file);
-    Ok(Resolved {
-        config,
-        sources,
-        file: file.to_owned(),
-    })
+    Ok(Resolved { config, sources, file: file.to_owned() })
 }
 
 /// Deserializes `text` alone, so that errors carry the file's line and column.
@@ -81,19 +66,13 @@ fn toml_error(e: &toml::de::Error, path: Option<String>, text: &str, origin: &st
             let line = before.matches('\n').count() + 1;
             let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
             let source = text.lines().nth(line - 1).unwrap_or("");
-            (
-                format!("{origin}:{line}:{col}"),
-                format!("\n  {line} | {source}"),
-            )
+            (format!("{origin}:{line}:{col}"), format!("\n  {line} | {source}"))
         }
         None => (origin.to_owned(), String::new()),
     };
     let (at, excerpt) = at;
     let path = path.filter(|p| p != ".");
-    ConfigError::new(format!(
-        "{at}: {}{excerpt}",
-        explain(e.message(), path.as_deref())
-    ))
+    ConfigError::new(format!("{at}: {}{excerpt}", explain(e.message(), path.as_deref())))
 }
 
 /// Rewrites serde's messages about unknown keys and variants into ones that name the full key
@@ -107,10 +86,7 @@ fn explain(message: &str, path: Option<&str>) -> String {
         None => name.to_owned(),
     };
     if message.starts_with("unknown field") {
-        let (field, valid) = quoted
-            .split_first()
-            .map(|(f, v)| (*f, v.to_vec()))
-            .unwrap_or(("?", vec![]));
+        let (field, valid) = quoted.split_first().map(|(f, v)| (*f, v.to_vec())).unwrap_or(("?", vec![]));
         let key = full(field);
         let section = key.rsplit_once('.').map(|(s, _)| s);
         let prefix = section.map(|s| format!("{s}.")).unwrap_or_default();
@@ -118,33 +94,17 @@ fn explain(message: &str, path: Option<&str>) -> String {
         if let Some(best) = closest(field, &valid) {
             out += &format!("; did you mean `{prefix}{best}`?");
         }
-        let list = valid
-            .iter()
-            .map(|v| format!("{prefix}{v}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let place = section
-            .map(|s| format!("[{s}]"))
-            .unwrap_or_else(|| "the file".into());
+        let list = valid.iter().map(|v| format!("{prefix}{v}")).collect::<Vec<_>>().join(", ");
+        let place = section.map(|s| format!("[{s}]")).unwrap_or_else(|| "the file".into());
         out + &format!(" (valid keys in {place}: {list})")
     } else if message.starts_with("unknown variant") {
-        let (value, valid) = quoted
-            .split_first()
-            .map(|(f, v)| (*f, v.to_vec()))
-            .unwrap_or(("?", vec![]));
+        let (value, valid) = quoted.split_first().map(|(f, v)| (*f, v.to_vec())).unwrap_or(("?", vec![]));
         let key = path.unwrap_or("value");
         let mut out = format!("`{key}` cannot be \"{value}\"");
         if let Some(best) = closest(value, &valid) {
             out += &format!("; did you mean \"{best}\"?");
         }
-        out + &format!(
-            " (one of: {})",
-            valid
-                .iter()
-                .map(|v| format!("\"{v}\""))
-                .collect::<Vec<_>>()
-                .join(", ")
-        )
+        out + &format!(" (one of: {})", valid.iter().map(|v| format!("\"{v}\"")).collect::<Vec<_>>().join(", "))
     } else {
         match path {
             Some(p) => format!("`{p}`: {message}"),
@@ -167,54 +127,31 @@ fn figment_error(e: figment::Error, file: &Path) -> ConfigError {
     let messages: Vec<String> = e
         .into_iter()
         .map(|e| {
-            let name = e
-                .metadata
-                .as_ref()
-                .map(|m| m.name.to_string())
-                .unwrap_or_default();
+            let name = e.metadata.as_ref().map(|m| m.name.to_string()).unwrap_or_default();
             let mut path = e.path.clone();
             let (kind_message, field) = match &e.kind {
                 figment::error::Kind::UnknownField(f, expected) => {
                     if path.last() != Some(f) {
                         path.push(f.clone());
                     }
-                    let valid = expected
-                        .iter()
-                        .map(|s| format!("`{s}`"))
-                        .collect::<Vec<_>>()
-                        .join(", ");
-                    (
-                        format!("unknown field `{f}`, expected one of {valid}"),
-                        Some(f.clone()),
-                    )
+                    let valid = expected.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ");
+                    (format!("unknown field `{f}`, expected one of {valid}"), Some(f.clone()))
                 }
                 kind => (kind.to_string(), None),
             };
             let key = path.join(".");
             let origin = if name.contains("environment") {
-                format!(
-                    "environment variable RUNNER_{}",
-                    path.join("__").to_uppercase()
-                )
+                format!("environment variable RUNNER_{}", path.join("__").to_uppercase())
             } else if name.starts_with("--set") || name.starts_with("sweep") {
                 name.clone()
             } else {
                 file.display().to_string()
             };
-            let section = field.as_ref().map(|_| {
-                key.rsplit_once('.')
-                    .map(|(s, _)| s.to_owned())
-                    .unwrap_or_default()
-            });
+            let section = field.as_ref().map(|_| key.rsplit_once('.').map(|(s, _)| s.to_owned()).unwrap_or_default());
             let message = match section {
-                Some(s) if !s.is_empty() => {
-                    explain(&kind_message, Some(&format!("{s}.{}", field.unwrap())))
-                }
+                Some(s) if !s.is_empty() => explain(&kind_message, Some(&format!("{s}.{}", field.unwrap()))),
                 Some(_) => explain(&kind_message, None),
-                None => explain(
-                    &kind_message,
-                    Some(&key).filter(|k| !k.is_empty()).map(|k| k.as_str()),
-                ),
+                None => explain(&kind_message, Some(&key).filter(|k| !k.is_empty()).map(|k| k.as_str())),
             };
             format!("{origin}: {message}")
         })
@@ -223,12 +160,7 @@ fn figment_error(e: figment::Error, file: &Path) -> ConfigError {
 }
 
 /// Where each leaf value of `config` came from.
-fn sources(
-    figment: &Figment,
-    config: &Config,
-    text: &str,
-    file: &Path,
-) -> BTreeMap<String, String> {
+fn sources(figment: &Figment, config: &Config, text: &str, file: &Path) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     let value = toml::Value::try_from(config).expect("a Config serializes");
     let mut leaves = Vec::new();
@@ -259,10 +191,7 @@ fn line_of(text: &str, dotted: &str) -> Option<usize> {
         if let Some(header) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
             current = header.trim().to_owned();
         } else if current == section
-            && line
-                .split('=')
-                .next()
-                .is_some_and(|k| k.trim().trim_matches('"') == key)
+            && line.split('=').next().is_some_and(|k| k.trim().trim_matches('"') == key)
             && line.contains('=')
         {
             return Some(i + 1);
@@ -276,11 +205,7 @@ pub fn flatten(prefix: &str, v: &toml::Value, out: &mut Vec<(String, toml::Value
     match v {
         toml::Value::Table(t) => {
             for (k, v) in t {
-                let key = if prefix.is_empty() {
-                    k.clone()
-                } else {
-                    format!("{prefix}.{k}")
-                };
+                let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
                 flatten(&key, v, out);
             }
         }
@@ -302,17 +227,14 @@ impl SetArg {
             .text
             .split_once('=')
             .filter(|(k, _)| !k.trim().is_empty())
-            .ok_or_else(|| {
-                ConfigError::new(format!("{label}: expected KEY=VALUE, e.g. train.lr=0.05"))
-            })?;
+            .ok_or_else(|| ConfigError::new(format!("{label}: expected KEY=VALUE, e.g. train.lr=0.05")))?;
         let key = key.trim();
         let raw = raw.trim();
         let parsed: toml::Value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
             .ok()
             .and_then(|mut t| t.remove("v"))
             .unwrap_or_else(|| toml::Value::String(raw.to_owned()));
-        let mut value =
-            Value::serialize(&parsed).map_err(|e| ConfigError::new(format!("{label}: {e}")))?;
+        let mut value = Value::serialize(&parsed).map_err(|e| ConfigError::new(format!("{label}: {e}")))?;
         for part in key.rsplit('.') {
             let mut dict = Dict::new();
             dict.insert(part.to_owned(), value);

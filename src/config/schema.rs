@@ -121,11 +121,7 @@ pub struct Shard {
 
 impl Default for Shard {
     fn default() -> Self {
-        Shard {
-            strategy: ShardStrategy::Dataset,
-            shuffle: true,
-            drop_last: false,
-        }
+        Shard { strategy: ShardStrategy::Dataset, shuffle: true, drop_last: false }
     }
 }
 
@@ -175,11 +171,7 @@ pub struct Wrap {
 
 impl Default for Wrap {
     fn default() -> Self {
-        Wrap {
-            strategy: WrapStrategy::Ddp,
-            bucket_cap_mb: 25.0,
-            model: Model::default(),
-        }
+        Wrap { strategy: WrapStrategy::Ddp, bucket_cap_mb: 25.0, model: Model::default() }
     }
 }
 
@@ -205,12 +197,7 @@ pub struct Model {
 
 impl Default for Model {
     fn default() -> Self {
-        Model {
-            kind: ModelKind::Mlp,
-            hidden: vec![64, 64],
-            activation: Activation::Relu,
-            dropout: 0.0,
-        }
+        Model { kind: ModelKind::Mlp, hidden: vec![64, 64], activation: Activation::Relu, dropout: 0.0 }
     }
 }
 
@@ -242,14 +229,7 @@ pub struct Train {
 
 impl Default for Train {
     fn default() -> Self {
-        Train {
-            epochs: 5,
-            batch_size: 32,
-            optimizer: Optimizer::Sgd,
-            lr: 0.1,
-            momentum: 0.0,
-            weight_decay: 0.0,
-        }
+        Train { epochs: 5, batch_size: 32, optimizer: Optimizer::Sgd, lr: 0.1, momentum: 0.0, weight_decay: 0.0 }
     }
 }
 
@@ -271,10 +251,7 @@ pub struct Validate {
 
 impl Default for Validate {
     fn default() -> Self {
-        Validate {
-            every: 1,
-            on: ValidateOn::Rank0,
-        }
+        Validate { every: 1, on: ValidateOn::Rank0 }
     }
 }
 

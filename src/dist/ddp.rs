@@ -36,39 +36,18 @@ pub struct Ddp<'pg> {
 impl<'pg> Ddp<'pg> {
     /// `params` in the same order on every rank. `stats_every`: the Reducer samples its timers
     /// every that many iterations (and on the first ten).
-    pub fn new(
-        pg: &'pg ProcessGroup,
-        params: &[Tensor],
-        bucket_cap_mb: f64,
-        stats_every: usize,
-    ) -> Result<Ddp<'pg>> {
+    pub fn new(pg: &'pg ProcessGroup, params: &[Tensor], bucket_cap_mb: f64, stats_every: usize) -> Result<Ddp<'pg>> {
         let ptrs: Vec<*mut c_void> = params.iter().map(|p| p.as_ptr() as *mut c_void).collect();
         let cap = (bucket_cap_mb * 1024.0 * 1024.0) as i64;
         let mut raw = std::ptr::null_mut();
         // SAFETY: `ptrs` are live tensors for the call; the Reducer keeps its own references.
-        let err = unsafe {
-            ffi::rn_ddp_new(
-                pg.raw(),
-                ptrs.as_ptr(),
-                ptrs.len(),
-                cap,
-                stats_every as i64,
-                &mut raw,
-            )
-        };
+        let err = unsafe { ffi::rn_ddp_new(pg.raw(), ptrs.as_ptr(), ptrs.len(), cap, stats_every as i64, &mut raw) };
         check("ddp.new", err).map_err(|e| pg.explain(e))?;
         let raw = NonNull::new(raw).expect("rn_ddp_new succeeded");
         let mut buckets = 0usize;
         // SAFETY: `raw` is live; valid out-pointer.
-        check("ddp.buckets", unsafe {
-            ffi::rn_ddp_bucket_count(raw.as_ptr(), &mut buckets)
-        })?;
-        Ok(Ddp {
-            raw,
-            pg,
-            buckets,
-            sync: true,
-        })
+        check("ddp.buckets", unsafe { ffi::rn_ddp_bucket_count(raw.as_ptr(), &mut buckets) })?;
+        Ok(Ddp { raw, pg, buckets, sync: true })
     }
 
     /// Whether the next backward pass averages gradients (torch's `no_sync` is `false`).
@@ -106,9 +85,7 @@ impl<'pg> Ddp<'pg> {
     pub fn reducer_times(&mut self, iteration: i64) -> Result<Option<ReducerTimes>> {
         let mut s = ffi::RnDdpStats::default();
         // SAFETY: the reducer is live; valid out-pointer.
-        check("ddp.stats", unsafe {
-            ffi::rn_ddp_record_stats(self.raw.as_ptr(), &mut s)
-        })?;
+        check("ddp.stats", unsafe { ffi::rn_ddp_record_stats(self.raw.as_ptr(), &mut s) })?;
         if s.iteration != iteration || s.forward_compute_ns < 0 {
             return Ok(None);
         }

@@ -23,23 +23,20 @@ pub struct PeerExit {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
-    pub(crate) fn new(op: impl Into<String>, message: impl Into<String>) -> Self {
-        Error {
-            op: op.into(),
-            peer: None,
-            message: message.into(),
-        }
+    /// `message` as c10d gave it, less the generic advice gloo appends to transport errors
+    /// (the error names the peer instead).
+    pub fn new(op: impl Into<String>, message: impl AsRef<str>) -> Self {
+        let m = message.as_ref();
+        let m = m.split(" This is typically caused by").next().unwrap_or(m).trim();
+        let m = m.strip_prefix("Internal torch error: ").unwrap_or(m);
+        Error { op: op.into(), peer: None, message: m.to_owned() }
     }
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.peer {
-            Some(p) => write!(
-                f,
-                "{} failed because rank {} {}: {}",
-                self.op, p.rank, p.how, self.message
-            ),
+            Some(p) => write!(f, "{} failed because rank {} {}: {}", self.op, p.rank, p.how, self.message),
             None => write!(f, "{} failed: {}", self.op, self.message),
         }
     }

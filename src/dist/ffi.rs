@@ -44,24 +44,9 @@ extern "C" {
         out: *mut *mut RnStore,
     ) -> *mut c_char;
     pub fn rn_store_free(s: *mut RnStore);
-    pub fn rn_store_set(
-        s: *mut RnStore,
-        key: *const c_char,
-        value: *const u8,
-        len: usize,
-    ) -> *mut c_char;
-    pub fn rn_store_get(
-        s: *mut RnStore,
-        key: *const c_char,
-        value: *mut *mut u8,
-        len: *mut usize,
-    ) -> *mut c_char;
-    pub fn rn_store_add(
-        s: *mut RnStore,
-        key: *const c_char,
-        delta: i64,
-        out: *mut i64,
-    ) -> *mut c_char;
+    pub fn rn_store_set(s: *mut RnStore, key: *const c_char, value: *const u8, len: usize) -> *mut c_char;
+    pub fn rn_store_get(s: *mut RnStore, key: *const c_char, value: *mut *mut u8, len: *mut usize) -> *mut c_char;
+    pub fn rn_store_add(s: *mut RnStore, key: *const c_char, delta: i64, out: *mut i64) -> *mut c_char;
     pub fn rn_store_check(s: *mut RnStore, key: *const c_char, present: *mut c_int) -> *mut c_char;
     pub fn rn_store_port(s: *mut RnStore, out: *mut u16) -> *mut c_char;
 
@@ -103,11 +88,7 @@ extern "C" {
     ) -> *mut c_char;
     pub fn rn_ddp_free(d: *mut RnDdp);
     pub fn rn_ddp_prepare_forward(d: *mut RnDdp) -> *mut c_char;
-    pub fn rn_ddp_prepare_backward(
-        d: *mut RnDdp,
-        outputs: *const *mut c_void,
-        n_outputs: usize,
-    ) -> *mut c_char;
+    pub fn rn_ddp_prepare_backward(d: *mut RnDdp, outputs: *const *mut c_void, n_outputs: usize) -> *mut c_char;
     pub fn rn_ddp_record_stats(d: *mut RnDdp, out: *mut RnDdpStats) -> *mut c_char;
     pub fn rn_ddp_bucket_count(d: *mut RnDdp, out: *mut usize) -> *mut c_char;
 }

@@ -27,7 +27,7 @@ mod store;
 
 pub use ddp::{Ddp, ReducerTimes};
 pub use error::{Error, PeerExit, Result};
-pub use process_group::{exit_key, Backend, ProcessGroup, ReduceOp};
+pub use process_group::{record_exit, Backend, ProcessGroup, ReduceOp};
 pub use store::Store;
 
 /// Turns a bridge return value (NULL or a malloc'd message) into a `Result`.
@@ -36,10 +36,7 @@ fn check(op: &str, err: *mut std::ffi::c_char) -> Result<()> {
         return Ok(());
     }
     // SAFETY: a non-NULL return is a NUL-terminated string from the bridge's malloc.
-    let message = unsafe { std::ffi::CStr::from_ptr(err) }
-        .to_string_lossy()
-        .trim()
-        .to_owned();
+    let message = unsafe { std::ffi::CStr::from_ptr(err) }.to_string_lossy().into_owned();
     // SAFETY: freed once, by the allocator that made it.
     unsafe { ffi::rn_free_string(err) };
     Err(Error::new(op, message))

@@ -25,9 +25,25 @@ pub enum ReduceOp {
     Max,
 }
 
-/// Store key under which a rank that left the group says how (see [`ProcessGroup::explain`]).
-pub fn exit_key(rank: usize) -> String {
+fn exit_key(rank: usize) -> String {
     format!("runner/exit/{rank}")
+}
+
+/// Records in the store that `rank` left the group and how (by itself, or by its launcher when
+/// it died), numbered in the order departures happen: the first is the root cause.
+pub fn record_exit(store: &Store, rank: usize, how: &str) -> Result<()> {
+    let seq = store.add("runner/exit-seq", 1)?;
+    store.set(&exit_key(rank), format!("{seq}|{how}").as_bytes())
+}
+
+/// The departure recorded for `rank`: its order and how.
+fn recorded_exit(store: &Store, rank: usize) -> Option<(i64, String)> {
+    if !store.contains(&exit_key(rank)).ok()? {
+        return None;
+    }
+    let value = String::from_utf8_lossy(&store.get(&exit_key(rank)).ok()?).into_owned();
+    let (seq, how) = value.split_once('|')?;
+    Some((seq.parse().ok()?, how.to_owned()))
 }
 
 /// The ranks `0..size` of one job, joined through a [`Store`].
@@ -56,10 +72,7 @@ impl ProcessGroup {
         timeout: Duration,
     ) -> Result<ProcessGroup> {
         if rank >= size {
-            return Err(Error::new(
-                "process_group.new",
-                format!("rank {rank} is not below world size {size}"),
-            ));
+            return Err(Error::new("process_group.new", format!("rank {rank} is not below world size {size}")));
         }
         let host = CString::new(device_host)
             .map_err(|_| Error::new("process_group.new", "device host contains a NUL byte"))?;
@@ -68,14 +81,7 @@ impl ProcessGroup {
         let err = match backend {
             // SAFETY: the store is live for the call; `raw` is written only on success.
             Backend::Gloo => unsafe {
-                ffi::rn_pg_new_gloo(
-                    store.raw(),
-                    rank as i32,
-                    size as i32,
-                    host.as_ptr(),
-                    timeout_ms,
-                    &mut raw,
-                )
+                ffi::rn_pg_new_gloo(store.raw(), rank as i32, size as i32, host.as_ptr(), timeout_ms, &mut raw)
             },
             // SAFETY: as above.
             Backend::Nccl => unsafe {
@@ -85,13 +91,7 @@ impl ProcessGroup {
         let op = format!("process_group.new({backend:?}, rank {rank} of {size})");
         check(&op, err)?;
         let raw = NonNull::new(raw).expect("rn_pg_new succeeded");
-        Ok(ProcessGroup {
-            raw,
-            store,
-            rank,
-            size,
-            timeout,
-        })
+        Ok(ProcessGroup { raw, store, rank, size, timeout })
     }
 
     pub fn rank(&self) -> usize {
@@ -135,8 +135,7 @@ impl ProcessGroup {
         self.peer(&name, root)?;
         self.contiguous(&name, t)?;
         // SAFETY: as in all_reduce.
-        let err =
-            unsafe { ffi::rn_pg_broadcast(self.raw(), t.as_mut_ptr() as *mut c_void, root as i32) };
+        let err = unsafe { ffi::rn_pg_broadcast(self.raw(), t.as_mut_ptr() as *mut c_void, root as i32) };
         self.result(&name, err)
     }
 
@@ -146,14 +145,7 @@ impl ProcessGroup {
         let outputs: Vec<Tensor> = (0..self.size).map(|_| t.empty_like()).collect();
         let ptrs: Vec<*mut c_void> = outputs.iter().map(|o| o.as_ptr() as *mut c_void).collect();
         // SAFETY: `ptrs` holds `size` live tensors shaped like `t`; all outlive the blocking call.
-        let err = unsafe {
-            ffi::rn_pg_all_gather(
-                self.raw(),
-                ptrs.as_ptr(),
-                ptrs.len(),
-                t.as_ptr() as *mut c_void,
-            )
-        };
+        let err = unsafe { ffi::rn_pg_all_gather(self.raw(), ptrs.as_ptr(), ptrs.len(), t.as_ptr() as *mut c_void) };
         self.result("all_gather", err)?;
         Ok(outputs)
     }
@@ -164,8 +156,7 @@ impl ProcessGroup {
         self.peer(&name, dst)?;
         self.contiguous(&name, t)?;
         // SAFETY: `t` is live and contiguous for the blocking call.
-        let err =
-            unsafe { ffi::rn_pg_send(self.raw(), t.as_ptr() as *mut c_void, dst as i32, tag) };
+        let err = unsafe { ffi::rn_pg_send(self.raw(), t.as_ptr() as *mut c_void, dst as i32, tag) };
         self.result(&name, err)
     }
 
@@ -175,8 +166,7 @@ impl ProcessGroup {
         self.peer(&name, src)?;
         self.contiguous(&name, t)?;
         // SAFETY: `t` is live and contiguous for the blocking call.
-        let err =
-            unsafe { ffi::rn_pg_recv(self.raw(), t.as_mut_ptr() as *mut c_void, src as i32, tag) };
+        let err = unsafe { ffi::rn_pg_recv(self.raw(), t.as_mut_ptr() as *mut c_void, src as i32, tag) };
         self.result(&name, err)
     }
 
@@ -189,17 +179,14 @@ impl ProcessGroup {
     /// Records in the store that this rank is leaving and why, so that peers still waiting on
     /// it can name it in their error. Dropping the group records "left the group".
     pub fn leave(&self, how: &str) {
-        let _ = self.store.set(&exit_key(self.rank), how.as_bytes());
+        let _ = record_exit(&self.store, self.rank, how);
     }
 
     fn contiguous(&self, op: &str, t: &Tensor) -> Result<()> {
         if t.is_contiguous() {
             Ok(())
         } else {
-            Err(Error::new(
-                op,
-                "the tensor is not contiguous (call .contiguous() first)",
-            ))
+            Err(Error::new(op, "the tensor is not contiguous (call .contiguous() first)"))
         }
     }
 
@@ -207,10 +194,7 @@ impl ProcessGroup {
         if rank < self.size {
             Ok(())
         } else {
-            Err(Error::new(
-                op,
-                format!("rank {rank} is not below world size {}", self.size),
-            ))
+            Err(Error::new(op, format!("rank {rank} is not below world size {}", self.size)))
         }
     }
 
@@ -218,23 +202,24 @@ impl ProcessGroup {
         check(op, err).map_err(|e| self.explain(e))
     }
 
-    /// Names the peer behind a failed collective: the lowest rank that has recorded its exit in
-    /// the store (itself, or its launcher when it was killed). Waits briefly for that record,
-    /// since the peer's socket closes before its launcher notices it died.
+    /// Names the peer behind a failed collective: the first rank whose departure is recorded in
+    /// the store (by its launcher when it died, or by itself when it left), preferring root
+    /// causes over ranks that only failed in turn ("failed: ..."). Waits briefly for a record,
+    /// since a peer's socket closes before its launcher notices that it died.
     pub fn explain(&self, mut e: Error) -> Error {
         let deadline = Instant::now() + Duration::from_secs(2).min(self.timeout);
         loop {
-            for rank in (0..self.size).filter(|&r| r != self.rank) {
-                if self.store.contains(&exit_key(rank)).unwrap_or(false) {
-                    let how = self.store.get(&exit_key(rank)).unwrap_or_default();
-                    e.peer = Some(PeerExit {
-                        rank,
-                        how: String::from_utf8_lossy(&how).into_owned(),
-                    });
+            let mut exits: Vec<(i64, PeerExit)> = (0..self.size)
+                .filter(|&r| r != self.rank)
+                .filter_map(|rank| recorded_exit(&self.store, rank).map(|(seq, how)| (seq, PeerExit { rank, how })))
+                .collect();
+            exits.sort_by_key(|(seq, p)| (p.how.starts_with("failed"), *seq));
+            if let Some((_, first)) = exits.into_iter().next() {
+                if !first.how.starts_with("failed") || Instant::now() >= deadline {
+                    e.peer = Some(first);
                     return e;
                 }
-            }
-            if Instant::now() >= deadline {
+            } else if Instant::now() >= deadline {
                 return e;
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -244,7 +229,7 @@ impl ProcessGroup {
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
-        if !self.store.contains(&exit_key(self.rank)).unwrap_or(true) {
+        if self.store.contains(&exit_key(self.rank)).is_ok_and(|recorded| !recorded) {
             self.leave("left the group");
         }
         // SAFETY: the handle is live and dropped exactly once.

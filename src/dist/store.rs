@@ -31,48 +31,22 @@ impl Store {
     /// A server that takes over `listener` (already bound, e.g. to 127.0.0.1:0), so nothing
     /// else chooses the address and two runs never race for a port.
     pub fn serve(listener: TcpListener, num_workers: usize, timeout: Duration) -> Result<Store> {
-        let addr = listener
-            .local_addr()
-            .map_err(|e| Error::new("store.serve", e.to_string()))?;
+        let addr = listener.local_addr().map_err(|e| Error::new("store.serve", e.to_string()))?;
         let host = CString::new(addr.ip().to_string()).expect("an IP address has no NUL");
         let fd = listener.into_raw_fd();
-        Self::open(
-            "store.serve",
-            &host,
-            addr.port(),
-            true,
-            fd,
-            num_workers,
-            timeout,
-        )
+        Self::open("store.serve", &host, addr.port(), true, fd, num_workers, timeout)
     }
 
     /// A client of the server at `host:port`, retrying until `timeout`.
     pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<Store> {
         let host_c = key_c(host, "store.connect")?;
-        Self::open(
-            &format!("store.connect({host}:{port})"),
-            &host_c,
-            port,
-            false,
-            -1,
-            0,
-            timeout,
-        )
+        Self::open(&format!("store.connect({host}:{port})"), &host_c, port, false, -1, 0, timeout)
     }
 
     /// A server listening on `port` of every interface of this host (multi-node rendezvous).
     pub fn listen(port: u16, num_workers: usize, timeout: Duration) -> Result<Store> {
         let host = CString::new("0.0.0.0").unwrap();
-        Self::open(
-            &format!("store.listen(:{port})"),
-            &host,
-            port,
-            true,
-            -1,
-            num_workers,
-            timeout,
-        )
+        Self::open(&format!("store.listen(:{port})"), &host, port, true, -1, num_workers, timeout)
     }
 
     fn open(
@@ -86,22 +60,10 @@ impl Store {
     ) -> Result<Store> {
         let mut raw = std::ptr::null_mut();
         // SAFETY: `host` outlives the call; `raw` is written only on success.
-        let err = unsafe {
-            ffi::rn_store_new(
-                host.as_ptr(),
-                port,
-                server as i32,
-                fd,
-                workers as i32,
-                ms(timeout),
-                &mut raw,
-            )
-        };
+        let err =
+            unsafe { ffi::rn_store_new(host.as_ptr(), port, server as i32, fd, workers as i32, ms(timeout), &mut raw) };
         check(op, err)?;
-        Ok(Store {
-            raw: NonNull::new(raw).expect("rn_store_new succeeded"),
-            timeout,
-        })
+        Ok(Store { raw: NonNull::new(raw).expect("rn_store_new succeeded"), timeout })
     }
 
     pub fn timeout(&self) -> Duration {
@@ -116,9 +78,7 @@ impl Store {
     pub fn port(&self) -> Result<u16> {
         let mut port = 0u16;
         // SAFETY: `self.raw` is a live store; `port` is a valid out-pointer.
-        check("store.port", unsafe {
-            ffi::rn_store_port(self.raw(), &mut port)
-        })?;
+        check("store.port", unsafe { ffi::rn_store_port(self.raw(), &mut port) })?;
         Ok(port)
     }
 
@@ -126,9 +86,7 @@ impl Store {
         let op = format!("store.set({key:?})");
         let k = key_c(key, &op)?;
         // SAFETY: the key and value buffers are valid for the call; the length is explicit.
-        check(&op, unsafe {
-            ffi::rn_store_set(self.raw(), k.as_ptr(), value.as_ptr(), value.len())
-        })
+        check(&op, unsafe { ffi::rn_store_set(self.raw(), k.as_ptr(), value.as_ptr(), value.len()) })
     }
 
     /// Waits (up to the timeout) until `key` exists, then returns its value.
@@ -138,9 +96,7 @@ impl Store {
         let mut buf = std::ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: out-pointers are valid; on success `buf` holds `len` bytes we must free.
-        check(&op, unsafe {
-            ffi::rn_store_get(self.raw(), k.as_ptr(), &mut buf, &mut len)
-        })?;
+        check(&op, unsafe { ffi::rn_store_get(self.raw(), k.as_ptr(), &mut buf, &mut len) })?;
         // SAFETY: `buf` points at `len` initialised bytes allocated by the bridge.
         let value = unsafe { std::slice::from_raw_parts(buf, len) }.to_vec();
         // SAFETY: `buf` came from the bridge's malloc and is freed once.
@@ -154,9 +110,7 @@ impl Store {
         let k = key_c(key, &op)?;
         let mut out = 0i64;
         // SAFETY: valid key and out-pointer.
-        check(&op, unsafe {
-            ffi::rn_store_add(self.raw(), k.as_ptr(), delta, &mut out)
-        })?;
+        check(&op, unsafe { ffi::rn_store_add(self.raw(), k.as_ptr(), delta, &mut out) })?;
         Ok(out)
     }
 
@@ -166,9 +120,7 @@ impl Store {
         let k = key_c(key, &op)?;
         let mut present = 0;
         // SAFETY: valid key and out-pointer.
-        check(&op, unsafe {
-            ffi::rn_store_check(self.raw(), k.as_ptr(), &mut present)
-        })?;
+        check(&op, unsafe { ffi::rn_store_check(self.raw(), k.as_ptr(), &mut present) })?;
         Ok(present != 0)
     }
 }

@@ -27,24 +27,15 @@ impl RankEnv {
             return Ok(None);
         };
         let var = |k: &str| {
-            std::env::var(k).with_context(|| {
-                format!("RANK is set, so {k} must be set too (torchrun sets both)")
-            })
+            std::env::var(k).with_context(|| format!("RANK is set, so {k} must be set too (torchrun sets both)"))
         };
-        let num = |k: &str, v: String| {
-            v.parse::<usize>()
-                .with_context(|| format!("{k}={v:?} is not a number"))
-        };
+        let num = |k: &str, v: String| v.parse::<usize>().with_context(|| format!("{k}={v:?} is not a number"));
         let rank = num("RANK", rank)?;
         let world_size = num("WORLD_SIZE", var("WORLD_SIZE")?)?;
         if rank >= world_size {
             bail!("RANK={rank} is not below WORLD_SIZE={world_size}");
         }
-        let local_rank = std::env::var("LOCAL_RANK")
-            .ok()
-            .map(|v| num("LOCAL_RANK", v))
-            .transpose()?
-            .unwrap_or(rank);
+        let local_rank = std::env::var("LOCAL_RANK").ok().map(|v| num("LOCAL_RANK", v)).transpose()?.unwrap_or(rank);
         let local_world_size = std::env::var("LOCAL_WORLD_SIZE")
             .ok()
             .map(|v| num("LOCAL_WORLD_SIZE", v))
@@ -52,13 +43,9 @@ impl RankEnv {
             .unwrap_or(world_size);
         let master_addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
         let port = var("MASTER_PORT")?;
-        let master_port = port
-            .parse()
-            .with_context(|| format!("MASTER_PORT={port:?} is not a port number"))?;
+        let master_port = port.parse().with_context(|| format!("MASTER_PORT={port:?} is not a port number"))?;
         let agent_store = std::env::var(AGENT_STORE).is_ok_and(|v| v.eq_ignore_ascii_case("true"));
-        let launcher_pid = std::env::var(LAUNCHER_PID)
-            .ok()
-            .and_then(|v| v.parse().ok());
+        let launcher_pid = std::env::var(LAUNCHER_PID).ok().and_then(|v| v.parse().ok());
         Ok(Some(RankEnv {
             rank,
             world_size,
@@ -78,8 +65,5 @@ impl RankEnv {
 }
 
 pub fn is_loopback(addr: &str) -> bool {
-    addr == "localhost"
-        || addr
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+    addr == "localhost" || addr.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }

@@ -36,11 +36,7 @@ pub struct Manifest {
 
 impl Manifest {
     pub fn start(plan: &Plan) -> Manifest {
-        let dir = plan
-            .pipeline_file
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
+        let dir = plan.pipeline_file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let git_commit = std::process::Command::new("git")
             .arg("-C")
             .arg(dir)
@@ -56,9 +52,7 @@ impl Manifest {
             runner_version: env!("CARGO_PKG_VERSION").into(),
             git_commit,
             libtorch_version: env!("RUNNER_LIBTORCH_VERSION").into(),
-            host: nix::unistd::gethostname()
-                .map(|h| h.to_string_lossy().into_owned())
-                .unwrap_or_default(),
+            host: nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default(),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             world_size: plan.world_size(),
             threads_per_rank: plan.threads_per_rank,
@@ -83,10 +77,8 @@ impl Manifest {
     pub fn read(run_dir: &Path) -> anyhow::Result<Manifest> {
         use anyhow::Context;
         let path = run_dir.join("manifest.json");
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        serde_json::from_str(&text)
-            .with_context(|| format!("{} is not a runner manifest", path.display()))
+        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("{} is not a runner manifest", path.display()))
     }
 }
 

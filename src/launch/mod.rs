@@ -2,5 +2,6 @@
 //! spawns and supervises `world_size` rank processes itself.
 pub mod env;
 pub mod manifest;
+pub mod position;
 pub mod rank;
 pub mod spawn;

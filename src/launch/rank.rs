@@ -26,11 +26,7 @@ pub fn run(plan: &Plan, env: &RankEnv, run_dir: &Path) -> anyhow::Result<Vec<Epo
     }
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
     let store = Arc::new(open_store(env, timeout)?);
-    let host = if env.single_node() {
-        "127.0.0.1".to_string()
-    } else {
-        gloo_host()
-    };
+    let host = if env.single_node() { "127.0.0.1".to_string() } else { gloo_host() };
     let backend = match plan.config.run.backend {
         BackendKind::Gloo => Backend::Gloo,
         BackendKind::Nccl => Backend::Nccl,
@@ -57,13 +53,8 @@ fn first_line(s: &str) -> &str {
 fn open_store(env: &RankEnv, timeout: Duration) -> anyhow::Result<Store> {
     if env.rank == 0 && !env.agent_store {
         if is_loopback(&env.master_addr) {
-            let listener =
-                TcpListener::bind(("127.0.0.1", env.master_port)).with_context(|| {
-                    format!(
-                        "cannot listen on 127.0.0.1:{} (MASTER_PORT)",
-                        env.master_port
-                    )
-                })?;
+            let listener = TcpListener::bind(("127.0.0.1", env.master_port))
+                .with_context(|| format!("cannot listen on 127.0.0.1:{} (MASTER_PORT)", env.master_port))?;
             return Ok(Store::serve(listener, env.world_size, timeout)?);
         }
         return Ok(Store::listen(env.master_port, env.world_size, timeout)?);
@@ -73,10 +64,7 @@ fn open_store(env: &RankEnv, timeout: Duration) -> anyhow::Result<Store> {
 
 /// The address peers reach this host's gloo transport at, for multi-node runs.
 fn gloo_host() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "127.0.0.1".into())
+    nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "127.0.0.1".into())
 }
 
 /// Makes the kernel kill this rank when the launcher dies, whatever killed the launcher.

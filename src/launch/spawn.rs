@@ -7,13 +7,20 @@ use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::{self, Signal};
+use nix::unistd::Pid;
+use signal_hook::consts::{SIGINT, SIGTERM};
+
 use super::env::{AGENT_STORE, LAUNCHER_PID};
+use super::position;
 use crate::config::Plan;
-use crate::dist::{exit_key, Store};
+use crate::dist::{record_exit, Store};
 
 const STDERR_TAIL: usize = 12;
 
@@ -22,22 +29,33 @@ const STDERR_TAIL: usize = 12;
 pub struct Outcome {
     /// The first rank to fail, how, and its last stderr lines.
     pub failure: Option<Failure>,
+    /// The signal (SIGINT, SIGTERM) that interrupted the run.
+    pub interrupted: Option<i32>,
 }
 
 #[derive(Debug)]
 pub struct Failure {
     pub rank: usize,
     pub how: String,
+    /// Stage, epoch and step the rank had reached.
+    pub position: Option<String>,
     pub stderr_tail: Vec<String>,
-    /// Ranks killed because they had not stopped within abort_after_s.
-    pub killed: Vec<usize>,
+    /// Ranks killed because they had not stopped within abort_after_s, and where they were
+    /// (a rank stalled in a collective shows here).
+    pub killed: Vec<(usize, Option<String>)>,
 }
 
 impl Failure {
     pub fn summary(&self) -> String {
         let mut s = format!("rank {} {}", self.rank, self.how);
-        if !self.killed.is_empty() {
-            s += &format!("; ranks {:?} were stopped", self.killed);
+        if let Some(p) = &self.position {
+            s += &format!(" during {p}");
+        }
+        for (rank, position) in &self.killed {
+            s += &format!("; rank {rank} did not stop within abort_after_s and was killed");
+            if let Some(p) = position {
+                s += &format!(" (it was in {p})");
+            }
         }
         s
     }
@@ -49,7 +67,12 @@ struct Rank {
     tail: Arc<Mutex<VecDeque<String>>>,
 }
 
-pub fn launch(plan: &Plan, child_args: &[OsString]) -> anyhow::Result<Outcome> {
+pub fn launch(plan: &Plan, run_dir: &Path, child_args: &[OsString]) -> anyhow::Result<Outcome> {
+    // Ctrl-C and SIGTERM stop the ranks through the supervision loop below.
+    let interrupt = Arc::new(AtomicUsize::new(0));
+    for sig in [SIGINT, SIGTERM] {
+        signal_hook::flag::register_usize(sig, Arc::clone(&interrupt), sig as usize)?;
+    }
     let world = plan.world_size();
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
     let listener = TcpListener::bind("127.0.0.1:0")?;
@@ -87,27 +110,31 @@ pub fn launch(plan: &Plan, child_args: &[OsString]) -> anyhow::Result<Outcome> {
                 t.push_back(line);
             }
         }));
-        ranks.push(Rank {
-            child,
-            status: None,
-            tail,
-        });
+        ranks.push(Rank { child, status: None, tail });
     }
 
     let abort_after = Duration::from_secs_f64(plan.config.run.abort_after_s);
     let mut first_failure: Option<(usize, String, Instant)> = None;
+    let mut interrupted: Option<(i32, Instant)> = None;
     let mut killed = Vec::new();
     loop {
+        let sig = interrupt.load(Ordering::SeqCst);
+        if sig != 0 && interrupted.is_none() {
+            interrupted = Some((sig as i32, Instant::now()));
+            for rank in ranks.iter().filter(|r| r.status.is_none()) {
+                let _ = signal::kill(Pid::from_raw(rank.child.id() as i32), Signal::SIGTERM);
+            }
+        }
         for (r, rank) in ranks.iter_mut().enumerate() {
             if rank.status.is_some() {
                 continue;
             }
             if let Some(status) = rank.child.try_wait()? {
                 rank.status = Some(status);
-                if !status.success() && first_failure.is_none() {
+                if !status.success() && first_failure.is_none() && interrupted.is_none() {
                     let how = describe(status);
                     // Peers blocked on this rank name it in their errors.
-                    let _ = store.set(&exit_key(r), how.as_bytes());
+                    let _ = record_exit(&store, r, &how);
                     first_failure = Some((r, how, Instant::now()));
                 }
             }
@@ -115,17 +142,12 @@ pub fn launch(plan: &Plan, child_args: &[OsString]) -> anyhow::Result<Outcome> {
         if ranks.iter().all(|r| r.status.is_some()) {
             break;
         }
-        if let Some((_, _, at)) = &first_failure {
-            if at.elapsed() >= abort_after {
-                for (r, rank) in ranks
-                    .iter_mut()
-                    .enumerate()
-                    .filter(|(_, r)| r.status.is_none())
-                {
-                    let _ = rank.child.kill();
-                    rank.status = Some(rank.child.wait()?);
-                    killed.push(r);
-                }
+        let since = first_failure.as_ref().map(|f| f.2).or(interrupted.map(|i| i.1));
+        if since.is_some_and(|at| at.elapsed() >= abort_after) {
+            for (r, rank) in ranks.iter_mut().enumerate().filter(|(_, r)| r.status.is_none()) {
+                let _ = rank.child.kill();
+                rank.status = Some(rank.child.wait()?);
+                killed.push((r, position::read(run_dir, r)));
             }
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -136,10 +158,12 @@ pub fn launch(plan: &Plan, child_args: &[OsString]) -> anyhow::Result<Outcome> {
     let failure = first_failure.map(|(rank, how, _)| Failure {
         rank,
         how,
+        position: position::read(run_dir, rank),
         stderr_tail: ranks[rank].tail.lock().unwrap().iter().cloned().collect(),
         killed,
     });
-    Ok(Outcome { failure })
+    position::remove_all(run_dir, world);
+    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0) })
 }
 
 fn describe(status: ExitStatus) -> String {

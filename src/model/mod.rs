@@ -14,21 +14,14 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn new(p: &nn::Path, features: usize, m: &Model, classes: usize) -> Mlp {
-        let widths: Vec<i64> = std::iter::once(features)
-            .chain(m.hidden.iter().copied())
-            .chain([classes])
-            .map(|w| w as i64)
-            .collect();
+        let widths: Vec<i64> =
+            std::iter::once(features).chain(m.hidden.iter().copied()).chain([classes]).map(|w| w as i64).collect();
         let layers = widths
             .windows(2)
             .enumerate()
             .map(|(i, w)| nn::linear(p / format!("layer{i}"), w[0], w[1], Default::default()))
             .collect();
-        Mlp {
-            layers,
-            activation: m.activation,
-            dropout: m.dropout,
-        }
+        Mlp { layers, activation: m.activation, dropout: m.dropout }
     }
 }
 
@@ -53,10 +46,7 @@ impl ModuleT for Mlp {
 
 /// Weights and biases of the MLP, computed from the widths alone (the plan uses it).
 pub fn parameter_count(features: usize, hidden: &[usize], classes: usize) -> usize {
-    let widths: Vec<usize> = std::iter::once(features)
-        .chain(hidden.iter().copied())
-        .chain([classes])
-        .collect();
+    let widths: Vec<usize> = std::iter::once(features).chain(hidden.iter().copied()).chain([classes]).collect();
     widths.windows(2).map(|w| w[0] * w[1] + w[1]).sum()
 }
 
@@ -76,17 +66,10 @@ mod tests {
 
     #[test]
     fn parameter_count_matches_the_built_model() {
-        let m = Model {
-            hidden: vec![64, 32],
-            ..Model::default()
-        };
+        let m = Model { hidden: vec![64, 32], ..Model::default() };
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let _mlp = Mlp::new(&vs.root(), 10, &m, 4);
-        let built: i64 = vs
-            .trainable_variables()
-            .iter()
-            .map(|t| t.numel() as i64)
-            .sum();
+        let built: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
         assert_eq!(built as usize, parameter_count(10, &m.hidden, 4));
         assert_eq!(describe(10, &m.hidden, 4), "10-64-32-4");
     }

@@ -57,9 +57,7 @@ fn synthetic(d: &DataSpec, seed: u64) -> (Vec<f32>, Vec<i64>) {
     let mut rng = Rng::new(seed, 0xDA7A);
     let offset: Vec<f64> = (0..f).map(|_| rng.normal() * 5.0).collect();
     let scale: Vec<f64> = (0..f).map(|_| 0.5 + rng.uniform() * 4.5).collect();
-    let w1: Vec<f64> = (0..f * h)
-        .map(|_| rng.normal() * 2.0 / (f as f64).sqrt())
-        .collect();
+    let w1: Vec<f64> = (0..f * h).map(|_| rng.normal() * 2.0 / (f as f64).sqrt()).collect();
     let b1: Vec<f64> = (0..h).map(|_| rng.normal() * 0.5).collect();
     let w2: Vec<f64> = (0..h * c).map(|_| rng.normal() * 2.0).collect();
     let n = d.rows + d.validation_rows;
@@ -75,9 +73,7 @@ fn synthetic(d: &DataSpec, seed: u64) -> (Vec<f32>, Vec<i64>) {
             *out = (b1[k] + (0..f).map(|j| z[j] * w1[j * h + k]).sum::<f64>()).tanh();
         }
         let label = (0..c)
-            .map(|k| {
-                (0..h).map(|i| hidden[i] * w2[i * c + k]).sum::<f64>() + d.noise * rng.normal()
-            })
+            .map(|k| (0..h).map(|i| hidden[i] * w2[i * c + k]).sum::<f64>() + d.noise * rng.normal())
             .enumerate()
             .max_by(|a, b| a.1.total_cmp(&b.1))
             .map(|(k, _)| k as i64)
@@ -90,15 +86,11 @@ fn synthetic(d: &DataSpec, seed: u64) -> (Vec<f32>, Vec<i64>) {
 fn read(path: &std::path::Path, source: Source) -> Result<DataFrame, String> {
     let fail = |e: PolarsError| format!("cannot read {}: {e}", path.display());
     if !path.is_file() {
-        return Err(format!(
-            "{} does not exist (paths are relative to the pipeline file)",
-            path.display()
-        ));
+        return Err(format!("{} does not exist (paths are relative to the pipeline file)", path.display()));
     }
     match source {
         Source::Parquet => {
-            let file = std::fs::File::open(path)
-                .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+            let file = std::fs::File::open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
             ParquetReader::new(file).finish().map_err(fail)
         }
         _ => CsvReadOptions::default()
@@ -111,36 +103,20 @@ fn read(path: &std::path::Path, source: Source) -> Result<DataFrame, String> {
 
 /// Checks a data file against the pipeline's needs: the target exists and holds integer
 /// labels, every other column is numeric, nothing is missing.
-pub fn inspect_file(
-    path: &std::path::Path,
-    source: Source,
-    target: &str,
-) -> Result<FileInfo, String> {
+pub fn inspect_file(path: &std::path::Path, source: Source, target: &str) -> Result<FileInfo, String> {
     let df = read(path, source)?;
-    let names: Vec<String> = df
-        .get_column_names()
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let names: Vec<String> = df.get_column_names().iter().map(|s| s.to_string()).collect();
     if !names.iter().any(|n| n == target) {
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let hint = crate::config::resolve::closest(target, &refs)
             .map(|c| format!("; did you mean `{c}`?"))
             .unwrap_or_default();
-        return Err(format!(
-            "{} has no column `{target}`{hint} (columns: {})",
-            path.display(),
-            names.join(", ")
-        ));
+        return Err(format!("{} has no column `{target}`{hint} (columns: {})", path.display(), names.join(", ")));
     }
     for name in &names {
         let col = df.column(name).map_err(|e| e.to_string())?;
         if !col.dtype().is_primitive_numeric() {
-            let role = if name == target {
-                "the target"
-            } else {
-                "a feature"
-            };
+            let role = if name == target { "the target" } else { "a feature" };
             return Err(format!(
                 "column `{name}` of {} is {}, not numeric ({role} must be numbers)",
                 path.display(),
@@ -148,22 +124,11 @@ pub fn inspect_file(
             ));
         }
         if col.null_count() > 0 {
-            return Err(format!(
-                "column `{name}` of {} has {} missing values",
-                path.display(),
-                col.null_count()
-            ));
+            return Err(format!("column `{name}` of {} has {} missing values", path.display(), col.null_count()));
         }
     }
-    let labels = df
-        .column(target)
-        .and_then(|c| c.cast(&DataType::Float64))
-        .map_err(|e| e.to_string())?;
-    let labels: Vec<f64> = labels
-        .f64()
-        .map_err(|e| e.to_string())?
-        .into_no_null_iter()
-        .collect();
+    let labels = df.column(target).and_then(|c| c.cast(&DataType::Float64)).map_err(|e| e.to_string())?;
+    let labels: Vec<f64> = labels.f64().map_err(|e| e.to_string())?.into_no_null_iter().collect();
     if let Some(bad) = labels.iter().find(|v| v.fract() != 0.0 || **v < 0.0) {
         return Err(format!(
             "target `{target}` of {} holds {bad}: class labels must be integers 0, 1, 2, ...",
@@ -173,18 +138,9 @@ pub fn inspect_file(
     let classes = labels.iter().fold(0.0f64, |m, v| m.max(*v)) as usize + 1;
     let features: Vec<String> = names.into_iter().filter(|n| n != target).collect();
     if features.is_empty() {
-        return Err(format!(
-            "{} has no feature column besides the target `{target}`",
-            path.display()
-        ));
+        return Err(format!("{} has no feature column besides the target `{target}`", path.display()));
     }
-    Ok(FileInfo {
-        path: path.to_owned(),
-        rows: df.height(),
-        features,
-        target: target.to_owned(),
-        classes,
-    })
+    Ok(FileInfo { path: path.to_owned(), rows: df.height(), features, target: target.to_owned(), classes })
 }
 
 fn columns(df: &DataFrame, info: &FileInfo) -> Result<(Vec<f32>, Vec<i64>), String> {
@@ -192,18 +148,12 @@ fn columns(df: &DataFrame, info: &FileInfo) -> Result<(Vec<f32>, Vec<i64>), Stri
     let mut x = vec![0f32; df.height() * info.features.len()];
     let f = info.features.len();
     for (j, name) in info.features.iter().enumerate() {
-        let col = df
-            .column(name)
-            .and_then(|c| c.cast(&DataType::Float32))
-            .map_err(err)?;
+        let col = df.column(name).and_then(|c| c.cast(&DataType::Float32)).map_err(err)?;
         for (i, v) in col.f32().map_err(err)?.into_no_null_iter().enumerate() {
             x[i * f + j] = v;
         }
     }
-    let y = df
-        .column(&info.target)
-        .and_then(|c| c.cast(&DataType::Int64))
-        .map_err(err)?;
+    let y = df.column(&info.target).and_then(|c| c.cast(&DataType::Int64)).map_err(err)?;
     let y: Vec<i64> = y.i64().map_err(err)?.into_no_null_iter().collect();
     Ok((x, y))
 }

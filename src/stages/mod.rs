@@ -10,6 +10,7 @@ use std::path::Path;
 
 use crate::config::Plan;
 use crate::dist::ProcessGroup;
+use crate::launch::position::Position;
 use crate::trace::progress::Progress;
 use crate::trace::{self, EpochRow, StepRow};
 
@@ -19,13 +20,16 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path) -> anyhow::Result<Vec
     let c = &plan.config;
     let rank = pg.rank();
     tch::set_num_threads(plan.threads_per_rank as i32);
+    let position = Position::new(run_dir, rank);
 
+    position.set("load", 0, 0);
     let data = load::load(&plan.data, c.run.seed).map_err(anyhow::Error::msg)?;
     let first = shard::RankShard::take(
         &plan.layout,
         &shard::permutation(c.run.seed, 1, plan.layout.rows, c.shard.shuffle),
         rank,
     );
+    position.set("normalize", 0, 0);
     let normalizer = normalize::Normalizer::fit(
         c.normalize.method,
         c.normalize.scope,
@@ -33,17 +37,11 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path) -> anyhow::Result<Vec
         &first.weight_tensor(),
         pg,
     )?;
+    position.set("wrap", 0, 0);
     let wrapped = wrap::wrap(plan, pg)?;
     let progress = Progress::new(rank == 0, c.train.epochs, plan.steps_per_epoch());
-    let mut trainer = train::Trainer {
-        plan,
-        pg,
-        data: &data,
-        normalizer: &normalizer,
-        wrapped,
-        progress,
-        iteration: 0,
-    };
+    let mut trainer =
+        train::Trainer { plan, pg, data: &data, normalizer: &normalizer, wrapped, progress, position, iteration: 0 };
 
     let (mut rows, mut steps): (Vec<EpochRow>, Vec<StepRow>) = (Vec::new(), Vec::new());
     for epoch in 1..=c.train.epochs {
@@ -65,14 +63,8 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path) -> anyhow::Result<Vec
             rows.extend(out.rows);
             steps.extend(out.steps);
             let ws = plan.world_size() as u32;
-            trace::write_parquet(
-                &run_dir.join("trace.parquet"),
-                &mut trace::epochs_frame(&plan.run_id, ws, &rows)?,
-            )?;
-            trace::write_parquet(
-                &run_dir.join("steps.parquet"),
-                &mut trace::steps_frame(&plan.run_id, &steps)?,
-            )?;
+            trace::write_parquet(&run_dir.join("trace.parquet"), &mut trace::epochs_frame(&plan.run_id, ws, &rows)?)?;
+            trace::write_parquet(&run_dir.join("steps.parquet"), &mut trace::steps_frame(&plan.run_id, &steps)?)?;
         }
     }
     trainer.progress.finish();

@@ -57,13 +57,7 @@ impl Normalizer {
                 let n = stats.double_value(&[2 * features]);
                 let mean = stats.narrow(0, 0, features) / n;
                 let var = stats.narrow(0, features, features) / n - &mean * &mean;
-                (
-                    mean.to_kind(Kind::Float),
-                    var.clamp_min(0.0)
-                        .sqrt()
-                        .to_kind(Kind::Float)
-                        .clamp_min(f64::EPSILON),
-                )
+                (mean.to_kind(Kind::Float), var.clamp_min(0.0).sqrt().to_kind(Kind::Float).clamp_min(f64::EPSILON))
             }
         };
         Ok(Normalizer { offset, scale })

@@ -19,17 +19,8 @@ pub struct ShardLayout {
 
 impl ShardLayout {
     pub fn new(rows: usize, world_size: usize, drop_last: bool) -> ShardLayout {
-        let per_rank = if drop_last {
-            rows / world_size
-        } else {
-            rows.div_ceil(world_size)
-        };
-        ShardLayout {
-            rows,
-            world_size,
-            per_rank,
-            drop_last,
-        }
+        let per_rank = if drop_last { rows / world_size } else { rows.div_ceil(world_size) };
+        ShardLayout { rows, world_size, per_rank, drop_last }
     }
 
     /// Rows that are padding on some rank (repeats), 0 with drop_last.
@@ -73,9 +64,7 @@ impl RankShard {
     }
 
     pub fn index_tensor(&self) -> Tensor {
-        Tensor::from_slice(&self.indices)
-            .to_kind(Kind::Int64)
-            .to_device(Device::Cpu)
+        Tensor::from_slice(&self.indices).to_kind(Kind::Int64).to_device(Device::Cpu)
     }
 
     pub fn weight_tensor(&self) -> Tensor {
@@ -106,11 +95,7 @@ mod tests {
                         }
                     }
                     let counted: usize = seen.iter().sum();
-                    assert_eq!(
-                        counted,
-                        rows - l.dropped(),
-                        "rows {rows} world {world} drop_last {drop_last}"
-                    );
+                    assert_eq!(counted, rows - l.dropped(), "rows {rows} world {world} drop_last {drop_last}");
                     assert!(seen.iter().all(|&c| c <= 1), "a row counted twice");
                 }
             }
@@ -126,10 +111,7 @@ mod tests {
         let l = ShardLayout::new(rows, world, true);
         let shards: Vec<RankShard> = (0..world).map(|r| RankShard::take(&l, &perm, r)).collect();
         for step in 0..rows / (world * b) {
-            let mut mine: Vec<i64> = shards
-                .iter()
-                .flat_map(|s| s.indices[step * b..(step + 1) * b].to_vec())
-                .collect();
+            let mut mine: Vec<i64> = shards.iter().flat_map(|s| s.indices[step * b..(step + 1) * b].to_vec()).collect();
             let mut single = one.indices[step * world * b..(step + 1) * world * b].to_vec();
             mine.sort();
             single.sort();

@@ -14,6 +14,7 @@ use super::wrap::Wrapped;
 use crate::config::schema::ValidateOn;
 use crate::config::Plan;
 use crate::dist::ProcessGroup;
+use crate::launch::position::Position;
 use crate::trace::progress::Progress;
 use crate::trace::{EpochRow, StepRow};
 
@@ -34,6 +35,7 @@ pub struct Trainer<'a, 'pg> {
     pub normalizer: &'a Normalizer,
     pub wrapped: Wrapped<'pg>,
     pub progress: Progress,
+    pub position: Position,
     /// Steps taken so far (the Reducer's iteration counter follows it).
     pub iteration: i64,
 }
@@ -46,9 +48,7 @@ impl Trainer<'_, '_> {
         let perm = permutation(c.run.seed, epoch, self.plan.layout.rows, c.shard.shuffle);
         let shard = RankShard::take(&self.plan.layout, &perm, rank);
         let idx = shard.index_tensor();
-        let x = self
-            .normalizer
-            .apply(&self.data.train_x.index_select(0, &idx));
+        let x = self.normalizer.apply(&self.data.train_x.index_select(0, &idx));
         let y = self.data.train_y.index_select(0, &idx);
         let w = shard.weight_tensor();
 
@@ -63,6 +63,7 @@ impl Trainer<'_, '_> {
         self.progress.start_epoch(epoch);
         let report_every = (steps / 40).max(1);
         for step in 0..steps {
+            self.position.set("train", epoch, step + 1);
             let t0 = Instant::now();
             let len = b.min(n - step as i64 * b);
             let (xb, yb, wb) = (
@@ -76,8 +77,7 @@ impl Trainer<'_, '_> {
             }
             let logits = self.wrapped.model.forward_t(&xb, true);
             let t2 = Instant::now();
-            let per_sample =
-                logits.cross_entropy_loss::<Tensor>(&yb, None, Reduction::None, -100, 0.0);
+            let per_sample = logits.cross_entropy_loss::<Tensor>(&yb, None, Reduction::None, -100, 0.0);
             let loss = per_sample.mean(Kind::Float);
             let t3 = Instant::now();
             if let Some(ddp) = self.wrapped.ddp.as_mut() {
@@ -85,11 +85,7 @@ impl Trainer<'_, '_> {
             }
             self.wrapped.optimizer.zero_grad();
             loss.f_backward().map_err(|e| {
-                self.pg.explain(crate::dist::Error {
-                    op: "backward (gradient all-reduce)".into(),
-                    peer: None,
-                    message: e.to_string(),
-                })
+                self.pg.explain(crate::dist::Error::new("backward (gradient all-reduce)", e.to_string()))
             })?;
             let t4 = Instant::now();
             self.wrapped.optimizer.step();
@@ -97,8 +93,7 @@ impl Trainer<'_, '_> {
             self.iteration += 1;
             tch::no_grad(|| {
                 loss_sum += (per_sample.detach() * &wb).sum(Kind::Double);
-                correct += (logits.argmax(-1, false).eq_tensor(&yb).to_kind(Kind::Float) * &wb)
-                    .sum(Kind::Double);
+                correct += (logits.argmax(-1, false).eq_tensor(&yb).to_kind(Kind::Float) * &wb).sum(Kind::Double);
             });
             let times = match self.wrapped.ddp.as_mut() {
                 Some(ddp) => ddp.reducer_times(self.iteration)?,
@@ -119,24 +114,21 @@ impl Trainer<'_, '_> {
             }
             if rank == 0 && (step % report_every == 0 || step + 1 == steps) {
                 let done = ((step + 1) as i64 * b).min(n) as f64;
-                self.progress.step(
-                    step + 1,
-                    Some(loss.double_value(&[])),
-                    done / start.elapsed().as_secs_f64(),
-                );
+                self.progress.step(step + 1, Some(loss.double_value(&[])), done / start.elapsed().as_secs_f64());
             }
         }
         let epoch_s = start.elapsed().as_secs_f64();
         let samples = w.sum(Kind::Double).double_value(&[]);
 
-        let validate =
-            c.validate.every > 0 && (epoch % c.validate.every == 0 || epoch == c.train.epochs);
+        let validate = c.validate.every > 0 && (epoch % c.validate.every == 0 || epoch == c.train.epochs);
         let (val_loss, val_acc) = if validate && (rank == 0 || c.validate.on == ValidateOn::All) {
+            self.position.set("validate", epoch, 0);
             self.validate()
         } else {
             (f64::NAN, f64::NAN)
         };
 
+        self.position.set("gather metrics", epoch, 0);
         let mine = Tensor::from_slice(&[
             loss_sum.double_value(&[]),
             correct.double_value(&[]),
@@ -149,13 +141,9 @@ impl Trainer<'_, '_> {
         ]);
         debug_assert_eq!(mine.size()[0] as usize, EPOCH_FIELDS);
         let all = self.pg.all_gather(&mine)?;
-        let v: Vec<Vec<f64>> = all
-            .iter()
-            .map(|t| Vec::<f64>::try_from(t).expect("float64 values"))
-            .collect();
-        let (g_loss, g_correct, g_samples) = v
-            .iter()
-            .fold((0.0, 0.0, 0.0), |a, r| (a.0 + r[0], a.1 + r[1], a.2 + r[2]));
+        let v: Vec<Vec<f64>> = all.iter().map(|t| Vec::<f64>::try_from(t).expect("float64 values")).collect();
+        let (g_loss, g_correct, g_samples) =
+            v.iter().fold((0.0, 0.0, 0.0), |a, r| (a.0 + r[0], a.1 + r[1], a.2 + r[2]));
         let opt = |x: f64| (!x.is_nan()).then_some(x);
         let rows = v
             .iter()
@@ -178,11 +166,7 @@ impl Trainer<'_, '_> {
             .collect();
 
         let flat: Vec<f64> = step_rows.iter().flatten().copied().collect();
-        let steps_all = if flat.is_empty() {
-            vec![]
-        } else {
-            self.pg.all_gather(&Tensor::from_slice(&flat))?
-        };
+        let steps_all = if flat.is_empty() { vec![] } else { self.pg.all_gather(&Tensor::from_slice(&flat))? };
         let steps = steps_all
             .iter()
             .enumerate()
@@ -213,13 +197,8 @@ impl Trainer<'_, '_> {
             return (f64::NAN, f64::NAN);
         }
         tch::no_grad(|| {
-            let logits = self
-                .wrapped
-                .model
-                .forward_t(&self.normalizer.apply(&self.data.val_x), false);
-            let loss = logits
-                .cross_entropy_for_logits(&self.data.val_y)
-                .double_value(&[]);
+            let logits = self.wrapped.model.forward_t(&self.normalizer.apply(&self.data.val_x), false);
+            let loss = logits.cross_entropy_for_logits(&self.data.val_y).double_value(&[]);
             let acc = logits
                 .argmax(-1, false)
                 .eq_tensor(&self.data.val_y)

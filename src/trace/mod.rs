@@ -66,39 +66,20 @@ pub const EPOCH_COLUMNS: &[&str] = &[
 
 pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsResult<DataFrame> {
     let n = rows.len();
-    let f =
-        |g: fn(&EpochRow) -> f64| Column::new("".into(), rows.iter().map(g).collect::<Vec<_>>());
+    let f = |g: fn(&EpochRow) -> f64| Column::new("".into(), rows.iter().map(g).collect::<Vec<_>>());
     let cols = vec![
         Column::new("run_id".into(), vec![run_id; n]),
-        Column::new(
-            "epoch".into(),
-            rows.iter().map(|r| r.epoch).collect::<Vec<_>>(),
-        ),
-        Column::new(
-            "rank".into(),
-            rows.iter().map(|r| r.rank).collect::<Vec<_>>(),
-        ),
+        Column::new("epoch".into(), rows.iter().map(|r| r.epoch).collect::<Vec<_>>()),
+        Column::new("rank".into(), rows.iter().map(|r| r.rank).collect::<Vec<_>>()),
         Column::new("world_size".into(), vec![world_size; n]),
         f(|r| r.train_loss).with_name("train_loss".into()),
         f(|r| r.train_acc).with_name("train_acc".into()),
         f(|r| r.global_train_loss).with_name("global_train_loss".into()),
         f(|r| r.global_train_acc).with_name("global_train_acc".into()),
-        Column::new(
-            "val_loss".into(),
-            rows.iter().map(|r| r.val_loss).collect::<Vec<_>>(),
-        ),
-        Column::new(
-            "val_acc".into(),
-            rows.iter().map(|r| r.val_acc).collect::<Vec<_>>(),
-        ),
-        Column::new(
-            "samples".into(),
-            rows.iter().map(|r| r.samples).collect::<Vec<_>>(),
-        ),
-        Column::new(
-            "steps".into(),
-            rows.iter().map(|r| r.steps).collect::<Vec<_>>(),
-        ),
+        Column::new("val_loss".into(), rows.iter().map(|r| r.val_loss).collect::<Vec<_>>()),
+        Column::new("val_acc".into(), rows.iter().map(|r| r.val_acc).collect::<Vec<_>>()),
+        Column::new("samples".into(), rows.iter().map(|r| r.samples).collect::<Vec<_>>()),
+        Column::new("steps".into(), rows.iter().map(|r| r.steps).collect::<Vec<_>>()),
         f(|r| r.epoch_s).with_name("epoch_s".into()),
         f(|r| r.samples_per_s).with_name("samples_per_s".into()),
         f(|r| r.comm_s).with_name("comm_s".into()),
@@ -108,23 +89,12 @@ pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsR
 
 pub fn steps_frame(run_id: &str, rows: &[StepRow]) -> PolarsResult<DataFrame> {
     let n = rows.len();
-    let f = |name: &str, g: fn(&StepRow) -> f64| {
-        Column::new(name.into(), rows.iter().map(g).collect::<Vec<_>>())
-    };
+    let f = |name: &str, g: fn(&StepRow) -> f64| Column::new(name.into(), rows.iter().map(g).collect::<Vec<_>>());
     let cols = vec![
         Column::new("run_id".into(), vec![run_id; n]),
-        Column::new(
-            "epoch".into(),
-            rows.iter().map(|r| r.epoch).collect::<Vec<_>>(),
-        ),
-        Column::new(
-            "step".into(),
-            rows.iter().map(|r| r.step).collect::<Vec<_>>(),
-        ),
-        Column::new(
-            "rank".into(),
-            rows.iter().map(|r| r.rank).collect::<Vec<_>>(),
-        ),
+        Column::new("epoch".into(), rows.iter().map(|r| r.epoch).collect::<Vec<_>>()),
+        Column::new("step".into(), rows.iter().map(|r| r.step).collect::<Vec<_>>()),
+        Column::new("rank".into(), rows.iter().map(|r| r.rank).collect::<Vec<_>>()),
         f("batch_s", |r| r.batch_s),
         f("forward_s", |r| r.forward_s),
         f("loss_s", |r| r.loss_s),
@@ -146,10 +116,7 @@ pub fn write_parquet(path: &Path, df: &mut DataFrame) -> anyhow::Result<()> {
 /// Writes to a temporary file beside `path`, syncs it, then renames it over `path`.
 pub fn atomic_write(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     use anyhow::Context;
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().context("a file path")?.to_string_lossy();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let result = (|| -> std::io::Result<()> {
@@ -167,8 +134,7 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 
 pub fn read_parquet(path: &Path) -> anyhow::Result<DataFrame> {
     use anyhow::Context;
-    let file =
-        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let df = ParquetReader::new(file).finish();
     anyhow::Context::with_context(df, || format!("cannot read {}", path.display()))
 }

@@ -13,14 +13,11 @@ impl Progress {
     /// A display for rank 0; `None` (silent) on other ranks.
     pub fn new(show: bool, epochs: usize, steps: usize) -> Progress {
         let bar = (show && std::io::stdout().is_terminal()).then(|| {
-            let bar =
-                ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stdout());
+            let bar = ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stdout());
             bar.set_style(
-                ProgressStyle::with_template(
-                    "  epoch {prefix} [{bar:30}] {pos}/{len} steps  {msg}",
-                )
-                .expect("a valid template")
-                .progress_chars("=> "),
+                ProgressStyle::with_template("  epoch {prefix} [{bar:30}] {pos}/{len} steps  {msg}")
+                    .expect("a valid template")
+                    .progress_chars("=> "),
             );
             bar.enable_steady_tick(Duration::from_millis(200));
             bar

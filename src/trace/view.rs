@@ -11,23 +11,11 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
         }
     }
     let line = |cells: Vec<&str>| {
-        let padded: Vec<String> = cells
-            .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
+        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
         format!("  {}\n", padded.join("  ").trim_end())
     };
     let mut out = line(header.to_vec());
-    out += &line(
-        widths
-            .iter()
-            .map(|w| "─".repeat(*w))
-            .collect::<Vec<_>>()
-            .iter()
-            .map(String::as_str)
-            .collect(),
-    );
+    out += &line(widths.iter().map(|w| "─".repeat(*w)).collect::<Vec<_>>().iter().map(String::as_str).collect());
     for row in rows {
         out += &line(row.iter().map(String::as_str).collect());
     }
@@ -52,18 +40,7 @@ pub fn epoch_table(rows: &[EpochRow]) -> String {
             ]
         })
         .collect();
-    table(
-        &[
-            "epoch",
-            "loss ↓",
-            "accuracy ↑",
-            "val loss",
-            "val accuracy",
-            "epoch s",
-            "samples/s (rank 0)",
-        ],
-        &body,
-    )
+    table(&["epoch", "loss ↓", "accuracy ↑", "val loss", "val accuracy", "epoch s", "samples/s (rank 0)"], &body)
 }
 
 /// A text chart of `values` (one column per epoch), `height` rows high, like the seed pages'.
@@ -71,27 +48,17 @@ pub fn chart(label: &str, values: &[f64], height: usize) -> String {
     if values.is_empty() {
         return String::new();
     }
-    let (lo, hi) = values
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
+    let (lo, hi) = values.iter().fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
     let span = (hi - lo).max(1e-12);
     let level = |v: f64| (((v - lo) / span) * (height - 1) as f64).round() as usize;
     let mut out = String::new();
     for row in (0..height).rev() {
         let y = lo + span * row as f64 / (height - 1).max(1) as f64;
-        let cells: String = values
-            .iter()
-            .map(|v| if level(*v) == row { " * " } else { "   " })
-            .collect();
+        let cells: String = values.iter().map(|v| if level(*v) == row { " * " } else { "   " }).collect();
         out += &format!("  {y:>7.3} |{}\n", cells.trim_end());
     }
     out += &format!("          +{}\n", "---".repeat(values.len()));
-    out += &format!(
-        "          {}  {label}\n",
-        (1..=values.len())
-            .map(|e| format!("{e:>3}"))
-            .collect::<String>()
-    );
+    out += &format!("          {}  {label}\n", (1..=values.len()).map(|e| format!("{e:>3}")).collect::<String>());
     out
 }
 

@@ -7,9 +7,7 @@ pub fn runner() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_runner"));
     // The tests' own environment must not leak config values into the runs.
     for (k, _) in std::env::vars() {
-        if k.starts_with("RUNNER_")
-            || ["RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"].contains(&k.as_str())
-        {
+        if k.starts_with("RUNNER_") || ["RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"].contains(&k.as_str()) {
             c.env_remove(k);
         }
     }
@@ -17,27 +15,16 @@ pub fn runner() -> Command {
 }
 
 pub fn run(args: &[&str], dir: &Path) -> Output {
-    runner()
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("runner starts")
+    runner().args(args).current_dir(dir).output().expect("runner starts")
 }
 
 pub fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
 }
 
 pub fn assert_ok(o: &Output) {
     let (out, err) = text(o);
-    assert!(
-        o.status.success(),
-        "runner failed ({}):\nstdout:\n{out}\nstderr:\n{err}",
-        o.status
-    );
+    assert!(o.status.success(), "runner failed ({}):\nstdout:\n{out}\nstderr:\n{err}", o.status);
 }
 
 /// A small, quick pipeline: 600 training rows × 5 features, 3 classes.
