@@ -10,6 +10,7 @@ use crate::config::{self, ConfigError, Override, Plan};
 use crate::launch::env::RankEnv;
 use crate::launch::manifest::{Manifest, Status};
 use crate::launch::{rank, spawn};
+use crate::stages::checkpoint;
 use crate::trace::view;
 
 #[derive(Debug, Parser)]
@@ -42,11 +43,18 @@ pub struct ConfigArgs {
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    #[command(flatten)]
-    pub config: ConfigArgs,
+    /// The pipeline file (TOML); with --resume, defaults to the run directory's config.toml.
+    #[arg(required_unless_present = "resume")]
+    pub file: Option<PathBuf>,
+    /// Override a value, e.g. --set train.lr=0.05 (repeatable; wins over file and environment).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
     /// The run directory [default: results/<run.name>/<run-id>]
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", conflicts_with = "resume")]
     pub out: Option<PathBuf>,
+    /// Continue the run in DIR from its newest checkpoint, on every rank.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
 }
 
 /// Exit codes: 0 done, 1 the run failed, 2 the configuration is wrong.
@@ -82,24 +90,44 @@ fn validate(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn run(args: &RunArgs) -> anyhow::Result<ExitCode> {
-    let plan = plan(&args.config)?;
-    let run_dir =
-        args.out.clone().unwrap_or_else(|| Path::new("results").join(&plan.config.run.name).join(&plan.run_id));
+    let file = match (&args.file, &args.resume) {
+        (Some(f), _) => f.clone(),
+        (None, Some(dir)) => dir.join("config.toml"),
+        (None, None) => unreachable!("clap requires FILE without --resume"),
+    };
+    let config = ConfigArgs { file, set: args.set.clone() };
+    let plan = plan(&config)?;
+    let run_dir = match (&args.resume, &args.out) {
+        (Some(dir), _) | (None, Some(dir)) => dir.clone(),
+        (None, None) => Path::new("results").join(&plan.config.run.name).join(&plan.run_id),
+    };
+    if args.resume.is_some() {
+        // Refuse a bad checkpoint before any rank starts.
+        let found = checkpoint::latest(&run_dir, &plan, &checkpoint::shapes(&plan)).map_err(ConfigError::new)?;
+        if found.is_none() {
+            let dir = checkpoint::dir(&run_dir);
+            return Err(ConfigError::new(format!(
+                "{} holds no checkpoint to resume from (set checkpoint.every)",
+                dir.display()
+            ))
+            .into());
+        }
+    }
     match RankEnv::from_env()? {
-        Some(env) => run_rank(&plan, &env, &run_dir),
-        None => launch(&plan, args, &run_dir),
+        Some(env) => run_rank(&plan, &env, &run_dir, args.resume.is_some()),
+        None => launch(&plan, &config, args.resume.is_some(), &run_dir),
     }
 }
 
 /// This process is one rank. Under runner's own launcher the launcher owns config.toml and the
 /// manifest; under another launcher (torchrun, Slurm) rank 0 writes them.
-fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path) -> anyhow::Result<ExitCode> {
+fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::Result<ExitCode> {
     let owns_run_dir = env.rank == 0 && env.launcher_pid.is_none();
     let mut manifest = Manifest::start(plan);
     if owns_run_dir {
-        prepare_run_dir(plan, run_dir, &manifest)?;
+        prepare_run_dir(plan, run_dir, &manifest, resume)?;
     }
-    let result = rank::run(plan, env, run_dir);
+    let result = rank::run(plan, env, run_dir, resume);
     if owns_run_dir {
         match &result {
             Ok(_) => manifest.end(Status::Complete, None),
@@ -116,15 +144,15 @@ fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path) -> anyhow::Result<ExitCo
     Ok(ExitCode::SUCCESS)
 }
 
-fn launch(plan: &Plan, args: &RunArgs, run_dir: &Path) -> anyhow::Result<ExitCode> {
+fn launch(plan: &Plan, config: &ConfigArgs, resume: bool, run_dir: &Path) -> anyhow::Result<ExitCode> {
     println!("{}", plan.data_flow());
     let mut manifest = Manifest::start(plan);
-    prepare_run_dir(plan, run_dir, &manifest)?;
-    let mut child_args: Vec<OsString> = vec!["run".into(), args.config.file.clone().into()];
-    for s in &args.config.set {
+    prepare_run_dir(plan, run_dir, &manifest, resume)?;
+    let mut child_args: Vec<OsString> = vec!["run".into(), config.file.clone().into()];
+    for s in &config.set {
         child_args.extend(["--set".into(), s.into()]);
     }
-    child_args.extend(["--out".into(), run_dir.into()]);
+    child_args.extend([if resume { "--resume" } else { "--out" }.into(), run_dir.into()]);
     let outcome = spawn::launch(plan, run_dir, &child_args)?;
     if let Some(sig) = outcome.interrupted {
         manifest.end(Status::Interrupted, None);
@@ -158,13 +186,16 @@ fn launch(plan: &Plan, args: &RunArgs, run_dir: &Path) -> anyhow::Result<ExitCod
     }
 }
 
-fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest) -> anyhow::Result<()> {
+fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest, resume: bool) -> anyhow::Result<()> {
     std::fs::create_dir_all(run_dir)
         .with_context(|| format!("cannot create the run directory {}", run_dir.display()))?;
-    // A rerun of the same configuration replaces the previous run's files.
-    for stale in ["trace.parquet", "steps.parquet"] {
-        let _ = std::fs::remove_file(run_dir.join(stale));
+    if !resume {
+        // A rerun of the same configuration replaces the previous run's files.
+        for stale in ["trace.parquet", "steps.parquet"] {
+            let _ = std::fs::remove_file(run_dir.join(stale));
+        }
+        let _ = std::fs::remove_dir_all(checkpoint::dir(run_dir));
+        crate::trace::atomic_write(&run_dir.join("config.toml"), plan.annotated_toml().as_bytes())?;
     }
-    crate::trace::atomic_write(&run_dir.join("config.toml"), plan.annotated_toml().as_bytes())?;
     manifest.write(run_dir)
 }

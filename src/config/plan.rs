@@ -118,6 +118,9 @@ impl Plan {
         if !(c.wrap.bucket_cap_mb > 0.0) {
             bad("wrap.bucket_cap_mb", format!("must be positive, got {}", c.wrap.bucket_cap_mb));
         }
+        if c.checkpoint.every > 0 && c.checkpoint.keep == 0 {
+            bad("checkpoint.keep", "must be at least 1 when checkpoint.every is set".into());
+        }
         let t = &c.train;
         if t.epochs == 0 {
             bad("train.epochs", "must be at least 1".into());
@@ -206,6 +209,14 @@ impl Plan {
                 section = sec.to_owned();
             }
             let from = self.sources.get(&key).map(String::as_str).unwrap_or("default");
+            // Relative to the pipeline file when written; absolute here, so that the file stays
+            // valid from the run directory (runner run --resume reads it).
+            let v = match (key.as_str(), &self.data.file) {
+                ("load.path", Some(info)) => toml::Value::String(
+                    std::fs::canonicalize(&info.path).unwrap_or(info.path.clone()).display().to_string(),
+                ),
+                _ => v,
+            };
             out += &format!("{name} = {v}  # {from}\n");
         }
         out

@@ -15,6 +15,22 @@ pub struct Config {
     pub train: Train,
     pub validate: Validate,
     pub trace: Trace,
+    pub checkpoint: Checkpoint,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Checkpoint {
+    /// Write a checkpoint every this many epochs (and after the last); 0: never.
+    pub every: usize,
+    /// Checkpoints kept; older ones are deleted.
+    pub keep: usize,
+}
+
+impl Default for Checkpoint {
+    fn default() -> Self {
+        Checkpoint { every: 0, keep: 2 }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

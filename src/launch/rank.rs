@@ -12,7 +12,7 @@ use crate::config::Plan;
 use crate::dist::{Backend, ProcessGroup, Store};
 use crate::trace::EpochRow;
 
-pub fn run(plan: &Plan, env: &RankEnv, run_dir: &Path) -> anyhow::Result<Vec<EpochRow>> {
+pub fn run(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::Result<Vec<EpochRow>> {
     if let Some(pid) = env.launcher_pid {
         die_with_launcher(pid);
     }
@@ -32,7 +32,7 @@ pub fn run(plan: &Plan, env: &RankEnv, run_dir: &Path) -> anyhow::Result<Vec<Epo
         BackendKind::Nccl => Backend::Nccl,
     };
     let pg = ProcessGroup::new(backend, store, env.rank, env.world_size, &host, timeout)?;
-    match crate::stages::run(plan, &pg, run_dir) {
+    match crate::stages::run(plan, &pg, run_dir, resume) {
         Ok(rows) => {
             pg.barrier()?;
             Ok(rows)

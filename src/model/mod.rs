@@ -1,4 +1,6 @@
 //! Models built from `[wrap.model]`: an MLP over the features, logits over the classes.
+pub mod optim;
+
 use tch::nn::{self, Module, ModuleT};
 use tch::Tensor;
 

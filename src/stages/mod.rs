@@ -1,5 +1,6 @@
 //! The five stages a rank runs: load → shard → normalize → wrap → train/validate. Each stage
 //! receives what the previous one produced and the part of the plan it owns.
+pub mod checkpoint;
 pub mod load;
 pub mod normalize;
 pub mod shard;
@@ -12,11 +13,13 @@ use crate::config::Plan;
 use crate::dist::ProcessGroup;
 use crate::launch::position::Position;
 use crate::trace::progress::Progress;
-use crate::trace::{self, EpochRow, StepRow};
+use crate::trace::{self, EpochRow};
+use anyhow::Context;
 
 /// Runs the pipeline as `pg.rank()`. Rank 0 writes the traces after every epoch (atomically, so
 /// they always hold every finished epoch) and returns every rank's rows.
-pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path) -> anyhow::Result<Vec<EpochRow>> {
+/// With `resume`, continues from the run directory's newest checkpoint.
+pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyhow::Result<Vec<EpochRow>> {
     let c = &plan.config;
     let rank = pg.rank();
     tch::set_num_threads(plan.threads_per_rank as i32);
@@ -38,13 +41,21 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path) -> anyhow::Result<Vec
         pg,
     )?;
     position.set("wrap", 0, 0);
-    let wrapped = wrap::wrap(plan, pg)?;
+    let mut wrapped = wrap::wrap(plan, pg)?;
+    let (mut rows, mut steps, first_epoch) = if resume {
+        let found = checkpoint::latest(run_dir, plan, &checkpoint::shapes(plan))
+            .map_err(anyhow::Error::msg)?
+            .with_context(|| format!("{} holds no checkpoint to resume from", checkpoint::dir(run_dir).display()))?;
+        checkpoint::load(&found, &wrapped.vs, &mut wrapped.optimizer)?;
+        (found.meta.rows, found.meta.steps, found.meta.epoch + 1)
+    } else {
+        (Vec::new(), Vec::new(), 1)
+    };
     let progress = Progress::new(rank == 0, c.train.epochs, plan.steps_per_epoch());
     let mut trainer =
         train::Trainer { plan, pg, data: &data, normalizer: &normalizer, wrapped, progress, position, iteration: 0 };
 
-    let (mut rows, mut steps): (Vec<EpochRow>, Vec<StepRow>) = (Vec::new(), Vec::new());
-    for epoch in 1..=c.train.epochs {
+    for epoch in first_epoch..=c.train.epochs {
         let out = trainer.epoch(epoch)?;
         if rank == 0 {
             let r0 = &out.rows[0];
@@ -65,6 +76,20 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path) -> anyhow::Result<Vec
             let ws = plan.world_size() as u32;
             trace::write_parquet(&run_dir.join("trace.parquet"), &mut trace::epochs_frame(&plan.run_id, ws, &rows)?)?;
             trace::write_parquet(&run_dir.join("steps.parquet"), &mut trace::steps_frame(&plan.run_id, &steps)?)?;
+            let ck = &c.checkpoint;
+            if ck.every > 0 && (epoch % ck.every == 0 || epoch == c.train.epochs) {
+                trainer.position.set("checkpoint", epoch, 0);
+                let w = &trainer.wrapped;
+                let snapshot = checkpoint::Snapshot {
+                    epoch,
+                    world_size: plan.world_size(),
+                    vs: &w.vs,
+                    optimizer: &w.optimizer,
+                    rows: &rows,
+                    steps: &steps,
+                };
+                checkpoint::save(run_dir, &snapshot, ck.keep)?;
+            }
         }
     }
     trainer.progress.finish();

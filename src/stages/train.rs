@@ -45,6 +45,9 @@ impl Trainer<'_, '_> {
         let c = &self.plan.config;
         let rank = self.pg.rank();
         let start = Instant::now();
+        // Dropout masks differ across ranks (as each torch rank draws its own) and depend only on
+        // (seed, rank, epoch), so a run resumed at an epoch boundary draws the same ones.
+        tch::manual_seed((c.run.seed as i64) ^ ((rank as i64) << 32) ^ (epoch as i64).wrapping_mul(0x9E37_79B9));
         let perm = permutation(c.run.seed, epoch, self.plan.layout.rows, c.shard.shuffle);
         let shard = RankShard::take(&self.plan.layout, &perm, rank);
         let idx = shard.index_tensor();

@@ -9,7 +9,7 @@ use std::path::Path;
 use polars::prelude::*;
 
 /// One rank's epoch. `global_*` are all-reduced over every rank (the same on each row).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EpochRow {
     pub epoch: u32,
     pub rank: u32,
@@ -29,7 +29,7 @@ pub struct EpochRow {
 }
 
 /// The phases of one sampled training step on one rank, in seconds.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepRow {
     pub epoch: u32,
     pub step: u32,
