@@ -9,7 +9,8 @@ use clap::{Args, Parser, Subcommand};
 use crate::config::{self, ConfigError, Override, Plan};
 use crate::launch::env::RankEnv;
 use crate::launch::manifest::{Manifest, Status};
-use crate::launch::{rank, spawn};
+use crate::launch::rank;
+use crate::launch::spawn::{self, Topology};
 use crate::stages::checkpoint;
 use crate::trace::view;
 
@@ -55,6 +56,40 @@ pub struct RunArgs {
     /// Continue the run in DIR from its newest checkpoint, on every rank.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Number of nodes, one `runner run` on each (as torchrun's --nnodes).
+    #[arg(long, default_value_t = 1, env = "SLURM_NNODES")]
+    pub nnodes: usize,
+    /// This node's index, 0 to nnodes - 1; node 0 hosts the rendezvous store.
+    #[arg(long, default_value_t = 0, env = "SLURM_NODEID")]
+    pub node_rank: usize,
+    /// Node 0's address, reachable from every node (needed with --nnodes > 1).
+    #[arg(long, value_name = "HOST")]
+    pub master_addr: Option<String>,
+    /// The port of node 0's rendezvous store.
+    #[arg(long, value_name = "PORT", default_value_t = 29500)]
+    pub master_port: u16,
+}
+
+impl RunArgs {
+    fn topology(&self, world_size: usize) -> Result<Topology, ConfigError> {
+        if self.nnodes <= 1 {
+            return Ok(Topology::single());
+        }
+        let fail = |m: String| Err(ConfigError::new(m));
+        if self.node_rank >= self.nnodes {
+            return fail(format!("--node-rank {} must be below --nnodes {}", self.node_rank, self.nnodes));
+        }
+        if !world_size.is_multiple_of(self.nnodes) {
+            return fail(format!(
+                "run.world_size ({world_size}) must divide evenly over --nnodes {} (ranks per node)",
+                self.nnodes
+            ));
+        }
+        let Some(addr) = self.master_addr.clone() else {
+            return fail("--nnodes > 1 needs --master-addr, the address of node 0 that every node can reach".into());
+        };
+        Ok(Topology { nnodes: self.nnodes, node_rank: self.node_rank, master: Some((addr, self.master_port)) })
+    }
 }
 
 /// Exit codes: 0 done, 1 the run failed, 2 the configuration is wrong.
@@ -115,7 +150,10 @@ fn run(args: &RunArgs) -> anyhow::Result<ExitCode> {
     }
     match RankEnv::from_env()? {
         Some(env) => run_rank(&plan, &env, &run_dir, args.resume.is_some()),
-        None => launch(&plan, &config, args.resume.is_some(), &run_dir),
+        None => {
+            let topology = args.topology(plan.world_size())?;
+            launch(&plan, &config, &topology, args.resume.is_some(), &run_dir)
+        }
     }
 }
 
@@ -144,7 +182,13 @@ fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow:
     Ok(ExitCode::SUCCESS)
 }
 
-fn launch(plan: &Plan, config: &ConfigArgs, resume: bool, run_dir: &Path) -> anyhow::Result<ExitCode> {
+fn launch(
+    plan: &Plan,
+    config: &ConfigArgs,
+    topology: &Topology,
+    resume: bool,
+    run_dir: &Path,
+) -> anyhow::Result<ExitCode> {
     println!("{}", plan.data_flow());
     let mut manifest = Manifest::start(plan);
     prepare_run_dir(plan, run_dir, &manifest, resume)?;
@@ -153,7 +197,7 @@ fn launch(plan: &Plan, config: &ConfigArgs, resume: bool, run_dir: &Path) -> any
         child_args.extend(["--set".into(), s.into()]);
     }
     child_args.extend([if resume { "--resume" } else { "--out" }.into(), run_dir.into()]);
-    let outcome = spawn::launch(plan, run_dir, &child_args)?;
+    let outcome = spawn::launch(plan, topology, run_dir, &child_args)?;
     if let Some(sig) = outcome.interrupted {
         manifest.end(Status::Interrupted, None);
         manifest.write(run_dir)?;

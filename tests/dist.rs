@@ -222,7 +222,7 @@ fn collectives(pg: &ProcessGroup) {
                 let out = &base + r;
                 let mut got = base.zeros_like();
                 // Even ranks send first so that the ring cannot deadlock.
-                if pg.rank() % 2 == 0 {
+                if pg.rank().is_multiple_of(2) {
                     pg.send(&out, next, 3).unwrap();
                     pg.recv(&mut got, prev, 3).unwrap();
                 } else {

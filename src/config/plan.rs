@@ -1,5 +1,8 @@
 //! The `Plan`: a configuration checked as a whole (values, cross-field rules, data files) with
 //! every shape known before any rank starts. Nothing downstream re-checks the configuration.
+// `!(x > 0.0)` is meant: it also rejects NaN, which `x <= 0.0` would let through.
+#![allow(clippy::neg_cmp_op_on_partial_ord)]
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 

@@ -40,8 +40,8 @@ pub fn read(run_dir: &Path, rank: usize) -> Option<String> {
     Some(text.trim().to_owned()).filter(|t| !t.is_empty())
 }
 
-pub fn remove_all(run_dir: &Path, world_size: usize) {
-    for r in 0..world_size {
+pub fn remove_all(run_dir: &Path, ranks: std::ops::Range<usize>) {
+    for r in ranks {
         let _ = std::fs::remove_file(path(run_dir, r));
     }
 }
@@ -57,7 +57,7 @@ mod tests {
         p.set("train", 12, 345);
         p.set("validate", 2, 0);
         assert_eq!(read(dir.path(), 3).as_deref(), Some("validate, epoch 2"));
-        remove_all(dir.path(), 4);
+        remove_all(dir.path(), 0..4);
         assert_eq!(read(dir.path(), 3), None);
     }
 }

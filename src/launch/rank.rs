@@ -26,7 +26,8 @@ pub fn run(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::
     }
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
     let store = Arc::new(open_store(env, timeout)?);
-    let host = if env.single_node() { "127.0.0.1".to_string() } else { gloo_host() };
+    let host =
+        if env.single_node() { "127.0.0.1".to_string() } else { address_towards(&env.master_addr, env.master_port)? };
     let backend = match plan.config.run.backend {
         BackendKind::Gloo => Backend::Gloo,
         BackendKind::Nccl => Backend::Nccl,
@@ -62,9 +63,12 @@ fn open_store(env: &RankEnv, timeout: Duration) -> anyhow::Result<Store> {
     Ok(Store::connect(&env.master_addr, env.master_port, timeout)?)
 }
 
-/// The address peers reach this host's gloo transport at, for multi-node runs.
-fn gloo_host() -> String {
-    nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "127.0.0.1".into())
+/// This host's address on the interface that reaches the master: where peers on other nodes
+/// reach this rank's gloo transport. (A UDP "connect" only picks the route; nothing is sent.)
+fn address_towards(master: &str, port: u16) -> anyhow::Result<String> {
+    let socket = std::net::UdpSocket::bind("0.0.0.0:0")?;
+    socket.connect((master, port)).with_context(|| format!("no route to the master {master}:{port}"))?;
+    Ok(socket.local_addr()?.ip().to_string())
 }
 
 /// Makes the kernel kill this rank when the launcher dies, whatever killed the launcher.

@@ -3,6 +3,8 @@
 //! When a rank fails, the others get `run.abort_after_s` to stop on their own (they fail their
 //! next collective, naming it), then are killed. No rank outlives the launcher.
 use std::collections::VecDeque;
+
+use anyhow::Context;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -67,29 +69,60 @@ struct Rank {
     tail: Arc<Mutex<VecDeque<String>>>,
 }
 
-pub fn launch(plan: &Plan, run_dir: &Path, child_args: &[OsString]) -> anyhow::Result<Outcome> {
+/// Which part of the job this launcher runs: `nnodes` launchers (one per node) each start
+/// world_size / nnodes ranks; node 0 hosts the store at `master`.
+#[derive(Debug, Clone)]
+pub struct Topology {
+    pub nnodes: usize,
+    pub node_rank: usize,
+    /// Address and port of node 0's store; None on a single node (loopback, OS-chosen port).
+    pub master: Option<(String, u16)>,
+}
+
+impl Topology {
+    pub fn single() -> Topology {
+        Topology { nnodes: 1, node_rank: 0, master: None }
+    }
+}
+
+pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[OsString]) -> anyhow::Result<Outcome> {
     // Ctrl-C and SIGTERM stop the ranks through the supervision loop below.
     let interrupt = Arc::new(AtomicUsize::new(0));
     for sig in [SIGINT, SIGTERM] {
         signal_hook::flag::register_usize(sig, Arc::clone(&interrupt), sig as usize)?;
     }
     let world = plan.world_size();
+    let per_node = world / topology.nnodes;
+    let first_rank = topology.node_rank * per_node;
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let port = listener.local_addr()?.port();
-    let store = Store::serve(listener, world, timeout)?;
+    let (store, master_addr, port) = match &topology.master {
+        None => {
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            let port = listener.local_addr()?.port();
+            (Store::serve(listener, world, timeout)?, "127.0.0.1".to_string(), port)
+        }
+        Some((addr, port)) if topology.node_rank == 0 => {
+            // Bound here, on the master address only, then handed to the store.
+            let listener = TcpListener::bind((addr.as_str(), *port)).with_context(|| {
+                format!("cannot listen on {addr}:{port} (--master-addr must be this node's address)")
+            })?;
+            (Store::serve(listener, world, timeout)?, addr.clone(), *port)
+        }
+        Some((addr, port)) => (Store::connect(addr, *port, timeout)?, addr.clone(), *port),
+    };
     let exe = std::env::current_exe()?;
 
     let mut ranks = Vec::with_capacity(world);
     let mut readers = Vec::with_capacity(world);
-    for r in 0..world {
+    for local in 0..per_node {
+        let r = first_rank + local;
         let mut child = Command::new(&exe)
             .args(child_args)
             .env("RANK", r.to_string())
-            .env("LOCAL_RANK", r.to_string())
+            .env("LOCAL_RANK", local.to_string())
             .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
+            .env("LOCAL_WORLD_SIZE", per_node.to_string())
+            .env("MASTER_ADDR", &master_addr)
             .env("MASTER_PORT", port.to_string())
             .env(AGENT_STORE, "True")
             .env(LAUNCHER_PID, std::process::id().to_string())
@@ -125,7 +158,8 @@ pub fn launch(plan: &Plan, run_dir: &Path, child_args: &[OsString]) -> anyhow::R
                 let _ = signal::kill(Pid::from_raw(rank.child.id() as i32), Signal::SIGTERM);
             }
         }
-        for (r, rank) in ranks.iter_mut().enumerate() {
+        for (local, rank) in ranks.iter_mut().enumerate() {
+            let r = first_rank + local;
             if rank.status.is_some() {
                 continue;
             }
@@ -144,10 +178,10 @@ pub fn launch(plan: &Plan, run_dir: &Path, child_args: &[OsString]) -> anyhow::R
         }
         let since = first_failure.as_ref().map(|f| f.2).or(interrupted.map(|i| i.1));
         if since.is_some_and(|at| at.elapsed() >= abort_after) {
-            for (r, rank) in ranks.iter_mut().enumerate().filter(|(_, r)| r.status.is_none()) {
+            for (local, rank) in ranks.iter_mut().enumerate().filter(|(_, r)| r.status.is_none()) {
                 let _ = rank.child.kill();
                 rank.status = Some(rank.child.wait()?);
-                killed.push((r, position::read(run_dir, r)));
+                killed.push((first_rank + local, position::read(run_dir, first_rank + local)));
             }
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -159,10 +193,10 @@ pub fn launch(plan: &Plan, run_dir: &Path, child_args: &[OsString]) -> anyhow::R
         rank,
         how,
         position: position::read(run_dir, rank),
-        stderr_tail: ranks[rank].tail.lock().unwrap().iter().cloned().collect(),
+        stderr_tail: ranks[rank - first_rank].tail.lock().unwrap().iter().cloned().collect(),
         killed,
     });
-    position::remove_all(run_dir, world);
+    position::remove_all(run_dir, first_rank..first_rank + per_node);
     Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0) })
 }
 

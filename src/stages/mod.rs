@@ -77,7 +77,7 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
             trace::write_parquet(&run_dir.join("trace.parquet"), &mut trace::epochs_frame(&plan.run_id, ws, &rows)?)?;
             trace::write_parquet(&run_dir.join("steps.parquet"), &mut trace::steps_frame(&plan.run_id, &steps)?)?;
             let ck = &c.checkpoint;
-            if ck.every > 0 && (epoch % ck.every == 0 || epoch == c.train.epochs) {
+            if ck.every > 0 && (epoch.is_multiple_of(ck.every) || epoch == c.train.epochs) {
                 trainer.position.set("checkpoint", epoch, 0);
                 let w = &trainer.wrapped;
                 let snapshot = checkpoint::Snapshot {

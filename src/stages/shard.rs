@@ -37,7 +37,7 @@ impl ShardLayout {
 /// The order of the training rows in `epoch` (1-based); the file order when not shuffling.
 pub fn permutation(seed: u64, epoch: usize, rows: usize, shuffle: bool) -> Vec<i64> {
     if shuffle {
-        Rng::new(seed.wrapping_add(epoch as u64), 0x5348_4152_44).permutation(rows)
+        Rng::new(seed.wrapping_add(epoch as u64), 0x53_4841_5244).permutation(rows)
     } else {
         (0..rows as i64).collect()
     }

@@ -123,7 +123,7 @@ impl Trainer<'_, '_> {
         let epoch_s = start.elapsed().as_secs_f64();
         let samples = w.sum(Kind::Double).double_value(&[]);
 
-        let validate = c.validate.every > 0 && (epoch % c.validate.every == 0 || epoch == c.train.epochs);
+        let validate = c.validate.every > 0 && (epoch.is_multiple_of(c.validate.every) || epoch == c.train.epochs);
         let (val_loss, val_acc) = if validate && (rank == 0 || c.validate.on == ValidateOn::All) {
             self.position.set("validate", epoch, 0);
             self.validate()

@@ -1,0 +1,86 @@
+//! Multi-node runs for real: two network namespaces joined by a veth pair act as two hosts with
+//! two ranks each. Needs root and iproute2; elsewhere the test says why it is skipped.
+mod common;
+
+use std::process::{Command, Stdio};
+
+use common::{assert_ok, text, write, TINY};
+use polars::prelude::*;
+
+struct Namespaces(Vec<String>);
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for ns in &self.0 {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+/// Two hosts, a and b, at 10.231.N.1 and .2; `None` (with the reason) where this cannot be done.
+fn two_hosts() -> Result<(Namespaces, [String; 2], [String; 2]), String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Err("not running as root".into());
+    }
+    let id = std::process::id() % 100_000;
+    let ns = [format!("rn{id}a"), format!("rn{id}b")];
+    let mut guard = Namespaces(Vec::new());
+    for n in &ns {
+        ip(&["netns", "add", n])?;
+        guard.0.push(n.clone());
+    }
+    let (va, vb) = (format!("rv{id}a"), format!("rv{id}b"));
+    ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
+    let subnet = id % 250;
+    let addr = [format!("10.231.{subnet}.1"), format!("10.231.{subnet}.2")];
+    for ((n, v), a) in ns.iter().zip([&va, &vb]).zip(&addr) {
+        ip(&["link", "set", v, "netns", n])?;
+        ip(&["-n", n, "addr", "add", &format!("{a}/24"), "dev", v])?;
+        ip(&["-n", n, "link", "set", v, "up"])?;
+        ip(&["-n", n, "link", "set", "lo", "up"])?;
+    }
+    Ok((guard, ns, addr))
+}
+
+#[test]
+fn two_hosts_with_two_ranks_each_train_as_one_job() {
+    let (_guard, ns, addr) = match two_hosts() {
+        Ok(hosts) => hosts,
+        Err(why) => {
+            eprintln!("SKIPPED two_hosts_with_two_ranks_each_train_as_one_job: cannot make network namespaces ({why})");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let node = |i: usize| {
+        Command::new("ip")
+            .args(["netns", "exec", &ns[i], env!("CARGO_BIN_EXE_runner"), "run", "p.toml", "--set", "run.world_size=4"])
+            .args(["--nnodes", "2", "--node-rank", &i.to_string(), "--master-addr", &addr[0], "--master-port", "29500"])
+            .args(["--out", &format!("node{i}")])
+            .current_dir(dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (node(0), node(1));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert_ok(&a);
+    assert_ok(&b);
+    let df = ParquetReader::new(std::fs::File::open(dir.path().join("node0/trace.parquet")).unwrap()).finish().unwrap();
+    assert_eq!(df.height(), 4 * 2, "one row per rank per epoch, from both hosts");
+    let ranks: Vec<u32> = df.column("rank").unwrap().u32().unwrap().into_no_null_iter().collect();
+    assert_eq!(ranks, vec![0, 1, 2, 3, 0, 1, 2, 3]);
+    let (out, _) = text(&a);
+    assert!(out.contains("run directory: node0"), "{out}");
+}
