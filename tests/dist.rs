@@ -239,15 +239,29 @@ fn collectives(pg: &ProcessGroup) {
     let params: Vec<Tensor> = (0..3).map(|i| root.zeros(&format!("p{i}"), &[512 * 1024])).collect();
     let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 1.0, 1).unwrap();
     assert!(ddp.buckets() >= 3, "expected several buckets, got {}", ddp.buckets());
-    ddp.prepare_forward().unwrap();
-    let loss = params.iter().map(|p| (p * 0.0 + r + 1.0).sum(Kind::Float)).fold(Tensor::from(0.0f32), |a, b| a + b);
-    let loss = loss + params.iter().map(|p| p.sum(Kind::Float) * (r + 1.0)).fold(Tensor::from(0.0f32), |a, b| a + b);
-    ddp.prepare_backward().unwrap();
-    loss.backward();
+    // d loss / d p = rank + 1 on each rank.
+    let step = |ddp: &mut Ddp, sync: bool| {
+        ddp.set_sync(sync);
+        ddp.prepare_forward().unwrap();
+        let loss = params.iter().map(|p| p.sum(Kind::Float) * (r + 1.0)).fold(Tensor::from(0.0f32), |a, b| a + b);
+        ddp.prepare_backward().unwrap();
+        loss.backward();
+    };
+    let grads = |what: &str, expected: f64| {
+        for p in &params {
+            assert_eq!(p.grad().double_value(&[1000]), expected, "{what}");
+        }
+    };
+    step(&mut ddp, true);
+    grads("bucketed gradient average", (w + 1.0) / 2.0);
     for p in &params {
-        // d loss / d p = rank + 1 on each rank; DDP averages: (w + 1) / 2.
-        assert_eq!(p.grad().double_value(&[1000]), (w + 1.0) / 2.0, "bucketed gradient average");
+        let _ = p.grad().zero_();
     }
+    // no_sync: a micro-step only accumulates locally; the next synchronised step averages the sum.
+    step(&mut ddp, false);
+    grads("no_sync keeps the local gradient", r + 1.0);
+    step(&mut ddp, true);
+    grads("the synchronised step averages the accumulated gradients", w + 1.0);
     pg.barrier().unwrap();
 }
 

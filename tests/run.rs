@@ -3,7 +3,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{assert_ok, run, text, write, TINY};
+use common::{assert_ok, run, text, write, OutputLater, TINY};
 use polars::prelude::*;
 
 fn trace(dir: &Path) -> DataFrame {
@@ -140,4 +140,68 @@ fn the_seed_pipeline_learns() {
     assert!(acc[2] > acc[0] && acc[2] > 0.7, "validation accuracy must rise: {acc:?}");
     let (stdout, _) = text(&o);
     assert!(stdout.contains("DistributedSampler over 4 ranks") && stdout.contains("val accuracy"), "{stdout}");
+}
+
+#[test]
+fn under_torchrun_variables_each_process_is_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // What torchrun (without its agent store), Slurm or a hand-written script would do.
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            common::runner()
+                .args(["run", "p.toml", "--out", "o"])
+                .current_dir(dir.path())
+                .envs([("RANK", r.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_ADDR", "127.0.0.1".into())])
+                .env("MASTER_PORT", port.to_string())
+                .output_later()
+        })
+        .collect();
+    for (r, child) in ranks.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "rank {r}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    // Rank 0 wrote everything; nobody spawned more processes.
+    let run_dir = dir.path().join("o");
+    assert_eq!(trace(&run_dir).height(), 2 * 2);
+    assert!(std::fs::read_to_string(run_dir.join("manifest.json")).unwrap().contains("\"status\": \"complete\""));
+    assert!(run_dir.join("config.toml").exists());
+}
+
+#[test]
+fn csv_and_parquet_files_train_like_the_synthetic_source() {
+    let dir = tempfile::tempdir().unwrap();
+    // 400 rows: label = which of x0, x1 is larger; a constant third feature.
+    let (mut x0, mut x1, mut c, mut label) = (vec![], vec![], vec![], vec![]);
+    for i in 0..400u32 {
+        let (a, b) = (((i * 37) % 101) as f64, ((i * 53) % 97) as f64);
+        x0.push(a);
+        x1.push(b);
+        c.push(1.0);
+        label.push(i64::from(a > b));
+    }
+    let mut df = df!("x0" => x0, "x1" => x1, "c" => c, "label" => label).unwrap();
+    CsvWriter::new(std::fs::File::create(dir.path().join("data.csv")).unwrap()).finish(&mut df).unwrap();
+    ParquetWriter::new(std::fs::File::create(dir.path().join("data.parquet")).unwrap()).finish(&mut df).unwrap();
+    for source in ["csv", "parquet"] {
+        let pipeline = format!(
+            "[run]\nname = \"f\"\nworld_size = 2\n[load]\nsource = \"{source}\"\npath = \"data.{source}\"\n\
+             target = \"label\"\nvalidation_rows = 80\n[train]\nepochs = 3\nbatch_size = 8\noptimizer = \"adam\"\nlr = 0.01\n"
+        );
+        write(dir.path(), "f.toml", &pipeline);
+        let o = run(&["run", "f.toml", "--out", source], dir.path());
+        assert_ok(&o);
+        let df = trace(&dir.path().join(source));
+        let samples: u64 = df.column("samples").unwrap().u64().unwrap().into_no_null_iter().sum();
+        assert_eq!(samples, 320 * 3, "{source}: 400 rows - 80 for validation, 3 epochs");
+        let acc = f64s(&df, "val_acc").into_iter().flatten().last().unwrap();
+        assert!(acc > 0.8, "{source}: a separable task should be learnt, val_acc {acc}");
+        let (stdout, _) = text(&o);
+        assert!(
+            stdout.contains(&format!("data.{source}"))
+                && stdout.contains("320 training + 80 validation rows, 2 classes"),
+            "{stdout}"
+        );
+    }
 }

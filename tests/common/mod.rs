@@ -54,3 +54,14 @@ pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     std::fs::write(&p, text).unwrap();
     p
 }
+
+/// Spawning with captured output, for processes that must run at the same time.
+pub trait OutputLater {
+    fn output_later(&mut self) -> std::process::Child;
+}
+
+impl OutputLater for Command {
+    fn output_later(&mut self) -> std::process::Child {
+        self.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().expect("runner starts")
+    }
+}
