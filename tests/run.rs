@@ -205,3 +205,28 @@ fn csv_and_parquet_files_train_like_the_synthetic_source() {
         );
     }
 }
+
+#[test]
+fn batch_split_over_two_ranks_equals_one_process_on_the_whole_batch() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let pipeline = root.join("pipelines/multi_gpu.toml");
+    let dir = tempfile::tempdir().unwrap();
+    let losses = |world: &str, out: &str| {
+        let args = ["run", pipeline.to_str().unwrap(), "--set", &format!("run.world_size={world}")];
+        let o = run(
+            &[&args[..], &["--set", "train.epochs=2", "--set", "load.rows=3001", "--out", out]].concat(),
+            dir.path(),
+        );
+        assert_ok(&o);
+        let df = trace(&dir.path().join(out));
+        let mask = df.column("rank").unwrap().u32().unwrap().equal(0);
+        f64s(&df.filter(&mask).unwrap(), "global_train_loss").into_iter().map(Option::unwrap).collect::<Vec<_>>()
+    };
+    let (two, one) = (losses("2", "two"), losses("1", "one"));
+    for (e, (a, b)) in two.iter().zip(&one).enumerate() {
+        assert!(((a - b) / b).abs() < 1e-5, "epoch {}: 2 × 50 gave {a}, 1 × 100 gave {b}", e + 1);
+    }
+    let o = run(&["validate", pipeline.to_str().unwrap(), "--set", "train.global_batch_size=101"], dir.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("101 does not split evenly over 2 ranks; use a multiple of 2"), "{}", text(&o).1);
+}

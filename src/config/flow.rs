@@ -15,11 +15,11 @@ impl Plan {
             None => format!("synthetic (seed {}, noise {})", c.run.seed, d.noise),
             Some(info) => info.path.display().to_string(),
         };
-        let mut shard_op = format!(
-            "DistributedSampler over {w} rank{}, {}",
-            if w == 1 { "" } else { "s" },
-            if c.shard.shuffle { "reshuffled every epoch" } else { "file order" }
-        );
+        let order = if c.shard.shuffle { "reshuffled every epoch" } else { "file order" };
+        let mut shard_op = match l.split_batch {
+            None => format!("DistributedSampler over {w} rank{}, {order}", if w == 1 { "" } else { "s" }),
+            Some(b) => format!("each global batch of {} split {w} × {b}, {order}", b * w),
+        };
         if l.padding() > 0 {
             shard_op += &format!(
                 ", {} padding row{} (not counted in metrics)",
@@ -81,8 +81,8 @@ impl Plan {
                     "{} epochs × {} steps of {} per rank ({} global), {opt} lr {}",
                     c.train.epochs,
                     self.steps_per_epoch(),
-                    c.train.batch_size,
-                    c.train.batch_size * w,
+                    self.batch_per_rank,
+                    self.batch_per_rank * w,
                     c.train.lr
                 ),
                 "loss, accuracy per epoch".into(),

@@ -21,6 +21,8 @@ pub struct Plan {
     pub run_id: String,
     pub data: DataSpec,
     pub layout: ShardLayout,
+    /// Samples per step on each rank: train.batch_size, or the rank's share of the global batch.
+    pub batch_per_rank: usize,
     pub threads_per_rank: usize,
     pub parameters: usize,
 }
@@ -147,11 +149,50 @@ impl Plan {
             bad("train.weight_decay", format!("must be 0 or more, got {}", t.weight_decay));
         }
 
-        let layout = data
-            .as_ref()
-            .filter(|_| c.run.world_size > 0)
-            .map(|d| ShardLayout::new(d.rows, c.run.world_size, c.shard.drop_last));
-        if let (Some(l), true) = (&layout, t.batch_size > 0) {
+        let w = c.run.world_size;
+        let split = match (c.shard.strategy, t.global_batch_size) {
+            (ShardStrategy::Dataset, None) => None,
+            (ShardStrategy::Dataset, Some(_)) => {
+                bad(
+                    "train.global_batch_size",
+                    "is only used by shard.strategy = \"batch\"; use train.batch_size (per rank)".into(),
+                );
+                None
+            }
+            (ShardStrategy::Batch, None) => {
+                bad(
+                    "train.global_batch_size",
+                    "shard.strategy = \"batch\" needs the global batch size to split".into(),
+                );
+                None
+            }
+            (ShardStrategy::Batch, Some(g)) => {
+                if sources.get("train.batch_size").is_some_and(|s| s != "default") {
+                    bad("train.batch_size", format!("is not used with shard.strategy = \"batch\": each rank takes global_batch_size / world_size; remove it"));
+                }
+                if g == 0 || w == 0 || g % w != 0 {
+                    bad(
+                        "train.global_batch_size",
+                        format!("{g} does not split evenly over {w} ranks; use a multiple of {w}"),
+                    );
+                    None
+                } else if data.as_ref().is_some_and(|d| g > d.rows) {
+                    bad(
+                        "train.global_batch_size",
+                        format!("{g} is larger than the {} training rows", data.as_ref().unwrap().rows),
+                    );
+                    None
+                } else {
+                    Some(g)
+                }
+            }
+        };
+        let layout = data.as_ref().filter(|_| w > 0).and_then(|d| match (c.shard.strategy, split) {
+            (ShardStrategy::Dataset, _) => Some(ShardLayout::new(d.rows, w, c.shard.drop_last)),
+            (ShardStrategy::Batch, Some(g)) => Some(ShardLayout::split(d.rows, w, g, c.shard.drop_last)),
+            (ShardStrategy::Batch, None) => None,
+        });
+        if let (Some(l), true, None) = (&layout, t.batch_size > 0, split) {
             if l.per_rank == 0 {
                 bad(
                     "run.world_size",
@@ -176,11 +217,22 @@ impl Plan {
         }
         let data = data.expect("checked above");
         let layout = layout.expect("checked above");
+        let batch_per_rank = layout.split_batch.unwrap_or(c.train.batch_size);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads_per_rank = c.run.threads_per_rank.unwrap_or((cores / c.run.world_size).max(1));
         let parameters = crate::model::parameter_count(data.features, &c.wrap.model.hidden, data.classes);
         let run_id = run_id(&c);
-        Ok(Plan { config: c, sources, pipeline_file: file, run_id, data, layout, threads_per_rank, parameters })
+        Ok(Plan {
+            config: c,
+            sources,
+            pipeline_file: file,
+            run_id,
+            data,
+            layout,
+            batch_per_rank,
+            threads_per_rank,
+            parameters,
+        })
     }
 
     pub fn world_size(&self) -> usize {
@@ -189,7 +241,7 @@ impl Plan {
 
     /// Steps per epoch on every rank (equal, so collectives line up).
     pub fn steps_per_epoch(&self) -> usize {
-        self.layout.per_rank.div_ceil(self.config.train.batch_size)
+        self.layout.per_rank.div_ceil(self.batch_per_rank)
     }
 
     /// The resolved configuration as TOML, each value annotated with where it came from.

@@ -146,6 +146,8 @@ impl Default for Shard {
 pub enum ShardStrategy {
     /// DistributedSampler: rank r takes positions r, r+W, r+2W, ... of each epoch's permutation.
     Dataset,
+    /// Every global batch (train.global_batch_size) split evenly across the ranks.
+    Batch,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -235,8 +237,10 @@ pub enum Activation {
 #[serde(deny_unknown_fields, default)]
 pub struct Train {
     pub epochs: usize,
-    /// Samples per step on each rank.
+    /// Samples per step on each rank (shard.strategy = "dataset").
     pub batch_size: usize,
+    /// Samples per step over all ranks (shard.strategy = "batch"), split evenly across them.
+    pub global_batch_size: Option<usize>,
     pub optimizer: Optimizer,
     pub lr: f64,
     pub momentum: f64,
@@ -245,7 +249,15 @@ pub struct Train {
 
 impl Default for Train {
     fn default() -> Self {
-        Train { epochs: 5, batch_size: 32, optimizer: Optimizer::Sgd, lr: 0.1, momentum: 0.0, weight_decay: 0.0 }
+        Train {
+            epochs: 5,
+            batch_size: 32,
+            global_batch_size: None,
+            optimizer: Optimizer::Sgd,
+            lr: 0.1,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        }
     }
 }
 

@@ -3,6 +3,10 @@
 //! positions r, r+W, r+2W, ... Without `drop_last` the permutation is padded by repeating its
 //! start so every rank gets as many rows (padded rows are trained on, as torch does, but are
 //! never counted in a metric); with it, the tail that does not divide is dropped.
+//!
+//! `strategy = "batch"` (seed 002) walks the same permutation one global batch at a time and
+//! splits each global batch evenly: at step k rank r takes positions kG + rb .. kG + (r+1)b of
+//! it, with b = G / W. Its last global batch is padded (or dropped) the same way.
 use tch::{Device, Kind, Tensor};
 
 use crate::rng::Rng;
@@ -15,12 +19,22 @@ pub struct ShardLayout {
     /// Rows per rank per epoch (padding included).
     pub per_rank: usize,
     pub drop_last: bool,
+    /// Batch split: each rank's share of every global batch; `None` for dataset sharding.
+    pub split_batch: Option<usize>,
 }
 
 impl ShardLayout {
+    /// DistributedSampler sharding.
     pub fn new(rows: usize, world_size: usize, drop_last: bool) -> ShardLayout {
         let per_rank = if drop_last { rows / world_size } else { rows.div_ceil(world_size) };
-        ShardLayout { rows, world_size, per_rank, drop_last }
+        ShardLayout { rows, world_size, per_rank, drop_last, split_batch: None }
+    }
+
+    /// Batch split: every global batch of `global_batch` rows split into `world_size` equal parts.
+    pub fn split(rows: usize, world_size: usize, global_batch: usize, drop_last: bool) -> ShardLayout {
+        let steps = if drop_last { rows / global_batch } else { rows.div_ceil(global_batch) };
+        let share = global_batch / world_size;
+        ShardLayout { rows, world_size, per_rank: steps * share, drop_last, split_batch: Some(share) }
     }
 
     /// Rows that are padding on some rank (repeats), 0 with drop_last.
@@ -55,7 +69,10 @@ impl RankShard {
         let mut indices = Vec::with_capacity(layout.per_rank);
         let mut weights = Vec::with_capacity(layout.per_rank);
         for i in 0..layout.per_rank {
-            let pos = rank + i * layout.world_size;
+            let pos = match layout.split_batch {
+                None => rank + i * layout.world_size,
+                Some(b) => (i / b) * b * layout.world_size + rank * b + i % b,
+            };
             // Positions past the end wrap to the permutation's start: torch's padding.
             indices.push(perm[pos % layout.rows]);
             weights.push(if pos < layout.rows { 1.0 } else { 0.0 });
@@ -116,6 +133,33 @@ mod tests {
             mine.sort();
             single.sort();
             assert_eq!(mine, single, "step {step}");
+        }
+    }
+
+    #[test]
+    fn batch_split_covers_each_global_batch_evenly() {
+        for (rows, world, global, drop_last) in
+            [(100, 2, 20, false), (101, 2, 20, false), (101, 2, 20, true), (90, 3, 30, false)]
+        {
+            let l = ShardLayout::split(rows, world, global, drop_last);
+            let perm = permutation(4, 1, rows, true);
+            let single = RankShard::take(&ShardLayout::split(rows, 1, global, drop_last), &perm, 0);
+            let shards: Vec<RankShard> = (0..world).map(|r| RankShard::take(&l, &perm, r)).collect();
+            let b = global / world;
+            for step in 0..l.per_rank / b {
+                let mut ranks: Vec<(i64, u32)> = shards
+                    .iter()
+                    .flat_map(|s| (step * b..(step + 1) * b).map(|i| (s.indices[i], s.weights[i] as u32)))
+                    .collect();
+                let mut one: Vec<(i64, u32)> = (step * global..(step + 1) * global)
+                    .map(|i| (single.indices[i], single.weights[i] as u32))
+                    .collect();
+                ranks.sort();
+                one.sort();
+                assert_eq!(ranks, one, "rows {rows} world {world} step {step}");
+            }
+            let counted: f32 = shards.iter().flat_map(|s| &s.weights).sum();
+            assert_eq!(counted as usize, if drop_last { rows / global * global } else { rows });
         }
     }
 

@@ -55,7 +55,7 @@ impl Trainer<'_, '_> {
         let y = self.data.train_y.index_select(0, &idx);
         let w = shard.weight_tensor();
 
-        let b = c.train.batch_size as i64;
+        let b = self.plan.batch_per_rank as i64;
         let n = self.plan.layout.per_rank as i64;
         let steps = self.plan.steps_per_epoch();
         let step_every = c.trace.step_every;

@@ -19,6 +19,7 @@ impl Progress {
                     .expect("a valid template")
                     .progress_chars("=> "),
             );
+            bar.set_prefix(format!("1/{epochs}"));
             bar.enable_steady_tick(Duration::from_millis(200));
             bar
         });
