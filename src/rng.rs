@@ -1,5 +1,5 @@
 //! A small deterministic generator (SplitMix64) for data and permutations: the same numbers on
-//! every machine and at every world size, independent of libtorch's generators.
+//! every machine and at every world size, independent of libtorch's generators; and FNV-1a.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
 
@@ -45,6 +45,11 @@ impl Rng {
         }
         p
     }
+}
+
+/// FNV-1a, 64 bits: a stable fingerprint (run ids, checkpoint checksums), not a secure hash.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 #[cfg(test)]

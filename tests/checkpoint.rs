@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{assert_ok, run, runner, text, write};
+use common::{assert_ok, children, run, runner, text, write};
 use polars::prelude::*;
 
 const RESUMABLE: &str = r#"
@@ -56,17 +56,14 @@ fn run_and_kill(dir: &Path, out: &str, victim: usize) {
         assert!(Instant::now() < deadline, "no epoch-2 checkpoint");
         std::thread::sleep(Duration::from_millis(5));
     }
-    let rank_pid = std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+    let rank_pid = children(launcher.id())
+        .into_iter()
         .find(|p| {
             let env = std::fs::read(format!("/proc/{p}/environ")).unwrap_or_default();
-            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
-            let parent = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok());
-            parent == Some(launcher.id()) && env.split(|b| *b == 0).any(|v| v == format!("RANK={victim}").as_bytes())
+            env.split(|b| *b == 0).any(|v| v == format!("RANK={victim}").as_bytes())
         })
         .expect("the rank process");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(rank_pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(rank_pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
     let status = launcher.wait().unwrap();
     let mut err = String::new();
     std::io::Read::read_to_string(launcher.stderr.as_mut().unwrap(), &mut err).unwrap();

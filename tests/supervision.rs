@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{runner, write};
+use common::{alive, children, runner, write};
 
 /// Long enough that every kill lands mid-run; a failed run must stop within the bound anyway.
 const LONG: &str = r#"
@@ -29,23 +29,6 @@ hidden = [32]
 epochs = 200
 batch_size = 16
 "#;
-
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|p| {
-            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
-            // The parent pid is the 4th field, after the parenthesised command name.
-            stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok()) == Some(pid)
-        })
-        .collect()
-}
-
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|s| !s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
-}
 
 fn start(dir: &Path, out: &str) -> Child {
     runner()

@@ -340,10 +340,5 @@ fn file_spec(
 /// 12 hex digits of FNV-1a over the resolved configuration's canonical JSON.
 fn run_id(c: &Config) -> String {
     let json = serde_json::to_string(c).expect("a Config serializes");
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in json.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    format!("{:012x}", h >> 16)
+    format!("{:012x}", crate::rng::fnv1a(json.as_bytes()) >> 16)
 }

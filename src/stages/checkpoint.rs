@@ -43,12 +43,7 @@ fn paths(run_dir: &Path, epoch: usize) -> (PathBuf, PathBuf) {
 }
 
 fn fnv1a(bytes: &[u8]) -> String {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in bytes {
-        h ^= *b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    format!("{h:016x}")
+    format!("{:016x}", crate::rng::fnv1a(bytes))
 }
 
 fn named_parameters(vs: &nn::VarStore) -> Vec<(String, Tensor)> {

@@ -65,3 +65,22 @@ impl OutputLater for Command {
         self.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().expect("runner starts")
     }
 }
+
+/// The pids whose parent is `pid`.
+pub fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            // The parent pid is the 4th field, after the parenthesised command name.
+            stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok()) == Some(pid)
+        })
+        .collect()
+}
+
+/// Whether `pid` is a live (not zombie) process.
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| !s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
+}
