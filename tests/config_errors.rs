@@ -28,7 +28,7 @@ const CASES: &[Case] = &[
         args: &[],
         env: &[],
         expected: "error: p.toml:20:2: unknown key `trian`; did you mean `train`? \
-                   (valid keys in the file: run, load, shard, normalize, wrap, train, validate, trace)\n  20 | [trian]",
+                   (valid keys in the file: run, load, shard, normalize, wrap, train, validate, trace, checkpoint)\n  20 | [trian]",
     },
     Case {
         name: "wrong type in the file",
@@ -57,7 +57,7 @@ const CASES: &[Case] = &[
         args: &["--set", "train.lrr=0.1"],
         env: &[],
         expected: "error: --set train.lrr=0.1: unknown key `train.lrr`; did you mean `train.lr`? (valid keys in [train]: \
-                   train.epochs, train.batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay)",
+                   train.epochs, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay)",
     },
     Case {
         name: "--set value of the wrong type",
@@ -79,7 +79,7 @@ const CASES: &[Case] = &[
         args: &[],
         env: &[("RUNNER_TRAIN__LRR", "0.5")],
         expected: "error: environment variable RUNNER_TRAIN__LRR: unknown key `train.lrr`; did you mean `train.lr`? (valid keys in [train]: \
-                   train.epochs, train.batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay)",
+                   train.epochs, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay)",
     },
     Case {
         name: "environment value of the wrong type",
