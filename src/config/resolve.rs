@@ -129,31 +129,25 @@ fn figment_error(e: figment::Error, file: &Path) -> ConfigError {
         .map(|e| {
             let name = e.metadata.as_ref().map(|m| m.name.to_string()).unwrap_or_default();
             let mut path = e.path.clone();
-            let (kind_message, field) = match &e.kind {
+            let message = match &e.kind {
                 figment::error::Kind::UnknownField(f, expected) => {
                     if path.last() != Some(f) {
                         path.push(f.clone());
                     }
                     let valid = expected.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ");
-                    (format!("unknown field `{f}`, expected one of {valid}"), Some(f.clone()))
+                    format!("unknown field `{f}`, expected one of {valid}")
                 }
-                kind => (kind.to_string(), None),
+                kind => kind.to_string(),
             };
-            let key = path.join(".");
             let origin = if name.contains("environment") {
                 format!("environment variable RUNNER_{}", path.join("__").to_uppercase())
-            } else if name.starts_with("--set") || name.starts_with("sweep") {
-                name.clone()
-            } else {
+            } else if name.contains("TOML") {
                 file.display().to_string()
+            } else {
+                name // an override: "--set train.lr=0.1", a sweep axis, ...
             };
-            let section = field.as_ref().map(|_| key.rsplit_once('.').map(|(s, _)| s.to_owned()).unwrap_or_default());
-            let message = match section {
-                Some(s) if !s.is_empty() => explain(&kind_message, Some(&format!("{s}.{}", field.unwrap()))),
-                Some(_) => explain(&kind_message, None),
-                None => explain(&kind_message, Some(&key).filter(|k| !k.is_empty()).map(|k| k.as_str())),
-            };
-            format!("{origin}: {message}")
+            let key = path.join(".");
+            format!("{origin}: {}", explain(&message, Some(key.as_str()).filter(|k| !k.is_empty())))
         })
         .collect();
     ConfigError::new(messages.join("\n"))
