@@ -132,7 +132,7 @@ impl Trainer<'_, '_> {
         };
 
         self.position.set("gather metrics", epoch, 0);
-        let mine = Tensor::from_slice(&[
+        let mine = [
             loss_sum.double_value(&[]),
             correct.double_value(&[]),
             samples,
@@ -141,56 +141,9 @@ impl Trainer<'_, '_> {
             comm_s,
             val_loss,
             val_acc,
-        ]);
-        debug_assert_eq!(mine.size()[0] as usize, EPOCH_FIELDS);
-        let all = self.pg.all_gather(&mine)?;
-        let v: Vec<Vec<f64>> = all.iter().map(|t| Vec::<f64>::try_from(t).expect("float64 values")).collect();
-        let (g_loss, g_correct, g_samples) =
-            v.iter().fold((0.0, 0.0, 0.0), |a, r| (a.0 + r[0], a.1 + r[1], a.2 + r[2]));
-        let opt = |x: f64| (!x.is_nan()).then_some(x);
-        let rows = v
-            .iter()
-            .enumerate()
-            .map(|(r, f)| EpochRow {
-                epoch: epoch as u32,
-                rank: r as u32,
-                train_loss: f[0] / f[2],
-                train_acc: f[1] / f[2],
-                global_train_loss: g_loss / g_samples,
-                global_train_acc: g_correct / g_samples,
-                val_loss: opt(f[6]),
-                val_acc: opt(f[7]),
-                samples: f[2] as u64,
-                steps: f[3] as u64,
-                epoch_s: f[4],
-                samples_per_s: f[2] / f[4],
-                comm_s: f[5],
-            })
-            .collect();
-
-        let flat: Vec<f64> = step_rows.iter().flatten().copied().collect();
-        let steps_all = if flat.is_empty() { vec![] } else { self.pg.all_gather(&Tensor::from_slice(&flat))? };
-        let steps = steps_all
-            .iter()
-            .enumerate()
-            .flat_map(|(r, t)| {
-                let v = Vec::<f64>::try_from(t).expect("float64 values");
-                v.chunks(STEP_FIELDS)
-                    .map(|s| StepRow {
-                        epoch: epoch as u32,
-                        step: s[0] as u32,
-                        rank: r as u32,
-                        batch_s: s[1],
-                        forward_s: s[2],
-                        loss_s: s[3],
-                        backward_s: s[4],
-                        sync_s: s[5],
-                        overlap_s: s[6],
-                        update_s: s[7],
-                    })
-                    .collect::<Vec<_>>()
-            })
-            .collect();
+        ];
+        let rows = gather_epoch_rows(self.pg, epoch, &mine)?;
+        let steps = gather_step_rows(self.pg, epoch, &step_rows)?;
         Ok(EpochOutput { rows, steps })
     }
 
@@ -211,4 +164,60 @@ impl Trainer<'_, '_> {
             (loss, acc)
         })
     }
+}
+
+/// Every rank's epoch values, all-gathered: rank 0 builds each rank's row and the global metrics.
+fn gather_epoch_rows(pg: &ProcessGroup, epoch: usize, mine: &[f64; EPOCH_FIELDS]) -> anyhow::Result<Vec<EpochRow>> {
+    let all = pg.all_gather(&Tensor::from_slice(mine))?;
+    let v: Vec<Vec<f64>> = all.iter().map(|t| Vec::<f64>::try_from(t).expect("float64 values")).collect();
+    let (g_loss, g_correct, g_samples) = v.iter().fold((0.0, 0.0, 0.0), |a, r| (a.0 + r[0], a.1 + r[1], a.2 + r[2]));
+    let opt = |x: f64| (!x.is_nan()).then_some(x);
+    Ok(v.iter()
+        .enumerate()
+        .map(|(r, f)| EpochRow {
+            epoch: epoch as u32,
+            rank: r as u32,
+            train_loss: f[0] / f[2],
+            train_acc: f[1] / f[2],
+            global_train_loss: g_loss / g_samples,
+            global_train_acc: g_correct / g_samples,
+            val_loss: opt(f[6]),
+            val_acc: opt(f[7]),
+            samples: f[2] as u64,
+            steps: f[3] as u64,
+            epoch_s: f[4],
+            samples_per_s: f[2] / f[4],
+            comm_s: f[5],
+        })
+        .collect())
+}
+
+/// Every rank's sampled steps (the same count on each rank), all-gathered.
+fn gather_step_rows(pg: &ProcessGroup, epoch: usize, mine: &[[f64; STEP_FIELDS]]) -> anyhow::Result<Vec<StepRow>> {
+    if mine.is_empty() {
+        return Ok(Vec::new());
+    }
+    let flat: Vec<f64> = mine.iter().flatten().copied().collect();
+    let all = pg.all_gather(&Tensor::from_slice(&flat))?;
+    Ok(all
+        .iter()
+        .enumerate()
+        .flat_map(|(r, t)| {
+            let v = Vec::<f64>::try_from(t).expect("float64 values");
+            v.chunks(STEP_FIELDS)
+                .map(|s| StepRow {
+                    epoch: epoch as u32,
+                    step: s[0] as u32,
+                    rank: r as u32,
+                    batch_s: s[1],
+                    forward_s: s[2],
+                    loss_s: s[3],
+                    backward_s: s[4],
+                    sync_s: s[5],
+                    overlap_s: s[6],
+                    update_s: s[7],
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect())
 }
