@@ -168,7 +168,7 @@ impl Plan {
             }
             (ShardStrategy::Batch, Some(g)) => {
                 if sources.get("train.batch_size").is_some_and(|s| s != "default") {
-                    bad("train.batch_size", format!("is not used with shard.strategy = \"batch\": each rank takes global_batch_size / world_size; remove it"));
+                    bad("train.batch_size", "is not used with shard.strategy = \"batch\": each rank takes global_batch_size / world_size; remove it".into());
                 }
                 if g == 0 || w == 0 || g % w != 0 {
                     bad(
