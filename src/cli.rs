@@ -1,4 +1,4 @@
-//! The command line: `runner run`, `runner validate`.
+//! The command line: `runner run`, `runner sweep`, `runner report`, `runner validate`.
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -27,6 +27,10 @@ pub struct Cli {
 pub enum Command {
     /// Run a pipeline: world_size rank processes on this machine (or, under torchrun, this rank).
     Run(RunArgs),
+    /// Run every point of an experiment's grid, then write its tables and plots.
+    Sweep(SweepArgs),
+    /// Rebuild a sweep directory's tables and plots from its traces; run nothing.
+    Report(ReportArgs),
     /// Check a pipeline and print its resolved plan (the data-flow table); run nothing.
     Validate(ConfigArgs),
 }
@@ -38,6 +42,9 @@ pub struct ConfigArgs {
     /// Override a value, e.g. --set train.lr=0.05 (repeatable; wins over file and environment).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// An override with the source config.toml names for it (`runner sweep` passes its axes so).
+    #[arg(long = "set-as", num_args = 2, value_names = ["LABEL", "KEY=VALUE"], hide = true)]
+    pub set_as: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -49,11 +56,49 @@ pub struct RunArgs {
     pub out: Option<PathBuf>,
 }
 
+#[derive(Debug, Args)]
+pub struct SweepArgs {
+    /// The experiment file (TOML): a pipeline, [set], [sweep] and [scaling].
+    pub file: PathBuf,
+    /// The sweep directory [default: results/<experiment file stem>]
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Stop at the first point that fails (otherwise it is recorded and the sweep goes on).
+    #[arg(long)]
+    pub fail_fast: bool,
+    /// Run points again even when they are already complete with the same configuration.
+    #[arg(long, conflicts_with = "check")]
+    pub force: bool,
+    /// Rerun every point into a temporary directory and compare every non-timing trace value
+    /// with the stored ones; exit 1 listing every difference.
+    #[arg(long)]
+    pub check: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// The sweep directory (holding sweep.json), e.g. results/world_size.
+    pub dir: PathBuf,
+}
+
 /// Exit codes: 0 done, 1 the run failed, 2 the configuration is wrong.
 pub fn main(cli: Cli) -> ExitCode {
     let result = match cli.command {
         Command::Validate(args) => validate(&args),
         Command::Run(args) => run(&args),
+        Command::Sweep(args) => crate::sweep::sweep(
+            &args.file,
+            &crate::sweep::Options {
+                out: args.out,
+                fail_fast: args.fail_fast,
+                force: args.force,
+                check: args.check,
+            },
+        ),
+        Command::Report(args) => crate::report::write(&args.dir).map(|table| {
+            println!("{table}");
+            ExitCode::SUCCESS
+        }),
     };
     match result {
         Ok(code) => code,
@@ -74,7 +119,13 @@ pub fn main(cli: Cli) -> ExitCode {
 }
 
 pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
-    let overrides: Vec<Override> = args.set.iter().map(|s| Override::set(s)).collect();
+    let labelled = args.set_as.chunks(2).map(|pair| Override {
+        label: pair[0].clone(),
+        text: pair[1].clone(),
+    });
+    let overrides: Vec<Override> = labelled
+        .chain(args.set.iter().map(|s| Override::set(s)))
+        .collect();
     Plan::new(config::resolve(&args.file, &overrides)?)
 }
 
@@ -132,6 +183,9 @@ fn launch(plan: &Plan, args: &RunArgs, run_dir: &Path) -> anyhow::Result<ExitCod
     let mut manifest = Manifest::start(plan);
     prepare_run_dir(plan, run_dir, &manifest)?;
     let mut child_args: Vec<OsString> = vec!["run".into(), args.config.file.clone().into()];
+    for pair in args.config.set_as.chunks(2) {
+        child_args.extend(["--set-as".into(), (&pair[0]).into(), (&pair[1]).into()]);
+    }
     for s in &args.config.set {
         child_args.extend(["--set".into(), s.into()]);
     }

@@ -196,7 +196,10 @@ fn figment_error(e: figment::Error, file: &Path) -> ConfigError {
                     "environment variable RUNNER_{}",
                     path.join("__").to_uppercase()
                 )
-            } else if name.starts_with("--set") || name.starts_with("sweep") {
+            } else if name.starts_with("--set")
+                || name.starts_with("sweep")
+                || name.starts_with("experiment")
+            {
                 name.clone()
             } else {
                 file.display().to_string()
