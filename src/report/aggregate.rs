@@ -59,7 +59,8 @@ pub fn load(dir: &Path, index: &Index) -> anyhow::Result<Loaded> {
         let manifest = match Manifest::read(&run) {
             Ok(m) => m,
             Err(_) => {
-                loaded.missing.push((p.dir.clone(), "not run".into()));
+                let why = "no manifest.json: not run, or it failed before it started";
+                loaded.missing.push((p.dir.clone(), why.into()));
                 continue;
             }
         };

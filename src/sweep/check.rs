@@ -37,6 +37,7 @@ pub fn check(points: &[Point], sweep_dir: &Path) -> anyhow::Result<Vec<String>> 
         };
         let outcome = match found.len() {
             0 => "reproduced".to_owned(),
+            1 => "1 difference".to_owned(),
             n => format!("{n} differences"),
         };
         progress.finish(&point.dir, &outcome);

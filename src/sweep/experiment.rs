@@ -235,10 +235,12 @@ fn scale(s: Scaling, c: &config::Config) -> Result<Vec<Override>, String> {
     let mut out = Vec::new();
     let per_rank = match s.batch {
         BatchScaling::PerRank => batch,
-        BatchScaling::Global if batch % world != 0 => return Err(format!(
+        BatchScaling::Global if batch % world != 0 => {
+            return Err(format!(
             "[scaling] batch = \"global\": the global batch train.batch_size = {batch} does not \
                  split evenly over {world} ranks; use a multiple of {world}"
-        )),
+        ))
+        }
         BatchScaling::Global => {
             let per_rank = batch / world;
             out.push(text_override("train.batch_size", per_rank.to_string()));

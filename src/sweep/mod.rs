@@ -68,9 +68,10 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
             );
             return Ok(ExitCode::SUCCESS);
         }
+        let n = differences.len();
         eprintln!(
-            "\nerror: {} differences between {} and a rerun:",
-            differences.len(),
+            "\nerror: {n} {} between {} and a rerun:",
+            if n == 1 { "difference" } else { "differences" },
             dir.display()
         );
         for d in &differences {
@@ -101,7 +102,9 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
     }
     if not_reached > 0 {
         eprintln!(
-            "error: --fail-fast stopped the sweep before {not_reached} points; run it again to resume"
+            "error: --fail-fast stopped the sweep; {not_reached} of {} points did not run \
+             (run the sweep again to resume)",
+            points.len()
         );
     }
     Ok(if complete == points.len() {
