@@ -331,3 +331,22 @@ fn bad_experiments_are_refused_with_every_problem_before_anything_runs() {
         );
     }
 }
+
+#[test]
+fn report_and_check_refuse_a_directory_that_holds_no_sweep() {
+    let dir = setup(EXPERIMENT);
+    let o = run(&["report", "nowhere"], dir.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        text(&o).1.trim_end(),
+        "error: cannot read nowhere/sweep.json: No such file or directory (os error 2); \
+         is nowhere a sweep directory (written by `runner sweep`)?"
+    );
+    let o = run(&["sweep", "e.toml", "--out", "nowhere", "--check"], dir.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        text(&o).1.trim_end(),
+        "error: nowhere holds no sweep to check (no sweep.json): run the sweep without --check first"
+    );
+    assert!(!dir.path().join("nowhere").exists());
+}

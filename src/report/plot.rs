@@ -22,12 +22,8 @@ pub fn write_all(dir: &Path, rows: &[Row]) -> anyhow::Result<Vec<&'static str>> 
         .map(|r| (label(r), curve(r.loss_curve.iter().map(|v| Some(*v)))))
         .collect();
     atomic_png(&dir.join("loss.png"), |area| {
-        epochs_chart(
-            area,
-            "Training loss per epoch (mean across seeds)",
-            "loss",
-            &loss,
-        )
+        let title = "Training loss per epoch (mean across seeds)";
+        epochs_chart(area, title, "loss", &loss, SeriesLabelPosition::UpperRight)
     })?;
     written.push("loss.png");
     let acc: Vec<(String, Vec<(f64, f64)>)> = rows
@@ -37,12 +33,8 @@ pub fn write_all(dir: &Path, rows: &[Row]) -> anyhow::Result<Vec<&'static str>> 
         .collect();
     if !acc.is_empty() {
         atomic_png(&dir.join("val_accuracy.png"), |area| {
-            epochs_chart(
-                area,
-                "Validation accuracy per epoch (mean across seeds)",
-                "accuracy",
-                &acc,
-            )
+            let title = "Validation accuracy per epoch (mean across seeds)";
+            epochs_chart(area, title, "accuracy", &acc, SeriesLabelPosition::LowerRight)
         })?;
         written.push("val_accuracy.png");
     }
@@ -114,11 +106,13 @@ fn span(values: impl Iterator<Item = f64>, from_zero: bool) -> std::ops::Range<f
     lo..hi + pad
 }
 
+/// One line per row over the epochs; the legend goes where the curves are not (`legend`).
 fn epochs_chart(
     area: &Area,
     title: &str,
     y: &str,
     lines: &[(String, Vec<(f64, f64)>)],
+    legend: SeriesLabelPosition,
 ) -> DrawResult {
     let last = lines
         .iter()
@@ -160,7 +154,7 @@ fn epochs_chart(
         .label_font(("sans-serif", 15))
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
+        .position(legend)
         .draw()?;
     Ok(())
 }

@@ -148,7 +148,8 @@ pub fn frame(rows: &[Row]) -> PolarsResult<DataFrame> {
     cols.push(u32s("world_size", |r| r.world_size));
     cols.push(u32s("seeds", |r| r.seeds));
     cols.push(u32s("final_epoch", |r| r.final_epoch as usize));
-    let stats: [(&str, fn(&Row) -> Option<Spread>); 6] = [
+    type Stat = fn(&Row) -> Option<Spread>;
+    let stats: [(&str, Stat); 6] = [
         ("train_loss", |r| Some(r.train_loss)),
         ("train_acc", |r| Some(r.train_acc)),
         ("val_loss", |r| r.val_loss),

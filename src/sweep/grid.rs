@@ -2,11 +2,10 @@
 //! of a sweep directory that `runner report` reads.
 use std::path::Path;
 
-use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use super::experiment::Axis;
-use crate::config::{Override, Plan};
+use crate::config::{ConfigError, Override, Plan};
 
 /// One point of the grid: its axis values, validated plan and run directory (under the sweep's).
 #[derive(Debug, Clone)]
@@ -122,17 +121,19 @@ impl Index {
         crate::trace::atomic_write(&dir.join(INDEX), json.as_bytes())
     }
 
-    pub fn read(dir: &Path) -> anyhow::Result<Index> {
+    /// A missing or unreadable index is the user's mistake (the wrong directory): exit code 2.
+    pub fn read(dir: &Path) -> Result<Index, ConfigError> {
         let path = dir.join(INDEX);
-        let text = std::fs::read_to_string(&path).with_context(|| {
-            format!(
-                "cannot read {}: is {} a sweep directory (written by `runner sweep`)?",
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            ConfigError::new(format!(
+                "cannot read {}: {e}; is {} a sweep directory (written by `runner sweep`)?",
                 path.display(),
                 dir.display()
-            )
+            ))
         })?;
-        serde_json::from_str(&text)
-            .with_context(|| format!("{} is not a sweep index", path.display()))
+        serde_json::from_str(&text).map_err(|e| {
+            ConfigError::new(format!("{} is not a sweep index: {e}", path.display()))
+        })
     }
 }
 

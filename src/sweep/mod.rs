@@ -59,6 +59,15 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
     );
 
     if opts.check {
+        // The index is written before any point runs: without it nothing was stored here.
+        if grid::Index::read(&dir).is_err() {
+            return Err(crate::config::ConfigError::new(format!(
+                "{} holds no sweep to check (no {}): run the sweep without --check first",
+                dir.display(),
+                grid::INDEX
+            ))
+            .into());
+        }
         let differences = check::check(&points, &dir)?;
         if differences.is_empty() {
             println!(
