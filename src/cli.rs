@@ -1,4 +1,4 @@
-//! The command line: `runner run`, `runner validate`.
+//! The command line: `runner run`, `runner sweep`, `runner report`, `runner validate`.
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -29,6 +29,10 @@ pub struct Cli {
 pub enum Command {
     /// Run a pipeline: world_size rank processes on this machine (or, under torchrun, this rank).
     Run(RunArgs),
+    /// Run every point of an experiment's grid, then write its tables and plots.
+    Sweep(SweepArgs),
+    /// Rebuild a sweep directory's tables and plots from its traces; run nothing.
+    Report(ReportArgs),
     /// Check a pipeline and print its resolved plan (the data-flow table); run nothing.
     Validate(ConfigArgs),
 }
@@ -40,6 +44,9 @@ pub struct ConfigArgs {
     /// Override a value, e.g. --set train.lr=0.05 (repeatable; wins over file and environment).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// An override with the source config.toml names for it (`runner sweep` passes its axes so).
+    #[arg(long = "set-as", num_args = 2, value_names = ["LABEL", "KEY=VALUE"], hide = true)]
+    pub set_as: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -50,6 +57,9 @@ pub struct RunArgs {
     /// Override a value, e.g. --set train.lr=0.05 (repeatable; wins over file and environment).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// An override with the source config.toml names for it (`runner sweep` passes its axes so).
+    #[arg(long = "set-as", num_args = 2, value_names = ["LABEL", "KEY=VALUE"], hide = true)]
+    pub set_as: Vec<String>,
     /// The run directory [default: results/<run.name>/<run-id>]
     #[arg(long, value_name = "DIR", conflicts_with = "resume")]
     pub out: Option<PathBuf>,
@@ -92,11 +102,44 @@ impl RunArgs {
     }
 }
 
+#[derive(Debug, Args)]
+pub struct SweepArgs {
+    /// The experiment file (TOML): a pipeline, [set], [sweep] and [scaling].
+    pub file: PathBuf,
+    /// The sweep directory [default: results/<experiment file stem>]
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Stop at the first point that fails (otherwise it is recorded and the sweep goes on).
+    #[arg(long)]
+    pub fail_fast: bool,
+    /// Run points again even when they are already complete with the same configuration.
+    #[arg(long, conflicts_with = "check")]
+    pub force: bool,
+    /// Rerun every point into a temporary directory and compare every non-timing trace value
+    /// with the stored ones; exit 1 listing every difference.
+    #[arg(long)]
+    pub check: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// The sweep directory (holding sweep.json), e.g. results/world_size.
+    pub dir: PathBuf,
+}
+
 /// Exit codes: 0 done, 1 the run failed, 2 the configuration is wrong.
 pub fn main(cli: Cli) -> ExitCode {
     let result = match cli.command {
         Command::Validate(args) => validate(&args),
         Command::Run(args) => run(&args),
+        Command::Sweep(args) => crate::sweep::sweep(
+            &args.file,
+            &crate::sweep::Options { out: args.out, fail_fast: args.fail_fast, force: args.force, check: args.check },
+        ),
+        Command::Report(args) => crate::report::write(&args.dir).map(|table| {
+            println!("{table}");
+            ExitCode::SUCCESS
+        }),
     };
     match result {
         Ok(code) => code,
@@ -113,7 +156,8 @@ pub fn main(cli: Cli) -> ExitCode {
 }
 
 pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
-    let overrides: Vec<Override> = args.set.iter().map(|s| Override::set(s)).collect();
+    let labelled = args.set_as.chunks(2).map(|pair| Override { label: pair[0].clone(), text: pair[1].clone() });
+    let overrides: Vec<Override> = labelled.chain(args.set.iter().map(|s| Override::set(s))).collect();
     Plan::new(config::resolve(&args.file, &overrides)?)
 }
 
@@ -130,7 +174,7 @@ fn run(args: &RunArgs) -> anyhow::Result<ExitCode> {
         (None, Some(dir)) => dir.join("config.toml"),
         (None, None) => unreachable!("clap requires FILE without --resume"),
     };
-    let config = ConfigArgs { file, set: args.set.clone() };
+    let config = ConfigArgs { file, set: args.set.clone(), set_as: args.set_as.clone() };
     let plan = plan(&config)?;
     let run_dir = match (&args.resume, &args.out) {
         (Some(dir), _) | (None, Some(dir)) => dir.clone(),
@@ -193,6 +237,9 @@ fn launch(
     let mut manifest = Manifest::start(plan);
     prepare_run_dir(plan, run_dir, &manifest, resume)?;
     let mut child_args: Vec<OsString> = vec!["run".into(), config.file.clone().into()];
+    for pair in config.set_as.chunks(2) {
+        child_args.extend(["--set-as".into(), (&pair[0]).into(), (&pair[1]).into()]);
+    }
     for s in &config.set {
         child_args.extend(["--set".into(), s.into()]);
     }

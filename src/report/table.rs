@@ -1,0 +1,158 @@
+//! The result table: `table.md` for people, and one polars frame for `summary.parquet` and
+//! `table.csv` (every mean and std as its own column, nothing formatted).
+use polars::prelude::*;
+
+use super::aggregate::{Loaded, Row, SEED_KEY};
+use super::stats::Spread;
+use crate::sweep::grid::Index;
+
+/// The markdown page: what was run, the table, and notes on oversubscribed and missing points.
+pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
+    let seeds: Vec<&str> =
+        index.points.iter().flat_map(|p| p.values.iter()).filter(|(k, _)| k == SEED_KEY).map(|(_, v)| v.as_str()).fold(
+            Vec::new(),
+            |mut seen, v| {
+                if !seen.contains(&v) {
+                    seen.push(v);
+                }
+                seen
+            },
+        );
+    let cores = rows.iter().map(|r| r.cores).min().unwrap_or(0);
+    let epochs = rows.iter().map(|r| r.final_epoch).max().unwrap_or(0);
+    let mut out = format!(
+        "# Sweep {}\n\n{} of {} points complete, run on {cores} cores. Final epoch ({epochs}) of each \
+         point; mean ± sample standard deviation across {}. Loss and accuracy are global (all ranks); \
+         val is rank 0's validation set; epoch s is the slowest rank's; samples/s is all ranks \
+         together. Speedup: samples/s ÷ samples/s at the smallest world size; efficiency: speedup ÷ \
+         (world size ÷ smallest world size).\n\n",
+        index.experiment,
+        loaded.points.len(),
+        index.points.len(),
+        if seeds.is_empty() {
+            "seeds (one per row here)".to_owned()
+        } else {
+            format!("seeds (run.seed = {})", seeds.join(", "))
+        }
+    );
+    let group_keys: Vec<&str> =
+        rows.first().map(|r| r.group.iter().map(|(k, _)| k.as_str()).collect()).unwrap_or_default();
+    let mut header = vec!["world size"];
+    header.extend(&group_keys);
+    header.extend([
+        "seeds",
+        "train loss",
+        "train acc",
+        "val loss",
+        "val acc",
+        "epoch s",
+        "samples/s",
+        "speedup",
+        "efficiency",
+    ]);
+    out += &format!("| {} |\n", header.join(" | "));
+    let align: Vec<&str> = header.iter().map(|h| if group_keys.contains(h) { "---" } else { "---:" }).collect();
+    out += &format!("| {} |\n", align.join(" | "));
+    let opt = |s: &Option<Spread>, d| s.map_or("—".to_owned(), |s| s.display(d));
+    for r in rows {
+        let mut cells =
+            vec![if r.oversubscribed() { format!("{} ⚠", r.world_size) } else { r.world_size.to_string() }];
+        cells.extend(r.group.iter().map(|(_, v)| v.clone()));
+        cells.extend([
+            r.seeds.to_string(),
+            r.train_loss.display(4),
+            r.train_acc.display(4),
+            opt(&r.val_loss, 4),
+            opt(&r.val_acc, 4),
+            r.epoch_s.display(3),
+            r.samples_per_s.display(0),
+            format!("{:.2}", r.speedup),
+            format!("{:.2}", r.efficiency),
+        ]);
+        out += &format!("| {} |\n", cells.join(" | "));
+    }
+    let over: Vec<String> = rows
+        .iter()
+        .filter(|r| r.oversubscribed())
+        .map(|r| {
+            format!(
+                "world size {} runs {} ranks × {} threads = {} threads on {} cores",
+                r.world_size,
+                r.world_size,
+                r.threads_per_rank,
+                r.world_size * r.threads_per_rank,
+                r.cores
+            )
+        })
+        .collect();
+    if !over.is_empty() {
+        out.push('\n');
+        out += &format!(
+            "⚠ oversubscribed: {}. Timings there measure contention for cores, not scaling.\n",
+            dedup(over).join("; ")
+        );
+    }
+    if !loaded.missing.is_empty() {
+        out += "\nNot in the table:\n";
+        for (dir, why) in &loaded.missing {
+            out += &format!("- `{dir}`: {}\n", why.lines().next().unwrap_or(why));
+        }
+    }
+    out
+}
+
+fn dedup(mut v: Vec<String>) -> Vec<String> {
+    let mut seen = Vec::new();
+    v.retain(|s| {
+        let new = !seen.contains(s);
+        seen.push(s.clone());
+        new
+    });
+    v
+}
+
+/// The summary frame: the other axes' values (TOML text), then every statistic as a number.
+pub fn frame(rows: &[Row]) -> PolarsResult<DataFrame> {
+    let n = rows.len();
+    let mut cols: Vec<Column> = Vec::new();
+    let group_keys: Vec<String> =
+        rows.first().map(|r| r.group.iter().map(|(k, _)| k.clone()).collect()).unwrap_or_default();
+    for (i, key) in group_keys.iter().enumerate() {
+        let values: Vec<String> = rows.iter().map(|r| r.group[i].1.clone()).collect();
+        cols.push(Column::new(key.as_str().into(), values));
+    }
+    let u32s = |name: &str, f: fn(&Row) -> usize| {
+        Column::new(name.into(), rows.iter().map(|r| f(r) as u32).collect::<Vec<_>>())
+    };
+    cols.push(u32s("world_size", |r| r.world_size));
+    cols.push(u32s("seeds", |r| r.seeds));
+    cols.push(u32s("final_epoch", |r| r.final_epoch as usize));
+    type Stat = fn(&Row) -> Option<Spread>;
+    let stats: [(&str, Stat); 6] = [
+        ("train_loss", |r| Some(r.train_loss)),
+        ("train_acc", |r| Some(r.train_acc)),
+        ("val_loss", |r| r.val_loss),
+        ("val_acc", |r| r.val_acc),
+        ("epoch_s", |r| Some(r.epoch_s)),
+        ("samples_per_s", |r| Some(r.samples_per_s)),
+    ];
+    for (name, f) in stats {
+        let mean: Vec<Option<f64>> = rows.iter().map(|r| f(r).map(|s| s.mean)).collect();
+        let std: Vec<Option<f64>> = rows.iter().map(|r| f(r).and_then(|s| s.std)).collect();
+        cols.push(Column::new(format!("{name}_mean").into(), mean));
+        cols.push(Column::new(format!("{name}_std").into(), std));
+    }
+    cols.push(Column::new("speedup".into(), rows.iter().map(|r| r.speedup).collect::<Vec<_>>()));
+    cols.push(Column::new("efficiency".into(), rows.iter().map(|r| r.efficiency).collect::<Vec<_>>()));
+    cols.push(u32s("threads_per_rank", |r| r.threads_per_rank));
+    cols.push(u32s("cores", |r| r.cores));
+    cols.push(Column::new("oversubscribed".into(), rows.iter().map(Row::oversubscribed).collect::<Vec<_>>()));
+    DataFrame::new(n, cols)
+}
+
+/// The frame as CSV text.
+pub fn csv(df: &mut DataFrame) -> PolarsResult<Vec<u8>> {
+    let mut buf = Vec::new();
+    CsvWriter::new(&mut buf).finish(df)?;
+    Ok(buf)
+}

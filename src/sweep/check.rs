@@ -1,0 +1,173 @@
+//! `runner sweep FILE --check`: reruns every point into a temporary directory and compares every
+//! non-timing value of its trace with the stored one. Reproducibility is a claim the tables make;
+//! this checks it and lists every difference.
+use std::path::Path;
+
+use polars::prelude::*;
+
+use super::execute;
+use super::grid::Point;
+use super::progress::SweepProgress;
+use crate::launch::manifest::{Manifest, Status};
+use crate::trace;
+
+/// Columns of trace.parquet that measure time: they differ from run to run by nature.
+pub const TIMING_COLUMNS: &[&str] = &["epoch_s", "samples_per_s", "comm_s"];
+
+/// Every difference between the stored sweep in `sweep_dir` and a rerun of its points.
+pub fn check(points: &[Point], sweep_dir: &Path) -> anyhow::Result<Vec<String>> {
+    let scratch = tempfile::Builder::new().prefix("runner-check-").tempdir()?;
+    let mut progress = SweepProgress::new(points.len(), points.len(), "check");
+    let mut differences = Vec::new();
+    for point in points {
+        let stored = sweep_dir.join(&point.dir);
+        if let Err(why) = stored_run(point, &stored) {
+            progress.skip(&point.dir, &why);
+            differences.push(format!("{}: {why}", point.dir));
+            continue;
+        }
+        progress.start(&point.dir);
+        let rerun = scratch.path().join(&point.dir);
+        let found = match execute::run_point(point, &rerun) {
+            Err(why) => vec![format!("the rerun failed: {why}")],
+            Ok(()) => compare(
+                &trace::read_parquet(&stored.join(super::TRACE))?,
+                &trace::read_parquet(&rerun.join(super::TRACE))?,
+            ),
+        };
+        let outcome = match found.len() {
+            0 => "reproduced".to_owned(),
+            1 => "1 difference".to_owned(),
+            n => format!("{n} differences"),
+        };
+        progress.finish(&point.dir, &outcome);
+        differences.extend(found.into_iter().map(|d| format!("{}: {d}", point.dir)));
+    }
+    progress.clear();
+    Ok(differences)
+}
+
+/// A stored run of exactly this point's configuration, or why there is none.
+fn stored_run(point: &Point, dir: &Path) -> Result<(), String> {
+    let m = Manifest::read(dir).map_err(|e| format!("no stored run to check ({e:#})"))?;
+    if m.status != Status::Complete {
+        return Err(format!("the stored run is {:?}, not complete; run the sweep first", m.status));
+    }
+    if m.run_id != point.plan.run_id {
+        return Err(format!(
+            "the configuration changed since the stored run (run id {} then, {} now)",
+            m.run_id, point.plan.run_id
+        ));
+    }
+    if !dir.join(super::TRACE).is_file() {
+        return Err(format!("{} is missing", dir.join(super::TRACE).display()));
+    }
+    Ok(())
+}
+
+/// Every difference in the non-timing columns of two traces, each naming the row (epoch, rank),
+/// the column and both values.
+pub fn compare(stored: &DataFrame, rerun: &DataFrame) -> Vec<String> {
+    let mut out = Vec::new();
+    let names = |df: &DataFrame| -> Vec<String> {
+        df.get_column_names().iter().map(|n| n.to_string()).filter(|n| !TIMING_COLUMNS.contains(&n.as_str())).collect()
+    };
+    let (a, b) = (names(stored), names(rerun));
+    for n in a.iter().filter(|n| !b.contains(n)) {
+        out.push(format!("column `{n}` is stored but absent from the rerun"));
+    }
+    for n in b.iter().filter(|n| !a.contains(n)) {
+        out.push(format!("column `{n}` is in the rerun but not stored"));
+    }
+    if stored.height() != rerun.height() {
+        out.push(format!("the stored trace has {} rows, the rerun {}", stored.height(), rerun.height()));
+    }
+    let rows = stored.height().min(rerun.height());
+    let at = |i: usize| -> String {
+        let get = |c: &str| {
+            stored.column(c).ok().and_then(|s| s.get(i).ok()).map(|v| v.to_string()).unwrap_or_else(|| "?".into())
+        };
+        format!("row {i} (epoch {}, rank {})", get("epoch"), get("rank"))
+    };
+    for name in a.iter().filter(|n| b.contains(n)) {
+        let (x, y) = (stored.column(name).expect("listed"), rerun.column(name).expect("listed"));
+        if x.dtype() != y.dtype() {
+            out.push(format!("column `{name}` is {} stored but {} in the rerun", x.dtype(), y.dtype()));
+            continue;
+        }
+        for i in 0..rows {
+            let (u, v) = (x.get(i).expect("in range"), y.get(i).expect("in range"));
+            if !same(&u, &v) {
+                out.push(format!("{}: `{name}` stored {} but the rerun gives {}", at(i), exact(&u), exact(&v)));
+            }
+        }
+    }
+    out
+}
+
+/// Bit-for-bit equality (NaN equals NaN; 0.0 and −0.0 differ).
+fn same(a: &AnyValue, b: &AnyValue) -> bool {
+    match (a, b) {
+        (AnyValue::Float64(x), AnyValue::Float64(y)) => x.to_bits() == y.to_bits(),
+        (AnyValue::Float32(x), AnyValue::Float32(y)) => x.to_bits() == y.to_bits(),
+        _ => a == b,
+    }
+}
+
+/// A value with every digit it has (floats in their shortest exact form).
+fn exact(v: &AnyValue) -> String {
+    match v {
+        AnyValue::Float64(x) => format!("{x:?}"),
+        AnyValue::Float32(x) => format!("{x:?}"),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::{epochs_frame, EpochRow, EPOCH_COLUMNS};
+
+    fn row(epoch: u32, rank: u32, loss: f64, epoch_s: f64) -> EpochRow {
+        EpochRow {
+            epoch,
+            rank,
+            train_loss: loss,
+            train_acc: 0.5,
+            global_train_loss: loss,
+            global_train_acc: 0.5,
+            val_loss: (rank == 0).then_some(0.7),
+            val_acc: (rank == 0).then_some(0.6),
+            samples: 100,
+            steps: 4,
+            epoch_s,
+            samples_per_s: 100.0 / epoch_s,
+            comm_s: epoch_s / 10.0,
+        }
+    }
+
+    #[test]
+    fn the_timing_columns_are_trace_columns() {
+        for c in TIMING_COLUMNS {
+            assert!(EPOCH_COLUMNS.contains(c), "{c}");
+        }
+    }
+
+    #[test]
+    fn timings_may_differ_and_nothing_else_may() {
+        let a = epochs_frame("r", 2, &[row(1, 0, 0.9, 1.0), row(1, 1, 0.9, 1.0)]).unwrap();
+        let b = epochs_frame("r", 2, &[row(1, 0, 0.9, 2.5), row(1, 1, 0.9, 0.1)]).unwrap();
+        assert_eq!(compare(&a, &b), Vec::<String>::new());
+
+        let c = epochs_frame("r", 2, &[row(1, 0, 0.9, 1.0), row(1, 1, 0.9000000000000001, 1.0)]).unwrap();
+        assert_eq!(
+            compare(&a, &c),
+            [
+                "row 1 (epoch 1, rank 1): `train_loss` stored 0.9 but the rerun gives 0.9000000000000001",
+                "row 1 (epoch 1, rank 1): `global_train_loss` stored 0.9 but the rerun gives 0.9000000000000001",
+            ]
+        );
+        let short = epochs_frame("r", 2, &[row(1, 0, 0.9, 1.0)]).unwrap();
+        assert_eq!(compare(&a, &short), ["the stored trace has 2 rows, the rerun 1"]);
+    }
+}

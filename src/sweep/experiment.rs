@@ -1,0 +1,351 @@
+//! Experiment files: which pipeline, fixed overrides (`[set]`), the grid (`[sweep]`) and how the
+//! batch and learning rate follow the world size (`[scaling]`). [`Experiment::load`] checks the
+//! file and every key; [`Experiment::points`] resolves and validates every point of the grid,
+//! reporting every bad one before anything runs.
+use std::path::{Component, Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::grid::{self, Point};
+use crate::config::resolve::{flatten, parse_strict};
+use crate::config::{self, ConfigError, Override, Plan};
+
+/// The labels that overrides carry into the resolved configuration (and config.toml).
+pub const SET_LABEL: &str = "experiment [set]";
+pub const AXIS_LABEL: &str = "sweep axis";
+pub const SCALING_LABEL: &str = "sweep [scaling]";
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExperimentFile {
+    /// The pipeline file, relative to the experiment file.
+    pipeline: PathBuf,
+    /// Fixed overrides, the same keys as `--set`.
+    #[serde(default)]
+    set: toml::Table,
+    /// Axes: a dotted key and the list of its values.
+    #[serde(default)]
+    sweep: toml::Table,
+    #[serde(default)]
+    scaling: Scaling,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Scaling {
+    pub batch: BatchScaling,
+    pub lr: LrScaling,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BatchScaling {
+    /// `train.batch_size` is each rank's batch: the global batch grows with the world size.
+    #[default]
+    PerRank,
+    /// `train.batch_size` is the global batch, split evenly over the ranks.
+    Global,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrScaling {
+    #[default]
+    None,
+    /// `train.lr` is the rate for a global batch of `train.batch_size`; each point's rate is
+    /// multiplied by its global batch ÷ `train.batch_size` (the linear scaling rule).
+    Linear,
+}
+
+/// One axis of the grid, in the order of the file.
+#[derive(Debug, Clone)]
+pub struct Axis {
+    pub key: String,
+    pub values: Vec<toml::Value>,
+}
+
+/// A checked experiment file.
+#[derive(Debug, Clone)]
+pub struct Experiment {
+    pub file: PathBuf,
+    pub pipeline: PathBuf,
+    pub fixed: Vec<(String, toml::Value)>,
+    pub axes: Vec<Axis>,
+    pub scaling: Scaling,
+}
+
+impl Experiment {
+    /// Reads and checks the file: its keys, the pipeline it names, and that every `[set]` key and
+    /// every axis value resolves against that pipeline. Reports every problem found.
+    pub fn load(file: &Path) -> Result<Experiment, ConfigError> {
+        let origin = file.display().to_string();
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| ConfigError::new(format!("cannot read the experiment file {origin}: {e}")))?;
+        let raw: ExperimentFile = parse_strict(&text, &origin)?;
+        // Problems are reported in the file's order: (line, message).
+        let mut errors: Vec<(Option<usize>, String)> = Vec::new();
+        let mut bad = |section: &str, key: &str, message: String| {
+            let line = key_line(&text, section, key);
+            let at = line.map_or(origin.clone(), |l| format!("{origin}:{l}"));
+            errors.push((line, format!("{at}: {message}")));
+        };
+        let base = file.parent().unwrap_or(Path::new(""));
+        let pipeline = normalize(&base.join(&raw.pipeline));
+        if !pipeline.is_file() {
+            bad(
+                "",
+                "pipeline",
+                format!(
+                    "`pipeline` names {}, which is not a file (the path is relative to the experiment file)",
+                    pipeline.display()
+                ),
+            );
+            return Err(ConfigError::new(errors.remove(0).1));
+        }
+
+        let fixed = leaves(&raw.set);
+        for (key, value) in &fixed {
+            if let Err(e) = resolve_one(&pipeline, SET_LABEL, key, value) {
+                bad("set", key, e.message);
+            }
+        }
+        let mut axes = Vec::new();
+        for (key, value) in leaves(&raw.sweep) {
+            if fixed.iter().any(|(k, _)| *k == key) {
+                let message = format!("`{key}` is both fixed in [set] and swept in [sweep]; keep one");
+                bad("sweep", &key, message);
+                continue;
+            }
+            let values = match value {
+                toml::Value::Array(values) if values.is_empty() => {
+                    let message = format!("the axis `{key}` is empty; give it at least one value");
+                    bad("sweep", &key, message);
+                    continue;
+                }
+                toml::Value::Array(values) => values,
+                other => {
+                    let message = format!("the axis `{key}` must be a list of values, e.g. [{other}]");
+                    bad("sweep", &key, message);
+                    continue;
+                }
+            };
+            // A bad key fails on the first value; report it once, not once per value.
+            for value in &values {
+                if let Err(e) = resolve_one(&pipeline, AXIS_LABEL, &key, value) {
+                    bad("sweep", &key, e.message);
+                    if value == &values[0] {
+                        break;
+                    }
+                }
+            }
+            axes.push((key_line(&text, "sweep", &key), Axis { key, values }));
+        }
+        if !errors.is_empty() {
+            errors.sort_by_key(|(line, _)| line.unwrap_or(usize::MAX));
+            let lines: Vec<String> = errors.into_iter().map(|(_, m)| m).collect();
+            return Err(ConfigError::new(lines.join("\n")));
+        }
+        // The grid follows the file's order of axes, whatever order the TOML map keeps.
+        axes.sort_by_key(|(line, _)| line.unwrap_or(usize::MAX));
+        Ok(Experiment {
+            file: file.to_owned(),
+            pipeline,
+            fixed,
+            axes: axes.into_iter().map(|(_, a)| a).collect(),
+            scaling: raw.scaling,
+        })
+    }
+
+    /// The sweep's name: the experiment file's stem (`results/<name>/` by default).
+    pub fn name(&self) -> String {
+        self.file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "sweep".into())
+    }
+
+    /// Every point of the grid, resolved and validated; every bad point is reported.
+    pub fn points(&self) -> Result<Vec<Point>, ConfigError> {
+        let grid = grid::product(&self.axes);
+        let dirs = grid::dir_names(&self.axes, &grid);
+        for (i, dir) in dirs.iter().enumerate() {
+            if dirs[..i].contains(dir) {
+                return Err(ConfigError::new(format!(
+                    "{}: two points would share the directory `{dir}`: an axis repeats a value, \
+                     or two values differ only in characters a path cannot hold",
+                    self.file.display()
+                )));
+            }
+        }
+        let mut points = Vec::with_capacity(grid.len());
+        let mut errors = Vec::new();
+        for (values, dir) in grid.into_iter().zip(dirs) {
+            match self.plan(&values) {
+                Ok((plan, overrides)) => points.push(Point { dir, values, plan, overrides }),
+                Err(e) => errors.push(format!("point {dir}:\n    {}", e.replace('\n', "\n    "))),
+            }
+        }
+        if errors.is_empty() {
+            return Ok(points);
+        }
+        Err(ConfigError::new(format!(
+            "{}: {} of {} points are invalid; nothing was run:\n  {}",
+            self.file.display(),
+            errors.len(),
+            errors.len() + points.len(),
+            errors.join("\n  ")
+        )))
+    }
+
+    /// One point's plan and the overrides (in order) that produce it.
+    fn plan(&self, values: &[(String, toml::Value)]) -> Result<(Plan, Vec<Override>), String> {
+        let mut overrides: Vec<Override> = self
+            .fixed
+            .iter()
+            .map(|(k, v)| labelled(SET_LABEL, k, v))
+            .chain(values.iter().map(|(k, v)| labelled(AXIS_LABEL, k, v)))
+            .collect();
+        let resolved = config::resolve(&self.pipeline, &overrides).map_err(|e| e.message)?;
+        let scaled = scale(self.scaling, &resolved.config)?;
+        let resolved = if scaled.is_empty() {
+            resolved
+        } else {
+            overrides.extend(scaled);
+            config::resolve(&self.pipeline, &overrides).map_err(|e| e.message)?
+        };
+        let plan = Plan::new(resolved).map_err(|e| e.message)?;
+        Ok((plan, overrides))
+    }
+}
+
+/// The overrides `[scaling]` adds to a point whose configuration (before scaling) is `c`.
+fn scale(s: Scaling, c: &config::Config) -> Result<Vec<Override>, String> {
+    let (world, batch) = (c.run.world_size, c.train.batch_size);
+    if world == 0 || batch == 0 {
+        return Ok(vec![]); // Plan::new names these.
+    }
+    let mut out = Vec::new();
+    let per_rank = match s.batch {
+        BatchScaling::PerRank => batch,
+        BatchScaling::Global if batch % world != 0 => {
+            return Err(format!(
+                "[scaling] batch = \"global\": the global batch train.batch_size = {batch} does not \
+                 split evenly over {world} ranks; use a multiple of {world}"
+            ))
+        }
+        BatchScaling::Global => {
+            let per_rank = batch / world;
+            out.push(text_override("train.batch_size", per_rank.to_string()));
+            per_rank
+        }
+    };
+    if s.lr == LrScaling::Linear {
+        let lr = c.train.lr * (per_rank * world) as f64 / batch as f64;
+        out.push(text_override("train.lr", format!("{lr:?}")));
+    }
+    Ok(out)
+}
+
+fn text_override(key: &str, value: String) -> Override {
+    Override { label: SCALING_LABEL.into(), text: format!("{key}={value}") }
+}
+
+pub fn labelled(label: &str, key: &str, value: &toml::Value) -> Override {
+    Override { label: label.into(), text: format!("{key}={value}") }
+}
+
+fn resolve_one(pipeline: &Path, label: &str, key: &str, value: &toml::Value) -> Result<(), ConfigError> {
+    config::resolve(pipeline, &[labelled(label, key, value)]).map(|_| ())
+}
+
+/// The dotted keys and values of a table's leaves, so that `"run.seed" = [0]` and
+/// `[sweep.run] seed = [0]` mean the same.
+fn leaves(table: &toml::Table) -> Vec<(String, toml::Value)> {
+    let mut out = Vec::new();
+    flatten("", &toml::Value::Table(table.clone()), &mut out);
+    out
+}
+
+/// The line (1-based) where `dotted` is set under `[section]` (or a `[section.sub]` table), with
+/// keys quoted or bare.
+fn key_line(text: &str, section: &str, dotted: &str) -> Option<usize> {
+    let unquote = |s: &str| -> String {
+        s.split('.').map(|p| p.trim().trim_matches('"').trim_matches('\'')).collect::<Vec<_>>().join(".")
+    };
+    let wanted = if section.is_empty() { dotted.to_owned() } else { format!("{section}.{dotted}") };
+    let mut current = String::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if let Some(header) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
+            current = unquote(header);
+        } else if let Some((key, _)) = line.split_once('=') {
+            let key = unquote(key);
+            let full = if current.is_empty() { key } else { format!("{current}.{key}") };
+            if full == wanted {
+                return Some(i + 1);
+            }
+        }
+    }
+    None
+}
+
+/// `experiments/../pipelines/ddp.toml` → `pipelines/ddp.toml`, without touching the disk.
+fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir if matches!(out.components().next_back(), Some(Component::Normal(_))) => {
+                out.pop();
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_lines_follow_sections_and_quotes() {
+        let text = "pipeline = \"p.toml\"\n[set]\n\"train.epochs\" = 2\n[sweep]\n\"run.seed\" = [0]\n[sweep.run]\nworld_size = [1, 2]\n";
+        assert_eq!(key_line(text, "", "pipeline"), Some(1));
+        assert_eq!(key_line(text, "set", "train.epochs"), Some(3));
+        assert_eq!(key_line(text, "sweep", "run.seed"), Some(5));
+        assert_eq!(key_line(text, "sweep", "run.world_size"), Some(7));
+        assert_eq!(key_line(text, "sweep", "train.lr"), None);
+    }
+
+    #[test]
+    fn paths_are_normalized_lexically() {
+        assert_eq!(normalize(Path::new("experiments/../pipelines/ddp.toml")), PathBuf::from("pipelines/ddp.toml"));
+        assert_eq!(normalize(Path::new("../a/./b.toml")), PathBuf::from("../a/b.toml"));
+    }
+
+    fn config(world: usize, batch: usize, lr: f64) -> config::Config {
+        let mut c = config::Config::default();
+        c.run.world_size = world;
+        c.train.batch_size = batch;
+        c.train.lr = lr;
+        c
+    }
+
+    fn texts(o: Vec<Override>) -> Vec<String> {
+        o.into_iter().map(|o| o.text).collect()
+    }
+
+    #[test]
+    fn scaling_splits_the_global_batch_and_scales_the_rate_linearly() {
+        let s = |batch, lr| Scaling { batch, lr };
+        use {BatchScaling::*, LrScaling as L};
+        assert!(scale(s(PerRank, L::None), &config(4, 32, 0.1)).unwrap().is_empty());
+        // Per-rank batch 32 on 4 ranks: global 128 = 4 × 32, so lr × 4.
+        assert_eq!(texts(scale(s(PerRank, L::Linear), &config(4, 32, 0.05)).unwrap()), ["train.lr=0.2"]);
+        // Global batch 32 over 4 ranks: 8 each; the global batch stays 32, so lr stays.
+        assert_eq!(
+            texts(scale(s(Global, L::Linear), &config(4, 32, 0.05)).unwrap()),
+            ["train.batch_size=8", "train.lr=0.05"]
+        );
+        let e = scale(s(Global, L::None), &config(3, 32, 0.05)).unwrap_err();
+        assert!(e.contains("does not split evenly over 3 ranks"), "{e}");
+    }
+}

@@ -1,0 +1,108 @@
+//! Sweeps: an experiment file ([`experiment`]) names a pipeline and a grid of overrides
+//! ([`grid`]); `runner sweep` validates every point before anything runs, runs them one after
+//! another ([`execute`]) with one progress display ([`progress`]), resumes where an interrupted
+//! sweep stopped, writes the result tables and plots ([`crate::report`]), and with `--check`
+//! reruns every point to show the stored traces reproduce ([`check`]).
+//!
+//! ```text
+//! runner sweep experiments/world_size.toml            # → results/world_size/
+//! runner sweep experiments/world_size.toml --check    # rerun every point, compare the traces
+//! ```
+pub mod check;
+pub mod execute;
+pub mod experiment;
+pub mod grid;
+pub mod progress;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+
+pub use experiment::Experiment;
+
+/// Each point's epoch trace, in its run directory.
+pub const TRACE: &str = "trace.parquet";
+
+/// How `runner sweep` runs.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The sweep directory; default `results/<experiment file stem>/`.
+    pub out: Option<PathBuf>,
+    pub fail_fast: bool,
+    pub force: bool,
+    pub check: bool,
+}
+
+pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
+    let experiment = Experiment::load(file)?;
+    let points = experiment.points()?;
+    let dir = opts.out.clone().unwrap_or_else(|| Path::new("results").join(experiment.name()));
+    let axes: Vec<String> = experiment.axes.iter().map(|a| format!("{} ({})", a.key, a.values.len())).collect();
+    println!(
+        "{}: {} points of {} over {}",
+        file.display(),
+        points.len(),
+        experiment.pipeline.display(),
+        if axes.is_empty() { "no axis".to_owned() } else { axes.join(" × ") }
+    );
+
+    if opts.check {
+        // The index is written before any point runs: without it nothing was stored here.
+        if grid::Index::read(&dir).is_err() {
+            return Err(crate::config::ConfigError::new(format!(
+                "{} holds no sweep to check (no {}): run the sweep without --check first",
+                dir.display(),
+                grid::INDEX
+            ))
+            .into());
+        }
+        let differences = check::check(&points, &dir)?;
+        if differences.is_empty() {
+            println!(
+                "\n{} points reproduce {}: every non-timing value of every trace is identical.",
+                points.len(),
+                dir.display()
+            );
+            return Ok(ExitCode::SUCCESS);
+        }
+        let n = differences.len();
+        eprintln!(
+            "\nerror: {n} {} between {} and a rerun:",
+            if n == 1 { "difference" } else { "differences" },
+            dir.display()
+        );
+        for d in &differences {
+            eprintln!("  {d}");
+        }
+        return Ok(ExitCode::from(1));
+    }
+
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create the sweep directory {}", dir.display()))?;
+    grid::Index::new(file, &experiment.axes, &points).write(&dir)?;
+    let outcome = execute::run_points(&points, &dir, opts.force, opts.fail_fast)?;
+    let failed = outcome.failed.len();
+    let complete = outcome.ran - failed + outcome.skipped;
+    let not_reached = points.len() - outcome.ran - outcome.skipped;
+    println!(
+        "\n{complete} of {} points complete ({} run now, {} already complete).",
+        points.len(),
+        outcome.ran - failed,
+        outcome.skipped
+    );
+    if complete > 0 {
+        let table = crate::report::write(&dir)?;
+        println!("\n{table}");
+    }
+    for (point, why) in &outcome.failed {
+        eprintln!("error: point {point} failed: {why}");
+    }
+    if not_reached > 0 {
+        eprintln!(
+            "error: --fail-fast stopped the sweep; {not_reached} of {} points did not run \
+             (run the sweep again to resume)",
+            points.len()
+        );
+    }
+    Ok(if complete == points.len() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}

@@ -1,0 +1,272 @@
+//! `runner sweep`, `runner report` and `--check` end to end: real sweeps of the tiny pipeline
+//! (each point real rank processes), tables read back with polars, bad experiment files.
+mod common;
+
+use std::path::Path;
+use std::time::SystemTime;
+
+use common::{assert_ok, run, text, write, TINY};
+use polars::prelude::*;
+
+/// Two world sizes × two seeds of the tiny pipeline, two epochs each.
+const EXPERIMENT: &str = r#"
+pipeline = "p.toml"
+
+[set]
+"train.epochs" = 2
+
+[sweep]
+"run.world_size" = [1, 2]
+"run.seed" = [0, 1]
+"#;
+
+const POINTS: [&str; 4] = ["world_size=1,seed=0", "world_size=1,seed=1", "world_size=2,seed=0", "world_size=2,seed=1"];
+
+fn setup(experiment: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    write(dir.path(), "e.toml", experiment);
+    dir
+}
+
+fn parquet(path: &Path) -> DataFrame {
+    let file = std::fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    ParquetReader::new(file).finish().unwrap()
+}
+
+fn f64s(df: &DataFrame, col: &str) -> Vec<f64> {
+    df.column(col).unwrap().f64().unwrap().into_no_null_iter().collect()
+}
+
+fn status(run_dir: &Path) -> String {
+    let m = std::fs::read_to_string(run_dir.join("manifest.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&m).unwrap();
+    v["status"].as_str().unwrap().to_owned()
+}
+
+fn modified(path: &Path) -> SystemTime {
+    std::fs::metadata(path).unwrap().modified().unwrap()
+}
+
+/// Rank 0's global train loss in the last epoch of a point's trace.
+fn final_loss(run_dir: &Path) -> f64 {
+    let df = parquet(&run_dir.join("trace.parquet"));
+    let mask = df.column("rank").unwrap().u32().unwrap().equal(0);
+    *f64s(&df.filter(&mask).unwrap(), "global_train_loss").last().unwrap()
+}
+
+#[test]
+fn a_sweep_writes_its_table_from_the_traces_and_its_check_catches_one_altered_value() {
+    let dir = setup(EXPERIMENT);
+    let o = run(&["sweep", "e.toml", "--out", "s"], dir.path());
+    assert_ok(&o);
+    let s = dir.path().join("s");
+    for p in POINTS {
+        assert_eq!(status(&s.join(p)), "complete", "{p}");
+    }
+    let config = std::fs::read_to_string(s.join("world_size=2,seed=1/config.toml")).unwrap();
+    assert!(
+        config.contains("world_size = 2  # sweep axis run.world_size=2")
+            && config.contains("seed = 1  # sweep axis run.seed=1")
+            && config.contains("epochs = 2  # experiment [set] train.epochs=2"),
+        "{config}"
+    );
+
+    // One row per world size; the mean and std are those of the traces' final losses.
+    let summary = parquet(&s.join("summary.parquet"));
+    let worlds: Vec<u32> = summary.column("world_size").unwrap().u32().unwrap().into_no_null_iter().collect();
+    assert_eq!(worlds, [1, 2]);
+    let (a, b) = (final_loss(&s.join(POINTS[2])), final_loss(&s.join(POINTS[3])));
+    let (mean, std) = ((a + b) / 2.0, (a - b).abs() / 2f64.sqrt());
+    assert!((f64s(&summary, "train_loss_mean")[1] - mean).abs() < 1e-12);
+    assert!((f64s(&summary, "train_loss_std")[1] - std).abs() < 1e-12);
+    assert_eq!(f64s(&summary, "speedup")[0], 1.0);
+    let csv = std::fs::read_to_string(s.join("table.csv")).unwrap();
+    assert!(csv.starts_with("world_size,seeds,final_epoch,train_loss_mean"), "{csv}");
+    assert_eq!(csv.lines().count(), 3, "{csv}");
+    let table = std::fs::read_to_string(s.join("table.md")).unwrap();
+    assert!(table.contains(&format!("| 2 | 2 | {mean:.4} ± {std:.4} |")), "{table}");
+    for png in ["loss.png", "val_accuracy.png", "throughput.png"] {
+        let bytes = std::fs::read(s.join(png)).unwrap();
+        assert!(bytes.starts_with(b"\x89PNG"), "{png} is a PNG");
+    }
+
+    // `report` rebuilds the same table and every plot from the traces alone.
+    for f in ["table.md", "table.csv", "summary.parquet", "loss.png", "throughput.png"] {
+        std::fs::remove_file(s.join(f)).unwrap();
+    }
+    assert_ok(&run(&["report", "s"], dir.path()));
+    assert_eq!(std::fs::read_to_string(s.join("table.md")).unwrap(), table);
+    assert_eq!(std::fs::read_to_string(s.join("table.csv")).unwrap(), csv);
+    assert!(s.join("loss.png").is_file() && s.join("throughput.png").is_file());
+
+    // --check reruns every point and finds every non-timing value identical.
+    let o = run(&["sweep", "e.toml", "--out", "s", "--check"], dir.path());
+    assert_ok(&o);
+    assert!(text(&o).0.contains("4 points reproduce s"), "{}", text(&o).0);
+
+    // Alter one stored value: the check names it, and only it.
+    let trace_path = s.join(POINTS[3]).join("trace.parquet");
+    let mut df = parquet(&trace_path);
+    let mut loss = f64s(&df, "global_train_loss");
+    let original = loss[1];
+    loss[1] += 1e-9;
+    df.with_column(Column::new("global_train_loss".into(), loss)).unwrap();
+    ParquetWriter::new(std::fs::File::create(&trace_path).unwrap()).finish(&mut df).unwrap();
+    let o = run(&["sweep", "e.toml", "--out", "s", "--check"], dir.path());
+    let (_, stderr) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    let (epoch, rank) = (df.column("epoch").unwrap().get(1).unwrap(), df.column("rank").unwrap().get(1).unwrap());
+    assert_eq!(
+        stderr.trim(),
+        format!(
+            "error: 1 difference between s and a rerun:\n  world_size=2,seed=1: row 1 (epoch {epoch}, rank {rank}): \
+             `global_train_loss` stored {:?} but the rerun gives {original:?}",
+            original + 1e-9
+        )
+    );
+}
+
+#[test]
+fn an_interrupted_sweep_resumes_and_a_changed_configuration_reruns() {
+    let experiment = EXPERIMENT.replace("[1, 2]", "[1]");
+    let dir = setup(&experiment);
+    assert_ok(&run(&["sweep", "e.toml", "--out", "s"], dir.path()));
+    let s = dir.path().join("s");
+    let kept = s.join(POINTS[0]).join("trace.parquet");
+    let before = modified(&kept);
+
+    // As if the sweep had been killed during the second point.
+    let manifest = s.join(POINTS[1]).join("manifest.json");
+    let text_before = std::fs::read_to_string(&manifest).unwrap();
+    std::fs::write(&manifest, text_before.replace("\"complete\"", "\"running\"")).unwrap();
+    let o = run(&["sweep", "e.toml", "--out", "s"], dir.path());
+    assert_ok(&o);
+    let (stdout, _) = text(&o);
+    assert!(
+        stdout.contains(&format!("[1/2] {}: already complete (same configuration), skipped", POINTS[0]))
+            && stdout.contains(&format!("[2/2] {}: complete in", POINTS[1]))
+            && stdout.contains("2 of 2 points complete (1 run now, 1 already complete)"),
+        "{stdout}"
+    );
+    assert_eq!(modified(&kept), before, "the complete point was not rerun");
+    assert_eq!(status(&s.join(POINTS[1])), "complete");
+
+    // Another epoch count is another configuration: nothing is skipped.
+    write(dir.path(), "e.toml", &experiment.replace("\"train.epochs\" = 2", "\"train.epochs\" = 3"));
+    let o = run(&["sweep", "e.toml", "--out", "s"], dir.path());
+    assert_ok(&o);
+    assert!(text(&o).0.contains("(2 run now, 0 already complete)"), "{}", text(&o).0);
+    // --force reruns complete points too.
+    let o = run(&["sweep", "e.toml", "--out", "s", "--force"], dir.path());
+    assert_ok(&o);
+    assert!(text(&o).0.contains("(2 run now, 0 already complete)"));
+}
+
+#[test]
+fn a_failed_point_is_recorded_and_the_sweep_goes_on_unless_fail_fast() {
+    let experiment = EXPERIMENT.replace("[1, 2]", "[1]").replace("[0, 1]", "[0, 1, 2]");
+    let dir = setup(&experiment);
+    std::fs::create_dir(dir.path().join("s")).unwrap();
+    // A file where the second point's run directory goes.
+    write(&dir.path().join("s"), "world_size=1,seed=1", "");
+
+    let o = run(&["sweep", "e.toml", "--out", "s", "--fail-fast"], dir.path());
+    let (stdout, stderr) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("error: point world_size=1,seed=1 failed: cannot create")
+            && stderr.contains("--fail-fast stopped the sweep; 1 of 3 points did not run"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("s/world_size=1,seed=2").exists());
+
+    let o = run(&["sweep", "e.toml", "--out", "s"], dir.path());
+    let (stdout, stderr) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stdout.contains("2 of 3 points complete (1 run now, 1 already complete)"), "{stdout}");
+    assert_eq!(status(&dir.path().join("s/world_size=1,seed=2")), "complete");
+    let table = std::fs::read_to_string(dir.path().join("s/table.md")).unwrap();
+    assert!(table.contains("| 1 | 2 |") && table.contains("- `world_size=1,seed=1`: no manifest.json"), "{table}");
+}
+
+struct Bad {
+    name: &'static str,
+    experiment: &'static str,
+    expected: &'static str,
+}
+
+const BAD: &[Bad] = &[
+    Bad {
+        name: "unknown key in the experiment file",
+        experiment: "pipeline = \"p.toml\"\n[sweeps]\n\"run.seed\" = [0]\n",
+        expected: "error: e.toml:2:2: unknown key `sweeps`; did you mean `sweep`? \
+                   (valid keys in the file: pipeline, set, sweep, scaling)\n  2 | [sweeps]",
+    },
+    Bad {
+        name: "axes naming no key, an empty axis, a value of the wrong type",
+        experiment: "pipeline = \"p.toml\"\n[sweep]\n\"run.wrld_size\" = [1, 2]\n\"run.seed\" = []\n\
+                     \"train.epochs\" = [1, \"two\"]\n",
+        expected: "error: e.toml:3: sweep axis run.wrld_size=1: unknown key `run.wrld_size`; did you mean \
+                   `run.world_size`? (valid keys in [run]: run.name, run.seed, run.world_size, run.backend, \
+                   run.device, run.threads_per_rank, run.timeout_s, run.abort_after_s)\n\
+                   e.toml:4: the axis `run.seed` is empty; give it at least one value\n\
+                   e.toml:5: sweep axis train.epochs=\"two\": `train.epochs`: invalid type: found string \"two\", \
+                   expected usize",
+    },
+    Bad {
+        name: "points that fail validation",
+        experiment: "pipeline = \"p.toml\"\n[sweep]\n\"run.world_size\" = [1, 2]\n\"train.batch_size\" = [16, 700]\n",
+        expected: "error: e.toml: 2 of 4 points are invalid; nothing was run:\n  \
+                   point world_size=1,batch_size=700:\n    p.toml: invalid configuration:\n      \
+                   `train.batch_size` (sweep axis train.batch_size=700): 700 per rank is larger than a rank's \
+                   shard of 600 rows (600 rows / 1 ranks); use at most 600\n  \
+                   point world_size=2,batch_size=700:\n    p.toml: invalid configuration:\n      \
+                   `train.batch_size` (sweep axis train.batch_size=700): 700 per rank is larger than a rank's \
+                   shard of 300 rows (600 rows / 2 ranks); use at most 300",
+    },
+    Bad {
+        name: "a global batch that does not split",
+        experiment: "pipeline = \"p.toml\"\n[scaling]\nbatch = \"global\"\n[sweep]\n\"run.world_size\" = [1, 3]\n",
+        expected: "error: e.toml: 1 of 2 points are invalid; nothing was run:\n  point world_size=3:\n    \
+                   [scaling] batch = \"global\": the global batch train.batch_size = 16 does not split evenly \
+                   over 3 ranks; use a multiple of 3",
+    },
+    Bad {
+        name: "a missing pipeline",
+        experiment: "pipeline = \"../pipelines/nope.toml\"\n",
+        expected: "error: e.toml:1: `pipeline` names ../pipelines/nope.toml, which is not a file \
+                   (the path is relative to the experiment file)",
+    },
+];
+
+#[test]
+fn bad_experiments_are_refused_with_every_problem_before_anything_runs() {
+    for case in BAD {
+        let dir = setup(case.experiment);
+        let o = run(&["sweep", "e.toml"], dir.path());
+        let (stdout, stderr) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{}: {stdout}\n{stderr}", case.name);
+        assert_eq!(stderr.trim_end(), case.expected, "{}", case.name);
+        assert!(!dir.path().join("results").exists(), "{}: nothing may be written", case.name);
+    }
+}
+
+#[test]
+fn report_and_check_refuse_a_directory_that_holds_no_sweep() {
+    let dir = setup(EXPERIMENT);
+    let o = run(&["report", "nowhere"], dir.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        text(&o).1.trim_end(),
+        "error: cannot read nowhere/sweep.json: No such file or directory (os error 2); \
+         is nowhere a sweep directory (written by `runner sweep`)?"
+    );
+    let o = run(&["sweep", "e.toml", "--out", "nowhere", "--check"], dir.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        text(&o).1.trim_end(),
+        "error: nowhere holds no sweep to check (no sweep.json): run the sweep without --check first"
+    );
+    assert!(!dir.path().join("nowhere").exists());
+}
