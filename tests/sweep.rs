@@ -342,7 +342,10 @@ fn report_and_check_refuse_a_directory_that_holds_no_sweep() {
         "error: cannot read nowhere/sweep.json: No such file or directory (os error 2); \
          is nowhere a sweep directory (written by `runner sweep`)?"
     );
-    let o = run(&["sweep", "e.toml", "--out", "nowhere", "--check"], dir.path());
+    let o = run(
+        &["sweep", "e.toml", "--out", "nowhere", "--check"],
+        dir.path(),
+    );
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(
         text(&o).1.trim_end(),

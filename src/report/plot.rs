@@ -34,7 +34,13 @@ pub fn write_all(dir: &Path, rows: &[Row]) -> anyhow::Result<Vec<&'static str>> 
     if !acc.is_empty() {
         atomic_png(&dir.join("val_accuracy.png"), |area| {
             let title = "Validation accuracy per epoch (mean across seeds)";
-            epochs_chart(area, title, "accuracy", &acc, SeriesLabelPosition::LowerRight)
+            epochs_chart(
+                area,
+                title,
+                "accuracy",
+                &acc,
+                SeriesLabelPosition::LowerRight,
+            )
         })?;
         written.push("val_accuracy.png");
     }

@@ -131,9 +131,8 @@ impl Index {
                 dir.display()
             ))
         })?;
-        serde_json::from_str(&text).map_err(|e| {
-            ConfigError::new(format!("{} is not a sweep index: {e}", path.display()))
-        })
+        serde_json::from_str(&text)
+            .map_err(|e| ConfigError::new(format!("{} is not a sweep index: {e}", path.display())))
     }
 }
 
