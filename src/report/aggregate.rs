@@ -73,11 +73,15 @@ pub fn load(dir: &Path, index: &Index) -> anyhow::Result<Loaded> {
             continue;
         }
         let path = run.join(crate::sweep::TRACE);
-        let df = crate::trace::read_parquet(&path)?;
         let group = p.values.iter().filter(|(k, _)| k != SEED_KEY && k != WORLD_KEY).cloned().collect();
-        let result = point_result(&df, p.dir.clone(), group, &manifest)
-            .with_context(|| format!("{} is not a runner trace", path.display()))?;
-        loaded.points.push(result);
+        let result = crate::trace::read_parquet(&path).and_then(|df| {
+            point_result(&df, p.dir.clone(), group, &manifest)
+                .with_context(|| format!("{} is not a runner trace", path.display()))
+        });
+        match result {
+            Ok(point) => loaded.points.push(point),
+            Err(e) => loaded.missing.push((p.dir.clone(), format!("{e:#}"))),
+        }
     }
     Ok(loaded)
 }

@@ -30,10 +30,13 @@ pub fn check(points: &[Point], sweep_dir: &Path) -> anyhow::Result<Vec<String>> 
         let rerun = scratch.path().join(&point.dir);
         let found = match execute::run_point(point, &rerun) {
             Err(why) => vec![format!("the rerun failed: {why}")],
-            Ok(()) => compare(
-                &trace::read_parquet(&stored.join(super::TRACE))?,
-                &trace::read_parquet(&rerun.join(super::TRACE))?,
-            ),
+            Ok(()) => {
+                match (trace::read_parquet(&stored.join(super::TRACE)), trace::read_parquet(&rerun.join(super::TRACE)))
+                {
+                    (Ok(a), Ok(b)) => compare(&a, &b),
+                    (Err(e), _) | (_, Err(e)) => vec![format!("{e:#}")],
+                }
+            }
         };
         let outcome = match found.len() {
             0 => "reproduced".to_owned(),
