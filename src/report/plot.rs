@@ -12,6 +12,22 @@ use super::aggregate::Row;
 
 const SIZE: (u32, u32) = (900, 560);
 
+/// Line colours that stay readable on white (Tableau 10).
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
+];
+
+fn color(i: usize) -> RGBColor {
+    COLORS[i % COLORS.len()]
+}
+
 /// Writes `loss.png`, `val_accuracy.png` (when any point validated) and `throughput.png` into
 /// `dir`, each atomically; returns the file names written.
 pub fn write_all(dir: &Path, rows: &[Row]) -> anyhow::Result<Vec<&'static str>> {
@@ -126,7 +142,7 @@ fn epochs_chart(
         .label_style(("sans-serif", 15))
         .draw()?;
     for (i, (name, points)) in lines.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
+        let color = color(i);
         chart
             .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
             .label(name)
@@ -185,7 +201,7 @@ fn throughput_chart(area: &Area, rows: &[Row]) -> DrawResult {
         }
     }
     for (i, group) in groups.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
+        let color = color(i);
         let mine: Vec<&Row> = rows.iter().filter(|r| r.group == *group).collect();
         let name = if group.is_empty() {
             "samples/s".to_owned()

@@ -76,10 +76,11 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
         .filter(|r| r.oversubscribed())
         .map(|r| {
             format!(
-                "world size {} runs {} ranks × {} threads = {} threads on {} cores",
+                "world size {} runs {} ranks × {} thread{} = {} threads on {} cores",
                 r.world_size,
                 r.world_size,
                 r.threads_per_rank,
+                if r.threads_per_rank == 1 { "" } else { "s" },
                 r.world_size * r.threads_per_rank,
                 r.cores
             )
