@@ -152,6 +152,22 @@ const CASES: &[Case] = &[
                    `train.batch_size` (file p.toml:19): 16 per rank is larger than a rank's shard of 1 rows (2 rows / 2 ranks); use at most 1",
     },
     Case {
+        name: "missing initial weights",
+        file: "",
+        args: &["--set", "wrap.init=\"none.npz\""],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.init` (--set wrap.init=\"none.npz\"): none.npz does not exist \
+                   (paths are relative to the pipeline file)",
+    },
+    Case {
+        name: "initial weights of another model",
+        file: "",
+        args: &["--set", "wrap.init=\"w.npz\""],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.init` (--set wrap.init=\"w.npz\"): w.npz does not fit the model: \
+                   `layer0.weight` is [16, 4], the model's is [16, 5]; no `layer1.bias`",
+    },
+    Case {
         name: "every problem at once",
         file: "",
         args: &["--set", "train.lr=-1", "--set", "train.epochs=0", "--set", "wrap.model.dropout=1.5", "--set", "run.name=\"a/b\""],
@@ -169,6 +185,11 @@ fn check(case: &Case, command: &str) {
     write(dir.path(), "p.toml", &format!("{TINY}{}", case.file));
     write(dir.path(), "labels.csv", "a,b,label\n1,2,0\n3,4,1\n5,6,2\n");
     write(dir.path(), "named.csv", "a,b,label,name\n1,2,0,x\n3,4,1,y\n5,6,2,z\n");
+    // Weights of a 4-feature model, one tensor short.
+    let zeros = |shape: &[i64]| tch::Tensor::zeros(shape, (tch::Kind::Float, tch::Device::Cpu));
+    let weights =
+        [("layer0.weight", zeros(&[16, 4])), ("layer0.bias", zeros(&[16])), ("layer1.weight", zeros(&[3, 16]))];
+    tch::Tensor::write_npz(&weights, dir.path().join("w.npz")).unwrap();
     let mut cmd = runner();
     cmd.current_dir(dir.path()).args([command, "p.toml"]).args(case.args);
     for (k, v) in case.env {

@@ -230,3 +230,50 @@ fn batch_split_over_two_ranks_equals_one_process_on_the_whole_batch() {
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).1.contains("101 does not split evenly over 2 ranks; use a multiple of 2"), "{}", text(&o).1);
 }
+
+#[test]
+fn initial_weights_from_a_file_are_where_training_starts() {
+    use tch::{Kind, Tensor};
+    let dir = tempfile::tempdir().unwrap();
+    // The TINY model is 5-16-3; weights far from any seeded initialisation.
+    let init: Vec<(String, Tensor)> = [
+        ("layer0.weight", vec![16, 5]),
+        ("layer0.bias", vec![16]),
+        ("layer1.weight", vec![3, 16]),
+        ("layer1.bias", vec![3]),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (name, shape))| {
+        (name.to_string(), Tensor::full(shape.as_slice(), 0.25 + i as f64, (Kind::Float, tch::Device::Cpu)))
+    })
+    .collect();
+    Tensor::write_npz(&init, dir.path().join("init.npz")).unwrap();
+    // A vanishing learning rate: the checkpoint after an epoch still holds the initial weights.
+    let pipeline = format!("{TINY}\n[checkpoint]\nevery = 1\n");
+    write(dir.path(), "p.toml", &pipeline);
+    let args = [
+        "run",
+        "p.toml",
+        "--set",
+        "wrap.init=\"init.npz\"",
+        "--set",
+        "train.optimizer=\"sgd\"",
+        "--set",
+        "train.lr=1e-12",
+        "--set",
+        "train.epochs=1",
+        "--out",
+        "r",
+    ];
+    assert_ok(&run(&args, dir.path()));
+    let saved: std::collections::HashMap<String, Tensor> =
+        Tensor::load_multi(dir.path().join("r/checkpoints/epoch-0001.pt")).unwrap().into_iter().collect();
+    for (name, t) in &init {
+        let diff = (&saved[&format!("model.{name}")] - t).abs().max().double_value(&[]);
+        assert!(diff < 1e-6, "{name} moved by {diff} from the file's values");
+    }
+    // The resolved configuration records where the weights came from.
+    let config = std::fs::read_to_string(dir.path().join("r/config.toml")).unwrap();
+    assert!(config.contains("init = \"init.npz\""), "{config}");
+}

@@ -24,6 +24,8 @@ pub struct Plan {
     /// Samples per step on each rank: train.batch_size, or the rank's share of the global batch.
     pub batch_per_rank: usize,
     pub threads_per_rank: usize,
+    /// `wrap.init` resolved against the pipeline file.
+    pub init_weights: Option<PathBuf>,
     pub parameters: usize,
 }
 
@@ -209,6 +211,14 @@ impl Plan {
             }
         }
 
+        let init_weights = c.wrap.init.as_ref().map(|rel| base.join(rel));
+        if let (Some(path), Some(d)) = (&init_weights, &data) {
+            let shapes = crate::model::parameter_shapes(d.features, &m.hidden, d.classes);
+            if let Err(e) = crate::model::read_weights(path, &shapes) {
+                bad("wrap.init", e);
+            }
+        }
+
         if !errors.is_empty() {
             let n = errors.len();
             let head =
@@ -221,7 +231,7 @@ impl Plan {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads_per_rank = c.run.threads_per_rank.unwrap_or((cores / c.run.world_size).max(1));
         let parameters = crate::model::parameter_count(data.features, &c.wrap.model.hidden, data.classes);
-        let run_id = run_id(&c);
+        let run_id = run_id(&c, init_weights.as_deref());
         Ok(Plan {
             config: c,
             sources,
@@ -232,6 +242,7 @@ impl Plan {
             batch_per_rank,
             threads_per_rank,
             parameters,
+            init_weights,
         })
     }
 
@@ -338,7 +349,11 @@ fn file_spec(
 }
 
 /// 12 hex digits of FNV-1a over the resolved configuration's canonical JSON.
-fn run_id(c: &Config) -> String {
-    let json = serde_json::to_string(c).expect("a Config serializes");
-    format!("{:012x}", crate::rng::fnv1a(json.as_bytes()) >> 16)
+/// From the configuration and the initial-weights file's bytes (a changed file is another run).
+fn run_id(c: &Config, init_weights: Option<&std::path::Path>) -> String {
+    let mut bytes = serde_json::to_string(c).expect("a Config serializes").into_bytes();
+    if let Some(path) = init_weights {
+        bytes.extend(std::fs::read(path).unwrap_or_default());
+    }
+    format!("{:012x}", crate::rng::fnv1a(&bytes) >> 16)
 }

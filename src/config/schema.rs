@@ -184,12 +184,16 @@ pub struct Wrap {
     pub strategy: WrapStrategy,
     /// DDP gradient bucket size, in MiB.
     pub bucket_cap_mb: f64,
+    /// Initial weights: an .npz or .safetensors file with one tensor per parameter
+    /// (`layer0.weight`, `layer0.bias`, ...), relative to the pipeline file; default: from run.seed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init: Option<PathBuf>,
     pub model: Model,
 }
 
 impl Default for Wrap {
     fn default() -> Self {
-        Wrap { strategy: WrapStrategy::Ddp, bucket_cap_mb: 25.0, model: Model::default() }
+        Wrap { strategy: WrapStrategy::Ddp, bucket_cap_mb: 25.0, init: None, model: Model::default() }
     }
 }
 
