@@ -1,7 +1,6 @@
 //! The command line: `runner run`, `runner sweep`, `runner report`, `runner validate`.
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
@@ -35,6 +34,28 @@ pub enum Command {
     Report(ReportArgs),
     /// Check a pipeline and print its resolved plan (the data-flow table); run nothing.
     Validate(ConfigArgs),
+    /// Measure the runner against the same pipeline in PyTorch DDP under torchrun, side by side
+    /// (installs the reference's PyTorch into .deps/reference on first use, about 5 GB).
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// One repetition per cell; print the results, do not write them.
+    #[arg(long)]
+    pub quick: bool,
+    /// Repetitions per workload and world size, runner and PyTorch alternating.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    pub repetitions: u64,
+    /// World sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4", value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub world_sizes: Vec<u64>,
+    /// Only this workload (repeatable): overhead-bound, compute-bound.
+    #[arg(long = "workload", value_name = "NAME")]
+    pub workloads: Vec<String>,
+    /// Where the results go (the part between the markers is replaced; notes around it are kept).
+    #[arg(long, value_name = "FILE", default_value = "benches/RESULTS.md")]
+    pub out: PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -128,7 +149,7 @@ pub struct ReportArgs {
 }
 
 /// Exit codes: 0 done, 1 the run failed, 2 the configuration is wrong.
-pub fn main(cli: Cli) -> ExitCode {
+pub fn main(cli: Cli) -> u8 {
     let result = match cli.command {
         Command::Validate(args) => validate(&args),
         Command::Run(args) => run(&args),
@@ -138,7 +159,14 @@ pub fn main(cli: Cli) -> ExitCode {
         ),
         Command::Report(args) => crate::report::write(&args.dir).map(|table| {
             println!("{table}");
-            ExitCode::SUCCESS
+            0
+        }),
+        Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
+            quick: args.quick,
+            repetitions: if args.quick { 1 } else { args.repetitions as usize },
+            world_sizes: args.world_sizes.iter().map(|w| *w as usize).collect(),
+            workloads: args.workloads,
+            out: args.out,
         }),
     };
     match result {
@@ -150,7 +178,7 @@ pub fn main(cli: Cli) -> ExitCode {
                 _ => "error: ".into(),
             };
             eprintln!("{prefix}{e:#}");
-            ExitCode::from(code)
+            code
         }
     }
 }
@@ -161,14 +189,14 @@ pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
     Plan::new(config::resolve(&args.file, &overrides)?)
 }
 
-fn validate(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
+fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
     let plan = plan(args)?;
     print!("{}", plan.data_flow());
     println!("\n{} is valid; nothing was run.", args.file.display());
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }
 
-fn run(args: &RunArgs) -> anyhow::Result<ExitCode> {
+fn run(args: &RunArgs) -> anyhow::Result<u8> {
     let file = match (&args.file, &args.resume) {
         (Some(f), _) => f.clone(),
         (None, Some(dir)) => dir.join("config.toml"),
@@ -203,7 +231,7 @@ fn run(args: &RunArgs) -> anyhow::Result<ExitCode> {
 
 /// This process is one rank. Under runner's own launcher the launcher owns config.toml and the
 /// manifest; under another launcher (torchrun, Slurm) rank 0 writes them.
-fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::Result<ExitCode> {
+fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::Result<u8> {
     let owns_run_dir = env.rank == 0 && env.launcher_pid.is_none();
     let mut manifest = Manifest::start(plan);
     if owns_run_dir {
@@ -223,16 +251,10 @@ fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow:
         let losses: Vec<f64> = rows.iter().filter(|r| r.rank == 0).map(|r| r.global_train_loss).collect();
         println!("  loss\n{}", view::chart("epochs", &losses, 6));
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }
 
-fn launch(
-    plan: &Plan,
-    config: &ConfigArgs,
-    topology: &Topology,
-    resume: bool,
-    run_dir: &Path,
-) -> anyhow::Result<ExitCode> {
+fn launch(plan: &Plan, config: &ConfigArgs, topology: &Topology, resume: bool, run_dir: &Path) -> anyhow::Result<u8> {
     println!("{}", plan.data_flow());
     let mut manifest = Manifest::start(plan);
     prepare_run_dir(plan, run_dir, &manifest, resume)?;
@@ -252,14 +274,14 @@ fn launch(
             "\ninterrupted: every rank was stopped; the trace keeps every finished epoch in {}",
             run_dir.display()
         );
-        return Ok(ExitCode::from(128 + sig as u8));
+        return Ok(128 + sig as u8);
     }
     match &outcome.failure {
         None => {
             manifest.end(Status::Complete, None);
             manifest.write(run_dir)?;
             println!("  run directory: {}", run_dir.display());
-            Ok(ExitCode::SUCCESS)
+            Ok(0)
         }
         Some(f) => {
             manifest.end(Status::Failed, Some(f.summary()));
@@ -272,7 +294,7 @@ fn launch(
                 }
             }
             eprintln!("  run directory (traces keep every finished epoch): {}", run_dir.display());
-            Ok(ExitCode::from(1))
+            Ok(1)
         }
     }
 }

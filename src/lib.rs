@@ -3,6 +3,7 @@
 //!
 //! Data flows one way: config → [`config::Plan`] → [`launch`] → ranks ([`stages`]) → [`trace`];
 //! a [`sweep`] runs a grid of plans and [`report`] turns their traces into tables and plots.
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod dist;

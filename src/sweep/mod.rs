@@ -15,7 +15,6 @@ pub mod grid;
 pub mod progress;
 
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 
 use anyhow::Context;
 
@@ -34,7 +33,7 @@ pub struct Options {
     pub check: bool,
 }
 
-pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
+pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
     let experiment = Experiment::load(file)?;
     let points = experiment.points()?;
     let dir = opts.out.clone().unwrap_or_else(|| Path::new("results").join(experiment.name()));
@@ -64,7 +63,7 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
                 points.len(),
                 dir.display()
             );
-            return Ok(ExitCode::SUCCESS);
+            return Ok(0);
         }
         let n = differences.len();
         eprintln!(
@@ -75,7 +74,7 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
         for d in &differences {
             eprintln!("  {d}");
         }
-        return Ok(ExitCode::from(1));
+        return Ok(1);
     }
 
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create the sweep directory {}", dir.display()))?;
@@ -104,5 +103,5 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
             points.len()
         );
     }
-    Ok(if complete == points.len() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if complete == points.len() { 0 } else { 1 })
 }

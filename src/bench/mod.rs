@@ -1,0 +1,215 @@
+//! `runner bench`: the runner against the same pipeline in plain PyTorch
+//! (benches/reference/ddp_torch.py under torchrun), side by side in one run. For each workload
+//! and world size the two alternate, A B A B, so that a change in the machine's load hits both;
+//! the results (medians with min–max, ratios, fraction of the matmul peak, the targets) go to
+//! benches/RESULTS.md between markers, the notes around them are kept.
+mod report;
+pub mod workload;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use tch::{Kind, Tensor};
+
+use workload::Workload;
+
+pub struct Options {
+    /// One repetition, results printed but not written.
+    pub quick: bool,
+    pub repetitions: usize,
+    pub world_sizes: Vec<usize>,
+    /// Workload names; empty: all.
+    pub workloads: Vec<String>,
+    pub out: PathBuf,
+}
+
+/// One measured run of one side.
+#[derive(Debug, Clone)]
+pub struct Measure {
+    /// Process start to exit.
+    pub wall_s: f64,
+    /// Median over epochs of the slowest rank's epoch time.
+    pub epoch_s: f64,
+    /// Training samples per epoch, all ranks.
+    pub samples: f64,
+    /// Global training loss per epoch.
+    pub losses: Vec<f64>,
+}
+
+/// Every run of one workload at one world size.
+#[derive(Debug, Clone)]
+pub struct Cell {
+    pub world_size: usize,
+    pub threads: usize,
+    pub runner: Vec<Measure>,
+    pub torch: Vec<Measure>,
+}
+
+pub struct WorkloadResult {
+    pub workload: Workload,
+    pub cells: Vec<Cell>,
+}
+
+pub fn bench(opts: &Options) -> anyhow::Result<u8> {
+    let root = std::env::current_dir()?;
+    let script = root.join("benches/reference/ddp_torch.py");
+    if !script.is_file() {
+        bail!("{} not found: run `runner bench` from the repository's root", script.display());
+    }
+    let names: Vec<&str> = workload::all().iter().map(|w| w.name).collect();
+    for name in &opts.workloads {
+        if !names.contains(&name.as_str()) {
+            bail!("no workload `{name}`; the workloads are {}", names.join(", "));
+        }
+    }
+    let python = reference_python(&root)?;
+    let torchrun = python.with_file_name("torchrun");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let work = root.join("target/bench");
+
+    println!("measuring the matmul peak ({cores} threads)");
+    let peak = matmul_peak(cores);
+    println!("  {:.1} GFLOP/s", peak / 1e9);
+
+    let mut results = Vec::new();
+    for w in
+        workload::all().into_iter().filter(|w| opts.workloads.is_empty() || opts.workloads.iter().any(|n| n == w.name))
+    {
+        println!("\n{}: {}", w.name, w.describe());
+        let files = workload::prepare(&w, &work.join(w.name))?;
+        let mut cells = Vec::new();
+        for &ws in &opts.world_sizes {
+            let threads = (cores / ws).max(1);
+            let mut cell = Cell { world_size: ws, threads, runner: Vec::new(), torch: Vec::new() };
+            for rep in 1..=opts.repetitions {
+                let r = run_runner(&files, ws, threads)?;
+                let t = run_torch(&torchrun, &script, &files, &w, ws, threads)?;
+                println!(
+                    "  world size {ws}, run {rep}/{}: runner {:.2} s ({:.3} s/epoch), PyTorch {:.2} s ({:.3} s/epoch)",
+                    opts.repetitions, r.wall_s, r.epoch_s, t.wall_s, t.epoch_s
+                );
+                cell.runner.push(r);
+                cell.torch.push(t);
+            }
+            cells.push(cell);
+        }
+        results.push(WorkloadResult { workload: w, cells });
+    }
+
+    let machine = report::Machine::this(cores, peak);
+    let text = report::markdown(&machine, opts.repetitions, &results);
+    println!("\n{text}");
+    if opts.quick {
+        println!("(--quick: {} not written)", opts.out.display());
+    } else {
+        report::write(&opts.out, &text)?;
+        println!("written to {}", opts.out.display());
+    }
+    Ok(0)
+}
+
+/// The reference's Python, installed on first use by benches/reference/setup.sh.
+fn reference_python(root: &Path) -> anyhow::Result<PathBuf> {
+    let out = Command::new(root.join("benches/reference/setup.sh"))
+        .stderr(Stdio::inherit())
+        .output()
+        .context("cannot run benches/reference/setup.sh")?;
+    if !out.status.success() {
+        bail!("the PyTorch reference could not be installed (benches/reference/setup.sh {})", out.status);
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// Best FLOP/s of a 2048² float32 matmul with `threads` intra-op threads.
+fn matmul_peak(threads: usize) -> f64 {
+    tch::set_num_threads(threads as i32);
+    let n = 2048;
+    let a = Tensor::randn([n, n], (Kind::Float, tch::Device::Cpu));
+    let b = Tensor::randn([n, n], (Kind::Float, tch::Device::Cpu));
+    let _ = a.matmul(&b);
+    (0..5)
+        .map(|_| {
+            let start = Instant::now();
+            let c = a.matmul(&b);
+            let s = start.elapsed().as_secs_f64();
+            drop(c);
+            2.0 * (n as f64).powi(3) / s
+        })
+        .fold(0.0, f64::max)
+}
+
+fn run_runner(files: &workload::Files, ws: usize, threads: usize) -> anyhow::Result<Measure> {
+    let out = files.dir.join(format!("runner-ws{ws}"));
+    let exe = std::env::current_exe().context("cannot find the runner binary")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("run")
+        .arg(&files.pipeline)
+        .args(["--set", &format!("run.world_size={ws}"), "--set", &format!("run.threads_per_rank={threads}")])
+        .arg("--out")
+        .arg(&out);
+    let wall_s = timed(cmd, &files.dir.join(format!("runner-ws{ws}.log")))?;
+    let df = crate::trace::read_parquet(&out.join("trace.parquet"))?;
+    let col = |c: &str| -> anyhow::Result<Vec<f64>> {
+        Ok(df.column(c)?.cast(&polars::prelude::DataType::Float64)?.f64()?.into_no_null_iter().collect())
+    };
+    let (epoch, epoch_s, loss, samples) = (col("epoch")?, col("epoch_s")?, col("global_train_loss")?, col("samples")?);
+    let epochs = epoch.iter().fold(0.0f64, |m, e| m.max(*e)) as usize;
+    let mut slowest = vec![0.0f64; epochs];
+    let mut losses = vec![0.0; epochs];
+    let mut per_epoch_samples = vec![0.0; epochs];
+    for i in 0..epoch.len() {
+        let e = epoch[i] as usize - 1;
+        slowest[e] = slowest[e].max(epoch_s[i]);
+        losses[e] = loss[i];
+        per_epoch_samples[e] += samples[i];
+    }
+    Ok(Measure { wall_s, epoch_s: report::median(&slowest), samples: per_epoch_samples[0], losses })
+}
+
+fn run_torch(
+    torchrun: &Path,
+    script: &Path,
+    files: &workload::Files,
+    w: &Workload,
+    ws: usize,
+    threads: usize,
+) -> anyhow::Result<Measure> {
+    let result = files.dir.join(format!("torch-ws{ws}.json"));
+    let _ = std::fs::remove_file(&result);
+    let mut cmd = Command::new(torchrun);
+    cmd.args(["--standalone", &format!("--nproc_per_node={ws}")])
+        .arg(script)
+        .arg(&files.data)
+        .arg("--init")
+        .arg(&files.init)
+        .args(["--batch", &w.batch.to_string(), "--epochs", &w.epochs.to_string(), "--lr", &w.lr.to_string()])
+        .args(["--threads", &threads.to_string()])
+        .arg("--out")
+        .arg(&result)
+        .env("OMP_NUM_THREADS", threads.to_string());
+    let wall_s = timed(cmd, &files.dir.join(format!("torch-ws{ws}.log")))?;
+    let text =
+        std::fs::read_to_string(&result).with_context(|| format!("the reference wrote no {}", result.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let epochs = v["epochs"].as_array().context("no epochs in the reference's result")?;
+    let get =
+        |e: &serde_json::Value, k: &str| e[k].as_f64().with_context(|| format!("no {k} in the reference's result"));
+    let epoch_s: Vec<f64> = epochs.iter().map(|e| get(e, "epoch_s")).collect::<anyhow::Result<_>>()?;
+    let losses: Vec<f64> = epochs.iter().map(|e| get(e, "loss")).collect::<anyhow::Result<_>>()?;
+    let samples = get(&epochs[0], "samples")?;
+    Ok(Measure { wall_s, epoch_s: report::median(&epoch_s), samples, losses })
+}
+
+/// Runs `cmd` with its output in `log`, and returns its wall time; fails naming the log.
+fn timed(mut cmd: Command, log: &Path) -> anyhow::Result<f64> {
+    let file = std::fs::File::create(log).with_context(|| format!("cannot write {}", log.display()))?;
+    let start = Instant::now();
+    let status = cmd.stdin(Stdio::null()).stdout(file.try_clone()?).stderr(file).status()?;
+    let wall_s = start.elapsed().as_secs_f64();
+    if !status.success() {
+        bail!("{:?} {status}; see {}", cmd.get_program(), log.display());
+    }
+    Ok(wall_s)
+}

@@ -1,0 +1,236 @@
+//! The benchmark's tables and targets, as markdown, and their place in benches/RESULTS.md.
+use std::fmt::Write as _;
+use std::path::Path;
+
+use super::{Cell, Measure, WorkloadResult};
+
+const BEGIN: &str = "<!-- runner bench: begin (this part is rewritten by `runner bench`) -->";
+const END: &str = "<!-- runner bench: end -->";
+
+/// Per-epoch training losses of the two sides agree within this, relative.
+const LOSS_TOLERANCE: f64 = 1e-4;
+
+pub struct Machine {
+    pub cpu: String,
+    pub cores: usize,
+    pub peak_flops: f64,
+}
+
+impl Machine {
+    pub fn this(cores: usize, peak_flops: f64) -> Machine {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|t| {
+                t.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+            })
+            .unwrap_or_else(|| "unknown CPU".into());
+        Machine { cpu, cores, peak_flops }
+    }
+}
+
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+/// "1.23 (1.20–1.31)", or the bare median for one value.
+fn spread(v: &[f64], digits: usize) -> String {
+    let (lo, hi) = v.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
+    if v.len() < 2 {
+        format!("{:.digits$}", median(v))
+    } else {
+        format!("{:.digits$} ({lo:.digits$}–{hi:.digits$})", median(v))
+    }
+}
+
+fn wall(m: &[Measure]) -> Vec<f64> {
+    m.iter().map(|m| m.wall_s).collect()
+}
+fn epoch(m: &[Measure]) -> Vec<f64> {
+    m.iter().map(|m| m.epoch_s).collect()
+}
+fn throughput(m: &[Measure]) -> Vec<f64> {
+    m.iter().map(|m| m.samples / m.epoch_s).collect()
+}
+
+/// Largest relative difference between the two sides' per-epoch losses, over every run.
+fn loss_difference(c: &Cell) -> f64 {
+    c.runner
+        .iter()
+        .zip(&c.torch)
+        .flat_map(|(r, t)| r.losses.iter().zip(&t.losses).map(|(a, b)| (a - b).abs() / b.abs().max(f64::MIN_POSITIVE)))
+        .chain(c.runner.iter().zip(&c.torch).filter(|(r, t)| r.losses.len() != t.losses.len()).map(|_| f64::INFINITY))
+        .fold(0.0, f64::max)
+}
+
+/// Fraction of the matmul peak: FLOPs ≈ 6 × parameters × samples per epoch, over the epoch time.
+fn peak_fraction(m: &Measure, parameters: usize, peak: f64) -> f64 {
+    6.0 * parameters as f64 * m.samples / m.epoch_s / peak
+}
+
+struct Target {
+    what: String,
+    met: bool,
+}
+
+pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult]) -> String {
+    let mut s = String::new();
+    let build = if cfg!(debug_assertions) { "debug build: timings are not representative" } else { "release build" };
+    let _ = writeln!(s, "## Latest run: {}\n", chrono::Local::now().format("%Y-%m-%d %H:%M"));
+    let _ = writeln!(
+        s,
+        "Machine: {}, {} cores. runner {} ({build}), PyTorch 2.13.0 under torchrun, both on gloo. \
+         {repetitions} repetition(s) per cell, runner and PyTorch alternating. \
+         Matmul peak (2048² float32, {} threads): {:.1} GFLOP/s.\n",
+        machine.cpu,
+        machine.cores,
+        env!("CARGO_PKG_VERSION"),
+        machine.cores,
+        machine.peak_flops / 1e9
+    );
+    let _ = writeln!(
+        s,
+        "Each cell: median (min–max) over the repetitions. Epoch time: the slowest rank's, median over \
+         the epochs of a run. Samples/s: training samples of all ranks per epoch time. Ratios: runner / PyTorch \
+         of the medians.\n"
+    );
+    let mut targets = Vec::new();
+    for r in results {
+        let w = &r.workload;
+        let _ = writeln!(s, "### {}: {}\n", w.name, w.describe());
+        let mut head = "| world size | threads per rank | wall s runner | wall s PyTorch | wall ratio | epoch s runner | epoch s PyTorch | samples/s runner | samples/s PyTorch | throughput ratio |".to_string();
+        let mut rule = "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|".to_string();
+        if w.compute_bound {
+            head.push_str(" peak runner | peak PyTorch |");
+            rule.push_str("---:|---:|");
+        }
+        head.push_str(" loss rel. difference |");
+        rule.push_str("---:|");
+        let _ = writeln!(s, "{head}\n{rule}");
+        for c in &r.cells {
+            let wall_ratio = median(&wall(&c.runner)) / median(&wall(&c.torch));
+            let tp_ratio = median(&throughput(&c.runner)) / median(&throughput(&c.torch));
+            let _ = write!(
+                s,
+                "| {} | {} | {} | {} | {wall_ratio:.3} | {} | {} | {} | {} | {tp_ratio:.2} |",
+                c.world_size,
+                c.threads,
+                spread(&wall(&c.runner), 2),
+                spread(&wall(&c.torch), 2),
+                spread(&epoch(&c.runner), 3),
+                spread(&epoch(&c.torch), 3),
+                spread(&throughput(&c.runner), 0),
+                spread(&throughput(&c.torch), 0),
+            );
+            let fraction = |m: &[Measure]| -> Vec<f64> {
+                m.iter().map(|m| 100.0 * peak_fraction(m, w.parameters(), machine.peak_flops)).collect()
+            };
+            if w.compute_bound {
+                let _ = write!(s, " {}% | {}% |", spread(&fraction(&c.runner), 1), spread(&fraction(&c.torch), 1));
+            }
+            let diff = loss_difference(c);
+            let _ = writeln!(s, " {diff:.1e} |");
+
+            let ws = c.world_size;
+            if w.compute_bound {
+                targets.push(Target {
+                    what: format!("{} ws {ws}: throughput {tp_ratio:.2}× PyTorch's (target ≥ 1.05×)", w.name),
+                    met: tp_ratio >= 1.05,
+                });
+                if ws == 1 {
+                    let f = median(&fraction(&c.runner));
+                    targets.push(Target {
+                        what: format!(
+                            "{} ws 1: {f:.1}% of the matmul peak (target ≥ 80%; PyTorch: {:.1}%)",
+                            w.name,
+                            median(&fraction(&c.torch))
+                        ),
+                        met: f >= 80.0,
+                    });
+                }
+            } else if ws <= 2 {
+                targets.push(Target {
+                    what: format!("{} ws {ws}: throughput {tp_ratio:.2}× PyTorch's (target ≥ 3×)", w.name),
+                    met: tp_ratio >= 3.0,
+                });
+                targets.push(Target {
+                    what: format!(
+                        "{} ws {ws}: end-to-end wall time {wall_ratio:.3}× torchrun's (target ≤ 0.2×)",
+                        w.name
+                    ),
+                    met: wall_ratio <= 0.2,
+                });
+            }
+            targets.push(Target {
+                what: format!(
+                    "{} ws {ws}: per-epoch losses within {diff:.1e} relative of PyTorch's (target ≤ {LOSS_TOLERANCE:.0e})",
+                    w.name
+                ),
+                met: diff <= LOSS_TOLERANCE,
+            });
+        }
+        let _ = writeln!(s);
+    }
+    let met = targets.iter().filter(|t| t.met).count();
+    let _ = writeln!(s, "### Targets: {met} of {} met\n", targets.len());
+    for t in &targets {
+        let _ = writeln!(s, "- {} {}", if t.met { "✓" } else { "✗ missed:" }, t.what);
+    }
+    s
+}
+
+/// Replaces the part of `path` between the markers with `text` (the rest is notes, kept).
+pub fn write(path: &Path, text: &str) -> anyhow::Result<()> {
+    let old = std::fs::read_to_string(path).unwrap_or_default();
+    let block = format!("{BEGIN}\n{text}{END}\n");
+    let new = match (old.find(BEGIN), old.find(END)) {
+        (Some(b), Some(e)) if b < e => format!("{}{block}{}", &old[..b], old[e + END.len()..].trim_start_matches('\n')),
+        _ if old.is_empty() => format!("# Benchmarks: runner against PyTorch DDP\n\n{block}"),
+        _ => format!("{}\n{block}", old.trim_end()),
+    };
+    crate::trace::atomic_write(path, new.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_and_spread() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(spread(&[1.0, 3.0, 2.0], 1), "2.0 (1.0–3.0)");
+        assert_eq!(spread(&[1.234], 2), "1.23");
+    }
+
+    #[test]
+    fn results_replace_only_their_block() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("RESULTS.md");
+        write(&path, "first\n").unwrap();
+        let with_notes = std::fs::read_to_string(&path).unwrap() + "\n## Notes\nkept\n";
+        std::fs::write(&path, with_notes).unwrap();
+        write(&path, "second\n").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains("second") && !text.contains("first") && text.ends_with("## Notes\nkept\n"), "{text}");
+    }
+
+    #[test]
+    fn loss_difference_is_relative_and_catches_missing_epochs() {
+        let m = |losses: Vec<f64>| Measure { wall_s: 1.0, epoch_s: 1.0, samples: 1.0, losses };
+        let c = Cell { world_size: 1, threads: 1, runner: vec![m(vec![1.0, 0.5])], torch: vec![m(vec![1.0, 0.5001])] };
+        assert!((loss_difference(&c) - 1e-4 / 0.5001).abs() < 1e-12);
+        let c = Cell { world_size: 1, threads: 1, runner: vec![m(vec![1.0])], torch: vec![m(vec![1.0, 0.5])] };
+        assert_eq!(loss_difference(&c), f64::INFINITY);
+    }
+}
