@@ -10,6 +10,9 @@
 #include <string>
 #include <vector>
 
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -301,6 +304,35 @@ char* rn_ddp_record_stats(rn_ddp* d, rn_ddp_stats* out) {
 
 char* rn_ddp_bucket_count(rn_ddp* d, size_t* out) {
   return protect([&] { *out = d->logger->get_bucket_sizes().size(); });
+}
+
+char* rn_clear_grads(void** params, size_t n) {
+  return protect([&] {
+    for (size_t i = 0; i < n; ++i) tensor(params[i]).mutable_grad().reset();
+  });
+}
+
+char* rn_fused_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n, double step, double lr,
+                    double beta1, double beta2, double weight_decay, double eps, int decoupled) {
+  return protect([&] {
+    torch::NoGradGuard no_grad;
+    std::vector<at::Tensor> p, g, m, v;
+    for (size_t i = 0; i < n; ++i) {
+      const at::Tensor& grad = tensor(params[i]).grad();
+      if (!grad.defined()) continue;
+      p.push_back(tensor(params[i]));
+      g.push_back(grad);
+      m.push_back(tensor(exp_avgs[i]));
+      v.push_back(tensor(exp_avg_sqs[i]));
+    }
+    // The kernel reads each parameter's step from a float32 scalar; one serves them all.
+    std::vector<at::Tensor> steps(p.size(), at::scalar_tensor(step, at::kFloat));
+    if (decoupled) {
+      at::_fused_adamw_(p, g, m, v, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false);
+    } else {
+      at::_fused_adam_(p, g, m, v, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false);
+    }
+  });
 }
 
 }  // extern "C"

@@ -61,6 +61,16 @@ char* rn_ddp_prepare_backward(rn_ddp* d, void** outputs, size_t n_outputs);
 char* rn_ddp_record_stats(rn_ddp* d, rn_ddp_stats* out);
 char* rn_ddp_bucket_count(rn_ddp* d, size_t* out);
 
+// Drops the gradients of n tensors (torch's zero_grad(set_to_none=True)): the next backward pass
+// then writes fresh gradients instead of adding to zeroed ones.
+char* rn_clear_grads(void** params, size_t n);
+
+// One Adam step (AdamW with decoupled = 1) over the n parameters that have a gradient, in a single
+// fused libtorch kernel (at::_fused_adam_ / at::_fused_adamw_), which tch does not expose.
+// `step` counts this one.
+char* rn_fused_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n, double step, double lr,
+                    double beta1, double beta2, double weight_decay, double eps, int decoupled);
+
 #ifdef __cplusplus
 }
 #endif

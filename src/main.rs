@@ -1,7 +1,5 @@
-use std::process::ExitCode;
-
 use clap::Parser;
 
-fn main() -> ExitCode {
-    runner::cli::main(runner::cli::Cli::parse())
+fn main() {
+    runner::dist::exit_now(runner::cli::main(runner::cli::Cli::parse()))
 }

@@ -91,4 +91,19 @@ extern "C" {
     pub fn rn_ddp_prepare_backward(d: *mut RnDdp, outputs: *const *mut c_void, n_outputs: usize) -> *mut c_char;
     pub fn rn_ddp_record_stats(d: *mut RnDdp, out: *mut RnDdpStats) -> *mut c_char;
     pub fn rn_ddp_bucket_count(d: *mut RnDdp, out: *mut usize) -> *mut c_char;
+
+    pub fn rn_clear_grads(params: *const *mut c_void, n: usize) -> *mut c_char;
+    pub fn rn_fused_adam(
+        params: *const *mut c_void,
+        exp_avgs: *const *mut c_void,
+        exp_avg_sqs: *const *mut c_void,
+        n: usize,
+        step: f64,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        decoupled: c_int,
+    ) -> *mut c_char;
 }

@@ -3,6 +3,7 @@
 use tch::{Kind, Tensor};
 
 use crate::config::schema::{Optimizer as Kind_, Train};
+use crate::dist;
 
 pub struct Optimizer {
     kind: Kind_,
@@ -10,7 +11,8 @@ pub struct Optimizer {
     momentum: f64,
     weight_decay: f64,
     params: Vec<Tensor>,
-    /// Per parameter: SGD's momentum buffer, or Adam's first and second moments.
+    /// Per kind of state, one tensor per parameter: SGD's momentum buffers, or Adam's first and
+    /// second moments.
     state: Vec<Vec<Tensor>>,
     steps: i64,
 }
@@ -21,14 +23,12 @@ const EPS: f64 = 1e-8;
 
 impl Optimizer {
     pub fn new(t: &Train, params: Vec<Tensor>) -> Optimizer {
-        let state = params
-            .iter()
-            .map(|p| match t.optimizer {
-                Kind_::Sgd if t.momentum == 0.0 => vec![],
-                Kind_::Sgd => vec![p.zeros_like()],
-                Kind_::Adam | Kind_::Adamw => vec![p.zeros_like(), p.zeros_like()],
-            })
-            .collect();
+        let kinds = match t.optimizer {
+            Kind_::Sgd if t.momentum == 0.0 => 0,
+            Kind_::Sgd => 1,
+            Kind_::Adam | Kind_::Adamw => 2,
+        };
+        let state = (0..kinds).map(|_| params.iter().map(Tensor::zeros_like).collect()).collect();
         Optimizer {
             kind: t.optimizer,
             lr: t.lr,
@@ -40,65 +40,58 @@ impl Optimizer {
         }
     }
 
-    pub fn zero_grad(&mut self) {
-        for p in &self.params {
-            let mut g = p.grad();
-            if g.defined() {
-                let _ = g.zero_();
+    /// Drops the gradients, as torch's `zero_grad()` does by default (set to none).
+    pub fn zero_grad(&mut self) -> dist::Result<()> {
+        dist::clear_grads(&self.params)
+    }
+
+    pub fn step(&mut self) -> dist::Result<()> {
+        self.steps += 1;
+        match self.kind {
+            Kind_::Adam | Kind_::Adamw => {
+                let config = dist::AdamConfig {
+                    lr: self.lr,
+                    beta1: BETA1,
+                    beta2: BETA2,
+                    eps: EPS,
+                    weight_decay: self.weight_decay,
+                    decoupled: self.kind == Kind_::Adamw,
+                };
+                dist::fused_adam(&self.params, &self.state[0], &self.state[1], self.steps, config)
+            }
+            Kind_::Sgd => {
+                tch::no_grad(|| self.sgd());
+                Ok(())
             }
         }
     }
 
-    pub fn step(&mut self) {
-        self.steps += 1;
-        let t = self.steps as f64;
-        tch::no_grad(|| {
-            for (p, state) in self.params.iter_mut().zip(&mut self.state) {
-                let grad = p.grad();
-                if !grad.defined() {
-                    continue;
-                }
-                match self.kind {
-                    Kind_::Sgd => {
-                        let mut d = if self.weight_decay != 0.0 { &grad + &*p * self.weight_decay } else { grad };
-                        if let Some(buf) = state.first_mut() {
-                            // torch: the first step's buffer is the gradient itself.
-                            if t == 1.0 {
-                                buf.copy_(&d);
-                            } else {
-                                let _ = buf.g_mul_scalar_(self.momentum).g_add_(&d);
-                            }
-                            d = buf.shallow_clone();
-                        }
-                        let _ = p.g_sub_(&(d * self.lr));
-                    }
-                    Kind_::Adam | Kind_::Adamw => {
-                        let grad = if self.kind == Kind_::Adam && self.weight_decay != 0.0 {
-                            &grad + &*p * self.weight_decay
-                        } else {
-                            grad
-                        };
-                        if self.kind == Kind_::Adamw {
-                            let _ = p.g_mul_scalar_(1.0 - self.lr * self.weight_decay);
-                        }
-                        let (m, v) = state.split_at_mut(1);
-                        let _ = m[0].lerp_(&grad, 1.0 - BETA1);
-                        let _ = v[0].g_mul_scalar_(BETA2).addcmul_(&grad, &grad.g_mul_scalar(1.0 - BETA2));
-                        let bc1 = 1.0 - BETA1.powf(t);
-                        let bc2 = 1.0 - BETA2.powf(t);
-                        let denom = v[0].sqrt() / bc2.sqrt() + EPS;
-                        let _ = p.addcdiv_(&(&m[0] * (-self.lr / bc1)), &denom);
-                    }
-                }
+    fn sgd(&mut self) {
+        let first = self.steps == 1;
+        for (i, p) in self.params.iter_mut().enumerate() {
+            let grad = p.grad();
+            if !grad.defined() {
+                continue;
             }
-        });
+            let mut d = if self.weight_decay != 0.0 { &grad + &*p * self.weight_decay } else { grad };
+            if let Some(buf) = self.state.first_mut().map(|bufs| &mut bufs[i]) {
+                // torch: the first step's buffer is the gradient itself.
+                if first {
+                    buf.copy_(&d);
+                } else {
+                    let _ = buf.g_mul_scalar_(self.momentum).g_add_(&d);
+                }
+                d = buf.shallow_clone();
+            }
+            let _ = p.g_sub_(&(d * self.lr));
+        }
     }
 
     /// The state as named tensors (for a checkpoint).
     pub fn state(&self) -> Vec<(String, Tensor)> {
         let mut out = vec![("optim.steps".to_string(), Tensor::from(self.steps))];
-        for (i, s) in self.state.iter().enumerate() {
-            for (k, t) in s.iter().enumerate() {
+        for (k, kind) in self.state.iter().enumerate() {
+            for (i, t) in kind.iter().enumerate() {
                 out.push((format!("optim.{i}.{k}"), t.shallow_clone()));
             }
         }
@@ -109,8 +102,8 @@ impl Optimizer {
     pub fn load_state(&mut self, get: impl Fn(&str) -> Option<Tensor>) -> Result<(), String> {
         let steps = get("optim.steps").ok_or("no optimizer state")?;
         self.steps = steps.int64_value(&[]);
-        for (i, s) in self.state.iter_mut().enumerate() {
-            for (k, t) in s.iter_mut().enumerate() {
+        for (k, kind) in self.state.iter_mut().enumerate() {
+            for (i, t) in kind.iter_mut().enumerate() {
                 let saved =
                     get(&format!("optim.{i}.{k}")).ok_or_else(|| format!("no optimizer state optim.{i}.{k}"))?;
                 if saved.size() != t.size() {
@@ -146,9 +139,9 @@ mod tests {
             for _ in 0..5 {
                 let loss = x.matmul(&w).pow_tensor_scalar(2).mean(Kind::Float);
                 if mine {
-                    ours.zero_grad();
+                    ours.zero_grad().unwrap();
                     loss.backward();
-                    ours.step();
+                    ours.step().unwrap();
                 } else {
                     theirs.zero_grad();
                     loss.backward();

@@ -59,8 +59,10 @@ impl Trainer<'_, '_> {
         let n = self.plan.layout.per_rank as i64;
         let steps = self.plan.steps_per_epoch();
         let step_every = c.trace.step_every;
-        let mut loss_sum = Tensor::zeros([], (Kind::Double, tch::Device::Cpu));
-        let mut correct = Tensor::zeros([], (Kind::Double, tch::Device::Cpu));
+        // Each row's loss and prediction, written by its step and reduced once at the epoch's end:
+        // two cheap copies per step instead of a chain of small reductions.
+        let losses = Tensor::zeros([n], (Kind::Float, tch::Device::Cpu));
+        let predictions = Tensor::zeros([n], (Kind::Int64, tch::Device::Cpu));
         let mut comm_s = 0.0;
         let mut step_rows = Vec::new();
         self.progress.start_epoch(epoch);
@@ -69,11 +71,7 @@ impl Trainer<'_, '_> {
             self.position.set("train", epoch, step + 1);
             let t0 = Instant::now();
             let len = b.min(n - step as i64 * b);
-            let (xb, yb, wb) = (
-                x.narrow(0, step as i64 * b, len),
-                y.narrow(0, step as i64 * b, len),
-                w.narrow(0, step as i64 * b, len),
-            );
+            let (xb, yb) = (x.narrow(0, step as i64 * b, len), y.narrow(0, step as i64 * b, len));
             let t1 = Instant::now();
             if let Some(ddp) = self.wrapped.ddp.as_mut() {
                 ddp.prepare_forward()?;
@@ -86,17 +84,17 @@ impl Trainer<'_, '_> {
             if let Some(ddp) = self.wrapped.ddp.as_mut() {
                 ddp.prepare_backward()?;
             }
-            self.wrapped.optimizer.zero_grad();
+            self.wrapped.optimizer.zero_grad()?;
             loss.f_backward().map_err(|e| {
                 self.pg.explain(crate::dist::Error::new("backward (gradient all-reduce)", e.to_string()))
             })?;
             let t4 = Instant::now();
-            self.wrapped.optimizer.step();
+            self.wrapped.optimizer.step()?;
             let t5 = Instant::now();
             self.iteration += 1;
             tch::no_grad(|| {
-                loss_sum += (per_sample.detach() * &wb).sum(Kind::Double);
-                correct += (logits.argmax(-1, false).eq_tensor(&yb).to_kind(Kind::Float) * &wb).sum(Kind::Double);
+                losses.narrow(0, step as i64 * b, len).copy_(&per_sample);
+                let _ = logits.argmax_out(&predictions.narrow(0, step as i64 * b, len), -1, false);
             });
             let times = match self.wrapped.ddp.as_mut() {
                 Some(ddp) => ddp.reducer_times(self.iteration)?,
@@ -122,6 +120,8 @@ impl Trainer<'_, '_> {
         }
         let epoch_s = start.elapsed().as_secs_f64();
         let samples = w.sum(Kind::Double).double_value(&[]);
+        let loss_sum = (losses * &w).sum(Kind::Double);
+        let correct = (predictions.eq_tensor(&y).to_kind(Kind::Float) * &w).sum(Kind::Double);
 
         let validate = c.validate.every > 0 && (epoch.is_multiple_of(c.validate.every) || epoch == c.train.epochs);
         let (val_loss, val_acc) = if validate && (rank == 0 || c.validate.on == ValidateOn::All) {

@@ -21,9 +21,18 @@ pub fn wrap<'pg>(plan: &Plan, pg: &'pg ProcessGroup) -> anyhow::Result<Wrapped<'
     tch::manual_seed(c.run.seed as i64);
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let model = Mlp::new(&vs.root(), plan.data.features, &c.wrap.model, plan.data.classes);
+    if let Some(path) = &plan.init_weights {
+        let shapes = crate::model::parameter_shapes(plan.data.features, &c.wrap.model.hidden, plan.data.classes);
+        let weights = crate::model::read_weights(path, &shapes).map_err(anyhow::Error::msg)?;
+        for (name, mut var) in vs.variables() {
+            tch::no_grad(|| var.copy_(&weights[&name]));
+        }
+    }
+    // One rank has no gradients to average: the Reducer would only copy them into its buckets
+    // and back.
     let ddp = match c.wrap.strategy {
-        WrapStrategy::Ddp => Some(Ddp::new(pg, &vs.trainable_variables(), c.wrap.bucket_cap_mb, 1)?),
-        WrapStrategy::None => None,
+        WrapStrategy::Ddp if pg.size() > 1 => Some(Ddp::new(pg, &vs.trainable_variables(), c.wrap.bucket_cap_mb, 1)?),
+        WrapStrategy::Ddp | WrapStrategy::None => None,
     };
     let optimizer = Optimizer::new(&c.train, vs.trainable_variables());
     Ok(Wrapped { vs, model, ddp, optimizer })

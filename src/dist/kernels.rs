@@ -1,0 +1,57 @@
+//! libtorch operations that tch does not expose, called through the bridge.
+use std::ffi::c_void;
+
+use tch::Tensor;
+
+use super::error::Result;
+use super::{check, ffi};
+
+fn ptrs(ts: &[Tensor]) -> Vec<*mut c_void> {
+    ts.iter().map(|t| t.as_ptr() as *mut c_void).collect()
+}
+
+/// Drops the tensors' gradients (torch's `zero_grad(set_to_none=True)`): the next backward pass
+/// writes fresh ones, where zeroed gradients would cost a pass to zero and one to add.
+pub fn clear_grads(params: &[Tensor]) -> Result<()> {
+    let p = ptrs(params);
+    // SAFETY: every pointer is a live tensor for the duration of the call.
+    check("clear_grads", unsafe { ffi::rn_clear_grads(p.as_ptr(), p.len()) })
+}
+
+/// Adam's hyper-parameters for [`fused_adam`].
+#[derive(Debug, Clone, Copy)]
+pub struct AdamConfig {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// AdamW: weight decay applied to the parameters, not added to the gradients.
+    pub decoupled: bool,
+}
+
+/// One Adam step (`step` counts it, from 1) over every parameter that has a gradient, in a single
+/// fused kernel (libtorch's `_fused_adam_`, what `torch.optim.Adam(fused=True)` runs): torch's
+/// Adam formula in one pass over memory instead of one pass per elementwise operation.
+/// `m` and `v` hold each parameter's first and second moments, in the parameter's shape.
+pub fn fused_adam(params: &[Tensor], m: &[Tensor], v: &[Tensor], step: i64, c: AdamConfig) -> Result<()> {
+    assert!(m.len() == params.len() && v.len() == params.len(), "two moments per parameter");
+    let (p, m, v) = (ptrs(params), ptrs(m), ptrs(v));
+    // SAFETY: every pointer is a live tensor for the duration of the call; lengths match.
+    let err = unsafe {
+        ffi::rn_fused_adam(
+            p.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            p.len(),
+            step as f64,
+            c.lr,
+            c.beta1,
+            c.beta2,
+            c.weight_decay,
+            c.eps,
+            c.decoupled as i32,
+        )
+    };
+    check("fused_adam", err)
+}
