@@ -50,8 +50,8 @@ pub struct BenchArgs {
     /// World sizes, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4", value_parser = clap::value_parser!(u64).range(1..=64))]
     pub world_sizes: Vec<u64>,
-    /// Only this workload (repeatable): overhead-bound, compute-bound.
-    #[arg(long = "workload", value_name = "NAME")]
+    /// Only this workload (repeatable) [default: both]
+    #[arg(long = "workload", value_name = "NAME", value_parser = ["overhead-bound", "compute-bound"])]
     pub workloads: Vec<String>,
     /// Where the results go (the part between the markers is replaced; notes around it are kept).
     #[arg(long, value_name = "FILE", default_value = "benches/RESULTS.md")]
