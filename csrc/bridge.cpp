@@ -235,7 +235,7 @@ char* rn_pg_barrier(rn_pg* pg) {
 }
 
 char* rn_ddp_new(rn_pg* pg, void** params_ptr, size_t n_params, int64_t bucket_cap_bytes,
-                 int64_t stats_every, rn_ddp** out) {
+                 int64_t stats_every, int resumed, rn_ddp** out) {
   return protect([&] {
     auto params = tensors(params_ptr, n_params);
     {
@@ -243,23 +243,31 @@ char* rn_ddp_new(rn_pg* pg, void** params_ptr, size_t n_params, int64_t bucket_c
       torch::NoGradGuard no_grad;
       c10d::broadcast_coalesced(pg->pg, params, 250 * 1024 * 1024, 0);
     }
-    // As torch.nn.parallel.DistributedDataParallel does: a small first bucket so communication
-    // starts early in the backward pass, buckets assigned in reverse (the order gradients arrive).
+    // The bucket layouts of torch.nn.parallel.DistributedDataParallel (find_unused_parameters =
+    // False), so that gradients are summed in the same order as torch's: the first iteration has
+    // every parameter in one bucket, in parameter order; before the second, rebuild_buckets()
+    // lays them out in the order their gradients became ready, a 1 MiB first bucket (so
+    // communication starts early in the backward pass) then bucket_cap_bytes each.
     const int64_t first_bucket_cap = 1024 * 1024;
     std::vector<bool> sparse(n_params, false);
-    std::vector<int64_t> reversed(n_params);
-    std::iota(reversed.rbegin(), reversed.rend(), 0);
-    auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(
-        params, {static_cast<size_t>(first_bucket_cap), static_cast<size_t>(bucket_cap_bytes)},
-        sparse, reversed);
-    std::reverse(buckets.begin(), buckets.end());
-    std::reverse(limits.begin(), limits.end());
-    std::vector<int64_t> limits64(limits.begin(), limits.end());
+    std::vector<std::vector<size_t>> buckets(1, std::vector<size_t>(n_params));
+    std::iota(buckets[0].begin(), buckets[0].end(), 0);
+    if (resumed) {
+      // A run resumed past its first iteration starts from the rebuilt layout. Gradients of the
+      // runner's models become ready in reverse parameter order (given in torch's module order:
+      // per layer weight then bias), so that is the rebuilt one.
+      std::vector<at::Tensor> ready(params.rbegin(), params.rend());
+      std::vector<int64_t> ready_indices(n_params);
+      std::iota(ready_indices.rbegin(), ready_indices.rend(), 0);
+      buckets = std::get<0>(c10d::compute_bucket_assignment_by_size(
+          ready, {static_cast<size_t>(first_bucket_cap), static_cast<size_t>(bucket_cap_bytes)}, sparse,
+          ready_indices));
+    }
     auto reducer = std::make_shared<c10d::Reducer>(
         params, buckets, pg->pg, sparse, bucket_cap_bytes, /*find_unused_parameters=*/false,
         /*gradient_as_bucket_view=*/false, std::unordered_map<size_t, std::string>{},
         first_bucket_cap, /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false,
-        limits64);
+        /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
     auto logger = std::make_shared<c10d::Logger>(reducer);
     reducer->set_logger(logger);
     logger->set_construction_data_and_log("runner", {}, -1, false, false, false);
@@ -274,11 +282,9 @@ void rn_ddp_free(rn_ddp* d) {
 
 char* rn_ddp_prepare_forward(rn_ddp* d) {
   return protect([&] {
-    // Buckets are never rebuilt from the gradient-ready order (torch's default): a fixed layout
-    // keeps each gradient's place in the all-reduce, hence its summation order, the same in a
-    // run resumed from a checkpoint as in one never interrupted. Reverse parameter order is
-    // already the order an MLP's gradients become ready in.
     d->reducer->prepare_for_forward();
+    // As torch's forward: once, after the first iteration (a no-op afterwards).
+    d->reducer->rebuild_buckets();
   });
 }
 
@@ -303,7 +309,7 @@ char* rn_ddp_record_stats(rn_ddp* d, rn_ddp_stats* out) {
 }
 
 char* rn_ddp_bucket_count(rn_ddp* d, size_t* out) {
-  return protect([&] { *out = d->logger->get_bucket_sizes().size(); });
+  return protect([&] { *out = d->reducer->get_grad_buckets(/*return_zero_tensors=*/true).size(); });
 }
 
 char* rn_clear_grads(void** params, size_t n) {

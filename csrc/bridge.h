@@ -53,8 +53,9 @@ char* rn_pg_recv(rn_pg* pg, void* tensor, int src, int tag);
 char* rn_pg_barrier(rn_pg* pg);
 
 // Broadcasts params from rank 0, then builds a Reducer with buckets of bucket_cap_bytes.
+// `resumed`: the run continues past its first iteration, so the buckets start out rebuilt.
 char* rn_ddp_new(rn_pg* pg, void** params, size_t n_params, int64_t bucket_cap_bytes,
-                 int64_t stats_every, rn_ddp** out);
+                 int64_t stats_every, int resumed, rn_ddp** out);
 void rn_ddp_free(rn_ddp* d);
 char* rn_ddp_prepare_forward(rn_ddp* d);
 char* rn_ddp_prepare_backward(rn_ddp* d, void** outputs, size_t n_outputs);

@@ -29,25 +29,35 @@ pub struct ReducerTimes {
 pub struct Ddp<'pg> {
     raw: NonNull<ffi::RnDdp>,
     pg: &'pg ProcessGroup,
-    buckets: usize,
     sync: bool,
 }
 
 impl<'pg> Ddp<'pg> {
     /// `params` in the same order on every rank. `stats_every`: the Reducer samples its timers
     /// every that many iterations (and on the first ten).
-    pub fn new(pg: &'pg ProcessGroup, params: &[Tensor], bucket_cap_mb: f64, stats_every: usize) -> Result<Ddp<'pg>> {
+    ///
+    /// Buckets are laid out as torch's DistributedDataParallel lays them out, so gradients are
+    /// summed in the same order: all in one bucket for the first iteration, then rebuilt in the
+    /// order gradients became ready (reverse parameter order, for the runner's models). With
+    /// `resumed` (training continues past its first iteration) they start out rebuilt, so a
+    /// resumed run sums exactly as an uninterrupted one.
+    pub fn new(
+        pg: &'pg ProcessGroup,
+        params: &[Tensor],
+        bucket_cap_mb: f64,
+        stats_every: usize,
+        resumed: bool,
+    ) -> Result<Ddp<'pg>> {
         let ptrs: Vec<*mut c_void> = params.iter().map(|p| p.as_ptr() as *mut c_void).collect();
         let cap = (bucket_cap_mb * 1024.0 * 1024.0) as i64;
         let mut raw = std::ptr::null_mut();
         // SAFETY: `ptrs` are live tensors for the call; the Reducer keeps its own references.
-        let err = unsafe { ffi::rn_ddp_new(pg.raw(), ptrs.as_ptr(), ptrs.len(), cap, stats_every as i64, &mut raw) };
+        let err = unsafe {
+            ffi::rn_ddp_new(pg.raw(), ptrs.as_ptr(), ptrs.len(), cap, stats_every as i64, resumed as i32, &mut raw)
+        };
         check("ddp.new", err).map_err(|e| pg.explain(e))?;
         let raw = NonNull::new(raw).expect("rn_ddp_new succeeded");
-        let mut buckets = 0usize;
-        // SAFETY: `raw` is live; valid out-pointer.
-        check("ddp.buckets", unsafe { ffi::rn_ddp_bucket_count(raw.as_ptr(), &mut buckets) })?;
-        Ok(Ddp { raw, pg, buckets, sync: true })
+        Ok(Ddp { raw, pg, sync: true })
     }
 
     /// Whether the next backward pass averages gradients (torch's `no_sync` is `false`).
@@ -55,9 +65,12 @@ impl<'pg> Ddp<'pg> {
         self.sync = sync;
     }
 
-    /// Number of gradient buckets.
-    pub fn buckets(&self) -> usize {
-        self.buckets
+    /// Number of gradient buckets now (one until the buckets are rebuilt).
+    pub fn buckets(&self) -> Result<usize> {
+        let mut n = 0usize;
+        // SAFETY: the reducer is live; valid out-pointer.
+        check("ddp.buckets", unsafe { ffi::rn_ddp_bucket_count(self.raw.as_ptr(), &mut n) })?;
+        Ok(n)
     }
 
     /// Call before the forward pass.

@@ -84,6 +84,7 @@ extern "C" {
         n_params: usize,
         bucket_cap_bytes: i64,
         stats_every: i64,
+        resumed: c_int,
         out: *mut *mut RnDdp,
     ) -> *mut c_char;
     pub fn rn_ddp_free(d: *mut RnDdp);

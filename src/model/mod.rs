@@ -55,6 +55,19 @@ pub fn parameter_count(features: usize, hidden: &[usize], classes: usize) -> usi
     widths.windows(2).map(|w| w[0] * w[1] + w[1]).sum()
 }
 
+/// The parameters in the order torch's `Module.parameters()` gives for the same MLP: layer by
+/// layer, weight then bias (tch creates the bias first). DDP's bucket layouts follow this order,
+/// so gradients are summed in the same order as torch's.
+pub fn parameters_in_module_order(vs: &nn::VarStore) -> Vec<Tensor> {
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    let key = |name: &str| {
+        let (layer, kind) = name.split_once('.').unwrap_or((name, ""));
+        (layer.trim_start_matches("layer").parse::<usize>().unwrap_or(usize::MAX), kind != "weight", name.to_owned())
+    };
+    named.sort_by_key(|(name, _)| key(name));
+    named.into_iter().map(|(_, t)| t).collect()
+}
+
 /// Each parameter's name (as the VarStore names it) and shape, computed from the widths alone.
 pub fn parameter_shapes(features: usize, hidden: &[usize], classes: usize) -> Vec<(String, Vec<i64>)> {
     let widths: Vec<i64> =
@@ -131,6 +144,8 @@ mod tests {
         names.sort();
         assert_eq!(names, parameter_shapes(10, &m.hidden, 4));
         assert_eq!(describe(10, &m.hidden, 4), "10-64-32-4");
+        let sizes: Vec<Vec<i64>> = parameters_in_module_order(&vs).iter().map(|t| t.size()).collect();
+        assert_eq!(sizes, [vec![64, 10], vec![64], vec![32, 64], vec![32], vec![4, 32], vec![4]]);
     }
 
     #[test]

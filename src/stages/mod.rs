@@ -41,7 +41,7 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
         pg,
     )?;
     position.set("wrap", 0, 0);
-    let mut wrapped = wrap::wrap(plan, pg)?;
+    let mut wrapped = wrap::wrap(plan, pg, resume)?;
     let (mut rows, mut steps, first_epoch) = if resume {
         let found = checkpoint::latest(run_dir, plan, &checkpoint::shapes(plan))
             .map_err(anyhow::Error::msg)?

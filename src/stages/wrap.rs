@@ -15,7 +15,8 @@ pub struct Wrapped<'pg> {
     pub optimizer: Optimizer,
 }
 
-pub fn wrap<'pg>(plan: &Plan, pg: &'pg ProcessGroup) -> anyhow::Result<Wrapped<'pg>> {
+/// `resumed`: training continues from a checkpoint (DDP's buckets then start out rebuilt).
+pub fn wrap<'pg>(plan: &Plan, pg: &'pg ProcessGroup, resumed: bool) -> anyhow::Result<Wrapped<'pg>> {
     let c = &plan.config;
     // The same initial weights at every world size; DDP's broadcast makes sure of it anyway.
     tch::manual_seed(c.run.seed as i64);
@@ -31,7 +32,10 @@ pub fn wrap<'pg>(plan: &Plan, pg: &'pg ProcessGroup) -> anyhow::Result<Wrapped<'
     // One rank has no gradients to average: the Reducer would only copy them into its buckets
     // and back.
     let ddp = match c.wrap.strategy {
-        WrapStrategy::Ddp if pg.size() > 1 => Some(Ddp::new(pg, &vs.trainable_variables(), c.wrap.bucket_cap_mb, 1)?),
+        WrapStrategy::Ddp if pg.size() > 1 => {
+            let params = crate::model::parameters_in_module_order(&vs);
+            Some(Ddp::new(pg, &params, c.wrap.bucket_cap_mb, 1, resumed)?)
+        }
         WrapStrategy::Ddp | WrapStrategy::None => None,
     };
     let optimizer = Optimizer::new(&c.train, vs.trainable_variables());
