@@ -16,7 +16,10 @@ impl Plan {
             Some(info) => info.path.display().to_string(),
         };
         let order = if c.shard.shuffle { "reshuffled every epoch" } else { "file order" };
+        let pipeline = self.is_pipeline();
+        let each = if pipeline { "on every rank" } else { "per rank" };
         let mut shard_op = match l.split_batch {
+            None if pipeline => format!("none (one model, no replicas): every rank walks the same rows, {order}"),
             None => format!("DistributedSampler over {w} rank{}, {order}", if w == 1 { "" } else { "s" }),
             Some(b) => format!("each global batch of {} split {w} × {b}, {order}", b * w),
         };
@@ -37,6 +40,7 @@ impl Plan {
             NormalizeMethod::None => "none",
         };
         let scope = match c.normalize.scope {
+            _ if pipeline => "statistics of the training set (every rank's rows)",
             NormalizeScope::Rank => "statistics of each rank's shard",
             NormalizeScope::Global => "statistics all-reduced over ranks",
         };
@@ -46,6 +50,17 @@ impl Plan {
                 format!("DDP (c10d Reducer, {} MiB buckets), weights broadcast from rank 0", c.wrap.bucket_cap_mb)
             }
             WrapStrategy::None => "no synchronisation: independent replicas".into(),
+            WrapStrategy::Pipeline => format!(
+                "pipeline over {w} rank{}, layers {}; GPipe, {} micro-batch{} per batch",
+                if w == 1 { "" } else { "s" },
+                if c.wrap.pipeline.stages.is_some() { "as wrap.pipeline.stages" } else { "balanced by parameters" },
+                c.wrap.pipeline.micro_batches,
+                if c.wrap.pipeline.micro_batches == 1 { "" } else { "es" },
+            ),
+        };
+        let wrap_out = match c.wrap.strategy {
+            WrapStrategy::Pipeline => format!("{w} stage{}", if w == 1 { "" } else { "s" }),
+            _ => format!("{w} replica{}", if w == 1 { "" } else { "s" }),
         };
         let opt = format!("{:?}", c.train.optimizer).to_lowercase();
         let val = if c.validate.every == 0 {
@@ -54,49 +69,139 @@ impl Plan {
             let on = if c.validate.on == ValidateOn::All { "every rank" } else { "rank 0" };
             format!("every {} epoch(s) on {on}", c.validate.every)
         };
-        let rows = vec![
+        let mut rows = vec![
             vec![
                 "1 load".into(),
                 source,
                 format!("{} training + {} validation rows, {} classes", d.rows, d.validation_rows, d.classes),
                 format!("{} × {f}", d.rows),
             ],
-            vec!["2 shard".into(), format!("{} × {f}", d.rows), shard_op, format!("{} × {f} per rank", l.per_rank)],
+            vec!["2 shard".into(), format!("{} × {f}", d.rows), shard_op, format!("{} × {f} {each}", l.per_rank)],
             vec![
                 "3 normalize".into(),
-                format!("{} × {f} per rank", l.per_rank),
+                format!("{} × {f} {each}", l.per_rank),
                 format!("{norm}, {scope}"),
-                format!("{} × {f} per rank", l.per_rank),
+                format!("{} × {f} {each}", l.per_rank),
             ],
-            vec![
-                "4 wrap".into(),
-                format!("MLP {model} ({} parameters)", self.parameters),
-                wrap_op,
-                format!("{w} replica{}", if w == 1 { "" } else { "s" }),
-            ],
-            vec![
+            vec!["4 wrap".into(), format!("MLP {model} ({} parameters)", self.parameters), wrap_op, wrap_out],
+        ];
+        let train_op = format!(
+            "{} epochs × {} steps of {} per rank ({} global), {opt} lr {}",
+            c.train.epochs,
+            self.steps_per_epoch(),
+            self.batch_per_rank,
+            self.batch_per_rank * w,
+            c.train.lr
+        );
+        if pipeline {
+            rows.extend(self.stage_rows());
+            let last = w - 1;
+            rows.push(vec![
                 "5 train".into(),
-                format!("{} × {f} per rank", l.per_rank),
+                format!("{} × {f}", l.per_rank),
                 format!(
-                    "{} epochs × {} steps of {} per rank ({} global), {opt} lr {}",
+                    "{} epochs × {} steps of {} ({}), {opt} lr {}; loss on rank {last}",
                     c.train.epochs,
                     self.steps_per_epoch(),
                     self.batch_per_rank,
-                    self.batch_per_rank * w,
+                    micro_text(self.batch_per_rank, c.wrap.pipeline.micro_batches),
                     c.train.lr
                 ),
                 "loss, accuracy per epoch".into(),
-            ],
-            vec!["  validate".into(), format!("{} × {f}", d.validation_rows), val, "val loss, val accuracy".into()],
-        ];
+            ]);
+            let val = if c.validate.every == 0 {
+                "off".to_string()
+            } else {
+                format!("every {} epoch(s), forward through every rank, measured on rank {last}", c.validate.every)
+            };
+            rows.push(vec![
+                "  validate".into(),
+                format!("{} × {f}", d.validation_rows),
+                val,
+                "val loss, val accuracy".into(),
+            ]);
+        } else {
+            rows.push(vec![
+                "5 train".into(),
+                format!("{} × {f} per rank", l.per_rank),
+                train_op,
+                "loss, accuracy per epoch".into(),
+            ]);
+            rows.push(vec![
+                "  validate".into(),
+                format!("{} × {f}", d.validation_rows),
+                val,
+                "val loss, val accuracy".into(),
+            ]);
+        }
         format!(
-            "run {} ({}): {w} rank{} × {} thread{}\n\n{}",
+            "run {} ({}): {w} rank{} × {} thread{}\n\n{}{}",
             c.run.name,
             self.run_id,
             if w == 1 { "" } else { "s" },
             self.threads_per_rank,
             if self.threads_per_rank == 1 { "" } else { "s" },
-            table(&["stage", "input", "operation", "output"], &rows)
+            table(&["stage", "input", "operation", "output"], &rows),
+            self.bubble_note()
         )
+    }
+
+    /// One row per pipeline rank: what flows in, the layers it holds, what flows out.
+    fn stage_rows(&self) -> Vec<Vec<String>> {
+        let c = &self.config;
+        let widths = crate::model::widths(self.data.features, &c.wrap.model.hidden, self.data.classes);
+        let mb = micro_size(self.batch_per_rank, c.wrap.pipeline.micro_batches);
+        let w = self.world_size();
+        let limit = c.run.memory_per_rank_mb.map(|l| format!(" of {l} allowed")).unwrap_or_default();
+        (0..w)
+            .map(|r| {
+                let s = &self.stages[r];
+                let from = if r == 0 { "batch".to_string() } else { format!("from rank {}", r - 1) };
+                let to = if r + 1 == w { "logits → loss".to_string() } else { format!("to rank {}", r + 1) };
+                let layer_widths: Vec<String> = widths[s.start..=s.end].iter().map(|x| x.to_string()).collect();
+                let p = self.rank_parameters(r);
+                vec![
+                    format!("  rank {r}"),
+                    format!("{mb} × {} {from}", widths[s.start]),
+                    format!(
+                        "{} ({}): {p} parameters, {:.3} MiB{limit}",
+                        super::plan::layers_text(s),
+                        layer_widths.join("-"),
+                        (p * 4) as f64 / (1024.0 * 1024.0)
+                    ),
+                    format!("{mb} × {} {to}", widths[s.end]),
+                ]
+            })
+            .collect()
+    }
+
+    /// Under a pipeline's table: the idle share its schedule implies.
+    fn bubble_note(&self) -> String {
+        if !self.is_pipeline() {
+            return String::new();
+        }
+        let (s, m) = (self.world_size() as f64, self.config.wrap.pipeline.micro_batches as f64);
+        format!(
+            "\n  GPipe bubble: (stages - 1) / (micro-batches + stages - 1) = {:.0}% of each step idle per rank, \
+             before communication; the trace measures it (column bubble)\n",
+            100.0 * (s - 1.0) / (m + s - 1.0)
+        )
+    }
+}
+
+/// The rows of a micro-batch: "16", or "16-17" when the batch does not divide evenly.
+fn micro_size(batch: usize, micro: usize) -> String {
+    let (lo, hi) = (batch / micro, batch.div_ceil(micro));
+    if lo == hi {
+        lo.to_string()
+    } else {
+        format!("{lo}-{hi}")
+    }
+}
+
+fn micro_text(batch: usize, micro: usize) -> String {
+    match micro {
+        1 => "1 micro-batch".into(),
+        m => format!("{m} micro-batches of {}", micro_size(batch, m)),
     }
 }

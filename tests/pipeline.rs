@@ -1,0 +1,118 @@
+//! `wrap.strategy = "pipeline"` end to end: the layers split over real rank processes, activations
+//! and gradients through real gloo send/recv, checked against one process training the whole model.
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::{assert_ok, run, text, write, TINY};
+use polars::prelude::*;
+use tch::Tensor;
+
+fn trace(dir: &Path) -> DataFrame {
+    ParquetReader::new(std::fs::File::open(dir.join("trace.parquet")).expect("trace.parquet")).finish().unwrap()
+}
+
+fn params(dir: &Path) -> BTreeMap<String, Tensor> {
+    Tensor::read_safetensors(dir.join("model.safetensors")).expect("model.safetensors").into_iter().collect()
+}
+
+/// Four layers (5-16-16-16-3); batches of 18 cut into micro-batches of 5, 5, 4, 4, and the
+/// epoch's last batch of 6 rows into 2, 2, 1, 1.
+const MODEL: &[&str] =
+    &["--set", "wrap.model.hidden=[16, 16, 16]", "--set", "train.epochs=1", "--set", "train.batch_size=18"];
+
+#[test]
+fn a_pipeline_over_2_and_4_ranks_equals_one_process_training_the_whole_model() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let go = |out: &str, extra: &[&str]| {
+        let o = run(&[&["run", "p.toml", "--out", out][..], MODEL, extra].concat(), dir.path());
+        assert_ok(&o);
+        o
+    };
+    go("one", &["--set", "run.world_size=1", "--set", "wrap.strategy=\"none\""]);
+    let pipe = ["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.pipeline.micro_batches=4"];
+    let o = go("two", &[&pipe[..], &["--set", "run.world_size=2"]].concat());
+    let (stdout, _) = text(&o);
+    assert!(stdout.contains("layers 0-1 (5-16-16): 368 parameters"), "{stdout}");
+    assert!(stdout.contains("layers 2-3 (16-16-3): 323 parameters"), "{stdout}");
+    go("four", &[&pipe[..], &["--set", "run.world_size=4"]].concat());
+    go(
+        "stages",
+        &[&pipe[..], &["--set", "run.world_size=2", "--set", "wrap.pipeline.stages=[[0], [1, 2, 3]]"]].concat(),
+    );
+
+    let reference = params(&dir.path().join("one"));
+    assert_eq!(reference.len(), 8, "4 layers × weight and bias");
+    for out in ["two", "four", "stages"] {
+        let got = params(&dir.path().join(out));
+        assert_eq!(got.keys().collect::<Vec<_>>(), reference.keys().collect::<Vec<_>>(), "{out}");
+        for (name, want) in &reference {
+            // Relative to the tensor's scale: elements near 0 differ by a few float32 ulps too.
+            let diff = (&got[name] - want).abs().max().double_value(&[]);
+            let rel = diff / want.abs().max().double_value(&[]);
+            assert!(rel < 1e-5, "{out}: {name} differs by {diff:e} ({rel:e} of its largest element)");
+        }
+        let (a, b) = (trace(&dir.path().join(out)), trace(&dir.path().join("one")));
+        let loss = |df: &DataFrame| df.column("global_train_loss").unwrap().f64().unwrap().get(0).unwrap();
+        assert!(((loss(&a) - loss(&b)) / loss(&b)).abs() < 1e-5, "{out}: loss {} vs {}", loss(&a), loss(&b));
+    }
+}
+
+#[test]
+fn the_trace_has_every_rank_s_compute_time_and_bubble_and_the_pipeline_s_metrics_on_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let args =
+        ["--set", "wrap.strategy=\"pipeline\"", "--set", "run.world_size=4", "--set", "wrap.pipeline.micro_batches=2"];
+    assert_ok(&run(&[&["run", "p.toml", "--out", "o"][..], MODEL, &args].concat(), dir.path()));
+    let df = trace(&dir.path().join("o"));
+    assert_eq!(df.height(), 4, "one row per rank");
+    let f64s = |c: &str| df.column(c).unwrap().f64().unwrap().iter().collect::<Vec<_>>();
+    for b in f64s("bubble") {
+        assert!(b.is_some_and(|b| (0.0..1.0).contains(&b)), "bubble {b:?}");
+    }
+    assert!(f64s("compute_s").iter().all(|c| c.is_some_and(|c| c > 0.0)));
+    // One model: its loss and validation (measured on the last rank) on every row.
+    for col in ["train_loss", "global_train_loss", "val_loss", "val_acc"] {
+        let v = f64s(col);
+        assert!(v[0].is_some() && v.iter().all(|x| *x == v[0]), "{col}: {v:?}");
+    }
+    let samples: Vec<u64> = df.column("samples").unwrap().u64().unwrap().into_no_null_iter().collect();
+    assert_eq!(samples, [600; 4], "every rank trains on every row");
+}
+
+#[test]
+fn a_model_4x_larger_than_a_rank_may_hold_runs_split_over_4_ranks() {
+    // Four layers of 65792 parameters (0.251 MiB each as float32), 1.004 MiB in all, against a
+    // limit of 0.251 MiB per rank; tests/config_errors.rs has the refusals on one rank.
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let big = [
+        "--set",
+        "load.features=256",
+        "--set",
+        "load.classes=256",
+        "--set",
+        "wrap.model.hidden=[256, 256, 256]",
+        "--set",
+        "run.memory_per_rank_mb=0.251",
+        "--set",
+        "train.epochs=1",
+    ];
+    let o = run(
+        &[
+            &["run", "p.toml", "--out", "o", "--set", "wrap.strategy=\"pipeline\"", "--set", "run.world_size=4"][..],
+            &big,
+        ]
+        .concat(),
+        dir.path(),
+    );
+    assert_ok(&o);
+    let (stdout, _) = text(&o);
+    assert!(stdout.contains("layer 3 (256-256): 65792 parameters, 0.251 MiB of 0.251 allowed"), "{stdout}");
+    let o = run(&[&["validate", "p.toml", "--set", "run.world_size=4"][..], &big].concat(), dir.path());
+    assert_eq!(o.status.code(), Some(2), "DDP holds the whole model on every rank");
+    assert!(text(&o).1.contains("rank 0 would hold the whole model, layers 0-3"), "{}", text(&o).1);
+}
