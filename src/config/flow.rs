@@ -63,11 +63,11 @@ impl Plan {
             _ => format!("{w} replica{}", if w == 1 { "" } else { "s" }),
         };
         let opt = format!("{:?}", c.train.optimizer).to_lowercase();
-        let val = if c.validate.every == 0 {
-            "off".to_string()
-        } else {
-            let on = if c.validate.on == ValidateOn::All { "every rank" } else { "rank 0" };
-            format!("every {} epoch(s) on {on}", c.validate.every)
+        let val = match (c.validate.every, c.validate.on) {
+            (0, _) => "off".to_string(),
+            (e, _) if pipeline => format!("every {e} epoch(s), forward through every rank, measured on rank {}", w - 1),
+            (e, ValidateOn::All) => format!("every {e} epoch(s) on every rank"),
+            (e, ValidateOn::Rank0) => format!("every {e} epoch(s) on rank 0"),
         };
         let mut rows = vec![
             vec![
@@ -85,55 +85,36 @@ impl Plan {
             ],
             vec!["4 wrap".into(), format!("MLP {model} ({} parameters)", self.parameters), wrap_op, wrap_out],
         ];
-        let train_op = format!(
-            "{} epochs × {} steps of {} per rank ({} global), {opt} lr {}",
-            c.train.epochs,
-            self.steps_per_epoch(),
-            self.batch_per_rank,
-            self.batch_per_rank * w,
-            c.train.lr
-        );
-        if pipeline {
+        let (train_in, train_op) = if pipeline {
             rows.extend(self.stage_rows());
-            let last = w - 1;
-            rows.push(vec![
-                "5 train".into(),
-                format!("{} × {f}", l.per_rank),
-                format!(
-                    "{} epochs × {} steps of {} ({}), {opt} lr {}; loss on rank {last}",
-                    c.train.epochs,
-                    self.steps_per_epoch(),
-                    self.batch_per_rank,
-                    micro_text(self.batch_per_rank, c.wrap.pipeline.micro_batches),
-                    c.train.lr
-                ),
-                "loss, accuracy per epoch".into(),
-            ]);
-            let val = if c.validate.every == 0 {
-                "off".to_string()
-            } else {
-                format!("every {} epoch(s), forward through every rank, measured on rank {last}", c.validate.every)
-            };
-            rows.push(vec![
-                "  validate".into(),
-                format!("{} × {f}", d.validation_rows),
-                val,
-                "val loss, val accuracy".into(),
-            ]);
+            let micro = micro_text(self.batch_per_rank, c.wrap.pipeline.micro_batches);
+            let op = format!(
+                "{} epochs × {} steps of {} ({micro}), {opt} lr {}; loss on rank {}",
+                c.train.epochs,
+                self.steps_per_epoch(),
+                self.batch_per_rank,
+                c.train.lr,
+                w - 1
+            );
+            (format!("{} × {f}", l.per_rank), op)
         } else {
-            rows.push(vec![
-                "5 train".into(),
-                format!("{} × {f} per rank", l.per_rank),
-                train_op,
-                "loss, accuracy per epoch".into(),
-            ]);
-            rows.push(vec![
-                "  validate".into(),
-                format!("{} × {f}", d.validation_rows),
-                val,
-                "val loss, val accuracy".into(),
-            ]);
-        }
+            let op = format!(
+                "{} epochs × {} steps of {} per rank ({} global), {opt} lr {}",
+                c.train.epochs,
+                self.steps_per_epoch(),
+                self.batch_per_rank,
+                self.batch_per_rank * w,
+                c.train.lr
+            );
+            (format!("{} × {f} per rank", l.per_rank), op)
+        };
+        rows.push(vec!["5 train".into(), train_in, train_op, "loss, accuracy per epoch".into()]);
+        rows.push(vec![
+            "  validate".into(),
+            format!("{} × {f}", d.validation_rows),
+            val,
+            "val loss, val accuracy".into(),
+        ]);
         format!(
             "run {} ({}): {w} rank{} × {} thread{}\n\n{}{}",
             c.run.name,
