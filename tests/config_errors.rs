@@ -254,6 +254,15 @@ const CASES: &[Case] = &[
                    hold layer 0 (65792 parameters, 0.251 MiB as float32), more than the 0.2 MiB a rank may hold; even layer 0 \
                    alone holds 0.251 MiB: use a smaller model",
     },
+    Case {
+        name: "explicit stages that overload a rank",
+        file: "",
+        args: &["--set", "run.world_size=2", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "wrap.pipeline.stages=[[0], [1, 2, 3]]", "--set", "run.memory_per_rank_mb=0.6"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.6): rank 1 would \
+                   hold layers 1-3 (197376 parameters, 0.753 MiB as float32), more than the 0.6 MiB a rank may hold; give \
+                   rank 1 fewer layers in wrap.pipeline.stages, or leave them out: the split balanced by parameters fits",
+    },
 ];
 
 fn check(case: &Case, command: &str) {

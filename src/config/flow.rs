@@ -148,7 +148,7 @@ impl Plan {
                         "{} ({}): {p} parameters, {:.3} MiB{limit}",
                         super::plan::layers_text(s),
                         layer_widths.join("-"),
-                        (p * 4) as f64 / (1024.0 * 1024.0)
+                        super::plan::parameter_mib(p)
                     ),
                     format!("{mb} × {} {to}", widths[s.end]),
                 ]

@@ -422,7 +422,10 @@ fn pipeline_stages(
     }
 }
 
-const MIB: f64 = 1024.0 * 1024.0;
+/// MiB of `parameters` float32 values.
+pub fn parameter_mib(parameters: usize) -> f64 {
+    (parameters * 4) as f64 / (1024.0 * 1024.0)
+}
 
 /// "layer 3", "layers 3-5".
 pub fn layers_text(r: &Range<usize>) -> String {
@@ -437,7 +440,7 @@ pub fn layers_text(r: &Range<usize>) -> String {
 fn memory_check(limit: f64, stages: &[Range<usize>], layer_parameters: &[usize], pipeline: bool) -> Option<String> {
     let params = |r: &Range<usize>| layer_parameters[r.clone()].iter().sum::<usize>();
     let (rank, heaviest) = stages.iter().enumerate().rev().max_by_key(|(_, r)| params(r))?;
-    let mib = |p: usize| (p * 4) as f64 / MIB;
+    let mib = parameter_mib;
     if mib(params(heaviest)) <= limit {
         return None;
     }
@@ -451,6 +454,11 @@ fn memory_check(limit: f64, stages: &[Range<usize>], layer_parameters: &[usize],
             .is_some_and(|split| split.iter().all(|r| mib(params(r)) <= limit))
     });
     let advice = match fits {
+        // Only explicit stages can be over the limit where a balanced split of as many fits.
+        Some(n) if pipeline && n <= stages.len() => format!(
+            "give rank {rank} fewer layers in wrap.pipeline.stages, or leave them out: the split balanced by \
+             parameters fits"
+        ),
         Some(n) if pipeline => {
             format!("split the model over at least {n} ranks (run.world_size = {n}), or use a smaller model")
         }
