@@ -227,6 +227,30 @@ char* rn_pg_recv(rn_pg* pg, void* t, int src, int tag) {
   });
 }
 
+char* rn_pg_send_recv(rn_pg* pg, void* send_t, int dst, int send_tag, void* recv_t, int src, int recv_tag) {
+  return protect([&] {
+    std::vector<at::Tensor> out{tensor(send_t)};
+    std::vector<at::Tensor> in{tensor(recv_t)};
+    // Both are posted before either is waited on: gloo's sends wait for the matching receive, so
+    // two peers sending to each other first would otherwise wait forever.
+    auto recv = pg->backend->recv(in, src, recv_tag);
+    auto send = pg->backend->send(out, dst, send_tag);
+    std::exception_ptr failed;
+    try {
+      send->wait();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    // Waited for even after a failed send: the receive must not outlive its work.
+    try {
+      recv->wait();
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+    }
+    if (failed) std::rethrow_exception(failed);
+  });
+}
+
 char* rn_pg_barrier(rn_pg* pg) {
   return protect([&] { pg->backend->barrier()->wait(); });
 }

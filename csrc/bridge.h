@@ -50,6 +50,9 @@ char* rn_pg_broadcast(rn_pg* pg, void* tensor, int root);
 char* rn_pg_all_gather(rn_pg* pg, void** outputs, size_t n_outputs, void* input);
 char* rn_pg_send(rn_pg* pg, void* tensor, int dst, int tag);
 char* rn_pg_recv(rn_pg* pg, void* tensor, int src, int tag);
+// Sends send_tensor to dst and receives recv_tensor from src, both in flight at once.
+char* rn_pg_send_recv(rn_pg* pg, void* send_tensor, int dst, int send_tag, void* recv_tensor, int src,
+                      int recv_tag);
 char* rn_pg_barrier(rn_pg* pg);
 
 // Broadcasts params from rank 0, then builds a Reducer with buckets of bucket_cap_bytes.

@@ -18,12 +18,13 @@ fn params(dir: &Path) -> BTreeMap<String, Tensor> {
 }
 
 /// Four layers (5-16-16-16-3); batches of 18 cut into micro-batches of 5, 5, 4, 4, and the
-/// epoch's last batch of 6 rows into 2, 2, 1, 1.
+/// epoch's last batch of 6 rows into 2, 2, 1, 1. Under 1F1B over 3 ranks, rank 0 (2 warm-up
+/// forwards) and rank 1 (1) run every phase of the schedule.
 const MODEL: &[&str] =
     &["--set", "wrap.model.hidden=[16, 16, 16]", "--set", "train.epochs=1", "--set", "train.batch_size=18"];
 
 #[test]
-fn a_pipeline_over_2_and_4_ranks_equals_one_process_training_the_whole_model() {
+fn a_pipeline_over_2_3_and_4_ranks_equals_one_process_training_the_whole_model() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", TINY);
     let go = |out: &str, extra: &[&str]| {
@@ -42,10 +43,13 @@ fn a_pipeline_over_2_and_4_ranks_equals_one_process_training_the_whole_model() {
         "stages",
         &[&pipe[..], &["--set", "run.world_size=2", "--set", "wrap.pipeline.stages=[[0], [1, 2, 3]]"]].concat(),
     );
+    let one_f_one_b = [&pipe[..], &["--set", "wrap.pipeline.schedule=\"1f1b\""]].concat();
+    go("1f1b-4", &[&one_f_one_b[..], &["--set", "run.world_size=4"]].concat());
+    go("1f1b-3", &[&one_f_one_b[..], &["--set", "run.world_size=3"]].concat());
 
     let reference = params(&dir.path().join("one"));
     assert_eq!(reference.len(), 8, "4 layers × weight and bias");
-    for out in ["two", "four", "stages"] {
+    for out in ["two", "four", "stages", "1f1b-4", "1f1b-3"] {
         let got = params(&dir.path().join(out));
         assert_eq!(got.keys().collect::<Vec<_>>(), reference.keys().collect::<Vec<_>>(), "{out}");
         for (name, want) in &reference {

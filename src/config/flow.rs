@@ -51,9 +51,10 @@ impl Plan {
             }
             WrapStrategy::None => "no synchronisation: independent replicas".into(),
             WrapStrategy::Pipeline => format!(
-                "pipeline over {w} rank{}, layers {}; GPipe, {} micro-batch{} per batch",
+                "pipeline over {w} rank{}, layers {}; {}, {} micro-batch{} per batch",
                 if w == 1 { "" } else { "s" },
                 if c.wrap.pipeline.stages.is_some() { "as wrap.pipeline.stages" } else { "balanced by parameters" },
+                schedule_name(c.wrap.pipeline.schedule),
                 c.wrap.pipeline.micro_batches,
                 if c.wrap.pipeline.micro_batches == 1 { "" } else { "es" },
             ),
@@ -163,10 +164,18 @@ impl Plan {
         }
         let (s, m) = (self.world_size() as f64, self.config.wrap.pipeline.micro_batches as f64);
         format!(
-            "\n  GPipe bubble: (stages - 1) / (micro-batches + stages - 1) = {:.0}% of each step idle per rank, \
+            "\n  {} bubble: (stages - 1) / (micro-batches + stages - 1) = {:.0}% of each step idle per rank, \
              before communication; the trace measures it (column bubble)\n",
+            schedule_name(self.config.wrap.pipeline.schedule),
             100.0 * (s - 1.0) / (m + s - 1.0)
         )
+    }
+}
+
+fn schedule_name(s: Schedule) -> &'static str {
+    match s {
+        Schedule::Gpipe => "GPipe",
+        Schedule::OneFOneB => "1F1B",
     }
 }
 

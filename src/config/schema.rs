@@ -236,6 +236,10 @@ impl Default for Pipeline {
 pub enum Schedule {
     /// Every micro-batch forward, then every micro-batch backward, then one update.
     Gpipe,
+    /// Once the pipeline is full, one forward then one backward: the same result and bubble as
+    /// GPipe, with at most (ranks - rank) micro-batches' activations held instead of all.
+    #[serde(rename = "1f1b")]
+    OneFOneB,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -170,6 +170,38 @@ impl ProcessGroup {
         self.result(&name, err)
     }
 
+    /// Sends `send` to `dst` (tag `send_tag`) while receiving into `recv` from `src` (tag
+    /// `recv_tag`): both in flight at once, so two ranks may exchange with each other this way
+    /// without either waiting for the other's send to finish.
+    pub fn send_recv(
+        &self,
+        send: &Tensor,
+        dst: usize,
+        send_tag: i32,
+        recv: &mut Tensor,
+        src: usize,
+        recv_tag: i32,
+    ) -> Result<()> {
+        let name = format!("send_recv(to rank {dst}, tag {send_tag}; from rank {src}, tag {recv_tag})");
+        self.peer(&name, dst)?;
+        self.peer(&name, src)?;
+        self.contiguous(&name, send)?;
+        self.contiguous(&name, recv)?;
+        // SAFETY: both tensors are live and contiguous for the blocking call.
+        let err = unsafe {
+            ffi::rn_pg_send_recv(
+                self.raw(),
+                send.as_ptr() as *mut c_void,
+                dst as i32,
+                send_tag,
+                recv.as_mut_ptr() as *mut c_void,
+                src as i32,
+                recv_tag,
+            )
+        };
+        self.result(&name, err)
+    }
+
     pub fn barrier(&self) -> Result<()> {
         // SAFETY: the group is live.
         let err = unsafe { ffi::rn_pg_barrier(self.raw()) };

@@ -1,6 +1,7 @@
-//! Pipeline parallelism (`wrap.strategy = "pipeline"`), GPipe schedule: each batch is cut into
-//! micro-batches; every micro-batch flows forward rank to rank (activations sent with c10d's
-//! send/recv), the last rank computes the loss, then every micro-batch's gradient flows back.
+//! Pipeline parallelism (`wrap.strategy = "pipeline"`): each batch is cut into micro-batches;
+//! every micro-batch flows forward rank to rank (activations sent with c10d's send/recv), the
+//! last rank computes the loss, and every micro-batch's gradient flows back: all forwards then
+//! all backwards (GPipe), or one forward one backward once the pipeline is full (1F1B).
 //! Parameter gradients accumulate over the micro-batches and each rank then updates its own
 //! layers once per batch, so a step equals one process's step on the whole batch.
 //!
@@ -12,6 +13,7 @@ use std::time::{Duration, Instant};
 use tch::nn::ModuleT;
 use tch::{Kind, Reduction, Tensor};
 
+use crate::config::schema::Schedule;
 use crate::config::Plan;
 use crate::dist::ProcessGroup;
 use crate::model::Mlp;
@@ -29,6 +31,7 @@ pub struct Stage<'pg> {
     in_width: i64,
     out_width: i64,
     micro_batches: usize,
+    schedule: Schedule,
 }
 
 /// What one step measured on this rank; `per_sample` and `logits` only on the last rank.
@@ -62,6 +65,7 @@ impl<'pg> Stage<'pg> {
             in_width: widths[layers.start] as i64,
             out_width: widths[layers.end] as i64,
             micro_batches: c.wrap.pipeline.micro_batches,
+            schedule: c.wrap.pipeline.schedule,
         }
     }
 
@@ -74,61 +78,52 @@ impl<'pg> Stage<'pg> {
     /// the mean over the whole batch.
     pub fn train_step(&self, model: &Mlp, x: &Tensor, y: &Tensor, n: i64) -> anyhow::Result<StepOut> {
         let sizes = micro_sizes(n, self.micro_batches);
-        let mut out = StepOut {
-            per_sample: None,
-            logits: None,
-            forward: Duration::ZERO,
-            loss: Duration::ZERO,
-            backward: Duration::ZERO,
-            wait: Duration::ZERO,
-        };
-        // Per micro-batch: the input (whose gradient goes back) and the output (or the loss).
-        let mut inputs = Vec::with_capacity(sizes.len());
-        let mut outputs = Vec::with_capacity(sizes.len());
-        let (mut per_sample, mut logits) = (Vec::new(), Vec::new());
-        let mut offset = 0;
-        for (m, &len) in sizes.iter().enumerate() {
-            let input = self.receive_input(x, offset, len, m as i32, &mut out.wait)?;
-            let t = Instant::now();
-            let h = model.forward_t(&input, true);
-            out.forward += t.elapsed();
-            if self.is_last() {
-                let t = Instant::now();
-                let ps = h.cross_entropy_loss::<Tensor>(&y.narrow(0, offset, len), None, Reduction::None, -100, 0.0);
-                // Each micro-batch's share of the batch mean, so the gradients add up to it.
-                outputs.push(ps.sum(Kind::Float) / n as f64);
-                per_sample.push(ps.detach());
-                logits.push(h.detach());
-                out.loss += t.elapsed();
-            } else {
-                self.timed(&mut out.wait, || self.pg.send(&h, self.rank + 1, m as i32))?;
-                outputs.push(h);
+        let m = sizes.len();
+        let mut step = Step::new(self, model, x, y, n, sizes);
+        match self.schedule {
+            Schedule::Gpipe => {
+                for i in 0..m {
+                    let input = step.recv_forward(i)?;
+                    step.forward(i, input);
+                    step.send_forward(i)?;
+                }
+                for i in (0..m).rev() {
+                    let grad = step.recv_backward(i)?;
+                    step.backward(i, grad)?;
+                    step.send_backward(i)?;
+                }
             }
-            inputs.push(input);
-            offset += len;
-        }
-        for m in (0..sizes.len()).rev() {
-            let target = if self.is_last() {
-                outputs[m].shallow_clone()
-            } else {
-                let mut grad = Tensor::zeros([sizes[m], self.out_width], (Kind::Float, tch::Device::Cpu));
-                self.timed(&mut out.wait, || self.pg.recv(&mut grad, self.rank + 1, GRAD_TAG + m as i32))?;
-                // d(sum(out · grad))/d(out) = grad: tch has no backward with a given gradient.
-                (&outputs[m] * grad).sum(Kind::Float)
-            };
-            let t = Instant::now();
-            target.f_backward()?;
-            out.backward += t.elapsed();
-            if self.rank > 0 {
-                let grad = inputs[m].grad();
-                self.timed(&mut out.wait, || self.pg.send(&grad, self.rank - 1, GRAD_TAG + m as i32))?;
+            // PipeDream-flush / Megatron order: after `warmup` forwards, one forward then one
+            // backward, then the remaining backwards; a rank holds at most `warmup + 1`
+            // micro-batches' activations instead of all of them. Where two neighbours send to each
+            // other at the same point, both directions are in flight at once.
+            Schedule::OneFOneB => {
+                let warmup = (self.last - self.rank).min(m);
+                for i in 0..warmup {
+                    let input = step.recv_forward(i)?;
+                    step.forward(i, input);
+                    step.send_forward(i)?;
+                }
+                let mut input = if warmup < m { Some(step.recv_forward(warmup)?) } else { None };
+                for j in 0..m - warmup {
+                    let i = warmup + j;
+                    step.forward(i, input.take().expect("received above"));
+                    let grad = step.send_forward_recv_backward(i, j)?;
+                    step.backward(j, grad)?;
+                    if i + 1 < m {
+                        input = Some(step.send_backward_recv_forward(j, i + 1)?);
+                    } else {
+                        step.send_backward(j)?;
+                    }
+                }
+                for j in m - warmup..m {
+                    let grad = step.recv_backward(j)?;
+                    step.backward(j, grad)?;
+                    step.send_backward(j)?;
+                }
             }
         }
-        if self.is_last() {
-            out.per_sample = Some(Tensor::cat(&per_sample, 0));
-            out.logits = Some(Tensor::cat(&logits, 0));
-        }
-        Ok(out)
+        Ok(step.finish())
     }
 
     /// The logits of `x` (`n` rows, given on rank 0) through every stage, in chunks of `chunk`
@@ -153,8 +148,8 @@ impl<'pg> Stage<'pg> {
         Ok(self.is_last().then(|| Tensor::cat(&logits, 0)))
     }
 
-    /// Rank 0 slices its micro-batch; the others receive it from the rank before, as a leaf whose
-    /// gradient is the one to send back.
+    /// The input of a micro-batch of `len` rows at `offset`: rank 0 slices it from `x`, the others
+    /// receive it from the rank before (the receive's wait added to `wait`).
     fn receive_input(
         &self,
         x: &Tensor,
@@ -166,16 +161,166 @@ impl<'pg> Stage<'pg> {
         if self.rank == 0 {
             return Ok(x.narrow(0, offset, len));
         }
-        let mut h = Tensor::zeros([len, self.in_width], (Kind::Float, tch::Device::Cpu));
-        self.timed(wait, || self.pg.recv(&mut h, self.rank - 1, tag))?;
+        let mut h = self.buffer(len, self.in_width);
+        timed(wait, || self.pg.recv(&mut h, self.rank - 1, tag))?;
+        Ok(h)
+    }
+
+    fn buffer(&self, rows: i64, width: i64) -> Tensor {
+        Tensor::zeros([rows, width], (Kind::Float, tch::Device::Cpu))
+    }
+}
+
+fn timed<T>(total: &mut Duration, f: impl FnOnce() -> crate::dist::Result<T>) -> crate::dist::Result<T> {
+    let t = Instant::now();
+    let r = f();
+    *total += t.elapsed();
+    r
+}
+
+/// One training step in progress on one rank: the micro-batches' inputs (whose gradients go
+/// back) and outputs (activations, or the loss on the last rank) until their backward.
+struct Step<'a, 'pg> {
+    stage: &'a Stage<'pg>,
+    model: &'a Mlp,
+    x: &'a Tensor,
+    y: &'a Tensor,
+    n: i64,
+    sizes: Vec<i64>,
+    offsets: Vec<i64>,
+    inputs: Vec<Option<Tensor>>,
+    outputs: Vec<Option<Tensor>>,
+    per_sample: Vec<Tensor>,
+    logits: Vec<Tensor>,
+    out: StepOut,
+}
+
+impl<'a, 'pg> Step<'a, 'pg> {
+    fn new(stage: &'a Stage<'pg>, model: &'a Mlp, x: &'a Tensor, y: &'a Tensor, n: i64, sizes: Vec<i64>) -> Self {
+        let offsets = sizes.iter().scan(0, |o, s| Some(std::mem::replace(o, *o + s))).collect();
+        let m = sizes.len();
+        let out = StepOut {
+            per_sample: None,
+            logits: None,
+            forward: Duration::ZERO,
+            loss: Duration::ZERO,
+            backward: Duration::ZERO,
+            wait: Duration::ZERO,
+        };
+        Step {
+            stage,
+            model,
+            x,
+            y,
+            n,
+            sizes,
+            offsets,
+            inputs: (0..m).map(|_| None).collect(),
+            outputs: (0..m).map(|_| None).collect(),
+            per_sample: Vec::with_capacity(m),
+            logits: Vec::with_capacity(m),
+            out,
+        }
+    }
+
+    /// Micro-batch `i`'s input, as a leaf whose gradient is the one to send back.
+    fn recv_forward(&mut self, i: usize) -> anyhow::Result<Tensor> {
+        let input = self.stage.receive_input(self.x, self.offsets[i], self.sizes[i], i as i32, &mut self.out.wait)?;
+        Ok(if self.stage.rank > 0 { input.set_requires_grad(true) } else { input })
+    }
+
+    fn forward(&mut self, i: usize, input: Tensor) {
+        let t = Instant::now();
+        let h = self.model.forward_t(&input, true);
+        self.out.forward += t.elapsed();
+        self.inputs[i] = Some(input);
+        if self.stage.is_last() {
+            let t = Instant::now();
+            let y = self.y.narrow(0, self.offsets[i], self.sizes[i]);
+            let ps = h.cross_entropy_loss::<Tensor>(&y, None, Reduction::None, -100, 0.0);
+            // Each micro-batch's share of the batch mean, so the gradients add up to it.
+            self.outputs[i] = Some(ps.sum(Kind::Float) / self.n as f64);
+            self.per_sample.push(ps.detach());
+            self.logits.push(h.detach());
+            self.out.loss += t.elapsed();
+        } else {
+            self.outputs[i] = Some(h);
+        }
+    }
+
+    fn send_forward(&mut self, i: usize) -> anyhow::Result<()> {
+        if !self.stage.is_last() {
+            let (pg, next, h) = (self.stage.pg, self.stage.rank + 1, self.outputs[i].as_ref().expect("forward ran"));
+            timed(&mut self.out.wait, || pg.send(h, next, i as i32))?;
+        }
+        Ok(())
+    }
+
+    /// The gradient of micro-batch `i`'s output, from the rank after (none on the last rank).
+    fn recv_backward(&mut self, i: usize) -> anyhow::Result<Option<Tensor>> {
+        if self.stage.is_last() {
+            return Ok(None);
+        }
+        let mut grad = self.stage.buffer(self.sizes[i], self.stage.out_width);
+        let (pg, next) = (self.stage.pg, self.stage.rank + 1);
+        timed(&mut self.out.wait, || pg.recv(&mut grad, next, GRAD_TAG + i as i32))?;
+        Ok(Some(grad))
+    }
+
+    /// Sends micro-batch `i`'s output on while receiving micro-batch `j`'s gradient.
+    fn send_forward_recv_backward(&mut self, i: usize, j: usize) -> anyhow::Result<Option<Tensor>> {
+        if self.stage.is_last() {
+            return Ok(None);
+        }
+        let mut grad = self.stage.buffer(self.sizes[j], self.stage.out_width);
+        let (pg, next, h) = (self.stage.pg, self.stage.rank + 1, self.outputs[i].as_ref().expect("forward ran"));
+        timed(&mut self.out.wait, || pg.send_recv(h, next, i as i32, &mut grad, next, GRAD_TAG + j as i32))?;
+        Ok(Some(grad))
+    }
+
+    /// Backpropagates micro-batch `i` through this rank's layers, accumulating the parameters'
+    /// gradients, and frees its activations.
+    fn backward(&mut self, i: usize, grad: Option<Tensor>) -> anyhow::Result<()> {
+        let output = self.outputs[i].take().expect("forward ran");
+        // d(sum(out · grad))/d(out) = grad: tch has no backward with a given gradient.
+        let target = match grad {
+            Some(g) => (output * g).sum(Kind::Float),
+            None => output,
+        };
+        let t = Instant::now();
+        target.f_backward()?;
+        self.out.backward += t.elapsed();
+        Ok(())
+    }
+
+    fn send_backward(&mut self, i: usize) -> anyhow::Result<()> {
+        let input = self.inputs[i].take().expect("forward ran");
+        if self.stage.rank > 0 {
+            let (pg, prev, grad) = (self.stage.pg, self.stage.rank - 1, input.grad());
+            timed(&mut self.out.wait, || pg.send(&grad, prev, GRAD_TAG + i as i32))?;
+        }
+        Ok(())
+    }
+
+    /// Sends micro-batch `j`'s input gradient back while receiving micro-batch `i`'s input.
+    fn send_backward_recv_forward(&mut self, j: usize, i: usize) -> anyhow::Result<Tensor> {
+        if self.stage.rank == 0 {
+            self.inputs[j] = None;
+            return self.recv_forward(i);
+        }
+        let grad = self.inputs[j].take().expect("forward ran").grad();
+        let mut h = self.stage.buffer(self.sizes[i], self.stage.in_width);
+        let (pg, prev) = (self.stage.pg, self.stage.rank - 1);
+        timed(&mut self.out.wait, || pg.send_recv(&grad, prev, GRAD_TAG + j as i32, &mut h, prev, i as i32))?;
         Ok(h.set_requires_grad(true))
     }
 
-    fn timed<T>(&self, total: &mut Duration, f: impl FnOnce() -> crate::dist::Result<T>) -> crate::dist::Result<T> {
-        let t = Instant::now();
-        let r = f();
-        *total += t.elapsed();
-        r
+    fn finish(mut self) -> StepOut {
+        if self.stage.is_last() {
+            self.out.per_sample = Some(Tensor::cat(&self.per_sample, 0));
+            self.out.logits = Some(Tensor::cat(&self.logits, 0));
+        }
+        self.out
     }
 }
 
