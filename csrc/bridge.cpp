@@ -148,9 +148,14 @@ char* rn_store_port(rn_store* s, uint16_t* out) {
 
 char* rn_pg_new_gloo(rn_store* s, int rank, int size, const char* device_host, int64_t timeout_ms,
                      rn_pg** out) {
+  return rn_pg_new_gloo_group(s, "runner/pg", rank, size, device_host, timeout_ms, out);
+}
+
+char* rn_pg_new_gloo_group(rn_store* s, const char* prefix, int rank, int size, const char* device_host,
+                           int64_t timeout_ms, rn_pg** out) {
   return protect([&] {
     auto timeout = std::chrono::milliseconds(timeout_ms);
-    auto store = c10::make_intrusive<c10d::PrefixStore>("runner/pg", s->store);
+    auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, s->store);
     auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
     opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(device_host));
     auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);

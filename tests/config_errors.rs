@@ -168,7 +168,8 @@ const CASES: &[Case] = &[
         args: &[],
         env: &[],
         expected: "error: p.toml:21:1: unknown key `wrap.pipeline.micro_batch`; did you mean `wrap.pipeline.micro_batches`? \
-                   (valid keys in [wrap.pipeline]: wrap.pipeline.stages, wrap.pipeline.micro_batches, wrap.pipeline.schedule)\n  \
+                   (valid keys in [wrap.pipeline]: wrap.pipeline.stages, wrap.pipeline.micro_batches, wrap.pipeline.schedule, \
+                   wrap.pipeline.replicas)\n  \
                    21 | micro_batch = 4",
     },
     Case {
@@ -262,6 +263,23 @@ const CASES: &[Case] = &[
         expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.6): rank 1 would \
                    hold layers 1-3 (197376 parameters, 0.753 MiB as float32), more than the 0.6 MiB a rank may hold; give \
                    rank 1 fewer layers in wrap.pipeline.stages, or leave them out: the split balanced by parameters fits",
+    },
+    Case {
+        name: "copies of a pipeline that do not split the ranks",
+        file: "",
+        args: &["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.pipeline.replicas=3", "--set", "run.world_size=4"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.pipeline.replicas` (--set wrap.pipeline.replicas=3): 3 copies of \
+                   the pipeline do not split run.world_size = 4 evenly; use a divisor of it",
+    },
+    Case {
+        name: "stages that do not match the ranks of a copy",
+        file: "",
+        args: &["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.pipeline.replicas=2", "--set", "run.world_size=4", "--set", "wrap.model.hidden=[16, 16, 16]", "--set", "wrap.pipeline.stages=[[0], [1], [2, 3]]"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.pipeline.stages` (--set wrap.pipeline.stages=[[0], [1], [2, 3]]): \
+                   lists 3 stages but each of the 2 copies has 2 ranks (run.world_size (--set run.world_size=4) / replicas); \
+                   a pipeline has one stage per rank",
     },
 ];
 

@@ -120,3 +120,49 @@ fn a_model_4x_larger_than_a_rank_may_hold_runs_split_over_4_ranks() {
     assert_eq!(o.status.code(), Some(2), "DDP holds the whole model on every rank");
     assert!(text(&o).1.contains("rank 0 would hold the whole model, layers 0-3"), "{}", text(&o).1);
 }
+
+#[test]
+fn two_copies_of_a_pipeline_equal_one_process_on_their_two_batches() {
+    // Pipeline × data parallel: 2 copies of a 2-stage pipeline on 4 ranks, each copy on its half of
+    // the rows with batches of 16, each stage's gradients averaged over the copies; against one
+    // process with batches of 32 (statistics of the whole training set in both).
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let both =
+        ["--set", "wrap.model.hidden=[16, 16, 16]", "--set", "train.epochs=1", "--set", "normalize.scope=\"global\""];
+    let one = ["--set", "run.world_size=1", "--set", "wrap.strategy=\"none\"", "--set", "train.batch_size=32"];
+    assert_ok(&run(&[&["run", "p.toml", "--out", "one"][..], &both, &one].concat(), dir.path()));
+    let copies = [
+        "--set",
+        "run.world_size=4",
+        "--set",
+        "wrap.strategy=\"pipeline\"",
+        "--set",
+        "wrap.pipeline.replicas=2",
+        "--set",
+        "wrap.pipeline.micro_batches=4",
+        "--set",
+        "wrap.pipeline.schedule=\"1f1b\"",
+        "--set",
+        "train.batch_size=16",
+    ];
+    let o = run(&[&["run", "p.toml", "--out", "copies"][..], &both, &copies].concat(), dir.path());
+    assert_ok(&o);
+    assert!(text(&o).0.contains("ranks 1, 3  4 × 16 from the stage before"), "{}", text(&o).0);
+    let reference = params(&dir.path().join("one"));
+    let got = params(&dir.path().join("copies"));
+    for (name, want) in &reference {
+        let diff = (&got[name] - want).abs().max().double_value(&[]);
+        let rel = diff / want.abs().max().double_value(&[]);
+        assert!(rel < 1e-5, "{name} differs by {diff:e} ({rel:e} of its largest element)");
+    }
+    let df = trace(&dir.path().join("copies"));
+    let samples: Vec<u64> = df.column("samples").unwrap().u64().unwrap().into_no_null_iter().collect();
+    assert_eq!(samples, [300; 4], "each copy trains on its half");
+    let f64s = |c: &str| df.column(c).unwrap().f64().unwrap().iter().collect::<Vec<_>>();
+    let val = f64s("val_loss");
+    assert!(val[0].is_some() && val[1] == val[0] && val[2].is_none() && val[3].is_none(), "{val:?}");
+    let (g, b) = (f64s("global_train_loss"), trace(&dir.path().join("one")));
+    let want = b.column("global_train_loss").unwrap().f64().unwrap().get(0).unwrap();
+    assert!(((g[0].unwrap() - want) / want).abs() < 1e-5, "loss {g:?} vs {want}");
+}

@@ -17,9 +17,21 @@ impl Plan {
         };
         let order = if c.shard.shuffle { "reshuffled every epoch" } else { "file order" };
         let pipeline = self.is_pipeline();
-        let each = if pipeline { "on every rank" } else { "per rank" };
+        // Ranks per copy of a pipeline, and copies.
+        let (stages, copies) = (self.pipeline_ranks(), l.world_size);
+        let each = match (pipeline, copies) {
+            (true, 1) => "on every rank",
+            (true, _) => "per copy",
+            (false, _) => "per rank",
+        };
         let mut shard_op = match l.split_batch {
-            None if pipeline => format!("none (one model, no replicas): every rank walks the same rows, {order}"),
+            None if pipeline && copies == 1 => {
+                format!("none (one model, no replicas): every rank walks the same rows, {order}")
+            }
+            None if pipeline => format!(
+                "DistributedSampler over {copies} copies of the pipeline (the {stages} ranks of a copy walk the same \
+                 rows), {order}"
+            ),
             None => format!("DistributedSampler over {w} rank{}, {order}", if w == 1 { "" } else { "s" }),
             Some(b) => format!("each global batch of {} split {w} × {b}, {order}", b * w),
         };
@@ -40,7 +52,8 @@ impl Plan {
             NormalizeMethod::None => "none",
         };
         let scope = match c.normalize.scope {
-            _ if pipeline => "statistics of the training set (every rank's rows)",
+            _ if pipeline && copies == 1 => "statistics of the training set (every rank's rows)",
+            NormalizeScope::Rank if pipeline => "statistics of each copy's shard",
             NormalizeScope::Rank => "statistics of each rank's shard",
             NormalizeScope::Global => "statistics all-reduced over ranks",
         };
@@ -51,8 +64,13 @@ impl Plan {
             }
             WrapStrategy::None => "no synchronisation: independent replicas".into(),
             WrapStrategy::Pipeline => format!(
-                "pipeline over {w} rank{}, layers {}; {}, {} micro-batch{} per batch",
-                if w == 1 { "" } else { "s" },
+                "pipeline over {stages} rank{}{}, layers {}; {}, {} micro-batch{} per batch",
+                if stages == 1 { "" } else { "s" },
+                if copies == 1 {
+                    String::new()
+                } else {
+                    format!(" × {copies} copies (each stage's gradients averaged over the copies)")
+                },
                 if c.wrap.pipeline.stages.is_some() { "as wrap.pipeline.stages" } else { "balanced by parameters" },
                 schedule_name(c.wrap.pipeline.schedule),
                 c.wrap.pipeline.micro_batches,
@@ -60,13 +78,16 @@ impl Plan {
             ),
         };
         let wrap_out = match c.wrap.strategy {
+            WrapStrategy::Pipeline if copies > 1 => format!("{stages} stages × {copies} copies"),
             WrapStrategy::Pipeline => format!("{w} stage{}", if w == 1 { "" } else { "s" }),
             _ => format!("{w} replica{}", if w == 1 { "" } else { "s" }),
         };
         let opt = format!("{:?}", c.train.optimizer).to_lowercase();
         let val = match (c.validate.every, c.validate.on) {
             (0, _) => "off".to_string(),
-            (e, _) if pipeline => format!("every {e} epoch(s), forward through every rank, measured on rank {}", w - 1),
+            (e, _) if pipeline => {
+                format!("every {e} epoch(s), forward through ranks 0-{}, measured on rank {}", stages - 1, stages - 1)
+            }
             (e, ValidateOn::All) => format!("every {e} epoch(s) on every rank"),
             (e, ValidateOn::Rank0) => format!("every {e} epoch(s) on rank 0"),
         };
@@ -90,14 +111,19 @@ impl Plan {
             rows.extend(self.stage_rows());
             let micro = micro_text(self.batch_per_rank, c.wrap.pipeline.micro_batches);
             let op = format!(
-                "{} epochs × {} steps of {} ({micro}), {opt} lr {}; loss on rank {}",
+                "{} epochs × {} steps of {} ({micro}){}, {opt} lr {}; loss on {}",
                 c.train.epochs,
                 self.steps_per_epoch(),
                 self.batch_per_rank,
+                if copies == 1 {
+                    String::new()
+                } else {
+                    format!(" per copy ({} global)", self.batch_per_rank * copies)
+                },
                 c.train.lr,
-                w - 1
+                if copies == 1 { format!("rank {}", stages - 1) } else { "the last rank of each copy".into() },
             );
-            (format!("{} × {f}", l.per_rank), op)
+            (format!("{} × {f} {each}", l.per_rank), op)
         } else {
             let op = format!(
                 "{} epochs × {} steps of {} per rank ({} global), {opt} lr {}",
@@ -128,22 +154,29 @@ impl Plan {
         )
     }
 
-    /// One row per pipeline rank: what flows in, the layers it holds, what flows out.
+    /// One row per pipeline stage: the ranks holding it, what flows in, its layers, what flows out.
     fn stage_rows(&self) -> Vec<Vec<String>> {
         let c = &self.config;
         let widths = crate::model::widths(self.data.features, &c.wrap.model.hidden, self.data.classes);
         let mb = micro_size(self.batch_per_rank, c.wrap.pipeline.micro_batches);
-        let w = self.world_size();
+        let w = self.pipeline_ranks();
         let limit = c.run.memory_per_rank_mb.map(|l| format!(" of {l} allowed")).unwrap_or_default();
         (0..w)
             .map(|r| {
                 let s = &self.stages[r];
-                let from = if r == 0 { "batch".to_string() } else { format!("from rank {}", r - 1) };
-                let to = if r + 1 == w { "logits → loss".to_string() } else { format!("to rank {}", r + 1) };
+                let ranks: Vec<String> = (r..self.world_size()).step_by(w).map(|x| x.to_string()).collect();
+                let label =
+                    if ranks.len() == 1 { format!("  rank {r}") } else { format!("  ranks {}", ranks.join(", ")) };
+                let (from, to) = match (r, r + 1 == w, ranks.len()) {
+                    (0, _, _) => ("batch".to_string(), format!("to rank {}", r + 1)),
+                    (_, _, 1) => (format!("from rank {}", r - 1), format!("to rank {}", r + 1)),
+                    _ => ("from the stage before".to_string(), "to the next stage".to_string()),
+                };
+                let to = if r + 1 == w { "logits → loss".to_string() } else { to };
                 let layer_widths: Vec<String> = widths[s.start..=s.end].iter().map(|x| x.to_string()).collect();
                 let p = self.rank_parameters(r);
                 vec![
-                    format!("  rank {r}"),
+                    label,
                     format!("{mb} × {} {from}", widths[s.start]),
                     format!(
                         "{} ({}): {p} parameters, {:.3} MiB{limit}",
@@ -162,7 +195,7 @@ impl Plan {
         if !self.is_pipeline() {
             return String::new();
         }
-        let (s, m) = (self.world_size() as f64, self.config.wrap.pipeline.micro_batches as f64);
+        let (s, m) = (self.pipeline_ranks() as f64, self.config.wrap.pipeline.micro_batches as f64);
         format!(
             "\n  {} bubble: (stages - 1) / (micro-batches + stages - 1) = {:.0}% of each step idle per rank, \
              before communication; the trace measures it (column bubble)\n",

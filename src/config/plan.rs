@@ -156,8 +156,8 @@ impl Plan {
 
         let w = c.run.world_size;
         let pipeline = c.wrap.strategy == WrapStrategy::Pipeline;
-        // A pipeline has one model, not replicas: every rank walks all of the data.
-        let replicas = if pipeline { 1 } else { w };
+        // A pipeline's ranks share one copy of the model: each copy walks its own shard.
+        let replicas = if pipeline { c.wrap.pipeline.replicas.max(1) } else { w };
         let split = match (c.shard.strategy, t.global_batch_size) {
             (ShardStrategy::Dataset, None) => None,
             (ShardStrategy::Dataset, Some(_)) => {
@@ -230,6 +230,7 @@ impl Plan {
                 ("wrap.pipeline.stages", p.stages != default.stages),
                 ("wrap.pipeline.micro_batches", p.micro_batches != default.micro_batches),
                 ("wrap.pipeline.schedule", p.schedule != default.schedule),
+                ("wrap.pipeline.replicas", p.replicas != default.replicas),
             ] {
                 if set {
                     bad(key, "is only read by wrap.strategy = \"pipeline\"".into());
@@ -284,12 +285,21 @@ impl Plan {
         self.config.wrap.strategy == WrapStrategy::Pipeline
     }
 
-    /// Which part of the data `rank` walks: its own shard, or all of it in a pipeline.
+    /// Which shard of the data `rank` walks: its own, or its pipeline's.
     pub fn replica(&self, rank: usize) -> usize {
         if self.is_pipeline() {
-            0
+            rank / self.pipeline_ranks()
         } else {
             rank
+        }
+    }
+
+    /// Ranks per copy of the pipeline (its stages); 1 for the other strategies.
+    pub fn pipeline_ranks(&self) -> usize {
+        if self.is_pipeline() {
+            self.world_size() / self.layout.world_size
+        } else {
+            1
         }
     }
 
@@ -345,7 +355,18 @@ fn pipeline_stages(
     bad: &mut impl FnMut(&str, String),
 ) -> Option<Vec<Range<usize>>> {
     let p = &c.wrap.pipeline;
-    let w = c.run.world_size;
+    if p.replicas == 0 || !c.run.world_size.is_multiple_of(p.replicas) {
+        bad(
+            "wrap.pipeline.replicas",
+            format!(
+                "{} copies of the pipeline do not split run.world_size = {} evenly; use a divisor of it",
+                p.replicas, c.run.world_size
+            ),
+        );
+        return None;
+    }
+    // The stages of one copy; the copies repeat them.
+    let w = c.run.world_size / p.replicas;
     if c.shard.strategy == ShardStrategy::Batch {
         bad(
             "shard.strategy",
@@ -385,7 +406,7 @@ fn pipeline_stages(
     if layers == 0 {
         return None;
     }
-    match &p.stages {
+    let stages = match &p.stages {
         Some(stages) => {
             let ranges = match crate::model::partition::explicit(stages, layers) {
                 Ok(r) => r,
@@ -396,12 +417,14 @@ fn pipeline_stages(
             };
             if ranges.len() != w {
                 let from = sources.get("run.world_size").map(String::as_str).unwrap_or("default");
+                let ranks = if p.replicas == 1 {
+                    format!("run.world_size ({from}) is {w}")
+                } else {
+                    format!("each of the {} copies has {w} ranks (run.world_size ({from}) / replicas)", p.replicas)
+                };
                 bad(
                     "wrap.pipeline.stages",
-                    format!(
-                        "lists {} stages but run.world_size ({from}) is {w}; a pipeline has one stage per rank",
-                        ranges.len()
-                    ),
+                    format!("lists {} stages but {ranks}; a pipeline has one stage per rank", ranges.len()),
                 );
                 return None;
             }
@@ -419,7 +442,8 @@ fn pipeline_stages(
             None
         }
         None => crate::model::partition::balanced(layer_parameters, w),
-    }
+    }?;
+    Some((0..c.run.world_size).map(|r| stages[r % w].clone()).collect())
 }
 
 /// MiB of `parameters` float32 values.

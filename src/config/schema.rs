@@ -217,17 +217,20 @@ pub enum WrapStrategy {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Pipeline {
-    /// The layers (0-based, in order) each rank holds, one list per rank; absent: a contiguous
-    /// split balanced by parameter count.
+    /// The layers (0-based, in order) of each stage, one list per rank of a pipeline; absent: a
+    /// contiguous split balanced by parameter count.
     pub stages: Option<Vec<Vec<usize>>>,
     /// Micro-batches each batch is split into (sizes differ by at most one row).
     pub micro_batches: usize,
     pub schedule: Schedule,
+    /// Copies of the pipeline, each on world_size / replicas ranks and its own shard of the data,
+    /// each stage's gradients averaged over the copies (data parallel across pipelines).
+    pub replicas: usize,
 }
 
 impl Default for Pipeline {
     fn default() -> Self {
-        Pipeline { stages: None, micro_batches: 1, schedule: Schedule::Gpipe }
+        Pipeline { stages: None, micro_batches: 1, schedule: Schedule::Gpipe, replicas: 1 }
     }
 }
 

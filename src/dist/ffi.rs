@@ -58,6 +58,15 @@ extern "C" {
         timeout_ms: i64,
         out: *mut *mut RnPg,
     ) -> *mut c_char;
+    pub fn rn_pg_new_gloo_group(
+        s: *mut RnStore,
+        prefix: *const c_char,
+        rank: c_int,
+        size: c_int,
+        device_host: *const c_char,
+        timeout_ms: i64,
+        out: *mut *mut RnPg,
+    ) -> *mut c_char;
     pub fn rn_pg_new_nccl(
         s: *mut RnStore,
         rank: c_int,

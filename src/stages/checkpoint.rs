@@ -150,10 +150,13 @@ pub fn shapes(plan: &Plan) -> Vec<(String, Vec<i64>)> {
 
 /// Writes the trained model's parameters to `model.safetensors` in the run directory, named as
 /// in the whole model (`layer0.weight`, ...) whatever the strategy: rank 0's replica, or, in a
-/// pipeline, every rank's layers sent to rank 0.
+/// pipeline, the layers of every rank of its first copy sent to rank 0.
 pub fn write_model(plan: &Plan, pg: &ProcessGroup, vs: &nn::VarStore, run_dir: &Path) -> anyhow::Result<()> {
     let mut named = named_parameters(vs);
     if plan.is_pipeline() {
+        if pg.rank() >= plan.pipeline_ranks() {
+            return Ok(());
+        }
         if pg.rank() > 0 {
             for (i, (_, t)) in named.iter().enumerate() {
                 pg.send(t, 0, i as i32)?;
@@ -161,7 +164,7 @@ pub fn write_model(plan: &Plan, pg: &ProcessGroup, vs: &nn::VarStore, run_dir: &
             return Ok(());
         }
         let (d, m) = (&plan.data, &plan.config.wrap.model);
-        for r in 1..plan.world_size() {
+        for r in 1..plan.pipeline_ranks() {
             for (i, (name, shape)) in
                 crate::model::layer_shapes(d.features, &m.hidden, d.classes, plan.stages[r].clone())
                     .into_iter()

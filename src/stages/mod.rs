@@ -36,8 +36,10 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
         plan.replica(rank),
     );
     position.set("normalize", 0, 0);
-    // A pipeline's ranks all hold the whole training set: their own statistics are the global ones.
-    let scope = if plan.is_pipeline() { NormalizeScope::Rank } else { c.normalize.scope };
+    // The ranks of a single pipeline all hold the whole training set: their own statistics are
+    // the global ones.
+    let scope =
+        if plan.is_pipeline() && plan.layout.world_size == 1 { NormalizeScope::Rank } else { c.normalize.scope };
     let normalizer = normalize::Normalizer::fit(
         c.normalize.method,
         scope,
@@ -57,7 +59,7 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
         (Vec::new(), Vec::new(), 1)
     };
     let progress = Progress::new(rank == 0, c.train.epochs, plan.steps_per_epoch());
-    let pipeline = plan.is_pipeline().then(|| pipeline::Stage::new(plan, pg));
+    let pipeline = if plan.is_pipeline() { Some(pipeline::Stage::new(plan, pg)?) } else { None };
     let mut trainer = train::Trainer {
         plan,
         pg,

@@ -5,6 +5,9 @@
 //! Parameter gradients accumulate over the micro-batches and each rank then updates its own
 //! layers once per batch, so a step equals one process's step on the whole batch.
 //!
+//! With `replicas` copies of the pipeline (consecutive ranks each, own shard of the data), each
+//! stage's gradients are then averaged over its copies in a group of just those ranks.
+//!
 //! Every rank knows every shape from the plan (the batch's rows, the widths at its boundaries), so
 //! nothing but the tensors themselves is sent. Sends and receives are blocking; the time a rank
 //! spends in them is its wait, the pipeline's bubble.
@@ -22,11 +25,16 @@ use crate::model::Mlp;
 const GRAD_TAG: i32 = 1 << 20;
 const EVAL_TAG: i32 = 2 << 20;
 
-/// This rank's place in the pipeline.
+/// This rank's place in its copy of the pipeline.
 pub struct Stage<'pg> {
     pg: &'pg ProcessGroup,
+    /// This rank in the job; its copy's ranks are contiguous, so its neighbours are rank ± 1.
     rank: usize,
+    /// Its stage (0 first), and the last stage.
+    stage: usize,
     last: usize,
+    /// With several copies of the pipeline: the ranks holding this stage in every copy.
+    replicas: Option<ProcessGroup>,
     /// Widths of the activations coming in and going out.
     in_width: i64,
     out_width: i64,
@@ -53,24 +61,53 @@ pub fn micro_sizes(n: i64, micro: usize) -> Vec<i64> {
 }
 
 impl<'pg> Stage<'pg> {
-    pub fn new(plan: &Plan, pg: &'pg ProcessGroup) -> Stage<'pg> {
+    /// This rank's stage; with several copies of the pipeline, also its group with the same
+    /// stage of the other copies (every rank must call this at the same point).
+    pub fn new(plan: &Plan, pg: &'pg ProcessGroup) -> crate::dist::Result<Stage<'pg>> {
         let rank = pg.rank();
         let c = &plan.config;
         let widths = crate::model::widths(plan.data.features, &c.wrap.model.hidden, plan.data.classes);
         let layers = &plan.stages[rank];
-        Stage {
+        let stages = plan.pipeline_ranks();
+        let stage = rank % stages;
+        let replicas = if plan.world_size() > stages {
+            let members: Vec<usize> = (stage..plan.world_size()).step_by(stages).collect();
+            Some(pg.subgroup(&format!("stage{stage}"), &members)?)
+        } else {
+            None
+        };
+        Ok(Stage {
             pg,
             rank,
-            last: plan.world_size() - 1,
+            stage,
+            last: stages - 1,
+            replicas,
             in_width: widths[layers.start] as i64,
             out_width: widths[layers.end] as i64,
             micro_batches: c.wrap.pipeline.micro_batches,
             schedule: c.wrap.pipeline.schedule,
-        }
+        })
     }
 
     pub fn is_last(&self) -> bool {
-        self.rank == self.last
+        self.stage == self.last
+    }
+
+    /// Averages this stage's gradients over the copies of the pipeline (one all-reduce of them
+    /// all, flattened in the parameters' fixed order); returns the time it took.
+    pub fn average_gradients(&self, params: &[Tensor]) -> anyhow::Result<Duration> {
+        let Some(group) = &self.replicas else { return Ok(Duration::ZERO) };
+        let t = Instant::now();
+        let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).collect();
+        let mut flat = Tensor::cat(&grads.iter().map(|g| g.view([-1])).collect::<Vec<_>>(), 0);
+        group.all_reduce(&mut flat, crate::dist::ReduceOp::Avg)?;
+        let mut offset = 0;
+        for mut g in grads {
+            let n = g.numel() as i64;
+            tch::no_grad(|| g.copy_(&flat.narrow(0, offset, n).view_as(&g)));
+            offset += n;
+        }
+        Ok(t.elapsed())
     }
 
     /// Forward and backward of one batch of `n` rows: `x` on rank 0, `y` on the last rank.
@@ -98,7 +135,7 @@ impl<'pg> Stage<'pg> {
             // micro-batches' activations instead of all of them. Where two neighbours send to each
             // other at the same point, both directions are in flight at once.
             Schedule::OneFOneB => {
-                let warmup = (self.last - self.rank).min(m);
+                let warmup = (self.last - self.stage).min(m);
                 for i in 0..warmup {
                     let input = step.recv_forward(i)?;
                     step.forward(i, input);
@@ -158,7 +195,7 @@ impl<'pg> Stage<'pg> {
         tag: i32,
         wait: &mut Duration,
     ) -> anyhow::Result<Tensor> {
-        if self.rank == 0 {
+        if self.stage == 0 {
             return Ok(x.narrow(0, offset, len));
         }
         let mut h = self.buffer(len, self.in_width);
@@ -226,7 +263,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
     /// Micro-batch `i`'s input, as a leaf whose gradient is the one to send back.
     fn recv_forward(&mut self, i: usize) -> anyhow::Result<Tensor> {
         let input = self.stage.receive_input(self.x, self.offsets[i], self.sizes[i], i as i32, &mut self.out.wait)?;
-        Ok(if self.stage.rank > 0 { input.set_requires_grad(true) } else { input })
+        Ok(if self.stage.stage > 0 { input.set_requires_grad(true) } else { input })
     }
 
     fn forward(&mut self, i: usize, input: Tensor) {
@@ -295,7 +332,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
 
     fn send_backward(&mut self, i: usize) -> anyhow::Result<()> {
         let input = self.inputs[i].take().expect("forward ran");
-        if self.stage.rank > 0 {
+        if self.stage.stage > 0 {
             let (pg, prev, grad) = (self.stage.pg, self.stage.rank - 1, input.grad());
             timed(&mut self.out.wait, || pg.send(&grad, prev, GRAD_TAG + i as i32))?;
         }
@@ -304,7 +341,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
 
     /// Sends micro-batch `j`'s input gradient back while receiving micro-batch `i`'s input.
     fn send_backward_recv_forward(&mut self, j: usize, i: usize) -> anyhow::Result<Tensor> {
-        if self.stage.rank == 0 {
+        if self.stage.stage == 0 {
             self.inputs[j] = None;
             return self.recv_forward(i);
         }

@@ -79,12 +79,13 @@ impl Trainer<'_, '_> {
                 w.narrow(0, step as i64 * b, len),
             );
             let t1 = Instant::now();
-            let s = match &self.pipeline {
+            let (s, averaged) = match &self.pipeline {
                 Some(stage) => {
                     self.wrapped.optimizer.zero_grad();
-                    stage.train_step(&self.wrapped.model, &xb, &yb, len)?
+                    let s = stage.train_step(&self.wrapped.model, &xb, &yb, len)?;
+                    (s, stage.average_gradients(&self.wrapped.vs.trainable_variables())?)
                 }
-                None => self.replica_step(&xb, &yb)?,
+                None => (self.replica_step(&xb, &yb)?, Duration::ZERO),
             };
             let t2 = Instant::now();
             self.wrapped.optimizer.step();
@@ -100,7 +101,7 @@ impl Trainer<'_, '_> {
                 Some(ddp) => ddp.reducer_times(self.iteration)?,
                 None => None,
             };
-            comm_s += times.map_or(0.0, |t| t.backward_comm.as_secs_f64());
+            comm_s += times.map_or(averaged.as_secs_f64(), |t| t.backward_comm.as_secs_f64());
             compute_s += (s.forward + s.loss + s.backward + update).as_secs_f64();
             wait_s += s.wait.as_secs_f64();
             if step_every > 0 && step % step_every == 0 {
@@ -127,8 +128,13 @@ impl Trainer<'_, '_> {
 
         let validate = c.validate.every > 0 && (epoch.is_multiple_of(c.validate.every) || epoch == c.train.epochs);
         let (val_loss, val_acc) = if validate && self.pipeline.is_some() {
-            self.position.set("validate", epoch, 0);
-            self.validate_pipeline()?
+            // The copies of a pipeline hold the same weights: the first one validates.
+            if self.plan.replica(rank) == 0 {
+                self.position.set("validate", epoch, 0);
+                self.validate_pipeline()?
+            } else {
+                (f64::NAN, f64::NAN)
+            }
         } else if validate && (rank == 0 || c.validate.on == ValidateOn::All) {
             self.position.set("validate", epoch, 0);
             self.validate()
@@ -150,8 +156,8 @@ impl Trainer<'_, '_> {
             compute_s,
             bubble,
         ];
-        let metrics_from = self.pipeline.as_ref().map(|_| self.plan.world_size() - 1);
-        let rows = gather_epoch_rows(self.pg, epoch, &mine, metrics_from)?;
+        let stages = self.pipeline.as_ref().map(|_| self.plan.pipeline_ranks());
+        let rows = gather_epoch_rows(self.pg, epoch, &mine, stages)?;
         let steps = gather_step_rows(self.pg, epoch, &step_rows)?;
         Ok(EpochOutput { rows, steps })
     }
@@ -216,25 +222,25 @@ fn metrics(logits: &Tensor, y: &Tensor) -> (f64, f64) {
 }
 
 /// Every rank's epoch values, all-gathered: rank 0 builds each rank's row and the global metrics.
-/// With `metrics_from` (a pipeline's last rank), the losses and accuracies are that rank's: the
-/// pipeline's one model, on every row.
+/// In a pipeline (`stages` ranks per copy), the losses and accuracies are measured on each copy's
+/// last rank and written on every row of the copy; the global ones sum over the copies.
 fn gather_epoch_rows(
     pg: &ProcessGroup,
     epoch: usize,
     mine: &[f64; EPOCH_FIELDS],
-    metrics_from: Option<usize>,
+    stages: Option<usize>,
 ) -> anyhow::Result<Vec<EpochRow>> {
     let all = pg.all_gather(&Tensor::from_slice(mine))?;
     let v: Vec<Vec<f64>> = all.iter().map(|t| Vec::<f64>::try_from(t).expect("float64 values")).collect();
-    let (g_loss, g_correct, g_samples) = match metrics_from {
-        Some(last) => (v[last][0], v[last][1], v[last][2]),
-        None => v.iter().fold((0.0, 0.0, 0.0), |a, r| (a.0 + r[0], a.1 + r[1], a.2 + r[2])),
-    };
+    let measured_on = |r: usize| stages.map_or(r, |s| r / s * s + s - 1);
+    let (g_loss, g_correct, g_samples) = (0..v.len())
+        .filter(|&r| measured_on(r) == r)
+        .fold((0.0, 0.0, 0.0), |a, r| (a.0 + v[r][0], a.1 + v[r][1], a.2 + v[r][2]));
     let opt = |x: f64| (!x.is_nan()).then_some(x);
     Ok(v.iter()
         .enumerate()
         .map(|(r, f)| {
-            let m = &v[metrics_from.unwrap_or(r)];
+            let m = &v[measured_on(r)];
             EpochRow {
                 epoch: epoch as u32,
                 rank: r as u32,
