@@ -151,9 +151,14 @@ char* rn_store_port(rn_store* s, uint16_t* out) {
 
 char* rn_pg_new_gloo(rn_store* s, int rank, int size, const char* device_host, int64_t timeout_ms,
                      rn_pg** out) {
+  return rn_pg_new_gloo_group(s, "runner/pg", rank, size, device_host, timeout_ms, out);
+}
+
+char* rn_pg_new_gloo_group(rn_store* s, const char* prefix, int rank, int size, const char* device_host,
+                           int64_t timeout_ms, rn_pg** out) {
   return protect([&] {
     auto timeout = std::chrono::milliseconds(timeout_ms);
-    auto store = c10::make_intrusive<c10d::PrefixStore>("runner/pg", s->store);
+    auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, s->store);
     auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
     opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(device_host));
     auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
@@ -227,6 +232,30 @@ char* rn_pg_recv(rn_pg* pg, void* t, int src, int tag) {
   return protect([&] {
     std::vector<at::Tensor> ts{tensor(t)};
     pg->backend->recv(ts, src, tag)->wait();
+  });
+}
+
+char* rn_pg_send_recv(rn_pg* pg, void* send_t, int dst, int send_tag, void* recv_t, int src, int recv_tag) {
+  return protect([&] {
+    std::vector<at::Tensor> out{tensor(send_t)};
+    std::vector<at::Tensor> in{tensor(recv_t)};
+    // Both are posted before either is waited on: gloo's sends wait for the matching receive, so
+    // two peers sending to each other first would otherwise wait forever.
+    auto recv = pg->backend->recv(in, src, recv_tag);
+    auto send = pg->backend->send(out, dst, send_tag);
+    std::exception_ptr failed;
+    try {
+      send->wait();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    // Waited for even after a failed send: the receive must not outlive its work.
+    try {
+      recv->wait();
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+    }
+    if (failed) std::rethrow_exception(failed);
   });
 }
 

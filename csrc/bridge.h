@@ -42,6 +42,10 @@ char* rn_store_port(rn_store* s, uint16_t* out);
 // device_host: address the gloo transport binds to (its peers connect to it).
 char* rn_pg_new_gloo(rn_store* s, int rank, int size, const char* device_host, int64_t timeout_ms,
                      rn_pg** out);
+// A group of some of the ranks, rendezvousing under its own store prefix; rank and size are within
+// the group, and every member must create it with the same prefix.
+char* rn_pg_new_gloo_group(rn_store* s, const char* prefix, int rank, int size, const char* device_host,
+                           int64_t timeout_ms, rn_pg** out);
 char* rn_pg_new_nccl(rn_store* s, int rank, int size, int64_t timeout_ms, rn_pg** out);
 void rn_pg_free(rn_pg* pg);
 char* rn_pg_all_reduce(rn_pg* pg, void* tensor, int op);
@@ -50,6 +54,9 @@ char* rn_pg_broadcast(rn_pg* pg, void* tensor, int root);
 char* rn_pg_all_gather(rn_pg* pg, void** outputs, size_t n_outputs, void* input);
 char* rn_pg_send(rn_pg* pg, void* tensor, int dst, int tag);
 char* rn_pg_recv(rn_pg* pg, void* tensor, int src, int tag);
+// Sends send_tensor to dst and receives recv_tensor from src, both in flight at once.
+char* rn_pg_send_recv(rn_pg* pg, void* send_tensor, int dst, int send_tag, void* recv_tensor, int src,
+                      int recv_tag);
 char* rn_pg_barrier(rn_pg* pg);
 
 // Broadcasts params from rank 0, then builds a Reducer with buckets of bucket_cap_bytes.

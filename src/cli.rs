@@ -248,6 +248,10 @@ fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow:
     let rows = result?;
     if env.rank == 0 {
         println!("\n{}", view::epoch_table(&rows));
+        let pipeline = view::pipeline_table(&rows);
+        if !pipeline.is_empty() {
+            println!("  per rank, mean of the epochs (bubble: share of the training time spent waiting in send/recv)\n{pipeline}");
+        }
         let losses: Vec<f64> = rows.iter().filter(|r| r.rank == 0).map(|r| r.global_train_loss).collect();
         println!("  loss\n{}", view::chart("epochs", &losses, 6));
     }

@@ -178,6 +178,125 @@ const CASES: &[Case] = &[
                    `train.epochs` (--set train.epochs=0): must be at least 1\n  \
                    `train.lr` (--set train.lr=-1): must be positive, got -1",
     },
+    Case {
+        name: "misspelled key in [wrap.pipeline]",
+        file: "[wrap.pipeline]\nmicro_batch = 4\n",
+        args: &[],
+        env: &[],
+        expected: "error: p.toml:21:1: unknown key `wrap.pipeline.micro_batch`; did you mean `wrap.pipeline.micro_batches`? \
+                   (valid keys in [wrap.pipeline]: wrap.pipeline.stages, wrap.pipeline.micro_batches, wrap.pipeline.schedule, \
+                   wrap.pipeline.replicas)\n  \
+                   21 | micro_batch = 4",
+    },
+    Case {
+        name: "unknown strategy from --set",
+        file: "",
+        args: &["--set", "wrap.strategy=\"pipe\""],
+        env: &[],
+        expected: "error: --set wrap.strategy=\"pipe\": `wrap.strategy` cannot be \"pipe\"; did you mean \"pipeline\"? \
+                   (one of: \"ddp\", \"none\", \"pipeline\")",
+    },
+    Case {
+        name: "pipeline stages out of order",
+        file: "",
+        args: &["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.model.hidden=[16, 16, 16]", "--set", "wrap.pipeline.stages=[[0, 1], [3], [2]]"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.pipeline.stages` (--set wrap.pipeline.stages=[[0, 1], [3], [2]]): \
+                   stage 1 is [3], but the layers must come in order, each exactly once: stage 1 must start with layer 2 and \
+                   list consecutive layers",
+    },
+    Case {
+        name: "pipeline stages that do not match the world size",
+        file: "",
+        args: &["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.model.hidden=[16, 16, 16]", "--set", "wrap.pipeline.stages=[[0], [1], [2, 3]]"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.pipeline.stages` (--set wrap.pipeline.stages=[[0], [1], [2, 3]]): \
+                   lists 3 stages but run.world_size (file p.toml:5) is 2; a pipeline has one stage per rank",
+    },
+    Case {
+        name: "more ranks than layers",
+        file: "",
+        args: &["--set", "wrap.strategy=\"pipeline\"", "--set", "run.world_size=4"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `run.world_size` (--set run.world_size=4): 4 ranks, but the model has \
+                   2 layers (1 hidden + the output layer); a pipeline needs at least one layer per rank: use at most 2 ranks, \
+                   or more hidden layers",
+    },
+    Case {
+        name: "what a pipeline cannot do",
+        file: "",
+        args: &["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.pipeline.micro_batches=17", "--set", "validate.on=\"all\"", "--set", "checkpoint.every=1"],
+        env: &[],
+        expected: "error: p.toml: 3 problems in the configuration:\n  \
+                   `wrap.pipeline.micro_batches` (--set wrap.pipeline.micro_batches=17): 17 micro-batches of a batch of 16 rows \
+                   would leave some empty; use at most 16\n  \
+                   `validate.on` (--set validate.on=\"all\"): \"all\" validates every replica, but a pipeline is one model: its \
+                   validation runs through every rank; use \"rank0\"\n  \
+                   `checkpoint.every` (--set checkpoint.every=1): pipelines do not write checkpoints yet (each rank holds other \
+                   layers); set it to 0 (the run still writes its final model.safetensors)",
+    },
+    Case {
+        name: "a pipeline key without the pipeline",
+        file: "",
+        args: &["--set", "wrap.pipeline.micro_batches=4"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.pipeline.micro_batches` (--set wrap.pipeline.micro_batches=4): \
+                   is only read by wrap.strategy = \"pipeline\"",
+    },
+    Case {
+        name: "a model 4× larger than one rank may hold, on one rank",
+        file: "",
+        args: &["--set", "run.world_size=1", "--set", "wrap.strategy=\"none\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=0.251"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.251): rank 0 would \
+                   hold the whole model, layers 0-3 (263168 parameters, 1.004 MiB as float32), more than the 0.251 MiB a rank may \
+                   hold; split the model with wrap.strategy = \"pipeline\" over at least 4 ranks (run.world_size = 4), or use a \
+                   smaller model",
+    },
+    Case {
+        name: "the same model in a pipeline of one stage",
+        file: "",
+        args: &["--set", "run.world_size=1", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=0.251"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.251): rank 0 would \
+                   hold the whole model, layers 0-3 (263168 parameters, 1.004 MiB as float32), more than the 0.251 MiB a rank may \
+                   hold; split the model over at least 4 ranks (run.world_size = 4), or use a smaller model",
+    },
+    Case {
+        name: "a layer larger than one rank may hold",
+        file: "",
+        args: &["--set", "run.world_size=4", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=0.2"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.2): rank 0 would \
+                   hold layer 0 (65792 parameters, 0.251 MiB as float32), more than the 0.2 MiB a rank may hold; even layer 0 \
+                   alone holds 0.251 MiB: use a smaller model",
+    },
+    Case {
+        name: "explicit stages that overload a rank",
+        file: "",
+        args: &["--set", "run.world_size=2", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "wrap.pipeline.stages=[[0], [1, 2, 3]]", "--set", "run.memory_per_rank_mb=0.6"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.6): rank 1 would \
+                   hold layers 1-3 (197376 parameters, 0.753 MiB as float32), more than the 0.6 MiB a rank may hold; give \
+                   rank 1 fewer layers in wrap.pipeline.stages, or leave them out: the split balanced by parameters fits",
+    },
+    Case {
+        name: "copies of a pipeline that do not split the ranks",
+        file: "",
+        args: &["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.pipeline.replicas=3", "--set", "run.world_size=4"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.pipeline.replicas` (--set wrap.pipeline.replicas=3): 3 copies of \
+                   the pipeline do not split run.world_size = 4 evenly; use a divisor of it",
+    },
+    Case {
+        name: "stages that do not match the ranks of a copy",
+        file: "",
+        args: &["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.pipeline.replicas=2", "--set", "run.world_size=4", "--set", "wrap.model.hidden=[16, 16, 16]", "--set", "wrap.pipeline.stages=[[0], [1], [2, 3]]"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.pipeline.stages` (--set wrap.pipeline.stages=[[0], [1], [2, 3]]): \
+                   lists 3 stages but each of the 2 copies has 2 ranks (run.world_size (--set run.world_size=4) / replicas); \
+                   a pipeline has one stage per rank",
+    },
 ];
 
 fn check(case: &Case, command: &str) {

@@ -230,6 +230,10 @@ fn collectives(pg: &ProcessGroup) {
                     pg.send(&out, next, 3).unwrap();
                 }
                 assert_eq!(of(&got, n - 1), (n - 1) as f64 + prev as f64, "send/recv {kind:?}");
+                // Every rank sends and receives at once: send_recv posts both before waiting.
+                let mut got = base.zeros_like();
+                pg.send_recv(&(&out * 2.0), next, 4, &mut got, prev, 4).unwrap();
+                assert_eq!(of(&got, n - 1), 2.0 * ((n - 1) as f64 + prev as f64), "send_recv {kind:?}");
             }
         }
     }

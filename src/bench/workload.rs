@@ -121,10 +121,10 @@ pub fn prepare(w: &Workload, dir: &Path) -> anyhow::Result<Files> {
 }
 
 fn write_init(w: &Workload, path: &Path) -> anyhow::Result<()> {
-    tch::manual_seed(0);
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let m = config::schema::Model { hidden: w.hidden.clone(), ..Default::default() };
-    let _model = Mlp::new(&vs.root(), w.features, &m, w.classes);
+    // The runner's own initialisation for run.seed = 0.
+    let _model = Mlp::new(&vs.root(), w.features, &m, w.classes, 0);
     let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     write_npz(&named, path)

@@ -16,7 +16,22 @@ impl Plan {
             Some(info) => info.path.display().to_string(),
         };
         let order = if c.shard.shuffle { "reshuffled every epoch" } else { "file order" };
+        let pipeline = self.is_pipeline();
+        // Ranks per copy of a pipeline, and copies.
+        let (stages, copies) = (self.pipeline_ranks(), l.world_size);
+        let each = match (pipeline, copies) {
+            (true, 1) => "on every rank",
+            (true, _) => "per copy",
+            (false, _) => "per rank",
+        };
         let mut shard_op = match l.split_batch {
+            None if pipeline && copies == 1 => {
+                format!("none (one model, no replicas): every rank walks the same rows, {order}")
+            }
+            None if pipeline => format!(
+                "DistributedSampler over {copies} copies of the pipeline (the {stages} ranks of a copy walk the same \
+                 rows), {order}"
+            ),
             None => format!("DistributedSampler over {w} rank{}, {order}", if w == 1 { "" } else { "s" }),
             Some(b) => format!("each global batch of {} split {w} × {b}, {order}", b * w),
         };
@@ -37,6 +52,8 @@ impl Plan {
             NormalizeMethod::None => "none",
         };
         let scope = match c.normalize.scope {
+            _ if pipeline && copies == 1 => "statistics of the training set (every rank's rows)",
+            NormalizeScope::Rank if pipeline => "statistics of each copy's shard",
             NormalizeScope::Rank => "statistics of each rank's shard",
             NormalizeScope::Global => "statistics all-reduced over ranks",
         };
@@ -46,57 +63,168 @@ impl Plan {
                 format!("DDP (c10d Reducer, {} MiB buckets), weights broadcast from rank 0", c.wrap.bucket_cap_mb)
             }
             WrapStrategy::None => "no synchronisation: independent replicas".into(),
+            WrapStrategy::Pipeline => format!(
+                "pipeline over {stages} rank{}{}, layers {}; {}, {} micro-batch{} per batch",
+                if stages == 1 { "" } else { "s" },
+                if copies == 1 {
+                    String::new()
+                } else {
+                    format!(" × {copies} copies (each stage's gradients averaged over the copies)")
+                },
+                if c.wrap.pipeline.stages.is_some() { "as wrap.pipeline.stages" } else { "balanced by parameters" },
+                schedule_name(c.wrap.pipeline.schedule),
+                c.wrap.pipeline.micro_batches,
+                if c.wrap.pipeline.micro_batches == 1 { "" } else { "es" },
+            ),
+        };
+        let wrap_out = match c.wrap.strategy {
+            WrapStrategy::Pipeline if copies > 1 => format!("{stages} stages × {copies} copies"),
+            WrapStrategy::Pipeline => format!("{w} stage{}", if w == 1 { "" } else { "s" }),
+            _ => format!("{w} replica{}", if w == 1 { "" } else { "s" }),
         };
         let opt = format!("{:?}", c.train.optimizer).to_lowercase();
-        let val = if c.validate.every == 0 {
-            "off".to_string()
-        } else {
-            let on = if c.validate.on == ValidateOn::All { "every rank" } else { "rank 0" };
-            format!("every {} epoch(s) on {on}", c.validate.every)
+        let val = match (c.validate.every, c.validate.on) {
+            (0, _) => "off".to_string(),
+            (e, _) if pipeline => {
+                format!("every {e} epoch(s), forward through ranks 0-{}, measured on rank {}", stages - 1, stages - 1)
+            }
+            (e, ValidateOn::All) => format!("every {e} epoch(s) on every rank"),
+            (e, ValidateOn::Rank0) => format!("every {e} epoch(s) on rank 0"),
         };
-        let rows = vec![
+        let mut rows = vec![
             vec![
                 "1 load".into(),
                 source,
                 format!("{} training + {} validation rows, {} classes", d.rows, d.validation_rows, d.classes),
                 format!("{} × {f}", d.rows),
             ],
-            vec!["2 shard".into(), format!("{} × {f}", d.rows), shard_op, format!("{} × {f} per rank", l.per_rank)],
+            vec!["2 shard".into(), format!("{} × {f}", d.rows), shard_op, format!("{} × {f} {each}", l.per_rank)],
             vec![
                 "3 normalize".into(),
-                format!("{} × {f} per rank", l.per_rank),
+                format!("{} × {f} {each}", l.per_rank),
                 format!("{norm}, {scope}"),
-                format!("{} × {f} per rank", l.per_rank),
+                format!("{} × {f} {each}", l.per_rank),
             ],
-            vec![
-                "4 wrap".into(),
-                format!("MLP {model} ({} parameters)", self.parameters),
-                wrap_op,
-                format!("{w} replica{}", if w == 1 { "" } else { "s" }),
-            ],
-            vec![
-                "5 train".into(),
-                format!("{} × {f} per rank", l.per_rank),
-                format!(
-                    "{} epochs × {} steps of {} per rank ({} global), {opt} lr {}",
-                    c.train.epochs,
-                    self.steps_per_epoch(),
-                    self.batch_per_rank,
-                    self.batch_per_rank * w,
-                    c.train.lr
-                ),
-                "loss, accuracy per epoch".into(),
-            ],
-            vec!["  validate".into(), format!("{} × {f}", d.validation_rows), val, "val loss, val accuracy".into()],
+            vec!["4 wrap".into(), format!("MLP {model} ({} parameters)", self.parameters), wrap_op, wrap_out],
         ];
+        let (train_in, train_op) = if pipeline {
+            rows.extend(self.stage_rows());
+            let micro = micro_text(self.batch_per_rank, c.wrap.pipeline.micro_batches);
+            let op = format!(
+                "{} epochs × {} steps of {} ({micro}){}, {opt} lr {}; loss on {}",
+                c.train.epochs,
+                self.steps_per_epoch(),
+                self.batch_per_rank,
+                if copies == 1 {
+                    String::new()
+                } else {
+                    format!(" per copy ({} global)", self.batch_per_rank * copies)
+                },
+                c.train.lr,
+                if copies == 1 { format!("rank {}", stages - 1) } else { "the last rank of each copy".into() },
+            );
+            (format!("{} × {f} {each}", l.per_rank), op)
+        } else {
+            let op = format!(
+                "{} epochs × {} steps of {} per rank ({} global), {opt} lr {}",
+                c.train.epochs,
+                self.steps_per_epoch(),
+                self.batch_per_rank,
+                self.batch_per_rank * w,
+                c.train.lr
+            );
+            (format!("{} × {f} per rank", l.per_rank), op)
+        };
+        rows.push(vec!["5 train".into(), train_in, train_op, "loss, accuracy per epoch".into()]);
+        rows.push(vec![
+            "  validate".into(),
+            format!("{} × {f}", d.validation_rows),
+            val,
+            "val loss, val accuracy".into(),
+        ]);
         format!(
-            "run {} ({}): {w} rank{} × {} thread{}\n\n{}",
+            "run {} ({}): {w} rank{} × {} thread{}\n\n{}{}",
             c.run.name,
             self.run_id,
             if w == 1 { "" } else { "s" },
             self.threads_per_rank,
             if self.threads_per_rank == 1 { "" } else { "s" },
-            table(&["stage", "input", "operation", "output"], &rows)
+            table(&["stage", "input", "operation", "output"], &rows),
+            self.bubble_note()
         )
+    }
+
+    /// One row per pipeline stage: the ranks holding it, what flows in, its layers, what flows out.
+    fn stage_rows(&self) -> Vec<Vec<String>> {
+        let c = &self.config;
+        let widths = crate::model::widths(self.data.features, &c.wrap.model.hidden, self.data.classes);
+        let mb = micro_size(self.batch_per_rank, c.wrap.pipeline.micro_batches);
+        let w = self.pipeline_ranks();
+        let limit = c.run.memory_per_rank_mb.map(|l| format!(" of {l} allowed")).unwrap_or_default();
+        (0..w)
+            .map(|r| {
+                let s = &self.stages[r];
+                let ranks: Vec<String> = (r..self.world_size()).step_by(w).map(|x| x.to_string()).collect();
+                let label =
+                    if ranks.len() == 1 { format!("  rank {r}") } else { format!("  ranks {}", ranks.join(", ")) };
+                let (from, to) = match (r, r + 1 == w, ranks.len()) {
+                    (0, _, _) => ("batch".to_string(), format!("to rank {}", r + 1)),
+                    (_, _, 1) => (format!("from rank {}", r - 1), format!("to rank {}", r + 1)),
+                    _ => ("from the stage before".to_string(), "to the next stage".to_string()),
+                };
+                let to = if r + 1 == w { "logits → loss".to_string() } else { to };
+                let layer_widths: Vec<String> = widths[s.start..=s.end].iter().map(|x| x.to_string()).collect();
+                let p = self.rank_parameters(r);
+                vec![
+                    label,
+                    format!("{mb} × {} {from}", widths[s.start]),
+                    format!(
+                        "{} ({}): {p} parameters, {:.3} MiB{limit}",
+                        super::plan::layers_text(s),
+                        layer_widths.join("-"),
+                        super::plan::parameter_mib(p)
+                    ),
+                    format!("{mb} × {} {to}", widths[s.end]),
+                ]
+            })
+            .collect()
+    }
+
+    /// Under a pipeline's table: the idle share its schedule implies.
+    fn bubble_note(&self) -> String {
+        if !self.is_pipeline() {
+            return String::new();
+        }
+        let (s, m) = (self.pipeline_ranks() as f64, self.config.wrap.pipeline.micro_batches as f64);
+        format!(
+            "\n  {} bubble: (stages - 1) / (micro-batches + stages - 1) = {:.0}% of each step idle per rank, \
+             before communication; the trace measures it (column bubble)\n",
+            schedule_name(self.config.wrap.pipeline.schedule),
+            100.0 * (s - 1.0) / (m + s - 1.0)
+        )
+    }
+}
+
+fn schedule_name(s: Schedule) -> &'static str {
+    match s {
+        Schedule::Gpipe => "GPipe",
+        Schedule::OneFOneB => "1F1B",
+    }
+}
+
+/// The rows of a micro-batch: "16", or "16-17" when the batch does not divide evenly.
+fn micro_size(batch: usize, micro: usize) -> String {
+    let (lo, hi) = (batch / micro, batch.div_ceil(micro));
+    if lo == hi {
+        lo.to_string()
+    } else {
+        format!("{lo}-{hi}")
+    }
+}
+
+fn micro_text(batch: usize, micro: usize) -> String {
+    match micro {
+        1 => "1 micro-batch".into(),
+        m => format!("{m} micro-batches of {}", micro_size(batch, m)),
     }
 }

@@ -4,6 +4,7 @@
 #![allow(clippy::neg_cmp_op_on_partial_ord)]
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::PathBuf;
 
 use super::schema::*;
@@ -27,6 +28,10 @@ pub struct Plan {
     /// `wrap.init` resolved against the pipeline file.
     pub init_weights: Option<PathBuf>,
     pub parameters: usize,
+    /// Parameters of each layer of the model.
+    pub layer_parameters: Vec<usize>,
+    /// The layers each rank holds: all of them, except with wrap.strategy = "pipeline".
+    pub stages: Vec<Range<usize>>,
 }
 
 /// The data the load stage produces, with its shape.
@@ -152,6 +157,9 @@ impl Plan {
         }
 
         let w = c.run.world_size;
+        let pipeline = c.wrap.strategy == WrapStrategy::Pipeline;
+        // A pipeline's ranks share one copy of the model: each copy walks its own shard.
+        let replicas = if pipeline { c.wrap.pipeline.replicas.max(1) } else { w };
         let split = match (c.shard.strategy, t.global_batch_size) {
             (ShardStrategy::Dataset, None) => None,
             (ShardStrategy::Dataset, Some(_)) => {
@@ -190,7 +198,7 @@ impl Plan {
             }
         };
         let layout = data.as_ref().filter(|_| w > 0).and_then(|d| match (c.shard.strategy, split) {
-            (ShardStrategy::Dataset, _) => Some(ShardLayout::new(d.rows, w, c.shard.drop_last)),
+            (ShardStrategy::Dataset, _) => Some(ShardLayout::new(d.rows, replicas, c.shard.drop_last)),
             (ShardStrategy::Batch, Some(g)) => Some(ShardLayout::split(d.rows, w, g, c.shard.drop_last)),
             (ShardStrategy::Batch, None) => None,
         });
@@ -205,7 +213,7 @@ impl Plan {
                     "train.batch_size",
                     format!(
                         "{} per rank is larger than a rank's shard of {} rows ({} rows / {} ranks); use at most {}",
-                        t.batch_size, l.per_rank, l.rows, c.run.world_size, l.per_rank
+                        t.batch_size, l.per_rank, l.rows, l.world_size, l.per_rank
                     ),
                 );
             }
@@ -213,9 +221,40 @@ impl Plan {
 
         let init_weights = c.wrap.init.as_ref().map(|rel| base.join(rel));
         if let (Some(path), Some(d)) = (&init_weights, &data) {
-            let shapes = crate::model::parameter_shapes(d.features, &m.hidden, d.classes);
+            let shapes = crate::model::layer_shapes(d.features, &m.hidden, d.classes, 0..m.hidden.len() + 1);
             if let Err(e) = crate::model::read_weights(path, &shapes) {
                 bad("wrap.init", e);
+            }
+        }
+
+        let layer_parameters = data
+            .as_ref()
+            .map(|d| crate::model::layer_parameters(d.features, &c.wrap.model.hidden, d.classes))
+            .unwrap_or_default();
+        let stages = if pipeline {
+            pipeline_stages(&c, &sources, &layer_parameters, &mut bad)
+        } else {
+            // Compared with the defaults, not by source: a run's saved config.toml sets every key.
+            let (p, default) = (&c.wrap.pipeline, Pipeline::default());
+            for (key, set) in [
+                ("wrap.pipeline.stages", p.stages != default.stages),
+                ("wrap.pipeline.micro_batches", p.micro_batches != default.micro_batches),
+                ("wrap.pipeline.schedule", p.schedule != default.schedule),
+                ("wrap.pipeline.replicas", p.replicas != default.replicas),
+            ] {
+                if set {
+                    bad(key, "is only read by wrap.strategy = \"pipeline\"".into());
+                }
+            }
+            Some(vec![0..layer_parameters.len(); w])
+        };
+        if let (Some(limit), Some(stages)) = (c.run.memory_per_rank_mb, &stages) {
+            if !(limit > 0.0) {
+                bad("run.memory_per_rank_mb", format!("must be positive MiB, got {limit}"));
+            } else if !layer_parameters.is_empty() {
+                if let Some(msg) = memory_check(limit, stages, &layer_parameters, pipeline) {
+                    bad("run.memory_per_rank_mb", msg);
+                }
             }
         }
 
@@ -227,6 +266,7 @@ impl Plan {
         }
         let data = data.expect("checked above");
         let layout = layout.expect("checked above");
+        let stages = stages.expect("checked above");
         let batch_per_rank = layout.split_batch.unwrap_or(c.train.batch_size);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads_per_rank = c.run.threads_per_rank.unwrap_or((cores / c.run.world_size).max(1));
@@ -243,11 +283,40 @@ impl Plan {
             threads_per_rank,
             parameters,
             init_weights,
+            layer_parameters,
+            stages,
         })
     }
 
     pub fn world_size(&self) -> usize {
         self.config.run.world_size
+    }
+
+    pub fn is_pipeline(&self) -> bool {
+        self.config.wrap.strategy == WrapStrategy::Pipeline
+    }
+
+    /// Which shard of the data `rank` walks: its own, or its pipeline's.
+    pub fn replica(&self, rank: usize) -> usize {
+        if self.is_pipeline() {
+            rank / self.pipeline_ranks()
+        } else {
+            rank
+        }
+    }
+
+    /// Ranks per copy of the pipeline (its stages); 1 for the other strategies.
+    pub fn pipeline_ranks(&self) -> usize {
+        if self.is_pipeline() {
+            self.world_size() / self.layout.world_size
+        } else {
+            1
+        }
+    }
+
+    /// Parameters held by `rank`.
+    pub fn rank_parameters(&self, rank: usize) -> usize {
+        self.layer_parameters[self.stages[rank].clone()].iter().sum()
     }
 
     /// Steps per epoch on every rank (equal, so collectives line up).
@@ -287,6 +356,162 @@ impl Plan {
         }
         out
     }
+}
+
+/// The pipeline's checks; the layers of each rank, when they are valid.
+fn pipeline_stages(
+    c: &Config,
+    sources: &BTreeMap<String, String>,
+    layer_parameters: &[usize],
+    bad: &mut impl FnMut(&str, String),
+) -> Option<Vec<Range<usize>>> {
+    let p = &c.wrap.pipeline;
+    if p.replicas == 0 || !c.run.world_size.is_multiple_of(p.replicas) {
+        bad(
+            "wrap.pipeline.replicas",
+            format!(
+                "{} copies of the pipeline do not split run.world_size = {} evenly; use a divisor of it",
+                p.replicas, c.run.world_size
+            ),
+        );
+        return None;
+    }
+    // The stages of one copy; the copies repeat them.
+    let w = c.run.world_size / p.replicas;
+    if c.shard.strategy == ShardStrategy::Batch {
+        bad(
+            "shard.strategy",
+            "a pipeline holds one model, not replicas, so it has no batches to split: every rank walks \
+             the same batches; use \"dataset\""
+                .into(),
+        );
+    }
+    if p.micro_batches == 0 {
+        bad("wrap.pipeline.micro_batches", "must be at least 1".into());
+    } else if p.micro_batches > c.train.batch_size && c.train.batch_size > 0 {
+        bad(
+            "wrap.pipeline.micro_batches",
+            format!(
+                "{} micro-batches of a batch of {} rows would leave some empty; use at most {}",
+                p.micro_batches, c.train.batch_size, c.train.batch_size
+            ),
+        );
+    }
+    if c.validate.on == ValidateOn::All {
+        bad(
+            "validate.on",
+            "\"all\" validates every replica, but a pipeline is one model: its validation runs through \
+             every rank; use \"rank0\""
+                .into(),
+        );
+    }
+    if c.checkpoint.every > 0 {
+        bad(
+            "checkpoint.every",
+            "pipelines do not write checkpoints yet (each rank holds other layers); set it to 0 \
+             (the run still writes its final model.safetensors)"
+                .into(),
+        );
+    }
+    let layers = layer_parameters.len();
+    if layers == 0 {
+        return None;
+    }
+    let stages = match &p.stages {
+        Some(stages) => {
+            let ranges = match crate::model::partition::explicit(stages, layers) {
+                Ok(r) => r,
+                Err(e) => {
+                    bad("wrap.pipeline.stages", e);
+                    return None;
+                }
+            };
+            if ranges.len() != w {
+                let from = sources.get("run.world_size").map(String::as_str).unwrap_or("default");
+                let ranks = if p.replicas == 1 {
+                    format!("run.world_size ({from}) is {w}")
+                } else {
+                    format!("each of the {} copies has {w} ranks (run.world_size ({from}) / replicas)", p.replicas)
+                };
+                bad(
+                    "wrap.pipeline.stages",
+                    format!("lists {} stages but {ranks}; a pipeline has one stage per rank", ranges.len()),
+                );
+                return None;
+            }
+            Some(ranges)
+        }
+        None if w > layers => {
+            bad(
+                "run.world_size",
+                format!(
+                    "{w} ranks, but the model has {layers} layers ({} hidden + the output layer); a pipeline \
+                     needs at least one layer per rank: use at most {layers} ranks, or more hidden layers",
+                    layers - 1
+                ),
+            );
+            None
+        }
+        None => crate::model::partition::balanced(layer_parameters, w),
+    }?;
+    Some((0..c.run.world_size).map(|r| stages[r % w].clone()).collect())
+}
+
+/// MiB of `parameters` float32 values.
+pub fn parameter_mib(parameters: usize) -> f64 {
+    (parameters * 4) as f64 / (1024.0 * 1024.0)
+}
+
+/// "layer 3", "layers 3-5".
+pub fn layers_text(r: &Range<usize>) -> String {
+    if r.len() == 1 {
+        format!("layer {}", r.start)
+    } else {
+        format!("layers {}-{}", r.start, r.end - 1)
+    }
+}
+
+/// Why the heaviest rank's parameters (float32) exceed `limit` MiB, and what would fit.
+fn memory_check(limit: f64, stages: &[Range<usize>], layer_parameters: &[usize], pipeline: bool) -> Option<String> {
+    let params = |r: &Range<usize>| layer_parameters[r.clone()].iter().sum::<usize>();
+    let (rank, heaviest) = stages.iter().enumerate().rev().max_by_key(|(_, r)| params(r))?;
+    let mib = parameter_mib;
+    if mib(params(heaviest)) <= limit {
+        return None;
+    }
+    let what = if heaviest.len() == layer_parameters.len() {
+        format!("the whole model, {}", layers_text(heaviest))
+    } else {
+        layers_text(heaviest)
+    };
+    let fits = (1..=layer_parameters.len()).find(|&n| {
+        crate::model::partition::balanced(layer_parameters, n)
+            .is_some_and(|split| split.iter().all(|r| mib(params(r)) <= limit))
+    });
+    let advice = match fits {
+        // Only explicit stages can be over the limit where a balanced split of as many fits.
+        Some(n) if pipeline && n <= stages.len() => format!(
+            "give rank {rank} fewer layers in wrap.pipeline.stages, or leave them out: the split balanced by \
+             parameters fits"
+        ),
+        Some(n) if pipeline => {
+            format!("split the model over at least {n} ranks (run.world_size = {n}), or use a smaller model")
+        }
+        Some(n) => format!(
+            "split the model with wrap.strategy = \"pipeline\" over at least {n} ranks (run.world_size = {n}), \
+             or use a smaller model"
+        ),
+        None => {
+            let (i, p) = layer_parameters.iter().enumerate().rev().max_by_key(|(_, p)| **p).expect("layers");
+            format!("even layer {i} alone holds {:.3} MiB: use a smaller model", mib(*p))
+        }
+    };
+    Some(format!(
+        "rank {rank} would hold {what} ({} parameters, {:.3} MiB as float32), more than the {limit} MiB a rank may \
+         hold; {advice}",
+        params(heaviest),
+        mib(params(heaviest))
+    ))
 }
 
 fn file_spec(

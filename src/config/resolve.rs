@@ -137,6 +137,12 @@ fn figment_error(e: figment::Error, file: &Path) -> ConfigError {
                     let valid = expected.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ");
                     format!("unknown field `{f}`, expected one of {valid}")
                 }
+                // figment's own wording ("expected `a` or `b`") does not keep the names quoted
+                // one by one, as `explain` reads them.
+                figment::error::Kind::UnknownVariant(v, expected) => {
+                    let valid = expected.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ");
+                    format!("unknown variant `{v}`, expected one of {valid}")
+                }
                 kind => kind.to_string(),
             };
             let origin = if name.contains("environment") {

@@ -50,6 +50,8 @@ pub struct Run {
     pub timeout_s: f64,
     /// Seconds the launcher lets the other ranks wind down after one fails, before killing them.
     pub abort_after_s: f64,
+    /// MiB of float32 parameters one rank may hold, checked on the plan; absent: unchecked.
+    pub memory_per_rank_mb: Option<f64>,
 }
 
 impl Default for Run {
@@ -63,6 +65,7 @@ impl Default for Run {
             threads_per_rank: None,
             timeout_s: 60.0,
             abort_after_s: 5.0,
+            memory_per_rank_mb: None,
         }
     }
 }
@@ -189,11 +192,19 @@ pub struct Wrap {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init: Option<PathBuf>,
     pub model: Model,
+    /// strategy = "pipeline" only.
+    pub pipeline: Pipeline,
 }
 
 impl Default for Wrap {
     fn default() -> Self {
-        Wrap { strategy: WrapStrategy::Ddp, bucket_cap_mb: 25.0, init: None, model: Model::default() }
+        Wrap {
+            strategy: WrapStrategy::Ddp,
+            bucket_cap_mb: 25.0,
+            init: None,
+            model: Model::default(),
+            pipeline: Pipeline::default(),
+        }
     }
 }
 
@@ -204,6 +215,39 @@ pub enum WrapStrategy {
     Ddp,
     /// No synchronisation: each rank trains its own replica (world_size 1, or for comparison).
     None,
+    /// Model parallelism: the layers partitioned across the ranks, micro-batches flowing through.
+    Pipeline,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Pipeline {
+    /// The layers (0-based, in order) of each stage, one list per rank of a pipeline; absent: a
+    /// contiguous split balanced by parameter count.
+    pub stages: Option<Vec<Vec<usize>>>,
+    /// Micro-batches each batch is split into (sizes differ by at most one row).
+    pub micro_batches: usize,
+    pub schedule: Schedule,
+    /// Copies of the pipeline, each on world_size / replicas ranks and its own shard of the data,
+    /// each stage's gradients averaged over the copies (data parallel across pipelines).
+    pub replicas: usize,
+}
+
+impl Default for Pipeline {
+    fn default() -> Self {
+        Pipeline { stages: None, micro_batches: 1, schedule: Schedule::Gpipe, replicas: 1 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// Every micro-batch forward, then every micro-batch backward, then one update.
+    Gpipe,
+    /// Once the pipeline is full, one forward then one backward: the same result and bubble as
+    /// GPipe, with at most (ranks - rank) micro-batches' activations held instead of all.
+    #[serde(rename = "1f1b")]
+    OneFOneB,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -58,6 +58,15 @@ extern "C" {
         timeout_ms: i64,
         out: *mut *mut RnPg,
     ) -> *mut c_char;
+    pub fn rn_pg_new_gloo_group(
+        s: *mut RnStore,
+        prefix: *const c_char,
+        rank: c_int,
+        size: c_int,
+        device_host: *const c_char,
+        timeout_ms: i64,
+        out: *mut *mut RnPg,
+    ) -> *mut c_char;
     pub fn rn_pg_new_nccl(
         s: *mut RnStore,
         rank: c_int,
@@ -76,6 +85,15 @@ extern "C" {
     ) -> *mut c_char;
     pub fn rn_pg_send(pg: *mut RnPg, tensor: *mut c_void, dst: c_int, tag: c_int) -> *mut c_char;
     pub fn rn_pg_recv(pg: *mut RnPg, tensor: *mut c_void, src: c_int, tag: c_int) -> *mut c_char;
+    pub fn rn_pg_send_recv(
+        pg: *mut RnPg,
+        send_tensor: *mut c_void,
+        dst: c_int,
+        send_tag: c_int,
+        recv_tensor: *mut c_void,
+        src: c_int,
+        recv_tag: c_int,
+    ) -> *mut c_char;
     pub fn rn_pg_barrier(pg: *mut RnPg) -> *mut c_char;
 
     pub fn rn_ddp_new(

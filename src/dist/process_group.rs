@@ -46,13 +46,18 @@ fn recorded_exit(store: &Store, rank: usize) -> Option<(i64, String)> {
     Some((seq.parse().ok()?, how.to_owned()))
 }
 
-/// The ranks `0..size` of one job, joined through a [`Store`].
+/// The ranks `0..size` of one job, joined through a [`Store`]; or some of them (a subgroup).
 pub struct ProcessGroup {
     raw: NonNull<ffi::RnPg>,
     store: Arc<Store>,
     rank: usize,
     size: usize,
     timeout: Duration,
+    /// The job's rank of each member (`0..size` for the whole job): departures are recorded by them.
+    members: Vec<usize>,
+    /// Made by [`ProcessGroup::subgroup`]: its end is not the rank's departure from the job.
+    subgroup: bool,
+    device_host: String,
 }
 
 // SAFETY: c10d backends enqueue work behind their own locks and may be called from any thread.
@@ -91,7 +96,61 @@ impl ProcessGroup {
         let op = format!("process_group.new({backend:?}, rank {rank} of {size})");
         check(&op, err)?;
         let raw = NonNull::new(raw).expect("rn_pg_new succeeded");
-        Ok(ProcessGroup { raw, store, rank, size, timeout })
+        let members = (0..size).collect();
+        Ok(ProcessGroup {
+            raw,
+            store,
+            rank,
+            size,
+            timeout,
+            members,
+            subgroup: false,
+            device_host: device_host.to_owned(),
+        })
+    }
+
+    /// A gloo group of the job's ranks `members` (this rank among them), for collectives among
+    /// them alone. Every member must call this with the same `name` and `members`; groups with
+    /// different names may be created at the same time.
+    pub fn subgroup(&self, name: &str, members: &[usize]) -> Result<ProcessGroup> {
+        let op = format!("process_group.subgroup({name}, ranks {members:?})");
+        let rank = members
+            .iter()
+            .position(|&m| m == self.global_rank())
+            .ok_or_else(|| Error::new(&op, format!("rank {} is not a member", self.global_rank())))?;
+        let prefix = CString::new(format!("runner/group/{name}")).map_err(|_| Error::new(&op, "NUL in the name"))?;
+        let host = CString::new(self.device_host.as_str()).map_err(|_| Error::new(&op, "NUL in the host"))?;
+        let timeout_ms = i64::try_from(self.timeout.as_millis()).unwrap_or(i64::MAX);
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: the store and both strings are live for the call; `raw` is written only on success.
+        let err = unsafe {
+            ffi::rn_pg_new_gloo_group(
+                self.store.raw(),
+                prefix.as_ptr(),
+                rank as i32,
+                members.len() as i32,
+                host.as_ptr(),
+                timeout_ms,
+                &mut raw,
+            )
+        };
+        self.result(&op, err)?;
+        let raw = NonNull::new(raw).expect("rn_pg_new_gloo_group succeeded");
+        Ok(ProcessGroup {
+            raw,
+            store: self.store.clone(),
+            rank,
+            size: members.len(),
+            timeout: self.timeout,
+            members: members.to_vec(),
+            subgroup: true,
+            device_host: self.device_host.clone(),
+        })
+    }
+
+    /// This rank in the whole job.
+    fn global_rank(&self) -> usize {
+        self.members[self.rank]
     }
 
     pub fn rank(&self) -> usize {
@@ -170,6 +229,38 @@ impl ProcessGroup {
         self.result(&name, err)
     }
 
+    /// Sends `send` to `dst` (tag `send_tag`) while receiving into `recv` from `src` (tag
+    /// `recv_tag`): both in flight at once, so two ranks may exchange with each other this way
+    /// without either waiting for the other's send to finish.
+    pub fn send_recv(
+        &self,
+        send: &Tensor,
+        dst: usize,
+        send_tag: i32,
+        recv: &mut Tensor,
+        src: usize,
+        recv_tag: i32,
+    ) -> Result<()> {
+        let name = format!("send_recv(to rank {dst}, tag {send_tag}; from rank {src}, tag {recv_tag})");
+        self.peer(&name, dst)?;
+        self.peer(&name, src)?;
+        self.contiguous(&name, send)?;
+        self.contiguous(&name, recv)?;
+        // SAFETY: both tensors are live and contiguous for the blocking call.
+        let err = unsafe {
+            ffi::rn_pg_send_recv(
+                self.raw(),
+                send.as_ptr() as *mut c_void,
+                dst as i32,
+                send_tag,
+                recv.as_mut_ptr() as *mut c_void,
+                src as i32,
+                recv_tag,
+            )
+        };
+        self.result(&name, err)
+    }
+
     pub fn barrier(&self) -> Result<()> {
         // SAFETY: the group is live.
         let err = unsafe { ffi::rn_pg_barrier(self.raw()) };
@@ -179,7 +270,7 @@ impl ProcessGroup {
     /// Records in the store that this rank is leaving and why, so that peers still waiting on
     /// it can name it in their error. Dropping the group records "left the group".
     pub fn leave(&self, how: &str) {
-        let _ = record_exit(&self.store, self.rank, how);
+        let _ = record_exit(&self.store, self.global_rank(), how);
     }
 
     fn contiguous(&self, op: &str, t: &Tensor) -> Result<()> {
@@ -209,8 +300,8 @@ impl ProcessGroup {
     pub fn explain(&self, mut e: Error) -> Error {
         let deadline = Instant::now() + Duration::from_secs(2).min(self.timeout);
         loop {
-            let mut exits: Vec<(i64, PeerExit)> = (0..self.size)
-                .filter(|&r| r != self.rank)
+            let mut exits: Vec<(i64, PeerExit)> = (self.members.iter().copied())
+                .filter(|&r| r != self.global_rank())
                 .filter_map(|rank| recorded_exit(&self.store, rank).map(|(seq, how)| (seq, PeerExit { rank, how })))
                 .collect();
             exits.sort_by_key(|(seq, p)| (p.how.starts_with("failed"), *seq));
@@ -229,7 +320,8 @@ impl ProcessGroup {
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
-        if self.store.contains(&exit_key(self.rank)).is_ok_and(|recorded| !recorded) {
+        // A subgroup ends before the job's group does; only the latter means leaving the job.
+        if !self.subgroup && self.store.contains(&exit_key(self.rank)).is_ok_and(|recorded| !recorded) {
             self.leave("left the group");
         }
         // SAFETY: the handle is live and dropped exactly once.

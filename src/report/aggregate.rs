@@ -41,7 +41,8 @@ pub struct Final {
     pub val_acc: Option<f64>,
     /// The slowest rank's epoch time, in seconds.
     pub epoch_s: f64,
-    /// Samples per second of all ranks together.
+    /// Samples per second of all ranks together (a pipeline: its slowest rank's, as every rank
+    /// passes the same samples).
     pub samples_per_s: f64,
 }
 
@@ -103,6 +104,10 @@ fn point_result(
     let first =
         |df: &DataFrame, c: &str| -> anyhow::Result<Option<f64>> { Ok(f64s(df, c)?.into_iter().next().flatten()) };
     let needed = |v: Option<f64>, c: &str| v.with_context(|| format!("rank 0 has no {c}"));
+    // A pipeline's ranks all pass the same samples: its throughput is its slowest rank's, not the
+    // sum over ranks. Only pipelines fill `bubble` (traces from before it have no such column).
+    let pipeline = df.column("bubble").is_ok_and(|c| c.null_count() < c.len());
+    let sps = final_rows.column("samples_per_s")?.f64()?;
     let last = Final {
         epoch: last_epoch,
         train_loss: needed(first(&final_rank0, "global_train_loss")?, "global_train_loss")?,
@@ -110,7 +115,7 @@ fn point_result(
         val_loss: first(&final_rank0, "val_loss")?,
         val_acc: first(&final_rank0, "val_acc")?,
         epoch_s: final_rows.column("epoch_s")?.f64()?.max().context("no epoch_s")?,
-        samples_per_s: final_rows.column("samples_per_s")?.f64()?.sum().unwrap_or(0.0),
+        samples_per_s: if pipeline { sps.min() } else { sps.sum() }.unwrap_or(0.0),
     };
     Ok(PointResult {
         dir,

@@ -3,6 +3,7 @@
 //! file and the trace rows so far. Sampler order and dropout seeds derive from (seed, epoch), so
 //! nothing else is needed for a resumed run to continue exactly where the first one stopped.
 //! Every file is written atomically; a checkpoint that does not verify is refused, never loaded.
+//! At the end of a run, rank 0 also writes the trained model alone (`model.safetensors`).
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -11,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
 use crate::config::Plan;
+use crate::dist::ProcessGroup;
 use crate::model::optim::Optimizer;
 use crate::trace::{EpochRow, StepRow};
 
@@ -142,9 +144,46 @@ pub fn latest(run_dir: &Path, plan: &Plan, expected: &[(String, Vec<i64>)]) -> R
 
 /// Parameter names and shapes of the plan's model, as a checkpoint records them.
 pub fn shapes(plan: &Plan) -> Vec<(String, Vec<i64>)> {
-    let vs = nn::VarStore::new(tch::Device::Cpu);
-    let _model = crate::model::Mlp::new(&vs.root(), plan.data.features, &plan.config.wrap.model, plan.data.classes);
-    named_parameters(&vs).into_iter().map(|(n, t)| (n, t.size())).collect()
+    let (d, m) = (&plan.data, &plan.config.wrap.model);
+    crate::model::layer_shapes(d.features, &m.hidden, d.classes, 0..m.hidden.len() + 1)
+}
+
+/// Writes the trained model's parameters to `model.safetensors` in the run directory, named as
+/// in the whole model (`layer0.weight`, ...) whatever the strategy: rank 0's replica, or, in a
+/// pipeline, the layers of every rank of its first copy sent to rank 0.
+pub fn write_model(plan: &Plan, pg: &ProcessGroup, vs: &nn::VarStore, run_dir: &Path) -> anyhow::Result<()> {
+    let mut named = named_parameters(vs);
+    if plan.is_pipeline() {
+        if pg.rank() >= plan.pipeline_ranks() {
+            return Ok(());
+        }
+        if pg.rank() > 0 {
+            for (i, (_, t)) in named.iter().enumerate() {
+                pg.send(t, 0, i as i32)?;
+            }
+            return Ok(());
+        }
+        let (d, m) = (&plan.data, &plan.config.wrap.model);
+        for r in 1..plan.pipeline_ranks() {
+            for (i, (name, shape)) in
+                crate::model::layer_shapes(d.features, &m.hidden, d.classes, plan.stages[r].clone())
+                    .into_iter()
+                    .enumerate()
+            {
+                let mut t = Tensor::zeros(shape.as_slice(), (tch::Kind::Float, tch::Device::Cpu));
+                pg.recv(&mut t, r, i as i32)?;
+                named.push((name, t));
+            }
+        }
+    } else if pg.rank() > 0 {
+        return Ok(());
+    }
+    let path = run_dir.join("model.safetensors");
+    let tmp = run_dir.join(format!(".model.safetensors.tmp-{}", std::process::id()));
+    Tensor::write_safetensors(&named, &tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+    let bytes = std::fs::read(&tmp);
+    let _ = std::fs::remove_file(&tmp);
+    crate::trace::atomic_write(&path, &bytes?)
 }
 
 /// Loads a verified checkpoint's parameters and optimizer state.

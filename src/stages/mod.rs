@@ -3,12 +3,14 @@
 pub mod checkpoint;
 pub mod load;
 pub mod normalize;
+pub mod pipeline;
 pub mod shard;
 pub mod train;
 pub mod wrap;
 
 use std::path::Path;
 
+use crate::config::schema::NormalizeScope;
 use crate::config::Plan;
 use crate::dist::ProcessGroup;
 use crate::launch::position::Position;
@@ -17,7 +19,8 @@ use crate::trace::{self, EpochRow};
 use anyhow::Context;
 
 /// Runs the pipeline as `pg.rank()`. Rank 0 writes the traces after every epoch (atomically, so
-/// they always hold every finished epoch) and returns every rank's rows.
+/// they always hold every finished epoch), and the final model at the end; it returns every
+/// rank's rows.
 /// With `resume`, continues from the run directory's newest checkpoint.
 pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyhow::Result<Vec<EpochRow>> {
     let c = &plan.config;
@@ -30,12 +33,16 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
     let first = shard::RankShard::take(
         &plan.layout,
         &shard::permutation(c.run.seed, 1, plan.layout.rows, c.shard.shuffle),
-        rank,
+        plan.replica(rank),
     );
     position.set("normalize", 0, 0);
+    // The ranks of a single pipeline all hold the whole training set: their own statistics are
+    // the global ones.
+    let scope =
+        if plan.is_pipeline() && plan.layout.world_size == 1 { NormalizeScope::Rank } else { c.normalize.scope };
     let normalizer = normalize::Normalizer::fit(
         c.normalize.method,
-        c.normalize.scope,
+        scope,
         &data.train_x.index_select(0, &first.index_tensor()),
         &first.weight_tensor(),
         pg,
@@ -52,8 +59,18 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
         (Vec::new(), Vec::new(), 1)
     };
     let progress = Progress::new(rank == 0, c.train.epochs, plan.steps_per_epoch());
-    let mut trainer =
-        train::Trainer { plan, pg, data: &data, normalizer: &normalizer, wrapped, progress, position, iteration: 0 };
+    let pipeline = if plan.is_pipeline() { Some(pipeline::Stage::new(plan, pg)?) } else { None };
+    let mut trainer = train::Trainer {
+        plan,
+        pg,
+        data: &data,
+        normalizer: &normalizer,
+        wrapped,
+        pipeline,
+        progress,
+        position,
+        iteration: 0,
+    };
 
     for epoch in first_epoch..=c.train.epochs {
         let out = trainer.epoch(epoch)?;
@@ -64,9 +81,14 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
                 .zip(r0.val_acc)
                 .map(|(l, a)| format!("  val loss {l:.4}  val acc {a:.4}"))
                 .unwrap_or_default();
+            let bubbles: Vec<f64> = out.rows.iter().filter_map(|r| r.bubble).collect();
+            let bubble = match bubbles.len() {
+                0 => String::new(),
+                n => format!("  bubble {:.0}%", 100.0 * bubbles.iter().sum::<f64>() / n as f64),
+            };
             trainer.progress.end_epoch(
                 &format!(
-                    "epoch {epoch}/{}  loss {:.4}  acc {:.4}{val}  {:.2}s  {:.0} samples/s per rank",
+                    "epoch {epoch}/{}  loss {:.4}  acc {:.4}{val}  {:.2}s  {:.0} samples/s per rank{bubble}",
                     c.train.epochs, r0.global_train_loss, r0.global_train_acc, r0.epoch_s, r0.samples_per_s
                 ),
                 true,
@@ -93,5 +115,7 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
         }
     }
     trainer.progress.finish();
+    trainer.position.set("write model", c.train.epochs, 0);
+    checkpoint::write_model(plan, pg, &trainer.wrapped.vs, run_dir)?;
     Ok(rows)
 }

@@ -12,7 +12,7 @@ use crate::launch::manifest::{Manifest, Status};
 use crate::trace;
 
 /// Columns of trace.parquet that measure time: they differ from run to run by nature.
-pub const TIMING_COLUMNS: &[&str] = &["epoch_s", "samples_per_s", "comm_s"];
+pub const TIMING_COLUMNS: &[&str] = &["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble"];
 
 /// Every difference between the stored sweep in `sweep_dir` and a rerun of its points.
 pub fn check(points: &[Point], sweep_dir: &Path) -> anyhow::Result<Vec<String>> {
@@ -146,6 +146,8 @@ mod tests {
             epoch_s,
             samples_per_s: 100.0 / epoch_s,
             comm_s: epoch_s / 10.0,
+            compute_s: epoch_s / 2.0,
+            bubble: None,
         }
     }
 

@@ -26,6 +26,14 @@ pub struct EpochRow {
     pub samples_per_s: f64,
     /// Gradient all-reduce time measured by c10d's Reducer, summed over the epoch's steps.
     pub comm_s: f64,
+    /// Time in forward, loss, backward and update, summed over the epoch's steps (with DDP,
+    /// backward includes the wait for the last gradient buckets).
+    #[serde(default)]
+    pub compute_s: f64,
+    /// Pipelines: the fraction of the epoch's training time this rank spent in send and recv,
+    /// waiting for its neighbours (null for the other strategies).
+    #[serde(default)]
+    pub bubble: Option<f64>,
 }
 
 /// The phases of one sampled training step on one rank, in seconds.
@@ -38,7 +46,8 @@ pub struct StepRow {
     pub forward_s: f64,
     pub loss_s: f64,
     pub backward_s: f64,
-    /// Reducer: first bucket all-reduce start → last one's end.
+    /// Reducer: first bucket all-reduce start → last one's end; in a pipeline, the time in
+    /// send and recv.
     pub sync_s: f64,
     /// Reducer: the part of sync that overlapped backward computation.
     pub overlap_s: f64,
@@ -62,6 +71,8 @@ pub const EPOCH_COLUMNS: &[&str] = &[
     "epoch_s",
     "samples_per_s",
     "comm_s",
+    "compute_s",
+    "bubble",
 ];
 
 pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsResult<DataFrame> {
@@ -83,6 +94,8 @@ pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsR
         f(|r| r.epoch_s).with_name("epoch_s".into()),
         f(|r| r.samples_per_s).with_name("samples_per_s".into()),
         f(|r| r.comm_s).with_name("comm_s".into()),
+        f(|r| r.compute_s).with_name("compute_s".into()),
+        Column::new("bubble".into(), rows.iter().map(|r| r.bubble).collect::<Vec<_>>()),
     ];
     DataFrame::new(n, cols)
 }

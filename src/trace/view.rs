@@ -43,6 +43,27 @@ pub fn epoch_table(rows: &[EpochRow]) -> String {
     table(&["epoch", "loss ↓", "accuracy ↑", "val loss", "val accuracy", "epoch s", "samples/s (rank 0)"], &body)
 }
 
+/// A pipeline's ranks: compute time and bubble (time waiting for neighbours), mean per epoch.
+/// Empty for the other strategies, which have no bubble.
+pub fn pipeline_table(rows: &[EpochRow]) -> String {
+    let ranks = rows.iter().filter(|r| r.bubble.is_some()).map(|r| r.rank).max();
+    let Some(last) = ranks else { return String::new() };
+    let body: Vec<Vec<String>> = (0..=last)
+        .map(|rank| {
+            let mine: Vec<&EpochRow> = rows.iter().filter(|r| r.rank == rank).collect();
+            let n = mine.len().max(1) as f64;
+            let mean = |f: fn(&EpochRow) -> f64| mine.iter().map(|r| f(r)).sum::<f64>() / n;
+            vec![
+                rank.to_string(),
+                format!("{:.2}", mean(|r| r.compute_s)),
+                format!("{:.2}", mean(|r| r.epoch_s)),
+                format!("{:.0}%", 100.0 * mean(|r| r.bubble.unwrap_or(0.0))),
+            ]
+        })
+        .collect();
+    table(&["rank", "compute s", "epoch s", "bubble"], &body)
+}
+
 /// A text chart of `values` (one column per epoch), `height` rows high, like the seed pages'.
 pub fn chart(label: &str, values: &[f64], height: usize) -> String {
     if values.is_empty() {
@@ -73,6 +94,36 @@ mod tests {
         assert!(lines[0].contains("1.200") && lines[0].ends_with('*'), "{c}");
         assert!(lines[2].contains("0.300"), "{c}");
         assert_eq!(lines.len(), 5);
+    }
+
+    #[test]
+    fn pipeline_table_averages_each_rank_over_the_epochs() {
+        let row = |epoch, rank, compute_s, bubble| EpochRow {
+            epoch,
+            rank,
+            train_loss: 1.0,
+            train_acc: 0.5,
+            global_train_loss: 1.0,
+            global_train_acc: 0.5,
+            val_loss: None,
+            val_acc: None,
+            samples: 10,
+            steps: 1,
+            epoch_s: 2.0,
+            samples_per_s: 5.0,
+            comm_s: 0.0,
+            compute_s,
+            bubble,
+        };
+        let rows = [
+            row(1, 0, 1.0, Some(0.2)),
+            row(1, 1, 1.5, Some(0.4)),
+            row(2, 0, 2.0, Some(0.3)),
+            row(2, 1, 1.5, Some(0.2)),
+        ];
+        let t = pipeline_table(&rows);
+        assert!(t.contains("0     1.50       2.00     25%") && t.contains("1     1.50       2.00     30%"), "{t}");
+        assert_eq!(pipeline_table(&[row(1, 0, 1.0, None)]), "");
     }
 
     #[test]

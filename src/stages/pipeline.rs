@@ -1,0 +1,382 @@
+//! Pipeline parallelism (`wrap.strategy = "pipeline"`): each batch is cut into micro-batches;
+//! every micro-batch flows forward rank to rank (activations sent with c10d's send/recv), the
+//! last rank computes the loss, and every micro-batch's gradient flows back: all forwards then
+//! all backwards (GPipe), or one forward one backward once the pipeline is full (1F1B).
+//! Parameter gradients accumulate over the micro-batches and each rank then updates its own
+//! layers once per batch, so a step equals one process's step on the whole batch.
+//!
+//! With `replicas` copies of the pipeline (consecutive ranks each, own shard of the data), each
+//! stage's gradients are then averaged over its copies in a group of just those ranks.
+//!
+//! Every rank knows every shape from the plan (the batch's rows, the widths at its boundaries), so
+//! nothing but the tensors themselves is sent. Sends and receives are blocking; the time a rank
+//! spends in them is its wait, the pipeline's bubble.
+use std::time::{Duration, Instant};
+
+use tch::nn::ModuleT;
+use tch::{Kind, Reduction, Tensor};
+
+use crate::config::schema::Schedule;
+use crate::config::Plan;
+use crate::dist::ProcessGroup;
+use crate::model::Mlp;
+
+/// Tags keep the three kinds of traffic apart: a schedule mismatch fails instead of mixing data.
+const GRAD_TAG: i32 = 1 << 20;
+const EVAL_TAG: i32 = 2 << 20;
+
+/// This rank's place in its copy of the pipeline.
+pub struct Stage<'pg> {
+    pg: &'pg ProcessGroup,
+    /// This rank in the job; its copy's ranks are contiguous, so its neighbours are rank ± 1.
+    rank: usize,
+    /// Its stage (0 first), and the last stage.
+    stage: usize,
+    last: usize,
+    /// With several copies of the pipeline: the ranks holding this stage in every copy.
+    replicas: Option<ProcessGroup>,
+    /// Widths of the activations coming in and going out.
+    in_width: i64,
+    out_width: i64,
+    micro_batches: usize,
+    schedule: Schedule,
+}
+
+/// What one step measured on this rank; `per_sample` and `logits` only on the last rank.
+pub struct StepOut {
+    pub per_sample: Option<Tensor>,
+    pub logits: Option<Tensor>,
+    pub forward: Duration,
+    pub loss: Duration,
+    pub backward: Duration,
+    /// Inside send and recv (waiting for a neighbour, and the transfer itself).
+    pub wait: Duration,
+}
+
+/// The micro-batch sizes of a batch of `n` rows: `min(micro, n)` parts differing by at most one
+/// row, larger first (so every rank derives the same sizes).
+pub fn micro_sizes(n: i64, micro: usize) -> Vec<i64> {
+    let m = (micro as i64).min(n).max(1);
+    (0..m).map(|i| n / m + i64::from(i < n % m)).collect()
+}
+
+impl<'pg> Stage<'pg> {
+    /// This rank's stage; with several copies of the pipeline, also its group with the same
+    /// stage of the other copies (every rank must call this at the same point).
+    pub fn new(plan: &Plan, pg: &'pg ProcessGroup) -> crate::dist::Result<Stage<'pg>> {
+        let rank = pg.rank();
+        let c = &plan.config;
+        let widths = crate::model::widths(plan.data.features, &c.wrap.model.hidden, plan.data.classes);
+        let layers = &plan.stages[rank];
+        let stages = plan.pipeline_ranks();
+        let stage = rank % stages;
+        let replicas = if plan.world_size() > stages {
+            let members: Vec<usize> = (stage..plan.world_size()).step_by(stages).collect();
+            Some(pg.subgroup(&format!("stage{stage}"), &members)?)
+        } else {
+            None
+        };
+        Ok(Stage {
+            pg,
+            rank,
+            stage,
+            last: stages - 1,
+            replicas,
+            in_width: widths[layers.start] as i64,
+            out_width: widths[layers.end] as i64,
+            micro_batches: c.wrap.pipeline.micro_batches,
+            schedule: c.wrap.pipeline.schedule,
+        })
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.stage == self.last
+    }
+
+    /// Averages this stage's gradients over the copies of the pipeline (one all-reduce of them
+    /// all, flattened in the parameters' fixed order); returns the time it took.
+    pub fn average_gradients(&self, params: &[Tensor]) -> anyhow::Result<Duration> {
+        let Some(group) = &self.replicas else { return Ok(Duration::ZERO) };
+        let t = Instant::now();
+        let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).collect();
+        let mut flat = Tensor::cat(&grads.iter().map(|g| g.view([-1])).collect::<Vec<_>>(), 0);
+        group.all_reduce(&mut flat, crate::dist::ReduceOp::Avg)?;
+        let mut offset = 0;
+        for mut g in grads {
+            let n = g.numel() as i64;
+            tch::no_grad(|| g.copy_(&flat.narrow(0, offset, n).view_as(&g)));
+            offset += n;
+        }
+        Ok(t.elapsed())
+    }
+
+    /// Forward and backward of one batch of `n` rows: `x` on rank 0, `y` on the last rank.
+    /// Leaves this rank's parameter gradients summed over the micro-batches, for a loss that is
+    /// the mean over the whole batch.
+    pub fn train_step(&self, model: &Mlp, x: &Tensor, y: &Tensor, n: i64) -> anyhow::Result<StepOut> {
+        let sizes = micro_sizes(n, self.micro_batches);
+        let m = sizes.len();
+        let mut step = Step::new(self, model, x, y, n, sizes);
+        match self.schedule {
+            Schedule::Gpipe => {
+                for i in 0..m {
+                    let input = step.recv_forward(i)?;
+                    step.forward(i, input);
+                    step.send_forward(i)?;
+                }
+                for i in (0..m).rev() {
+                    let grad = step.recv_backward(i)?;
+                    step.backward(i, grad)?;
+                    step.send_backward(i)?;
+                }
+            }
+            // PipeDream-flush / Megatron order: after `warmup` forwards, one forward then one
+            // backward, then the remaining backwards; a rank holds at most `warmup + 1`
+            // micro-batches' activations instead of all of them. Where two neighbours send to each
+            // other at the same point, both directions are in flight at once.
+            Schedule::OneFOneB => {
+                let warmup = (self.last - self.stage).min(m);
+                for i in 0..warmup {
+                    let input = step.recv_forward(i)?;
+                    step.forward(i, input);
+                    step.send_forward(i)?;
+                }
+                let mut input = if warmup < m { Some(step.recv_forward(warmup)?) } else { None };
+                for j in 0..m - warmup {
+                    let i = warmup + j;
+                    step.forward(i, input.take().expect("received above"));
+                    let grad = step.send_forward_recv_backward(i, j)?;
+                    step.backward(j, grad)?;
+                    if i + 1 < m {
+                        input = Some(step.send_backward_recv_forward(j, i + 1)?);
+                    } else {
+                        step.send_backward(j)?;
+                    }
+                }
+                for j in m - warmup..m {
+                    let grad = step.recv_backward(j)?;
+                    step.backward(j, grad)?;
+                    step.send_backward(j)?;
+                }
+            }
+        }
+        Ok(step.finish())
+    }
+
+    /// The logits of `x` (`n` rows, given on rank 0) through every stage, in chunks of `chunk`
+    /// rows, without gradients; `Some` on the last rank.
+    pub fn evaluate(&self, model: &Mlp, x: &Tensor, n: i64, chunk: i64) -> anyhow::Result<Option<Tensor>> {
+        let mut wait = Duration::ZERO;
+        let mut logits = Vec::new();
+        let mut offset = 0;
+        let mut i = 0;
+        while offset < n {
+            let len = chunk.min(n - offset);
+            let input = self.receive_input(x, offset, len, EVAL_TAG + i, &mut wait)?;
+            let h = tch::no_grad(|| model.forward_t(&input, false));
+            if self.is_last() {
+                logits.push(h);
+            } else {
+                self.pg.send(&h, self.rank + 1, EVAL_TAG + i)?;
+            }
+            offset += len;
+            i += 1;
+        }
+        Ok(self.is_last().then(|| Tensor::cat(&logits, 0)))
+    }
+
+    /// The input of a micro-batch of `len` rows at `offset`: rank 0 slices it from `x`, the others
+    /// receive it from the rank before (the receive's wait added to `wait`).
+    fn receive_input(
+        &self,
+        x: &Tensor,
+        offset: i64,
+        len: i64,
+        tag: i32,
+        wait: &mut Duration,
+    ) -> anyhow::Result<Tensor> {
+        if self.stage == 0 {
+            return Ok(x.narrow(0, offset, len));
+        }
+        let mut h = self.buffer(len, self.in_width);
+        timed(wait, || self.pg.recv(&mut h, self.rank - 1, tag))?;
+        Ok(h)
+    }
+
+    fn buffer(&self, rows: i64, width: i64) -> Tensor {
+        Tensor::zeros([rows, width], (Kind::Float, tch::Device::Cpu))
+    }
+}
+
+fn timed<T>(total: &mut Duration, f: impl FnOnce() -> crate::dist::Result<T>) -> crate::dist::Result<T> {
+    let t = Instant::now();
+    let r = f();
+    *total += t.elapsed();
+    r
+}
+
+/// One training step in progress on one rank: the micro-batches' inputs (whose gradients go
+/// back) and outputs (activations, or the loss on the last rank) until their backward.
+struct Step<'a, 'pg> {
+    stage: &'a Stage<'pg>,
+    model: &'a Mlp,
+    x: &'a Tensor,
+    y: &'a Tensor,
+    n: i64,
+    sizes: Vec<i64>,
+    offsets: Vec<i64>,
+    inputs: Vec<Option<Tensor>>,
+    outputs: Vec<Option<Tensor>>,
+    per_sample: Vec<Tensor>,
+    logits: Vec<Tensor>,
+    out: StepOut,
+}
+
+impl<'a, 'pg> Step<'a, 'pg> {
+    fn new(stage: &'a Stage<'pg>, model: &'a Mlp, x: &'a Tensor, y: &'a Tensor, n: i64, sizes: Vec<i64>) -> Self {
+        let offsets = sizes.iter().scan(0, |o, s| Some(std::mem::replace(o, *o + s))).collect();
+        let m = sizes.len();
+        let out = StepOut {
+            per_sample: None,
+            logits: None,
+            forward: Duration::ZERO,
+            loss: Duration::ZERO,
+            backward: Duration::ZERO,
+            wait: Duration::ZERO,
+        };
+        Step {
+            stage,
+            model,
+            x,
+            y,
+            n,
+            sizes,
+            offsets,
+            inputs: (0..m).map(|_| None).collect(),
+            outputs: (0..m).map(|_| None).collect(),
+            per_sample: Vec::with_capacity(m),
+            logits: Vec::with_capacity(m),
+            out,
+        }
+    }
+
+    /// Micro-batch `i`'s input, as a leaf whose gradient is the one to send back.
+    fn recv_forward(&mut self, i: usize) -> anyhow::Result<Tensor> {
+        let input = self.stage.receive_input(self.x, self.offsets[i], self.sizes[i], i as i32, &mut self.out.wait)?;
+        Ok(if self.stage.stage > 0 { input.set_requires_grad(true) } else { input })
+    }
+
+    fn forward(&mut self, i: usize, input: Tensor) {
+        let t = Instant::now();
+        let h = self.model.forward_t(&input, true);
+        self.out.forward += t.elapsed();
+        self.inputs[i] = Some(input);
+        if self.stage.is_last() {
+            let t = Instant::now();
+            let y = self.y.narrow(0, self.offsets[i], self.sizes[i]);
+            let ps = h.cross_entropy_loss::<Tensor>(&y, None, Reduction::None, -100, 0.0);
+            // Each micro-batch's share of the batch mean, so the gradients add up to it.
+            self.outputs[i] = Some(ps.sum(Kind::Float) / self.n as f64);
+            self.per_sample.push(ps.detach());
+            self.logits.push(h.detach());
+            self.out.loss += t.elapsed();
+        } else {
+            self.outputs[i] = Some(h);
+        }
+    }
+
+    fn send_forward(&mut self, i: usize) -> anyhow::Result<()> {
+        if !self.stage.is_last() {
+            let (pg, next, h) = (self.stage.pg, self.stage.rank + 1, self.outputs[i].as_ref().expect("forward ran"));
+            timed(&mut self.out.wait, || pg.send(h, next, i as i32))?;
+        }
+        Ok(())
+    }
+
+    /// The gradient of micro-batch `i`'s output, from the rank after (none on the last rank).
+    fn recv_backward(&mut self, i: usize) -> anyhow::Result<Option<Tensor>> {
+        if self.stage.is_last() {
+            return Ok(None);
+        }
+        let mut grad = self.stage.buffer(self.sizes[i], self.stage.out_width);
+        let (pg, next) = (self.stage.pg, self.stage.rank + 1);
+        timed(&mut self.out.wait, || pg.recv(&mut grad, next, GRAD_TAG + i as i32))?;
+        Ok(Some(grad))
+    }
+
+    /// Sends micro-batch `i`'s output on while receiving micro-batch `j`'s gradient.
+    fn send_forward_recv_backward(&mut self, i: usize, j: usize) -> anyhow::Result<Option<Tensor>> {
+        if self.stage.is_last() {
+            return Ok(None);
+        }
+        let mut grad = self.stage.buffer(self.sizes[j], self.stage.out_width);
+        let (pg, next, h) = (self.stage.pg, self.stage.rank + 1, self.outputs[i].as_ref().expect("forward ran"));
+        timed(&mut self.out.wait, || pg.send_recv(h, next, i as i32, &mut grad, next, GRAD_TAG + j as i32))?;
+        Ok(Some(grad))
+    }
+
+    /// Backpropagates micro-batch `i` through this rank's layers, accumulating the parameters'
+    /// gradients, and frees its activations.
+    fn backward(&mut self, i: usize, grad: Option<Tensor>) -> anyhow::Result<()> {
+        let output = self.outputs[i].take().expect("forward ran");
+        // d(sum(out · grad))/d(out) = grad: tch has no backward with a given gradient.
+        let target = match grad {
+            Some(g) => (output * g).sum(Kind::Float),
+            None => output,
+        };
+        let t = Instant::now();
+        target.f_backward()?;
+        self.out.backward += t.elapsed();
+        Ok(())
+    }
+
+    fn send_backward(&mut self, i: usize) -> anyhow::Result<()> {
+        let input = self.inputs[i].take().expect("forward ran");
+        if self.stage.stage > 0 {
+            let (pg, prev, grad) = (self.stage.pg, self.stage.rank - 1, input.grad());
+            timed(&mut self.out.wait, || pg.send(&grad, prev, GRAD_TAG + i as i32))?;
+        }
+        Ok(())
+    }
+
+    /// Sends micro-batch `j`'s input gradient back while receiving micro-batch `i`'s input.
+    fn send_backward_recv_forward(&mut self, j: usize, i: usize) -> anyhow::Result<Tensor> {
+        if self.stage.stage == 0 {
+            self.inputs[j] = None;
+            return self.recv_forward(i);
+        }
+        let grad = self.inputs[j].take().expect("forward ran").grad();
+        let mut h = self.stage.buffer(self.sizes[i], self.stage.in_width);
+        let (pg, prev) = (self.stage.pg, self.stage.rank - 1);
+        timed(&mut self.out.wait, || pg.send_recv(&grad, prev, GRAD_TAG + j as i32, &mut h, prev, i as i32))?;
+        Ok(h.set_requires_grad(true))
+    }
+
+    fn finish(mut self) -> StepOut {
+        if self.stage.is_last() {
+            self.out.per_sample = Some(Tensor::cat(&self.per_sample, 0));
+            self.out.logits = Some(Tensor::cat(&self.logits, 0));
+        }
+        self.out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::micro_sizes;
+
+    #[test]
+    fn micro_batches_cover_the_batch_and_differ_by_at_most_one_row() {
+        assert_eq!(micro_sizes(64, 4), [16, 16, 16, 16]);
+        assert_eq!(micro_sizes(18, 4), [5, 5, 4, 4]);
+        assert_eq!(micro_sizes(3, 4), [1, 1, 1]);
+        assert_eq!(micro_sizes(7, 1), [7]);
+        for n in 1..40 {
+            for m in 1..9 {
+                let s = micro_sizes(n, m);
+                assert_eq!(s.iter().sum::<i64>(), n);
+                assert!(s.iter().all(|&k| k >= 1) && s.windows(2).all(|w| w[0] >= w[1] && w[0] - w[1] <= 1));
+            }
+        }
+    }
+}
