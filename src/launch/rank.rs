@@ -33,6 +33,7 @@ pub fn run(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::
         BackendKind::Nccl => Backend::Nccl,
     };
     let pg = ProcessGroup::new(backend, store, env.rank, env.world_size, &host, timeout)?;
+    pin_main_thread(env, plan.threads_per_rank);
     match crate::stages::run(plan, &pg, run_dir, resume) {
         Ok(rows) => {
             pg.barrier()?;
@@ -69,6 +70,27 @@ fn address_towards(master: &str, port: u16) -> anyhow::Result<String> {
     let socket = std::net::UdpSocket::bind("0.0.0.0:0")?;
     socket.connect((master, port)).with_context(|| format!("no route to the master {master}:{port}"))?;
     Ok(socket.local_addr()?.ip().to_string())
+}
+
+/// Gives this rank's main thread, and the intra-op threads it starts later, cores of its own when
+/// the node's ranks × threads fit on its cores (2 ranks × 1 thread on 2 cores: one core each).
+/// Left to the scheduler, the threads that hand gloo's messages to each other migrate between
+/// cores, and a 20 KB all-reduce between two ranks took 2 ms instead of 0.7 ms on the
+/// development machine. gloo's own threads, started with the process group, stay unpinned.
+fn pin_main_thread(env: &RankEnv, threads: usize) {
+    use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+    use nix::unistd::Pid;
+    let Ok(allowed) = sched_getaffinity(Pid::from_raw(0)) else { return };
+    let cores: Vec<usize> = (0..CpuSet::count()).filter(|&c| allowed.is_set(c).unwrap_or(false)).collect();
+    if env.local_world_size < 2 || env.local_world_size * threads > cores.len() {
+        return;
+    }
+    let mut mine = CpuSet::new();
+    for &c in &cores[env.local_rank * threads..(env.local_rank + 1) * threads] {
+        let _ = mine.set(c);
+    }
+    // Pid 0 is the calling thread: only it (and what it starts from now on) is pinned.
+    let _ = sched_setaffinity(Pid::from_raw(0), &mine);
 }
 
 /// Makes the kernel kill this rank when the launcher dies, whatever killed the launcher.
