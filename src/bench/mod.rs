@@ -63,14 +63,20 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let work = root.join("target/bench");
 
-    println!("measuring the matmul peak ({cores} threads)");
-    let peak = matmul_peak(cores);
-    println!("  {:.1} GFLOP/s", peak / 1e9);
+    // The peak is measured before each workload and after the last, and the best is kept: a
+    // single measurement on a shared machine can land in a slow moment and flatter the fractions.
+    let mut peak = 0.0f64;
+    let mut measure_peak = |when: &str| {
+        let p = matmul_peak(cores);
+        peak = peak.max(p);
+        println!("matmul peak {when} ({cores} threads): {:.1} GFLOP/s", p / 1e9);
+    };
 
     let mut results = Vec::new();
     for w in
         workload::all().into_iter().filter(|w| opts.workloads.is_empty() || opts.workloads.iter().any(|n| n == w.name))
     {
+        measure_peak(&format!("before {}", w.name));
         println!("\n{}: {}", w.name, w.describe());
         let files = workload::prepare(&w, &work.join(w.name))?;
         let mut cells = Vec::new();
@@ -78,8 +84,8 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
             let threads = (cores / ws).max(1);
             let mut cell = Cell { world_size: ws, threads, runner: Vec::new(), torch: Vec::new() };
             for rep in 1..=opts.repetitions {
-                let r = run_runner(&files, ws, threads)?;
-                let t = run_torch(&torchrun, &script, &files, &w, ws, threads)?;
+                let r = retried(|| run_runner(&files, ws, threads))?;
+                let t = retried(|| run_torch(&torchrun, &script, &files, &w, ws, threads))?;
                 println!(
                     "  world size {ws}, run {rep}/{}: runner {:.2} s ({:.3} s/epoch), PyTorch {:.2} s ({:.3} s/epoch)",
                     opts.repetitions, r.wall_s, r.epoch_s, t.wall_s, t.epoch_s
@@ -92,6 +98,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
         results.push(WorkloadResult { workload: w, cells });
     }
 
+    measure_peak("at the end");
     let machine = report::Machine::this(cores, peak);
     let text = report::markdown(&machine, opts.repetitions, &results);
     println!("\n{text}");
@@ -194,6 +201,15 @@ fn run_torch(
     let losses: Vec<f64> = epochs.iter().map(|e| get(e, "loss")).collect::<anyhow::Result<_>>()?;
     let samples = get(&epochs[0], "samples")?;
     Ok(Measure { wall_s, epoch_s: report::median(&epoch_s), samples, losses })
+}
+
+/// One more try after a failed run: PyTorch's gloo teardown now and then aborts a rank at exit
+/// ("terminate called without an active exception"), after the work is done.
+fn retried(run: impl Fn() -> anyhow::Result<Measure>) -> anyhow::Result<Measure> {
+    run().or_else(|e| {
+        println!("  a run failed ({e:#}); trying it again");
+        run()
+    })
 }
 
 /// Runs `cmd` with its output in `log`, and returns its wall time; fails naming the log.

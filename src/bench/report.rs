@@ -91,7 +91,7 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
         s,
         "Machine: {}, {} cores. runner {} ({build}), PyTorch 2.13.0 under torchrun, both on gloo. \
          {repetitions} repetition(s) per cell, runner and PyTorch alternating. \
-         Matmul peak (2048² float32, {} threads): {:.1} GFLOP/s.\n",
+         Matmul peak (2048² float32, {} threads, best of the measurements before each workload and at the end): {:.1} GFLOP/s.\n",
         machine.cpu,
         machine.cores,
         env!("CARGO_PKG_VERSION"),
@@ -194,7 +194,9 @@ pub fn write(path: &Path, text: &str) -> anyhow::Result<()> {
     let old = std::fs::read_to_string(path).unwrap_or_default();
     let block = format!("{BEGIN}\n{text}{END}\n");
     let new = match (old.find(BEGIN), old.find(END)) {
-        (Some(b), Some(e)) if b < e => format!("{}{block}{}", &old[..b], old[e + END.len()..].trim_start_matches('\n')),
+        (Some(b), Some(e)) if b < e => {
+            format!("{}{block}\n{}", &old[..b], old[e + END.len()..].trim_start_matches('\n'))
+        }
         _ if old.is_empty() => format!("# Benchmarks: runner against PyTorch DDP\n\n{block}"),
         _ => format!("{}\n{block}", old.trim_end()),
     };
