@@ -125,8 +125,7 @@ fn write_init(w: &Workload, path: &Path) -> anyhow::Result<()> {
     let m = config::schema::Model { hidden: w.hidden.clone(), ..Default::default() };
     // The runner's own initialisation for run.seed = 0.
     let _model = Mlp::new(&vs.root(), w.features, &m, w.classes, 0);
-    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     write_npz(&named, path)
 }
 

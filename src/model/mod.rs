@@ -106,7 +106,7 @@ pub fn parameter_count(features: usize, hidden: &[usize], classes: usize) -> usi
 }
 
 /// The parameters in the order torch's `Module.parameters()` gives for the same MLP: layer by
-/// layer, weight then bias (tch creates the bias first). DDP's bucket layouts follow this order,
+/// layer, weight then bias, whatever order the VarStore created them in. DDP's bucket layouts follow this order,
 /// so gradients are summed in the same order as torch's.
 pub fn parameters_in_module_order(vs: &nn::VarStore) -> Vec<Tensor> {
     let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();

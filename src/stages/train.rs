@@ -1,7 +1,8 @@
 //! Stage 5, train and validate: the epoch loop. Each step slices the rank's epoch tensor (one
 //! gather per epoch, no per-step copies), runs forward / loss / backward through DDP (or through
-//! the pipeline's stages) and updates. Metrics accumulate on tensors and are read once per epoch,
-//! then all-gathered so that rank 0 holds every rank's row and the global (all-rank) metrics.
+//! the pipeline's stages) and updates. Each row's loss and prediction go into per-epoch buffers,
+//! reduced and read once per epoch, then all-gathered so that rank 0 holds every rank's row and
+//! the global (all-rank) metrics.
 use std::time::{Duration, Instant};
 
 use tch::nn::ModuleT;
