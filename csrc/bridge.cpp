@@ -8,6 +8,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <ATen/ops/_fused_adam.h>
@@ -37,6 +38,8 @@ struct rn_pg {
 struct rn_ddp {
   std::shared_ptr<c10d::Reducer> reducer;
   std::shared_ptr<c10d::Logger> logger;
+  // The parameters in the order given, to name the Reducer's buckets by index.
+  std::vector<at::Tensor> params;
 };
 
 namespace {
@@ -264,7 +267,8 @@ char* rn_pg_barrier(rn_pg* pg) {
 }
 
 char* rn_ddp_new(rn_pg* pg, void** params_ptr, size_t n_params, int64_t bucket_cap_bytes,
-                 int64_t stats_every, int resumed, rn_ddp** out) {
+                 int64_t stats_every, const size_t* layout, const size_t* bucket_sizes, size_t n_buckets,
+                 rn_ddp** out) {
   return protect([&] {
     auto params = tensors(params_ptr, n_params);
     {
@@ -281,16 +285,24 @@ char* rn_ddp_new(rn_pg* pg, void** params_ptr, size_t n_params, int64_t bucket_c
     std::vector<bool> sparse(n_params, false);
     std::vector<std::vector<size_t>> buckets(1, std::vector<size_t>(n_params));
     std::iota(buckets[0].begin(), buckets[0].end(), 0);
-    if (resumed) {
-      // A run resumed past its first iteration starts from the rebuilt layout. Gradients of the
-      // runner's models become ready in reverse parameter order (given in torch's module order:
-      // per layer weight then bias), so that is the rebuilt one.
-      std::vector<at::Tensor> ready(params.rbegin(), params.rend());
-      std::vector<int64_t> ready_indices(n_params);
-      std::iota(ready_indices.rbegin(), ready_indices.rend(), 0);
-      buckets = std::get<0>(c10d::compute_bucket_assignment_by_size(
-          ready, {static_cast<size_t>(first_bucket_cap), static_cast<size_t>(bucket_cap_bytes)}, sparse,
-          ready_indices));
+    if (n_buckets > 0) {
+      // A resumed run starts from the layout the interrupted one had rebuilt (recorded in its
+      // checkpoint), so it sums gradients exactly as an uninterrupted run does.
+      std::vector<bool> seen(n_params, false);
+      buckets.assign(n_buckets, {});
+      size_t at = 0;
+      for (size_t b = 0; b < n_buckets; ++b) {
+        for (size_t k = 0; k < bucket_sizes[b]; ++k, ++at) {
+          TORCH_CHECK(at < n_params, "the recorded bucket layout holds more than the model's ", n_params,
+                      " parameters");
+          size_t index = layout[at];
+          TORCH_CHECK(index < n_params && !seen[index],
+                      "the recorded bucket layout does not match the model's ", n_params, " parameters");
+          seen[index] = true;
+          buckets[b].push_back(index);
+        }
+      }
+      TORCH_CHECK(at == n_params, "the recorded bucket layout holds ", at, " parameters, the model ", n_params);
     }
     auto reducer = std::make_shared<c10d::Reducer>(
         params, buckets, pg->pg, sparse, bucket_cap_bytes, /*find_unused_parameters=*/false,
@@ -301,7 +313,7 @@ char* rn_ddp_new(rn_pg* pg, void** params_ptr, size_t n_params, int64_t bucket_c
     reducer->set_logger(logger);
     logger->set_construction_data_and_log("runner", {}, -1, false, false, false);
     reducer->set_ddp_runtime_logging_sample_rate(static_cast<int>(std::max<int64_t>(stats_every, 1)));
-    *out = new rn_ddp{reducer, logger};
+    *out = new rn_ddp{reducer, logger, params};
   });
 }
 
@@ -371,3 +383,23 @@ char* rn_fused_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n
 }
 
 }  // extern "C"
+
+char* rn_ddp_bucket_layout(rn_ddp* d, size_t* layout, size_t* bucket_sizes, size_t* n_buckets) {
+  return protect([&] {
+    std::unordered_map<const c10::TensorImpl*, size_t> index;
+    for (size_t i = 0; i < d->params.size(); ++i) index[d->params[i].unsafeGetTensorImpl()] = i;
+    auto buckets = d->reducer->get_grad_buckets(/*return_zero_tensors=*/true);
+    TORCH_CHECK(buckets.size() <= d->params.size(), "more buckets than parameters");
+    size_t at = 0;
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      auto params = buckets[b].getParameters();
+      bucket_sizes[b] = params.size();
+      for (const auto& p : params) {
+        auto it = index.find(p.unsafeGetTensorImpl());
+        TORCH_CHECK(it != index.end() && at < d->params.size(), "a bucket holds an unknown parameter");
+        layout[at++] = it->second;
+      }
+    }
+    *n_buckets = buckets.size();
+  });
+}

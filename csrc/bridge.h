@@ -61,13 +61,19 @@ char* rn_pg_barrier(rn_pg* pg);
 
 // Broadcasts params from rank 0, then builds a Reducer with buckets of bucket_cap_bytes.
 // `resumed`: the run continues past its first iteration, so the buckets start out rebuilt.
+// layout / bucket_sizes / n_buckets: a bucket layout to start from (n_buckets = 0: torch's
+// first-iteration layout, rebuilt after it).
 char* rn_ddp_new(rn_pg* pg, void** params, size_t n_params, int64_t bucket_cap_bytes,
-                 int64_t stats_every, int resumed, rn_ddp** out);
+                 int64_t stats_every, const size_t* layout, const size_t* bucket_sizes, size_t n_buckets,
+                 rn_ddp** out);
 void rn_ddp_free(rn_ddp* d);
 char* rn_ddp_prepare_forward(rn_ddp* d);
 char* rn_ddp_prepare_backward(rn_ddp* d, void** outputs, size_t n_outputs);
 char* rn_ddp_record_stats(rn_ddp* d, rn_ddp_stats* out);
 char* rn_ddp_bucket_count(rn_ddp* d, size_t* out);
+// The buckets' parameter indices, bucket after bucket, into layout (n_params long); each bucket's
+// size into bucket_sizes (n_params long); the number of buckets into n_buckets.
+char* rn_ddp_bucket_layout(rn_ddp* d, size_t* layout, size_t* bucket_sizes, size_t* n_buckets);
 
 // Drops the gradients of n tensors (torch's zero_grad(set_to_none=True)): the next backward pass
 // then writes fresh gradients instead of adding to zeroed ones.

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
-use crate::config::{self, ConfigError, Override, Plan};
+use crate::config::{self, ConfigError, Override};
+use crate::plan::Plan;
 use crate::launch::env::RankEnv;
 use crate::launch::manifest::{Manifest, Status};
 use crate::launch::rank;
@@ -34,6 +35,9 @@ pub enum Command {
     Report(ReportArgs),
     /// Check a pipeline and print its resolved plan (the data-flow table); run nothing.
     Validate(ConfigArgs),
+    /// Print the JSON Schema of pipeline files, for editors that complete and check keys as you
+    /// type (taplo / Even Better TOML read a `#:schema PATH` first line).
+    Schema,
     /// Measure the runner against the same pipeline in PyTorch DDP under torchrun, side by side
     /// (installs the reference's PyTorch into .deps/reference on first use, about 5 GB).
     Bench(BenchArgs),
@@ -73,8 +77,11 @@ pub struct ConfigArgs {
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// The pipeline file (TOML); with --resume, defaults to the run directory's config.toml.
-    #[arg(required_unless_present = "resume")]
+    #[arg(required_unless_present_any = ["resume", "plan"])]
     pub file: Option<PathBuf>,
+    /// The resolved plan a launcher saved (`runner run` passes it to the ranks it spawns).
+    #[arg(long, value_name = "PLAN_JSON", hide = true, conflicts_with = "file")]
+    pub plan: Option<PathBuf>,
     /// Override a value, e.g. --set train.lr=0.05 (repeatable; wins over file and environment).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
@@ -152,6 +159,10 @@ pub struct ReportArgs {
 pub fn main(cli: Cli) -> u8 {
     let result = match cli.command {
         Command::Validate(args) => validate(&args),
+        Command::Schema => {
+            println!("{}", schema_json());
+            Ok(0)
+        }
         Command::Run(args) => run(&args),
         Command::Sweep(args) => crate::sweep::sweep(
             &args.file,
@@ -183,6 +194,13 @@ pub fn main(cli: Cli) -> u8 {
     }
 }
 
+/// The pipeline file's JSON Schema, generated from the serde types that read it.
+pub fn schema_json() -> String {
+    let mut schema = schemars::schema_for!(crate::config::Config);
+    schema.insert("title".into(), "runner pipeline file".into());
+    serde_json::to_string_pretty(&schema).expect("a schema serializes")
+}
+
 pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
     let labelled = args.set_as.chunks(2).map(|pair| Override { label: pair[0].clone(), text: pair[1].clone() });
     let overrides: Vec<Override> = labelled.chain(args.set.iter().map(|s| Override::set(s))).collect();
@@ -197,48 +215,80 @@ fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
 }
 
 fn run(args: &RunArgs) -> anyhow::Result<u8> {
+    let resume = args.resume.is_some();
+    if let Some(path) = &args.plan {
+        // A rank of runner's own launcher: the launcher resolved and saved the plan.
+        let run_dir = args.resume.clone().or(args.out.clone()).context("--plan needs --out or --resume")?;
+        let env = RankEnv::from_env()?.context("--plan is for the ranks `runner run` starts (RANK is not set)")?;
+        return run_rank(&Plan::load(path)?, &env, &run_dir, resume);
+    }
     let file = match (&args.file, &args.resume) {
         (Some(f), _) => f.clone(),
         (None, Some(dir)) => dir.join("config.toml"),
         (None, None) => unreachable!("clap requires FILE without --resume"),
     };
     let config = ConfigArgs { file, set: args.set.clone(), set_as: args.set_as.clone() };
-    let plan = plan(&config)?;
-    let run_dir = match (&args.resume, &args.out) {
-        (Some(dir), _) | (None, Some(dir)) => dir.clone(),
-        (None, None) => Path::new("results").join(&plan.config.run.name).join(&plan.run_id),
-    };
-    if args.resume.is_some() {
-        // Refuse a bad checkpoint before any rank starts.
-        let found = checkpoint::latest(&run_dir, &plan, &checkpoint::shapes(&plan)).map_err(ConfigError::new)?;
-        if found.is_none() {
-            let dir = checkpoint::dir(&run_dir);
-            return Err(ConfigError::new(format!(
-                "{} holds no checkpoint to resume from (set checkpoint.every)",
-                dir.display()
-            ))
-            .into());
+    let asked = plan(&config)?;
+    let (plan, run_dir) = match &args.resume {
+        Some(dir) => (resumed_plan(dir, &asked)?, dir.clone()),
+        None => {
+            let dir = args.out.clone().unwrap_or_else(|| Path::new("results").join(&asked.config.run.name).join(&asked.run_id));
+            (asked, dir)
         }
-    }
+    };
     match RankEnv::from_env()? {
-        Some(env) => run_rank(&plan, &env, &run_dir, args.resume.is_some()),
+        Some(env) => run_rank(&plan, &env, &run_dir, resume),
         None => {
             let topology = args.topology(plan.world_size())?;
-            launch(&plan, &config, &topology, args.resume.is_some(), &run_dir)
+            launch(&plan, &topology, resume, &run_dir)
         }
     }
+}
+
+/// The plan of the run in `dir`, continued under the configuration the user resumes with
+/// (`asked`); refused, before any rank starts, when its checkpoint does not fit or a key other
+/// than those that extend a run changed.
+fn resumed_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Plan> {
+    let found = checkpoint::latest(dir, asked).map_err(ConfigError::new)?.ok_or_else(|| {
+        ConfigError::new(format!(
+            "{} holds no checkpoint to resume from (set checkpoint.every)",
+            checkpoint::dir(dir).display()
+        ))
+    })?;
+    let saved_path = dir.join(crate::plan::FILE);
+    if !saved_path.is_file() {
+        return Err(ConfigError::new(format!(
+            "{} has no {} (it was made by an older runner, or is not a run directory): start a new run",
+            dir.display(),
+            crate::plan::FILE
+        ))
+        .into());
+    }
+    let plan = Plan::load(&saved_path)?.resumed(asked)?;
+    let epochs = plan.config.train.epochs;
+    if found.meta.epoch >= epochs {
+        let source = plan.sources.get("train.epochs").map(String::as_str).unwrap_or("default");
+        return Err(ConfigError::new(format!(
+            "`train.epochs` ({source}) is {epochs} but the newest checkpoint of {} is at epoch {}: nothing is left to              run; pass --set train.epochs=N with N > {} to train further",
+            dir.display(),
+            found.meta.epoch,
+            found.meta.epoch
+        ))
+        .into());
+    }
+    Ok(plan)
 }
 
 /// This process is one rank. Under runner's own launcher the launcher owns config.toml and the
 /// manifest; under another launcher (torchrun, Slurm) rank 0 writes them.
 fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::Result<u8> {
     let owns_run_dir = env.rank == 0 && env.launcher_pid.is_none();
-    let mut manifest = Manifest::start(plan);
-    if owns_run_dir {
-        prepare_run_dir(plan, run_dir, &manifest, resume)?;
+    let mut manifest = owns_run_dir.then(|| Manifest::start(plan));
+    if let Some(manifest) = &manifest {
+        prepare_run_dir(plan, run_dir, manifest, resume)?;
     }
     let result = rank::run(plan, env, run_dir, resume);
-    if owns_run_dir {
+    if let Some(manifest) = manifest.as_mut() {
         match &result {
             Ok(_) => manifest.end(Status::Complete, None),
             Err(e) => manifest.end(Status::Failed, Some(format!("rank 0: {e:#}"))),
@@ -258,18 +308,18 @@ fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow:
     Ok(0)
 }
 
-fn launch(plan: &Plan, config: &ConfigArgs, topology: &Topology, resume: bool, run_dir: &Path) -> anyhow::Result<u8> {
+fn launch(plan: &Plan, topology: &Topology, resume: bool, run_dir: &Path) -> anyhow::Result<u8> {
     println!("{}", plan.data_flow());
     let mut manifest = Manifest::start(plan);
     prepare_run_dir(plan, run_dir, &manifest, resume)?;
-    let mut child_args: Vec<OsString> = vec!["run".into(), config.file.clone().into()];
-    for pair in config.set_as.chunks(2) {
-        child_args.extend(["--set-as".into(), (&pair[0]).into(), (&pair[1]).into()]);
-    }
-    for s in &config.set {
-        child_args.extend(["--set".into(), s.into()]);
-    }
-    child_args.extend([if resume { "--resume" } else { "--out" }.into(), run_dir.into()]);
+    // Every rank runs the plan resolved here, never the pipeline file again.
+    let child_args: Vec<OsString> = vec![
+        "run".into(),
+        "--plan".into(),
+        run_dir.join(crate::plan::FILE).into(),
+        if resume { "--resume" } else { "--out" }.into(),
+        run_dir.into(),
+    ];
     let outcome = spawn::launch(plan, topology, run_dir, &child_args)?;
     if let Some(sig) = outcome.interrupted {
         manifest.end(Status::Interrupted, None);
@@ -312,7 +362,9 @@ fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest, resume: boo
             let _ = std::fs::remove_file(run_dir.join(stale));
         }
         let _ = std::fs::remove_dir_all(checkpoint::dir(run_dir));
-        crate::trace::atomic_write(&run_dir.join("config.toml"), plan.annotated_toml().as_bytes())?;
     }
+    // Rewritten on resume too: a resumed run may extend the configuration (train.epochs).
+    plan.save(&run_dir.join(crate::plan::FILE))?;
+    crate::trace::atomic_write(&run_dir.join("config.toml"), plan.annotated_toml().as_bytes())?;
     manifest.write(run_dir)
 }

@@ -49,7 +49,15 @@ impl Rng {
 
 /// FNV-1a, 64 bits: a stable fingerprint (run ids, checkpoint checksums), not a secure hash.
 pub fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
+    fnv1a_from(FNV_OFFSET, bytes)
+}
+
+/// FNV-1a's starting value.
+pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a continued from `hash` over `bytes`: a file hashed in chunks gets the same value.
+pub fn fnv1a_from(hash: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(hash, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 #[cfg(test)]

@@ -241,7 +241,7 @@ fn collectives(pg: &ProcessGroup) {
     let vs = nn::VarStore::new(Device::Cpu);
     let root = vs.root();
     let params: Vec<Tensor> = (0..3).map(|i| root.zeros(&format!("p{i}"), &[512 * 1024])).collect();
-    let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 1.0, 1, false).unwrap();
+    let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 1.0, 1, None).unwrap();
     // torch's first iteration: one bucket; rebuilt by size before the next synchronised step.
     assert_eq!(ddp.buckets().unwrap(), 1);
     // d loss / d p = rank + 1 on each rank.
@@ -280,7 +280,7 @@ fn ddp_identical(pg: &ProcessGroup) {
         .add(nn::linear(vs.root() / "a", 10, 64, Default::default()))
         .add_fn(|x| x.relu())
         .add(nn::linear(vs.root() / "b", 64, 4, Default::default()));
-    let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 25.0, 1, false).unwrap();
+    let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 25.0, 1, None).unwrap();
     let mut opt = nn::Sgd { momentum: 0.9, ..Default::default() }.build(&vs, 0.05).unwrap();
     for _ in 0..20 {
         let x = Tensor::randn([16, 10], (Kind::Float, Device::Cpu));
@@ -301,7 +301,7 @@ fn ddp_identical(pg: &ProcessGroup) {
 fn parity(pg: &ProcessGroup, dir: &std::path::Path) {
     let vs = nn::VarStore::new(Device::Cpu);
     let model = parity_model(&vs.root());
-    let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 25.0, 1, false).unwrap();
+    let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 25.0, 1, None).unwrap();
     let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
     let (x, y) = parity_data();
     let r = pg.rank() as i64;

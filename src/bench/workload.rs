@@ -6,9 +6,10 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use tch::Tensor;
 
-use crate::config::{self, Plan};
-use crate::model::{self, Mlp};
-use crate::stages::{load, shard};
+use crate::config;
+use crate::data::{self, shard};
+use crate::model::{self, mlp::MlpArch, Architecture};
+use crate::plan::Plan;
 
 #[derive(Debug, Clone)]
 pub struct Workload {
@@ -54,16 +55,21 @@ pub fn all() -> Vec<Workload> {
 }
 
 impl Workload {
+    fn model(&self) -> MlpArch {
+        let m = config::schema::Mlp { hidden: self.hidden.clone(), ..Default::default() };
+        MlpArch::new(&m, &[self.features], self.classes)
+    }
+
     pub fn parameters(&self) -> usize {
-        model::parameter_count(self.features, &self.hidden, self.classes)
+        model::layer_parameters(&self.model()).iter().sum()
     }
 
     pub fn describe(&self) -> String {
         format!(
-            "{} × {}, MLP {}, batch {} per rank, {} epochs, Adam lr {}",
+            "{} × {}, {}, batch {} per rank, {} epochs, Adam lr {}",
             self.rows,
             self.features,
-            model::describe(self.features, &self.hidden, self.classes),
+            self.model().describe(),
             self.batch,
             self.epochs,
             self.lr
@@ -122,16 +128,16 @@ pub fn prepare(w: &Workload, dir: &Path) -> anyhow::Result<Files> {
 
 fn write_init(w: &Workload, path: &Path) -> anyhow::Result<()> {
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
-    let m = config::schema::Model { hidden: w.hidden.clone(), ..Default::default() };
+    let arch = w.model();
     // The runner's own initialisation for run.seed = 0.
-    let _model = Mlp::new(&vs.root(), w.features, &m, w.classes, 0);
+    let _model = arch.build(&vs.root(), 0..arch.layers().len(), 0);
     let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     write_npz(&named, path)
 }
 
 fn write_data(plan: &Plan, path: &Path) -> anyhow::Result<()> {
     let seed = plan.config.run.seed;
-    let data = load::load(&plan.data, seed).map_err(anyhow::Error::msg)?;
+    let data = data::load(&plan.data, seed).map_err(anyhow::Error::msg)?;
     let epochs = plan.config.train.epochs;
     let rows = plan.data.rows;
     let perms: Vec<i64> = (1..=epochs).flat_map(|e| shard::permutation(seed, e, rows, true)).collect();

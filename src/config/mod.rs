@@ -1,11 +1,8 @@
-//! Configuration: the TOML schema ([`schema`]), layering with figment ([`resolve`]) and the
-//! validated, fully resolved [`Plan`] that ranks receive.
-mod flow;
-pub mod plan;
+//! Configuration: the TOML schema ([`schema`], serde types only) and layering with figment
+//! ([`resolve`]). `crate::plan` turns a resolved configuration into the validated plan.
 pub mod resolve;
 pub mod schema;
 
-pub use plan::Plan;
 pub use resolve::{resolve, Override, Resolved};
 pub use schema::Config;
 

@@ -2,9 +2,10 @@
 //! Unknown keys are errors (`deny_unknown_fields`); kinds are closed enums.
 use std::path::PathBuf;
 
-use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
+use serde::{Deserialize, Deserializer, Serialize};
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub run: Run,
@@ -18,7 +19,7 @@ pub struct Config {
     pub checkpoint: Checkpoint,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Checkpoint {
     /// Write a checkpoint every this many epochs (and after the last); 0: never.
@@ -33,7 +34,7 @@ impl Default for Checkpoint {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Run {
     /// Names the run directory: results/<name>/<run-id>/.
@@ -70,21 +71,21 @@ impl Default for Run {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
     Gloo,
     Nccl,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Device {
     Cpu,
     Cuda,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Load {
     pub source: Source,
@@ -119,7 +120,7 @@ impl Default for Load {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Source {
     Synthetic,
@@ -127,7 +128,7 @@ pub enum Source {
     Parquet,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Shard {
     pub strategy: ShardStrategy,
@@ -144,7 +145,7 @@ impl Default for Shard {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ShardStrategy {
     /// DistributedSampler: rank r takes positions r, r+W, r+2W, ... of each epoch's permutation.
@@ -153,14 +154,14 @@ pub enum ShardStrategy {
     Batch,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Normalize {
     pub method: NormalizeMethod,
     pub scope: NormalizeScope,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum NormalizeMethod {
     /// Scale each feature to [0, 1].
@@ -171,7 +172,7 @@ pub enum NormalizeMethod {
     None,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum NormalizeScope {
     /// Statistics of the rank's own shard.
@@ -181,7 +182,7 @@ pub enum NormalizeScope {
     Global,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Wrap {
     pub strategy: WrapStrategy,
@@ -208,7 +209,7 @@ impl Default for Wrap {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum WrapStrategy {
     /// DistributedDataParallel: gradients averaged across ranks every step.
@@ -219,7 +220,7 @@ pub enum WrapStrategy {
     Pipeline,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Pipeline {
     /// The layers (0-based, in order) of each stage, one list per rank of a pipeline; absent: a
@@ -239,7 +240,7 @@ impl Default for Pipeline {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Schedule {
     /// Every micro-batch forward, then every micro-batch backward, then one update.
@@ -250,10 +251,77 @@ pub enum Schedule {
     OneFOneB,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// The model: `kind` picks the architecture (default "mlp"), the other keys are that kind's own.
+/// One variant per kind; each kind's module in `crate::model` implements its architecture.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Model {
+    /// Linear layers with an activation between them, over rows of features.
+    Mlp(Mlp),
+}
+
+impl Default for Model {
+    fn default() -> Self {
+        Model::Mlp(Mlp::default())
+    }
+}
+
+impl Model {
+    /// The names `kind` accepts, in the variants' order.
+    pub const KINDS: &'static [&'static str] = &["mlp"];
+}
+
+/// `kind` may be left out (it defaults to "mlp"), which serde's tagged enums do not allow: the
+/// table is read whole, `kind` taken out, and the rest read as that kind's own keys (unknown
+/// keys are still refused).
+impl<'de> Deserialize<'de> for Model {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let mut table = toml::Table::deserialize(d)?;
+        let kind = match table.remove("kind") {
+            None => "mlp".to_owned(),
+            Some(toml::Value::String(s)) => s,
+            Some(other) => return Err(D::Error::custom(format!("`kind` must be a string such as \"mlp\", got {other}"))),
+        };
+        let rest = toml::Value::Table(table);
+        let fail = |e: toml::de::Error| D::Error::custom(e.message());
+        match kind.as_str() {
+            "mlp" => Mlp::deserialize(rest).map(Model::Mlp).map_err(fail),
+            other => Err(D::Error::custom(format!(
+                "kind = \"{other}\" is not a model kind (one of: {})",
+                Model::KINDS.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(", ")
+            ))),
+        }
+    }
+}
+
+/// One object per kind, each with `kind` among its keys (optional for "mlp", the default).
+impl JsonSchema for Model {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Model".into()
+    }
+
+    fn json_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let kinds = [("mlp", Mlp::json_schema(generator))];
+        let variants: Vec<serde_json::Value> = kinds
+            .into_iter()
+            .map(|(kind, schema)| {
+                let mut v = schema.to_value();
+                v["properties"]["kind"] = serde_json::json!({ "const": kind, "description": "The model's kind." });
+                if kind != Model::KINDS[0] {
+                    v["required"] = serde_json::json!(["kind"]);
+                }
+                v
+            })
+            .collect();
+        schemars::Schema::try_from(serde_json::json!({ "oneOf": variants })).expect("an object is a schema")
+    }
+}
+
+/// `kind = "mlp"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
-pub struct Model {
-    pub kind: ModelKind,
+pub struct Mlp {
     /// Widths of the hidden layers.
     pub hidden: Vec<usize>,
     pub activation: Activation,
@@ -261,19 +329,13 @@ pub struct Model {
     pub dropout: f64,
 }
 
-impl Default for Model {
+impl Default for Mlp {
     fn default() -> Self {
-        Model { kind: ModelKind::Mlp, hidden: vec![64, 64], activation: Activation::Relu, dropout: 0.0 }
+        Mlp { hidden: vec![64, 64], activation: Activation::Relu, dropout: 0.0 }
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ModelKind {
-    Mlp,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Activation {
     Relu,
@@ -281,7 +343,7 @@ pub enum Activation {
     Gelu,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Train {
     pub epochs: usize,
@@ -309,7 +371,7 @@ impl Default for Train {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Optimizer {
     Sgd,
@@ -317,7 +379,7 @@ pub enum Optimizer {
     Adamw,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Validate {
     /// Validate every this many epochs (and after the last); 0 turns validation off.
@@ -331,14 +393,14 @@ impl Default for Validate {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ValidateOn {
     Rank0,
     All,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Trace {
     /// Record the phases of every this many training steps in steps.parquet (0: none).

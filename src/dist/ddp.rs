@@ -30,6 +30,8 @@ pub struct Ddp<'pg> {
     raw: NonNull<ffi::RnDdp>,
     pg: &'pg ProcessGroup,
     sync: bool,
+    /// How many parameters it averages.
+    params: usize,
 }
 
 impl<'pg> Ddp<'pg> {
@@ -38,26 +40,58 @@ impl<'pg> Ddp<'pg> {
     ///
     /// Buckets are laid out as torch's DistributedDataParallel lays them out, so gradients are
     /// summed in the same order: all in one bucket for the first iteration, then rebuilt in the
-    /// order gradients became ready (reverse parameter order, for the runner's models). With
-    /// `resumed` (training continues past its first iteration) they start out rebuilt, so a
-    /// resumed run sums exactly as an uninterrupted one.
+    /// order gradients became ready. With `layout` (the [`Ddp::bucket_layout`] a checkpoint
+    /// recorded) they start out as that, so a resumed run sums exactly as an uninterrupted one.
     pub fn new(
         pg: &'pg ProcessGroup,
         params: &[Tensor],
         bucket_cap_mb: f64,
         stats_every: usize,
-        resumed: bool,
+        layout: Option<&[Vec<usize>]>,
     ) -> Result<Ddp<'pg>> {
         let ptrs: Vec<*mut c_void> = params.iter().map(|p| p.as_ptr() as *mut c_void).collect();
         let cap = (bucket_cap_mb * 1024.0 * 1024.0) as i64;
+        let flat: Vec<usize> = layout.into_iter().flatten().flatten().copied().collect();
+        let sizes: Vec<usize> = layout.into_iter().flatten().map(Vec::len).collect();
         let mut raw = std::ptr::null_mut();
         // SAFETY: `ptrs` are live tensors for the call; the Reducer keeps its own references.
+        // `flat` and `sizes` are read only for the call, with their lengths checked on the C++ side.
         let err = unsafe {
-            ffi::rn_ddp_new(pg.raw(), ptrs.as_ptr(), ptrs.len(), cap, stats_every as i64, resumed as i32, &mut raw)
+            ffi::rn_ddp_new(
+                pg.raw(),
+                ptrs.as_ptr(),
+                ptrs.len(),
+                cap,
+                stats_every as i64,
+                flat.as_ptr(),
+                sizes.as_ptr(),
+                sizes.len(),
+                &mut raw,
+            )
         };
         check("ddp.new", err).map_err(|e| pg.explain(e))?;
         let raw = NonNull::new(raw).expect("rn_ddp_new succeeded");
-        Ok(Ddp { raw, pg, sync: true })
+        Ok(Ddp { raw, pg, sync: true, params: params.len() })
+    }
+
+    /// The parameter indices of each bucket, as the Reducer has them now (rebuilt after the
+    /// first iteration in the order gradients became ready): a checkpoint records it.
+    pub fn bucket_layout(&self) -> Result<Vec<Vec<usize>>> {
+        let (mut flat, mut sizes, mut n) = (vec![0usize; self.params], vec![0usize; self.params], 0usize);
+        // SAFETY: the reducer is live; both buffers hold one entry per parameter, the most the
+        // bridge writes.
+        let err = unsafe {
+            ffi::rn_ddp_bucket_layout(self.raw.as_ptr(), flat.as_mut_ptr(), sizes.as_mut_ptr(), &mut n)
+        };
+        check("ddp.bucket_layout", err)?;
+        let mut at = 0;
+        Ok(sizes[..n]
+            .iter()
+            .map(|&k| {
+                at += k;
+                flat[at - k..at].to_vec()
+            })
+            .collect())
     }
 
     /// Whether the next backward pass averages gradients (torch's `no_sync` is `false`).

@@ -102,7 +102,9 @@ extern "C" {
         n_params: usize,
         bucket_cap_bytes: i64,
         stats_every: i64,
-        resumed: c_int,
+        layout: *const usize,
+        bucket_sizes: *const usize,
+        n_buckets: usize,
         out: *mut *mut RnDdp,
     ) -> *mut c_char;
     pub fn rn_ddp_free(d: *mut RnDdp);
@@ -110,6 +112,12 @@ extern "C" {
     pub fn rn_ddp_prepare_backward(d: *mut RnDdp, outputs: *const *mut c_void, n_outputs: usize) -> *mut c_char;
     pub fn rn_ddp_record_stats(d: *mut RnDdp, out: *mut RnDdpStats) -> *mut c_char;
     pub fn rn_ddp_bucket_count(d: *mut RnDdp, out: *mut usize) -> *mut c_char;
+    pub fn rn_ddp_bucket_layout(
+        d: *mut RnDdp,
+        layout: *mut usize,
+        bucket_sizes: *mut usize,
+        n_buckets: *mut usize,
+    ) -> *mut c_char;
 
     pub fn rn_clear_grads(params: *const *mut c_void, n: usize) -> *mut c_char;
     pub fn rn_fused_adam(

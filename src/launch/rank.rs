@@ -8,7 +8,7 @@ use anyhow::Context;
 
 use super::env::{is_loopback, RankEnv};
 use crate::config::schema::Backend as BackendKind;
-use crate::config::Plan;
+use crate::plan::Plan;
 use crate::dist::{Backend, ProcessGroup, Store};
 use crate::trace::EpochRow;
 

@@ -21,7 +21,7 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 
 use super::env::{AGENT_STORE, LAUNCHER_PID};
 use super::position;
-use crate::config::Plan;
+use crate::plan::Plan;
 use crate::dist::{record_exit, Store};
 
 const STDERR_TAIL: usize = 12;

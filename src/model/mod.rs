@@ -1,4 +1,8 @@
-//! Models built from `[wrap.model]`: an MLP over the features, logits over the classes.
+//! Models, one module per `[wrap.model] kind`, each implementing [`Architecture`]: what the plan,
+//! the pipeline partition, the memory check, the data-flow table, DDP, checkpoints and
+//! `model.safetensors` need to know of a model. Adding a kind is one module here and one variant
+//! of `config::schema::Model` (matched in [`architecture`] and [`check`]).
+pub mod mlp;
 pub mod optim;
 pub mod partition;
 
@@ -6,116 +10,73 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
 
-use tch::nn::{self, Module, ModuleT};
+use tch::nn::{self, ModuleT};
 use tch::Tensor;
 
-use crate::config::schema::{Activation, Model};
-use crate::rng::Rng;
+use crate::config::schema::Model;
 
-/// Linear layers with an activation (and dropout) between them: the whole model, or the
-/// contiguous layers one pipeline stage holds.
-#[derive(Debug)]
-pub struct Mlp {
-    /// Each layer with its index in the whole model (the activation goes before every layer but
-    /// the model's first).
-    layers: Vec<(usize, nn::Linear)>,
-    activation: Activation,
-    dropout: f64,
+/// One layer as the plan sees it. Layers are where a pipeline may cut the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layer {
+    /// "linear 10 → 64".
+    pub name: String,
+    pub parameters: usize,
+    /// The shape of one sample's output of this layer (its input is the previous layer's output,
+    /// or the data's for layer 0).
+    pub output: Vec<usize>,
 }
 
-impl Mlp {
-    /// The whole model.
-    pub fn new(p: &nn::Path, features: usize, m: &Model, classes: usize, seed: u64) -> Mlp {
-        Mlp::stage(p, features, m, classes, seed, 0..m.hidden.len() + 1)
-    }
+/// A model kind applied to the data's shapes: a sequence of layers, any contiguous range of
+/// which can be built on its own (a pipeline stage) under the same parameter names as in the
+/// whole model.
+pub trait Architecture {
+    /// "MLP 10-64-64-4".
+    fn describe(&self) -> String;
 
-    /// Layers `range` of the model, named `layer{i}` as in the whole model. Layer i's initial
-    /// weights depend only on (seed, i), so the stages of a pipeline together equal the whole model.
-    pub fn stage(p: &nn::Path, features: usize, m: &Model, classes: usize, seed: u64, range: Range<usize>) -> Mlp {
-        let widths = widths(features, &m.hidden, classes);
-        let layers =
-            range.map(|i| (i, init_linear(&(p / format!("layer{i}")), widths[i], widths[i + 1], seed, i))).collect();
-        Mlp { layers, activation: m.activation, dropout: m.dropout }
-    }
+    /// The layers in order.
+    fn layers(&self) -> Vec<Layer>;
+
+    /// Parameter names and shapes of layers `range`, in torch's module order (the order
+    /// `Module.parameters()` gives for the same model): DDP's buckets follow it, so gradients are
+    /// summed in the same order as torch's.
+    fn parameters(&self, range: Range<usize>) -> Vec<(String, Vec<i64>)>;
+
+    /// Layers `range` built under `p`. Each layer's initial weights depend only on (seed, its
+    /// index), so the stages of a pipeline together equal the whole model on every rank.
+    fn build(&self, p: &nn::Path, range: Range<usize>, seed: u64) -> Box<dyn ModuleT>;
 }
 
-/// A linear layer with tch's default initialisation (weights uniform in ±√(6 / in), biases in
-/// ±1 / √in), drawn from the layer's own stream of our generator rather than libtorch's global one:
-/// the same numbers whatever else draws random numbers, in whichever thread.
-fn init_linear(p: &nn::Path, inputs: usize, outputs: usize, seed: u64, layer: usize) -> nn::Linear {
-    let mut rng = Rng::new(seed, LAYER_STREAM + layer as u64);
-    let mut uniform = |n: usize, bound: f64| -> Tensor {
-        let v: Vec<f32> = (0..n).map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32).collect();
-        Tensor::from_slice(&v)
-    };
-    let fan_in = inputs as f64;
-    let w = uniform(inputs * outputs, (6.0 / fan_in).sqrt()).view([outputs as i64, inputs as i64]);
-    let b = uniform(outputs, 1.0 / fan_in.sqrt());
-    nn::Linear { ws: p.var_copy("weight", &w), bs: Some(p.var_copy("bias", &b)) }
-}
-
-/// Separates the layers' streams from other uses of the run's seed.
-const LAYER_STREAM: u64 = 0x1A7E_0000;
-
-impl ModuleT for Mlp {
-    fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
-        let mut h = x.shallow_clone();
-        for (i, layer) in &self.layers {
-            if *i > 0 {
-                h = match self.activation {
-                    Activation::Relu => h.relu(),
-                    Activation::Tanh => h.tanh(),
-                    Activation::Gelu => h.gelu("none"),
-                };
-                if self.dropout > 0.0 {
-                    h = h.dropout(self.dropout, train);
-                }
-            }
-            h = layer.forward(&h);
-        }
-        h
+/// The architecture of `model` for inputs of shape `input` (one sample) and `outputs` values out.
+pub fn architecture(model: &Model, input: &[usize], outputs: usize) -> Box<dyn Architecture> {
+    match model {
+        Model::Mlp(m) => Box::new(mlp::MlpArch::new(m, input, outputs)),
     }
 }
 
-/// Input width, hidden widths, classes: layer i maps widths[i] to widths[i + 1].
-pub fn widths(features: usize, hidden: &[usize], classes: usize) -> Vec<usize> {
-    std::iter::once(features).chain(hidden.iter().copied()).chain([classes]).collect()
+/// Checks the model's own keys, before any shape is known.
+pub fn check(model: &Model, bad: &mut impl FnMut(&str, String)) {
+    match model {
+        Model::Mlp(m) => mlp::check(m, bad),
+    }
 }
 
-/// Weights and biases of each layer, computed from the widths alone (the plan uses it).
-pub fn layer_parameters(features: usize, hidden: &[usize], classes: usize) -> Vec<usize> {
-    widths(features, hidden, classes).windows(2).map(|w| w[0] * w[1] + w[1]).collect()
+/// Parameters of each layer.
+pub fn layer_parameters(arch: &dyn Architecture) -> Vec<usize> {
+    arch.layers().iter().map(|l| l.parameters).collect()
 }
 
-/// The parameter names and shapes of layers `range`, in the order a VarStore sorts them.
-pub fn layer_shapes(features: usize, hidden: &[usize], classes: usize, range: Range<usize>) -> Vec<(String, Vec<i64>)> {
-    let w = widths(features, hidden, classes);
-    let mut v: Vec<(String, Vec<i64>)> = range
-        .flat_map(|i| {
-            let (i_, o) = (w[i] as i64, w[i + 1] as i64);
-            [(format!("layer{i}.bias"), vec![o]), (format!("layer{i}.weight"), vec![o, i_])]
-        })
-        .collect();
+/// The parameter names and shapes of the whole model, sorted by name (as a VarStore lists them,
+/// and as checkpoints and weights files record them).
+pub fn sorted_parameters(arch: &dyn Architecture) -> Vec<(String, Vec<i64>)> {
+    let mut v = arch.parameters(0..arch.layers().len());
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
 }
 
-/// Weights and biases of the whole MLP.
-pub fn parameter_count(features: usize, hidden: &[usize], classes: usize) -> usize {
-    layer_parameters(features, hidden, classes).iter().sum()
-}
-
-/// The parameters in the order torch's `Module.parameters()` gives for the same MLP: layer by
-/// layer, weight then bias, whatever order the VarStore created them in. DDP's bucket layouts follow this order,
-/// so gradients are summed in the same order as torch's.
-pub fn parameters_in_module_order(vs: &nn::VarStore) -> Vec<Tensor> {
-    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    let key = |name: &str| {
-        let (layer, kind) = name.split_once('.').unwrap_or((name, ""));
-        (layer.trim_start_matches("layer").parse::<usize>().unwrap_or(usize::MAX), kind != "weight", name.to_owned())
-    };
-    named.sort_by_key(|(name, _)| key(name));
-    named.into_iter().map(|(_, t)| t).collect()
+/// The variables of `vs` in the architecture's module order for layers `range`.
+pub fn parameters_in_module_order(arch: &dyn Architecture, range: Range<usize>, vs: &nn::VarStore) -> Vec<Tensor> {
+    let vars = vs.variables();
+    arch.parameters(range).iter().map(|(name, _)| vars[name].shallow_clone()).collect()
 }
 
 /// Reads a weights file (.npz or .safetensors) holding exactly the parameters of `shapes`,
@@ -156,34 +117,16 @@ pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeM
     }
 }
 
-/// "10-64-64-4" for a model's widths.
-pub fn describe(features: usize, hidden: &[usize], classes: usize) -> String {
-    widths(features, hidden, classes).iter().map(|w| w.to_string()).collect::<Vec<_>>().join("-")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn parameter_count_matches_the_built_model() {
-        let m = Model { hidden: vec![64, 32], ..Model::default() };
-        let vs = nn::VarStore::new(tch::Device::Cpu);
-        let _mlp = Mlp::new(&vs.root(), 10, &m, 4, 0);
-        let built: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
-        assert_eq!(built as usize, parameter_count(10, &m.hidden, 4));
-        assert_eq!(describe(10, &m.hidden, 4), "10-64-32-4");
-        let mut named: Vec<(String, Vec<i64>)> = vs.variables().into_iter().map(|(n, t)| (n, t.size())).collect();
-        named.sort();
-        assert_eq!(named, layer_shapes(10, &m.hidden, 4, 0..3));
-        let sizes: Vec<Vec<i64>> = parameters_in_module_order(&vs).iter().map(|t| t.size()).collect();
-        assert_eq!(sizes, [vec![64, 10], vec![64], vec![32, 64], vec![32], vec![4, 32], vec![4]]);
-    }
-
-    #[test]
     fn weights_files_are_checked_against_the_model() {
         let dir = tempfile::tempdir().unwrap();
-        let shapes = layer_shapes(3, &[4], 2, 0..2);
+        let m = crate::config::schema::Mlp { hidden: vec![4], ..Default::default() };
+        let arch = mlp::MlpArch::new(&m, &[3], 2);
+        let shapes = sorted_parameters(&arch);
         let good: Vec<(String, Tensor)> = shapes
             .iter()
             .map(|(n, s)| (n.clone(), Tensor::ones(s.as_slice(), (tch::Kind::Double, tch::Device::Cpu))))
@@ -203,19 +146,5 @@ mod tests {
         let err = read_weights(&path, &shapes).unwrap_err();
         assert!(err.ends_with("does not fit the model: `layer0.bias` is [5, 3], the model's is [4]; no `layer1.bias`; unexpected `head.weight`"), "{err}");
         assert!(read_weights(&dir.path().join("none.npz"), &shapes).unwrap_err().contains("does not exist"));
-    }
-
-    #[test]
-    fn stages_together_equal_the_whole_model() {
-        let m = Model { hidden: vec![8, 8, 8], ..Model::default() };
-        let x = Tensor::randn([5, 6], (tch::Kind::Float, tch::Device::Cpu));
-        let vs = nn::VarStore::new(tch::Device::Cpu);
-        let whole = Mlp::new(&vs.root(), 6, &m, 3, 7);
-        let stages: Vec<Mlp> = [0..1, 1..3, 3..4]
-            .into_iter()
-            .map(|r| Mlp::stage(&nn::VarStore::new(tch::Device::Cpu).root(), 6, &m, 3, 7, r))
-            .collect();
-        let piped = stages.iter().fold(x.shallow_clone(), |h, s| s.forward_t(&h, false));
-        assert!(whole.forward_t(&x, false).equal(&piped));
     }
 }

@@ -40,6 +40,11 @@ impl Optimizer {
         }
     }
 
+    /// The parameters it updates, in its order.
+    pub fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
     /// Drops the gradients, as torch's `zero_grad()` does by default (set to none).
     pub fn zero_grad(&mut self) -> dist::Result<()> {
         dist::clear_grads(&self.params)

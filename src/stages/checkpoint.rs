@@ -11,9 +11,10 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
-use crate::config::Plan;
 use crate::dist::ProcessGroup;
 use crate::model::optim::Optimizer;
+use crate::plan::Plan;
+use crate::strategy::Strategy;
 use crate::trace::{EpochRow, StepRow};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -26,6 +27,10 @@ pub struct Meta {
     pub tensors_fnv1a: String,
     pub rows: Vec<EpochRow>,
     pub steps: Vec<StepRow>,
+    /// DDP's gradient buckets (parameter indices in module order) as the Reducer had rebuilt
+    /// them: a resumed run starts from them, so it sums gradients as an uninterrupted one.
+    #[serde(default)]
+    pub buckets: Option<Vec<Vec<usize>>>,
 }
 
 /// A checkpoint that verified: its record and its tensor file.
@@ -62,10 +67,11 @@ pub struct Snapshot<'a> {
     pub optimizer: &'a Optimizer,
     pub rows: &'a [EpochRow],
     pub steps: &'a [StepRow],
+    pub buckets: Option<Vec<Vec<usize>>>,
 }
 
 pub fn save(run_dir: &Path, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
-    let Snapshot { epoch, world_size, vs, optimizer, rows, steps } = *s;
+    let Snapshot { epoch, world_size, vs, optimizer, rows, steps, ref buckets } = *s;
     let (pt, json) = paths(run_dir, epoch);
     std::fs::create_dir_all(dir(run_dir)).with_context(|| format!("cannot create {}", dir(run_dir).display()))?;
     let params = named_parameters(vs);
@@ -85,6 +91,7 @@ pub fn save(run_dir: &Path, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
         tensors_fnv1a: fnv1a(&bytes),
         rows: rows.to_vec(),
         steps: steps.to_vec(),
+        buckets: buckets.clone(),
     };
     crate::trace::atomic_write(&json, serde_json::to_string(&meta)?.as_bytes())?;
     for old in epochs(run_dir).into_iter().rev().skip(keep) {
@@ -108,7 +115,8 @@ fn epochs(run_dir: &Path) -> Vec<usize> {
 
 /// The newest checkpoint, verified against its checksum and against the plan (model shapes,
 /// world size). An error names the file and says what to do.
-pub fn latest(run_dir: &Path, plan: &Plan, expected: &[(String, Vec<i64>)]) -> Result<Option<Found>, String> {
+pub fn latest(run_dir: &Path, plan: &Plan) -> Result<Option<Found>, String> {
+    let expected = crate::model::sorted_parameters(plan.model().as_ref());
     let Some(epoch) = epochs(run_dir).pop() else { return Ok(None) };
     let (pt, json) = paths(run_dir, epoch);
     let refuse = |why: String| {
@@ -142,42 +150,10 @@ pub fn latest(run_dir: &Path, plan: &Plan, expected: &[(String, Vec<i64>)]) -> R
     Ok(Some(Found { meta, tensors: pt }))
 }
 
-/// Parameter names and shapes of the plan's model, as a checkpoint records them.
-pub fn shapes(plan: &Plan) -> Vec<(String, Vec<i64>)> {
-    let (d, m) = (&plan.data, &plan.config.wrap.model);
-    crate::model::layer_shapes(d.features, &m.hidden, d.classes, 0..m.hidden.len() + 1)
-}
-
 /// Writes the trained model's parameters to `model.safetensors` in the run directory, named as
-/// in the whole model (`layer0.weight`, ...) whatever the strategy: rank 0's replica, or, in a
-/// pipeline, the layers of every rank of its first copy sent to rank 0.
-pub fn write_model(plan: &Plan, pg: &ProcessGroup, vs: &nn::VarStore, run_dir: &Path) -> anyhow::Result<()> {
-    let mut named = named_parameters(vs);
-    if plan.is_pipeline() {
-        if pg.rank() >= plan.pipeline_ranks() {
-            return Ok(());
-        }
-        if pg.rank() > 0 {
-            for (i, (_, t)) in named.iter().enumerate() {
-                pg.send(t, 0, i as i32)?;
-            }
-            return Ok(());
-        }
-        let (d, m) = (&plan.data, &plan.config.wrap.model);
-        for r in 1..plan.pipeline_ranks() {
-            for (i, (name, shape)) in
-                crate::model::layer_shapes(d.features, &m.hidden, d.classes, plan.stages[r].clone())
-                    .into_iter()
-                    .enumerate()
-            {
-                let mut t = Tensor::zeros(shape.as_slice(), (tch::Kind::Float, tch::Device::Cpu));
-                pg.recv(&mut t, r, i as i32)?;
-                named.push((name, t));
-            }
-        }
-    } else if pg.rank() > 0 {
-        return Ok(());
-    }
+/// in the whole model (`layer0.weight`, ...) whatever the strategy (it gathers them to rank 0).
+pub fn write_model(plan: &Plan, pg: &ProcessGroup, strategy: &Strategy, vs: &nn::VarStore, run_dir: &Path) -> anyhow::Result<()> {
+    let Some(named) = strategy.gather_model(plan, pg, vs)? else { return Ok(()) };
     let path = run_dir.join("model.safetensors");
     let tmp = run_dir.join(format!(".model.safetensors.tmp-{}", std::process::id()));
     Tensor::write_safetensors(&named, &tmp).with_context(|| format!("cannot write {}", tmp.display()))?;

@@ -1,18 +1,15 @@
 //! The five stages a rank runs: load → shard → normalize → wrap → train/validate. Each stage
 //! receives what the previous one produced and the part of the plan it owns.
 pub mod checkpoint;
-pub mod load;
-pub mod normalize;
-pub mod pipeline;
-pub mod shard;
 pub mod train;
 pub mod wrap;
 
 use std::path::Path;
 
 use crate::config::schema::NormalizeScope;
-use crate::config::Plan;
+use crate::data::{self, normalize, shard};
 use crate::dist::ProcessGroup;
+use crate::plan::Plan;
 use crate::launch::position::Position;
 use crate::trace::progress::Progress;
 use crate::trace::{self, EpochRow};
@@ -29,7 +26,7 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
     let position = Position::new(run_dir, rank);
 
     position.set("load", 0, 0);
-    let data = load::load(&plan.data, c.run.seed).map_err(anyhow::Error::msg)?;
+    let data = data::load(&plan.data, c.run.seed).map_err(anyhow::Error::msg)?;
     let first = shard::RankShard::take(
         &plan.layout,
         &shard::permutation(c.run.seed, 1, plan.layout.rows, c.shard.shuffle),
@@ -48,32 +45,32 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
         pg,
     )?;
     position.set("wrap", 0, 0);
-    let mut wrapped = wrap::wrap(plan, pg, resume)?;
-    let (mut rows, mut steps, first_epoch) = if resume {
-        let found = checkpoint::latest(run_dir, plan, &checkpoint::shapes(plan))
+    let found = if resume {
+        let found = checkpoint::latest(run_dir, plan)
             .map_err(anyhow::Error::msg)?
             .with_context(|| format!("{} holds no checkpoint to resume from", checkpoint::dir(run_dir).display()))?;
-        checkpoint::load(&found, &wrapped.vs, &mut wrapped.optimizer)?;
-        (found.meta.rows, found.meta.steps, found.meta.epoch + 1)
+        Some(found)
     } else {
-        (Vec::new(), Vec::new(), 1)
+        None
+    };
+    let mut wrapped = wrap::wrap(plan, pg, found.as_ref().and_then(|f| f.meta.buckets.as_deref()))?;
+    let (mut rows, mut steps, first_epoch) = match found {
+        Some(found) => {
+            checkpoint::load(&found, &wrapped.vs, &mut wrapped.optimizer)?;
+            (found.meta.rows, found.meta.steps, found.meta.epoch + 1)
+        }
+        None => (Vec::new(), Vec::new(), 1),
     };
     let progress = Progress::new(rank == 0, c.train.epochs, plan.steps_per_epoch());
-    let pipeline = if plan.is_pipeline() { Some(pipeline::Stage::new(plan, pg)?) } else { None };
-    let mut trainer = train::Trainer {
-        plan,
-        pg,
-        data: &data,
-        normalizer: &normalizer,
-        wrapped,
-        pipeline,
-        progress,
-        position,
-        iteration: 0,
-    };
+    // DDP's Reducer counts iterations from 1 in every process, resumed or not.
+    let mut trainer =
+        train::Trainer { plan, pg, data: &data, normalizer: &normalizer, wrapped, progress, position, iteration: 0 };
 
     for epoch in first_epoch..=c.train.epochs {
         let out = trainer.epoch(epoch)?;
+        // Every rank takes part: the bucket layout is read on each (it is the same on all).
+        let checkpointing = c.checkpoint.every > 0 && (epoch.is_multiple_of(c.checkpoint.every) || epoch == c.train.epochs);
+        let buckets = if checkpointing { trainer.wrapped.strategy.bucket_layout()? } else { None };
         if rank == 0 {
             let r0 = &out.rows[0];
             let val = r0
@@ -98,8 +95,7 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
             let ws = plan.world_size() as u32;
             trace::write_parquet(&run_dir.join("trace.parquet"), &mut trace::epochs_frame(&plan.run_id, ws, &rows)?)?;
             trace::write_parquet(&run_dir.join("steps.parquet"), &mut trace::steps_frame(&plan.run_id, &steps)?)?;
-            let ck = &c.checkpoint;
-            if ck.every > 0 && (epoch.is_multiple_of(ck.every) || epoch == c.train.epochs) {
+            if checkpointing {
                 trainer.position.set("checkpoint", epoch, 0);
                 let w = &trainer.wrapped;
                 let snapshot = checkpoint::Snapshot {
@@ -109,13 +105,15 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
                     optimizer: &w.optimizer,
                     rows: &rows,
                     steps: &steps,
+                    buckets,
                 };
-                checkpoint::save(run_dir, &snapshot, ck.keep)?;
+                checkpoint::save(run_dir, &snapshot, c.checkpoint.keep)?;
             }
         }
     }
     trainer.progress.finish();
     trainer.position.set("write model", c.train.epochs, 0);
-    checkpoint::write_model(plan, pg, &trainer.wrapped.vs, run_dir)?;
+    let w = &trainer.wrapped;
+    checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir)?;
     Ok(rows)
 }

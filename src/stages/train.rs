@@ -1,22 +1,19 @@
 //! Stage 5, train and validate: the epoch loop. Each step slices the rank's epoch tensor (one
-//! gather per epoch, no per-step copies), runs forward / loss / backward through DDP (or through
-//! the pipeline's stages) and updates. Each row's loss and prediction go into per-epoch buffers,
-//! reduced and read once per epoch, then all-gathered so that rank 0 holds every rank's row and
+//! gather per epoch, no per-step copies), lets the strategy run forward, loss and backward
+//! (averaging gradients its way), and updates. Each row's loss and correctness go into per-epoch
+//! buffers, reduced once per epoch, then all-gathered so that rank 0 holds every rank's row and
 //! the global (all-rank) metrics.
 use std::time::{Duration, Instant};
 
-use tch::nn::ModuleT;
-use tch::{Kind, Reduction, Tensor};
+use tch::{Kind, Tensor};
 
-use super::load::Dataset;
-use super::normalize::Normalizer;
-use super::pipeline::{Stage, StepOut};
-use super::shard::{permutation, RankShard};
 use super::wrap::Wrapped;
-use crate::config::schema::ValidateOn;
-use crate::config::Plan;
+use crate::data::normalize::Normalizer;
+use crate::data::shard::{permutation, RankShard};
+use crate::data::Dataset;
 use crate::dist::ProcessGroup;
 use crate::launch::position::Position;
+use crate::plan::Plan;
 use crate::trace::progress::Progress;
 use crate::trace::{EpochRow, StepRow};
 
@@ -26,22 +23,16 @@ pub struct EpochOutput {
     pub steps: Vec<StepRow>,
 }
 
-/// Values each rank contributes per epoch, all-gathered as one float64 tensor.
-const EPOCH_FIELDS: usize = 10;
-const STEP_FIELDS: usize = 8;
-
 pub struct Trainer<'a, 'pg> {
     pub plan: &'a Plan,
     pub pg: &'pg ProcessGroup,
     pub data: &'a Dataset,
     pub normalizer: &'a Normalizer,
     pub wrapped: Wrapped<'pg>,
-    /// This rank's stage, with wrap.strategy = "pipeline".
-    pub pipeline: Option<Stage<'pg>>,
     pub progress: Progress,
     pub position: Position,
-    /// Steps taken so far (the Reducer's iteration counter follows it).
-    pub iteration: i64,
+    /// Steps taken so far, over every epoch of this process (DDP's Reducer counts the same).
+    pub iteration: usize,
 }
 
 impl Trainer<'_, '_> {
@@ -63,163 +54,176 @@ impl Trainer<'_, '_> {
         let n = self.plan.layout.per_rank as i64;
         let steps = self.plan.steps_per_epoch();
         let step_every = c.trace.step_every;
-        // Each row's loss and prediction, written by its step and reduced once at the epoch's end:
-        // two cheap copies per step instead of a chain of small reductions.
+        // Each row's loss and correctness, written by its step and reduced once at the epoch's
+        // end: two cheap copies per step instead of a chain of small reductions.
         let losses = Tensor::zeros([n], (Kind::Float, tch::Device::Cpu));
-        let predictions = Tensor::zeros([n], (Kind::Int64, tch::Device::Cpu));
-        let (mut comm_s, mut compute_s, mut wait_s) = (0.0, 0.0, 0.0);
+        let correct = Tensor::zeros([n], (Kind::Float, tch::Device::Cpu));
+        let mut mine = RankEpoch { steps: steps as f64, ..RankEpoch::default() };
+        let (mut comm, mut comm_measured, mut wait) = (Duration::ZERO, 0usize, Duration::ZERO);
         let mut step_rows = Vec::new();
         self.progress.start_epoch(epoch);
         let report_every = (steps / 40).max(1);
+        let mut checked = 0;
         let train_start = Instant::now();
         for step in 0..steps {
             self.position.set("train", epoch, step + 1);
+            self.iteration += 1;
+            let sampled = step_every > 0 && self.iteration.is_multiple_of(step_every);
             let t0 = Instant::now();
             let len = b.min(n - step as i64 * b);
             let (xb, yb) = (x.narrow(0, step as i64 * b, len), y.narrow(0, step as i64 * b, len));
             let t1 = Instant::now();
-            let (s, averaged) = match &self.pipeline {
-                Some(stage) => {
-                    self.wrapped.optimizer.zero_grad()?;
-                    let s = stage.train_step(&self.wrapped.model, &xb, &yb, len)?;
-                    (s, stage.average_gradients(&self.wrapped.vs.trainable_variables())?)
-                }
-                None => (self.replica_step(&xb, &yb)?, Duration::ZERO),
-            };
+            let w_ = &mut self.wrapped;
+            let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, sampled)?;
             let t2 = Instant::now();
-            self.wrapped.optimizer.step()?;
+            w_.optimizer.step()?;
             let update = t2.elapsed();
-            self.iteration += 1;
-            if let (Some(per_sample), Some(logits)) = (&s.per_sample, &s.logits) {
+            if let (Some(per_sample), Some(right)) = (&s.per_sample, &s.correct) {
                 tch::no_grad(|| {
                     losses.narrow(0, step as i64 * b, len).copy_(per_sample);
-                    let _ = logits.argmax_out(&predictions.narrow(0, step as i64 * b, len), -1, false);
+                    correct.narrow(0, step as i64 * b, len).copy_(right);
                 });
             }
-            let times = match self.wrapped.ddp.as_mut() {
-                Some(ddp) => ddp.reducer_times(self.iteration)?,
-                None => None,
-            };
-            comm_s += times.map_or(averaged.as_secs_f64(), |t| t.backward_comm.as_secs_f64());
-            compute_s += (s.forward + s.loss + s.backward + update).as_secs_f64();
-            wait_s += s.wait.as_secs_f64();
-            if step_every > 0 && step % step_every == 0 {
-                step_rows.push([
-                    step as f64,
-                    (t1 - t0).as_secs_f64(),
-                    s.forward.as_secs_f64(),
-                    s.loss.as_secs_f64(),
-                    s.backward.as_secs_f64(),
-                    times.map_or(s.wait.as_secs_f64(), |t| t.backward_comm.as_secs_f64()),
-                    times.map_or(0.0, |t| t.overlap.as_secs_f64()),
-                    update.as_secs_f64(),
-                ]);
+            if let Some(c) = s.comm {
+                comm += c;
+                comm_measured += 1;
             }
-            if rank == 0 && (step % report_every == 0 || step + 1 == steps) {
-                let done = ((step + 1) as i64 * b).min(n) as f64;
-                let loss = s.per_sample.as_ref().map(|p| p.mean(Kind::Double).double_value(&[]));
-                self.progress.step(step + 1, loss, done / start.elapsed().as_secs_f64());
+            mine.compute_s += (s.forward + s.loss + s.backward + update).as_secs_f64();
+            wait += s.wait;
+            if sampled {
+                step_rows.push(StepSample {
+                    step: step as f64,
+                    batch_s: (t1 - t0).as_secs_f64(),
+                    forward_s: s.forward.as_secs_f64(),
+                    loss_s: s.loss.as_secs_f64(),
+                    backward_s: s.backward.as_secs_f64(),
+                    sync_s: s.comm.map_or(s.wait, |c| c + s.wait).as_secs_f64(),
+                    overlap_s: s.overlap.as_secs_f64(),
+                    update_s: update.as_secs_f64(),
+                });
+            }
+            if step % report_every == 0 || step + 1 == steps {
+                // A loss that is no longer finite stops the run here, not at the epoch's end.
+                let to = ((step + 1) as i64 * b).min(n);
+                check_finite(&losses.narrow(0, checked, to - checked), rank, epoch, checked / b + 1, step + 1)?;
+                checked = to;
+                if rank == 0 {
+                    let loss = s.per_sample.as_ref().map(|p| p.mean(Kind::Double).double_value(&[]));
+                    self.progress.step(step + 1, loss, to as f64 / start.elapsed().as_secs_f64());
+                }
             }
         }
         let train_s = train_start.elapsed().as_secs_f64();
-        let epoch_s = start.elapsed().as_secs_f64();
-        let samples = w.sum(Kind::Double).double_value(&[]);
-        let loss_sum = (losses * &w).sum(Kind::Double);
-        let correct = (predictions.eq_tensor(&y).to_kind(Kind::Float) * &w).sum(Kind::Double);
-
-        let validate = c.validate.every > 0 && (epoch.is_multiple_of(c.validate.every) || epoch == c.train.epochs);
-        let (val_loss, val_acc) = if validate && self.pipeline.is_some() {
-            // The copies of a pipeline hold the same weights: the first one validates.
-            if self.plan.replica(rank) == 0 {
-                self.position.set("validate", epoch, 0);
-                self.validate_pipeline()?
-            } else {
-                (f64::NAN, f64::NAN)
-            }
-        } else if validate && (rank == 0 || c.validate.on == ValidateOn::All) {
-            self.position.set("validate", epoch, 0);
-            self.validate()
-        } else {
-            (f64::NAN, f64::NAN)
+        mine.epoch_s = start.elapsed().as_secs_f64();
+        mine.samples = w.sum(Kind::Double).double_value(&[]);
+        mine.loss_sum = (losses * &w).sum(Kind::Double).double_value(&[]);
+        mine.correct = (correct * &w).sum(Kind::Double).double_value(&[]);
+        // DDP's Reducer times only the steps it samples: the epoch's total is estimated from them.
+        mine.comm_s = match comm_measured {
+            0 => 0.0,
+            k => comm.as_secs_f64() * steps as f64 / k as f64,
         };
 
+        let validate = c.validate.every > 0 && (epoch.is_multiple_of(c.validate.every) || epoch == c.train.epochs);
+        (mine.val_loss, mine.val_acc) = (f64::NAN, f64::NAN);
+        if validate {
+            self.position.set("validate", epoch, 0);
+            let w_ = &self.wrapped;
+            if let Some((loss, acc)) = w_.strategy.validate(self.plan, w_.model.as_ref(), self.data, self.normalizer)? {
+                (mine.val_loss, mine.val_acc) = (loss, acc);
+            }
+        }
+        let stages = self.wrapped.strategy.pipeline_ranks(self.plan);
+        mine.bubble = if stages.is_some() { wait.as_secs_f64() / train_s } else { f64::NAN };
+
         self.position.set("gather metrics", epoch, 0);
-        let bubble = if self.pipeline.is_some() { wait_s / train_s } else { f64::NAN };
-        let mine = [
-            loss_sum.double_value(&[]),
-            correct.double_value(&[]),
-            samples,
-            steps as f64,
-            epoch_s,
-            comm_s,
-            val_loss,
-            val_acc,
-            compute_s,
-            bubble,
-        ];
-        let stages = self.pipeline.as_ref().map(|_| self.plan.pipeline_ranks());
         let rows = gather_epoch_rows(self.pg, epoch, &mine, stages)?;
         let steps = gather_step_rows(self.pg, epoch, &step_rows)?;
         Ok(EpochOutput { rows, steps })
     }
+}
 
-    /// One replica's forward, loss and backward (gradients averaged by DDP when wrapped in it).
-    fn replica_step(&mut self, xb: &Tensor, yb: &Tensor) -> anyhow::Result<StepOut> {
-        let t0 = Instant::now();
-        if let Some(ddp) = self.wrapped.ddp.as_mut() {
-            ddp.prepare_forward()?;
-        }
-        let logits = self.wrapped.model.forward_t(xb, true);
-        let t1 = Instant::now();
-        let per_sample = logits.cross_entropy_loss::<Tensor>(yb, None, Reduction::None, -100, 0.0);
-        let loss = per_sample.mean(Kind::Float);
-        let t2 = Instant::now();
-        if let Some(ddp) = self.wrapped.ddp.as_mut() {
-            ddp.prepare_backward()?;
-        }
-        self.wrapped.optimizer.zero_grad()?;
-        loss.f_backward()
-            .map_err(|e| self.pg.explain(crate::dist::Error::new("backward (gradient all-reduce)", e.to_string())))?;
-        Ok(StepOut {
-            per_sample: Some(per_sample.detach()),
-            logits: Some(logits.detach()),
-            forward: t1 - t0,
-            loss: t2 - t1,
-            backward: t2.elapsed(),
-            wait: Duration::ZERO,
-        })
+/// Fails with where it happened when `losses` (steps `first`..=`last` of `epoch`) hold a NaN or
+/// an infinity: training on would only spread it.
+fn check_finite(losses: &Tensor, rank: usize, epoch: usize, first: i64, last: usize) -> anyhow::Result<()> {
+    let finite = losses.isfinite().all().int64_value(&[]) == 1;
+    if !finite {
+        anyhow::bail!(
+            "the training loss became {} on rank {rank} in epoch {epoch}, steps {first}-{last}: lower train.lr, \
+             check the data for extreme values, or use another normalize.method",
+            if losses.isnan().any().int64_value(&[]) == 1 { "NaN" } else { "infinite" }
+        );
+    }
+    Ok(())
+}
+
+/// What one rank measured over an epoch. Ranks all-gather it as one float64 tensor, in the
+/// order of [`RankEpoch::to_array`]; NaN marks what a rank did not measure.
+#[derive(Debug, Clone, Copy, Default)]
+struct RankEpoch {
+    loss_sum: f64,
+    correct: f64,
+    samples: f64,
+    steps: f64,
+    epoch_s: f64,
+    comm_s: f64,
+    val_loss: f64,
+    val_acc: f64,
+    compute_s: f64,
+    bubble: f64,
+}
+
+impl RankEpoch {
+    fn to_array(self) -> [f64; 10] {
+        let RankEpoch { loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble } =
+            self;
+        [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble]
     }
 
-    /// The validation rows through every stage; the loss and accuracy are measured on the last
-    /// rank and sent to every row of the trace (`NAN` elsewhere, filled in by the gather).
-    fn validate_pipeline(&self) -> anyhow::Result<(f64, f64)> {
-        let stage = self.pipeline.as_ref().expect("a pipeline");
-        let n = self.data.val_x.size()[0];
-        if n == 0 {
-            return Ok((f64::NAN, f64::NAN));
-        }
-        let x = if self.pg.rank() == 0 { self.normalizer.apply(&self.data.val_x) } else { Tensor::new() };
-        let logits = stage.evaluate(&self.wrapped.model, &x, n, self.plan.batch_per_rank as i64)?;
-        Ok(logits.map_or((f64::NAN, f64::NAN), |l| metrics(&l, &self.data.val_y)))
-    }
-
-    /// Mean loss and accuracy on the validation rows, normalised with this rank's statistics.
-    fn validate(&self) -> (f64, f64) {
-        if self.data.val_x.size()[0] == 0 {
-            return (f64::NAN, f64::NAN);
-        }
-        let logits = tch::no_grad(|| self.wrapped.model.forward_t(&self.normalizer.apply(&self.data.val_x), false));
-        metrics(&logits, &self.data.val_y)
+    fn from_slice(v: &[f64]) -> RankEpoch {
+        let [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble] =
+            v.try_into().expect("10 values per rank");
+        RankEpoch { loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble }
     }
 }
 
-/// Mean cross-entropy and accuracy of `logits` against the labels `y`.
-fn metrics(logits: &Tensor, y: &Tensor) -> (f64, f64) {
-    tch::no_grad(|| {
-        let loss = logits.cross_entropy_for_logits(y).double_value(&[]);
-        let acc = logits.argmax(-1, false).eq_tensor(y).to_kind(Kind::Double).mean(Kind::Double).double_value(&[]);
-        (loss, acc)
-    })
+/// One sampled step's phases on one rank, all-gathered as float64 values in field order.
+#[derive(Debug, Clone, Copy)]
+struct StepSample {
+    step: f64,
+    batch_s: f64,
+    forward_s: f64,
+    loss_s: f64,
+    backward_s: f64,
+    sync_s: f64,
+    overlap_s: f64,
+    update_s: f64,
+}
+
+impl StepSample {
+    const FIELDS: usize = 8;
+
+    fn to_array(self) -> [f64; Self::FIELDS] {
+        let StepSample { step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s } = self;
+        [step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s]
+    }
+
+    fn row(v: &[f64], epoch: usize, rank: usize) -> StepRow {
+        let [step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s] =
+            v.try_into().expect("8 values per step");
+        StepRow {
+            epoch: epoch as u32,
+            step: step as u32,
+            rank: rank as u32,
+            batch_s,
+            forward_s,
+            loss_s,
+            backward_s,
+            sync_s,
+            overlap_s,
+            update_s,
+        }
+    }
 }
 
 /// Every rank's epoch values, all-gathered: rank 0 builds each rank's row and the global metrics.
@@ -228,15 +232,16 @@ fn metrics(logits: &Tensor, y: &Tensor) -> (f64, f64) {
 fn gather_epoch_rows(
     pg: &ProcessGroup,
     epoch: usize,
-    mine: &[f64; EPOCH_FIELDS],
+    mine: &RankEpoch,
     stages: Option<usize>,
 ) -> anyhow::Result<Vec<EpochRow>> {
-    let all = pg.all_gather(&Tensor::from_slice(mine))?;
-    let v: Vec<Vec<f64>> = all.iter().map(|t| Vec::<f64>::try_from(t).expect("float64 values")).collect();
+    let all = pg.all_gather(&Tensor::from_slice(&mine.to_array()))?;
+    let v: Vec<RankEpoch> =
+        all.iter().map(|t| RankEpoch::from_slice(&Vec::<f64>::try_from(t).expect("float64 values"))).collect();
     let measured_on = |r: usize| stages.map_or(r, |s| r / s * s + s - 1);
     let (g_loss, g_correct, g_samples) = (0..v.len())
         .filter(|&r| measured_on(r) == r)
-        .fold((0.0, 0.0, 0.0), |a, r| (a.0 + v[r][0], a.1 + v[r][1], a.2 + v[r][2]));
+        .fold((0.0, 0.0, 0.0), |a, r| (a.0 + v[r].loss_sum, a.1 + v[r].correct, a.2 + v[r].samples));
     let opt = |x: f64| (!x.is_nan()).then_some(x);
     Ok(v.iter()
         .enumerate()
@@ -245,50 +250,37 @@ fn gather_epoch_rows(
             EpochRow {
                 epoch: epoch as u32,
                 rank: r as u32,
-                train_loss: m[0] / m[2],
-                train_acc: m[1] / m[2],
+                train_loss: m.loss_sum / m.samples,
+                train_acc: m.correct / m.samples,
                 global_train_loss: g_loss / g_samples,
                 global_train_acc: g_correct / g_samples,
-                val_loss: opt(m[6]),
-                val_acc: opt(m[7]),
-                samples: f[2] as u64,
-                steps: f[3] as u64,
-                epoch_s: f[4],
-                samples_per_s: f[2] / f[4],
-                comm_s: f[5],
-                compute_s: f[8],
-                bubble: opt(f[9]),
+                val_loss: opt(m.val_loss),
+                val_acc: opt(m.val_acc),
+                samples: f.samples as u64,
+                steps: f.steps as u64,
+                epoch_s: f.epoch_s,
+                samples_per_s: f.samples / f.epoch_s,
+                comm_s: f.comm_s,
+                compute_s: f.compute_s,
+                bubble: opt(f.bubble),
             }
         })
         .collect())
 }
 
 /// Every rank's sampled steps (the same count on each rank), all-gathered.
-fn gather_step_rows(pg: &ProcessGroup, epoch: usize, mine: &[[f64; STEP_FIELDS]]) -> anyhow::Result<Vec<StepRow>> {
+fn gather_step_rows(pg: &ProcessGroup, epoch: usize, mine: &[StepSample]) -> anyhow::Result<Vec<StepRow>> {
     if mine.is_empty() {
         return Ok(Vec::new());
     }
-    let flat: Vec<f64> = mine.iter().flatten().copied().collect();
+    let flat: Vec<f64> = mine.iter().flat_map(|s| s.to_array()).collect();
     let all = pg.all_gather(&Tensor::from_slice(&flat))?;
     Ok(all
         .iter()
         .enumerate()
         .flat_map(|(r, t)| {
             let v = Vec::<f64>::try_from(t).expect("float64 values");
-            v.chunks(STEP_FIELDS)
-                .map(|s| StepRow {
-                    epoch: epoch as u32,
-                    step: s[0] as u32,
-                    rank: r as u32,
-                    batch_s: s[1],
-                    forward_s: s[2],
-                    loss_s: s[3],
-                    backward_s: s[4],
-                    sync_s: s[5],
-                    overlap_s: s[6],
-                    update_s: s[7],
-                })
-                .collect::<Vec<_>>()
+            v.chunks(StepSample::FIELDS).map(|s| StepSample::row(s, epoch, r)).collect::<Vec<_>>()
         })
         .collect())
 }

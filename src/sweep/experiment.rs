@@ -8,7 +8,8 @@ use serde::Deserialize;
 
 use super::grid::{self, Point};
 use crate::config::resolve::{flatten, parse_strict};
-use crate::config::{self, ConfigError, Override, Plan};
+use crate::config::{self, ConfigError, Override};
+use crate::plan::Plan;
 
 /// The labels that overrides carry into the resolved configuration (and config.toml).
 pub const SET_LABEL: &str = "experiment [set]";

@@ -5,7 +5,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::experiment::Axis;
-use crate::config::{ConfigError, Override, Plan};
+use crate::config::{ConfigError, Override};
+use crate::plan::Plan;
 
 /// One point of the grid: its axis values, validated plan and run directory (under the sweep's).
 #[derive(Debug, Clone)]

@@ -1,16 +1,14 @@
-//! Stage 1, load: the synthetic task (a deterministic function of the seed: the same data on every
-//! rank and at every world size) or a csv / parquet file read with polars.
-use std::path::PathBuf;
+//! csv and parquet files read with polars: checked against the pipeline's needs on the plan
+//! (target column, numeric features, nothing missing), read as rows on each rank.
+use std::path::{Path, PathBuf};
 
 use polars::prelude::*;
-use tch::Tensor;
+use serde::{Deserialize, Serialize};
 
-use crate::config::plan::DataSpec;
 use crate::config::schema::Source;
-use crate::rng::Rng;
 
 /// What the plan needs to know of a data file.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FileInfo {
     pub path: PathBuf,
     pub rows: usize,
@@ -20,70 +18,13 @@ pub struct FileInfo {
     pub classes: usize,
 }
 
-/// Training and validation rows: features as float32, labels as int64.
-#[derive(Debug)]
-pub struct Dataset {
-    pub train_x: Tensor,
-    pub train_y: Tensor,
-    pub val_x: Tensor,
-    pub val_y: Tensor,
+/// The features (row-major, float32) and labels of every row of the file.
+pub fn rows(info: &FileInfo, source: Source) -> Result<(Vec<f32>, Vec<i64>), String> {
+    let df = read(&info.path, source)?;
+    columns(&df, info)
 }
 
-pub fn load(data: &DataSpec, seed: u64) -> Result<Dataset, String> {
-    let (x, y) = match &data.file {
-        None => synthetic(data, seed),
-        Some(info) => {
-            let df = read(&info.path, data.source)?;
-            columns(&df, info)?
-        }
-    };
-    let f = data.features as i64;
-    let x = Tensor::from_slice(&x).view([-1, f]);
-    let y = Tensor::from_slice(&y);
-    let n = data.rows as i64;
-    let v = data.validation_rows as i64;
-    Ok(Dataset {
-        train_x: x.narrow(0, 0, n),
-        train_y: y.narrow(0, 0, n),
-        val_x: x.narrow(0, n, v),
-        val_y: y.narrow(0, n, v),
-    })
-}
-
-/// Rows from a random teacher network: features on varied scales and offsets (so normalising
-/// matters), labels = argmax of the teacher's logits plus `noise`-scaled Gaussian noise.
-fn synthetic(d: &DataSpec, seed: u64) -> (Vec<f32>, Vec<i64>) {
-    let (f, c, h) = (d.features, d.classes, 16);
-    let mut rng = Rng::new(seed, 0xDA7A);
-    let offset: Vec<f64> = (0..f).map(|_| rng.normal() * 5.0).collect();
-    let scale: Vec<f64> = (0..f).map(|_| 0.5 + rng.uniform() * 4.5).collect();
-    let w1: Vec<f64> = (0..f * h).map(|_| rng.normal() * 2.0 / (f as f64).sqrt()).collect();
-    let b1: Vec<f64> = (0..h).map(|_| rng.normal() * 0.5).collect();
-    let w2: Vec<f64> = (0..h * c).map(|_| rng.normal() * 2.0).collect();
-    let n = d.rows + d.validation_rows;
-    let (mut xs, mut ys) = (Vec::with_capacity(n * f), Vec::with_capacity(n));
-    let mut z = vec![0.0; f];
-    let mut hidden = vec![0.0; h];
-    for _ in 0..n {
-        for j in 0..f {
-            z[j] = rng.normal();
-            xs.push((offset[j] + scale[j] * z[j]) as f32);
-        }
-        for (k, out) in hidden.iter_mut().enumerate() {
-            *out = (b1[k] + (0..f).map(|j| z[j] * w1[j * h + k]).sum::<f64>()).tanh();
-        }
-        let label = (0..c)
-            .map(|k| (0..h).map(|i| hidden[i] * w2[i * c + k]).sum::<f64>() + d.noise * rng.normal())
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(&b.1))
-            .map(|(k, _)| k as i64)
-            .unwrap_or(0);
-        ys.push(label);
-    }
-    (xs, ys)
-}
-
-fn read(path: &std::path::Path, source: Source) -> Result<DataFrame, String> {
+fn read(path: &Path, source: Source) -> Result<DataFrame, String> {
     let fail = |e: PolarsError| format!("cannot read {}: {e}", path.display());
     if !path.is_file() {
         return Err(format!("{} does not exist (paths are relative to the pipeline file)", path.display()));
@@ -103,7 +44,7 @@ fn read(path: &std::path::Path, source: Source) -> Result<DataFrame, String> {
 
 /// Checks a data file against the pipeline's needs: the target exists and holds integer
 /// labels, every other column is numeric, nothing is missing.
-pub fn inspect_file(path: &std::path::Path, source: Source, target: &str) -> Result<FileInfo, String> {
+pub fn inspect(path: &Path, source: Source, target: &str) -> Result<FileInfo, String> {
     let df = read(path, source)?;
     let names: Vec<String> = df.get_column_names().iter().map(|s| s.to_string()).collect();
     if !names.iter().any(|n| n == target) {

@@ -1,4 +1,4 @@
-//! Stage 2, shard: DistributedSampler's semantics. Each epoch has one permutation of the
+//! Shard:  DistributedSampler's semantics. Each epoch has one permutation of the
 //! training rows, from (seed, epoch) alone, so it is the same at every world size; rank r takes
 //! positions r, r+W, r+2W, ... Without `drop_last` the permutation is padded by repeating its
 //! start so every rank gets as many rows (padded rows are trained on, as torch does, but are
@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 use crate::rng::Rng;
 
 /// How the training rows divide across ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ShardLayout {
     pub rows: usize,
     pub world_size: usize,

@@ -1,4 +1,4 @@
-//! Stage 3, normalize: per-feature scaling fitted on the rank's shard (`scope = "rank"`, what
+//! Normalize: per-feature scaling fitted on the rank's shard (`scope = "rank"`, what
 //! the seed does) or on the whole training set through all-reduced statistics (`"global"`).
 //! Fitted once, on the rank's first-epoch shard, then applied to every batch and to validation.
 use tch::{Kind, Tensor};

@@ -1,7 +1,7 @@
 //! The data-flow view of a plan, as the seed pages show it: stage, input, operation, output,
 //! per rank.
-use super::schema::*;
 use super::Plan;
+use crate::config::schema::*;
 use crate::trace::view::table;
 
 impl Plan {
@@ -10,7 +10,9 @@ impl Plan {
         let d = &self.data;
         let l = &self.layout;
         let w = self.world_size();
-        let f = d.features;
+        // One sample's shape: "10" for rows of 10 features.
+        let f = d.input.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" × ");
+        let classes = d.task.outputs();
         let source = match &d.file {
             None => format!("synthetic (seed {}, noise {})", c.run.seed, d.noise),
             Some(info) => info.path.display().to_string(),
@@ -57,7 +59,7 @@ impl Plan {
             NormalizeScope::Rank => "statistics of each rank's shard",
             NormalizeScope::Global => "statistics all-reduced over ranks",
         };
-        let model = crate::model::describe(f, &c.wrap.model.hidden, d.classes);
+        let model = self.model().describe();
         let wrap_op = match c.wrap.strategy {
             WrapStrategy::Ddp => {
                 format!("DDP (c10d Reducer, {} MiB buckets), weights broadcast from rank 0", c.wrap.bucket_cap_mb)
@@ -95,7 +97,7 @@ impl Plan {
             vec![
                 "1 load".into(),
                 source,
-                format!("{} training + {} validation rows, {} classes", d.rows, d.validation_rows, d.classes),
+                format!("{} training + {} validation rows, {classes} classes", d.rows, d.validation_rows),
                 format!("{} × {f}", d.rows),
             ],
             vec!["2 shard".into(), format!("{} × {f}", d.rows), shard_op, format!("{} × {f} {each}", l.per_rank)],
@@ -105,7 +107,7 @@ impl Plan {
                 format!("{norm}, {scope}"),
                 format!("{} × {f} {each}", l.per_rank),
             ],
-            vec!["4 wrap".into(), format!("MLP {model} ({} parameters)", self.parameters), wrap_op, wrap_out],
+            vec!["4 wrap".into(), format!("{model} ({} parameters)", self.parameters), wrap_op, wrap_out],
         ];
         let (train_in, train_op) = if pipeline {
             rows.extend(self.stage_rows());
@@ -157,7 +159,8 @@ impl Plan {
     /// One row per pipeline stage: the ranks holding it, what flows in, its layers, what flows out.
     fn stage_rows(&self) -> Vec<Vec<String>> {
         let c = &self.config;
-        let widths = crate::model::widths(self.data.features, &c.wrap.model.hidden, self.data.classes);
+        let layers = self.model().layers();
+        let dims = |v: &[i64]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" × ");
         let mb = micro_size(self.batch_per_rank, c.wrap.pipeline.micro_batches);
         let w = self.pipeline_ranks();
         let limit = c.run.memory_per_rank_mb.map(|l| format!(" of {l} allowed")).unwrap_or_default();
@@ -173,18 +176,22 @@ impl Plan {
                     _ => ("from the stage before".to_string(), "to the next stage".to_string()),
                 };
                 let to = if r + 1 == w { "logits → loss".to_string() } else { to };
-                let layer_widths: Vec<String> = widths[s.start..=s.end].iter().map(|x| x.to_string()).collect();
+                let (input, output) = self.stage_shapes(s);
+                // "10-64-64" for linear layers: the widths the stage's activations take.
+                let layer_widths: Vec<String> = std::iter::once(dims(&input))
+                    .chain(layers[s.clone()].iter().map(|l| l.output.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" × ")))
+                    .collect();
                 let p = self.rank_parameters(r);
                 vec![
                     label,
-                    format!("{mb} × {} {from}", widths[s.start]),
+                    format!("{mb} × {} {from}", dims(&input)),
                     format!(
                         "{} ({}): {p} parameters, {:.3} MiB{limit}",
-                        super::plan::layers_text(s),
+                        super::layers_text(s),
                         layer_widths.join("-"),
-                        super::plan::parameter_mib(p)
+                        super::parameter_mib(p)
                     ),
-                    format!("{mb} × {} {to}", widths[s.end]),
+                    format!("{mb} × {} {to}", dims(&output)),
                 ]
             })
             .collect()

@@ -14,12 +14,14 @@
 use std::time::{Duration, Instant};
 
 use tch::nn::ModuleT;
-use tch::{Kind, Reduction, Tensor};
+use tch::{Kind, Tensor};
 
+use super::StepOut;
 use crate::config::schema::Schedule;
-use crate::config::Plan;
+use crate::data::normalize::Normalizer;
+use crate::data::{Dataset, Task};
 use crate::dist::ProcessGroup;
-use crate::model::Mlp;
+use crate::plan::Plan;
 
 /// Tags keep the three kinds of traffic apart: a schedule mismatch fails instead of mixing data.
 const GRAD_TAG: i32 = 1 << 20;
@@ -35,22 +37,12 @@ pub struct Stage<'pg> {
     last: usize,
     /// With several copies of the pipeline: the ranks holding this stage in every copy.
     replicas: Option<ProcessGroup>,
-    /// Widths of the activations coming in and going out.
-    in_width: i64,
-    out_width: i64,
+    /// The shapes of one sample's activations coming in and going out.
+    in_shape: Vec<i64>,
+    out_shape: Vec<i64>,
+    task: Task,
     micro_batches: usize,
     schedule: Schedule,
-}
-
-/// What one step measured on this rank; `per_sample` and `logits` only on the last rank.
-pub struct StepOut {
-    pub per_sample: Option<Tensor>,
-    pub logits: Option<Tensor>,
-    pub forward: Duration,
-    pub loss: Duration,
-    pub backward: Duration,
-    /// Inside send and recv (waiting for a neighbour, and the transfer itself).
-    pub wait: Duration,
 }
 
 /// The micro-batch sizes of a batch of `n` rows: `min(micro, n)` parts differing by at most one
@@ -66,8 +58,8 @@ impl<'pg> Stage<'pg> {
     pub fn new(plan: &Plan, pg: &'pg ProcessGroup) -> crate::dist::Result<Stage<'pg>> {
         let rank = pg.rank();
         let c = &plan.config;
-        let widths = crate::model::widths(plan.data.features, &c.wrap.model.hidden, plan.data.classes);
         let layers = &plan.stages[rank];
+        let (in_shape, out_shape) = plan.stage_shapes(layers);
         let stages = plan.pipeline_ranks();
         let stage = rank % stages;
         let replicas = if plan.world_size() > stages {
@@ -82,8 +74,9 @@ impl<'pg> Stage<'pg> {
             stage,
             last: stages - 1,
             replicas,
-            in_width: widths[layers.start] as i64,
-            out_width: widths[layers.end] as i64,
+            in_shape,
+            out_shape,
+            task: plan.data.task,
             micro_batches: c.wrap.pipeline.micro_batches,
             schedule: c.wrap.pipeline.schedule,
         })
@@ -113,7 +106,7 @@ impl<'pg> Stage<'pg> {
     /// Forward and backward of one batch of `n` rows: `x` on rank 0, `y` on the last rank.
     /// Leaves this rank's parameter gradients summed over the micro-batches, for a loss that is
     /// the mean over the whole batch.
-    pub fn train_step(&self, model: &Mlp, x: &Tensor, y: &Tensor, n: i64) -> anyhow::Result<StepOut> {
+    pub fn train_step(&self, model: &dyn ModuleT, x: &Tensor, y: &Tensor, n: i64) -> anyhow::Result<StepOut> {
         let sizes = micro_sizes(n, self.micro_batches);
         let m = sizes.len();
         let mut step = Step::new(self, model, x, y, n, sizes);
@@ -163,9 +156,56 @@ impl<'pg> Stage<'pg> {
         Ok(step.finish())
     }
 
+    /// The validation rows through every stage of the first copy (the copies hold the same
+    /// weights); loss and accuracy measured on its last rank, `None` elsewhere.
+    pub fn validate(
+        &self,
+        plan: &Plan,
+        model: &dyn ModuleT,
+        data: &Dataset,
+        normalizer: &Normalizer,
+    ) -> anyhow::Result<Option<(f64, f64)>> {
+        if plan.replica(self.rank) != 0 {
+            return Ok(None);
+        }
+        let n = data.val_x.size()[0];
+        let x = if self.stage == 0 { normalizer.apply(&data.val_x) } else { Tensor::new() };
+        let out = self.evaluate(model, &x, n, plan.batch_per_rank as i64)?;
+        Ok(out.map(|o| self.task.metrics(&o, &data.val_y)))
+    }
+
+    /// The whole model's parameters on rank 0: every rank of the first copy sends its layers
+    /// (`named`, sorted by name) to rank 0, which receives them in the plan's shapes.
+    pub fn gather_model(
+        &self,
+        plan: &Plan,
+        mut named: Vec<(String, Tensor)>,
+    ) -> anyhow::Result<Option<Vec<(String, Tensor)>>> {
+        if self.rank >= plan.pipeline_ranks() {
+            return Ok(None);
+        }
+        if self.rank > 0 {
+            for (i, (_, t)) in named.iter().enumerate() {
+                self.pg.send(t, 0, i as i32)?;
+            }
+            return Ok(None);
+        }
+        let arch = plan.model();
+        for r in 1..plan.pipeline_ranks() {
+            let mut shapes = arch.parameters(plan.stages[r].clone());
+            shapes.sort_by(|a, b| a.0.cmp(&b.0));
+            for (i, (name, shape)) in shapes.into_iter().enumerate() {
+                let mut t = Tensor::zeros(shape.as_slice(), (Kind::Float, tch::Device::Cpu));
+                self.pg.recv(&mut t, r, i as i32)?;
+                named.push((name, t));
+            }
+        }
+        Ok(Some(named))
+    }
+
     /// The logits of `x` (`n` rows, given on rank 0) through every stage, in chunks of `chunk`
     /// rows, without gradients; `Some` on the last rank.
-    pub fn evaluate(&self, model: &Mlp, x: &Tensor, n: i64, chunk: i64) -> anyhow::Result<Option<Tensor>> {
+    pub fn evaluate(&self, model: &dyn ModuleT, x: &Tensor, n: i64, chunk: i64) -> anyhow::Result<Option<Tensor>> {
         let mut wait = Duration::ZERO;
         let mut logits = Vec::new();
         let mut offset = 0;
@@ -198,13 +238,14 @@ impl<'pg> Stage<'pg> {
         if self.stage == 0 {
             return Ok(x.narrow(0, offset, len));
         }
-        let mut h = self.buffer(len, self.in_width);
+        let mut h = self.buffer(len, &self.in_shape);
         timed(wait, || self.pg.recv(&mut h, self.rank - 1, tag))?;
         Ok(h)
     }
 
-    fn buffer(&self, rows: i64, width: i64) -> Tensor {
-        Tensor::zeros([rows, width], (Kind::Float, tch::Device::Cpu))
+    fn buffer(&self, rows: i64, shape: &[i64]) -> Tensor {
+        let shape: Vec<i64> = std::iter::once(rows).chain(shape.iter().copied()).collect();
+        Tensor::zeros(shape.as_slice(), (Kind::Float, tch::Device::Cpu))
     }
 }
 
@@ -219,7 +260,7 @@ fn timed<T>(total: &mut Duration, f: impl FnOnce() -> crate::dist::Result<T>) ->
 /// back) and outputs (activations, or the loss on the last rank) until their backward.
 struct Step<'a, 'pg> {
     stage: &'a Stage<'pg>,
-    model: &'a Mlp,
+    model: &'a dyn ModuleT,
     x: &'a Tensor,
     y: &'a Tensor,
     n: i64,
@@ -228,22 +269,15 @@ struct Step<'a, 'pg> {
     inputs: Vec<Option<Tensor>>,
     outputs: Vec<Option<Tensor>>,
     per_sample: Vec<Tensor>,
-    logits: Vec<Tensor>,
+    correct: Vec<Tensor>,
     out: StepOut,
 }
 
 impl<'a, 'pg> Step<'a, 'pg> {
-    fn new(stage: &'a Stage<'pg>, model: &'a Mlp, x: &'a Tensor, y: &'a Tensor, n: i64, sizes: Vec<i64>) -> Self {
+    fn new(stage: &'a Stage<'pg>, model: &'a dyn ModuleT, x: &'a Tensor, y: &'a Tensor, n: i64, sizes: Vec<i64>) -> Self {
         let offsets = sizes.iter().scan(0, |o, s| Some(std::mem::replace(o, *o + s))).collect();
         let m = sizes.len();
-        let out = StepOut {
-            per_sample: None,
-            logits: None,
-            forward: Duration::ZERO,
-            loss: Duration::ZERO,
-            backward: Duration::ZERO,
-            wait: Duration::ZERO,
-        };
+        let out = StepOut::default();
         Step {
             stage,
             model,
@@ -255,7 +289,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
             inputs: (0..m).map(|_| None).collect(),
             outputs: (0..m).map(|_| None).collect(),
             per_sample: Vec::with_capacity(m),
-            logits: Vec::with_capacity(m),
+            correct: Vec::with_capacity(m),
             out,
         }
     }
@@ -274,11 +308,11 @@ impl<'a, 'pg> Step<'a, 'pg> {
         if self.stage.is_last() {
             let t = Instant::now();
             let y = self.y.narrow(0, self.offsets[i], self.sizes[i]);
-            let ps = h.cross_entropy_loss::<Tensor>(&y, None, Reduction::None, -100, 0.0);
+            let ps = self.stage.task.per_sample_loss(&h, &y);
             // Each micro-batch's share of the batch mean, so the gradients add up to it.
             self.outputs[i] = Some(ps.sum(Kind::Float) / self.n as f64);
             self.per_sample.push(ps.detach());
-            self.logits.push(h.detach());
+            self.correct.push(tch::no_grad(|| self.stage.task.correct(&h, &y)));
             self.out.loss += t.elapsed();
         } else {
             self.outputs[i] = Some(h);
@@ -298,7 +332,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
         if self.stage.is_last() {
             return Ok(None);
         }
-        let mut grad = self.stage.buffer(self.sizes[i], self.stage.out_width);
+        let mut grad = self.stage.buffer(self.sizes[i], &self.stage.out_shape);
         let (pg, next) = (self.stage.pg, self.stage.rank + 1);
         timed(&mut self.out.wait, || pg.recv(&mut grad, next, GRAD_TAG + i as i32))?;
         Ok(Some(grad))
@@ -309,7 +343,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
         if self.stage.is_last() {
             return Ok(None);
         }
-        let mut grad = self.stage.buffer(self.sizes[j], self.stage.out_width);
+        let mut grad = self.stage.buffer(self.sizes[j], &self.stage.out_shape);
         let (pg, next, h) = (self.stage.pg, self.stage.rank + 1, self.outputs[i].as_ref().expect("forward ran"));
         timed(&mut self.out.wait, || pg.send_recv(h, next, i as i32, &mut grad, next, GRAD_TAG + j as i32))?;
         Ok(Some(grad))
@@ -346,7 +380,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
             return self.recv_forward(i);
         }
         let grad = self.inputs[j].take().expect("forward ran").grad();
-        let mut h = self.stage.buffer(self.sizes[i], self.stage.in_width);
+        let mut h = self.stage.buffer(self.sizes[i], &self.stage.in_shape);
         let (pg, prev) = (self.stage.pg, self.stage.rank - 1);
         timed(&mut self.out.wait, || pg.send_recv(&grad, prev, GRAD_TAG + j as i32, &mut h, prev, i as i32))?;
         Ok(h.set_requires_grad(true))
@@ -355,7 +389,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
     fn finish(mut self) -> StepOut {
         if self.stage.is_last() {
             self.out.per_sample = Some(Tensor::cat(&self.per_sample, 0));
-            self.out.logits = Some(Tensor::cat(&self.logits, 0));
+            self.out.correct = Some(Tensor::cat(&self.correct, 0));
         }
         self.out
     }

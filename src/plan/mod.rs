@@ -1,19 +1,63 @@
 //! The `Plan`: a configuration checked as a whole (values, cross-field rules, data files) with
-//! every shape known before any rank starts. Nothing downstream re-checks the configuration.
+//! every shape known before any rank starts. The launcher builds it once and saves it in the run
+//! directory (`plan.json`); ranks and `--resume` load it. Nothing downstream re-checks the
+//! configuration.
 // `!(x > 0.0)` is meant: it also rejects NaN, which `x <= 0.0` would let through.
 #![allow(clippy::neg_cmp_op_on_partial_ord)]
 
+mod flow;
+mod resume;
+
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use super::schema::*;
-use super::{ConfigError, Resolved};
-use crate::stages::load::{inspect_file, FileInfo};
-use crate::stages::shard::ShardLayout;
+use serde::{Deserialize, Serialize};
+
+use crate::config::schema::*;
+use crate::config::{ConfigError, Resolved};
+use crate::data::shard::ShardLayout;
+use crate::data::{file, DataSpec, FileInfo, Task};
+use crate::model::Architecture;
+
+pub use resume::EXTENDS_A_RUN;
+
+/// The plan's file in the run directory.
+pub const FILE: &str = "plan.json";
+
+/// A file the run reads, with the digest of its content when the plan was made: the run id
+/// covers it, and a resumed run refuses a file that changed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InputFile {
+    /// The configuration key that names it (`load.path`, `wrap.init`).
+    pub key: String,
+    /// Absolute.
+    pub path: PathBuf,
+    pub bytes: u64,
+    /// FNV-1a of the content, 16 hex digits.
+    pub digest: String,
+}
+
+impl InputFile {
+    fn read(key: &str, path: &Path) -> Result<InputFile, String> {
+        use std::io::Read;
+        let path = std::fs::canonicalize(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let mut file = std::fs::File::open(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let (mut hash, mut bytes, mut buf) = (crate::rng::FNV_OFFSET, 0u64, vec![0u8; 1 << 16]);
+        loop {
+            let n = file.read(&mut buf).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            if n == 0 {
+                break;
+            }
+            hash = crate::rng::fnv1a_from(hash, &buf[..n]);
+            bytes += n as u64;
+        }
+        Ok(InputFile { key: key.to_owned(), path, bytes, digest: format!("{hash:016x}") })
+    }
+}
 
 /// What every rank needs to know, resolved and validated.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     pub config: Config,
     pub sources: BTreeMap<String, String>,
@@ -27,24 +71,13 @@ pub struct Plan {
     pub threads_per_rank: usize,
     /// `wrap.init` resolved against the pipeline file.
     pub init_weights: Option<PathBuf>,
+    /// Every file the run reads, with its digest.
+    pub inputs: Vec<InputFile>,
     pub parameters: usize,
     /// Parameters of each layer of the model.
     pub layer_parameters: Vec<usize>,
     /// The layers each rank holds: all of them, except with wrap.strategy = "pipeline".
     pub stages: Vec<Range<usize>>,
-}
-
-/// The data the load stage produces, with its shape.
-#[derive(Debug, Clone)]
-pub struct DataSpec {
-    pub source: Source,
-    /// Training rows.
-    pub rows: usize,
-    pub features: usize,
-    pub classes: usize,
-    pub validation_rows: usize,
-    pub noise: f64,
-    pub file: Option<FileInfo>,
 }
 
 impl Plan {
@@ -95,13 +128,13 @@ impl Plan {
                 let spec = DataSpec {
                     source: Source::Synthetic,
                     rows: c.load.rows.unwrap_or(10_000),
-                    features: c.load.features.unwrap_or(10),
-                    classes: c.load.classes.unwrap_or(2),
+                    input: vec![c.load.features.unwrap_or(10)],
+                    task: Task::Classification { classes: c.load.classes.unwrap_or(2) },
                     validation_rows: c.load.validation_rows,
                     noise: c.load.noise,
                     file: None,
                 };
-                if spec.features == 0 {
+                if spec.input_size() == 0 {
                     bad("load.features", "must be at least 1".into());
                 }
                 if !(spec.noise >= 0.0) {
@@ -112,21 +145,16 @@ impl Plan {
             source => file_spec(&c.load, source, &base, &mut bad),
         };
         if let Some(d) = &data {
-            if d.classes < 2 {
-                bad("load.classes", format!("must be at least 2 for classification, got {}", d.classes));
+            let Task::Classification { classes } = d.task;
+            if classes < 2 {
+                bad("load.classes", format!("must be at least 2 for classification, got {classes}"));
             }
             if d.rows == 0 {
                 bad("load.rows", "must be at least 1".into());
             }
         }
 
-        let m = &c.wrap.model;
-        if m.hidden.contains(&0) {
-            bad("wrap.model.hidden", format!("layer widths must be at least 1, got {:?}", m.hidden));
-        }
-        if !(0.0..1.0).contains(&m.dropout) {
-            bad("wrap.model.dropout", format!("must be in [0, 1), got {}", m.dropout));
-        }
+        crate::model::check(&c.wrap.model, &mut bad);
         if !(c.wrap.bucket_cap_mb > 0.0) {
             bad("wrap.bucket_cap_mb", format!("must be positive, got {}", c.wrap.bucket_cap_mb));
         }
@@ -177,7 +205,8 @@ impl Plan {
                 None
             }
             (ShardStrategy::Batch, Some(g)) => {
-                if sources.get("train.batch_size").is_some_and(|s| s != "default") {
+                // Compared with the default, not by source: a run's saved config.toml sets every key.
+                if t.batch_size != Train::default().batch_size {
                     bad("train.batch_size", "is not used with shard.strategy = \"batch\": each rank takes global_batch_size / world_size; remove it".into());
                 }
                 if g == 0 || w == 0 || g % w != 0 {
@@ -219,18 +248,23 @@ impl Plan {
             }
         }
 
+        let arch = data.as_ref().map(|d| crate::model::architecture(&c.wrap.model, &d.input, d.task.outputs()));
         let init_weights = c.wrap.init.as_ref().map(|rel| base.join(rel));
-        if let (Some(path), Some(d)) = (&init_weights, &data) {
-            let shapes = crate::model::layer_shapes(d.features, &m.hidden, d.classes, 0..m.hidden.len() + 1);
-            if let Err(e) = crate::model::read_weights(path, &shapes) {
+        if let (Some(path), Some(arch)) = (&init_weights, &arch) {
+            if let Err(e) = crate::model::read_weights(path, &crate::model::sorted_parameters(arch.as_ref())) {
                 bad("wrap.init", e);
             }
         }
+        let mut inputs = Vec::new();
+        let files = [("load.path", data.as_ref().and_then(|d| d.file.as_ref()).map(|f| f.path.clone())), ("wrap.init", init_weights.clone())];
+        for (key, path) in files {
+            match path.map(|p| InputFile::read(key, &p)).transpose() {
+                Ok(file) => inputs.extend(file),
+                Err(e) => bad(key, e),
+            }
+        }
 
-        let layer_parameters = data
-            .as_ref()
-            .map(|d| crate::model::layer_parameters(d.features, &c.wrap.model.hidden, d.classes))
-            .unwrap_or_default();
+        let layer_parameters = arch.as_ref().map(|a| crate::model::layer_parameters(a.as_ref())).unwrap_or_default();
         let stages = if pipeline {
             pipeline_stages(&c, &sources, &layer_parameters, &mut bad)
         } else {
@@ -270,8 +304,8 @@ impl Plan {
         let batch_per_rank = layout.split_batch.unwrap_or(c.train.batch_size);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads_per_rank = c.run.threads_per_rank.unwrap_or((cores / c.run.world_size).max(1));
-        let parameters = crate::model::parameter_count(data.features, &c.wrap.model.hidden, data.classes);
-        let run_id = run_id(&c, init_weights.as_deref());
+        let parameters = layer_parameters.iter().sum();
+        let run_id = run_id(&c, &inputs);
         Ok(Plan {
             config: c,
             sources,
@@ -283,6 +317,7 @@ impl Plan {
             threads_per_rank,
             parameters,
             init_weights,
+            inputs,
             layer_parameters,
             stages,
         })
@@ -290,6 +325,37 @@ impl Plan {
 
     pub fn world_size(&self) -> usize {
         self.config.run.world_size
+    }
+
+    /// The model's architecture over this plan's data.
+    pub fn model(&self) -> Box<dyn Architecture> {
+        crate::model::architecture(&self.config.wrap.model, &self.data.input, self.data.task.outputs())
+    }
+
+    /// The per-sample shapes flowing into and out of layers `layers`.
+    pub fn stage_shapes(&self, layers: &Range<usize>) -> (Vec<i64>, Vec<i64>) {
+        let all = self.model().layers();
+        let shape = |v: &[usize]| v.iter().map(|&d| d as i64).collect::<Vec<i64>>();
+        let input = if layers.start == 0 { shape(&self.data.input) } else { shape(&all[layers.start - 1].output) };
+        (input, shape(&all[layers.end - 1].output))
+    }
+
+    /// Writes the plan to `path` (the run directory's plan.json), atomically.
+    pub fn save(&self, path: &Path) -> anyhow::Result<()> {
+        let json = serde_json::to_string_pretty(self)? + "\n";
+        crate::trace::atomic_write(path, json.as_bytes())
+    }
+
+    /// The plan a launcher saved.
+    pub fn load(path: &Path) -> Result<Plan, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::new(format!("cannot read the run's plan {}: {e}", path.display())))?;
+        serde_json::from_str(&text).map_err(|e| {
+            ConfigError::new(format!(
+                "{} is not a plan this runner can read ({e}); it was written by another version, or damaged",
+                path.display()
+            ))
+        })
     }
 
     pub fn is_pipeline(&self) -> bool {
@@ -335,7 +401,7 @@ impl Plan {
             self.pipeline_file.display()
         );
         let mut leaves = Vec::new();
-        super::resolve::flatten("", &value, &mut leaves);
+        crate::config::resolve::flatten("", &value, &mut leaves);
         let mut section = String::new();
         for (key, v) in leaves {
             let (sec, name) = key.rsplit_once('.').unwrap_or(("", &key));
@@ -346,11 +412,9 @@ impl Plan {
             let from = self.sources.get(&key).map(String::as_str).unwrap_or("default");
             // Relative to the pipeline file when written; absolute here, so that the file stays
             // valid from the run directory (runner run --resume reads it).
-            let v = match (key.as_str(), &self.data.file) {
-                ("load.path", Some(info)) => toml::Value::String(
-                    std::fs::canonicalize(&info.path).unwrap_or(info.path.clone()).display().to_string(),
-                ),
-                _ => v,
+            let v = match self.inputs.iter().find(|f| f.key == key) {
+                Some(f) => toml::Value::String(f.path.display().to_string()),
+                None => v,
             };
             out += &format!("{name} = {v}  # {from}\n");
         }
@@ -535,7 +599,7 @@ fn file_spec(
         bad("load.noise", "is only read by source = \"synthetic\"".into());
     }
     let path = base.join(rel);
-    let info = match inspect_file(&path, source, target) {
+    let info = match file::inspect(&path, source, target) {
         Ok(info) => info,
         Err(e) => {
             bad("load.path", e);
@@ -565,20 +629,21 @@ fn file_spec(
     Some(DataSpec {
         source,
         rows: total - load.validation_rows,
-        features: info.features.len(),
-        classes,
+        input: vec![info.features.len()],
+        task: Task::Classification { classes },
         validation_rows: load.validation_rows,
         noise: 0.0,
         file: Some(FileInfo { path, ..info }),
     })
 }
 
-/// 12 hex digits of FNV-1a over the resolved configuration's canonical JSON.
-/// From the configuration and the initial-weights file's bytes (a changed file is another run).
-fn run_id(c: &Config, init_weights: Option<&std::path::Path>) -> String {
+/// 12 hex digits of FNV-1a over the resolved configuration's canonical JSON and the content
+/// digests of the files the run reads: the same configuration over the same files is the same
+/// run, and an edited data file is another.
+fn run_id(c: &Config, inputs: &[InputFile]) -> String {
     let mut bytes = serde_json::to_string(c).expect("a Config serializes").into_bytes();
-    if let Some(path) = init_weights {
-        bytes.extend(std::fs::read(path).unwrap_or_default());
+    for f in inputs {
+        bytes.extend(f.digest.as_bytes());
     }
     format!("{:012x}", crate::rng::fnv1a(&bytes) >> 16)
 }

@@ -1,0 +1,108 @@
+//! The data a run trains on: where the rows come from ([`synthetic`] or a csv / parquet [`file`]),
+//! what is learned from them (the [`Task`]), how they divide across ranks ([`shard`]) and how they
+//! are scaled ([`normalize`]). A [`Dataset`] is tensors of any shape (first axis = rows) plus
+//! its task, so nothing downstream assumes 2-D features or argmax metrics.
+pub mod file;
+pub mod normalize;
+pub mod shard;
+mod synthetic;
+
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Reduction, Tensor};
+
+pub use file::FileInfo;
+
+use crate::config::schema::Source;
+
+/// The data the load stage produces, with its shapes: everything the plan knows before any row
+/// is read.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DataSpec {
+    pub source: Source,
+    /// Training rows.
+    pub rows: usize,
+    pub validation_rows: usize,
+    /// The shape of one sample's input: `[features]` for rows of numbers.
+    pub input: Vec<usize>,
+    pub task: Task,
+    /// Synthetic only: the label noise.
+    pub noise: f64,
+    pub file: Option<FileInfo>,
+}
+
+impl DataSpec {
+    /// Values in one sample's input.
+    pub fn input_size(&self) -> usize {
+        self.input.iter().product()
+    }
+}
+
+/// What the model learns from the rows, and so its loss and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Task {
+    /// One of `classes` labels per row: cross-entropy over logits, accuracy.
+    Classification { classes: usize },
+}
+
+impl Task {
+    /// The model's outputs per sample.
+    pub fn outputs(&self) -> usize {
+        match self {
+            Task::Classification { classes } => *classes,
+        }
+    }
+
+    /// Each sample's loss (the batch loss is their mean).
+    pub fn per_sample_loss(&self, out: &Tensor, y: &Tensor) -> Tensor {
+        match self {
+            Task::Classification { .. } => out.cross_entropy_loss::<Tensor>(y, None, Reduction::None, -100, 0.0),
+        }
+    }
+
+    /// 1.0 where a sample's prediction is right, 0.0 elsewhere (float32).
+    pub fn correct(&self, out: &Tensor, y: &Tensor) -> Tensor {
+        match self {
+            Task::Classification { .. } => out.argmax(-1, false).eq_tensor(y).to_kind(Kind::Float),
+        }
+    }
+
+    /// Mean loss and accuracy of outputs `out` against targets `y`.
+    pub fn metrics(&self, out: &Tensor, y: &Tensor) -> (f64, f64) {
+        tch::no_grad(|| {
+            let loss = self.per_sample_loss(out, y).mean(Kind::Double).double_value(&[]);
+            let acc = self.correct(out, y).mean(Kind::Double).double_value(&[]);
+            (loss, acc)
+        })
+    }
+}
+
+/// Training and validation rows: inputs as float32 (N × input shape), targets as int64.
+#[derive(Debug)]
+pub struct Dataset {
+    pub train_x: Tensor,
+    pub train_y: Tensor,
+    pub val_x: Tensor,
+    pub val_y: Tensor,
+    pub task: Task,
+}
+
+/// Reads (or generates) the rows the plan describes.
+pub fn load(data: &DataSpec, seed: u64) -> Result<Dataset, String> {
+    let (x, y) = match &data.file {
+        None => synthetic::rows(data, seed),
+        Some(info) => file::rows(info, data.source)?,
+    };
+    let shape: Vec<i64> = std::iter::once(-1).chain(data.input.iter().map(|&d| d as i64)).collect();
+    let x = Tensor::from_slice(&x).view(shape.as_slice());
+    let y = Tensor::from_slice(&y);
+    let n = data.rows as i64;
+    let v = data.validation_rows as i64;
+    Ok(Dataset {
+        train_x: x.narrow(0, 0, n),
+        train_y: y.narrow(0, 0, n),
+        val_x: x.narrow(0, n, v),
+        val_y: y.narrow(0, n, v),
+        task: data.task,
+    })
+}

@@ -1,0 +1,153 @@
+//! `kind = "mlp"`: linear layers with an activation (and dropout) between them, over rows of
+//! features, logits over the classes. Layer i is `layer{i}` (`.weight`, `.bias`).
+use std::ops::Range;
+
+use tch::nn::{self, Module, ModuleT};
+use tch::Tensor;
+
+use super::{Architecture, Layer};
+use crate::config::schema::{Activation, Mlp};
+use crate::rng::Rng;
+
+/// The keys' own bounds.
+pub fn check(m: &Mlp, bad: &mut impl FnMut(&str, String)) {
+    if m.hidden.contains(&0) {
+        bad("wrap.model.hidden", format!("layer widths must be at least 1, got {:?}", m.hidden));
+    }
+    if !(0.0..1.0).contains(&m.dropout) {
+        bad("wrap.model.dropout", format!("must be in [0, 1), got {}", m.dropout));
+    }
+}
+
+/// An MLP's configuration with the data's widths.
+#[derive(Debug, Clone)]
+pub struct MlpArch {
+    /// Input width, hidden widths, outputs: layer i maps widths[i] to widths[i + 1].
+    widths: Vec<usize>,
+    activation: Activation,
+    dropout: f64,
+}
+
+impl MlpArch {
+    pub fn new(m: &Mlp, input: &[usize], outputs: usize) -> MlpArch {
+        let features = input.iter().product();
+        let widths = std::iter::once(features).chain(m.hidden.iter().copied()).chain([outputs]).collect();
+        MlpArch { widths, activation: m.activation, dropout: m.dropout }
+    }
+}
+
+impl Architecture for MlpArch {
+    fn describe(&self) -> String {
+        format!("MLP {}", self.widths.iter().map(|w| w.to_string()).collect::<Vec<_>>().join("-"))
+    }
+
+    fn layers(&self) -> Vec<Layer> {
+        self.widths
+            .windows(2)
+            .map(|w| Layer { name: format!("linear {} → {}", w[0], w[1]), parameters: w[0] * w[1] + w[1], output: vec![w[1]] })
+            .collect()
+    }
+
+    fn parameters(&self, range: Range<usize>) -> Vec<(String, Vec<i64>)> {
+        range
+            .flat_map(|i| {
+                let (inputs, outputs) = (self.widths[i] as i64, self.widths[i + 1] as i64);
+                [(format!("layer{i}.weight"), vec![outputs, inputs]), (format!("layer{i}.bias"), vec![outputs])]
+            })
+            .collect()
+    }
+
+    fn build(&self, p: &nn::Path, range: Range<usize>, seed: u64) -> Box<dyn ModuleT> {
+        let layers = range
+            .map(|i| (i, init_linear(&(p / format!("layer{i}")), self.widths[i], self.widths[i + 1], seed, i)))
+            .collect();
+        Box::new(MlpStage { layers, activation: self.activation, dropout: self.dropout })
+    }
+}
+
+/// The built layers of an MLP: the whole model, or the contiguous layers one pipeline stage holds.
+#[derive(Debug)]
+struct MlpStage {
+    /// Each layer with its index in the whole model (the activation goes before every layer but
+    /// the model's first).
+    layers: Vec<(usize, nn::Linear)>,
+    activation: Activation,
+    dropout: f64,
+}
+
+/// A linear layer with tch's default initialisation (weights uniform in ±√(6 / in), biases in
+/// ±1 / √in), drawn from the layer's own stream of our generator rather than libtorch's global one:
+/// the same numbers whatever else draws random numbers, in whichever thread.
+fn init_linear(p: &nn::Path, inputs: usize, outputs: usize, seed: u64, layer: usize) -> nn::Linear {
+    let mut rng = Rng::new(seed, LAYER_STREAM + layer as u64);
+    let mut uniform = |n: usize, bound: f64| -> Tensor {
+        let v: Vec<f32> = (0..n).map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32).collect();
+        Tensor::from_slice(&v)
+    };
+    let fan_in = inputs as f64;
+    let w = uniform(inputs * outputs, (6.0 / fan_in).sqrt()).view([outputs as i64, inputs as i64]);
+    let b = uniform(outputs, 1.0 / fan_in.sqrt());
+    nn::Linear { ws: p.var_copy("weight", &w), bs: Some(p.var_copy("bias", &b)) }
+}
+
+/// Separates the layers' streams from other uses of the run's seed.
+const LAYER_STREAM: u64 = 0x1A7E_0000;
+
+impl ModuleT for MlpStage {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        let mut h = x.shallow_clone();
+        for (i, layer) in &self.layers {
+            if *i > 0 {
+                h = match self.activation {
+                    Activation::Relu => h.relu(),
+                    Activation::Tanh => h.tanh(),
+                    Activation::Gelu => h.gelu("none"),
+                };
+                if self.dropout > 0.0 {
+                    h = h.dropout(self.dropout, train);
+                }
+            } else if h.dim() > 2 {
+                h = h.flatten(1, -1);
+            }
+            h = layer.forward(&h);
+        }
+        h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{parameters_in_module_order, sorted_parameters};
+
+    #[test]
+    fn parameter_counts_and_shapes_match_the_built_model() {
+        let m = Mlp { hidden: vec![64, 32], ..Mlp::default() };
+        let arch = MlpArch::new(&m, &[10], 4);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let _net = arch.build(&vs.root(), 0..3, 0);
+        let built: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
+        assert_eq!(built as usize, arch.layers().iter().map(|l| l.parameters).sum::<usize>());
+        assert_eq!(arch.describe(), "MLP 10-64-32-4");
+        let mut named: Vec<(String, Vec<i64>)> = vs.variables().into_iter().map(|(n, t)| (n, t.size())).collect();
+        named.sort();
+        assert_eq!(named, sorted_parameters(&arch));
+        let sizes: Vec<Vec<i64>> = parameters_in_module_order(&arch, 0..3, &vs).iter().map(|t| t.size()).collect();
+        assert_eq!(sizes, [vec![64, 10], vec![64], vec![32, 64], vec![32], vec![4, 32], vec![4]]);
+    }
+
+    #[test]
+    fn stages_together_equal_the_whole_model() {
+        let m = Mlp { hidden: vec![8, 8, 8], ..Mlp::default() };
+        let arch = MlpArch::new(&m, &[6], 3);
+        let x = Tensor::randn([5, 6], (tch::Kind::Float, tch::Device::Cpu));
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let whole = arch.build(&vs.root(), 0..4, 7);
+        let stages: Vec<Box<dyn ModuleT>> = [0..1, 1..3, 3..4]
+            .into_iter()
+            .map(|r| arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), r, 7))
+            .collect();
+        let piped = stages.iter().fold(x.shallow_clone(), |h, s| s.forward_t(&h, false));
+        assert!(whole.forward_t(&x, false).equal(&piped));
+    }
+}

@@ -1,0 +1,76 @@
+//! Resuming a run: the run's saved plan goes on. Only keys that extend a run may change, each
+//! change recorded with where it came from; anything else (the seed, the model, the optimizer,
+//! the strategy, the content of an input file) is refused, naming the keys.
+use std::collections::BTreeMap;
+
+use super::Plan;
+use crate::config::resolve::flatten;
+use crate::config::ConfigError;
+
+/// Keys a resumed run may change: they extend it without changing what it has done so far.
+pub const EXTENDS_A_RUN: &[&str] = &["train.epochs"];
+
+fn leaves(plan: &Plan) -> BTreeMap<String, toml::Value> {
+    let mut out = Vec::new();
+    flatten("", &toml::Value::try_from(&plan.config).expect("a Config serializes"), &mut out);
+    out.into_iter().collect()
+}
+
+impl Plan {
+    /// `self` (the run directory's plan.json) continued under `asked`: the configuration the user
+    /// resumes with (the run's config.toml or another file, the environment and --set).
+    pub fn resumed(self, asked: &Plan) -> Result<Plan, ConfigError> {
+        let (old, new) = (leaves(&self), leaves(asked));
+        let from = |key: &str| asked.sources.get(key).map(String::as_str).unwrap_or("default").to_owned();
+        let mut refused = Vec::new();
+        let mut extended = Vec::new();
+        for key in old.keys().chain(new.keys().filter(|k| !old.contains_key(*k))) {
+            // Files are compared by content: the path may be written another way.
+            if let Some(file) = self.inputs.iter().find(|f| f.key == *key) {
+                match asked.inputs.iter().find(|f| f.key == *key) {
+                    Some(now) if now.digest == file.digest => {}
+                    Some(now) => refused.push(format!(
+                        "`{key}`: {} changed since the run started (digest {} then, {} now)",
+                        now.path.display(),
+                        file.digest,
+                        now.digest
+                    )),
+                    None => refused.push(format!("`{key}`: the run read {}, now none ({})", file.path.display(), from(key))),
+                }
+                continue;
+            }
+            let (was, now) = (old.get(key), new.get(key));
+            if was == now {
+                continue;
+            }
+            if EXTENDS_A_RUN.contains(&key.as_str()) {
+                extended.push(key.clone());
+                continue;
+            }
+            let show = |v: Option<&toml::Value>| v.map_or("(absent)".to_owned(), |v| v.to_string());
+            refused.push(format!("`{key}`: {} in the run, {} now ({})", show(was), show(now), from(key)));
+        }
+        if !refused.is_empty() {
+            return Err(ConfigError::new(format!(
+                "run {} cannot resume with another configuration:\n  {}\nOnly {} may change when resuming; start a new \
+                 run (without --resume) for the rest.",
+                self.run_id,
+                refused.join("\n  "),
+                EXTENDS_A_RUN.join(", ")
+            )));
+        }
+        let mut value = toml::Value::try_from(&self.config).expect("a Config serializes");
+        let mut plan = self;
+        for key in extended {
+            let mut table = &mut value;
+            let parts: Vec<&str> = key.split('.').collect();
+            for part in &parts[..parts.len() - 1] {
+                table = table.get_mut(*part).expect("a key of the configuration");
+            }
+            table[parts[parts.len() - 1]] = new[&key].clone();
+            plan.sources.insert(key.clone(), format!("{} (on resume)", from(&key)));
+        }
+        plan.config = value.try_into().map_err(|e| ConfigError::new(format!("resumed configuration: {e}")))?;
+        Ok(plan)
+    }
+}

@@ -1,0 +1,125 @@
+//! How the ranks share the work on one model, one module per `wrap.strategy`: [`replica`] (every
+//! rank a whole replica, gradients averaged by DDP, or not at all) and [`pipeline`] (the layers
+//! split across ranks). Each owns its training step, its validation and how the final model is
+//! gathered to rank 0. Batch split (seed 002) is DDP over another shard layout (`data::shard`).
+pub mod pipeline;
+pub mod replica;
+
+use std::time::Duration;
+
+use tch::nn::{self, ModuleT};
+use tch::Tensor;
+
+use crate::config::schema::WrapStrategy;
+use crate::data::normalize::Normalizer;
+use crate::data::Dataset;
+use crate::dist::ProcessGroup;
+use crate::model::optim::Optimizer;
+use crate::plan::Plan;
+
+/// What one training step measured on this rank.
+#[derive(Default)]
+pub struct StepOut {
+    /// Each sample's loss, and 1.0 where its prediction was right: on the ranks that compute the
+    /// loss (every rank of a replica, the last rank of a pipeline).
+    pub per_sample: Option<Tensor>,
+    pub correct: Option<Tensor>,
+    pub forward: Duration,
+    pub loss: Duration,
+    pub backward: Duration,
+    /// Gradient communication, where it was measured: DDP's all-reduce as the Reducer timed it
+    /// (on the steps it samples), or the averaging of a pipeline stage's gradients over its copies.
+    pub comm: Option<Duration>,
+    /// The part of `comm` that overlapped with the backward pass (DDP).
+    pub overlap: Duration,
+    /// A pipeline rank's time inside send and recv: waiting for a neighbour, and the transfers.
+    pub wait: Duration,
+}
+
+pub enum Strategy<'pg> {
+    Replica(replica::Replica<'pg>),
+    Pipeline(pipeline::Stage<'pg>),
+}
+
+impl<'pg> Strategy<'pg> {
+    /// This rank's part of the strategy, over `params` (this rank's, in module order). `buckets`:
+    /// the DDP bucket layout a checkpoint recorded. Every rank must call this at the same point.
+    pub fn new(
+        plan: &Plan,
+        pg: &'pg ProcessGroup,
+        params: &[Tensor],
+        buckets: Option<&[Vec<usize>]>,
+    ) -> anyhow::Result<Strategy<'pg>> {
+        Ok(match plan.config.wrap.strategy {
+            WrapStrategy::Ddp | WrapStrategy::None => Strategy::Replica(replica::Replica::new(plan, pg, params, buckets)?),
+            WrapStrategy::Pipeline => Strategy::Pipeline(pipeline::Stage::new(plan, pg)?),
+        })
+    }
+
+    /// Forward, loss and backward of one batch, leaving this rank's gradients ready for the
+    /// optimizer (averaged where the strategy averages them).
+    pub fn step(
+        &mut self,
+        model: &dyn ModuleT,
+        optimizer: &mut Optimizer,
+        x: &Tensor,
+        y: &Tensor,
+        sampled: bool,
+    ) -> anyhow::Result<StepOut> {
+        match self {
+            Strategy::Replica(r) => r.step(model, optimizer, x, y, sampled),
+            Strategy::Pipeline(stage) => {
+                optimizer.zero_grad()?;
+                let mut out = stage.train_step(model, x, y, y.size()[0])?;
+                out.comm = Some(stage.average_gradients(optimizer.params())?);
+                Ok(out)
+            }
+        }
+    }
+
+    /// Validation loss and accuracy where this rank measures them (`None` elsewhere).
+    pub fn validate(
+        &self,
+        plan: &Plan,
+        model: &dyn ModuleT,
+        data: &Dataset,
+        normalizer: &Normalizer,
+    ) -> anyhow::Result<Option<(f64, f64)>> {
+        if data.val_x.size()[0] == 0 {
+            return Ok(None);
+        }
+        match self {
+            Strategy::Replica(r) => Ok(r.validate(plan, model, data, normalizer)),
+            Strategy::Pipeline(stage) => stage.validate(plan, model, data, normalizer),
+        }
+    }
+
+    /// Ranks per copy of a pipeline (their losses are measured on each copy's last rank).
+    pub fn pipeline_ranks(&self, plan: &Plan) -> Option<usize> {
+        matches!(self, Strategy::Pipeline(_)).then(|| plan.pipeline_ranks())
+    }
+
+    /// DDP's bucket layout now, for a checkpoint.
+    pub fn bucket_layout(&self) -> anyhow::Result<Option<Vec<Vec<usize>>>> {
+        match self {
+            Strategy::Replica(r) => r.bucket_layout(),
+            Strategy::Pipeline(_) => Ok(None),
+        }
+    }
+
+    /// The whole trained model's parameters on rank 0, named as in the whole model (`None` on
+    /// the other ranks): rank 0's replica, or a pipeline's layers gathered from its first copy.
+    pub fn gather_model(
+        &self,
+        plan: &Plan,
+        pg: &ProcessGroup,
+        vs: &nn::VarStore,
+    ) -> anyhow::Result<Option<Vec<(String, Tensor)>>> {
+        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        match self {
+            Strategy::Replica(_) => Ok((pg.rank() == 0).then_some(named)),
+            Strategy::Pipeline(stage) => stage.gather_model(plan, named),
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! Every rank holds a whole replica of the model (`wrap.strategy = "ddp"` or `"none"`). With DDP
+//! and more than one rank, c10d's Reducer averages the gradients in buckets while the backward
+//! pass runs; otherwise each rank trains alone.
+use std::time::Instant;
+
+use tch::nn::ModuleT;
+use tch::{Kind, Tensor};
+
+use super::StepOut;
+use crate::config::schema::{ValidateOn, WrapStrategy};
+use crate::data::normalize::Normalizer;
+use crate::data::{Dataset, Task};
+use crate::dist::{Ddp, ProcessGroup};
+use crate::model::optim::Optimizer;
+use crate::plan::Plan;
+
+pub struct Replica<'pg> {
+    pg: &'pg ProcessGroup,
+    ddp: Option<Ddp<'pg>>,
+    task: Task,
+    /// Steps taken so far (the Reducer numbers its iterations the same way).
+    iteration: i64,
+}
+
+impl<'pg> Replica<'pg> {
+    pub fn new(
+        plan: &Plan,
+        pg: &'pg ProcessGroup,
+        params: &[Tensor],
+        buckets: Option<&[Vec<usize>]>,
+    ) -> anyhow::Result<Replica<'pg>> {
+        let c = &plan.config;
+        let ddp = match c.wrap.strategy {
+            // One rank has no gradients to average: the Reducer would only copy them into its
+            // buckets and back.
+            WrapStrategy::Ddp if pg.size() > 1 => {
+                // The Reducer samples its timers on its first ten iterations and on the ones the
+                // step trace records (none after the tenth with step_every = 0).
+                let every = if c.trace.step_every > 0 { c.trace.step_every } else { usize::MAX / 2 };
+                Some(Ddp::new(pg, params, c.wrap.bucket_cap_mb, every, buckets)?)
+            }
+            _ => None,
+        };
+        Ok(Replica { pg, ddp, task: plan.data.task, iteration: 0 })
+    }
+
+    /// `sampled`: the step trace records this step (the Reducer has timed it).
+    pub fn step(
+        &mut self,
+        model: &dyn ModuleT,
+        optimizer: &mut Optimizer,
+        x: &Tensor,
+        y: &Tensor,
+        sampled: bool,
+    ) -> anyhow::Result<StepOut> {
+        self.iteration += 1;
+        let t0 = Instant::now();
+        if let Some(ddp) = self.ddp.as_mut() {
+            ddp.prepare_forward()?;
+        }
+        let out = model.forward_t(x, true);
+        let t1 = Instant::now();
+        let per_sample = self.task.per_sample_loss(&out, y);
+        let loss = per_sample.mean(Kind::Float);
+        let t2 = Instant::now();
+        if let Some(ddp) = self.ddp.as_mut() {
+            ddp.prepare_backward()?;
+        }
+        optimizer.zero_grad()?;
+        loss.f_backward()
+            .map_err(|e| self.pg.explain(crate::dist::Error::new("backward (gradient all-reduce)", e.to_string())))?;
+        let backward = t2.elapsed();
+        let times = match self.ddp.as_mut() {
+            Some(ddp) if sampled || self.iteration <= 10 => ddp.reducer_times(self.iteration)?,
+            _ => None,
+        };
+        Ok(StepOut {
+            correct: Some(tch::no_grad(|| self.task.correct(&out, y))),
+            per_sample: Some(per_sample.detach()),
+            forward: t1 - t0,
+            loss: t2 - t1,
+            backward,
+            comm: times.map(|t| t.backward_comm),
+            overlap: times.map(|t| t.overlap).unwrap_or_default(),
+            wait: Default::default(),
+        })
+    }
+
+    /// On rank 0 (every rank with `validate.on = "all"`), normalised with this rank's statistics.
+    pub fn validate(&self, plan: &Plan, model: &dyn ModuleT, data: &Dataset, normalizer: &Normalizer) -> Option<(f64, f64)> {
+        if self.pg.rank() != 0 && plan.config.validate.on != ValidateOn::All {
+            return None;
+        }
+        let out = tch::no_grad(|| model.forward_t(&normalizer.apply(&data.val_x), false));
+        Some(self.task.metrics(&out, &data.val_y))
+    }
+
+    pub fn bucket_layout(&self) -> anyhow::Result<Option<Vec<Vec<usize>>>> {
+        Ok(self.ddp.as_ref().map(Ddp::bucket_layout).transpose()?)
+    }
+}
