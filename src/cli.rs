@@ -269,7 +269,8 @@ fn resumed_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Plan> {
     if found.meta.epoch >= epochs {
         let source = plan.sources.get("train.epochs").map(String::as_str).unwrap_or("default");
         return Err(ConfigError::new(format!(
-            "`train.epochs` ({source}) is {epochs} but the newest checkpoint of {} is at epoch {}: nothing is left to              run; pass --set train.epochs=N with N > {} to train further",
+            "`train.epochs` ({source}) is {epochs} but the newest checkpoint of {} is at epoch {}: nothing is left to \
+             run; pass --set train.epochs=N with N > {} to train further",
             dir.display(),
             found.meta.epoch,
             found.meta.epoch
