@@ -23,6 +23,13 @@ const CASES: &[Case] = &[
                    (valid keys in [validate]: validate.every, validate.on)\n  21 | evry = 2",
     },
     Case {
+        name: "a model kind that does not exist",
+        file: "",
+        args: &["--set", "wrap.model.kind=\"cnn\""],
+        env: &[],
+        expected: "error: --set wrap.model.kind=\"cnn\": `wrap.model` cannot be \"cnn\" (one of: \"mlp\")",
+    },
+    Case {
         name: "misspelled section",
         file: "[trian]\nepochs = 2\n",
         args: &[],

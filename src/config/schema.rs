@@ -192,6 +192,7 @@ pub struct Wrap {
     /// (`layer0.weight`, `layer0.bias`, ...), relative to the pipeline file; default: from run.seed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init: Option<PathBuf>,
+    #[serde(deserialize_with = "model_of_default_kind")]
     pub model: Model,
     /// strategy = "pipeline" only.
     pub pipeline: Pipeline,
@@ -251,9 +252,9 @@ pub enum Schedule {
     OneFOneB,
 }
 
-/// The model: `kind` picks the architecture (default "mlp"), the other keys are that kind's own.
-/// One variant per kind; each kind's module in `crate::model` implements its architecture.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// The model: `kind` picks the architecture, the other keys are that kind's own. One variant per
+/// kind; each kind's module in `crate::model` implements its architecture.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum Model {
     /// Linear layers with an activation between them, over rows of features.
@@ -266,56 +267,13 @@ impl Default for Model {
     }
 }
 
-impl Model {
-    /// The names `kind` accepts, in the variants' order.
-    pub const KINDS: &'static [&'static str] = &["mlp"];
-}
-
-/// `kind` may be left out (it defaults to "mlp"), which serde's tagged enums do not allow: the
-/// table is read whole, `kind` taken out, and the rest read as that kind's own keys (unknown
-/// keys are still refused).
-impl<'de> Deserialize<'de> for Model {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        use serde::de::Error;
-        let mut table = toml::Table::deserialize(d)?;
-        let kind = match table.remove("kind") {
-            None => "mlp".to_owned(),
-            Some(toml::Value::String(s)) => s,
-            Some(other) => return Err(D::Error::custom(format!("`kind` must be a string such as \"mlp\", got {other}"))),
-        };
-        let rest = toml::Value::Table(table);
-        let fail = |e: toml::de::Error| D::Error::custom(e.message());
-        match kind.as_str() {
-            "mlp" => Mlp::deserialize(rest).map(Model::Mlp).map_err(fail),
-            other => Err(D::Error::custom(format!(
-                "kind = \"{other}\" is not a model kind (one of: {})",
-                Model::KINDS.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(", ")
-            ))),
-        }
-    }
-}
-
-/// One object per kind, each with `kind` among its keys (optional for "mlp", the default).
-impl JsonSchema for Model {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "Model".into()
-    }
-
-    fn json_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        let kinds = [("mlp", Mlp::json_schema(generator))];
-        let variants: Vec<serde_json::Value> = kinds
-            .into_iter()
-            .map(|(kind, schema)| {
-                let mut v = schema.to_value();
-                v["properties"]["kind"] = serde_json::json!({ "const": kind, "description": "The model's kind." });
-                if kind != Model::KINDS[0] {
-                    v["required"] = serde_json::json!(["kind"]);
-                }
-                v
-            })
-            .collect();
-        schemars::Schema::try_from(serde_json::json!({ "oneOf": variants })).expect("an object is a schema")
-    }
+/// `[wrap.model]` may leave `kind` out: it is "mlp", as before kinds existed. serde's tagged
+/// enums have no default tag, so the table is read whole and given one.
+fn model_of_default_kind<'de, D: Deserializer<'de>>(d: D) -> Result<Model, D::Error> {
+    use serde::de::Error;
+    let mut table = toml::Table::deserialize(d)?;
+    table.entry("kind").or_insert_with(|| "mlp".into());
+    Model::deserialize(toml::Value::Table(table)).map_err(|e| D::Error::custom(e.message()))
 }
 
 /// `kind = "mlp"`.

@@ -257,8 +257,9 @@ impl Plan {
         }
         let mut inputs = Vec::new();
         let files = [("load.path", data.as_ref().and_then(|d| d.file.as_ref()).map(|f| f.path.clone())), ("wrap.init", init_weights.clone())];
+        // A missing file is reported by the checks above.
         for (key, path) in files {
-            match path.map(|p| InputFile::read(key, &p)).transpose() {
+            match path.filter(|p| p.is_file()).map(|p| InputFile::read(key, &p)).transpose() {
                 Ok(file) => inputs.extend(file),
                 Err(e) => bad(key, e),
             }
