@@ -6,11 +6,11 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{self, ConfigError, Override};
-use crate::plan::Plan;
 use crate::launch::env::RankEnv;
 use crate::launch::manifest::{Manifest, Status};
 use crate::launch::rank;
 use crate::launch::spawn::{self, Topology};
+use crate::plan::Plan;
 use crate::stages::checkpoint;
 use crate::trace::view;
 
@@ -232,7 +232,10 @@ fn run(args: &RunArgs) -> anyhow::Result<u8> {
     let (plan, run_dir) = match &args.resume {
         Some(dir) => (resumed_plan(dir, &asked)?, dir.clone()),
         None => {
-            let dir = args.out.clone().unwrap_or_else(|| Path::new("results").join(&asked.config.run.name).join(&asked.run_id));
+            let dir = args
+                .out
+                .clone()
+                .unwrap_or_else(|| Path::new("results").join(&asked.config.run.name).join(&asked.run_id));
             (asked, dir)
         }
     };

@@ -56,11 +56,11 @@ fn ranks_run_the_saved_plan_and_a_resumed_run_keeps_its_id() {
     let plan: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("r/plan.json")).unwrap()).unwrap();
     let id = plan["run_id"].as_str().unwrap().to_owned();
-    assert_eq!(run_ids(&dir.path().join("r")), [id.clone()]);
+    assert_eq!(run_ids(&dir.path().join("r")), vec![id.clone()]);
 
     // Extending the run: the only change allowed, recorded with its provenance.
     assert_ok(&run(&["run", "--resume", "r", "--set", "train.epochs=3"], dir.path()));
-    assert_eq!(run_ids(&dir.path().join("r")), [id.clone()], "a resumed run keeps its id");
+    assert_eq!(run_ids(&dir.path().join("r")), vec![id.clone()], "a resumed run keeps its id");
     let config = std::fs::read_to_string(dir.path().join("r/config.toml")).unwrap();
     assert!(config.contains("epochs = 3  # --set train.epochs=3 (on resume)"), "{config}");
     assert!(config.contains(&format!("run {id}")), "{config}");
@@ -86,7 +86,10 @@ fn resuming_with_another_configuration_is_refused_naming_the_keys() {
         (&["--set", "run.seed=5"][..], "`run.seed`: 4 in the run, 5 now (--set run.seed=5)"),
         (&["--set", "train.optimizer=\"sgd\""][..], "`train.optimizer`: \"adam\" in the run, \"sgd\" now"),
         (&["--set", "wrap.strategy=\"none\""][..], "`wrap.strategy`: \"ddp\" in the run, \"none\" now"),
-        (&["--set", "wrap.model.activation=\"tanh\"", "--set", "train.epochs=4"][..], "`wrap.model.activation`: \"relu\" in the run, \"tanh\" now"),
+        (
+            &["--set", "wrap.model.activation=\"tanh\"", "--set", "train.epochs=4"][..],
+            "`wrap.model.activation`: \"relu\" in the run, \"tanh\" now",
+        ),
     ] {
         let (code, err) = stderr_of(&[&["run", "--resume", "r"][..], args].concat(), dir.path());
         assert_eq!(code, Some(2), "{err}");
@@ -141,8 +144,10 @@ fn a_csv_run_resumes_under_its_id_and_the_id_follows_the_file_content() {
         csv += &format!("{a},{b},{c},{}\n", (i * 7 % 13) % 3);
     }
     write(dir.path(), "data.csv", &csv);
-    let pipeline = SMALL
-        .replace("rows = 400\nfeatures = 4\nclasses = 3\n", "source = \"csv\"\npath = \"data.csv\"\ntarget = \"label\"\n");
+    let pipeline = SMALL.replace(
+        "rows = 400\nfeatures = 4\nclasses = 3\n",
+        "source = \"csv\"\npath = \"data.csv\"\ntarget = \"label\"\n",
+    );
     write(dir.path(), "p.toml", &pipeline);
     let o = run(&["run", "p.toml"], dir.path());
     assert_ok(&o);
@@ -188,9 +193,10 @@ fn the_schema_describes_every_shipped_pipeline_and_refuses_unknown_keys() {
     let o = run(&["schema"], dir.path());
     assert_ok(&o);
     let schema: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let committed: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/pipelines/schema.json")).unwrap())
-            .unwrap();
+    let committed: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/pipelines/schema.json")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(schema, committed, "pipelines/schema.json is stale: runner schema > pipelines/schema.json");
     let validator = jsonschema::validator_for(&schema).unwrap();
     let pipelines = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/pipelines")).unwrap();

@@ -275,7 +275,10 @@ fn initial_weights_from_a_file_are_where_training_starts() {
         let diff = (&saved[&format!("model.{name}")] - t).abs().max().double_value(&[]);
         assert!(diff < 1e-6, "{name} moved by {diff} from the file's values");
     }
-    // The resolved configuration records where the weights came from.
+    // The resolved configuration records where the weights came from, as an absolute path so that
+    // it stays valid from the run directory (`--resume` reads it).
     let config = std::fs::read_to_string(dir.path().join("r/config.toml")).unwrap();
-    assert!(config.contains("init = \"init.npz\""), "{config}");
+    let absolute = std::fs::canonicalize(dir.path().join("init.npz")).unwrap();
+    let line = format!("init = \"{}\"  # --set wrap.init=\"init.npz\"", absolute.display());
+    assert!(config.contains(&line), "{config}");
 }

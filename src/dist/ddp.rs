@@ -80,9 +80,8 @@ impl<'pg> Ddp<'pg> {
         let (mut flat, mut sizes, mut n) = (vec![0usize; self.params], vec![0usize; self.params], 0usize);
         // SAFETY: the reducer is live; both buffers hold one entry per parameter, the most the
         // bridge writes.
-        let err = unsafe {
-            ffi::rn_ddp_bucket_layout(self.raw.as_ptr(), flat.as_mut_ptr(), sizes.as_mut_ptr(), &mut n)
-        };
+        let err =
+            unsafe { ffi::rn_ddp_bucket_layout(self.raw.as_ptr(), flat.as_mut_ptr(), sizes.as_mut_ptr(), &mut n) };
         check("ddp.bucket_layout", err)?;
         let mut at = 0;
         Ok(sizes[..n]

@@ -8,8 +8,8 @@ use anyhow::Context;
 
 use super::env::{is_loopback, RankEnv};
 use crate::config::schema::Backend as BackendKind;
-use crate::plan::Plan;
 use crate::dist::{Backend, ProcessGroup, Store};
+use crate::plan::Plan;
 use crate::trace::EpochRow;
 
 pub fn run(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::Result<Vec<EpochRow>> {

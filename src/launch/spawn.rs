@@ -21,8 +21,8 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 
 use super::env::{AGENT_STORE, LAUNCHER_PID};
 use super::position;
-use crate::plan::Plan;
 use crate::dist::{record_exit, Store};
+use crate::plan::Plan;
 
 const STDERR_TAIL: usize = 12;
 

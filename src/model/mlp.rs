@@ -44,7 +44,11 @@ impl Architecture for MlpArch {
     fn layers(&self) -> Vec<Layer> {
         self.widths
             .windows(2)
-            .map(|w| Layer { name: format!("linear {} → {}", w[0], w[1]), parameters: w[0] * w[1] + w[1], output: vec![w[1]] })
+            .map(|w| Layer {
+                name: format!("linear {} → {}", w[0], w[1]),
+                parameters: w[0] * w[1] + w[1],
+                output: vec![w[1]],
+            })
             .collect()
     }
 

@@ -179,7 +179,11 @@ impl Plan {
                 let (input, output) = self.stage_shapes(s);
                 // "10-64-64" for linear layers: the widths the stage's activations take.
                 let layer_widths: Vec<String> = std::iter::once(dims(&input))
-                    .chain(layers[s.clone()].iter().map(|l| l.output.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" × ")))
+                    .chain(
+                        layers[s.clone()]
+                            .iter()
+                            .map(|l| l.output.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" × ")),
+                    )
                     .collect();
                 let p = self.rank_parameters(r);
                 vec![

@@ -256,7 +256,10 @@ impl Plan {
             }
         }
         let mut inputs = Vec::new();
-        let files = [("load.path", data.as_ref().and_then(|d| d.file.as_ref()).map(|f| f.path.clone())), ("wrap.init", init_weights.clone())];
+        let files = [
+            ("load.path", data.as_ref().and_then(|d| d.file.as_ref()).map(|f| f.path.clone())),
+            ("wrap.init", init_weights.clone()),
+        ];
         // A missing file is reported by the checks above.
         for (key, path) in files {
             match path.filter(|p| p.is_file()).map(|p| InputFile::read(key, &p)).transpose() {

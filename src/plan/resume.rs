@@ -35,7 +35,9 @@ impl Plan {
                         file.digest,
                         now.digest
                     )),
-                    None => refused.push(format!("`{key}`: the run read {}, now none ({})", file.path.display(), from(key))),
+                    None => {
+                        refused.push(format!("`{key}`: the run read {}, now none ({})", file.path.display(), from(key)))
+                    }
                 }
                 continue;
             }

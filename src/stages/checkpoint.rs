@@ -152,7 +152,13 @@ pub fn latest(run_dir: &Path, plan: &Plan) -> Result<Option<Found>, String> {
 
 /// Writes the trained model's parameters to `model.safetensors` in the run directory, named as
 /// in the whole model (`layer0.weight`, ...) whatever the strategy (it gathers them to rank 0).
-pub fn write_model(plan: &Plan, pg: &ProcessGroup, strategy: &Strategy, vs: &nn::VarStore, run_dir: &Path) -> anyhow::Result<()> {
+pub fn write_model(
+    plan: &Plan,
+    pg: &ProcessGroup,
+    strategy: &Strategy,
+    vs: &nn::VarStore,
+    run_dir: &Path,
+) -> anyhow::Result<()> {
     let Some(named) = strategy.gather_model(plan, pg, vs)? else { return Ok(()) };
     let path = run_dir.join("model.safetensors");
     let tmp = run_dir.join(format!(".model.safetensors.tmp-{}", std::process::id()));

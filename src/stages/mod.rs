@@ -9,8 +9,8 @@ use std::path::Path;
 use crate::config::schema::NormalizeScope;
 use crate::data::{self, normalize, shard};
 use crate::dist::ProcessGroup;
-use crate::plan::Plan;
 use crate::launch::position::Position;
+use crate::plan::Plan;
 use crate::trace::progress::Progress;
 use crate::trace::{self, EpochRow};
 use anyhow::Context;
@@ -69,7 +69,8 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
     for epoch in first_epoch..=c.train.epochs {
         let out = trainer.epoch(epoch)?;
         // Every rank takes part: the bucket layout is read on each (it is the same on all).
-        let checkpointing = c.checkpoint.every > 0 && (epoch.is_multiple_of(c.checkpoint.every) || epoch == c.train.epochs);
+        let checkpointing =
+            c.checkpoint.every > 0 && (epoch.is_multiple_of(c.checkpoint.every) || epoch == c.train.epochs);
         let buckets = if checkpointing { trainer.wrapped.strategy.bucket_layout()? } else { None };
         if rank == 0 {
             let r0 = &out.rows[0];

@@ -51,7 +51,9 @@ impl<'pg> Strategy<'pg> {
         buckets: Option<&[Vec<usize>]>,
     ) -> anyhow::Result<Strategy<'pg>> {
         Ok(match plan.config.wrap.strategy {
-            WrapStrategy::Ddp | WrapStrategy::None => Strategy::Replica(replica::Replica::new(plan, pg, params, buckets)?),
+            WrapStrategy::Ddp | WrapStrategy::None => {
+                Strategy::Replica(replica::Replica::new(plan, pg, params, buckets)?)
+            }
             WrapStrategy::Pipeline => Strategy::Pipeline(pipeline::Stage::new(plan, pg)?),
         })
     }

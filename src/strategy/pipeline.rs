@@ -274,7 +274,14 @@ struct Step<'a, 'pg> {
 }
 
 impl<'a, 'pg> Step<'a, 'pg> {
-    fn new(stage: &'a Stage<'pg>, model: &'a dyn ModuleT, x: &'a Tensor, y: &'a Tensor, n: i64, sizes: Vec<i64>) -> Self {
+    fn new(
+        stage: &'a Stage<'pg>,
+        model: &'a dyn ModuleT,
+        x: &'a Tensor,
+        y: &'a Tensor,
+        n: i64,
+        sizes: Vec<i64>,
+    ) -> Self {
         let offsets = sizes.iter().scan(0, |o, s| Some(std::mem::replace(o, *o + s))).collect();
         let m = sizes.len();
         let out = StepOut::default();

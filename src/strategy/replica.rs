@@ -87,7 +87,13 @@ impl<'pg> Replica<'pg> {
     }
 
     /// On rank 0 (every rank with `validate.on = "all"`), normalised with this rank's statistics.
-    pub fn validate(&self, plan: &Plan, model: &dyn ModuleT, data: &Dataset, normalizer: &Normalizer) -> Option<(f64, f64)> {
+    pub fn validate(
+        &self,
+        plan: &Plan,
+        model: &dyn ModuleT,
+        data: &Dataset,
+        normalizer: &Normalizer,
+    ) -> Option<(f64, f64)> {
         if self.pg.rank() != 0 && plan.config.validate.on != ValidateOn::All {
             return None;
         }
