@@ -3,14 +3,18 @@
 //!
 //! Data flows one way: config → [`config::Plan`] → [`launch`] → ranks ([`stages`]) → [`trace`];
 //! a [`sweep`] runs a grid of plans and [`report`] turns their traces into tables and plots.
+#[macro_use]
+pub mod say;
 pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod dist;
+pub mod input;
 pub mod launch;
 pub mod model;
 pub mod report;
 pub mod rng;
+pub mod rundir;
 pub mod stages;
 pub mod sweep;
 pub mod trace;

@@ -61,12 +61,7 @@ impl Plan {
         if c.run.world_size == 0 {
             bad("run.world_size", "must be at least 1".into());
         }
-        if !(c.run.timeout_s > 0.0) {
-            bad("run.timeout_s", format!("must be positive seconds, got {}", c.run.timeout_s));
-        }
-        if !(c.run.abort_after_s >= 0.0) {
-            bad("run.abort_after_s", format!("must be 0 or more seconds, got {}", c.run.abort_after_s));
-        }
+        crate::launch::limits::run_values(&c, &mut bad);
         if c.run.threads_per_rank == Some(0) {
             bad("run.threads_per_rank", "must be at least 1 (or absent for cores / world_size)".into());
         }
@@ -85,7 +80,7 @@ impl Plan {
         }
 
         let base = file.parent().map(PathBuf::from).unwrap_or_default();
-        let data = match c.load.source {
+        let mut data = match c.load.source {
             Source::Synthetic => {
                 for (key, given) in [("load.path", c.load.path.is_some()), ("load.target", c.load.target.is_some())] {
                     if given {
@@ -111,6 +106,12 @@ impl Plan {
             }
             source => file_spec(&c.load, source, &base, &mut bad),
         };
+        // Out-of-bounds sizes leave no data: nothing below computes a shape from them.
+        if data.as_ref().is_some_and(|d| !crate::launch::limits::sizes(&c, d, &mut bad))
+            || c.run.world_size > crate::launch::limits::MAX_WORLD_SIZE
+        {
+            data = None;
+        }
         if let Some(d) = &data {
             if d.classes < 2 {
                 bad("load.classes", format!("must be at least 2 for classification, got {}", d.classes));
@@ -231,7 +232,9 @@ impl Plan {
             .as_ref()
             .map(|d| crate::model::layer_parameters(d.features, &c.wrap.model.hidden, d.classes))
             .unwrap_or_default();
-        let stages = if pipeline {
+        let stages = if c.run.world_size > crate::launch::limits::MAX_WORLD_SIZE {
+            None
+        } else if pipeline {
             pipeline_stages(&c, &sources, &layer_parameters, &mut bad)
         } else {
             // Compared with the defaults, not by source: a run's saved config.toml sets every key.
@@ -258,6 +261,12 @@ impl Plan {
             }
         }
 
+        if let (Some(d), Some(stages)) = (&data, &stages) {
+            let heaviest = stages.iter().map(|r| layer_parameters[r.clone()].iter().sum()).max().unwrap_or(0);
+            let batch = layout.as_ref().and_then(|l| l.split_batch).unwrap_or(c.train.batch_size);
+            let estimate = crate::launch::limits::estimate(&c, d, heaviest, batch);
+            crate::launch::limits::check_memory(&estimate, c.run.world_size, &mut bad);
+        }
         if !errors.is_empty() {
             let n = errors.len();
             let head =
@@ -535,6 +544,10 @@ fn file_spec(
         bad("load.noise", "is only read by source = \"synthetic\"".into());
     }
     let path = base.join(rel);
+    if let Err(e) = path.exists().then(|| crate::input::regular_file(&path)).transpose() {
+        bad("load.path", e);
+        return None;
+    }
     let info = match inspect_file(&path, source, target) {
         Ok(info) => info,
         Err(e) => {

@@ -13,7 +13,7 @@ use std::path::Path;
 use crate::config::schema::NormalizeScope;
 use crate::config::Plan;
 use crate::dist::ProcessGroup;
-use crate::launch::position::Position;
+use crate::rundir::position::Position;
 use crate::trace::progress::Progress;
 use crate::trace::{self, EpochRow};
 use anyhow::Context;
@@ -96,8 +96,8 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
             rows.extend(out.rows);
             steps.extend(out.steps);
             let ws = plan.world_size() as u32;
-            trace::write_parquet(&run_dir.join("trace.parquet"), &mut trace::epochs_frame(&plan.run_id, ws, &rows)?)?;
-            trace::write_parquet(&run_dir.join("steps.parquet"), &mut trace::steps_frame(&plan.run_id, &steps)?)?;
+            trace::write_parquet(&run_dir.join(crate::rundir::TRACE), &mut trace::epochs_frame(&plan.run_id, ws, &rows)?)?;
+            trace::write_parquet(&run_dir.join(crate::rundir::STEPS), &mut trace::steps_frame(&plan.run_id, &steps)?)?;
             let ck = &c.checkpoint;
             if ck.every > 0 && (epoch.is_multiple_of(ck.every) || epoch == c.train.epochs) {
                 trainer.position.set("checkpoint", epoch, 0);

@@ -16,7 +16,7 @@ use super::wrap::Wrapped;
 use crate::config::schema::ValidateOn;
 use crate::config::Plan;
 use crate::dist::ProcessGroup;
-use crate::launch::position::Position;
+use crate::rundir::position::Position;
 use crate::trace::progress::Progress;
 use crate::trace::{EpochRow, StepRow};
 
