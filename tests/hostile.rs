@@ -144,7 +144,7 @@ fn data_and_weight_files_that_are_not_regular_are_refused() {
     use tch::{Kind, Tensor};
     let shapes: [(&str, &[i64]); 4] =
         [("layer0.weight", &[16, 5]), ("layer0.bias", &[16]), ("layer1.weight", &[3, 16]), ("layer1.bias", &[3])];
-    let mut named: Vec<(String, Tensor)> =
+    let named: Vec<(String, Tensor)> =
         shapes.iter().map(|(n, s)| (n.to_string(), Tensor::zeros(*s, (Kind::Float, tch::Device::Cpu)))).collect();
     let _ = named[2].1.get(0).get(0).fill_(f64::NAN);
     Tensor::write_safetensors(&named, d.join("nan.safetensors")).unwrap();
