@@ -263,6 +263,7 @@ fn same_config_on_every_node(store: &Store, plan: &Plan, topology: &Topology) ->
     let mine = flat_config(plan);
     store.set(&format!("runner/config/node{}", topology.node_rank), serde_json::to_string(&mine)?.as_bytes())?;
     const VERDICT: &str = "runner/config/verdict";
+    const READ: &str = "runner/config/verdict-read";
     let verdict = if topology.node_rank == 0 {
         let mut nodes = vec![mine];
         for n in 1..topology.nnodes {
@@ -271,9 +272,18 @@ fn same_config_on_every_node(store: &Store, plan: &Plan, topology: &Topology) ->
         }
         let verdict = config_differences(&nodes).unwrap_or_default();
         store.set(VERDICT, verdict.as_bytes())?;
+        if !verdict.is_empty() {
+            // The store ends with this launcher: it stays until every node has read the verdict.
+            let deadline = Instant::now() + store.timeout();
+            while store.add(READ, 0)? < topology.nnodes as i64 - 1 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
         verdict
     } else {
-        String::from_utf8_lossy(&store.get(VERDICT)?).into_owned()
+        let verdict = String::from_utf8_lossy(&store.get(VERDICT)?).into_owned();
+        store.add(READ, 1)?;
+        verdict
     };
     if verdict.is_empty() {
         Ok(())
@@ -283,6 +293,8 @@ fn same_config_on_every_node(store: &Store, plan: &Plan, topology: &Topology) ->
 }
 
 type FlatConfig = std::collections::BTreeMap<String, String>;
+
+const RUN_ID_KEY: &str = "run id (configuration and wrap.init file)";
 
 /// The resolved configuration as dotted keys and JSON values, plus the run id (which also
 /// covers the initial-weights file's bytes).
@@ -301,16 +313,20 @@ fn flat_config(plan: &Plan) -> FlatConfig {
     }
     let mut out = FlatConfig::new();
     walk("", &serde_json::to_value(&plan.config).unwrap_or_default(), &mut out);
-    out.insert("run id (configuration and wrap.init file)".into(), plan.run_id.clone());
+    out.insert(RUN_ID_KEY.into(), plan.run_id.clone());
     out
 }
 
 /// Each key whose value differs between nodes, with every node's value; `None` when all agree.
 fn config_differences(nodes: &[FlatConfig]) -> Option<String> {
     let keys: std::collections::BTreeSet<&String> = nodes.iter().flat_map(|n| n.keys()).collect();
-    let lines: Vec<String> = keys
+    let differ: Vec<&String> =
+        keys.into_iter().filter(|k| nodes.iter().any(|n| n.get(*k) != nodes[0].get(*k))).collect();
+    // The run id differs whenever a key does: it is news only alone (a different wrap.init file).
+    let only_id = differ.len() == 1;
+    let lines: Vec<String> = differ
         .into_iter()
-        .filter(|k| nodes.iter().any(|n| n.get(*k) != nodes[0].get(*k)))
+        .filter(|k| only_id || k.as_str() != RUN_ID_KEY)
         .map(|k| {
             let values: Vec<String> = nodes
                 .iter()
