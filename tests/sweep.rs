@@ -277,7 +277,7 @@ fn stopping_a_sweep_stops_its_running_point_which_a_rerun_resumes() {
     use nix::sys::signal::{kill, Signal};
     use std::time::{Duration, Instant};
     let dir = setup(
-        "pipeline = \"p.toml\"\n[set]\n\"train.epochs\" = 120\n\"checkpoint.every\" = 1\n[sweep]\n\"run.seed\" = [0]\n",
+        "pipeline = \"p.toml\"\n[set]\n\"train.epochs\" = 40\n\"checkpoint.every\" = 1\n[sweep]\n\"run.seed\" = [0]\n",
     );
     let mut sweep = runner()
         .args(["sweep", "e.toml", "--out", "s"])
