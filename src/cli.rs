@@ -9,9 +9,9 @@ use crate::config::{self, ConfigError, Override, Plan};
 use crate::launch::env::RankEnv;
 use crate::launch::rank;
 use crate::launch::spawn::{self, Topology};
+use crate::rundir;
 use crate::rundir::lock::{self, RunLock};
 use crate::rundir::manifest::{Manifest, Status};
-use crate::rundir;
 use crate::stages::checkpoint;
 use crate::trace::view;
 
@@ -310,10 +310,9 @@ fn launch(plan: &Plan, config: &ConfigArgs, topology: &Topology, claim: Claim, r
     child_args.extend([if claim.resume { "--resume" } else { "--out" }.into(), run_dir.into()]);
     // Every way the launcher ends records how: an error (a store it cannot serve or join, a
     // configuration the other nodes do not share) or a panic is a failed run.
-    let launched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        spawn::launch(plan, topology, run_dir, &child_args)
-    }))
-    .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", panic_text(&panic))));
+    let launched =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| spawn::launch(plan, topology, run_dir, &child_args)))
+            .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", panic_text(&panic))));
     let outcome = match launched {
         Ok(outcome) => outcome,
         Err(e) => {

@@ -89,7 +89,11 @@ fn every_hostile_configuration_is_refused_by_validate_and_run_with_a_message() {
         ("rows 1e15", with("load", "rows", "1000000000000000"), "`load.rows`"),
         ("rows 1e11", with("load", "rows", "100000000000"), "GiB available"),
         ("features 1e9", with("load", "features", "1000000000"), "`load.features`"),
-        ("features 1.6e7 × 1e5 rows", with("load", "features", "16000000").replace("rows = 600", "rows = 100000"), "GiB available"),
+        (
+            "features 1.6e7 × 1e5 rows",
+            with("load", "features", "16000000").replace("rows = 600", "rows = 100000"),
+            "GiB available",
+        ),
         ("classes 1e9", with("load", "classes", "1000000000"), "`load.classes`"),
         ("hidden 1e9", with("wrap.model", "hidden", "[1000000000]"), "`wrap.model.hidden`"),
         ("hidden 2 × 1e6", with("wrap.model", "hidden", "[1000000, 1000000]"), "GiB available"),
@@ -130,7 +134,10 @@ fn data_and_weight_files_that_are_not_regular_are_refused() {
     nix::unistd::mkfifo(&d.join("fifo.csv"), nix::sys::stat::Mode::S_IRWXU).unwrap();
     std::fs::create_dir(d.join("dir.csv")).unwrap();
     let data = |path: &str| {
-        TINY.replace("rows = 600\nfeatures = 5\nclasses = 3\n", &format!("source = \"csv\"\npath = \"{path}\"\ntarget = \"y\"\n"))
+        TINY.replace(
+            "rows = 600\nfeatures = 5\nclasses = 3\n",
+            &format!("source = \"csv\"\npath = \"{path}\"\ntarget = \"y\"\n"),
+        )
     };
     for (path, expect) in [("/dev/zero", "is a device"), ("fifo.csv", "is a FIFO"), ("dir.csv", "is a directory")] {
         write(d, "p.toml", &data(path));

@@ -121,7 +121,12 @@ fn nodes_with_different_configurations_all_refuse_before_any_rank_starts() {
         let (_, err) = text(&o);
         assert_eq!(o.status.code(), Some(2), "node {i}: {err}");
         assert!(err.contains("the nodes do not run the same configuration; every node refused to start"), "{err}");
-        for line in ["train.lr: node 0: 0.", "node 1: 0.05", "wrap.model.hidden: node 0: [16], node 1: [70]", "run.seed: node 0: 3, node 1: 9"] {
+        for line in [
+            "train.lr: node 0: 0.",
+            "node 1: 0.05",
+            "wrap.model.hidden: node 0: [16], node 1: [70]",
+            "run.seed: node 0: 3, node 1: 9",
+        ] {
             assert!(err.contains(line), "node {i} does not name {line:?}:\n{err}");
         }
         assert!(!err.contains("[rank"), "node {i} started ranks:\n{err}");

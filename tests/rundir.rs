@@ -105,7 +105,10 @@ fn out_on_a_directory_that_is_not_this_runs_is_refused_unless_force_and_only_run
     let refused = run(&["run", "p.toml", "--out", "o"], d);
     let (_, err) = text(&refused);
     assert_eq!(refused.status.code(), Some(2), "{err}");
-    assert!(err.contains("--out o is not this run's directory: it holds files the runner did not write (notes.txt)"), "{err}");
+    assert!(
+        err.contains("--out o is not this run's directory: it holds files the runner did not write (notes.txt)"),
+        "{err}"
+    );
     assert!(err.contains("--force"), "{err}");
     assert_ok(&run(&["run", "p.toml", "--out", "o", "--force"], d));
     assert_eq!(std::fs::read_to_string(d.join("o/notes.txt")).unwrap(), "mine");

@@ -88,7 +88,11 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
                 let t = retried(|| run_torch(&torchrun, &script, &files, &w, ws, threads))?;
                 crate::say!(
                     "  world size {ws}, run {rep}/{}: runner {:.2} s ({:.3} s/epoch), PyTorch {:.2} s ({:.3} s/epoch)",
-                    opts.repetitions, r.wall_s, r.epoch_s, t.wall_s, t.epoch_s
+                    opts.repetitions,
+                    r.wall_s,
+                    r.epoch_s,
+                    t.wall_s,
+                    t.epoch_s
                 );
                 cell.runner.push(r);
                 cell.torch.push(t);

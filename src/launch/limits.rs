@@ -21,7 +21,8 @@ pub const NO_MEMORY_CHECK: &str = "RUNNER_NO_MEMORY_CHECK";
 /// Timeouts, world size, epochs, threads.
 pub fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
     let r = &c.run;
-    for (key, v, (lo, hi)) in [("run.timeout_s", r.timeout_s, TIMEOUT_S), ("run.abort_after_s", r.abort_after_s, ABORT_AFTER_S)]
+    for (key, v, (lo, hi)) in
+        [("run.timeout_s", r.timeout_s, TIMEOUT_S), ("run.abort_after_s", r.abort_after_s, ABORT_AFTER_S)]
     {
         if !(v >= lo && v <= hi) {
             bad(key, format!("must be between {lo} and {hi} seconds, got {v}"));

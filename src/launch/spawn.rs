@@ -21,14 +21,15 @@ use signal_hook::consts::signal::*;
 
 use super::env::{AGENT_STORE, LAUNCHER_PID};
 use crate::config::{ConfigError, Plan};
-use crate::rundir::position;
 use crate::dist::{record_exit, Store};
+use crate::rundir::position;
 
 const STDERR_TAIL: usize = 12;
 
 /// The signals that stop a run cleanly (ranks stopped, manifest `interrupted`) rather than
 /// killing the launcher where it stands.
-pub const STOP_SIGNALS: &[i32] = &[SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF];
+pub const STOP_SIGNALS: &[i32] =
+    &[SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF];
 
 /// How the ranks ended.
 #[derive(Debug)]
@@ -192,7 +193,8 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
             stopped_since[local] = if stopped { stopped_since[local].or(Some(Instant::now())) } else { None };
         }
         if interrupted.is_none() && !stall_blamed {
-            let stalled = stopped_since.iter().enumerate().filter_map(|(l, s)| s.map(|s| (l, s))).min_by_key(|(_, s)| *s);
+            let stalled =
+                stopped_since.iter().enumerate().filter_map(|(l, s)| s.map(|s| (l, s))).min_by_key(|(_, s)| *s);
             if let Some((local, since)) = stalled {
                 let r = first_rank + local;
                 let blame = match &first_failure {
@@ -337,10 +339,7 @@ fn config_differences(nodes: &[FlatConfig]) -> Option<String> {
         })
         .collect();
     (!lines.is_empty()).then(|| {
-        format!(
-            "the nodes do not run the same configuration; every node refused to start:\n  {}",
-            lines.join("\n  ")
-        )
+        format!("the nodes do not run the same configuration; every node refused to start:\n  {}", lines.join("\n  "))
     })
 }
 

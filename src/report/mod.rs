@@ -13,8 +13,8 @@ pub mod table;
 
 use std::path::Path;
 
-use crate::sweep::grid::Index;
 use crate::rundir::atomic_write;
+use crate::sweep::grid::Index;
 use crate::trace::write_parquet;
 
 /// Rebuilds every table and plot in `dir`; returns the markdown table.

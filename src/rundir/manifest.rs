@@ -82,7 +82,8 @@ impl Manifest {
     /// The manifest, with a `running` one whose launcher is gone (the lock is free) as `crashed`.
     pub fn read(run_dir: &Path) -> anyhow::Result<Manifest> {
         let path = run_dir.join(super::MANIFEST);
-        let mut m = Self::read_raw(run_dir)?.with_context(|| format!("cannot read {}: no such file", path.display()))?;
+        let mut m =
+            Self::read_raw(run_dir)?.with_context(|| format!("cannot read {}: no such file", path.display()))?;
         if m.status == Status::Running && super::lock::holder(run_dir).is_none() {
             m.status = Status::Crashed;
             m.failure.get_or_insert_with(|| "the launcher ended without recording how the run ended".into());

@@ -156,7 +156,8 @@ mod tests {
 
     #[test]
     fn only_the_runners_own_names_are_its_own() {
-        for own in ["manifest.json", ".trace.parquet.tmp-123", "epoch-0003.pt.tmp", ".rank-2.position", ".runner.lock"] {
+        for own in ["manifest.json", ".trace.parquet.tmp-123", "epoch-0003.pt.tmp", ".rank-2.position", ".runner.lock"]
+        {
             assert!(is_own(own), "{own}");
         }
         for other in ["notes.txt", ".trace.parquet.tmp-", ".x.tmp-12a", "data.csv"] {

@@ -96,7 +96,10 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
             rows.extend(out.rows);
             steps.extend(out.steps);
             let ws = plan.world_size() as u32;
-            trace::write_parquet(&run_dir.join(crate::rundir::TRACE), &mut trace::epochs_frame(&plan.run_id, ws, &rows)?)?;
+            trace::write_parquet(
+                &run_dir.join(crate::rundir::TRACE),
+                &mut trace::epochs_frame(&plan.run_id, ws, &rows)?,
+            )?;
             trace::write_parquet(&run_dir.join(crate::rundir::STEPS), &mut trace::steps_frame(&plan.run_id, &steps)?)?;
             let ck = &c.checkpoint;
             if ck.every > 0 && (epoch.is_multiple_of(ck.every) || epoch == c.train.epochs) {

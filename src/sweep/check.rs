@@ -31,8 +31,10 @@ pub fn check(points: &[Point], sweep_dir: &Path) -> anyhow::Result<Vec<String>> 
         let found = match execute::run_point(point, &rerun) {
             Err(why) => vec![format!("the rerun failed: {why}")],
             Ok(()) => {
-                match (trace::read_parquet(&stored.join(crate::rundir::TRACE)), trace::read_parquet(&rerun.join(crate::rundir::TRACE)))
-                {
+                match (
+                    trace::read_parquet(&stored.join(crate::rundir::TRACE)),
+                    trace::read_parquet(&rerun.join(crate::rundir::TRACE)),
+                ) {
                     (Ok(a), Ok(b)) => compare(&a, &b),
                     (Err(e), _) | (_, Err(e)) => vec![format!("{e:#}")],
                 }
