@@ -8,13 +8,19 @@ pub const CONFIG_FILE_CAP: u64 = 4 << 20;
 
 /// `path`'s size when it is a regular file (links followed); otherwise why it cannot be read.
 pub fn regular_file(path: &Path) -> Result<u64, String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    named_regular_file(path, "")
+}
+
+/// As [`regular_file`], the messages naming the file as `what` ("the pipeline file").
+pub fn named_regular_file(path: &Path, what: &str) -> Result<u64, String> {
+    let what = if what.is_empty() { String::new() } else { format!("{what} ") };
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {what}{}: {e}", path.display()))?;
     let kind = meta.file_type();
     if kind.is_file() {
         return Ok(meta.len());
     }
     use std::os::unix::fs::FileTypeExt;
-    let what = if kind.is_dir() {
+    let kind_name = if kind.is_dir() {
         "a directory"
     } else if kind.is_fifo() {
         "a FIFO (named pipe)"
@@ -25,15 +31,15 @@ pub fn regular_file(path: &Path) -> Result<u64, String> {
     } else {
         "not a regular file"
     };
-    Err(format!("{} is {what}; give a regular file", path.display()))
+    Err(format!("{what}{} is {kind_name}; give a regular file", path.display()))
 }
 
-/// Checks `path` is a regular file of at most `cap` bytes.
-pub fn capped_file(path: &Path, cap: u64) -> Result<u64, String> {
-    let len = regular_file(path)?;
+/// Checks `path` (`what`, for the messages) is a regular file of at most `cap` bytes.
+pub fn capped_file(path: &Path, cap: u64, what: &str) -> Result<u64, String> {
+    let len = named_regular_file(path, what)?;
     if len > cap {
         return Err(format!(
-            "{} holds {len} bytes, more than the {} MiB a file read whole may hold",
+            "{what} {} holds {len} bytes, more than the {} MiB a file read whole may hold",
             path.display(),
             cap >> 20
         ));
@@ -41,19 +47,19 @@ pub fn capped_file(path: &Path, cap: u64) -> Result<u64, String> {
     Ok(len)
 }
 
-/// Reads a regular text file of at most `cap` bytes.
-pub fn read_capped(path: &Path, cap: u64) -> Result<String, String> {
-    capped_file(path, cap)?;
+/// Reads a regular text file (`what`, for the messages) of at most `cap` bytes.
+pub fn read_capped(path: &Path, cap: u64, what: &str) -> Result<String, String> {
+    capped_file(path, cap, what)?;
     use std::io::Read;
     let mut text = String::new();
     std::fs::File::open(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?
+        .map_err(|e| format!("cannot read {what} {}: {e}", path.display()))?
         // A file that grew since the check still stops at the cap.
         .take(cap + 1)
         .read_to_string(&mut text)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        .map_err(|e| format!("cannot read {what} {}: {e}", path.display()))?;
     if text.len() as u64 > cap {
-        return Err(format!("{} grew past {} MiB while it was read", path.display(), cap >> 20));
+        return Err(format!("{what} {} grew past {} MiB while it was read", path.display(), cap >> 20));
     }
     Ok(text)
 }
@@ -72,6 +78,7 @@ mod tests {
         assert!(regular_file(&fifo).unwrap_err().contains("FIFO"));
         let big = dir.path().join("big");
         std::fs::File::create(&big).unwrap().set_len(5 << 20).unwrap();
-        assert!(read_capped(&big, CONFIG_FILE_CAP).unwrap_err().contains("more than the 4 MiB"));
+        let err = read_capped(&big, CONFIG_FILE_CAP, "the pipeline file").unwrap_err();
+        assert!(err.starts_with("the pipeline file ") && err.contains("more than the 4 MiB"), "{err}");
     }
 }

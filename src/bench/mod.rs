@@ -153,7 +153,9 @@ fn run_runner(files: &workload::Files, ws: usize, threads: usize) -> anyhow::Res
         .arg(&files.pipeline)
         .args(["--set", &format!("run.world_size={ws}"), "--set", &format!("run.threads_per_rank={threads}")])
         .arg("--out")
-        .arg(&out);
+        .arg(&out)
+        // The bench owns its directories: another thread count is another run id, same place.
+        .arg("--force");
     let wall_s = timed(cmd, &files.dir.join(format!("runner-ws{ws}.log")))?;
     let df = crate::trace::read_parquet(&out.join(crate::rundir::TRACE))?;
     let col = |c: &str| -> anyhow::Result<Vec<f64>> {
