@@ -44,6 +44,14 @@ struct rn_ddp {
 
 namespace {
 
+// c10d logs the exceptions it retries on (store connects, socket timeouts) with their full
+// what(), C++ stack frames included: ~20 frames per retry on the user's terminal. The bridge
+// returns messages without backtraces anyway, so exceptions record none (cheaper, too).
+const bool no_cpp_backtraces = [] {
+  c10::SetStackTraceFetcher([]() -> std::string { return ""; });
+  return true;
+}();
+
 char* copy_message(const char* msg) {
   size_t n = std::strlen(msg);
   char* out = static_cast<char*>(std::malloc(n + 1));

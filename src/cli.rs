@@ -7,10 +7,12 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::config::{self, ConfigError, Override};
 use crate::launch::env::RankEnv;
-use crate::launch::manifest::{Manifest, Status};
 use crate::launch::rank;
 use crate::launch::spawn::{self, Topology};
 use crate::plan::Plan;
+use crate::rundir;
+use crate::rundir::lock::{self, RunLock};
+use crate::rundir::manifest::{Manifest, Status};
 use crate::stages::checkpoint;
 use crate::trace::view;
 
@@ -94,6 +96,10 @@ pub struct RunArgs {
     /// Continue the run in DIR from its newest checkpoint, on every rank.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Run in --out even when it holds files the runner did not write or another run's
+    /// results (the runner still only replaces its own files there).
+    #[arg(long, conflicts_with = "resume")]
+    pub force: bool,
     /// Number of nodes, one `runner run` on each (as torchrun's --nnodes).
     #[arg(long, default_value_t = 1, env = "SLURM_NNODES")]
     pub nnodes: usize,
@@ -155,12 +161,15 @@ pub struct ReportArgs {
     pub dir: PathBuf,
 }
 
+/// Set by `runner sweep` on the launchers it starts: its pid.
+pub const SWEEP_PID: &str = "RUNNER_SWEEP_PID";
+
 /// Exit codes: 0 done, 1 the run failed, 2 the configuration is wrong.
 pub fn main(cli: Cli) -> u8 {
     let result = match cli.command {
         Command::Validate(args) => validate(&args),
         Command::Schema => {
-            println!("{}", schema_json());
+            crate::say!("{}", schema_json());
             Ok(0)
         }
         Command::Run(args) => run(&args),
@@ -169,7 +178,7 @@ pub fn main(cli: Cli) -> u8 {
             &crate::sweep::Options { out: args.out, fail_fast: args.fail_fast, force: args.force, check: args.check },
         ),
         Command::Report(args) => crate::report::write(&args.dir).map(|table| {
-            println!("{table}");
+            crate::say!("{table}");
             0
         }),
         Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
@@ -188,7 +197,7 @@ pub fn main(cli: Cli) -> u8 {
                 Ok(Some(env)) => format!("error: rank {}: ", env.rank),
                 _ => "error: ".into(),
             };
-            eprintln!("{prefix}{e:#}");
+            crate::say_err!("{prefix}{e:#}");
             code
         }
     }
@@ -209,22 +218,22 @@ pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
 
 fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
     let plan = plan(args)?;
-    print!("{}", plan.data_flow());
-    println!("\n{} is valid; nothing was run.", args.file.display());
+    crate::say!("{}", plan.data_flow().trim_end_matches('\n'));
+    crate::say!("\n{} is valid; nothing was run.", args.file.display());
     Ok(0)
 }
 
 fn run(args: &RunArgs) -> anyhow::Result<u8> {
-    let resume = args.resume.is_some();
+    let claim = Claim { resume: args.resume.is_some(), force: args.force };
     if let Some(path) = &args.plan {
         // A rank of runner's own launcher: the launcher resolved and saved the plan.
         let run_dir = args.resume.clone().or(args.out.clone()).context("--plan needs --out or --resume")?;
         let env = RankEnv::from_env()?.context("--plan is for the ranks `runner run` starts (RANK is not set)")?;
-        return run_rank(&Plan::load(path)?, &env, &run_dir, resume);
+        return run_rank(&Plan::load(path)?, &env, &run_dir, claim);
     }
     let file = match (&args.file, &args.resume) {
         (Some(f), _) => f.clone(),
-        (None, Some(dir)) => dir.join("config.toml"),
+        (None, Some(dir)) => dir.join(rundir::CONFIG),
         (None, None) => unreachable!("clap requires FILE without --resume"),
     };
     let config = ConfigArgs { file, set: args.set.clone(), set_as: args.set_as.clone() };
@@ -239,11 +248,18 @@ fn run(args: &RunArgs) -> anyhow::Result<u8> {
             (asked, dir)
         }
     };
-    match RankEnv::from_env()? {
-        Some(env) => run_rank(&plan, &env, &run_dir, resume),
+    let env = RankEnv::from_env()?;
+    if let (Some(dir), None) = (&args.resume, &env) {
+        if let Ok(m) = Manifest::read(dir) {
+            let why = m.failure.map(|f| format!(": {f}")).unwrap_or_default();
+            crate::say!("resuming run {} ({}{why})", m.run_id, format!("{:?}", m.status).to_lowercase());
+        }
+    }
+    match env {
+        Some(env) => run_rank(&plan, &env, &run_dir, claim),
         None => {
             let topology = args.topology(plan.world_size())?;
-            launch(&plan, &topology, resume, &run_dir)
+            launch(&plan, &topology, claim, &run_dir)
         }
     }
 }
@@ -258,12 +274,12 @@ fn resumed_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Plan> {
             checkpoint::dir(dir).display()
         ))
     })?;
-    let saved_path = dir.join(crate::plan::FILE);
+    let saved_path = dir.join(rundir::PLAN);
     if !saved_path.is_file() {
         return Err(ConfigError::new(format!(
             "{} has no {} (it was made by an older runner, or is not a run directory): start a new run",
             dir.display(),
-            crate::plan::FILE
+            rundir::PLAN
         ))
         .into());
     }
@@ -283,15 +299,24 @@ fn resumed_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Plan> {
     Ok(plan)
 }
 
-/// This process is one rank. Under runner's own launcher the launcher owns config.toml and the
-/// manifest; under another launcher (torchrun, Slurm) rank 0 writes them.
-fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::Result<u8> {
+/// How a run takes its directory.
+#[derive(Debug, Clone, Copy)]
+struct Claim {
+    resume: bool,
+    force: bool,
+}
+
+/// This process is one rank. Under runner's own launcher the launcher owns the run directory
+/// (config.toml, the manifest, the lock); under another launcher (torchrun, Slurm) rank 0 does.
+fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, claim: Claim) -> anyhow::Result<u8> {
     let owns_run_dir = env.rank == 0 && env.launcher_pid.is_none();
     let mut manifest = owns_run_dir.then(|| Manifest::start(plan));
-    if let Some(manifest) = &manifest {
-        prepare_run_dir(plan, run_dir, manifest, resume)?;
-    }
-    let result = rank::run(plan, env, run_dir, resume);
+    let _lock = match &manifest {
+        Some(manifest) => Some(prepare_run_dir(plan, run_dir, manifest, claim)?),
+        None => None,
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rank::run(plan, env, run_dir, claim.resume)))
+        .unwrap_or_else(|panic| Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))));
     if let Some(manifest) = manifest.as_mut() {
         match &result {
             Ok(_) => manifest.end(Status::Complete, None),
@@ -301,34 +326,61 @@ fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow:
     }
     let rows = result?;
     if env.rank == 0 {
-        println!("\n{}", view::epoch_table(&rows));
+        crate::say!("\n{}", view::epoch_table(&rows));
         let pipeline = view::pipeline_table(&rows);
         if !pipeline.is_empty() {
-            println!("  per rank, mean of the epochs (bubble: share of the training time spent waiting in send/recv)\n{pipeline}");
+            crate::say!("  per rank, mean of the epochs (bubble: share of the training time spent waiting in send/recv)\n{pipeline}");
         }
         let losses: Vec<f64> = rows.iter().filter(|r| r.rank == 0).map(|r| r.global_train_loss).collect();
-        println!("  loss\n{}", view::chart("epochs", &losses, 6));
+        crate::say!("  loss\n{}", view::chart("epochs", &losses, 6));
     }
     Ok(0)
 }
 
-fn launch(plan: &Plan, topology: &Topology, resume: bool, run_dir: &Path) -> anyhow::Result<u8> {
-    println!("{}", plan.data_flow());
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a panic".into())
+}
+
+fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
+    crate::say!("{}", plan.data_flow());
+    if let Some(sweep) = std::env::var(SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {
+        // Started by `runner sweep`: its end (even by SIGKILL) interrupts this run.
+        let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM);
+        if nix::unistd::getppid().as_raw() != sweep {
+            return Err(anyhow::anyhow!("the sweep that started this run has ended"));
+        }
+    }
     let mut manifest = Manifest::start(plan);
-    prepare_run_dir(plan, run_dir, &manifest, resume)?;
+    let _lock = prepare_run_dir(plan, run_dir, &manifest, claim)?;
     // Every rank runs the plan resolved here, never the pipeline file again.
     let child_args: Vec<OsString> = vec![
         "run".into(),
         "--plan".into(),
-        run_dir.join(crate::plan::FILE).into(),
-        if resume { "--resume" } else { "--out" }.into(),
+        run_dir.join(rundir::PLAN).into(),
+        if claim.resume { "--resume" } else { "--out" }.into(),
         run_dir.into(),
     ];
-    let outcome = spawn::launch(plan, topology, run_dir, &child_args)?;
+    // Every way the launcher ends records how: an error (a store it cannot serve or join, a
+    // configuration the other nodes do not share) or a panic is a failed run.
+    let launched =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| spawn::launch(plan, topology, run_dir, &child_args)))
+            .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", panic_text(&panic))));
+    let outcome = match launched {
+        Ok(outcome) => outcome,
+        Err(e) => {
+            manifest.end(Status::Failed, Some(format!("{e:#}")));
+            manifest.write(run_dir)?;
+            return Err(e);
+        }
+    };
     if let Some(sig) = outcome.interrupted {
         manifest.end(Status::Interrupted, None);
         manifest.write(run_dir)?;
-        eprintln!(
+        crate::say_err!(
             "\ninterrupted: every rank was stopped; the trace keeps every finished epoch in {}",
             run_dir.display()
         );
@@ -338,37 +390,51 @@ fn launch(plan: &Plan, topology: &Topology, resume: bool, run_dir: &Path) -> any
         None => {
             manifest.end(Status::Complete, None);
             manifest.write(run_dir)?;
-            println!("  run directory: {}", run_dir.display());
+            crate::say!("  run directory: {}", run_dir.display());
             Ok(0)
         }
         Some(f) => {
             manifest.end(Status::Failed, Some(f.summary()));
             manifest.write(run_dir)?;
-            eprintln!("\nerror: the run failed: {}", f.summary());
+            crate::say_err!("\nerror: the run failed: {}", f.summary());
             if !f.stderr_tail.is_empty() {
-                eprintln!("  last lines rank {} wrote to stderr:", f.rank);
+                crate::say_err!("  last lines rank {} wrote to stderr:", f.rank);
                 for line in &f.stderr_tail {
-                    eprintln!("    {line}");
+                    crate::say_err!("    {line}");
                 }
             }
-            eprintln!("  run directory (traces keep every finished epoch): {}", run_dir.display());
+            crate::say_err!("  run directory (traces keep every finished epoch): {}", run_dir.display());
             Ok(1)
         }
     }
 }
 
-fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest, resume: bool) -> anyhow::Result<()> {
+/// Takes the run directory for this run: creates it, locks it (a second launcher is refused,
+/// naming the pid holding it), refuses one that is not this run's unless `--force`, removes
+/// what a fresh run replaces (only the runner's own files) and stale temporary files, and writes
+/// plan.json, config.toml and the manifest.
+fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest, claim: Claim) -> anyhow::Result<RunLock> {
     std::fs::create_dir_all(run_dir)
         .with_context(|| format!("cannot create the run directory {}", run_dir.display()))?;
-    if !resume {
-        // A rerun of the same configuration replaces the previous run's files.
-        for stale in ["trace.parquet", "steps.parquet"] {
-            let _ = std::fs::remove_file(run_dir.join(stale));
+    let lock = lock::acquire(run_dir).map_err(|e| ConfigError::new(e.message(run_dir)))?;
+    if claim.resume {
+        rundir::remove_stale(run_dir);
+    } else {
+        if !claim.force {
+            if let Some(why) = rundir::foreign(run_dir, &plan.run_id) {
+                return Err(ConfigError::new(format!(
+                    "--out {} is not this run's directory: {why}; choose another --out, or pass --force to run there \
+                     anyway (only the runner's own files are replaced)",
+                    run_dir.display()
+                ))
+                .into());
+            }
         }
-        let _ = std::fs::remove_dir_all(checkpoint::dir(run_dir));
+        rundir::clear_for_fresh_run(run_dir);
     }
     // Rewritten on resume too: a resumed run may extend the configuration (train.epochs).
-    plan.save(&run_dir.join(crate::plan::FILE))?;
-    crate::trace::atomic_write(&run_dir.join("config.toml"), plan.annotated_toml().as_bytes())?;
-    manifest.write(run_dir)
+    plan.save(&run_dir.join(rundir::PLAN))?;
+    rundir::atomic_write(&run_dir.join(rundir::CONFIG), plan.annotated_toml().as_bytes())?;
+    manifest.write(run_dir)?;
+    Ok(lock)
 }

@@ -4,16 +4,20 @@
 //! Data flows one way: [`config`] → [`plan`] → [`launch`] → ranks ([`stages`], over [`data`],
 //! [`model`] and [`strategy`]) → [`trace`]; a [`sweep`] runs a grid of plans and [`report`] turns
 //! their traces into tables and plots.
+#[macro_use]
+pub mod say;
 pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod data;
 pub mod dist;
+pub mod input;
 pub mod launch;
 pub mod model;
 pub mod plan;
 pub mod report;
 pub mod rng;
+pub mod rundir;
 pub mod stages;
 pub mod strategy;
 pub mod sweep;

@@ -120,3 +120,108 @@ fn a_corrupt_or_mismatched_checkpoint_is_refused() {
         "{err}"
     );
 }
+
+/// Checkpoints of about 0.8 MiB (a 8-256-256-3 MLP with Adam's state), two kept.
+const SIZED: &str = r#"
+[run]
+name = "ck"
+world_size = 2
+
+[load]
+rows = 400
+features = 8
+classes = 3
+validation_rows = 50
+
+[wrap.model]
+hidden = [256, 256]
+
+[train]
+epochs = 4
+batch_size = 50
+optimizer = "adam"
+
+[checkpoint]
+every = 1
+keep = 2
+"#;
+
+/// A tmpfs of `kib` KiB mounted on a fresh directory, unmounted when dropped.
+struct SmallDisk(tempfile::TempDir);
+
+impl SmallDisk {
+    fn new(kib: u64) -> Result<SmallDisk, String> {
+        if !nix::unistd::geteuid().is_root() {
+            return Err("not root".into());
+        }
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={kib}k"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            Ok(SmallDisk(dir))
+        } else {
+            Err("mount -t tmpfs failed".into())
+        }
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(self.0.path()).status();
+    }
+}
+
+/// Bytes the files under `dir` take, in 4 KiB pages (as tmpfs counts them).
+fn pages(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| if p.is_dir() { pages(&p) } else { p.metadata().unwrap().len().div_ceil(4096) * 4096 })
+        .sum()
+}
+
+#[test]
+fn a_disk_that_holds_the_kept_checkpoints_is_enough_and_a_full_one_is_named_before_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", SIZED);
+    assert_ok(&run(&["run", "p.toml", "--out", "full"], dir.path()));
+    let full = dir.path().join("full");
+    let checkpoint = pages(&full.join("checkpoints")) / 2;
+    let needed = pages(&full);
+    // Room for the finished run (2 checkpoints kept) plus half a checkpoint: not for a third.
+    let disk = match SmallDisk::new((needed + checkpoint / 2) / 1024) {
+        Ok(d) => d,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot mount a small tmpfs ({why})");
+            return;
+        }
+    };
+    let out = disk.0.path().join("o");
+    let o = run(&["run", "p.toml", "--out", out.to_str().unwrap()], dir.path());
+    assert_ok(&o);
+    let checkpoints: Vec<String> = std::fs::read_dir(out.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(checkpoints.len(), 4, "epochs 3 and 4 kept: {checkpoints:?}");
+    drop(disk);
+
+    // Room for one checkpoint and a half: the second is refused before it is written.
+    let disk = SmallDisk::new((needed - checkpoint / 2) / 1024).unwrap();
+    let out = disk.0.path().join("o");
+    let o = run(&["run", "p.toml", "--out", out.to_str().unwrap()], dir.path());
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("not enough free space for the checkpoint of epoch 2"), "{err}");
+    assert!(err.contains("the last good checkpoint (epoch 1) is kept"), "{err}");
+    assert!(out.join("checkpoints/epoch-0001.pt").is_file() && out.join("checkpoints/epoch-0001.json").is_file());
+    let tmp: Vec<_> = std::fs::read_dir(out.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("tmp"))
+        .collect();
+    assert!(tmp.is_empty(), "{tmp:?}");
+}

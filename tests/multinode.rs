@@ -84,3 +84,55 @@ fn two_hosts_with_two_ranks_each_train_as_one_job() {
     let (out, _) = text(&a);
     assert!(out.contains("run directory: node0"), "{out}");
 }
+
+#[test]
+fn nodes_with_different_configurations_all_refuse_before_any_rank_starts() {
+    // Two namespaces where they can be made; otherwise two launchers on loopback.
+    let hosts = two_hosts();
+    if let Err(why) = &hosts {
+        eprintln!("two namespaces unavailable ({why}): both nodes on 127.0.0.1");
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let master = hosts.as_ref().map_or("127.0.0.1".to_string(), |h| h.2[0].clone());
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let node = |i: usize, sets: &[&str]| {
+        let mut c = match &hosts {
+            Ok((_, ns, _)) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &ns[i], env!("CARGO_BIN_EXE_runner")]);
+                c
+            }
+            Err(_) => common::runner(),
+        };
+        c.args(["run", "p.toml", "--set", "run.world_size=4"])
+            .args(sets.iter().flat_map(|s| ["--set", s]))
+            .args(["--nnodes", "2", "--node-rank", &i.to_string(), "--master-addr", &master, "--master-port", &port])
+            .args(["--out", &format!("node{i}")])
+            .current_dir(dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = node(0, &[]);
+    let b = node(1, &["train.lr=0.05", "wrap.model.hidden=[70]", "run.seed=9"]);
+    for (i, o) in [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()].into_iter().enumerate() {
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "node {i}: {err}");
+        assert!(err.contains("the nodes do not run the same configuration; every node refused to start"), "{err}");
+        for line in [
+            "train.lr: node 0: 0.",
+            "node 1: 0.05",
+            "wrap.model.hidden: node 0: [16], node 1: [70]",
+            "run.seed: node 0: 3, node 1: 9",
+        ] {
+            assert!(err.contains(line), "node {i} does not name {line:?}:\n{err}");
+        }
+        assert!(!err.contains("[rank"), "node {i} started ranks:\n{err}");
+        let run_dir = dir.path().join(format!("node{i}"));
+        let manifest = std::fs::read_to_string(run_dir.join("manifest.json")).unwrap();
+        assert!(manifest.contains("\"status\": \"failed\""), "{manifest}");
+        assert!(!run_dir.join("trace.parquet").exists());
+    }
+}

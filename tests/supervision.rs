@@ -107,20 +107,28 @@ fn killing_any_rank_at_any_moment_stops_the_job_and_names_it() {
 }
 
 #[test]
-fn a_stalled_rank_is_detected_within_the_timeout() {
+fn a_stalled_rank_is_named_as_the_root_cause_within_timeout_plus_abort_after() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", LONG);
     let launcher = start(dir.path(), "o");
     let ranks = ranks_training(&launcher, &dir.path().join("o"), 3);
+    let stopped_at = Instant::now();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(ranks[1] as i32), nix::sys::signal::Signal::SIGSTOP).unwrap();
-    // timeout_s 4 for the collective, abort_after_s 2 for the rest.
     let (status, err, _) = finish(launcher, Duration::from_secs(15));
+    let took = stopped_at.elapsed();
     assert_eq!(status.code(), Some(1), "{err}");
-    assert!(err.contains("Timed out"), "the collective's timeout is named:\n{err}");
-    assert!(err.contains("rank 1 did not stop within abort_after_s and was killed (it was in train, epoch"), "{err}");
+    assert!(
+        err.contains("error: the run failed: rank 1 was stopped (SIGSTOP or a debugger) for"),
+        "the stopped rank is the root cause, not the peer that timed out waiting for it:\n{err}"
+    );
+    assert!(err.contains("during train, epoch"), "where it stalled:\n{err}");
+    // timeout_s 4 + abort_after_s 2, and a little for the launcher's polling.
+    assert!(took < Duration::from_secs_f64(6.5), "took {took:?}");
     for pid in ranks {
         assert!(!alive(pid), "rank process {pid} outlived the launcher");
     }
+    let manifest = std::fs::read_to_string(dir.path().join("o").join("manifest.json")).unwrap();
+    assert!(manifest.contains("\"failure\": \"rank 1 was stopped"), "{manifest}");
 }
 
 #[test]

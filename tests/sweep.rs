@@ -270,3 +270,60 @@ fn report_and_check_refuse_a_directory_that_holds_no_sweep() {
     );
     assert!(!dir.path().join("nowhere").exists());
 }
+
+#[test]
+fn stopping_a_sweep_stops_its_running_point_which_a_rerun_resumes() {
+    use common::{alive, children, runner};
+    use nix::sys::signal::{kill, Signal};
+    use std::time::{Duration, Instant};
+    let dir = setup(
+        "pipeline = \"p.toml\"\n[set]\n\"train.epochs\" = 40\n\"checkpoint.every\" = 1\n[sweep]\n\"run.seed\" = [0]\n",
+    );
+    let mut sweep = runner()
+        .args(["sweep", "e.toml", "--out", "s"])
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (point, processes) = loop {
+        let launchers = children(sweep.id());
+        let ranks: Vec<u32> = launchers.iter().flat_map(|&l| children(l)).collect();
+        let point = std::fs::read_dir(dir.path().join("s"))
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .find(|p| p.join("checkpoints").is_dir());
+        if let (Some(point), 1, 2) = (&point, launchers.len(), ranks.len()) {
+            if point.join("checkpoints").read_dir().unwrap().count() > 0 {
+                break (point.clone(), [launchers, ranks].concat());
+            }
+        }
+        assert!(Instant::now() < deadline, "the point did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    kill(nix::unistd::Pid::from_raw(sweep.id() as i32), Signal::SIGINT).unwrap();
+    let stopped = Instant::now();
+    let exit = loop {
+        if let Some(s) = sweep.try_wait().unwrap() {
+            break s;
+        }
+        assert!(stopped.elapsed() < Duration::from_secs(15), "the sweep did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(sweep.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert_eq!(exit.code(), Some(130), "{err}");
+    assert!(err.contains("was stopped and marked interrupted; run the sweep again to resume it"), "{err}");
+    for pid in processes {
+        assert!(!alive(pid), "process {pid} of the point outlived the sweep");
+    }
+    assert_eq!(status(&point), "interrupted");
+    let again = run(&["sweep", "e.toml", "--out", "s"], dir.path());
+    assert_ok(&again);
+    assert_eq!(status(&point), "complete");
+    let log = std::fs::read_to_string(point.join("run.log")).unwrap();
+    assert!(log.contains("resuming run") && log.contains("(interrupted)"), "{log}");
+}

@@ -69,7 +69,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     let mut measure_peak = |when: &str| {
         let p = matmul_peak(cores);
         peak = peak.max(p);
-        println!("matmul peak {when} ({cores} threads): {:.1} GFLOP/s", p / 1e9);
+        crate::say!("matmul peak {when} ({cores} threads): {:.1} GFLOP/s", p / 1e9);
     };
 
     let mut results = Vec::new();
@@ -77,7 +77,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
         workload::all().into_iter().filter(|w| opts.workloads.is_empty() || opts.workloads.iter().any(|n| n == w.name))
     {
         measure_peak(&format!("before {}", w.name));
-        println!("\n{}: {}", w.name, w.describe());
+        crate::say!("\n{}: {}", w.name, w.describe());
         let files = workload::prepare(&w, &work.join(w.name))?;
         let mut cells = Vec::new();
         for &ws in &opts.world_sizes {
@@ -86,9 +86,13 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
             for rep in 1..=opts.repetitions {
                 let r = retried(|| run_runner(&files, ws, threads))?;
                 let t = retried(|| run_torch(&torchrun, &script, &files, &w, ws, threads))?;
-                println!(
+                crate::say!(
                     "  world size {ws}, run {rep}/{}: runner {:.2} s ({:.3} s/epoch), PyTorch {:.2} s ({:.3} s/epoch)",
-                    opts.repetitions, r.wall_s, r.epoch_s, t.wall_s, t.epoch_s
+                    opts.repetitions,
+                    r.wall_s,
+                    r.epoch_s,
+                    t.wall_s,
+                    t.epoch_s
                 );
                 cell.runner.push(r);
                 cell.torch.push(t);
@@ -101,12 +105,12 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     measure_peak("at the end");
     let machine = report::Machine::this(cores, peak);
     let text = report::markdown(&machine, opts.repetitions, &results);
-    println!("\n{text}");
+    crate::say!("\n{text}");
     if opts.quick {
-        println!("(--quick: {} not written)", opts.out.display());
+        crate::say!("(--quick: {} not written)", opts.out.display());
     } else {
         report::write(&opts.out, &text)?;
-        println!("written to {}", opts.out.display());
+        crate::say!("written to {}", opts.out.display());
     }
     Ok(0)
 }
@@ -149,9 +153,11 @@ fn run_runner(files: &workload::Files, ws: usize, threads: usize) -> anyhow::Res
         .arg(&files.pipeline)
         .args(["--set", &format!("run.world_size={ws}"), "--set", &format!("run.threads_per_rank={threads}")])
         .arg("--out")
-        .arg(&out);
+        .arg(&out)
+        // The bench owns its directories: another thread count is another run id, same place.
+        .arg("--force");
     let wall_s = timed(cmd, &files.dir.join(format!("runner-ws{ws}.log")))?;
-    let df = crate::trace::read_parquet(&out.join("trace.parquet"))?;
+    let df = crate::trace::read_parquet(&out.join(crate::rundir::TRACE))?;
     let col = |c: &str| -> anyhow::Result<Vec<f64>> {
         Ok(df.column(c)?.cast(&polars::prelude::DataType::Float64)?.f64()?.into_no_null_iter().collect())
     };
@@ -207,7 +213,7 @@ fn run_torch(
 /// ("terminate called without an active exception"), after the work is done.
 fn retried(run: impl Fn() -> anyhow::Result<Measure>) -> anyhow::Result<Measure> {
     run().or_else(|e| {
-        println!("  a run failed ({e:#}); trying it again");
+        crate::say!("  a run failed ({e:#}); trying it again");
         run()
     })
 }

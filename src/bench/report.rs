@@ -200,7 +200,7 @@ pub fn write(path: &Path, text: &str) -> anyhow::Result<()> {
         _ if old.is_empty() => format!("# Benchmarks: runner against PyTorch DDP\n\n{block}"),
         _ => format!("{}\n{block}", old.trim_end()),
     };
-    crate::trace::atomic_write(path, new.as_bytes())
+    crate::rundir::atomic_write(path, new.as_bytes())
 }
 
 #[cfg(test)]

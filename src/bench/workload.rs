@@ -119,7 +119,7 @@ pub fn prepare(w: &Workload, dir: &Path) -> anyhow::Result<Files> {
         data: dir.join("data.npz"),
         init: dir.join("init.npz"),
     };
-    crate::trace::atomic_write(&files.pipeline, w.pipeline().as_bytes())?;
+    crate::rundir::atomic_write(&files.pipeline, w.pipeline().as_bytes())?;
     write_init(w, &files.init)?;
     let plan = Plan::new(config::resolve(&files.pipeline, &[])?)?;
     write_data(&plan, &files.data)?;

@@ -33,8 +33,8 @@ impl Override {
 }
 
 pub fn resolve(file: &Path, overrides: &[Override]) -> Result<Resolved, ConfigError> {
-    let text = std::fs::read_to_string(file)
-        .map_err(|e| ConfigError::new(format!("cannot read the pipeline file {}: {e}", file.display())))?;
+    let text = crate::input::read_capped(file, crate::input::CONFIG_FILE_CAP, "the pipeline file")
+        .map_err(ConfigError::new)?;
     parse_strict::<Config>(&text, &file.display().to_string())?;
 
     let mut figment = Figment::new()

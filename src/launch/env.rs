@@ -41,6 +41,15 @@ impl RankEnv {
             .map(|v| num("LOCAL_WORLD_SIZE", v))
             .transpose()?
             .unwrap_or(world_size);
+        if local_world_size == 0 || local_world_size > world_size {
+            bail!("LOCAL_WORLD_SIZE={local_world_size} must be between 1 and WORLD_SIZE={world_size}");
+        }
+        if local_rank >= local_world_size {
+            bail!("LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}");
+        }
+        if world_size > super::limits::MAX_WORLD_SIZE {
+            bail!("WORLD_SIZE={world_size} is more than the {} ranks the runner takes", super::limits::MAX_WORLD_SIZE);
+        }
         let master_addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
         let port = var("MASTER_PORT")?;
         let master_port = port.parse().with_context(|| format!("MASTER_PORT={port:?} is not a port number"))?;

@@ -17,21 +17,27 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{self, Signal};
 use nix::unistd::Pid;
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::signal::*;
 
 use super::env::{AGENT_STORE, LAUNCHER_PID};
-use super::position;
+use crate::config::ConfigError;
 use crate::dist::{record_exit, Store};
 use crate::plan::Plan;
+use crate::rundir::position;
 
 const STDERR_TAIL: usize = 12;
+
+/// The signals that stop a run cleanly (ranks stopped, manifest `interrupted`) rather than
+/// killing the launcher where it stands.
+pub const STOP_SIGNALS: &[i32] =
+    &[SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF];
 
 /// How the ranks ended.
 #[derive(Debug)]
 pub struct Outcome {
     /// The first rank to fail, how, and its last stderr lines.
     pub failure: Option<Failure>,
-    /// The signal (SIGINT, SIGTERM) that interrupted the run.
+    /// The signal (one of [`STOP_SIGNALS`]) that interrupted the run.
     pub interrupted: Option<i32>,
 }
 
@@ -86,9 +92,9 @@ impl Topology {
 }
 
 pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[OsString]) -> anyhow::Result<Outcome> {
-    // Ctrl-C and SIGTERM stop the ranks through the supervision loop below.
+    // Ctrl-C, SIGTERM, SIGHUP, ... stop the ranks through the supervision loop below.
     let interrupt = Arc::new(AtomicUsize::new(0));
-    for sig in [SIGINT, SIGTERM] {
+    for &sig in STOP_SIGNALS {
         signal_hook::flag::register_usize(sig, Arc::clone(&interrupt), sig as usize)?;
     }
     let world = plan.world_size();
@@ -110,6 +116,9 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
         }
         Some((addr, port)) => (Store::connect(addr, *port, timeout)?, addr.clone(), *port),
     };
+    if topology.nnodes > 1 {
+        same_config_on_every_node(&store, plan, topology)?;
+    }
     let exe = std::env::current_exe()?;
 
     let mut ranks = Vec::with_capacity(world);
@@ -135,7 +144,7 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
         let sink = Arc::clone(&tail);
         readers.push(std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                eprintln!("[rank {r}] {line}");
+                crate::say_err!("[rank {r}] {line}");
                 let mut t = sink.lock().unwrap();
                 if t.len() == STDERR_TAIL {
                     t.pop_front();
@@ -150,6 +159,8 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     let mut first_failure: Option<(usize, String, Instant)> = None;
     let mut interrupted: Option<(i32, Instant)> = None;
     let mut killed = Vec::new();
+    let mut stopped_since: Vec<Option<Instant>> = vec![None; ranks.len()];
+    let mut stall_blamed = false;
     loop {
         let sig = interrupt.load(Ordering::SeqCst);
         if sig != 0 && interrupted.is_none() {
@@ -176,12 +187,51 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
         if ranks.iter().all(|r| r.status.is_some()) {
             break;
         }
+        // A stopped rank (SIGSTOP, a debugger) stalls every collective: once it has been stopped
+        // for timeout_s, or when a peer fails meanwhile, it is the root cause and is killed.
+        for (local, rank) in ranks.iter().enumerate() {
+            let stopped = rank.status.is_none() && is_stopped(rank.child.id());
+            stopped_since[local] = if stopped { stopped_since[local].or(Some(Instant::now())) } else { None };
+        }
+        if interrupted.is_none() && !stall_blamed {
+            let stalled =
+                stopped_since.iter().enumerate().filter_map(|(l, s)| s.map(|s| (l, s))).min_by_key(|(_, s)| *s);
+            if let Some((local, since)) = stalled {
+                let r = first_rank + local;
+                let blame = match &first_failure {
+                    None => since.elapsed() >= timeout,
+                    Some((f, _, _)) => *f != r,
+                };
+                if blame {
+                    let mut how = format!(
+                        "was stopped (SIGSTOP or a debugger) for {:.1} s and stalled the job",
+                        since.elapsed().as_secs_f64()
+                    );
+                    match &first_failure {
+                        Some((f, then, _)) => how += &format!("; rank {f} then {then}"),
+                        // Peers blocked on this rank name it in their errors.
+                        None => drop(record_exit(&store, r, &how)),
+                    }
+                    let at = first_failure.as_ref().map_or(Instant::now(), |f| f.2);
+                    first_failure = Some((r, how, at));
+                    stall_blamed = true;
+                    // A stopped rank cannot wind down: it goes now, and its peers' collectives
+                    // fail at once rather than at their own timeout.
+                    let rank = &mut ranks[local];
+                    let _ = rank.child.kill();
+                    rank.status = Some(rank.child.wait()?);
+                }
+            }
+        }
         let since = first_failure.as_ref().map(|f| f.2).or(interrupted.map(|i| i.1));
         if since.is_some_and(|at| at.elapsed() >= abort_after) {
+            let cause = first_failure.as_ref().map(|f| f.0);
             for (local, rank) in ranks.iter_mut().enumerate().filter(|(_, r)| r.status.is_none()) {
                 let _ = rank.child.kill();
                 rank.status = Some(rank.child.wait()?);
-                killed.push((first_rank + local, position::read(run_dir, first_rank + local)));
+                if cause != Some(first_rank + local) {
+                    killed.push((first_rank + local, position::read(run_dir, first_rank + local)));
+                }
             }
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -198,6 +248,100 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     });
     position::remove_all(run_dir, first_rank..first_rank + per_node);
     Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0) })
+}
+
+/// Whether `pid` is stopped (state T) or traced (t).
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with(['T', 't'])))
+        .unwrap_or(false)
+}
+
+/// Multi-node: every node's launcher publishes its resolved configuration (flattened to dotted
+/// keys) in the store; node 0 compares them all and publishes a verdict every node waits for.
+/// On a mismatch every node refuses before it starts a rank, naming each key that differs and
+/// its value on each node.
+fn same_config_on_every_node(store: &Store, plan: &Plan, topology: &Topology) -> anyhow::Result<()> {
+    let mine = flat_config(plan);
+    store.set(&format!("runner/config/node{}", topology.node_rank), serde_json::to_string(&mine)?.as_bytes())?;
+    const VERDICT: &str = "runner/config/verdict";
+    const READ: &str = "runner/config/verdict-read";
+    let verdict = if topology.node_rank == 0 {
+        let mut nodes = vec![mine];
+        for n in 1..topology.nnodes {
+            let bytes = store.get(&format!("runner/config/node{n}"))?;
+            nodes.push(serde_json::from_slice(&bytes).with_context(|| format!("node {n} sent no configuration"))?);
+        }
+        let verdict = config_differences(&nodes).unwrap_or_default();
+        store.set(VERDICT, verdict.as_bytes())?;
+        if !verdict.is_empty() {
+            // The store ends with this launcher: it stays until every node has read the verdict.
+            let deadline = Instant::now() + store.timeout();
+            while store.add(READ, 0)? < topology.nnodes as i64 - 1 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        verdict
+    } else {
+        let verdict = String::from_utf8_lossy(&store.get(VERDICT)?).into_owned();
+        store.add(READ, 1)?;
+        verdict
+    };
+    if verdict.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::new(verdict).into())
+    }
+}
+
+type FlatConfig = std::collections::BTreeMap<String, String>;
+
+const RUN_ID_KEY: &str = "run id (configuration and wrap.init file)";
+
+/// The resolved configuration as dotted keys and JSON values, plus the run id (which also
+/// covers the initial-weights file's bytes).
+fn flat_config(plan: &Plan) -> FlatConfig {
+    fn walk(prefix: &str, v: &serde_json::Value, out: &mut FlatConfig) {
+        match v {
+            serde_json::Value::Object(map) => {
+                for (k, v) in map {
+                    walk(&if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") }, v, out);
+                }
+            }
+            v => {
+                out.insert(prefix.to_owned(), v.to_string());
+            }
+        }
+    }
+    let mut out = FlatConfig::new();
+    walk("", &serde_json::to_value(&plan.config).unwrap_or_default(), &mut out);
+    out.insert(RUN_ID_KEY.into(), plan.run_id.clone());
+    out
+}
+
+/// Each key whose value differs between nodes, with every node's value; `None` when all agree.
+fn config_differences(nodes: &[FlatConfig]) -> Option<String> {
+    let keys: std::collections::BTreeSet<&String> = nodes.iter().flat_map(|n| n.keys()).collect();
+    let differ: Vec<&String> =
+        keys.into_iter().filter(|k| nodes.iter().any(|n| n.get(*k) != nodes[0].get(*k))).collect();
+    // The run id differs whenever a key does: it is news only alone (a different wrap.init file).
+    let only_id = differ.len() == 1;
+    let lines: Vec<String> = differ
+        .into_iter()
+        .filter(|k| only_id || k.as_str() != RUN_ID_KEY)
+        .map(|k| {
+            let values: Vec<String> = nodes
+                .iter()
+                .enumerate()
+                .map(|(i, n)| format!("node {i}: {}", n.get(k).map_or("(absent)", String::as_str)))
+                .collect();
+            format!("{k}: {}", values.join(", "))
+        })
+        .collect();
+    (!lines.is_empty()).then(|| {
+        format!("the nodes do not run the same configuration; every node refused to start:\n  {}", lines.join("\n  "))
+    })
 }
 
 fn describe(status: ExitStatus) -> String {

@@ -9,14 +9,25 @@ use super::{Architecture, Layer};
 use crate::config::schema::{Activation, Mlp};
 use crate::rng::Rng;
 
-/// The keys' own bounds.
-pub fn check(m: &Mlp, bad: &mut impl FnMut(&str, String)) {
+/// The keys' own bounds; `false` when the widths are too large to compute shapes from.
+pub fn check(m: &Mlp, bad: &mut impl FnMut(&str, String)) -> bool {
+    use crate::launch::limits::{MAX_LAYERS, MAX_WIDTH};
     if m.hidden.contains(&0) {
         bad("wrap.model.hidden", format!("layer widths must be at least 1, got {:?}", m.hidden));
+    }
+    let mut ok = true;
+    if m.hidden.len() > MAX_LAYERS {
+        bad("wrap.model.hidden", format!("{} is more than the {MAX_LAYERS} the runner takes", m.hidden.len()));
+        ok = false;
+    }
+    if let Some(w) = m.hidden.iter().copied().max().filter(|&w| w > MAX_WIDTH) {
+        bad("wrap.model.hidden", format!("{w} is more than the {MAX_WIDTH} the runner takes"));
+        ok = false;
     }
     if !(0.0..1.0).contains(&m.dropout) {
         bad("wrap.model.dropout", format!("must be in [0, 1), got {}", m.dropout));
     }
+    ok
 }
 
 /// An MLP's configuration with the data's widths.

@@ -53,8 +53,9 @@ pub fn architecture(model: &Model, input: &[usize], outputs: usize) -> Box<dyn A
     }
 }
 
-/// Checks the model's own keys, before any shape is known.
-pub fn check(model: &Model, bad: &mut impl FnMut(&str, String)) {
+/// Checks the model's own keys, before any shape is known; `false` when a size is out of the
+/// bounds within which its shapes can be computed.
+pub fn check(model: &Model, bad: &mut impl FnMut(&str, String)) -> bool {
     match model {
         Model::Mlp(m) => mlp::check(m, bad),
     }
@@ -82,9 +83,10 @@ pub fn parameters_in_module_order(arch: &dyn Architecture, range: Range<usize>, 
 /// Reads a weights file (.npz or .safetensors) holding exactly the parameters of `shapes`,
 /// as float32; says what is missing, extra or misshapen otherwise.
 pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeMap<String, Tensor>, String> {
-    if !path.is_file() {
+    if !path.exists() {
         return Err(format!("{} does not exist (paths are relative to the pipeline file)", path.display()));
     }
+    crate::input::regular_file(path)?;
     let read = match path.extension().and_then(|e| e.to_str()) {
         Some("npz") => Tensor::read_npz(path),
         Some("safetensors") => Tensor::read_safetensors(path),
@@ -101,6 +103,10 @@ pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeM
                 problems.push(format!("`{name}` is {:?}, the model's is {shape:?}", t.size()))
             }
             Some(t) if !t.is_floating_point() => problems.push(format!("`{name}` holds {:?}, not floats", t.kind())),
+            Some(t) if t.isfinite().all().int64_value(&[]) == 0 => {
+                let bad = t.numel() as i64 - t.isfinite().sum(tch::Kind::Int64).int64_value(&[]);
+                problems.push(format!("`{name}` holds {bad} NaN or infinite values"))
+            }
             Some(t) => {
                 out.insert(name.clone(), t.to_kind(tch::Kind::Float));
             }

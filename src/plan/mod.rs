@@ -22,9 +22,6 @@ use crate::model::Architecture;
 
 pub use resume::EXTENDS_A_RUN;
 
-/// The plan's file in the run directory.
-pub const FILE: &str = "plan.json";
-
 /// A file the run reads, with the digest of its content when the plan was made: the run id
 /// covers it, and a resumed run refuses a file that changed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -94,12 +91,7 @@ impl Plan {
         if c.run.world_size == 0 {
             bad("run.world_size", "must be at least 1".into());
         }
-        if !(c.run.timeout_s > 0.0) {
-            bad("run.timeout_s", format!("must be positive seconds, got {}", c.run.timeout_s));
-        }
-        if !(c.run.abort_after_s >= 0.0) {
-            bad("run.abort_after_s", format!("must be 0 or more seconds, got {}", c.run.abort_after_s));
-        }
+        crate::launch::limits::run_values(&c, &mut bad);
         if c.run.threads_per_rank == Some(0) {
             bad("run.threads_per_rank", "must be at least 1 (or absent for cores / world_size)".into());
         }
@@ -118,7 +110,7 @@ impl Plan {
         }
 
         let base = file.parent().map(PathBuf::from).unwrap_or_default();
-        let data = match c.load.source {
+        let mut data = match c.load.source {
             Source::Synthetic => {
                 for (key, given) in [("load.path", c.load.path.is_some()), ("load.target", c.load.target.is_some())] {
                     if given {
@@ -144,6 +136,12 @@ impl Plan {
             }
             source => file_spec(&c.load, source, &base, &mut bad),
         };
+        // Out-of-bounds sizes leave no data: nothing below computes a shape from them.
+        if data.as_ref().is_some_and(|d| !crate::launch::limits::sizes(&c, d, &mut bad))
+            || c.run.world_size > crate::launch::limits::MAX_WORLD_SIZE
+        {
+            data = None;
+        }
         if let Some(d) = &data {
             let Task::Classification { classes } = d.task;
             if classes < 2 {
@@ -154,7 +152,8 @@ impl Plan {
             }
         }
 
-        crate::model::check(&c.wrap.model, &mut bad);
+        // Out-of-bounds model sizes leave no architecture: nothing below computes a shape from them.
+        let model_ok = crate::model::check(&c.wrap.model, &mut bad);
         if !(c.wrap.bucket_cap_mb > 0.0) {
             bad("wrap.bucket_cap_mb", format!("must be positive, got {}", c.wrap.bucket_cap_mb));
         }
@@ -248,7 +247,10 @@ impl Plan {
             }
         }
 
-        let arch = data.as_ref().map(|d| crate::model::architecture(&c.wrap.model, &d.input, d.task.outputs()));
+        let arch = data
+            .as_ref()
+            .filter(|_| model_ok)
+            .map(|d| crate::model::architecture(&c.wrap.model, &d.input, d.task.outputs()));
         let init_weights = c.wrap.init.as_ref().map(|rel| base.join(rel));
         if let (Some(path), Some(arch)) = (&init_weights, &arch) {
             if let Err(e) = crate::model::read_weights(path, &crate::model::sorted_parameters(arch.as_ref())) {
@@ -269,7 +271,9 @@ impl Plan {
         }
 
         let layer_parameters = arch.as_ref().map(|a| crate::model::layer_parameters(a.as_ref())).unwrap_or_default();
-        let stages = if pipeline {
+        let stages = if c.run.world_size > crate::launch::limits::MAX_WORLD_SIZE {
+            None
+        } else if pipeline {
             pipeline_stages(&c, &sources, &layer_parameters, &mut bad)
         } else {
             // Compared with the defaults, not by source: a run's saved config.toml sets every key.
@@ -296,6 +300,14 @@ impl Plan {
             }
         }
 
+        if let (Some(d), Some(stages), Some(arch)) = (&data, &stages, &arch) {
+            let heaviest = stages.iter().map(|r| layer_parameters[r.clone()].iter().sum()).max().unwrap_or(0);
+            let batch = layout.as_ref().and_then(|l| l.split_batch).unwrap_or(c.train.batch_size);
+            let values =
+                d.input_size() + arch.layers().iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
+            let estimate = crate::launch::limits::estimate(&c, d, heaviest, values, batch);
+            crate::launch::limits::check_memory(&estimate, c.run.world_size, &mut bad);
+        }
         if !errors.is_empty() {
             let n = errors.len();
             let head =
@@ -347,7 +359,7 @@ impl Plan {
     /// Writes the plan to `path` (the run directory's plan.json), atomically.
     pub fn save(&self, path: &Path) -> anyhow::Result<()> {
         let json = serde_json::to_string_pretty(self)? + "\n";
-        crate::trace::atomic_write(path, json.as_bytes())
+        crate::rundir::atomic_write(path, json.as_bytes())
     }
 
     /// The plan a launcher saved.
@@ -603,6 +615,10 @@ fn file_spec(
         bad("load.noise", "is only read by source = \"synthetic\"".into());
     }
     let path = base.join(rel);
+    if let Err(e) = path.exists().then(|| crate::input::regular_file(&path)).transpose() {
+        bad("load.path", e);
+        return None;
+    }
     let info = match file::inspect(&path, source, target) {
         Ok(info) => info,
         Err(e) => {

@@ -7,7 +7,7 @@ use anyhow::Context;
 use polars::prelude::*;
 
 use super::stats::{self, Spread};
-use crate::launch::manifest::{Manifest, Status};
+use crate::rundir::manifest::{Manifest, Status};
 use crate::sweep::grid::Index;
 
 /// The axis whose values are repeats of the same experiment, not a dimension of the table.
@@ -73,7 +73,7 @@ pub fn load(dir: &Path, index: &Index) -> anyhow::Result<Loaded> {
             loaded.missing.push((p.dir.clone(), why));
             continue;
         }
-        let path = run.join(crate::sweep::TRACE);
+        let path = run.join(crate::rundir::TRACE);
         let group = p.values.iter().filter(|(k, _)| k != SEED_KEY && k != WORLD_KEY).cloned().collect();
         let result = crate::trace::read_parquet(&path).and_then(|df| {
             point_result(&df, p.dir.clone(), group, &manifest)

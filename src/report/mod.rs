@@ -13,8 +13,9 @@ pub mod table;
 
 use std::path::Path;
 
+use crate::rundir::atomic_write;
 use crate::sweep::grid::Index;
-use crate::trace::{atomic_write, write_parquet};
+use crate::trace::write_parquet;
 
 /// Rebuilds every table and plot in `dir`; returns the markdown table.
 pub fn write(dir: &Path) -> anyhow::Result<String> {

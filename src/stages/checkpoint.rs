@@ -41,7 +41,7 @@ pub struct Found {
 }
 
 pub fn dir(run_dir: &Path) -> PathBuf {
-    run_dir.join("checkpoints")
+    crate::rundir::checkpoints(run_dir)
 }
 
 fn paths(run_dir: &Path, epoch: usize) -> (PathBuf, PathBuf) {
@@ -70,19 +70,46 @@ pub struct Snapshot<'a> {
     pub buckets: Option<Vec<Vec<usize>>>,
 }
 
+/// Disk space: a new checkpoint needs at most one checkpoint's size beyond the kept ones. With
+/// `keep` ≥ 2 the oldest are pruned to `keep - 1` before writing (the newest stays as the last
+/// good one), so `keep` checkpoints' worth of disk is enough; with `keep` = 1 the new one is
+/// written before the old one goes. When the free space is short, the run fails before writing
+/// and says so, with the last good checkpoint kept.
 pub fn save(run_dir: &Path, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
     let Snapshot { epoch, world_size, vs, optimizer, rows, steps, ref buckets } = *s;
     let (pt, json) = paths(run_dir, epoch);
-    std::fs::create_dir_all(dir(run_dir)).with_context(|| format!("cannot create {}", dir(run_dir).display()))?;
+    let ck = dir(run_dir);
+    std::fs::create_dir_all(&ck).with_context(|| format!("cannot create {}", ck.display()))?;
     let params = named_parameters(vs);
     let mut named: Vec<(String, Tensor)> =
         params.iter().map(|(n, t)| (format!("model.{n}"), t.shallow_clone())).collect();
     named.extend(optimizer.state());
-    let tmp = pt.with_extension("pt.tmp");
-    Tensor::save_multi(&named, &tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+    if keep >= 2 {
+        prune(run_dir, keep - 1);
+    }
+    // The tensors' bytes, and room for the names, the record and the trace rows.
+    let need: u64 = named.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum::<u64>()
+        + 64 * 1024
+        + 512 * (rows.len() + steps.len()) as u64;
+    if let Some(free) = free_bytes(&ck) {
+        if free < need {
+            let last = epochs(run_dir).pop().map_or("none yet".to_owned(), |e| format!("epoch {e}"));
+            anyhow::bail!(
+                "not enough free space for the checkpoint of epoch {epoch}: it needs about {:.1} MiB, {:.1} MiB are \
+                 free on {}; the last good checkpoint ({last}) is kept: free some space and resume with --resume",
+                need as f64 / 1048576.0,
+                free as f64 / 1048576.0,
+                ck.display()
+            );
+        }
+    }
+    let tmp = crate::rundir::tmp_path(&pt);
+    if let Err(e) = Tensor::save_multi(&named, &tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("cannot write {}", pt.display()));
+    }
     let bytes = std::fs::read(&tmp)?;
-    crate::trace::atomic_write(&pt, &bytes)?;
-    let _ = std::fs::remove_file(&tmp);
+    crate::rundir::commit(&tmp, &pt)?;
     let meta = Meta {
         epoch,
         world_size,
@@ -93,13 +120,25 @@ pub fn save(run_dir: &Path, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
         steps: steps.to_vec(),
         buckets: buckets.clone(),
     };
-    crate::trace::atomic_write(&json, serde_json::to_string(&meta)?.as_bytes())?;
+    crate::rundir::atomic_write(&json, serde_json::to_string(&meta)?.as_bytes())?;
+    prune(run_dir, keep);
+    Ok(())
+}
+
+/// Removes all but the newest `keep` checkpoints (record first: a checkpoint without its record
+/// is not one).
+fn prune(run_dir: &Path, keep: usize) {
     for old in epochs(run_dir).into_iter().rev().skip(keep) {
         let (pt, json) = paths(run_dir, old);
         let _ = std::fs::remove_file(json);
         let _ = std::fs::remove_file(pt);
     }
-    Ok(())
+}
+
+/// Bytes free for this user on the file system holding `dir`.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let s = nix::sys::statvfs::statvfs(dir).ok()?;
+    Some(s.blocks_available() as u64 * s.fragment_size() as u64)
 }
 
 /// Epochs with a checkpoint record, oldest first.
@@ -160,12 +199,13 @@ pub fn write_model(
     run_dir: &Path,
 ) -> anyhow::Result<()> {
     let Some(named) = strategy.gather_model(plan, pg, vs)? else { return Ok(()) };
-    let path = run_dir.join("model.safetensors");
-    let tmp = run_dir.join(format!(".model.safetensors.tmp-{}", std::process::id()));
-    Tensor::write_safetensors(&named, &tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
-    let bytes = std::fs::read(&tmp);
-    let _ = std::fs::remove_file(&tmp);
-    crate::trace::atomic_write(&path, &bytes?)
+    let path = run_dir.join(crate::rundir::MODEL);
+    let tmp = crate::rundir::tmp_path(&path);
+    if let Err(e) = Tensor::write_safetensors(&named, &tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("cannot write {}", path.display()));
+    }
+    crate::rundir::commit(&tmp, &path)
 }
 
 /// Loads a verified checkpoint's parameters and optimizer state.

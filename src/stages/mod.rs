@@ -9,8 +9,8 @@ use std::path::Path;
 use crate::config::schema::NormalizeScope;
 use crate::data::{self, normalize, shard};
 use crate::dist::ProcessGroup;
-use crate::launch::position::Position;
 use crate::plan::Plan;
+use crate::rundir::position::Position;
 use crate::trace::progress::Progress;
 use crate::trace::{self, EpochRow};
 use anyhow::Context;
@@ -94,8 +94,11 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
             rows.extend(out.rows);
             steps.extend(out.steps);
             let ws = plan.world_size() as u32;
-            trace::write_parquet(&run_dir.join("trace.parquet"), &mut trace::epochs_frame(&plan.run_id, ws, &rows)?)?;
-            trace::write_parquet(&run_dir.join("steps.parquet"), &mut trace::steps_frame(&plan.run_id, &steps)?)?;
+            trace::write_parquet(
+                &run_dir.join(crate::rundir::TRACE),
+                &mut trace::epochs_frame(&plan.run_id, ws, &rows)?,
+            )?;
+            trace::write_parquet(&run_dir.join(crate::rundir::STEPS), &mut trace::steps_frame(&plan.run_id, &steps)?)?;
             if checkpointing {
                 trainer.position.set("checkpoint", epoch, 0);
                 let w = &trainer.wrapped;

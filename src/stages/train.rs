@@ -12,8 +12,8 @@ use crate::data::normalize::Normalizer;
 use crate::data::shard::{permutation, RankShard};
 use crate::data::Dataset;
 use crate::dist::ProcessGroup;
-use crate::launch::position::Position;
 use crate::plan::Plan;
+use crate::rundir::position::Position;
 use crate::trace::progress::Progress;
 use crate::trace::{EpochRow, StepRow};
 

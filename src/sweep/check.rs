@@ -8,7 +8,7 @@ use polars::prelude::*;
 use super::execute;
 use super::grid::Point;
 use super::progress::SweepProgress;
-use crate::launch::manifest::{Manifest, Status};
+use crate::rundir::manifest::{Manifest, Status};
 use crate::trace;
 
 /// Columns of trace.parquet that measure time: they differ from run to run by nature.
@@ -31,8 +31,10 @@ pub fn check(points: &[Point], sweep_dir: &Path) -> anyhow::Result<Vec<String>> 
         let found = match execute::run_point(point, &rerun) {
             Err(why) => vec![format!("the rerun failed: {why}")],
             Ok(()) => {
-                match (trace::read_parquet(&stored.join(super::TRACE)), trace::read_parquet(&rerun.join(super::TRACE)))
-                {
+                match (
+                    trace::read_parquet(&stored.join(crate::rundir::TRACE)),
+                    trace::read_parquet(&rerun.join(crate::rundir::TRACE)),
+                ) {
                     (Ok(a), Ok(b)) => compare(&a, &b),
                     (Err(e), _) | (_, Err(e)) => vec![format!("{e:#}")],
                 }
@@ -62,8 +64,8 @@ fn stored_run(point: &Point, dir: &Path) -> Result<(), String> {
             m.run_id, point.plan.run_id
         ));
     }
-    if !dir.join(super::TRACE).is_file() {
-        return Err(format!("{} is missing", dir.join(super::TRACE).display()));
+    if !dir.join(crate::rundir::TRACE).is_file() {
+        return Err(format!("{} is missing", dir.join(crate::rundir::TRACE).display()));
     }
     Ok(())
 }

@@ -1,19 +1,49 @@
 //! Running points: each is `runner run` (this same binary) in a child process, into its own run
 //! directory, with its output in `run.log` there; one point at a time. A point already complete
 //! with the same resolved configuration (same run id) is skipped, so an interrupted sweep
-//! resumes where it stopped.
+//! resumes where it stopped: a point left `interrupted` or `crashed` with a checkpoint resumes
+//! from it. SIGINT, SIGTERM or SIGHUP to the sweep are forwarded to the running point's launcher,
+//! which stops its ranks and marks the point `interrupted`; then the sweep stops.
 use std::ffi::OsString;
-use std::fs::File;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use anyhow::Context;
 
 use super::grid::Point;
 use super::progress::SweepProgress;
-use crate::launch::manifest::{Manifest, Status};
+use crate::rundir::manifest::{Manifest, Status};
 
-pub const LOG: &str = "run.log";
+pub const LOG: &str = crate::rundir::RUN_LOG;
+
+/// The signals that stop a sweep: forwarded to the running point, then the sweep ends.
+const STOP: &[i32] = &[signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM, signal_hook::consts::SIGHUP];
+
+/// The stop signal received so far (0: none); handlers are installed on first use.
+fn stop_signal() -> usize {
+    static FLAG: OnceLock<Arc<AtomicUsize>> = OnceLock::new();
+    FLAG.get_or_init(|| {
+        let flag = Arc::new(AtomicUsize::new(0));
+        for &sig in STOP {
+            let _ = signal_hook::flag::register_usize(sig, Arc::clone(&flag), sig as usize);
+        }
+        flag
+    })
+    .load(Ordering::SeqCst)
+}
+
+/// A point stopped by a signal to the sweep (its launcher marked it `interrupted`).
+#[derive(Debug)]
+pub struct Stopped(pub i32);
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "stopped by signal {}", self.0)
+    }
+}
 
 /// What became of the points.
 #[derive(Debug, Default)]
@@ -22,6 +52,8 @@ pub struct Outcome {
     pub skipped: usize,
     /// Each failed point's directory and why it failed.
     pub failed: Vec<(String, String)>,
+    /// The signal that stopped the sweep, and the point it interrupted.
+    pub stopped: Option<(i32, String)>,
 }
 
 /// Runs every point into `sweep_dir/<point>/`. With `force`, complete points run again; with
@@ -39,6 +71,11 @@ pub fn run_points(points: &[Point], sweep_dir: &Path, force: bool, fail_fast: bo
         }
         progress.start(&point.dir);
         let result = run_point(point, &sweep_dir.join(&point.dir));
+        if let Some(sig) = stop_signal_of(&result) {
+            progress.finish(&point.dir, "interrupted");
+            outcome.stopped = Some((sig, point.dir.clone()));
+            break;
+        }
         outcome.ran += 1;
         match result {
             Ok(()) => progress.finish(&point.dir, "complete"),
@@ -58,12 +95,21 @@ pub fn run_points(points: &[Point], sweep_dir: &Path, force: bool, fail_fast: bo
 /// Whether `run_dir` holds a complete run of exactly this point's configuration.
 pub fn is_complete(point: &Point, run_dir: &Path) -> bool {
     Manifest::read(run_dir).is_ok_and(|m| {
-        m.status == Status::Complete && m.run_id == point.plan.run_id && run_dir.join(crate::sweep::TRACE).is_file()
+        m.status == Status::Complete && m.run_id == point.plan.run_id && run_dir.join(crate::rundir::TRACE).is_file()
     })
+}
+
+/// The signal, when `result` is a point stopped by one.
+fn stop_signal_of(result: &Result<(), String>) -> Option<i32> {
+    let sig = stop_signal();
+    (result.is_err() && sig != 0).then_some(sig as i32)
 }
 
 /// Runs one point into `run_dir`; `Err` says why it failed.
 pub fn run_point(point: &Point, run_dir: &Path) -> Result<(), String> {
+    if stop_signal() != 0 {
+        return Err(Stopped(stop_signal() as i32).to_string());
+    }
     spawn(point, run_dir).map_err(|e| format!("{e:#}"))?;
     match Manifest::read(run_dir) {
         Ok(m) if m.status == Status::Complete => Ok(()),
@@ -76,26 +122,71 @@ fn log_of(run_dir: &Path) -> String {
     run_dir.join(LOG).display().to_string()
 }
 
-/// `runner run PIPELINE --set-as LABEL KEY=VALUE ... --out RUN_DIR`, its output in run.log.
+/// Whether the point in `run_dir` was stopped part-way (interrupted, or its launcher died) with
+/// a checkpoint of this configuration to resume from.
+fn resumable(point: &Point, run_dir: &Path) -> bool {
+    let stopped = Manifest::read(run_dir)
+        .is_ok_and(|m| matches!(m.status, Status::Interrupted | Status::Crashed) && m.run_id == point.plan.run_id);
+    stopped && crate::stages::checkpoint::latest(run_dir, &point.plan).is_ok_and(|found| found.is_some())
+}
+
+/// `runner run PIPELINE --set-as LABEL KEY=VALUE ... --out RUN_DIR` (or `--resume RUN_DIR`),
+/// its output in run.log. The sweep owns its points' directories: `--force`.
 fn spawn(point: &Point, run_dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create {}", run_dir.display()))?;
-    // A manifest left by an earlier run must not pass for this one's.
-    let _ = std::fs::remove_file(run_dir.join("manifest.json"));
+    if let Some(pid) = crate::rundir::lock::holder(run_dir) {
+        let pid = pid.map_or(String::new(), |p| format!(" (pid {p})"));
+        anyhow::bail!("{} is in use by another runner{pid}", run_dir.display());
+    }
+    let resume = resumable(point, run_dir);
+    if !resume {
+        // A manifest left by an earlier run must not pass for this one's.
+        let _ = std::fs::remove_file(run_dir.join(crate::rundir::MANIFEST));
+    }
     let log_path = run_dir.join(LOG);
-    let log = File::create(&log_path).with_context(|| format!("cannot write {}", log_path.display()))?;
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(resume)
+        .truncate(!resume)
+        .open(&log_path)
+        .with_context(|| format!("cannot write {}", log_path.display()))?;
     let mut args: Vec<OsString> = vec!["run".into(), point.plan.pipeline_file.clone().into()];
     for o in &point.overrides {
         args.extend(["--set-as".into(), o.label.clone().into(), o.text.clone().into()]);
     }
-    args.extend(["--out".into(), run_dir.into()]);
+    if resume {
+        args.extend(["--resume".into(), run_dir.into()]);
+    } else {
+        args.extend(["--out".into(), run_dir.into(), "--force".into()]);
+    }
     let exe = std::env::current_exe().context("cannot find the runner binary to run points")?;
-    let status = Command::new(exe)
+    let mut child = Command::new(exe)
         .args(&args)
+        .env(crate::cli::SWEEP_PID, std::process::id().to_string())
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
-        .status()
+        .spawn()
         .context("cannot start `runner run` for the point")?;
+    let mut forwarded = false;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        let sig = stop_signal();
+        if sig != 0 && !forwarded {
+            // The launcher stops its ranks, marks the point interrupted and exits.
+            if let Ok(sig) = nix::sys::signal::Signal::try_from(sig as i32) {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), sig);
+            }
+            forwarded = true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    if forwarded {
+        anyhow::bail!("{}", Stopped(stop_signal() as i32));
+    }
     if !status.success() && Manifest::read(run_dir).is_err() {
         anyhow::bail!("`runner run` {status} before writing a manifest; see {}", log_path.display());
     }

@@ -80,8 +80,8 @@ impl Experiment {
     /// every axis value resolves against that pipeline. Reports every problem found.
     pub fn load(file: &Path) -> Result<Experiment, ConfigError> {
         let origin = file.display().to_string();
-        let text = std::fs::read_to_string(file)
-            .map_err(|e| ConfigError::new(format!("cannot read the experiment file {origin}: {e}")))?;
+        let text = crate::input::read_capped(file, crate::input::CONFIG_FILE_CAP, "the experiment file")
+            .map_err(ConfigError::new)?;
         let raw: ExperimentFile = parse_strict(&text, &origin)?;
         // Problems are reported in the file's order: (line, message).
         let mut errors: Vec<(Option<usize>, String)> = Vec::new();

@@ -99,7 +99,7 @@ impl Index {
 
     pub fn write(&self, dir: &Path) -> anyhow::Result<()> {
         let json = serde_json::to_string_pretty(self)? + "\n";
-        crate::trace::atomic_write(&dir.join(INDEX), json.as_bytes())
+        crate::rundir::atomic_write(&dir.join(INDEX), json.as_bytes())
     }
 
     /// A missing or unreadable index is the user's mistake (the wrong directory): exit code 2.

@@ -20,9 +20,6 @@ use anyhow::Context;
 
 pub use experiment::Experiment;
 
-/// Each point's epoch trace, in its run directory.
-pub const TRACE: &str = "trace.parquet";
-
 /// How `runner sweep` runs.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -38,7 +35,7 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
     let points = experiment.points()?;
     let dir = opts.out.clone().unwrap_or_else(|| Path::new("results").join(experiment.name()));
     let axes: Vec<String> = experiment.axes.iter().map(|a| format!("{} ({})", a.key, a.values.len())).collect();
-    println!(
+    crate::say!(
         "{}: {} points of {} over {}",
         file.display(),
         points.len(),
@@ -58,7 +55,7 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
         }
         let differences = check::check(&points, &dir)?;
         if differences.is_empty() {
-            println!(
+            crate::say!(
                 "\n{} points reproduce {}: every non-timing value of every trace is identical.",
                 points.len(),
                 dir.display()
@@ -66,24 +63,32 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
             return Ok(0);
         }
         let n = differences.len();
-        eprintln!(
+        crate::say_err!(
             "\nerror: {n} {} between {} and a rerun:",
             if n == 1 { "difference" } else { "differences" },
             dir.display()
         );
         for d in &differences {
-            eprintln!("  {d}");
+            crate::say_err!("  {d}");
         }
         return Ok(1);
     }
 
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create the sweep directory {}", dir.display()))?;
+    // One sweep per directory at a time.
+    let _lock = crate::rundir::lock::acquire(&dir).map_err(|e| crate::config::ConfigError::new(e.message(&dir)))?;
     grid::Index::new(file, &experiment.axes, &points).write(&dir)?;
     let outcome = execute::run_points(&points, &dir, opts.force, opts.fail_fast)?;
+    if let Some((sig, point)) = &outcome.stopped {
+        crate::say_err!(
+            "\ninterrupted: point {point} was stopped and marked interrupted; run the sweep again to resume it"
+        );
+        return Ok(128 + *sig as u8);
+    }
     let failed = outcome.failed.len();
     let complete = outcome.ran - failed + outcome.skipped;
     let not_reached = points.len() - outcome.ran - outcome.skipped;
-    println!(
+    crate::say!(
         "\n{complete} of {} points complete ({} run now, {} already complete).",
         points.len(),
         outcome.ran - failed,
@@ -91,13 +96,13 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
     );
     if complete > 0 {
         let table = crate::report::write(&dir)?;
-        println!("\n{table}");
+        crate::say!("\n{table}");
     }
     for (point, why) in &outcome.failed {
-        eprintln!("error: point {point} failed: {why}");
+        crate::say_err!("error: point {point} failed: {why}");
     }
     if not_reached > 0 {
-        eprintln!(
+        crate::say_err!(
             "error: --fail-fast stopped the sweep; {not_reached} of {} points did not run \
              (run the sweep again to resume)",
             points.len()

@@ -48,7 +48,7 @@ impl SweepProgress {
         let eta = self.eta().map(|e| format!(", about {e} left")).unwrap_or_default();
         match &self.bar {
             Some(bar) => bar.set_message(format!("{label}{eta}")),
-            None => println!("  [{}/{}] {label} ...{eta}", self.done + 1, self.total),
+            None => crate::say!("  [{}/{}] {label} ...{eta}", self.done + 1, self.total),
         }
     }
 
@@ -74,7 +74,7 @@ impl SweepProgress {
         let text = format!("  [{}/{}] {text}", self.done, self.total);
         match &self.bar {
             Some(bar) => bar.println(text),
-            None => println!("{text}"),
+            None => crate::say!("{text}"),
         }
     }
 

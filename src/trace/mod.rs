@@ -3,7 +3,6 @@
 pub mod progress;
 pub mod view;
 
-use std::io::Write;
 use std::path::Path;
 
 use polars::prelude::*;
@@ -123,26 +122,7 @@ pub fn steps_frame(run_id: &str, rows: &[StepRow]) -> PolarsResult<DataFrame> {
 pub fn write_parquet(path: &Path, df: &mut DataFrame) -> anyhow::Result<()> {
     let mut buf = Vec::new();
     ParquetWriter::new(&mut buf).finish(df)?;
-    atomic_write(path, &buf)
-}
-
-/// Writes to a temporary file beside `path`, syncs it, then renames it over `path`.
-pub fn atomic_write(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    use anyhow::Context;
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().context("a file path")?.to_string_lossy();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.with_context(|| format!("cannot write {}", path.display()))
+    crate::rundir::atomic_write(path, &buf)
 }
 
 pub fn read_parquet(path: &Path) -> anyhow::Result<DataFrame> {

@@ -46,7 +46,7 @@ impl Progress {
     pub fn end_epoch(&self, line: &str, show: bool) {
         match &self.bar {
             Some(bar) => bar.println(format!("  {line}")),
-            None if show => println!("  {line}"),
+            None if show => crate::say!("  {line}"),
             None => {}
         }
     }

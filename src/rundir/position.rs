@@ -11,6 +11,13 @@ fn path(run_dir: &Path, rank: usize) -> PathBuf {
     run_dir.join(format!(".rank-{rank}.position"))
 }
 
+/// Whether `name` is a rank's position file.
+pub fn is_position(name: &str) -> bool {
+    name.strip_prefix(".rank-")
+        .and_then(|r| r.strip_suffix(".position"))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// A rank's position writer; silent when the file cannot be created (it is diagnostics only).
 pub struct Position {
     file: Option<File>,

@@ -1,6 +1,9 @@
-//! `manifest.json`: what ran, where, with what, and how it ended.
+//! `manifest.json`: what ran, where, with what, and how it ended. A manifest still `running`
+//! whose directory lock is free was left by a launcher that died: [`Manifest::read`] reports it
+//! as `crashed`.
 use std::path::Path;
 
+use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use crate::plan::Plan;
@@ -12,6 +15,8 @@ pub enum Status {
     Complete,
     Failed,
     Interrupted,
+    /// Left `running` by a launcher that is gone (never written, only read).
+    Crashed,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -71,14 +76,30 @@ impl Manifest {
 
     pub fn write(&self, run_dir: &Path) -> anyhow::Result<()> {
         let json = serde_json::to_string_pretty(self)? + "\n";
-        crate::trace::atomic_write(&run_dir.join("manifest.json"), json.as_bytes())
+        super::atomic_write(&run_dir.join(super::MANIFEST), json.as_bytes())
     }
 
+    /// The manifest, with a `running` one whose launcher is gone (the lock is free) as `crashed`.
     pub fn read(run_dir: &Path) -> anyhow::Result<Manifest> {
-        use anyhow::Context;
-        let path = run_dir.join("manifest.json");
-        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        serde_json::from_str(&text).with_context(|| format!("{} is not a runner manifest", path.display()))
+        let path = run_dir.join(super::MANIFEST);
+        let mut m =
+            Self::read_raw(run_dir)?.with_context(|| format!("cannot read {}: no such file", path.display()))?;
+        if m.status == Status::Running && super::lock::holder(run_dir).is_none() {
+            m.status = Status::Crashed;
+            m.failure.get_or_insert_with(|| "the launcher ended without recording how the run ended".into());
+        }
+        Ok(m)
+    }
+
+    /// The manifest as written; `None` when there is none.
+    pub fn read_raw(run_dir: &Path) -> anyhow::Result<Option<Manifest>> {
+        let path = run_dir.join(super::MANIFEST);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+        };
+        serde_json::from_str(&text).map(Some).with_context(|| format!("{} is not a runner manifest", path.display()))
     }
 }
 

@@ -1,0 +1,166 @@
+//! Bounds on the values the plan accepts, so that no configuration reaches a panic, an abort or
+//! an out-of-memory kill: timeouts within a sane range, sizes within what the arithmetic and
+//! libtorch take, and a memory estimate of the whole run checked against the memory this
+//! machine has available (`RUNNER_NO_MEMORY_CHECK=1` skips that last one).
+use crate::config::schema::{Config, Optimizer};
+use crate::data::DataSpec;
+
+/// `run.timeout_s` range: a collective needs some time; a week is beyond any real run.
+pub const TIMEOUT_S: (f64, f64) = (0.1, 7.0 * 86400.0);
+/// `run.abort_after_s` range.
+pub const ABORT_AFTER_S: (f64, f64) = (0.0, 86400.0);
+/// Widths (features, hidden layers, classes): products of two stay far from overflow.
+pub const MAX_WIDTH: usize = 1 << 24;
+pub const MAX_LAYERS: usize = 4096;
+pub const MAX_ROWS: usize = 1 << 40;
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
+pub const MAX_EPOCHS: usize = 1 << 24;
+/// The environment variable that turns the memory estimate off.
+pub const NO_MEMORY_CHECK: &str = "RUNNER_NO_MEMORY_CHECK";
+
+/// Timeouts, world size, epochs, threads.
+pub fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
+    let r = &c.run;
+    for (key, v, (lo, hi)) in
+        [("run.timeout_s", r.timeout_s, TIMEOUT_S), ("run.abort_after_s", r.abort_after_s, ABORT_AFTER_S)]
+    {
+        if !(v >= lo && v <= hi) {
+            bad(key, format!("must be between {lo} and {hi} seconds, got {v}"));
+        }
+    }
+    if r.world_size > MAX_WORLD_SIZE {
+        bad("run.world_size", format!("must be at most {MAX_WORLD_SIZE}, got {}", r.world_size));
+    }
+    if r.threads_per_rank.is_some_and(|t| t > 1024) {
+        bad("run.threads_per_rank", format!("must be at most 1024, got {}", r.threads_per_rank.unwrap_or(0)));
+    }
+    if c.train.epochs > MAX_EPOCHS {
+        bad("train.epochs", format!("must be at most {MAX_EPOCHS}, got {}", c.train.epochs));
+    }
+    if !c.wrap.bucket_cap_mb.is_finite() || c.wrap.bucket_cap_mb > 1e6 {
+        bad("wrap.bucket_cap_mb", format!("must be at most 1000000 MiB, got {}", c.wrap.bucket_cap_mb));
+    }
+    if !c.load.noise.is_finite() {
+        bad("load.noise", format!("must be finite, got {}", c.load.noise));
+    }
+}
+
+/// Whether the data's and the model's sizes are within the bounds (each out of bounds is
+/// reported); the plan computes no shape from sizes that are not.
+pub fn sizes(c: &Config, d: &DataSpec, bad: &mut impl FnMut(&str, String)) -> bool {
+    let mut ok = true;
+    let mut check = |key: &str, v: usize, max: usize| {
+        if v > max {
+            bad(key, format!("{v} is more than the {max} the runner takes"));
+            ok = false;
+        }
+    };
+    check("load.rows", d.rows, MAX_ROWS);
+    check("load.validation_rows", d.validation_rows, MAX_ROWS);
+    check("load.features", d.input.iter().fold(1usize, |a, &x| a.saturating_mul(x)), MAX_WIDTH);
+    check("load.classes", d.task.outputs(), MAX_WIDTH);
+    check("train.batch_size", c.train.batch_size, MAX_ROWS);
+    ok
+}
+
+/// Bytes one rank needs, by part: an estimate, not a measurement.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Estimate {
+    /// Parameters, gradients, optimizer state and DDP's gradient buckets.
+    pub model: f64,
+    pub activations: f64,
+    pub data: f64,
+    /// libtorch, gloo and the runner themselves.
+    pub base: f64,
+}
+
+impl Estimate {
+    pub fn per_rank(&self) -> f64 {
+        self.model + self.activations + self.data + self.base
+    }
+}
+
+/// What one rank holds: `parameters` of the model (its heaviest rank's share), a batch of
+/// `batch` rows whose activations hold `values_per_sample` values (the input and every layer's
+/// output), and the whole data set (every rank loads it, then shards).
+pub fn estimate(c: &Config, d: &DataSpec, parameters: usize, values_per_sample: usize, batch: usize) -> Estimate {
+    const F: f64 = 4.0; // float32
+    let p = parameters as f64;
+    let optimizer = match c.train.optimizer {
+        Optimizer::Adam | Optimizer::Adamw => 2.0,
+        Optimizer::Sgd if c.train.momentum != 0.0 => 1.0,
+        Optimizer::Sgd => 0.0,
+    };
+    // Parameters, gradients, DDP's buckets (a copy of the gradients), optimizer state.
+    let model = p * F * (3.0 + optimizer);
+    let widths = values_per_sample as f64;
+    // Each layer's output, its pre-activation and its gradient, for a training batch and for
+    // the validation rows evaluated at once.
+    let activations = 3.0 * F * widths * (batch as f64 + d.validation_rows as f64);
+    // The table as loaded (plus labels), as tensors, and the normalized shard.
+    let rows = (d.rows + d.validation_rows) as f64;
+    let tensors = 3.0 * F * rows * (d.input_size() as f64 + 1.0);
+    let file = d.file.as_ref().and_then(|f| std::fs::metadata(&f.path).ok()).map_or(0.0, |m| 2.0 * m.len() as f64);
+    Estimate { model, activations, data: tensors + file, base: 150.0 * 1024.0 * 1024.0 }
+}
+
+/// Bytes of memory available on this machine (MemAvailable), when it can be read.
+pub fn available_memory() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024.0)
+}
+
+/// Why `ranks` ranks of `e` do not fit in `available` bytes.
+pub fn memory(e: &Estimate, ranks: usize, available: f64) -> Option<String> {
+    let total = e.per_rank() * ranks as f64;
+    if total <= available {
+        return None;
+    }
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    Some(format!(
+        "the run needs about {:.1} GiB ({ranks} ranks × {:.2} GiB: model, gradients and optimizer state {:.2}, \
+         activations {:.2}, data {:.2}, libtorch {:.2}) but this machine has {:.1} GiB available; use a smaller \
+         model or data set, fewer ranks, or set {NO_MEMORY_CHECK}=1 to run anyway",
+        gib(total),
+        gib(e.per_rank()),
+        gib(e.model),
+        gib(e.activations),
+        gib(e.data),
+        gib(e.base),
+        gib(available)
+    ))
+}
+
+/// The memory check as the plan runs it: skipped when turned off or unknowable.
+pub fn check_memory(e: &Estimate, ranks: usize, bad: &mut impl FnMut(&str, String)) {
+    if std::env::var(NO_MEMORY_CHECK).is_ok_and(|v| v == "1") {
+        return;
+    }
+    if let Some(msg) = available_memory().and_then(|a| memory(e, ranks, a)) {
+        // The key of the largest part.
+        let key = if e.model >= e.data.max(e.activations) {
+            "wrap.model.hidden"
+        } else if e.data >= e.activations {
+            "load.rows"
+        } else {
+            "train.batch_size"
+        };
+        bad(key, msg);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_estimate_counts_every_part_and_refuses_what_does_not_fit() {
+        let e = Estimate { model: 1e9, activations: 1e8, data: 2e8, base: 1e8 };
+        assert_eq!(e.per_rank(), 1.4e9);
+        assert!(memory(&e, 2, 3e9).is_none());
+        let msg = memory(&e, 4, 3e9).unwrap();
+        assert!(msg.contains("4 ranks") && msg.contains("2.8 GiB available"), "{msg}");
+    }
+}
