@@ -70,7 +70,10 @@ impl Task {
     /// Mean loss and accuracy of outputs `out` against targets `y`.
     pub fn metrics(&self, out: &Tensor, y: &Tensor) -> (f64, f64) {
         tch::no_grad(|| {
-            let loss = self.per_sample_loss(out, y).mean(Kind::Double).double_value(&[]);
+            let loss = match self {
+                // torch's F.cross_entropy(out, y): the mean in float32, as the PyTorch twin reports it.
+                Task::Classification { .. } => out.cross_entropy_for_logits(y).double_value(&[]),
+            };
             let acc = self.correct(out, y).mean(Kind::Double).double_value(&[]);
             (loss, acc)
         })
