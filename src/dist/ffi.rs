@@ -71,6 +71,7 @@ extern "C" {
         s: *mut RnStore,
         rank: c_int,
         size: c_int,
+        device_index: c_int,
         timeout_ms: i64,
         out: *mut *mut RnPg,
     ) -> *mut c_char;
@@ -110,6 +111,8 @@ extern "C" {
     pub fn rn_ddp_prepare_backward(d: *mut RnDdp, outputs: *const *mut c_void, n_outputs: usize) -> *mut c_char;
     pub fn rn_ddp_record_stats(d: *mut RnDdp, out: *mut RnDdpStats) -> *mut c_char;
     pub fn rn_ddp_bucket_count(d: *mut RnDdp, out: *mut usize) -> *mut c_char;
+
+    pub fn rn_set_autocast_dtype(device_type: c_int, scalar_type: c_int) -> *mut c_char;
 
     pub fn rn_clear_grads(params: *const *mut c_void, n: usize) -> *mut c_char;
     pub fn rn_fused_adam(
