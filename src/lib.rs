@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod device;
 pub mod dist;
 pub mod launch;
 pub mod model;

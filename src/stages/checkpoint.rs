@@ -69,9 +69,11 @@ pub fn save(run_dir: &Path, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
     let (pt, json) = paths(run_dir, epoch);
     std::fs::create_dir_all(dir(run_dir)).with_context(|| format!("cannot create {}", dir(run_dir).display()))?;
     let params = named_parameters(vs);
+    // Files hold CPU tensors, whatever device trained them: they load anywhere.
+    let cpu = tch::Device::Cpu;
     let mut named: Vec<(String, Tensor)> =
-        params.iter().map(|(n, t)| (format!("model.{n}"), t.shallow_clone())).collect();
-    named.extend(optimizer.state());
+        params.iter().map(|(n, t)| (format!("model.{n}"), t.to_device(cpu))).collect();
+    named.extend(optimizer.state().into_iter().map(|(n, t)| (n, t.to_device(cpu))));
     let tmp = pt.with_extension("pt.tmp");
     Tensor::save_multi(&named, &tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
     let bytes = std::fs::read(&tmp)?;
@@ -152,7 +154,9 @@ pub fn shapes(plan: &Plan) -> Vec<(String, Vec<i64>)> {
 /// in the whole model (`layer0.weight`, ...) whatever the strategy: rank 0's replica, or, in a
 /// pipeline, the layers of every rank of its first copy sent to rank 0.
 pub fn write_model(plan: &Plan, pg: &ProcessGroup, vs: &nn::VarStore, run_dir: &Path) -> anyhow::Result<()> {
-    let mut named = named_parameters(vs);
+    // On the CPU, whatever device trained them (as checkpoints).
+    let mut named: Vec<(String, Tensor)> =
+        named_parameters(vs).into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu))).collect();
     if plan.is_pipeline() {
         if pg.rank() >= plan.pipeline_ranks() {
             return Ok(());

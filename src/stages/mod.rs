@@ -21,8 +21,15 @@ use anyhow::Context;
 /// Runs the pipeline as `pg.rank()`. Rank 0 writes the traces after every epoch (atomically, so
 /// they always hold every finished epoch), and the final model at the end; it returns every
 /// rank's rows.
-/// With `resume`, continues from the run directory's newest checkpoint.
-pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyhow::Result<Vec<EpochRow>> {
+/// With `resume`, continues from the run directory's newest checkpoint. `device`: where this rank
+/// keeps its model, data and batches ([`Plan::device`]).
+pub fn run(
+    plan: &Plan,
+    pg: &ProcessGroup,
+    device: tch::Device,
+    run_dir: &Path,
+    resume: bool,
+) -> anyhow::Result<Vec<EpochRow>> {
     let c = &plan.config;
     let rank = pg.rank();
     tch::set_num_threads(plan.threads_per_rank as i32);
@@ -30,6 +37,13 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
 
     position.set("load", 0, 0);
     let data = load::load(&plan.data, c.run.seed).map_err(anyhow::Error::msg)?;
+    // To the rank's device once: every epoch's tensors and batches are cut from it there.
+    let data = load::Dataset {
+        train_x: data.train_x.to_device(device),
+        train_y: data.train_y.to_device(device),
+        val_x: data.val_x.to_device(device),
+        val_y: data.val_y.to_device(device),
+    };
     let first = shard::RankShard::take(
         &plan.layout,
         &shard::permutation(c.run.seed, 1, plan.layout.rows, c.shard.shuffle),
@@ -43,12 +57,12 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
     let normalizer = normalize::Normalizer::fit(
         c.normalize.method,
         scope,
-        &data.train_x.index_select(0, &first.index_tensor()),
-        &first.weight_tensor(),
+        &data.train_x.index_select(0, &first.index_tensor().to_device(device)),
+        &first.weight_tensor().to_device(device),
         pg,
     )?;
     position.set("wrap", 0, 0);
-    let mut wrapped = wrap::wrap(plan, pg, resume)?;
+    let mut wrapped = wrap::wrap(plan, pg, device, resume)?;
     let (mut rows, mut steps, first_epoch) = if resume {
         let found = checkpoint::latest(run_dir, plan, &checkpoint::shapes(plan))
             .map_err(anyhow::Error::msg)?
@@ -59,10 +73,11 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
         (Vec::new(), Vec::new(), 1)
     };
     let progress = Progress::new(rank == 0, c.train.epochs, plan.steps_per_epoch());
-    let pipeline = if plan.is_pipeline() { Some(pipeline::Stage::new(plan, pg)?) } else { None };
+    let pipeline = if plan.is_pipeline() { Some(pipeline::Stage::new(plan, pg, device)?) } else { None };
     let mut trainer = train::Trainer {
         plan,
         pg,
+        device,
         data: &data,
         normalizer: &normalizer,
         wrapped,

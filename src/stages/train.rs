@@ -15,6 +15,7 @@ use super::shard::{permutation, RankShard};
 use super::wrap::Wrapped;
 use crate::config::schema::ValidateOn;
 use crate::config::Plan;
+use crate::device;
 use crate::dist::ProcessGroup;
 use crate::launch::position::Position;
 use crate::trace::progress::Progress;
@@ -33,6 +34,8 @@ const STEP_FIELDS: usize = 8;
 pub struct Trainer<'a, 'pg> {
     pub plan: &'a Plan,
     pub pg: &'pg ProcessGroup,
+    /// Where the model, the data and the batches are (step timings synchronise it).
+    pub device: tch::Device,
     pub data: &'a Dataset,
     pub normalizer: &'a Normalizer,
     pub wrapped: Wrapped<'pg>,
@@ -54,10 +57,11 @@ impl Trainer<'_, '_> {
         tch::manual_seed((c.run.seed as i64) ^ ((rank as i64) << 32) ^ (epoch as i64).wrapping_mul(0x9E37_79B9));
         let perm = permutation(c.run.seed, epoch, self.plan.layout.rows, c.shard.shuffle);
         let shard = RankShard::take(&self.plan.layout, &perm, self.plan.replica(rank));
-        let idx = shard.index_tensor();
+        let dev = self.device;
+        let idx = shard.index_tensor().to_device(dev);
         let x = self.normalizer.apply(&self.data.train_x.index_select(0, &idx));
         let y = self.data.train_y.index_select(0, &idx);
-        let w = shard.weight_tensor();
+        let w = shard.weight_tensor().to_device(dev);
 
         let b = self.plan.batch_per_rank as i64;
         let n = self.plan.layout.per_rank as i64;
@@ -65,8 +69,8 @@ impl Trainer<'_, '_> {
         let step_every = c.trace.step_every;
         // Each row's loss and prediction, written by its step and reduced once at the epoch's end:
         // two cheap copies per step instead of a chain of small reductions.
-        let losses = Tensor::zeros([n], (Kind::Float, tch::Device::Cpu));
-        let predictions = Tensor::zeros([n], (Kind::Int64, tch::Device::Cpu));
+        let losses = Tensor::zeros([n], (Kind::Float, dev));
+        let predictions = Tensor::zeros([n], (Kind::Int64, dev));
         let (mut comm_s, mut compute_s, mut wait_s) = (0.0, 0.0, 0.0);
         let mut step_rows = Vec::new();
         self.progress.start_epoch(epoch);
@@ -74,10 +78,10 @@ impl Trainer<'_, '_> {
         let train_start = Instant::now();
         for step in 0..steps {
             self.position.set("train", epoch, step + 1);
-            let t0 = Instant::now();
+            let t0 = device::now(dev);
             let len = b.min(n - step as i64 * b);
             let (xb, yb) = (x.narrow(0, step as i64 * b, len), y.narrow(0, step as i64 * b, len));
-            let t1 = Instant::now();
+            let t1 = device::now(dev);
             let (s, averaged) = match &self.pipeline {
                 Some(stage) => {
                     self.wrapped.optimizer.zero_grad()?;
@@ -86,9 +90,9 @@ impl Trainer<'_, '_> {
                 }
                 None => (self.replica_step(&xb, &yb)?, Duration::ZERO),
             };
-            let t2 = Instant::now();
+            let t2 = device::now(dev);
             self.wrapped.optimizer.step()?;
-            let update = t2.elapsed();
+            let update = device::elapsed(dev, t2);
             self.iteration += 1;
             if let (Some(per_sample), Some(logits)) = (&s.per_sample, &s.logits) {
                 tch::no_grad(|| {
@@ -121,7 +125,7 @@ impl Trainer<'_, '_> {
                 self.progress.step(step + 1, loss, done / start.elapsed().as_secs_f64());
             }
         }
-        let train_s = train_start.elapsed().as_secs_f64();
+        let train_s = device::elapsed(dev, train_start).as_secs_f64();
         let epoch_s = start.elapsed().as_secs_f64();
         let samples = w.sum(Kind::Double).double_value(&[]);
         let loss_sum = (losses * &w).sum(Kind::Double);
@@ -165,15 +169,16 @@ impl Trainer<'_, '_> {
 
     /// One replica's forward, loss and backward (gradients averaged by DDP when wrapped in it).
     fn replica_step(&mut self, xb: &Tensor, yb: &Tensor) -> anyhow::Result<StepOut> {
-        let t0 = Instant::now();
+        let dev = self.device;
+        let t0 = device::now(dev);
         if let Some(ddp) = self.wrapped.ddp.as_mut() {
             ddp.prepare_forward()?;
         }
         let logits = self.wrapped.model.forward_t(xb, true);
-        let t1 = Instant::now();
+        let t1 = device::now(dev);
         let per_sample = logits.cross_entropy_loss::<Tensor>(yb, None, Reduction::None, -100, 0.0);
         let loss = per_sample.mean(Kind::Float);
-        let t2 = Instant::now();
+        let t2 = device::now(dev);
         if let Some(ddp) = self.wrapped.ddp.as_mut() {
             ddp.prepare_backward()?;
         }
@@ -185,7 +190,7 @@ impl Trainer<'_, '_> {
             logits: Some(logits.detach()),
             forward: t1 - t0,
             loss: t2 - t1,
-            backward: t2.elapsed(),
+            backward: device::elapsed(dev, t2),
             wait: Duration::ZERO,
         })
     }

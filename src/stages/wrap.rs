@@ -18,9 +18,14 @@ pub struct Wrapped<'pg> {
 }
 
 /// `resumed`: training continues from a checkpoint (DDP's buckets then start out rebuilt).
-pub fn wrap<'pg>(plan: &Plan, pg: &'pg ProcessGroup, resumed: bool) -> anyhow::Result<Wrapped<'pg>> {
+pub fn wrap<'pg>(
+    plan: &Plan,
+    pg: &'pg ProcessGroup,
+    device: tch::Device,
+    resumed: bool,
+) -> anyhow::Result<Wrapped<'pg>> {
     let c = &plan.config;
-    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let vs = nn::VarStore::new(device);
     let (d, m) = (&plan.data, &c.wrap.model);
     let layers = plan.stages[pg.rank()].clone();
     let model = Mlp::stage(&vs.root(), d.features, m, d.classes, c.run.seed, layers.clone());
