@@ -10,7 +10,7 @@
 # scripts/setup.sh --cuda also fetches what `cargo build --features cuda` compiles and links against
 # (see the end of this file): the CUDA libtorch in .deps/libtorch-cuda, and the CUDA and NCCL headers
 # in .deps/cuda/include. The torch wheel is kept in .deps/wheels (or $RUNNER_WHEELS) so that the two
-# setups download it once.
+# setups download it once. --cuda-runtime adds the CUDA libraries the CUDA build loads when it runs.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -20,18 +20,20 @@ torch_version=2.13.0
 cudart="nvidia-cuda-runtime==13.0.96"
 cupti="nvidia-cuda-cupti==13.0.85"
 
-cuda=0
+cuda=0 runtime=0
 for arg in "$@"; do
   case "$arg" in
     --cuda) cuda=1 ;;
+    --cuda-runtime) cuda=1 runtime=1 ;;
     -h | --help)
-      echo "usage: scripts/setup.sh [--cuda]"
+      echo "usage: scripts/setup.sh [--cuda | --cuda-runtime]"
       echo "  fetches libtorch $torch_version and the gloo headers into .deps/; with --cuda, also the CUDA"
-      echo "  libtorch and the CUDA and NCCL headers that 'cargo build --features cuda' needs"
+      echo "  libtorch and the CUDA and NCCL headers that 'cargo build --features cuda' needs; with"
+      echo "  --cuda-runtime, also the CUDA libraries that the CUDA build loads when it runs (about 2 GB)"
       exit 0
       ;;
     *)
-      printf 'setup: unknown argument %s (usage: scripts/setup.sh [--cuda])\n' "$arg" >&2
+      printf 'setup: unknown argument %s (usage: scripts/setup.sh [--cuda | --cuda-runtime])\n' "$arg" >&2
       exit 2
       ;;
   esac
@@ -184,6 +186,35 @@ if [ "$(cat "$deps/cuda/versions" 2>/dev/null)" != "$cuda_stamp" ]; then
   unzip_prefix "$(ls "$tmp"/nvidia_nccl_cu13-*.whl)" nvidia/nccl/include/ "$dest.tmp/include" ''
   rm -rf "$tmp"
   echo "$cuda_stamp" >"$dest.tmp/versions"
+  rm -rf "$dest"
+  mv "$dest.tmp" "$dest"
+fi
+
+[ "$runtime" = 1 ] || exit 0
+
+# --- scripts/setup.sh --cuda-runtime ------------------------------------------------------------
+# The libraries libtorch_cuda.so loads, from the nvidia-* wheels torch 2.13.0 requires, unpacked as
+# pip lays them out beside torch: libtorch_cuda.so's own RPATH ($ORIGIN/../../nvidia/*/lib) finds
+# them in .deps/nvidia from .deps/libtorch-cuda/lib. What pip install torch would bring, less
+# Python; the NVIDIA driver (libcuda.so.1) is the machine's.
+cuda_runtime=(
+  "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cupti==13.0.85" "nvidia-cuda-nvrtc==13.0.88"
+  "nvidia-cublas==13.1.1.3" "nvidia-cufft==12.0.0.61" "nvidia-cufile==1.15.1.6" "nvidia-curand==10.4.0.35"
+  "nvidia-cusolver==12.0.4.66" "nvidia-cusparse==12.6.3.3" "nvidia-nvjitlink==13.0.88"
+  "nvidia-cudnn-cu13==9.20.0.48" "nvidia-cusparselt-cu13==0.8.1" "nvidia-nccl-cu13==2.29.7"
+  "nvidia-nvshmem-cu13==3.4.5"
+)
+if [ "$(cat "$deps/nvidia/versions" 2>/dev/null)" != "${cuda_runtime[*]}" ]; then
+  dest="$deps/nvidia"
+  tmp=$(mktemp -d "$deps/cuda-runtime-wheels.XXXXXX")
+  echo "setup: downloading the CUDA libraries torch $torch_version loads (about 2 GB, 2.7 GB unpacked)"
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --dest "$tmp" "${cuda_runtime[@]}" \
+    || { rm -rf "$tmp"; die "pip could not download the CUDA library wheels (see the message above)."; }
+  rm -rf "$dest.tmp"
+  mkdir -p "$dest.tmp"
+  for w in "$tmp"/*.whl; do unzip_prefix "$w" nvidia/ "$dest.tmp" '(^|/)(include|bin)/|\.a$|__init__'; done
+  rm -rf "$tmp"
+  echo "${cuda_runtime[*]}" >"$dest.tmp/versions"
   rm -rf "$dest"
   mv "$dest.tmp" "$dest"
 fi

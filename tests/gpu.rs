@@ -96,6 +96,11 @@ fn without_a_gpu_the_plan_refuses_cuda_before_any_rank_starts() {
         );
         assert!(!dir.path().join("results").exists(), "{command}: a refused plan wrote results");
     }
+    // Below the plan, the bridge: an NCCL group without a GPU is an error, not an abort.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let store = Arc::new(Store::serve(listener, 1, TIMEOUT).unwrap());
+    let err = ProcessGroup::new(Backend::Nccl { device: 0 }, store, 0, 1, "127.0.0.1", TIMEOUT).err().unwrap();
+    assert!(err.to_string().contains("cuda:0 does not exist: 0 CUDA device(s) visible"), "{err}");
 }
 
 #[test]
