@@ -1,5 +1,10 @@
 //! Compiles the C++ bridge to c10d (csrc/bridge.cpp) against the libtorch that tch links, and
 //! sets an rpath so the binary runs without LD_LIBRARY_PATH.
+//!
+//! With `--features cuda`, the bridge also compiles c10d's ProcessGroupNCCL (`-DUSE_C10D_NCCL`)
+//! against the CUDA and NCCL headers, and the binary links `torch_cuda` (which tch must link too:
+//! `LIBTORCH` names the CUDA libtorch). CUDA's own libraries (cuBLAS, cuDNN, NCCL, ...) are needed
+//! where the binary runs, not where it links: `--allow-shlib-undefined`.
 use std::env;
 use std::path::{Path, PathBuf};
 
@@ -49,12 +54,10 @@ fn main() {
         .define("USE_C10D_GLOO", None)
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .file("csrc/bridge.cpp");
-    if env::var_os("CARGO_FEATURE_CUDA").is_some() {
-        build.define("USE_C10D_NCCL", None).define("RUNNER_NCCL", None);
-        if let Some(cuda) = env_var("CUDA_INCLUDE") {
-            build.include(cuda);
-        }
-        println!("cargo:rustc-link-lib=torch_cuda");
+    let cuda = env::var_os("CARGO_FEATURE_CUDA").is_some();
+    if cuda {
+        let headers = cuda_include(&root, &lib);
+        build.include(&headers).define("USE_C10D_NCCL", None).define("RUNNER_NCCL", None);
     }
     build.compile("runner_bridge");
 
@@ -64,7 +67,41 @@ fn main() {
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=torch_cpu");
     println!("cargo:rustc-link-lib=c10");
+    if cuda {
+        // Kept even where nothing of tch refers to them (the linker drops such libraries by
+        // default): loading libtorch_cuda.so is what registers CUDA with libtorch, without it
+        // tch::Cuda::device_count() is 0 on any machine.
+        for arg in ["-Wl,--push-state,--no-as-needed", "-ltorch_cuda", "-lc10_cuda", "-Wl,--pop-state"] {
+            println!("cargo:rustc-link-arg={arg}");
+        }
+        // libtorch_cuda.so's own dependencies (cuBLAS, cuDNN, NCCL, ...) are found where it runs.
+        println!("cargo:rustc-link-arg=-Wl,--allow-shlib-undefined");
+    }
     rpath(&lib);
+}
+
+/// The folder of the CUDA and NCCL headers for the `cuda` feature, after checking that the
+/// libtorch is a CUDA one: CUDA_INCLUDE (one folder holding both), or what
+/// `scripts/setup.sh --cuda` put in .deps/cuda/include.
+fn cuda_include(root: &Path, lib: &Path) -> PathBuf {
+    let how = "\n  run ./scripts/setup.sh --cuda (fetches the CUDA libtorch and the CUDA and NCCL headers, once),\n  \
+               then build with the CUDA libtorch, in a target folder of its own:\n\n    \
+               LIBTORCH=$PWD/.deps/libtorch-cuda cargo build --release --features cuda --target-dir target/cuda\n";
+    if !lib.join("libtorch_cuda.so").exists() {
+        eprintln!(
+            "\nerror: the cuda feature needs a CUDA libtorch, and {} has no libtorch_cuda.so.\n{how}",
+            lib.display()
+        );
+        std::process::exit(1);
+    }
+    let dir = env_var("CUDA_INCLUDE").map(PathBuf::from).unwrap_or_else(|| root.join(".deps/cuda/include"));
+    for header in ["cuda_runtime_api.h", "cublas_v2.h", "nccl.h"] {
+        if !dir.join(header).exists() {
+            eprintln!("\nerror: the cuda feature needs {header}, which {} does not hold.\n{how}", dir.display());
+            std::process::exit(1);
+        }
+    }
+    dir
 }
 
 /// Every binary, test and bench of this crate finds libtorch where it was built against.

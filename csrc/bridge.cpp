@@ -13,6 +13,7 @@
 
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -23,6 +24,7 @@
 #include <torch/csrc/distributed/c10d/logger.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #ifdef RUNNER_NCCL
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -33,6 +35,9 @@ struct rn_store {
 struct rn_pg {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   c10::intrusive_ptr<c10d::Backend> backend;
+  // NCCL: point-to-point pairs are posted as one group (ncclGroupStart/End), as torch's
+  // batch_isend_irecv does; gloo has no such grouping and needs none.
+  bool coalesce_p2p = false;
 };
 
 struct rn_ddp {
@@ -180,20 +185,32 @@ char* rn_pg_new_gloo_group(rn_store* s, const char* prefix, int rank, int size, 
   });
 }
 
-char* rn_pg_new_nccl(rn_store* s, int rank, int size, int64_t timeout_ms, rn_pg** out) {
+char* rn_pg_new_nccl(rn_store* s, int rank, int size, int device_index, int64_t timeout_ms, rn_pg** out) {
 #ifdef RUNNER_NCCL
   return protect([&] {
+    // As torch.cuda.set_device(local_rank) then init_process_group(device_id=...): NCCL's
+    // communicator, its streams and barrier() use this rank's own GPU.
+    int count = c10::cuda::device_count();
+    if (device_index < 0 || device_index >= count) {
+      throw std::invalid_argument("cuda:" + std::to_string(device_index) + " does not exist: " +
+                                  std::to_string(count) + " CUDA device(s) visible");
+    }
+    auto device = at::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
+    c10::cuda::set_device(device.index());
     auto store = c10::make_intrusive<c10d::PrefixStore>("runner/pg", s->store);
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = std::chrono::milliseconds(timeout_ms);
     auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+    backend->setBoundDeviceId(device);
     auto pg = std::make_unique<rn_pg>();
     set_backend(pg.get(), store, rank, size, backend, c10::DeviceType::CUDA,
                 c10d::ProcessGroup::BackendType::NCCL);
+    pg->pg->setBoundDeviceId(device);
+    pg->coalesce_p2p = true;
     *out = pg.release();
   });
 #else
-  (void)s, (void)rank, (void)size, (void)timeout_ms, (void)out;
+  (void)s, (void)rank, (void)size, (void)device_index, (void)timeout_ms, (void)out;
   return copy_message("the nccl backend needs runner built with `--features cuda`");
 #endif
 }
@@ -250,6 +267,23 @@ char* rn_pg_send_recv(rn_pg* pg, void* send_t, int dst, int send_tag, void* recv
   return protect([&] {
     std::vector<at::Tensor> out{tensor(send_t)};
     std::vector<at::Tensor> in{tensor(recv_t)};
+    if (pg->coalesce_p2p) {
+      // NCCL runs a pair's receive and send in one group; posted one after the other on the
+      // same stream, each peer's receive would wait for a send queued behind its own.
+      pg->backend->startCoalescing();
+      try {
+        pg->backend->recv(in, src, recv_tag);
+        pg->backend->send(out, dst, send_tag);
+      } catch (...) {
+        try {
+          (void)pg->backend->endCoalescing();
+        } catch (...) {
+        }
+        throw;
+      }
+      pg->backend->endCoalescing()->wait();
+      return;
+    }
     // Both are posted before either is waited on: gloo's sends wait for the matching receive, so
     // two peers sending to each other first would otherwise wait forever.
     auto recv = pg->backend->recv(in, src, recv_tag);
@@ -380,13 +414,22 @@ char* rn_fused_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n
       m.push_back(tensor(exp_avgs[i]));
       v.push_back(tensor(exp_avg_sqs[i]));
     }
-    // The kernel reads each parameter's step from a float32 scalar; one serves them all.
-    std::vector<at::Tensor> steps(p.size(), at::scalar_tensor(step, at::kFloat));
+    // The kernel reads each parameter's step from a float32 scalar on the parameters' device (as
+    // torch.optim.Adam(fused=True) keeps it); one serves them all.
+    auto on = p.empty() ? at::Device(at::kCPU) : p[0].device();
+    std::vector<at::Tensor> steps(p.size(), at::scalar_tensor(step, at::TensorOptions().dtype(at::kFloat).device(on)));
     if (decoupled) {
       at::_fused_adamw_(p, g, m, v, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false);
     } else {
       at::_fused_adam_(p, g, m, v, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false);
     }
+  });
+}
+
+char* rn_set_autocast_dtype(int device_type, int scalar_type) {
+  return protect([&] {
+    at::autocast::set_autocast_dtype(static_cast<at::DeviceType>(device_type),
+                                     static_cast<at::ScalarType>(scalar_type));
   });
 }
 

@@ -1,4 +1,4 @@
-// Plain C interface over PyTorch's c10d (TCPStore, ProcessGroupGloo, Reducer).
+// Plain C interface over PyTorch's c10d (TCPStore, ProcessGroupGloo or ProcessGroupNCCL, Reducer).
 //
 // Every function that can fail returns NULL on success or an error message allocated with malloc,
 // which the caller frees with rn_free_string. No C++ exception crosses this boundary.
@@ -46,7 +46,9 @@ char* rn_pg_new_gloo(rn_store* s, int rank, int size, const char* device_host, i
 // the group, and every member must create it with the same prefix.
 char* rn_pg_new_gloo_group(rn_store* s, const char* prefix, int rank, int size, const char* device_host,
                            int64_t timeout_ms, rn_pg** out);
-char* rn_pg_new_nccl(rn_store* s, int rank, int size, int64_t timeout_ms, rn_pg** out);
+// NCCL on the GPU cuda:device_index (made the current device). Fails, with a message, in a build
+// without the cuda feature.
+char* rn_pg_new_nccl(rn_store* s, int rank, int size, int device_index, int64_t timeout_ms, rn_pg** out);
 void rn_pg_free(rn_pg* pg);
 char* rn_pg_all_reduce(rn_pg* pg, void* tensor, int op);
 char* rn_pg_broadcast(rn_pg* pg, void* tensor, int root);
@@ -84,6 +86,10 @@ char* rn_clear_grads(void** params, size_t n);
 // `step` counts this one.
 char* rn_fused_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n, double step, double lr,
                     double beta1, double beta2, double weight_decay, double eps, int decoupled);
+
+// The type that autocast regions on device_type (a c10::DeviceType: 0 CPU, 1 CUDA) compute in:
+// scalar_type is a c10::ScalarType (5 Half, 15 BFloat16). torch.autocast(dtype=...).
+char* rn_set_autocast_dtype(int device_type, int scalar_type);
 
 #ifdef __cplusplus
 }

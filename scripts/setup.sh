@@ -6,13 +6,38 @@
 #   - gloo headers (Debian's libgloo-dev, unpacked, not installed): c10d's ProcessGroupGloo.hpp includes them.
 # Idempotent: when everything is present it only checks a few files.
 # A LIBTORCH already set by the user is honoured (it must contain lib/libtorch_cpu.so).
+#
+# scripts/setup.sh --cuda also fetches what `cargo build --features cuda` compiles and links against
+# (see the end of this file): the CUDA libtorch in .deps/libtorch-cuda, and the CUDA and NCCL headers
+# in .deps/cuda/include. The torch wheel is kept in .deps/wheels (or $RUNNER_WHEELS) so that the two
+# setups download it once. --cuda-runtime adds the CUDA libraries the CUDA build loads when it runs.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 deps="$root/.deps"
+wheels="${RUNNER_WHEELS:-$deps/wheels}"
 torch_version=2.13.0
 cudart="nvidia-cuda-runtime==13.0.96"
 cupti="nvidia-cuda-cupti==13.0.85"
+
+cuda=0 runtime=0
+for arg in "$@"; do
+  case "$arg" in
+    --cuda) cuda=1 ;;
+    --cuda-runtime) cuda=1 runtime=1 ;;
+    -h | --help)
+      echo "usage: scripts/setup.sh [--cuda | --cuda-runtime]"
+      echo "  fetches libtorch $torch_version and the gloo headers into .deps/; with --cuda, also the CUDA"
+      echo "  libtorch and the CUDA and NCCL headers that 'cargo build --features cuda' needs; with"
+      echo "  --cuda-runtime, also the CUDA libraries that the CUDA build loads when it runs (about 2 GB)"
+      exit 0
+      ;;
+    *)
+      printf 'setup: unknown argument %s (usage: scripts/setup.sh [--cuda | --cuda-runtime])\n' "$arg" >&2
+      exit 2
+      ;;
+  esac
+done
 
 die() {
   printf 'setup: %s\n' "$1" >&2
@@ -52,28 +77,40 @@ with zipfile.ZipFile(wheel) as z:
 PY
 }
 
-fetch_libtorch() {
-  local dest="$deps/libtorch" wheels="$deps/wheels"
+# Downloads the wheels named (pip skips those already in $wheels) and prints nothing else.
+download() {
   need_pip
   mkdir -p "$wheels"
-  echo "setup: downloading torch==$torch_version (about 530 MB, once) and the CUDA runtime wheels from PyPI"
-  python3 -m pip download --quiet --no-deps --only-binary=:all: --dest "$wheels" \
-    "torch==$torch_version" "$cudart" "$cupti" \
-    || die "pip could not download torch==$torch_version from PyPI (see the message above)." \
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --dest "$wheels" "$@" \
+    || die "pip could not download $* from PyPI (see the message above)." \
       "Check that PyPI is reachable, or set LIBTORCH to an existing libtorch $torch_version."
+}
+
+# The wheel file of a package (its name as a wheel spells it, e.g. nvidia_cuda_runtime).
+wheel() { ls "$wheels"/"$1"-*.whl | head -n 1; }
+
+# libtorch from the torch wheel into $1: with $2 = cpu, without the CUDA libraries (with
+# libtorch_cuda.so present, tch would link CUDA and the binary would not load without a GPU);
+# with $2 = cuda, with them (less the Python bindings).
+unpack_libtorch() {
+  local dest=$1 kind=$2 skip='(python|/)'
+  [ "$kind" = cpu ] && skip='(cuda|nvrtc|nvshmem|python|/)'
   rm -rf "$dest.tmp"
   mkdir -p "$dest.tmp/lib" "$dest.tmp/include"
-  local torch_wheel
-  torch_wheel=$(ls "$wheels"/torch-"$torch_version"-*.whl | head -n 1)
-  echo "setup: unpacking libtorch (CPU libraries and headers)"
-  unzip_prefix "$torch_wheel" torch/lib/ "$dest.tmp/lib" '(cuda|nvrtc|nvshmem|python|/)'
-  unzip_prefix "$torch_wheel" torch/include/ "$dest.tmp/include" ''
-  unzip_prefix "$(ls "$wheels"/nvidia_cuda_runtime-*.whl | head -n 1)" nvidia/cu13/lib/ "$dest.tmp/lib" '^(?!libcudart\.so\.13$)'
-  unzip_prefix "$(ls "$wheels"/nvidia_cuda_cupti-*.whl | head -n 1)" nvidia/cu13/lib/ "$dest.tmp/lib" '^(?!libcupti\.so\.13$)'
+  echo "setup: unpacking libtorch ($kind libraries and headers) into ${dest#"$root"/}"
+  unzip_prefix "$(wheel "torch-$torch_version")" torch/lib/ "$dest.tmp/lib" "$skip"
+  unzip_prefix "$(wheel "torch-$torch_version")" torch/include/ "$dest.tmp/include" ''
+  unzip_prefix "$(wheel nvidia_cuda_runtime)" nvidia/cu13/lib/ "$dest.tmp/lib" '^(?!libcudart\.so\.13$)'
+  unzip_prefix "$(wheel nvidia_cuda_cupti)" nvidia/cu13/lib/ "$dest.tmp/lib" '^(?!libcupti\.so\.13$)'
   echo "$torch_version" >"$dest.tmp/build-version"
   rm -rf "$dest"
   mv "$dest.tmp" "$dest"
-  rm -rf "$wheels"
+}
+
+fetch_libtorch() {
+  echo "setup: downloading torch==$torch_version (about 530 MB, once) and the CUDA runtime wheels from PyPI"
+  download "torch==$torch_version" "$cudart" "$cupti"
+  unpack_libtorch "$deps/libtorch" cpu
 }
 
 fetch_gloo_headers() {
@@ -108,4 +145,76 @@ fi
 
 if [ ! -f "$deps/gloo/usr/include/gloo/config.h" ] && [ ! -f /usr/include/gloo/config.h ]; then
   fetch_gloo_headers
+fi
+
+[ "$cuda" = 1 ] || exit 0
+
+# --- scripts/setup.sh --cuda -------------------------------------------------------------------
+# What `cargo build --features cuda` compiles and links against, with versions from torch 2.13.0's
+# Requires-Dist (cuda-toolkit 13.0.3, nvidia-nccl-cu13 2.29.7):
+#   .deps/libtorch-cuda  the torch wheel's lib (libtorch_cuda.so, libc10_cuda.so, ...) and include;
+#   .deps/cuda/include   the CUDA runtime headers and those that c10d's ProcessGroupNCCL.hpp pulls in
+#                        through ATen/cuda/CUDAContext.h (cuBLAS, cuSPARSE, cuSOLVER, CCCL's nv/target),
+#                        and nccl.h.
+# Only headers are taken from the nvidia-* wheels, whose wheels are then deleted: the link does not
+# need CUDA's libraries (build.rs links with --allow-shlib-undefined). A machine that RUNS the CUDA
+# build needs them, as torch does: see "GPUs" in README.md.
+cuda_headers=(
+  "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-crt==13.0.88" "nvidia-cuda-cccl==13.0.85"
+  "nvidia-cublas==13.1.1.3" "nvidia-cusparse==12.6.3.3" "nvidia-cusolver==12.0.4.66"
+  "nvidia-nccl-cu13==2.29.7"
+)
+cuda_stamp="$torch_version ${cuda_headers[*]}"
+
+if [ -n "${LIBTORCH:-}" ] && [ -f "$LIBTORCH/lib/libtorch_cuda.so" ]; then
+  :
+elif [ ! -f "$deps/libtorch-cuda/lib/libtorch_cuda.so" ] || [ ! -f "$deps/libtorch-cuda/lib/libcudart.so.13" ]; then
+  echo "setup: downloading torch==$torch_version (kept in ${wheels#"$root"/}: skipped when already there)"
+  download "torch==$torch_version" "$cudart" "$cupti"
+  unpack_libtorch "$deps/libtorch-cuda" cuda
+fi
+
+if [ "$(cat "$deps/cuda/versions" 2>/dev/null)" != "$cuda_stamp" ]; then
+  dest="$deps/cuda"
+  tmp=$(mktemp -d "$deps/cuda-wheels.XXXXXX")
+  echo "setup: downloading the CUDA and NCCL header wheels (about 980 MB, headers only are kept)"
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --dest "$tmp" "${cuda_headers[@]}" \
+    || { rm -rf "$tmp"; die "pip could not download the CUDA header wheels (see the message above)."; }
+  rm -rf "$dest.tmp"
+  mkdir -p "$dest.tmp/include"
+  for w in "$tmp"/nvidia_cu*.whl; do unzip_prefix "$w" nvidia/cu13/include/ "$dest.tmp/include" ''; done
+  unzip_prefix "$(ls "$tmp"/nvidia_nccl_cu13-*.whl)" nvidia/nccl/include/ "$dest.tmp/include" ''
+  rm -rf "$tmp"
+  echo "$cuda_stamp" >"$dest.tmp/versions"
+  rm -rf "$dest"
+  mv "$dest.tmp" "$dest"
+fi
+
+[ "$runtime" = 1 ] || exit 0
+
+# --- scripts/setup.sh --cuda-runtime ------------------------------------------------------------
+# The libraries libtorch_cuda.so loads, from the nvidia-* wheels torch 2.13.0 requires, unpacked as
+# pip lays them out beside torch: libtorch_cuda.so's own RPATH ($ORIGIN/../../nvidia/*/lib) finds
+# them in .deps/nvidia from .deps/libtorch-cuda/lib. What pip install torch would bring, less
+# Python; the NVIDIA driver (libcuda.so.1) is the machine's.
+cuda_runtime=(
+  "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cupti==13.0.85" "nvidia-cuda-nvrtc==13.0.88"
+  "nvidia-cublas==13.1.1.3" "nvidia-cufft==12.0.0.61" "nvidia-cufile==1.15.1.6" "nvidia-curand==10.4.0.35"
+  "nvidia-cusolver==12.0.4.66" "nvidia-cusparse==12.6.3.3" "nvidia-nvjitlink==13.0.88"
+  "nvidia-cudnn-cu13==9.20.0.48" "nvidia-cusparselt-cu13==0.8.1" "nvidia-nccl-cu13==2.29.7"
+  "nvidia-nvshmem-cu13==3.4.5"
+)
+if [ "$(cat "$deps/nvidia/versions" 2>/dev/null)" != "${cuda_runtime[*]}" ]; then
+  dest="$deps/nvidia"
+  tmp=$(mktemp -d "$deps/cuda-runtime-wheels.XXXXXX")
+  echo "setup: downloading the CUDA libraries torch $torch_version loads (about 2 GB, 2.7 GB unpacked)"
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --dest "$tmp" "${cuda_runtime[@]}" \
+    || { rm -rf "$tmp"; die "pip could not download the CUDA library wheels (see the message above)."; }
+  rm -rf "$dest.tmp"
+  mkdir -p "$dest.tmp"
+  for w in "$tmp"/*.whl; do unzip_prefix "$w" nvidia/ "$dest.tmp" '(^|/)(include|bin)/|\.a$|__init__'; done
+  rm -rf "$tmp"
+  echo "${cuda_runtime[*]}" >"$dest.tmp/versions"
+  rm -rf "$dest"
+  mv "$dest.tmp" "$dest"
 fi

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod device;
 pub mod dist;
 pub mod input;
 pub mod launch;

@@ -122,7 +122,9 @@ const CASES: &[Case] = &[
         file: "",
         args: &["--set", "run.backend=nccl"],
         env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `run.backend` (--set run.backend=nccl): nccl needs run.device = \"cuda\"; use \"gloo\" on CPU",
+        expected: "error: p.toml: invalid configuration:\n  `run.backend` (--set run.backend=nccl): nccl moves GPU memory only \
+                   (torch fails its first collective on CPU tensors: \"Tensors must be CUDA and dense\"); use \"gloo\" with \
+                   device = \"cpu\", or device = \"cuda\"",
     },
     Case {
         name: "missing data file",
@@ -305,6 +307,42 @@ const CASES: &[Case] = &[
                    a pipeline has one stage per rank",
     },
 ];
+
+/// What a build without the `cuda` feature says to GPU configurations: the command that builds
+/// the CUDA version. (The CUDA build's refusal without a GPU is in tests/gpu.rs.)
+#[cfg(not(feature = "cuda"))]
+const CPU_BUILD_CASES: &[Case] = &[
+    Case {
+        name: "cuda on a build without CUDA",
+        file: "",
+        args: &["--set", "run.device=cuda"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `run.device` (--set run.device=cuda): this runner was built without \
+                   CUDA; build the CUDA version (./scripts/setup.sh --cuda && LIBTORCH=$PWD/.deps/libtorch-cuda cargo build \
+                   --release --features cuda --target-dir target/cuda), or use \"cpu\"",
+    },
+    Case {
+        name: "nccl and cuda on a build without CUDA",
+        file: "",
+        args: &["--set", "run.device=cuda", "--set", "run.backend=nccl"],
+        env: &[],
+        expected: "error: p.toml: 2 problems in the configuration:\n  `run.device` (--set run.device=cuda): this runner was built without \
+                   CUDA; build the CUDA version (./scripts/setup.sh --cuda && LIBTORCH=$PWD/.deps/libtorch-cuda cargo build \
+                   --release --features cuda --target-dir target/cuda), or use \"cpu\"\n  \
+                   `run.backend` (--set run.backend=nccl): this runner was built without CUDA, so without NCCL; build the \
+                   CUDA version (./scripts/setup.sh --cuda && LIBTORCH=$PWD/.deps/libtorch-cuda cargo build --release \
+                   --features cuda --target-dir target/cuda)",
+    },
+];
+
+#[test]
+#[cfg(not(feature = "cuda"))]
+fn gpu_configurations_name_the_cuda_build() {
+    for case in CPU_BUILD_CASES {
+        check(case, "validate");
+        check(case, "run");
+    }
+}
 
 fn check(case: &Case, command: &str) {
     let dir = tempfile::tempdir().unwrap();

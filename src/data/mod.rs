@@ -90,6 +90,19 @@ pub struct Dataset {
     pub task: Task,
 }
 
+impl Dataset {
+    /// The same rows on `device` (once per rank: every epoch's tensors are cut from them there).
+    pub fn to_device(self, device: tch::Device) -> Dataset {
+        Dataset {
+            train_x: self.train_x.to_device(device),
+            train_y: self.train_y.to_device(device),
+            val_x: self.val_x.to_device(device),
+            val_y: self.val_y.to_device(device),
+            task: self.task,
+        }
+    }
+}
+
 /// Reads (or generates) the rows the plan describes.
 pub fn load(data: &DataSpec, seed: u64) -> Result<Dataset, String> {
     let (x, y) = match &data.file {

@@ -47,7 +47,7 @@ impl Normalizer {
                     &[
                         xd.sum_dim_intlist([0].as_slice(), false, Kind::Double),
                         (&xd * &xd).sum_dim_intlist([0].as_slice(), false, Kind::Double),
-                        Tensor::from(real.size()[0] as f64).view([1]),
+                        Tensor::from(real.size()[0] as f64).view([1]).to_device(x.device()),
                     ],
                     0,
                 );

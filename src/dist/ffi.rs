@@ -71,6 +71,7 @@ extern "C" {
         s: *mut RnStore,
         rank: c_int,
         size: c_int,
+        device_index: c_int,
         timeout_ms: i64,
         out: *mut *mut RnPg,
     ) -> *mut c_char;
@@ -118,6 +119,8 @@ extern "C" {
         bucket_sizes: *mut usize,
         n_buckets: *mut usize,
     ) -> *mut c_char;
+
+    pub fn rn_set_autocast_dtype(device_type: c_int, scalar_type: c_int) -> *mut c_char;
 
     pub fn rn_clear_grads(params: *const *mut c_void, n: usize) -> *mut c_char;
     pub fn rn_fused_adam(

@@ -1,7 +1,7 @@
 //! libtorch operations that tch does not expose, called through the bridge.
 use std::ffi::c_void;
 
-use tch::Tensor;
+use tch::{Device, Kind, Tensor};
 
 use super::error::Result;
 use super::{check, ffi};
@@ -54,4 +54,22 @@ pub fn fused_adam(params: &[Tensor], m: &[Tensor], v: &[Tensor], step: i64, c: A
         )
     };
     check("fused_adam", err)
+}
+
+/// Makes `tch::autocast` regions on `device`'s type compute in `kind` (`Half` or `BFloat16`), as
+/// `torch.autocast(device_type, dtype=kind)`: tch's autocast alone uses libtorch's default,
+/// float16 on CUDA.
+pub fn set_autocast_dtype(device: Device, kind: Kind) -> Result<()> {
+    let device_type = match device {
+        Device::Cpu => 0,
+        Device::Cuda(_) => 1,
+        other => return Err(super::Error::new("set_autocast_dtype", format!("no autocast on {other:?}"))),
+    };
+    let scalar_type = match kind {
+        Kind::Half => 5,
+        Kind::BFloat16 => 15,
+        other => return Err(super::Error::new("set_autocast_dtype", format!("{other:?} is not a reduced precision"))),
+    };
+    // SAFETY: plain integers; the bridge catches what libtorch throws.
+    check("set_autocast_dtype", unsafe { ffi::rn_set_autocast_dtype(device_type, scalar_type) })
 }

@@ -1,4 +1,9 @@
 //! `ProcessGroup`: c10d's collectives (Gloo on CPU, NCCL with the `cuda` feature) on tch tensors.
+//!
+//! Each backend is handed tensors where it can move them: NCCL moves GPU memory only, so a CPU
+//! tensor (the per-epoch metrics, a checkpoint's gather) is copied to the group's GPU and back;
+//! torch's gloo has no GPU send/recv, so a CUDA tensor sent or received over gloo goes through
+//! host memory (its all-reduce, broadcast and all-gather take CUDA tensors themselves).
 use std::ffi::{c_void, CString};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -13,7 +18,21 @@ use super::{check, ffi, Store};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
     Gloo,
-    Nccl,
+    /// NCCL on the GPU `cuda:device` (a rank's LOCAL_RANK), which becomes the current CUDA device.
+    /// Only in a build with `--features cuda`; elsewhere creating the group fails.
+    Nccl {
+        device: usize,
+    },
+}
+
+impl Backend {
+    /// Where the backend's collectives run.
+    pub fn device(self) -> tch::Device {
+        match self {
+            Backend::Gloo => tch::Device::Cpu,
+            Backend::Nccl { device } => tch::Device::Cuda(device),
+        }
+    }
 }
 
 /// How `all_reduce` combines the ranks' tensors.
@@ -58,6 +77,7 @@ pub struct ProcessGroup {
     /// Made by [`ProcessGroup::subgroup`]: its end is not the rank's departure from the job.
     subgroup: bool,
     device_host: String,
+    backend: Backend,
 }
 
 // SAFETY: c10d backends enqueue work behind their own locks and may be called from any thread.
@@ -89,8 +109,8 @@ impl ProcessGroup {
                 ffi::rn_pg_new_gloo(store.raw(), rank as i32, size as i32, host.as_ptr(), timeout_ms, &mut raw)
             },
             // SAFETY: as above.
-            Backend::Nccl => unsafe {
-                ffi::rn_pg_new_nccl(store.raw(), rank as i32, size as i32, timeout_ms, &mut raw)
+            Backend::Nccl { device } => unsafe {
+                ffi::rn_pg_new_nccl(store.raw(), rank as i32, size as i32, device as i32, timeout_ms, &mut raw)
             },
         };
         let op = format!("process_group.new({backend:?}, rank {rank} of {size})");
@@ -106,6 +126,7 @@ impl ProcessGroup {
             members,
             subgroup: false,
             device_host: device_host.to_owned(),
+            backend,
         })
     }
 
@@ -145,6 +166,7 @@ impl ProcessGroup {
             members: members.to_vec(),
             subgroup: true,
             device_host: self.device_host.clone(),
+            backend: Backend::Gloo,
         })
     }
 
@@ -159,6 +181,10 @@ impl ProcessGroup {
 
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
     }
 
     pub fn timeout(&self) -> Duration {
@@ -183,9 +209,11 @@ impl ProcessGroup {
         };
         let name = format!("all_reduce({op:?})");
         self.contiguous(&name, t)?;
-        // SAFETY: `t` is a live, contiguous tensor for the duration of the blocking call.
-        let err = unsafe { ffi::rn_pg_all_reduce(self.raw(), t.as_mut_ptr() as *mut c_void, code) };
-        self.result(&name, err)
+        self.in_place(t, false, |t| {
+            // SAFETY: `t` is a live, contiguous tensor for the duration of the blocking call.
+            let err = unsafe { ffi::rn_pg_all_reduce(self.raw(), t.as_mut_ptr() as *mut c_void, code) };
+            self.result(&name, err)
+        })
     }
 
     /// Copies `root`'s `t` into every other rank's `t`.
@@ -193,20 +221,28 @@ impl ProcessGroup {
         let name = format!("broadcast(root {root})");
         self.peer(&name, root)?;
         self.contiguous(&name, t)?;
-        // SAFETY: as in all_reduce.
-        let err = unsafe { ffi::rn_pg_broadcast(self.raw(), t.as_mut_ptr() as *mut c_void, root as i32) };
-        self.result(&name, err)
+        self.in_place(t, false, |t| {
+            // SAFETY: as in all_reduce.
+            let err = unsafe { ffi::rn_pg_broadcast(self.raw(), t.as_mut_ptr() as *mut c_void, root as i32) };
+            self.result(&name, err)
+        })
     }
 
     /// Every rank's `t`, in rank order.
     pub fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
         self.contiguous("all_gather", t)?;
-        let outputs: Vec<Tensor> = (0..self.size).map(|_| t.empty_like()).collect();
+        let staged = self.staged(t, false);
+        let input = staged.as_ref().unwrap_or(t);
+        let outputs: Vec<Tensor> = (0..self.size).map(|_| input.empty_like()).collect();
         let ptrs: Vec<*mut c_void> = outputs.iter().map(|o| o.as_ptr() as *mut c_void).collect();
-        // SAFETY: `ptrs` holds `size` live tensors shaped like `t`; all outlive the blocking call.
-        let err = unsafe { ffi::rn_pg_all_gather(self.raw(), ptrs.as_ptr(), ptrs.len(), t.as_ptr() as *mut c_void) };
+        // SAFETY: `ptrs` holds `size` live tensors shaped like `input`; all outlive the blocking call.
+        let err =
+            unsafe { ffi::rn_pg_all_gather(self.raw(), ptrs.as_ptr(), ptrs.len(), input.as_ptr() as *mut c_void) };
         self.result("all_gather", err)?;
-        Ok(outputs)
+        Ok(match staged {
+            Some(_) => outputs.iter().map(|o| o.to_device(t.device())).collect(),
+            None => outputs,
+        })
     }
 
     /// Sends `t` to rank `dst`, which must `recv` with the same `tag`.
@@ -214,6 +250,8 @@ impl ProcessGroup {
         let name = format!("send(to rank {dst}, tag {tag})");
         self.peer(&name, dst)?;
         self.contiguous(&name, t)?;
+        let staged = self.staged(t, true);
+        let t = staged.as_ref().unwrap_or(t);
         // SAFETY: `t` is live and contiguous for the blocking call.
         let err = unsafe { ffi::rn_pg_send(self.raw(), t.as_ptr() as *mut c_void, dst as i32, tag) };
         self.result(&name, err)
@@ -224,9 +262,11 @@ impl ProcessGroup {
         let name = format!("recv(from rank {src}, tag {tag})");
         self.peer(&name, src)?;
         self.contiguous(&name, t)?;
-        // SAFETY: `t` is live and contiguous for the blocking call.
-        let err = unsafe { ffi::rn_pg_recv(self.raw(), t.as_mut_ptr() as *mut c_void, src as i32, tag) };
-        self.result(&name, err)
+        self.in_place(t, true, |t| {
+            // SAFETY: `t` is live and contiguous for the blocking call.
+            let err = unsafe { ffi::rn_pg_recv(self.raw(), t.as_mut_ptr() as *mut c_void, src as i32, tag) };
+            self.result(&name, err)
+        })
     }
 
     /// Sends `send` to `dst` (tag `send_tag`) while receiving into `recv` from `src` (tag
@@ -246,19 +286,23 @@ impl ProcessGroup {
         self.peer(&name, src)?;
         self.contiguous(&name, send)?;
         self.contiguous(&name, recv)?;
-        // SAFETY: both tensors are live and contiguous for the blocking call.
-        let err = unsafe {
-            ffi::rn_pg_send_recv(
-                self.raw(),
-                send.as_ptr() as *mut c_void,
-                dst as i32,
-                send_tag,
-                recv.as_mut_ptr() as *mut c_void,
-                src as i32,
-                recv_tag,
-            )
-        };
-        self.result(&name, err)
+        let staged = self.staged(send, true);
+        let send = staged.as_ref().unwrap_or(send);
+        self.in_place(recv, true, |recv| {
+            // SAFETY: both tensors are live and contiguous for the blocking call.
+            let err = unsafe {
+                ffi::rn_pg_send_recv(
+                    self.raw(),
+                    send.as_ptr() as *mut c_void,
+                    dst as i32,
+                    send_tag,
+                    recv.as_mut_ptr() as *mut c_void,
+                    src as i32,
+                    recv_tag,
+                )
+            };
+            self.result(&name, err)
+        })
     }
 
     pub fn barrier(&self) -> Result<()> {
@@ -271,6 +315,29 @@ impl ProcessGroup {
     /// it can name it in their error. Dropping the group records "left the group".
     pub fn leave(&self, how: &str) {
         let _ = record_exit(&self.store, self.global_rank(), how);
+    }
+
+    /// A copy of `t` on the device the backend needs it on (see the module's header), or `None`
+    /// where `t` can go as it is. `p2p`: for send or receive.
+    fn staged(&self, t: &Tensor, p2p: bool) -> Option<Tensor> {
+        let to = match (self.backend, t.device()) {
+            (Backend::Nccl { device }, d) if d != tch::Device::Cuda(device) => tch::Device::Cuda(device),
+            (Backend::Gloo, tch::Device::Cuda(_)) if p2p => tch::Device::Cpu,
+            _ => return None,
+        };
+        Some(t.to_device(to))
+    }
+
+    /// Runs `op` on `t`, or on a staged copy of it that is then copied back into `t`.
+    fn in_place(&self, t: &mut Tensor, p2p: bool, op: impl FnOnce(&mut Tensor) -> Result<()>) -> Result<()> {
+        match self.staged(t, p2p) {
+            None => op(t),
+            Some(mut copy) => {
+                op(&mut copy)?;
+                tch::no_grad(|| t.copy_(&copy));
+                Ok(())
+            }
+        }
     }
 
     fn contiguous(&self, op: &str, t: &Tensor) -> Result<()> {

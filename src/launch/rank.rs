@@ -24,17 +24,19 @@ pub fn run(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::
             env.world_size
         );
     }
+    let device = plan.device(env.local_rank);
+    crate::device::check_rank(device)?;
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
     let store = Arc::new(open_store(env, timeout)?);
     let host =
         if env.single_node() { "127.0.0.1".to_string() } else { address_towards(&env.master_addr, env.master_port)? };
     let backend = match plan.config.run.backend {
         BackendKind::Gloo => Backend::Gloo,
-        BackendKind::Nccl => Backend::Nccl,
+        BackendKind::Nccl => Backend::Nccl { device: env.local_rank },
     };
     let pg = ProcessGroup::new(backend, store, env.rank, env.world_size, &host, timeout)?;
     pin_main_thread(env, plan.threads_per_rank);
-    match crate::stages::run(plan, &pg, run_dir, resume) {
+    match crate::stages::run(plan, &pg, device, run_dir, resume) {
         Ok(rows) => {
             pg.barrier()?;
             Ok(rows)

@@ -98,15 +98,9 @@ impl Plan {
         if c.run.name.is_empty() || c.run.name.contains(['/', '\\']) || c.run.name.starts_with('.') {
             bad("run.name", format!("{:?} cannot name a directory: use letters, digits, '-' and '_'", c.run.name));
         }
-        match (c.run.backend, c.run.device) {
-            (Backend::Nccl, Device::Cpu) => {
-                bad("run.backend", "nccl needs run.device = \"cuda\"; use \"gloo\" on CPU".into())
-            }
-            (_, Device::Cuda) if !cfg!(feature = "cuda") => bad(
-                "run.device",
-                "this runner was built without CUDA (cargo build --features cuda); use \"cpu\"".into(),
-            ),
-            _ => {}
+        // This build and this machine against run.device / run.backend (see crate::device).
+        for (key, msg) in crate::device::refusals(c.run.backend, c.run.device) {
+            bad(key, msg);
         }
 
         let base = file.parent().map(PathBuf::from).unwrap_or_default();
@@ -337,6 +331,12 @@ impl Plan {
             layer_parameters,
             stages,
         })
+    }
+
+    /// Where the rank that is `local_rank` on its node keeps its model, data and batches:
+    /// `cuda:LOCAL_RANK` with run.device = "cuda".
+    pub fn device(&self, local_rank: usize) -> tch::Device {
+        crate::device::of_rank(self.config.run.device, local_rank)
     }
 
     pub fn world_size(&self) -> usize {

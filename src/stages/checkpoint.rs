@@ -81,9 +81,11 @@ pub fn save(run_dir: &Path, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
     let ck = dir(run_dir);
     std::fs::create_dir_all(&ck).with_context(|| format!("cannot create {}", ck.display()))?;
     let params = named_parameters(vs);
+    // Files hold CPU tensors, whatever device trained them: they load anywhere.
+    let cpu = tch::Device::Cpu;
     let mut named: Vec<(String, Tensor)> =
-        params.iter().map(|(n, t)| (format!("model.{n}"), t.shallow_clone())).collect();
-    named.extend(optimizer.state());
+        params.iter().map(|(n, t)| (format!("model.{n}"), t.to_device(cpu))).collect();
+    named.extend(optimizer.state().into_iter().map(|(n, t)| (n, t.to_device(cpu))));
     if keep >= 2 {
         prune(run_dir, keep - 1);
     }

@@ -19,14 +19,21 @@ use anyhow::Context;
 /// they always hold every finished epoch), and the final model at the end; it returns every
 /// rank's rows.
 /// With `resume`, continues from the run directory's newest checkpoint.
-pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyhow::Result<Vec<EpochRow>> {
+/// `device`: where this rank keeps its model, data and batches ([`Plan::device`]).
+pub fn run(
+    plan: &Plan,
+    pg: &ProcessGroup,
+    device: tch::Device,
+    run_dir: &Path,
+    resume: bool,
+) -> anyhow::Result<Vec<EpochRow>> {
     let c = &plan.config;
     let rank = pg.rank();
     tch::set_num_threads(plan.threads_per_rank as i32);
     let position = Position::new(run_dir, rank);
 
     position.set("load", 0, 0);
-    let data = data::load(&plan.data, c.run.seed).map_err(anyhow::Error::msg)?;
+    let data = data::load(&plan.data, c.run.seed).map_err(anyhow::Error::msg)?.to_device(device);
     let first = shard::RankShard::take(
         &plan.layout,
         &shard::permutation(c.run.seed, 1, plan.layout.rows, c.shard.shuffle),
@@ -40,8 +47,8 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
     let normalizer = normalize::Normalizer::fit(
         c.normalize.method,
         scope,
-        &data.train_x.index_select(0, &first.index_tensor()),
-        &first.weight_tensor(),
+        &data.train_x.index_select(0, &first.index_tensor().to_device(device)),
+        &first.weight_tensor().to_device(device),
         pg,
     )?;
     position.set("wrap", 0, 0);
@@ -53,7 +60,7 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
     } else {
         None
     };
-    let mut wrapped = wrap::wrap(plan, pg, found.as_ref().and_then(|f| f.meta.buckets.as_deref()))?;
+    let mut wrapped = wrap::wrap(plan, pg, device, found.as_ref().and_then(|f| f.meta.buckets.as_deref()))?;
     let (mut rows, mut steps, first_epoch) = match found {
         Some(found) => {
             checkpoint::load(&found, &wrapped.vs, &mut wrapped.optimizer)?;
@@ -64,7 +71,7 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
     let progress = Progress::new(rank == 0, c.train.epochs, plan.steps_per_epoch());
     // DDP's Reducer counts iterations from 1 in every process, resumed or not.
     let mut trainer =
-        train::Trainer { plan, pg, data: &data, normalizer: &normalizer, wrapped, progress, position, iteration: 0 };
+        train::Trainer { plan, pg, device, data: &data, normalizer: &normalizer, wrapped, progress, position, iteration: 0 };
 
     for epoch in first_epoch..=c.train.epochs {
         let out = trainer.epoch(epoch)?;

@@ -11,6 +11,7 @@ use super::wrap::Wrapped;
 use crate::data::normalize::Normalizer;
 use crate::data::shard::{permutation, RankShard};
 use crate::data::Dataset;
+use crate::device;
 use crate::dist::ProcessGroup;
 use crate::plan::Plan;
 use crate::rundir::position::Position;
@@ -26,6 +27,8 @@ pub struct EpochOutput {
 pub struct Trainer<'a, 'pg> {
     pub plan: &'a Plan,
     pub pg: &'pg ProcessGroup,
+    /// Where the model, the data and the batches are (step timings synchronise it).
+    pub device: tch::Device,
     pub data: &'a Dataset,
     pub normalizer: &'a Normalizer,
     pub wrapped: Wrapped<'pg>,
@@ -45,10 +48,11 @@ impl Trainer<'_, '_> {
         tch::manual_seed((c.run.seed as i64) ^ ((rank as i64) << 32) ^ (epoch as i64).wrapping_mul(0x9E37_79B9));
         let perm = permutation(c.run.seed, epoch, self.plan.layout.rows, c.shard.shuffle);
         let shard = RankShard::take(&self.plan.layout, &perm, self.plan.replica(rank));
-        let idx = shard.index_tensor();
+        let dev = self.device;
+        let idx = shard.index_tensor().to_device(dev);
         let x = self.normalizer.apply(&self.data.train_x.index_select(0, &idx));
         let y = self.data.train_y.index_select(0, &idx);
-        let w = shard.weight_tensor();
+        let w = shard.weight_tensor().to_device(dev);
 
         let b = self.plan.batch_per_rank as i64;
         let n = self.plan.layout.per_rank as i64;
@@ -56,8 +60,8 @@ impl Trainer<'_, '_> {
         let step_every = c.trace.step_every;
         // Each row's loss and correctness, written by its step and reduced once at the epoch's
         // end: two cheap copies per step instead of a chain of small reductions.
-        let losses = Tensor::zeros([n], (Kind::Float, tch::Device::Cpu));
-        let correct = Tensor::zeros([n], (Kind::Float, tch::Device::Cpu));
+        let losses = Tensor::zeros([n], (Kind::Float, dev));
+        let correct = Tensor::zeros([n], (Kind::Float, dev));
         let mut mine = RankEpoch { steps: steps as f64, ..RankEpoch::default() };
         let (mut comm, mut comm_measured, mut wait) = (Duration::ZERO, 0usize, Duration::ZERO);
         let mut step_rows = Vec::new();
@@ -69,15 +73,15 @@ impl Trainer<'_, '_> {
             self.position.set("train", epoch, step + 1);
             self.iteration += 1;
             let sampled = step_every > 0 && self.iteration.is_multiple_of(step_every);
-            let t0 = Instant::now();
+            let t0 = device::now(dev);
             let len = b.min(n - step as i64 * b);
             let (xb, yb) = (x.narrow(0, step as i64 * b, len), y.narrow(0, step as i64 * b, len));
-            let t1 = Instant::now();
+            let t1 = device::now(dev);
             let w_ = &mut self.wrapped;
             let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, sampled)?;
-            let t2 = Instant::now();
+            let t2 = device::now(dev);
             w_.optimizer.step()?;
-            let update = t2.elapsed();
+            let update = device::elapsed(dev, t2);
             if let (Some(per_sample), Some(right)) = (&s.per_sample, &s.correct) {
                 tch::no_grad(|| {
                     losses.narrow(0, step as i64 * b, len).copy_(per_sample);
@@ -113,7 +117,7 @@ impl Trainer<'_, '_> {
                 }
             }
         }
-        let train_s = train_start.elapsed().as_secs_f64();
+        let train_s = device::elapsed(dev, train_start).as_secs_f64();
         mine.epoch_s = start.elapsed().as_secs_f64();
         mine.samples = w.sum(Kind::Double).double_value(&[]);
         mine.loss_sum = (losses * &w).sum(Kind::Double).double_value(&[]);

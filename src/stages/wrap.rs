@@ -16,10 +16,16 @@ pub struct Wrapped<'pg> {
     pub optimizer: Optimizer,
 }
 
-/// `buckets`: the DDP bucket layout of the checkpoint a run resumes from.
-pub fn wrap<'pg>(plan: &Plan, pg: &'pg ProcessGroup, buckets: Option<&[Vec<usize>]>) -> anyhow::Result<Wrapped<'pg>> {
+/// `device`: where this rank keeps its model ([`Plan::device`]). `buckets`: the DDP bucket layout
+/// of the checkpoint a run resumes from.
+pub fn wrap<'pg>(
+    plan: &Plan,
+    pg: &'pg ProcessGroup,
+    device: tch::Device,
+    buckets: Option<&[Vec<usize>]>,
+) -> anyhow::Result<Wrapped<'pg>> {
     let c = &plan.config;
-    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let vs = nn::VarStore::new(device);
     let arch = plan.model();
     let layers = plan.stages[pg.rank()].clone();
     let model = arch.build(&vs.root(), layers.clone(), c.run.seed);
@@ -32,7 +38,7 @@ pub fn wrap<'pg>(plan: &Plan, pg: &'pg ProcessGroup, buckets: Option<&[Vec<usize
         }
     }
     let params = crate::model::parameters_in_module_order(arch.as_ref(), layers, &vs);
-    let strategy = Strategy::new(plan, pg, &params, buckets)?;
+    let strategy = Strategy::new(plan, pg, device, &params, buckets)?;
     let optimizer = Optimizer::new(&c.train, vs.trainable_variables());
     Ok(Wrapped { vs, model, strategy, optimizer })
 }

@@ -47,14 +47,15 @@ impl<'pg> Strategy<'pg> {
     pub fn new(
         plan: &Plan,
         pg: &'pg ProcessGroup,
+        device: tch::Device,
         params: &[Tensor],
         buckets: Option<&[Vec<usize>]>,
     ) -> anyhow::Result<Strategy<'pg>> {
         Ok(match plan.config.wrap.strategy {
             WrapStrategy::Ddp | WrapStrategy::None => {
-                Strategy::Replica(replica::Replica::new(plan, pg, params, buckets)?)
+                Strategy::Replica(replica::Replica::new(plan, pg, device, params, buckets)?)
             }
-            WrapStrategy::Pipeline => Strategy::Pipeline(pipeline::Stage::new(plan, pg)?),
+            WrapStrategy::Pipeline => Strategy::Pipeline(pipeline::Stage::new(plan, pg, device)?),
         })
     }
 
@@ -117,7 +118,9 @@ impl<'pg> Strategy<'pg> {
         pg: &ProcessGroup,
         vs: &nn::VarStore,
     ) -> anyhow::Result<Option<Vec<(String, Tensor)>>> {
-        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        // On the CPU, whatever device trained them (as checkpoints).
+        let mut named: Vec<(String, Tensor)> =
+            vs.variables().into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu))).collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         match self {
             Strategy::Replica(_) => Ok((pg.rank() == 0).then_some(named)),

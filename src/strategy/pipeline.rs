@@ -11,7 +11,7 @@
 //! Every rank knows every shape from the plan (the batch's rows, the widths at its boundaries), so
 //! nothing but the tensors themselves is sent. Sends and receives are blocking; the time a rank
 //! spends in them is its wait, the pipeline's bubble.
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tch::nn::ModuleT;
 use tch::{Kind, Tensor};
@@ -20,6 +20,7 @@ use super::StepOut;
 use crate::config::schema::Schedule;
 use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Task};
+use crate::device;
 use crate::dist::ProcessGroup;
 use crate::plan::Plan;
 
@@ -43,6 +44,8 @@ pub struct Stage<'pg> {
     task: Task,
     micro_batches: usize,
     schedule: Schedule,
+    /// Where this rank's activations and gradients are.
+    device: tch::Device,
 }
 
 /// The micro-batch sizes of a batch of `n` rows: `min(micro, n)` parts differing by at most one
@@ -55,7 +58,7 @@ pub fn micro_sizes(n: i64, micro: usize) -> Vec<i64> {
 impl<'pg> Stage<'pg> {
     /// This rank's stage; with several copies of the pipeline, also its group with the same
     /// stage of the other copies (every rank must call this at the same point).
-    pub fn new(plan: &Plan, pg: &'pg ProcessGroup) -> crate::dist::Result<Stage<'pg>> {
+    pub fn new(plan: &Plan, pg: &'pg ProcessGroup, device: tch::Device) -> crate::dist::Result<Stage<'pg>> {
         let rank = pg.rank();
         let c = &plan.config;
         let layers = &plan.stages[rank];
@@ -79,6 +82,7 @@ impl<'pg> Stage<'pg> {
             task: plan.data.task,
             micro_batches: c.wrap.pipeline.micro_batches,
             schedule: c.wrap.pipeline.schedule,
+            device,
         })
     }
 
@@ -90,7 +94,7 @@ impl<'pg> Stage<'pg> {
     /// all, flattened in the parameters' fixed order); returns the time it took.
     pub fn average_gradients(&self, params: &[Tensor]) -> anyhow::Result<Duration> {
         let Some(group) = &self.replicas else { return Ok(Duration::ZERO) };
-        let t = Instant::now();
+        let t = device::now(self.device);
         let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).collect();
         let mut flat = Tensor::cat(&grads.iter().map(|g| g.view([-1])).collect::<Vec<_>>(), 0);
         group.all_reduce(&mut flat, crate::dist::ReduceOp::Avg)?;
@@ -100,7 +104,7 @@ impl<'pg> Stage<'pg> {
             tch::no_grad(|| g.copy_(&flat.narrow(0, offset, n).view_as(&g)));
             offset += n;
         }
-        Ok(t.elapsed())
+        Ok(device::elapsed(self.device, t))
     }
 
     /// Forward and backward of one batch of `n` rows: `x` on rank 0, `y` on the last rank.
@@ -239,20 +243,24 @@ impl<'pg> Stage<'pg> {
             return Ok(x.narrow(0, offset, len));
         }
         let mut h = self.buffer(len, &self.in_shape);
-        timed(wait, || self.pg.recv(&mut h, self.rank - 1, tag))?;
+        timed(self.device, wait, || self.pg.recv(&mut h, self.rank - 1, tag))?;
         Ok(h)
     }
 
     fn buffer(&self, rows: i64, shape: &[i64]) -> Tensor {
         let shape: Vec<i64> = std::iter::once(rows).chain(shape.iter().copied()).collect();
-        Tensor::zeros(shape.as_slice(), (Kind::Float, tch::Device::Cpu))
+        Tensor::zeros(shape.as_slice(), (Kind::Float, self.device))
     }
 }
 
-fn timed<T>(total: &mut Duration, f: impl FnOnce() -> crate::dist::Result<T>) -> crate::dist::Result<T> {
-    let t = Instant::now();
+fn timed<T>(
+    dev: tch::Device,
+    total: &mut Duration,
+    f: impl FnOnce() -> crate::dist::Result<T>,
+) -> crate::dist::Result<T> {
+    let t = device::now(dev);
     let r = f();
-    *total += t.elapsed();
+    *total += device::elapsed(dev, t);
     r
 }
 
@@ -308,19 +316,19 @@ impl<'a, 'pg> Step<'a, 'pg> {
     }
 
     fn forward(&mut self, i: usize, input: Tensor) {
-        let t = Instant::now();
+        let t = device::now(self.stage.device);
         let h = self.model.forward_t(&input, true);
-        self.out.forward += t.elapsed();
+        self.out.forward += device::elapsed(self.stage.device, t);
         self.inputs[i] = Some(input);
         if self.stage.is_last() {
-            let t = Instant::now();
+            let t = device::now(self.stage.device);
             let y = self.y.narrow(0, self.offsets[i], self.sizes[i]);
             let ps = self.stage.task.per_sample_loss(&h, &y);
             // Each micro-batch's share of the batch mean, so the gradients add up to it.
             self.outputs[i] = Some(ps.sum(Kind::Float) / self.n as f64);
             self.per_sample.push(ps.detach());
             self.correct.push(tch::no_grad(|| self.stage.task.correct(&h, &y)));
-            self.out.loss += t.elapsed();
+            self.out.loss += device::elapsed(self.stage.device, t);
         } else {
             self.outputs[i] = Some(h);
         }
@@ -329,7 +337,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
     fn send_forward(&mut self, i: usize) -> anyhow::Result<()> {
         if !self.stage.is_last() {
             let (pg, next, h) = (self.stage.pg, self.stage.rank + 1, self.outputs[i].as_ref().expect("forward ran"));
-            timed(&mut self.out.wait, || pg.send(h, next, i as i32))?;
+            timed(self.stage.device, &mut self.out.wait, || pg.send(h, next, i as i32))?;
         }
         Ok(())
     }
@@ -341,7 +349,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
         }
         let mut grad = self.stage.buffer(self.sizes[i], &self.stage.out_shape);
         let (pg, next) = (self.stage.pg, self.stage.rank + 1);
-        timed(&mut self.out.wait, || pg.recv(&mut grad, next, GRAD_TAG + i as i32))?;
+        timed(self.stage.device, &mut self.out.wait, || pg.recv(&mut grad, next, GRAD_TAG + i as i32))?;
         Ok(Some(grad))
     }
 
@@ -352,7 +360,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
         }
         let mut grad = self.stage.buffer(self.sizes[j], &self.stage.out_shape);
         let (pg, next, h) = (self.stage.pg, self.stage.rank + 1, self.outputs[i].as_ref().expect("forward ran"));
-        timed(&mut self.out.wait, || pg.send_recv(h, next, i as i32, &mut grad, next, GRAD_TAG + j as i32))?;
+        timed(self.stage.device, &mut self.out.wait, || pg.send_recv(h, next, i as i32, &mut grad, next, GRAD_TAG + j as i32))?;
         Ok(Some(grad))
     }
 
@@ -365,9 +373,9 @@ impl<'a, 'pg> Step<'a, 'pg> {
             Some(g) => (output * g).sum(Kind::Float),
             None => output,
         };
-        let t = Instant::now();
+        let t = device::now(self.stage.device);
         target.f_backward()?;
-        self.out.backward += t.elapsed();
+        self.out.backward += device::elapsed(self.stage.device, t);
         Ok(())
     }
 
@@ -375,7 +383,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
         let input = self.inputs[i].take().expect("forward ran");
         if self.stage.stage > 0 {
             let (pg, prev, grad) = (self.stage.pg, self.stage.rank - 1, input.grad());
-            timed(&mut self.out.wait, || pg.send(&grad, prev, GRAD_TAG + i as i32))?;
+            timed(self.stage.device, &mut self.out.wait, || pg.send(&grad, prev, GRAD_TAG + i as i32))?;
         }
         Ok(())
     }
@@ -389,7 +397,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
         let grad = self.inputs[j].take().expect("forward ran").grad();
         let mut h = self.stage.buffer(self.sizes[i], &self.stage.in_shape);
         let (pg, prev) = (self.stage.pg, self.stage.rank - 1);
-        timed(&mut self.out.wait, || pg.send_recv(&grad, prev, GRAD_TAG + j as i32, &mut h, prev, i as i32))?;
+        timed(self.stage.device, &mut self.out.wait, || pg.send_recv(&grad, prev, GRAD_TAG + j as i32, &mut h, prev, i as i32))?;
         Ok(h.set_requires_grad(true))
     }
 

@@ -1,7 +1,6 @@
 //! Every rank holds a whole replica of the model (`wrap.strategy = "ddp"` or `"none"`). With DDP
 //! and more than one rank, c10d's Reducer averages the gradients in buckets while the backward
 //! pass runs; otherwise each rank trains alone.
-use std::time::Instant;
 
 use tch::nn::ModuleT;
 use tch::{Kind, Tensor};
@@ -10,6 +9,7 @@ use super::StepOut;
 use crate::config::schema::{ValidateOn, WrapStrategy};
 use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Task};
+use crate::device;
 use crate::dist::{Ddp, ProcessGroup};
 use crate::model::optim::Optimizer;
 use crate::plan::Plan;
@@ -18,6 +18,8 @@ pub struct Replica<'pg> {
     pg: &'pg ProcessGroup,
     ddp: Option<Ddp<'pg>>,
     task: Task,
+    /// Where the model and batches are (step timings synchronise it).
+    device: tch::Device,
     /// Steps taken so far (the Reducer numbers its iterations the same way).
     iteration: i64,
 }
@@ -26,6 +28,7 @@ impl<'pg> Replica<'pg> {
     pub fn new(
         plan: &Plan,
         pg: &'pg ProcessGroup,
+        device: tch::Device,
         params: &[Tensor],
         buckets: Option<&[Vec<usize>]>,
     ) -> anyhow::Result<Replica<'pg>> {
@@ -41,7 +44,7 @@ impl<'pg> Replica<'pg> {
             }
             _ => None,
         };
-        Ok(Replica { pg, ddp, task: plan.data.task, iteration: 0 })
+        Ok(Replica { pg, ddp, task: plan.data.task, device, iteration: 0 })
     }
 
     /// `sampled`: the step trace records this step (the Reducer has timed it).
@@ -54,22 +57,23 @@ impl<'pg> Replica<'pg> {
         sampled: bool,
     ) -> anyhow::Result<StepOut> {
         self.iteration += 1;
-        let t0 = Instant::now();
+        let dev = self.device;
+        let t0 = device::now(dev);
         if let Some(ddp) = self.ddp.as_mut() {
             ddp.prepare_forward()?;
         }
         let out = model.forward_t(x, true);
-        let t1 = Instant::now();
+        let t1 = device::now(dev);
         let per_sample = self.task.per_sample_loss(&out, y);
         let loss = per_sample.mean(Kind::Float);
-        let t2 = Instant::now();
+        let t2 = device::now(dev);
         if let Some(ddp) = self.ddp.as_mut() {
             ddp.prepare_backward()?;
         }
         optimizer.zero_grad()?;
         loss.f_backward()
             .map_err(|e| self.pg.explain(crate::dist::Error::new("backward (gradient all-reduce)", e.to_string())))?;
-        let backward = t2.elapsed();
+        let backward = device::elapsed(dev, t2);
         let times = match self.ddp.as_mut() {
             Some(ddp) if sampled || self.iteration <= 10 => ddp.reducer_times(self.iteration)?,
             _ => None,
