@@ -161,9 +161,6 @@ pub struct ReportArgs {
     pub dir: PathBuf,
 }
 
-/// Set by `runner sweep` on the launchers it starts: its pid.
-pub const SWEEP_PID: &str = "RUNNER_SWEEP_PID";
-
 /// Exit codes: 0 done, 1 the run failed, 2 the configuration is wrong.
 pub fn main(cli: Cli) -> u8 {
     let result = match cli.command {
@@ -310,7 +307,7 @@ struct Claim {
 /// (config.toml, the manifest, the lock); under another launcher (torchrun, Slurm) rank 0 does.
 fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, claim: Claim) -> anyhow::Result<u8> {
     let owns_run_dir = env.rank == 0 && env.launcher_pid.is_none();
-    let mut manifest = owns_run_dir.then(|| Manifest::start(plan));
+    let mut manifest = owns_run_dir.then(|| plan.manifest());
     let _lock = match &manifest {
         Some(manifest) => Some(prepare_run_dir(plan, run_dir, manifest, claim)?),
         None => None,
@@ -347,14 +344,14 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
 
 fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
     crate::say!("{}", plan.data_flow());
-    if let Some(sweep) = std::env::var(SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {
+    if let Some(sweep) = std::env::var(crate::launch::env::SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {
         // Started by `runner sweep`: its end (even by SIGKILL) interrupts this run.
         let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM);
         if nix::unistd::getppid().as_raw() != sweep {
             return Err(anyhow::anyhow!("the sweep that started this run has ended"));
         }
     }
-    let mut manifest = Manifest::start(plan);
+    let mut manifest = plan.manifest();
     let _lock = prepare_run_dir(plan, run_dir, &manifest, claim)?;
     // Every rank runs the plan resolved here, never the pipeline file again.
     let child_args: Vec<OsString> = vec![

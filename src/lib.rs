@@ -14,6 +14,7 @@ pub mod device;
 pub mod dist;
 pub mod input;
 pub mod launch;
+pub mod limits;
 pub mod model;
 pub mod plan;
 pub mod report;

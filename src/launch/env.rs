@@ -4,6 +4,8 @@ use anyhow::{bail, Context};
 
 /// Set on ranks spawned by `runner run`: the launcher's pid (so a rank dies with it).
 pub const LAUNCHER_PID: &str = "RUNNER_LAUNCHER_PID";
+/// Set by `runner sweep` on the launchers it starts: its pid (the launcher stops with it).
+pub const SWEEP_PID: &str = "RUNNER_SWEEP_PID";
 /// torchrun's flag for "the launcher hosts the store; every rank is a client".
 pub const AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
 
@@ -47,8 +49,8 @@ impl RankEnv {
         if local_rank >= local_world_size {
             bail!("LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}");
         }
-        if world_size > super::limits::MAX_WORLD_SIZE {
-            bail!("WORLD_SIZE={world_size} is more than the {} ranks the runner takes", super::limits::MAX_WORLD_SIZE);
+        if world_size > crate::limits::MAX_WORLD_SIZE {
+            bail!("WORLD_SIZE={world_size} is more than the {} ranks the runner takes", crate::limits::MAX_WORLD_SIZE);
         }
         let master_addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
         let port = var("MASTER_PORT")?;

@@ -11,7 +11,7 @@ use crate::rng::Rng;
 
 /// The keys' own bounds; `false` when the widths are too large to compute shapes from.
 pub fn check(m: &Mlp, bad: &mut impl FnMut(&str, String)) -> bool {
-    use crate::launch::limits::{MAX_LAYERS, MAX_WIDTH};
+    use crate::limits::{MAX_LAYERS, MAX_WIDTH};
     if m.hidden.contains(&0) {
         bad("wrap.model.hidden", format!("layer widths must be at least 1, got {:?}", m.hidden));
     }

@@ -91,7 +91,7 @@ impl Plan {
         if c.run.world_size == 0 {
             bad("run.world_size", "must be at least 1".into());
         }
-        crate::launch::limits::run_values(&c, &mut bad);
+        crate::limits::run_values(&c, &mut bad);
         if c.run.threads_per_rank == Some(0) {
             bad("run.threads_per_rank", "must be at least 1 (or absent for cores / world_size)".into());
         }
@@ -131,8 +131,8 @@ impl Plan {
             source => file_spec(&c.load, source, &base, &mut bad),
         };
         // Out-of-bounds sizes leave no data: nothing below computes a shape from them.
-        if data.as_ref().is_some_and(|d| !crate::launch::limits::sizes(&c, d, &mut bad))
-            || c.run.world_size > crate::launch::limits::MAX_WORLD_SIZE
+        if data.as_ref().is_some_and(|d| !crate::limits::sizes(&c, d, &mut bad))
+            || c.run.world_size > crate::limits::MAX_WORLD_SIZE
         {
             data = None;
         }
@@ -265,7 +265,7 @@ impl Plan {
         }
 
         let layer_parameters = arch.as_ref().map(|a| crate::model::layer_parameters(a.as_ref())).unwrap_or_default();
-        let stages = if c.run.world_size > crate::launch::limits::MAX_WORLD_SIZE {
+        let stages = if c.run.world_size > crate::limits::MAX_WORLD_SIZE {
             None
         } else if pipeline {
             pipeline_stages(&c, &sources, &layer_parameters, &mut bad)
@@ -299,8 +299,8 @@ impl Plan {
             let batch = layout.as_ref().and_then(|l| l.split_batch).unwrap_or(c.train.batch_size);
             let values =
                 d.input_size() + arch.layers().iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
-            let estimate = crate::launch::limits::estimate(&c, d, heaviest, values, batch);
-            crate::launch::limits::check_memory(&estimate, c.run.world_size, &mut bad);
+            let estimate = crate::limits::estimate(&c, d, heaviest, values, batch);
+            crate::limits::check_memory(&estimate, c.run.world_size, &mut bad);
         }
         if !errors.is_empty() {
             let n = errors.len();
@@ -341,6 +341,18 @@ impl Plan {
 
     pub fn world_size(&self) -> usize {
         self.config.run.world_size
+    }
+
+    /// The manifest of this plan's run, starting now.
+    pub fn manifest(&self) -> crate::rundir::manifest::Manifest {
+        let c = &self.config;
+        crate::rundir::manifest::Manifest::start(
+            &self.run_id,
+            &c.run.name,
+            &self.pipeline_file,
+            c.run.world_size,
+            self.threads_per_rank,
+        )
     }
 
     /// The model's architecture over this plan's data.

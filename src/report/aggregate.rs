@@ -7,8 +7,8 @@ use anyhow::Context;
 use polars::prelude::*;
 
 use super::stats::{self, Spread};
+use crate::rundir::index::Index;
 use crate::rundir::manifest::{Manifest, Status};
-use crate::sweep::grid::Index;
 
 /// The axis whose values are repeats of the same experiment, not a dimension of the table.
 pub const SEED_KEY: &str = "run.seed";

@@ -14,7 +14,7 @@ pub mod table;
 use std::path::Path;
 
 use crate::rundir::atomic_write;
-use crate::sweep::grid::Index;
+use crate::rundir::index::Index;
 use crate::trace::write_parquet;
 
 /// Rebuilds every table and plot in `dir`; returns the markdown table.

@@ -4,7 +4,7 @@ use polars::prelude::*;
 
 use super::aggregate::{Loaded, Row, SEED_KEY};
 use super::stats::Spread;
-use crate::sweep::grid::Index;
+use crate::rundir::index::Index;
 
 /// The markdown page: what was run, the table, and notes on oversubscribed and missing points.
 pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {

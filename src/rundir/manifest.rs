@@ -6,8 +6,6 @@ use std::path::Path;
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
-use crate::plan::Plan;
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Status {
@@ -40,8 +38,9 @@ pub struct Manifest {
 }
 
 impl Manifest {
-    pub fn start(plan: &Plan) -> Manifest {
-        let dir = plan.pipeline_file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    /// A run starting now: `pipeline` is the pipeline file (its repository's commit is recorded).
+    pub fn start(run_id: &str, name: &str, pipeline: &Path, world_size: usize, threads_per_rank: usize) -> Manifest {
+        let dir = pipeline.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let git_commit = std::process::Command::new("git")
             .arg("-C")
             .arg(dir)
@@ -51,17 +50,17 @@ impl Manifest {
             .filter(|o| o.status.success())
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
         Manifest {
-            run_id: plan.run_id.clone(),
-            name: plan.config.run.name.clone(),
+            run_id: run_id.to_owned(),
+            name: name.to_owned(),
             status: Status::Running,
             runner_version: env!("CARGO_PKG_VERSION").into(),
             git_commit,
             libtorch_version: env!("RUNNER_LIBTORCH_VERSION").into(),
             host: nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default(),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            world_size: plan.world_size(),
-            threads_per_rank: plan.threads_per_rank,
-            pipeline: plan.pipeline_file.display().to_string(),
+            world_size,
+            threads_per_rank,
+            pipeline: pipeline.display().to_string(),
             started_at: now(),
             ended_at: None,
             failure: None,

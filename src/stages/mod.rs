@@ -70,8 +70,17 @@ pub fn run(
     };
     let progress = Progress::new(rank == 0, c.train.epochs, plan.steps_per_epoch());
     // DDP's Reducer counts iterations from 1 in every process, resumed or not.
-    let mut trainer =
-        train::Trainer { plan, pg, device, data: &data, normalizer: &normalizer, wrapped, progress, position, iteration: 0 };
+    let mut trainer = train::Trainer {
+        plan,
+        pg,
+        device,
+        data: &data,
+        normalizer: &normalizer,
+        wrapped,
+        progress,
+        position,
+        iteration: 0,
+    };
 
     for epoch in first_epoch..=c.train.epochs {
         let out = trainer.epoch(epoch)?;

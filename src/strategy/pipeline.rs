@@ -360,7 +360,9 @@ impl<'a, 'pg> Step<'a, 'pg> {
         }
         let mut grad = self.stage.buffer(self.sizes[j], &self.stage.out_shape);
         let (pg, next, h) = (self.stage.pg, self.stage.rank + 1, self.outputs[i].as_ref().expect("forward ran"));
-        timed(self.stage.device, &mut self.out.wait, || pg.send_recv(h, next, i as i32, &mut grad, next, GRAD_TAG + j as i32))?;
+        timed(self.stage.device, &mut self.out.wait, || {
+            pg.send_recv(h, next, i as i32, &mut grad, next, GRAD_TAG + j as i32)
+        })?;
         Ok(Some(grad))
     }
 
@@ -397,7 +399,9 @@ impl<'a, 'pg> Step<'a, 'pg> {
         let grad = self.inputs[j].take().expect("forward ran").grad();
         let mut h = self.stage.buffer(self.sizes[i], &self.stage.in_shape);
         let (pg, prev) = (self.stage.pg, self.stage.rank - 1);
-        timed(self.stage.device, &mut self.out.wait, || pg.send_recv(&grad, prev, GRAD_TAG + j as i32, &mut h, prev, i as i32))?;
+        timed(self.stage.device, &mut self.out.wait, || {
+            pg.send_recv(&grad, prev, GRAD_TAG + j as i32, &mut h, prev, i as i32)
+        })?;
         Ok(h.set_requires_grad(true))
     }
 

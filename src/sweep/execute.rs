@@ -163,7 +163,7 @@ fn spawn(point: &Point, run_dir: &Path) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("cannot find the runner binary to run points")?;
     let mut child = Command::new(exe)
         .args(&args)
-        .env(crate::cli::SWEEP_PID, std::process::id().to_string())
+        .env(crate::launch::env::SWEEP_PID, std::process::id().to_string())
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)

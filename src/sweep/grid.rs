@@ -2,11 +2,10 @@
 //! of a sweep directory that `runner report` reads.
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
-
 use super::experiment::Axis;
 use crate::config::{ConfigError, Override};
 use crate::plan::Plan;
+use crate::rundir::index::{Index, IndexPoint};
 
 /// One point of the grid: its axis values, validated plan and run directory (under the sweep's).
 #[derive(Debug, Clone)]
@@ -63,57 +62,18 @@ fn path_safe(v: &toml::Value) -> String {
     text.chars().map(|c| if c.is_ascii_alphanumeric() || "._-+".contains(c) { c } else { '_' }).collect()
 }
 
-/// `sweep.json`: the experiment, its axes and its points, so that the sweep directory can be
-/// reported on (and checked) on its own.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Index {
-    /// The experiment file, as the sweep was given it.
-    pub experiment: String,
-    pub axes: Vec<String>,
-    pub points: Vec<IndexPoint>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct IndexPoint {
-    pub dir: String,
-    /// Each axis key with its value as TOML text, in the order of `axes`.
-    pub values: Vec<(String, String)>,
-}
-
-pub const INDEX: &str = "sweep.json";
-
-impl Index {
-    pub fn new(experiment: &Path, axes: &[Axis], points: &[Point]) -> Index {
-        Index {
-            experiment: experiment.display().to_string(),
-            axes: axes.iter().map(|a| a.key.clone()).collect(),
-            points: points
-                .iter()
-                .map(|p| IndexPoint {
-                    dir: p.dir.clone(),
-                    values: p.values.iter().map(|(k, v)| (k.clone(), v.to_string())).collect(),
-                })
-                .collect(),
-        }
-    }
-
-    pub fn write(&self, dir: &Path) -> anyhow::Result<()> {
-        let json = serde_json::to_string_pretty(self)? + "\n";
-        crate::rundir::atomic_write(&dir.join(INDEX), json.as_bytes())
-    }
-
-    /// A missing or unreadable index is the user's mistake (the wrong directory): exit code 2.
-    pub fn read(dir: &Path) -> Result<Index, ConfigError> {
-        let path = dir.join(INDEX);
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            ConfigError::new(format!(
-                "cannot read {}: {e}; is {} a sweep directory (written by `runner sweep`)?",
-                path.display(),
-                dir.display()
-            ))
-        })?;
-        serde_json::from_str(&text)
-            .map_err(|e| ConfigError::new(format!("{} is not a sweep index: {e}", path.display())))
+/// The sweep directory's index (`sweep.json`) of `points` over `axes`.
+pub fn index(experiment: &Path, axes: &[Axis], points: &[Point]) -> Index {
+    Index {
+        experiment: experiment.display().to_string(),
+        axes: axes.iter().map(|a| a.key.clone()).collect(),
+        points: points
+            .iter()
+            .map(|p| IndexPoint {
+                dir: p.dir.clone(),
+                values: p.values.iter().map(|(k, v)| (k.clone(), v.to_string())).collect(),
+            })
+            .collect(),
     }
 }
 

@@ -45,7 +45,7 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
 
     if opts.check {
         // The index is written before any point runs: without it nothing was stored here.
-        if grid::Index::read(&dir).is_err() {
+        if crate::rundir::index::Index::read(&dir).is_err() {
             return Err(crate::config::ConfigError::new(format!(
                 "{} holds no sweep to check (no {}): run the sweep without --check first",
                 dir.display(),
@@ -77,7 +77,7 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create the sweep directory {}", dir.display()))?;
     // One sweep per directory at a time.
     let _lock = crate::rundir::lock::acquire(&dir).map_err(|e| crate::config::ConfigError::new(e.message(&dir)))?;
-    grid::Index::new(file, &experiment.axes, &points).write(&dir)?;
+    grid::index(file, &experiment.axes, &points).write(&dir)?;
     let outcome = execute::run_points(&points, &dir, opts.force, opts.fail_fast)?;
     if let Some((sig, point)) = &outcome.stopped {
         crate::say_err!(
