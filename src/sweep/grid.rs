@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use super::experiment::Axis;
-use crate::config::{ConfigError, Override};
+use crate::config::Override;
 use crate::plan::Plan;
 use crate::rundir::index::{Index, IndexPoint};
 

@@ -49,7 +49,7 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
             return Err(crate::config::ConfigError::new(format!(
                 "{} holds no sweep to check (no {}): run the sweep without --check first",
                 dir.display(),
-                grid::INDEX
+                crate::rundir::index::INDEX
             ))
             .into());
         }
