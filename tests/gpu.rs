@@ -265,7 +265,7 @@ fn collectives(pg: &ProcessGroup, device: Device) {
     let vs = nn::VarStore::new(device);
     let root = vs.root();
     let params: Vec<Tensor> = (0..3).map(|i| root.zeros(&format!("p{i}"), &[512 * 1024])).collect();
-    let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 1.0, 1, false).unwrap();
+    let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 1.0, 1, None).unwrap();
     for _ in 0..2 {
         ddp.prepare_forward().unwrap();
         let loss = params
@@ -310,7 +310,7 @@ fn flat_params(vs: &nn::VarStore) -> Tensor {
 fn parity(pg: &ProcessGroup, device: Device, dir: &std::path::Path) {
     let vs = nn::VarStore::new(device);
     let model = parity_model(&vs.root());
-    let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 25.0, 1, false).unwrap();
+    let mut ddp = Ddp::new(pg, &vs.trainable_variables(), 25.0, 1, None).unwrap();
     let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
     let (x, y) = parity_data(device);
     let r = pg.rank() as i64;
