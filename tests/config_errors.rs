@@ -25,9 +25,9 @@ const CASES: &[Case] = &[
     Case {
         name: "a model kind that does not exist",
         file: "",
-        args: &["--set", "wrap.model.kind=\"cnn\""],
+        args: &["--set", "wrap.model.kind=\"rnn\""],
         env: &[],
-        expected: "error: --set wrap.model.kind=\"cnn\": `wrap.model` cannot be \"cnn\" (one of: \"mlp\")",
+        expected: "error: --set wrap.model.kind=\"rnn\": `wrap.model` cannot be \"rnn\" (one of: \"mlp\", \"cnn\", \"torchscript\")",
     },
     Case {
         name: "misspelled section",
