@@ -110,7 +110,7 @@ fn batch_norm_statistics_are_saved_with_the_model_and_a_resumed_run_continues_ex
 
     let first = ["run", "p.toml", "--out", "cut", "--set", "train.epochs=2", "--set", "checkpoint.every=1"];
     assert_ok(&run(&first, dir.path()));
-    let resumed = ["run", "p.toml", "--out", "cut", "--resume", "--set", "train.epochs=3", "--set", "checkpoint.every=1"];
+    let resumed = ["run", "--resume", "cut", "--set", "train.epochs=3"];
     assert_ok(&run(&resumed, dir.path()));
     let after = params(&dir.path().join("cut"));
     for (name, want) in &model {
@@ -127,7 +127,8 @@ fn a_pipeline_over_conv_blocks_equals_one_process() {
     let o = run(&pipe, dir.path());
     assert_ok(&o);
     let (stdout, _) = text(&o);
-    assert!(stdout.contains("layers 0-2"), "the conv blocks and the hidden layer on rank 0: {stdout}");
+    assert!(stdout.contains("layers 0-1 (1 × 8 × 8-4 × 4 × 4-6 × 1 × 1): 274 parameters"), "{stdout}");
+    assert!(stdout.contains("layers 2-3 (6 × 1 × 1-12-3): 123 parameters"), "{stdout}");
     assert_same(dir.path(), "pipe", "one");
 }
 
@@ -190,7 +191,7 @@ fn bad_models_are_refused_with_pinned_messages() {
     refused(
         dir.path(),
         &["--set", "load.classes=4"],
-        "error: p.toml: invalid configuration:\n  `wrap.model.path` (file): m.pt maps a batch of shape [2, 5] to [2, 3], \
+        "error: p.toml: invalid configuration:\n  `wrap.model.path` (file p.toml:16): m.pt maps a batch of shape [2, 5] to [2, 3], \
          but the task needs [2, 4] (one logit per class)",
     );
     refused(
@@ -204,7 +205,7 @@ fn bad_models_are_refused_with_pinned_messages() {
     refused(
         dir.path(),
         &[],
-        "error: p.toml: invalid configuration:\n  `wrap.model.path` (file): m.pt is not a TorchScript module (not the zip \
+        "error: p.toml: invalid configuration:\n  `wrap.model.path` (file p.toml:16): m.pt is not a TorchScript module (not the zip \
          archive torch.jit.save writes); save one with torch.jit.script(model).save(path) or torch.jit.trace(model, \
          example).save(path)",
     );
@@ -212,7 +213,7 @@ fn bad_models_are_refused_with_pinned_messages() {
     refused(
         dir.path(),
         &["--set", "load.image=[1, 5, 5]"],
-        "error: p.toml: invalid configuration:\n  `wrap.model.conv` (file): block 1 reduces the image below 1 pixel: its \
+        "error: p.toml: invalid configuration:\n  `wrap.model.conv` (file p.toml:20): block 1 reduces the image below 1 pixel: its \
          2 × 2 input padded by 0 is smaller than its 3 × 3 kernel; the data's images are 1 × 5 × 5: use fewer or \
          smaller kernels and pools, or more padding",
     );

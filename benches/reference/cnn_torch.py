@@ -71,7 +71,7 @@ class Cnn(nn.Module):
         return x
 
 
-def images(n, image, classes, seed):
+def images(n, image, classes, seed, noise):
     """Class templates (random smooth patterns) shifted a little, plus noise."""
     rng = np.random.default_rng(seed)
     c, h, w = image
@@ -86,7 +86,7 @@ def images(n, image, classes, seed):
     x = templates[y]
     for i in range(n):
         x[i] = np.roll(x[i], (rng.integers(-(h // 8), h // 8 + 1), rng.integers(-(w // 8), w // 8 + 1)), (1, 2))
-    x = x + 0.5 * rng.standard_normal(x.shape)
+    x = x + noise * rng.standard_normal(x.shape)
     return x.astype(np.float32), y.astype(np.int64)
 
 
@@ -110,7 +110,7 @@ def prepare(a):
     rows, val = load.get("rows", 10000), load.get("validation_rows", 1000)
     seed = run.get("seed", 0)
     os.makedirs(a.dir, exist_ok=True)
-    x, y = images(rows + val, image, classes, seed)
+    x, y = images(rows + val, image, classes, seed, load.get("noise", 0.5))
     np.savez(os.path.join(a.dir, "data.npz"), x=x, y=y)
     torch.manual_seed(seed)
     net = Cnn(model, image, classes)
