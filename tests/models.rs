@@ -127,7 +127,7 @@ fn a_pipeline_over_conv_blocks_equals_one_process() {
     let o = run(&pipe, dir.path());
     assert_ok(&o);
     let (stdout, _) = text(&o);
-    assert!(stdout.contains("layers 0-1 (1 × 8 × 8-4 × 4 × 4-6 × 1 × 1): 274 parameters"), "{stdout}");
+    assert!(stdout.contains("layers 0-1 (1 × 8 × 8-4 × 4 × 4-6 × 1 × 1): 268 parameters"), "{stdout}");
     assert!(stdout.contains("layers 2-3 (6 × 1 × 1-12-3): 123 parameters"), "{stdout}");
     assert_same(dir.path(), "pipe", "one");
 }

@@ -42,7 +42,8 @@ class Cnn(nn.Module):
         self.act = ACT[model.get("activation", "relu")]
         c, h, w = image
         for i, b in enumerate(self.blocks):
-            setattr(self, f"conv{i}", nn.Conv2d(c, b["channels"], b["kernel"], b["stride"], b["padding"]))
+            setattr(self, f"conv{i}", nn.Conv2d(c, b["channels"], b["kernel"], b["stride"], b["padding"],
+                                                bias=not b["batch_norm"]))
             if b["batch_norm"]:
                 setattr(self, f"bn{i}", nn.BatchNorm2d(b["channels"]))
             c = b["channels"]
@@ -151,7 +152,7 @@ def train(a):
     model = Cnn(spec["model"], spec["image"], spec["classes"])
     init = np.load(os.path.join(a.dir, "init.npz"))
     model.load_state_dict({k: torch.from_numpy(init[k]) for k in init.files}, strict=False)
-    model = DDP(model)
+    model = model if os.environ.get("TWIN_NO_DDP") else DDP(model)
     lr, opt = t.get("lr", 0.1), t.get("optimizer", "sgd")
     if opt == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=t.get("momentum", 0.0),

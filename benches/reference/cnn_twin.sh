@@ -14,16 +14,16 @@ torchrun=$(dirname "$python")/torchrun
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 "$python" "$root/benches/reference/cnn_torch.py" prepare "$pipeline" "$dir"
-for w in 1 2; do
+for w in ${TWIN_WORLD_SIZES:-1 2}; do
   "$runner" run "$dir/pipeline.toml" --out "$dir/runner-$w" --set run.world_size=$w --set run.threads_per_rank=1 >/dev/null
   OMP_NUM_THREADS=1 "$torchrun" --standalone --nproc_per_node=$w "$root/benches/reference/cnn_torch.py" train "$dir" \
     --out "$dir/torch-$w.json" --threads 1 2>/dev/null
 done
 python3 - "$dir" <<'PY'
-import json, sys
+import json, os, sys
 import polars as pl
 d = sys.argv[1]
-for w in (1, 2):
+for w in [int(w) for w in os.environ.get("TWIN_WORLD_SIZES", "1 2").split()]:
     t = pl.read_parquet(f"{d}/runner-{w}/trace.parquet").filter(pl.col("rank") == 0).sort("epoch")
     ours = t["global_train_loss"].to_list()
     theirs = [e["loss"] for e in json.load(open(f"{d}/torch-{w}.json"))["epochs"]]

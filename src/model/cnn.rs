@@ -1,6 +1,7 @@
 //! `kind = "cnn"`: convolution blocks over images (N × C × H × W), then linear layers. Block i
-//! is `conv{i}` (`.weight` C_out × C_in × k × k, `.bias`), with batch norm `bn{i}` (`.weight`,
-//! `.bias`, and the buffers `.running_mean`, `.running_var`); linear layer j is `fc{j}`. Each
+//! is `conv{i}` (`.weight` C_out × C_in × k × k, `.bias`), or with batch norm `conv{i}.weight`
+//! and `bn{i}` (`.weight`, `.bias`, and the buffers `.running_mean`, `.running_var`; the
+//! convolution has no bias, as batch norm would cancel it); linear layer j is `fc{j}`. Each
 //! block and each linear layer is one layer of the model, so a pipeline cuts between blocks.
 //!
 //! Batch norm's running statistics are buffers: in the VarStore but not trainable, so the
@@ -136,9 +137,13 @@ impl CnnArch {
     fn conv_parameters(&self, i: usize) -> Vec<(String, Vec<i64>)> {
         let b = &self.blocks[i];
         let (cin, cout, k) = (self.shapes[i][0] as i64, b.channels as i64, b.kernel as i64);
-        let mut v = vec![(format!("conv{i}.weight"), vec![cout, cin, k, k]), (format!("conv{i}.bias"), vec![cout])];
+        let mut v = vec![(format!("conv{i}.weight"), vec![cout, cin, k, k])];
+        // Batch norm subtracts the mean: a bias before it would have no effect (and a gradient
+        // of rounding noise), so the convolution has none (PyTorch's `bias=False`).
         if b.batch_norm {
             v.extend([(format!("bn{i}.weight"), vec![cout]), (format!("bn{i}.bias"), vec![cout])]);
+        } else {
+            v.push((format!("conv{i}.bias"), vec![cout]));
         }
         v
     }
@@ -237,7 +242,7 @@ impl CnnArch {
         let bias = uniform(cout);
         let conv = p / format!("conv{i}");
         let weight = conv.var_copy("weight", &w);
-        let bias = conv.var_copy("bias", &bias);
+        let bias = (!b.batch_norm).then(|| conv.var_copy("bias", &bias));
         let bn = b.batch_norm.then(|| {
             let bn = p / format!("bn{i}");
             let c = [cout as i64];
@@ -263,7 +268,8 @@ struct BatchNorm {
 #[derive(Debug)]
 struct Block {
     weight: Tensor,
-    bias: Tensor,
+    /// None before a batch norm.
+    bias: Option<Tensor>,
     stride: i64,
     padding: i64,
     bn: Option<BatchNorm>,
@@ -302,7 +308,7 @@ impl ModuleT for CnnStage {
             h = match layer {
                 Built::Block(b) => {
                     let (s, p) = ([b.stride, b.stride], [b.padding, b.padding]);
-                    let mut h = h.conv2d(&b.weight, Some(&b.bias), s, p, [1, 1], 1);
+                    let mut h = h.conv2d(&b.weight, b.bias.as_ref(), s, p, [1, 1], 1);
                     if let Some(bn) = &b.bn {
                         h = Tensor::batch_norm(
                             &h,
@@ -378,7 +384,7 @@ mod tests {
         let mut named: Vec<(String, Vec<i64>)> = vs.variables().into_iter().map(|(n, t)| (n, t.size())).collect();
         named.sort();
         assert_eq!(named, sorted_parameters(&arch), "parameters and buffers");
-        assert_eq!(parameters_in_module_order(&arch, 0..4, &vs).len(), 10, "no buffer among the parameters");
+        assert_eq!(parameters_in_module_order(&arch, 0..4, &vs).len(), 9, "no buffer among the parameters");
         let out = net.forward_t(&Tensor::randn([5, 2, 12, 12], (tch::Kind::Float, tch::Device::Cpu)), true);
         assert_eq!(out.size(), [5, 3]);
         let mean = &vs.variables()["bn0.running_mean"];
