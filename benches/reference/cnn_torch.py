@@ -158,8 +158,9 @@ def train(a):
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=t.get("momentum", 0.0),
                                     weight_decay=t.get("weight_decay", 0.0))
     else:
+        # fused=True: the kernel the runner runs (libtorch's _fused_adam_).
         kind = torch.optim.Adam if opt == "adam" else torch.optim.AdamW
-        optimizer = kind(model.parameters(), lr=lr, weight_decay=t.get("weight_decay", 0.0))
+        optimizer = kind(model.parameters(), lr=lr, weight_decay=t.get("weight_decay", 0.0), fused=True)
     epochs = []
     for epoch in range(1, t.get("epochs", 5) + 1):
         sampler.set_epoch(epoch)
