@@ -148,7 +148,8 @@ fn images_from_a_tensors_file_train_like_the_same_images_generated() {
     Tensor::write_npz(&[("x", x), ("y", y)], dir.path().join("images.npz")).unwrap();
     let file = cnn(false).replace("image = [1, 8, 8]", "source = \"tensors\"\npath = \"images.npz\"");
     write(dir.path(), "f.toml", &file.replace("rows = 256\n", ""));
-    let o = run(&["run", "f.toml", "--out", "file", "--set", "run.world_size=1", "--set", "train.epochs=1"], dir.path());
+    let o =
+        run(&["run", "f.toml", "--out", "file", "--set", "run.world_size=1", "--set", "train.epochs=1"], dir.path());
     assert_ok(&o);
     assert_eq!(losses(&dir.path().join("file")), losses(&dir.path().join("gen")));
 }

@@ -327,7 +327,10 @@ pub struct Cnn {
 impl Default for Cnn {
     fn default() -> Self {
         Cnn {
-            conv: vec![ConvBlock { channels: 16, ..ConvBlock::default() }, ConvBlock { channels: 32, ..ConvBlock::default() }],
+            conv: vec![
+                ConvBlock { channels: 16, ..ConvBlock::default() },
+                ConvBlock { channels: 32, ..ConvBlock::default() },
+            ],
             hidden: vec![64],
             activation: Activation::Relu,
             dropout: 0.0,

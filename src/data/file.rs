@@ -84,7 +84,14 @@ pub fn inspect(path: &Path, source: Source, target: &str) -> Result<FileInfo, St
     if features.is_empty() {
         return Err(format!("{} has no feature column besides the target `{target}`", path.display()));
     }
-    Ok(FileInfo { path: path.to_owned(), rows: df.height(), features, target: target.to_owned(), classes, labels: None })
+    Ok(FileInfo {
+        path: path.to_owned(),
+        rows: df.height(),
+        features,
+        target: target.to_owned(),
+        classes,
+        labels: None,
+    })
 }
 
 fn columns(df: &DataFrame, info: &FileInfo) -> Result<(Vec<f32>, Vec<i64>), String> {

@@ -91,7 +91,8 @@ pub struct Dataset {
 /// Reads (or generates) the rows the plan describes.
 pub fn load(data: &DataSpec, seed: u64) -> Result<Dataset, String> {
     let shape: Vec<i64> = std::iter::once(-1).chain(data.input.iter().map(|&d| d as i64)).collect();
-    let from_vecs = |(x, y): (Vec<f32>, Vec<i64>)| (Tensor::from_slice(&x).view(shape.as_slice()), Tensor::from_slice(&y));
+    let from_vecs =
+        |(x, y): (Vec<f32>, Vec<i64>)| (Tensor::from_slice(&x).view(shape.as_slice()), Tensor::from_slice(&y));
     let (x, y) = match &data.file {
         None => from_vecs(synthetic::rows(data, seed)),
         Some(info) if data.source == Source::Tensors => tensors::read(info)?,

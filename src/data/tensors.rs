@@ -23,7 +23,10 @@ fn arrays(path: &Path, labels: Option<&Path>) -> Result<(Tensor, Tensor), String
         "safetensors" => Tensor::read_safetensors(path).map_err(|e| cannot(path, e))?,
         "npy" => {
             let Some(labels) = labels else {
-                return Err(format!("{}: an .npy file holds one array; name the labels' .npy file in load.labels", path.display()));
+                return Err(format!(
+                    "{}: an .npy file holds one array; name the labels' .npy file in load.labels",
+                    path.display()
+                ));
             };
             let x = Tensor::read_npy(path).map_err(|e| cannot(path, e))?;
             let y = Tensor::read_npy(labels).map_err(|e| cannot(labels, e))?;

@@ -104,7 +104,10 @@ fn block_output(b: &ConvBlock, [_, h, w]: [usize; 3]) -> Result<[usize; 3], Stri
     }
     let (ph, pw) = (ch / b.pool_size, cw / b.pool_size);
     if ph == 0 || pw == 0 {
-        return Err(format!("its convolution's {ch} × {cw} output is smaller than its {p} × {p} pool", p = b.pool_size));
+        return Err(format!(
+            "its convolution's {ch} × {cw} output is smaller than its {p} × {p} pool",
+            p = b.pool_size
+        ));
     }
     Ok([b.channels, ph, pw])
 }
@@ -253,7 +256,16 @@ impl CnnArch {
                 running_var: bn.ones_no_train("running_var", &c),
             }
         });
-        Block { weight, bias, stride: b.stride as i64, padding: b.padding as i64, bn, pool: b.pool, pool_size: b.pool_size as i64, dropout: b.dropout }
+        Block {
+            weight,
+            bias,
+            stride: b.stride as i64,
+            padding: b.padding as i64,
+            bn,
+            pool: b.pool,
+            pool_size: b.pool_size as i64,
+            dropout: b.dropout,
+        }
     }
 }
 

@@ -98,7 +98,11 @@ impl Architecture for TorchScriptArch {
 
     fn layers(&self) -> Vec<Layer> {
         let parameters = self.params.iter().map(|(_, s)| s.iter().product::<i64>() as usize).sum();
-        vec![Layer { name: format!("TorchScript module, {} tensors", self.params.len()), parameters, output: vec![self.outputs] }]
+        vec![Layer {
+            name: format!("TorchScript module, {} tensors", self.params.len()),
+            parameters,
+            output: vec![self.outputs],
+        }]
     }
 
     fn parameters(&self, range: Range<usize>) -> Vec<(String, Vec<i64>)> {
@@ -118,8 +122,9 @@ impl Architecture for TorchScriptArch {
     }
 
     fn build(&self, p: &nn::Path, _range: Range<usize>, _seed: u64) -> Box<dyn ModuleT> {
-        let mut module = TrainableCModule::load(&self.path, p.clone())
-            .unwrap_or_else(|e| panic!("cannot load {} (it was read when the plan was made): {e}", self.path.display()));
+        let mut module = TrainableCModule::load(&self.path, p.clone()).unwrap_or_else(|e| {
+            panic!("cannot load {} (it was read when the plan was made): {e}", self.path.display())
+        });
         module.set_train();
         Box::new(Scripted { module: Mutex::new((module, true)) })
     }

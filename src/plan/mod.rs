@@ -119,7 +119,10 @@ impl Plan {
                 }
                 let input = match (c.load.image, c.load.features) {
                     (Some(_), Some(_)) => {
-                        bad("load.features", "images have load.image's shape, not features: give one of the two".into());
+                        bad(
+                            "load.features",
+                            "images have load.image's shape, not features: give one of the two".into(),
+                        );
                         vec![0]
                     }
                     (Some(image), None) if image.contains(&0) => {
@@ -267,7 +270,8 @@ impl Plan {
         let model = crate::model::resolve_paths(&c.wrap.model, &base);
         let model_ok = model_ok
             && data.as_ref().is_some_and(|d| crate::model::check_input(&model, &d.input, d.task.outputs(), &mut bad));
-        let arch = data.as_ref().filter(|_| model_ok).map(|d| crate::model::architecture(&model, &d.input, d.task.outputs()));
+        let arch =
+            data.as_ref().filter(|_| model_ok).map(|d| crate::model::architecture(&model, &d.input, d.task.outputs()));
         let init_weights = c.wrap.init.as_ref().map(|rel| base.join(rel));
         if let (Some(path), Some(arch)) = (&init_weights, &arch) {
             if let Err(e) = crate::model::read_weights(path, &crate::model::sorted_parameters(arch.as_ref())) {
