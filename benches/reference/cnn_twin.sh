@@ -32,4 +32,10 @@ for w in [int(w) for w in os.environ.get("TWIN_WORLD_SIZES", "1 2").split()]:
     for e, (a, b) in enumerate(zip(ours, theirs), 1):
         print(f"  epoch {e}: runner {a:.10f}  torch {b:.10f}  relative difference {abs(a - b) / abs(b):.1e}")
     print(f"  largest relative difference {worst:.1e} ({'within' if worst <= 1e-5 else 'NOT within'} 1e-5)")
+    # Training throughput over all ranks, from the median epoch (rank 0's clock; 1 thread per rank).
+    med = lambda v: sorted(v)[len(v) // 2]
+    ours_s = med(t["epoch_s"].to_list())
+    theirs_s = med([e["epoch_s"] for e in json.load(open(f"{d}/torch-{w}.json"))["epochs"]])
+    n = json.load(open(f"{d}/torch-{w}.json"))["epochs"][0]["samples"]
+    print(f"  images/s: runner {n / ours_s:.0f}, torch {n / theirs_s:.0f} ({theirs_s / ours_s:.2f}x)")
 PY

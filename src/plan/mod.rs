@@ -647,6 +647,12 @@ fn file_spec(
     if load.noise != Load::default().noise {
         bad("load.noise", "is only read by source = \"synthetic\"".into());
     }
+    if load.image.is_some() {
+        bad("load.image", "is only read by source = \"synthetic\"; a file's columns are features".into());
+    }
+    if load.labels.is_some() {
+        bad("load.labels", "is only read by source = \"tensors\"".into());
+    }
     let path = base.join(rel);
     if let Err(e) = path.exists().then(|| crate::input::regular_file(&path)).transpose() {
         bad("load.path", e);
