@@ -25,9 +25,9 @@ const CASES: &[Case] = &[
     Case {
         name: "a model kind that does not exist",
         file: "",
-        args: &["--set", "wrap.model.kind=\"cnn\""],
+        args: &["--set", "wrap.model.kind=\"resnet\""],
         env: &[],
-        expected: "error: --set wrap.model.kind=\"cnn\": `wrap.model` cannot be \"cnn\" (one of: \"mlp\")",
+        expected: "error: --set wrap.model.kind=\"resnet\": `wrap.model` cannot be \"resnet\" (one of: \"mlp\", \"cnn\", \"torchscript\")",
     },
     Case {
         name: "misspelled section",

@@ -103,6 +103,14 @@ pub struct Load {
     pub path: Option<PathBuf>,
     /// csv / parquet: the column holding integer class labels 0..classes.
     pub target: Option<String>,
+    /// Synthetic only: generate images of this shape, [channels, height, width], instead of rows
+    /// of `features` numbers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image: Option<[usize; 3]>,
+    /// tensors with an .npy `path` (the inputs, `x`) only: the .npy file of the labels (`y`),
+    /// relative to the pipeline file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub labels: Option<PathBuf>,
 }
 
 impl Default for Load {
@@ -116,6 +124,8 @@ impl Default for Load {
             noise: 0.5,
             path: None,
             target: None,
+            image: None,
+            labels: None,
         }
     }
 }
@@ -126,6 +136,9 @@ pub enum Source {
     Synthetic,
     Csv,
     Parquet,
+    /// Arrays `x` (any shape, first axis = rows) and `y` (integer labels): an .npz or
+    /// .safetensors file, or an .npy file of `x` with `load.labels` the .npy file of `y`.
+    Tensors,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -259,6 +272,10 @@ pub enum Schedule {
 pub enum Model {
     /// Linear layers with an activation between them, over rows of features.
     Mlp(Mlp),
+    /// Convolution blocks over images (N × C × H × W), then linear layers.
+    Cnn(Cnn),
+    /// A module scripted or traced in PyTorch, with its own initial weights.
+    Torchscript(Torchscript),
 }
 
 impl Default for Model {
@@ -291,6 +308,88 @@ impl Default for Mlp {
     fn default() -> Self {
         Mlp { hidden: vec![64, 64], activation: Activation::Relu, dropout: 0.0 }
     }
+}
+
+/// `kind = "cnn"`: the `conv` blocks in order, then the `hidden` linear layers and the output layer
+/// (the first linear layer flattens the last block's C × H × W).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct Cnn {
+    pub conv: Vec<ConvBlock>,
+    /// Widths of the hidden linear layers after the convolutions.
+    pub hidden: Vec<usize>,
+    /// After every convolution (after its batch norm) and every hidden linear layer.
+    pub activation: Activation,
+    /// Dropout probability after each hidden linear layer's activation.
+    pub dropout: f64,
+}
+
+impl Default for Cnn {
+    fn default() -> Self {
+        Cnn {
+            conv: vec![
+                ConvBlock { channels: 16, ..ConvBlock::default() },
+                ConvBlock { channels: 32, ..ConvBlock::default() },
+            ],
+            hidden: vec![64],
+            activation: Activation::Relu,
+            dropout: 0.0,
+        }
+    }
+}
+
+/// One convolution block: conv2d → batch norm (optional) → activation → pooling (optional) →
+/// dropout (optional). One layer of the model: a pipeline may cut between blocks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConvBlock {
+    /// Output channels.
+    pub channels: usize,
+    /// Square kernel side, in pixels.
+    pub kernel: usize,
+    pub stride: usize,
+    /// Zeros added on each side, in pixels.
+    pub padding: usize,
+    /// Batch normalization after the convolution (running statistics: momentum 0.1, eps 1e-5).
+    pub batch_norm: bool,
+    pub pool: Pool,
+    /// Pooling window side (and stride), in pixels.
+    pub pool_size: usize,
+    /// Dropout probability at the end of the block.
+    pub dropout: f64,
+}
+
+impl Default for ConvBlock {
+    fn default() -> Self {
+        ConvBlock {
+            channels: 16,
+            kernel: 3,
+            stride: 1,
+            padding: 1,
+            batch_norm: false,
+            pool: Pool::None,
+            pool_size: 2,
+            dropout: 0.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Pool {
+    None,
+    Max,
+    Avg,
+}
+
+/// `kind = "torchscript"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Torchscript {
+    /// The module `torch.jit.script(model).save(path)` (or `torch.jit.trace`) wrote, relative to
+    /// the pipeline file: one input tensor (a batch of the data's samples) to one output tensor
+    /// (a batch of logits over the classes).
+    pub path: PathBuf,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -16,6 +16,9 @@ pub struct FileInfo {
     pub target: String,
     /// Largest label + 1.
     pub classes: usize,
+    /// tensors with an .npy `path`: the .npy file of the labels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<PathBuf>,
 }
 
 /// The features (row-major, float32) and labels of every row of the file.
@@ -81,7 +84,14 @@ pub fn inspect(path: &Path, source: Source, target: &str) -> Result<FileInfo, St
     if features.is_empty() {
         return Err(format!("{} has no feature column besides the target `{target}`", path.display()));
     }
-    Ok(FileInfo { path: path.to_owned(), rows: df.height(), features, target: target.to_owned(), classes })
+    Ok(FileInfo {
+        path: path.to_owned(),
+        rows: df.height(),
+        features,
+        target: target.to_owned(),
+        classes,
+        labels: None,
+    })
 }
 
 fn columns(df: &DataFrame, info: &FileInfo) -> Result<(Vec<f32>, Vec<i64>), String> {

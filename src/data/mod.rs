@@ -6,6 +6,7 @@ pub mod file;
 pub mod normalize;
 pub mod shard;
 mod synthetic;
+pub mod tensors;
 
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Reduction, Tensor};
@@ -22,7 +23,7 @@ pub struct DataSpec {
     /// Training rows.
     pub rows: usize,
     pub validation_rows: usize,
-    /// The shape of one sample's input: `[features]` for rows of numbers.
+    /// The shape of one sample's input: `[features]` for rows of numbers, `[C, H, W]` for images.
     pub input: Vec<usize>,
     pub task: Task,
     /// Synthetic only: the label noise.
@@ -105,13 +106,14 @@ impl Dataset {
 
 /// Reads (or generates) the rows the plan describes.
 pub fn load(data: &DataSpec, seed: u64) -> Result<Dataset, String> {
-    let (x, y) = match &data.file {
-        None => synthetic::rows(data, seed),
-        Some(info) => file::rows(info, data.source)?,
-    };
     let shape: Vec<i64> = std::iter::once(-1).chain(data.input.iter().map(|&d| d as i64)).collect();
-    let x = Tensor::from_slice(&x).view(shape.as_slice());
-    let y = Tensor::from_slice(&y);
+    let from_vecs =
+        |(x, y): (Vec<f32>, Vec<i64>)| (Tensor::from_slice(&x).view(shape.as_slice()), Tensor::from_slice(&y));
+    let (x, y) = match &data.file {
+        None => from_vecs(synthetic::rows(data, seed)),
+        Some(info) if data.source == Source::Tensors => tensors::read(info)?,
+        Some(info) => from_vecs(file::rows(info, data.source)?),
+    };
     let n = data.rows as i64;
     let v = data.validation_rows as i64;
     Ok(Dataset {

@@ -1,4 +1,4 @@
-//! Normalize: per-feature scaling fitted on the rank's shard (`scope = "rank"`, what
+//! Normalize: per-feature scaling (every value of a sample is a feature: a pixel of a channel) fitted on the rank's shard (`scope = "rank"`, what
 //! the seed does) or on the whole training set through all-reduced statistics (`"global"`).
 //! Fitted once, on the rank's first-epoch shard, then applied to every batch and to validation.
 use tch::{Kind, Tensor};
@@ -22,6 +22,8 @@ impl Normalizer {
         weight: &Tensor,
         pg: &ProcessGroup,
     ) -> dist::Result<Normalizer> {
+        // Every value of a sample is a feature (each pixel of each channel of an image).
+        let x = &x.flatten(1, -1);
         let features = x.size()[1];
         let real = x.index_select(0, &weight.nonzero().squeeze_dim(1));
         let global = scope == NormalizeScope::Global;
@@ -64,6 +66,9 @@ impl Normalizer {
     }
 
     pub fn apply(&self, x: &Tensor) -> Tensor {
-        (x - &self.offset) / &self.scale
+        if x.dim() == 2 {
+            return (x - &self.offset) / &self.scale;
+        }
+        ((x.flatten(1, -1) - &self.offset) / &self.scale).view(x.size().as_slice())
     }
 }

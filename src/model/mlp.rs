@@ -93,7 +93,7 @@ struct MlpStage {
 /// A linear layer with tch's default initialisation (weights uniform in ±√(6 / in), biases in
 /// ±1 / √in), drawn from the layer's own stream of our generator rather than libtorch's global one:
 /// the same numbers whatever else draws random numbers, in whichever thread.
-fn init_linear(p: &nn::Path, inputs: usize, outputs: usize, seed: u64, layer: usize) -> nn::Linear {
+pub(super) fn init_linear(p: &nn::Path, inputs: usize, outputs: usize, seed: u64, layer: usize) -> nn::Linear {
     let mut rng = Rng::new(seed, LAYER_STREAM + layer as u64);
     let mut uniform = |n: usize, bound: f64| -> Tensor {
         let v: Vec<f32> = (0..n).map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32).collect();

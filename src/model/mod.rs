@@ -2,18 +2,20 @@
 //! the pipeline partition, the memory check, the data-flow table, DDP, checkpoints and
 //! `model.safetensors` need to know of a model. Adding a kind is one module here and one variant
 //! of `config::schema::Model` (matched in [`architecture`] and [`check`]).
+pub mod cnn;
 pub mod mlp;
 pub mod optim;
 pub mod partition;
+pub mod torchscript;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use tch::nn::{self, ModuleT};
 use tch::Tensor;
 
-use crate::config::schema::Model;
+use crate::config::schema::{Model, Torchscript};
 
 /// One layer as the plan sees it. Layers are where a pipeline may cut the model.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,6 +43,13 @@ pub trait Architecture {
     /// summed in the same order as torch's.
     fn parameters(&self, range: Range<usize>) -> Vec<(String, Vec<i64>)>;
 
+    /// Names and shapes of the buffers of layers `range` (batch norm's running statistics):
+    /// variables that are not trained but are saved with the parameters (checkpoints,
+    /// `model.safetensors`) and read from `wrap.init`.
+    fn buffers(&self, _range: Range<usize>) -> Vec<(String, Vec<i64>)> {
+        Vec::new()
+    }
+
     /// Layers `range` built under `p`. Each layer's initial weights depend only on (seed, its
     /// index), so the stages of a pipeline together equal the whole model on every rank.
     fn build(&self, p: &nn::Path, range: Range<usize>, seed: u64) -> Box<dyn ModuleT>;
@@ -50,6 +59,47 @@ pub trait Architecture {
 pub fn architecture(model: &Model, input: &[usize], outputs: usize) -> Box<dyn Architecture> {
     match model {
         Model::Mlp(m) => Box::new(mlp::MlpArch::new(m, input, outputs)),
+        Model::Cnn(m) => Box::new(cnn::CnnArch::new(m, input, outputs)),
+        // The path was resolved against the pipeline file ([`resolve_paths`]) and checked by the plan.
+        Model::Torchscript(t) => Box::new(torchscript::TorchScriptArch::new(&t.path, input, outputs)),
+    }
+}
+
+/// `model` with the files it names resolved against `base` (the pipeline file's folder).
+pub fn resolve_paths(model: &Model, base: &Path) -> Model {
+    match model {
+        Model::Torchscript(t) => Model::Torchscript(Torchscript { path: base.join(&t.path) }),
+        m => m.clone(),
+    }
+}
+
+/// The files `model` reads, with their keys (after [`resolve_paths`]).
+pub fn files(model: &Model) -> Vec<(&'static str, PathBuf)> {
+    match model {
+        Model::Torchscript(t) => vec![("wrap.model.path", t.path.clone())],
+        _ => Vec::new(),
+    }
+}
+
+/// Checks the model against the data's sample shape `input` and `outputs` (`model` resolved by
+/// [`resolve_paths`]); `false` when [`architecture`] cannot be made from them.
+pub fn check_input(model: &Model, input: &[usize], outputs: usize, bad: &mut impl FnMut(&str, String)) -> bool {
+    match model {
+        Model::Mlp(_) => true,
+        Model::Cnn(m) => cnn::check_input(m, input, bad),
+        Model::Torchscript(t) => {
+            if let Err(e) = crate::input::regular_file(&t.path) {
+                bad("wrap.model.path", e);
+                return false;
+            }
+            match torchscript::inspect(&t.path, input, outputs) {
+                Ok(_) => true,
+                Err(e) => {
+                    bad("wrap.model.path", e);
+                    false
+                }
+            }
+        }
     }
 }
 
@@ -58,6 +108,8 @@ pub fn architecture(model: &Model, input: &[usize], outputs: usize) -> Box<dyn A
 pub fn check(model: &Model, bad: &mut impl FnMut(&str, String)) -> bool {
     match model {
         Model::Mlp(m) => mlp::check(m, bad),
+        Model::Cnn(m) => cnn::check(m, bad),
+        Model::Torchscript(_) => true,
     }
 }
 
@@ -66,10 +118,12 @@ pub fn layer_parameters(arch: &dyn Architecture) -> Vec<usize> {
     arch.layers().iter().map(|l| l.parameters).collect()
 }
 
-/// The parameter names and shapes of the whole model, sorted by name (as a VarStore lists them,
-/// and as checkpoints and weights files record them).
+/// The parameter and buffer names and shapes of the whole model, sorted by name (as a VarStore
+/// lists them, and as checkpoints and weights files record them).
 pub fn sorted_parameters(arch: &dyn Architecture) -> Vec<(String, Vec<i64>)> {
-    let mut v = arch.parameters(0..arch.layers().len());
+    let all = 0..arch.layers().len();
+    let mut v = arch.parameters(all.clone());
+    v.extend(arch.buffers(all));
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
 }
@@ -94,6 +148,8 @@ pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeM
     };
     let mut tensors: BTreeMap<String, Tensor> =
         read.map_err(|e| format!("cannot read {}: {e}", path.display()))?.into_iter().collect();
+    // A PyTorch state_dict counts batch norm's batches; nothing here uses the count.
+    tensors.retain(|name, _| !name.ends_with("num_batches_tracked"));
     let mut problems = Vec::new();
     let mut out = BTreeMap::new();
     for (name, shape) in shapes {

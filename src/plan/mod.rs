@@ -111,16 +111,34 @@ impl Plan {
                         bad(key, "is only read by source = \"csv\" or \"parquet\"".into());
                     }
                 }
+                let input = match (c.load.image, c.load.features) {
+                    (Some(_), Some(_)) => {
+                        bad(
+                            "load.features",
+                            "images have load.image's shape, not features: give one of the two".into(),
+                        );
+                        vec![0]
+                    }
+                    (Some(image), None) if image.contains(&0) => {
+                        bad("load.image", format!("[channels, height, width] must all be at least 1, got {image:?}"));
+                        vec![0]
+                    }
+                    (Some(image), None) => image.to_vec(),
+                    (None, f) => vec![f.unwrap_or(10)],
+                };
+                if c.load.labels.is_some() {
+                    bad("load.labels", "is only read by source = \"tensors\"".into());
+                }
                 let spec = DataSpec {
                     source: Source::Synthetic,
                     rows: c.load.rows.unwrap_or(10_000),
-                    input: vec![c.load.features.unwrap_or(10)],
+                    input,
                     task: Task::Classification { classes: c.load.classes.unwrap_or(2) },
                     validation_rows: c.load.validation_rows,
                     noise: c.load.noise,
                     file: None,
                 };
-                if spec.input_size() == 0 {
+                if spec.input_size() == 0 && c.load.image.is_none() {
                     bad("load.features", "must be at least 1".into());
                 }
                 if !(spec.noise >= 0.0) {
@@ -128,6 +146,7 @@ impl Plan {
                 }
                 Some(spec)
             }
+            Source::Tensors => crate::data::tensors::spec(&c.load, &base, &mut bad),
             source => file_spec(&c.load, source, &base, &mut bad),
         };
         // Out-of-bounds sizes leave no data: nothing below computes a shape from them.
@@ -241,10 +260,12 @@ impl Plan {
             }
         }
 
-        let arch = data
-            .as_ref()
-            .filter(|_| model_ok)
-            .map(|d| crate::model::architecture(&c.wrap.model, &d.input, d.task.outputs()));
+        // The model against the data's shapes (a TorchScript module runs one batch here).
+        let model = crate::model::resolve_paths(&c.wrap.model, &base);
+        let model_ok = model_ok
+            && data.as_ref().is_some_and(|d| crate::model::check_input(&model, &d.input, d.task.outputs(), &mut bad));
+        let arch =
+            data.as_ref().filter(|_| model_ok).map(|d| crate::model::architecture(&model, &d.input, d.task.outputs()));
         let init_weights = c.wrap.init.as_ref().map(|rel| base.join(rel));
         if let (Some(path), Some(arch)) = (&init_weights, &arch) {
             if let Err(e) = crate::model::read_weights(path, &crate::model::sorted_parameters(arch.as_ref())) {
@@ -252,10 +273,12 @@ impl Plan {
             }
         }
         let mut inputs = Vec::new();
-        let files = [
+        let mut files = vec![
             ("load.path", data.as_ref().and_then(|d| d.file.as_ref()).map(|f| f.path.clone())),
+            ("load.labels", data.as_ref().and_then(|d| d.file.as_ref()).and_then(|f| f.labels.clone())),
             ("wrap.init", init_weights.clone()),
         ];
+        files.extend(crate::model::files(&model).into_iter().map(|(key, path)| (key, Some(path))));
         // A missing file is reported by the checks above.
         for (key, path) in files {
             match path.filter(|p| p.is_file()).map(|p| InputFile::read(key, &p)).transpose() {
@@ -266,6 +289,14 @@ impl Plan {
 
         let layer_parameters = arch.as_ref().map(|a| crate::model::layer_parameters(a.as_ref())).unwrap_or_default();
         let stages = if c.run.world_size > crate::limits::MAX_WORLD_SIZE {
+            None
+        } else if pipeline && matches!(c.wrap.model, Model::Torchscript(_)) {
+            bad(
+                "wrap.strategy",
+                "a TorchScript module is one opaque graph to the runner: it cannot be cut into pipeline stages; use \"ddp\" \
+                 (or a built-in model kind, whose layers a pipeline can split)"
+                    .into(),
+            );
             None
         } else if pipeline {
             pipeline_stages(&c, &sources, &layer_parameters, &mut bad)
@@ -357,7 +388,9 @@ impl Plan {
 
     /// The model's architecture over this plan's data.
     pub fn model(&self) -> Box<dyn Architecture> {
-        crate::model::architecture(&self.config.wrap.model, &self.data.input, self.data.task.outputs())
+        let base = self.pipeline_file.parent().unwrap_or(Path::new(""));
+        let model = crate::model::resolve_paths(&self.config.wrap.model, base);
+        crate::model::architecture(&model, &self.data.input, self.data.task.outputs())
     }
 
     /// The per-sample shapes flowing into and out of layers `layers`.
@@ -625,6 +658,12 @@ fn file_spec(
     };
     if load.noise != Load::default().noise {
         bad("load.noise", "is only read by source = \"synthetic\"".into());
+    }
+    if load.image.is_some() {
+        bad("load.image", "is only read by source = \"synthetic\"; a file's columns are features".into());
+    }
+    if load.labels.is_some() {
+        bad("load.labels", "is only read by source = \"tensors\"".into());
     }
     let path = base.join(rel);
     if let Err(e) = path.exists().then(|| crate::input::regular_file(&path)).transpose() {
