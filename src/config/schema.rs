@@ -126,6 +126,11 @@ pub enum Source {
     Synthetic,
     Csv,
     Parquet,
+    /// A flat array of token ids (`.npy`, or raw little-endian uint16 `.bin` as nanoGPT writes
+    /// it), cut into windows of `wrap.model.seq_len` + 1 for a language model.
+    Tokens,
+    /// Any UTF-8 file read as bytes (token ids 0..256), cut into windows like `tokens`.
+    Text,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -259,6 +264,8 @@ pub enum Schedule {
 pub enum Model {
     /// Linear layers with an activation between them, over rows of features.
     Mlp(Mlp),
+    /// A decoder-only language model over windows of token ids.
+    Transformer(Transformer),
 }
 
 impl Default for Model {
@@ -290,6 +297,34 @@ pub struct Mlp {
 impl Default for Mlp {
     fn default() -> Self {
         Mlp { hidden: vec![64, 64], activation: Activation::Relu, dropout: 0.0 }
+    }
+}
+
+/// `kind = "transformer"`: token and position embeddings, `layers` pre-norm blocks (causal
+/// self-attention with `heads` heads, then an MLP of width 4 × `d_model`), a final layer norm and
+/// an output head over the vocabulary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct Transformer {
+    /// Token ids 0..vocab (256 for `load.source = "text"`).
+    pub vocab: usize,
+    /// Width of the embeddings and of every block.
+    pub d_model: usize,
+    /// Attention heads per block; must divide d_model.
+    pub heads: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Tokens per window (the context length); the data is cut into windows of seq_len + 1.
+    pub seq_len: usize,
+    /// Dropout probability on the embeddings, the attention weights and each residual branch.
+    pub dropout: f64,
+    /// The output head is the token embedding (transposed) instead of a matrix of its own.
+    pub tied: bool,
+}
+
+impl Default for Transformer {
+    fn default() -> Self {
+        Transformer { vocab: 256, d_model: 64, heads: 4, layers: 2, seq_len: 64, dropout: 0.0, tied: true }
     }
 }
 

@@ -6,11 +6,12 @@ use tch::{Kind, Tensor};
 use crate::config::schema::{NormalizeMethod, NormalizeScope};
 use crate::dist::{self, ProcessGroup, ReduceOp};
 
-/// x ↦ (x - offset) / scale, per feature.
+/// x ↦ (x - offset) / scale, per feature; the identity for `method = "none"` (which a language
+/// model's token ids require: they are never scaled, nor turned into floats).
 #[derive(Debug)]
 pub struct Normalizer {
-    offset: Tensor,
-    scale: Tensor,
+    /// (offset, scale); `None`: the identity.
+    scaling: Option<(Tensor, Tensor)>,
 }
 
 impl Normalizer {
@@ -26,10 +27,7 @@ impl Normalizer {
         let real = x.index_select(0, &weight.nonzero().squeeze_dim(1));
         let global = scope == NormalizeScope::Global;
         let (offset, scale) = match method {
-            NormalizeMethod::None => (
-                Tensor::zeros([features], (Kind::Float, x.device())),
-                Tensor::ones([features], (Kind::Float, x.device())),
-            ),
+            NormalizeMethod::None => return Ok(Normalizer { scaling: None }),
             NormalizeMethod::Minmax => {
                 let mut min = real.amin([0].as_slice(), false);
                 let mut max = real.amax([0].as_slice(), false);
@@ -60,10 +58,13 @@ impl Normalizer {
                 (mean.to_kind(Kind::Float), var.clamp_min(0.0).sqrt().to_kind(Kind::Float).clamp_min(f64::EPSILON))
             }
         };
-        Ok(Normalizer { offset, scale })
+        Ok(Normalizer { scaling: Some((offset, scale)) })
     }
 
     pub fn apply(&self, x: &Tensor) -> Tensor {
-        (x - &self.offset) / &self.scale
+        match &self.scaling {
+            Some((offset, scale)) => (x - offset) / scale,
+            None => x.shallow_clone(),
+        }
     }
 }

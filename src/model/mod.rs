@@ -5,6 +5,7 @@
 pub mod mlp;
 pub mod optim;
 pub mod partition;
+pub mod transformer;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -44,12 +45,20 @@ pub trait Architecture {
     /// Layers `range` built under `p`. Each layer's initial weights depend only on (seed, its
     /// index), so the stages of a pipeline together equal the whole model on every rank.
     fn build(&self, p: &nn::Path, range: Range<usize>, seed: u64) -> Box<dyn ModuleT>;
+
+    /// Why a pipeline cannot hold the model in `stages` (one range of layers per rank), when
+    /// parameters are shared across layers that the stages separate.
+    fn check_stages(&self, _stages: &[Range<usize>]) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// The architecture of `model` for inputs of shape `input` (one sample) and `outputs` values out.
 pub fn architecture(model: &Model, input: &[usize], outputs: usize) -> Box<dyn Architecture> {
     match model {
         Model::Mlp(m) => Box::new(mlp::MlpArch::new(m, input, outputs)),
+        // The plan cuts the data into windows of the model's own seq_len over its vocab.
+        Model::Transformer(t) => Box::new(transformer::TransformerArch::new(t)),
     }
 }
 
@@ -58,6 +67,7 @@ pub fn architecture(model: &Model, input: &[usize], outputs: usize) -> Box<dyn A
 pub fn check(model: &Model, bad: &mut impl FnMut(&str, String)) -> bool {
     match model {
         Model::Mlp(m) => mlp::check(m, bad),
+        Model::Transformer(t) => transformer::check(t, bad),
     }
 }
 
