@@ -12,8 +12,8 @@ DistributedSampler semantics over the training windows (the runner's per-epoch p
 reproduced here from its SplitMix64 generator, padded by repeating its start, rank r taking
 positions r, r+W, ...), the model (pre-norm blocks, F.scaled_dot_product_attention with
 is_causal=True, GELU MLP of width 4 * d_model, final LayerNorm, a head tied to the token
-embedding or not), DDP on gloo, torch.optim.AdamW / SGD. Rank 0 writes torch's own initial
-weights (torch.manual_seed(seed)) to INIT.npz under the runner's names before training, so the
+embedding or not), DDP on gloo, torch.optim.AdamW / SGD. Rank 0 writes its initial weights
+(GPT-2's normal(0, 0.02), drawn from torch.manual_seed(seed)) to INIT.npz under the runner's names before training, so the
 runner can start from them with `--set wrap.init=INIT.npz`. Prints one line per epoch:
 `epoch E loss L` with the mean per-sample (per-window) training loss over all ranks.
 """
@@ -89,6 +89,12 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = None if tied else nn.Linear(d, vocab, bias=False)
+        # GPT-2's initialisation, as the runner's (from torch's generator here).
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
 
     def forward(self, x):
         h = self.tok(x) + self.pos.weight[: x.shape[1]]
