@@ -77,7 +77,8 @@ fn ddp_over_two_ranks_equals_one_rank_with_twice_the_batch_and_the_trace_has_per
     let two = ["run", "p.toml", "--out", "two", "--set", "run.world_size=2", "--set", "train.batch_size=8"];
     assert_ok(&run(&two, dir.path()));
 
-    let (l1, l2) = (rank0(&dir.path().join("one"), "global_train_loss"), rank0(&dir.path().join("two"), "global_train_loss"));
+    let (l1, l2) =
+        (rank0(&dir.path().join("one"), "global_train_loss"), rank0(&dir.path().join("two"), "global_train_loss"));
     assert_eq!(l1.len(), 2);
     for (e, (a, b)) in l2.iter().zip(&l1).enumerate() {
         assert!(((a - b) / b).abs() < 1e-5, "epoch {}: 2 ranks × 8 gave {a}, 1 rank × 16 gave {b}", e + 1);
@@ -120,7 +121,8 @@ fn a_transformer_pipeline_over_2_and_4_ranks_equals_one_process() {
     assert_eq!(reference.len(), 2 + 3 * 12 + 3);
     for out in ["two", "four", "four-1f1b"] {
         assert_close(&params(&dir.path().join(out)), &reference, out);
-        let (a, b) = (rank0(&dir.path().join(out), "global_train_loss"), rank0(&dir.path().join("one"), "global_train_loss"));
+        let (a, b) =
+            (rank0(&dir.path().join(out), "global_train_loss"), rank0(&dir.path().join("one"), "global_train_loss"));
         assert!(((a[0] - b[0]) / b[0]).abs() < 1e-5, "{out}: loss {a:?} against one process's {b:?}");
     }
 }
@@ -130,23 +132,40 @@ fn text_and_token_files_train_and_bad_token_data_is_refused_with_pinned_messages
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path();
     write(p, "p.toml", LM);
-    let text_file: String = (0..40).map(|i| format!("line {i}: the quick brown fox jumps over the lazy dog. ")).collect();
+    let text_file: String =
+        (0..40).map(|i| format!("line {i}: the quick brown fox jumps over the lazy dog. ")).collect();
     write(p, "book.txt", &text_file);
     let o = run(
         &[
-            "run", "p.toml", "--out", "text", "--set", "load.source=\"text\"", "--set", "load.path=\"book.txt\"",
-            "--set", "wrap.model.vocab=256", "--set", "load.validation_rows=8", "--set", "run.world_size=2",
+            "run",
+            "p.toml",
+            "--out",
+            "text",
+            "--set",
+            "load.source=\"text\"",
+            "--set",
+            "load.path=\"book.txt\"",
+            "--set",
+            "wrap.model.vocab=256",
+            "--set",
+            "load.validation_rows=8",
+            "--set",
+            "run.world_size=2",
         ],
         p,
     );
     assert_ok(&o);
     let (stdout, _) = text(&o);
-    assert!(stdout.contains("book.txt (2150 tokens)") && stdout.contains("120 training + 8 validation windows"), "{stdout}");
+    assert!(
+        stdout.contains("book.txt (2150 tokens)") && stdout.contains("120 training + 8 validation windows"),
+        "{stdout}"
+    );
 
     // A nanoGPT .bin of uint16 ids, one of them 40 ≥ vocab 32.
     let ids: Vec<u16> = (0..200).map(|i| if i == 150 { 40 } else { (i * 7 % 32) as u16 }).collect();
     std::fs::write(p.join("ids.bin"), ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
-    let tokens = ["--set", "load.source=\"tokens\"", "--set", "load.path=\"ids.bin\"", "--set", "load.validation_rows=2"];
+    let tokens =
+        ["--set", "load.source=\"tokens\"", "--set", "load.path=\"ids.bin\"", "--set", "load.validation_rows=2"];
     let refuse = |extra: &[&str]| {
         let o = run(&[&["validate", "p.toml"][..], &tokens, extra].concat(), p);
         assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
@@ -172,11 +191,22 @@ fn text_and_token_files_train_and_bad_token_data_is_refused_with_pinned_messages
     );
     let err = refuse(&["--set", "wrap.model.vocab=64", "--set", "normalize.method=\"minmax\""]);
     assert!(
-        err.contains("`normalize.method` (--set normalize.method=\"minmax\"): a language model's inputs are token ids, \
-                      which are never scaled: set it to \"none\""),
+        err.contains(
+            "`normalize.method` (--set normalize.method=\"minmax\"): a language model's inputs are token ids, \
+                      which are never scaled: set it to \"none\""
+        ),
         "{err}"
     );
-    let err = refuse(&["--set", "wrap.model.vocab=64", "--set", "wrap.strategy=\"pipeline\"", "--set", "run.world_size=2", "--set", "wrap.model.tied=true"]);
+    let err = refuse(&[
+        "--set",
+        "wrap.model.vocab=64",
+        "--set",
+        "wrap.strategy=\"pipeline\"",
+        "--set",
+        "run.world_size=2",
+        "--set",
+        "wrap.model.tied=true",
+    ]);
     assert!(
         err.contains("`wrap.model.tied` (--set wrap.model.tied=true): the output head (layer 4) is tied to the token \
                       embedding (layer 0), but a pipeline puts them on different ranks (layers 2-4 without layer 0); set \
@@ -194,7 +224,11 @@ fn text_and_token_files_train_and_bad_token_data_is_refused_with_pinned_messages
         text(&o)
     );
     // With every id below the vocabulary, the same file trains.
-    let o = run(&[&["run", "p.toml", "--out", "bin"][..], &tokens, &["--set", "wrap.model.vocab=41", "--set", "load.rows=20"]].concat(), p);
+    let o = run(
+        &[&["run", "p.toml", "--out", "bin"][..], &tokens, &["--set", "wrap.model.vocab=41", "--set", "load.rows=20"]]
+            .concat(),
+        p,
+    );
     assert_ok(&o);
 }
 
@@ -223,5 +257,8 @@ fn the_large_model_holds_a_quarter_of_100_million_parameters_per_rank_and_one_ra
     let o = validate(&["--set", "run.world_size=1"]);
     assert_eq!(o.status.code(), Some(2));
     let (_, stderr) = text(&o);
-    assert!(stderr.contains("more than the 100 MiB a rank may hold; split the model over at least 4 ranks"), "{stderr}");
+    assert!(
+        stderr.contains("more than the 100 MiB a rank may hold; split the model over at least 4 ranks"),
+        "{stderr}"
+    );
 }

@@ -96,7 +96,10 @@ fn npy(bytes: &[u8]) -> Result<Vec<u32>, String> {
         let negative = signed && c[size - 1] & 0x80 != 0;
         let v = u64::from_le_bytes(b);
         if negative || v > u32::MAX as u64 {
-            return Err(format!("token id at position {i} is {}, not an id", if negative { "negative" } else { "huge" }));
+            return Err(format!(
+                "token id at position {i} is {}, not an id",
+                if negative { "negative" } else { "huge" }
+            ));
         }
         ids.push(v as u32);
     }
@@ -105,15 +108,14 @@ fn npy(bytes: &[u8]) -> Result<Vec<u32>, String> {
 
 /// The plan's view of a language model's data: windows of `t.seq_len` + 1 tokens of the file
 /// `load.path` (or synthetic ones), every id checked to be below `t.vocab`.
-pub fn spec(
-    load: &Load,
-    t: &Transformer,
-    base: &Path,
-    bad: &mut impl FnMut(&str, String),
-) -> Option<DataSpec> {
+pub fn spec(load: &Load, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str, String)) -> Option<DataSpec> {
     for (key, given) in [("load.features", load.features.is_some()), ("load.classes", load.classes.is_some())] {
         if given {
-            bad(key, "is not read by a language model: its inputs are wrap.model.seq_len token ids over wrap.model.vocab".into());
+            bad(
+                key,
+                "is not read by a language model: its inputs are wrap.model.seq_len token ids over wrap.model.vocab"
+                    .into(),
+            );
         }
     }
     if load.target.is_some() {
@@ -202,7 +204,11 @@ pub fn spec(
     if load.validation_rows >= total {
         bad(
             "load.validation_rows",
-            format!("{} leaves no training windows out of {total} (of {} tokens each)", load.validation_rows, t.seq_len + 1),
+            format!(
+                "{} leaves no training windows out of {total} (of {} tokens each)",
+                load.validation_rows,
+                t.seq_len + 1
+            ),
         );
         return None;
     }
@@ -237,7 +243,11 @@ fn synthetic(d: &DataSpec, seed: u64, len: usize) -> Vec<i64> {
     (0..len)
         .map(|_| {
             let current = token;
-            token = if rng.uniform() < d.noise { rng.below(vocab) } else { successors[token as usize][rng.below(4) as usize] };
+            token = if rng.uniform() < d.noise {
+                rng.below(vocab)
+            } else {
+                successors[token as usize][rng.below(4) as usize]
+            };
             current as i64
         })
         .collect()
@@ -263,7 +273,9 @@ mod tests {
         std::fs::write(dir.path().join("t.txt"), "héllo").unwrap();
         assert_eq!(read(&dir.path().join("t.txt"), Source::Text).unwrap(), [104, 195, 169, 108, 108, 111]);
         std::fs::write(dir.path().join("bad.txt"), [b'a', 0xff]).unwrap();
-        assert!(read(&dir.path().join("bad.txt"), Source::Text).unwrap_err().contains("not UTF-8 text (invalid byte at offset 1)"));
+        assert!(read(&dir.path().join("bad.txt"), Source::Text)
+            .unwrap_err()
+            .contains("not UTF-8 text (invalid byte at offset 1)"));
     }
 
     #[test]
