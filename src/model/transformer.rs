@@ -366,7 +366,7 @@ mod tests {
     #[test]
     fn a_tied_head_must_share_a_stage_with_the_embedding() {
         let tied = TransformerArch::new(&small(true));
-        let whole = vec![0..5];
+        let whole = [Range { start: 0, end: 5 }];
         assert!(tied.check_stages(&whole).is_ok());
         let err = tied.check_stages(&[0..3, 3..5]).unwrap_err();
         assert!(err.contains("(layers 3-4 without layer 0); set wrap.model.tied = false"), "{err}");
