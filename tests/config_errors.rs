@@ -27,7 +27,7 @@ const CASES: &[Case] = &[
         file: "",
         args: &["--set", "wrap.model.kind=\"cnn\""],
         env: &[],
-        expected: "error: --set wrap.model.kind=\"cnn\": `wrap.model` cannot be \"cnn\" (one of: \"mlp\")",
+        expected: "error: --set wrap.model.kind=\"cnn\": `wrap.model` cannot be \"cnn\" (one of: \"mlp\", \"transformer\")",
     },
     Case {
         name: "misspelled section",
