@@ -213,6 +213,9 @@ fn text_and_token_files_train_and_bad_token_data_is_refused_with_pinned_messages
                       wrap.model.tied = false"),
         "{err}"
     );
+    // A model no machine holds is refused by the memory estimate, naming the transformer's key.
+    let err = refuse(&["--set", "wrap.model.vocab=64", "--set", "wrap.model.d_model=1048576"]);
+    assert!(err.contains("`wrap.model.d_model` (--set wrap.model.d_model=1048576): the run needs about"), "{err}");
     write(p, "mlp.toml", "[load]\nsource = \"tokens\"\npath = \"ids.bin\"\n");
     let o = run(&["validate", "mlp.toml"], p);
     assert!(

@@ -343,7 +343,11 @@ impl Plan {
             let values =
                 d.input_size() + arch.layers().iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
             let estimate = crate::launch::limits::estimate(&c, d, heaviest, values, batch);
-            crate::launch::limits::check_memory(&estimate, c.run.world_size, &mut bad);
+            let model_key = match c.wrap.model {
+                Model::Transformer(_) => "wrap.model.d_model",
+                _ => "wrap.model.hidden",
+            };
+            crate::launch::limits::check_memory(&estimate, c.run.world_size, model_key, &mut bad);
         }
         if !errors.is_empty() {
             let n = errors.len();
