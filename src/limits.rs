@@ -134,14 +134,15 @@ pub fn memory(e: &Estimate, ranks: usize, available: f64) -> Option<String> {
 }
 
 /// The memory check as the plan runs it: skipped when turned off or unknowable.
-pub fn check_memory(e: &Estimate, ranks: usize, bad: &mut impl FnMut(&str, String)) {
+/// `model_key`: the key that sizes the model (`wrap.model.hidden` for an MLP).
+pub fn check_memory(e: &Estimate, ranks: usize, model_key: &str, bad: &mut impl FnMut(&str, String)) {
     if std::env::var(NO_MEMORY_CHECK).is_ok_and(|v| v == "1") {
         return;
     }
     if let Some(msg) = available_memory().and_then(|a| memory(e, ranks, a)) {
         // The key of the largest part.
         let key = if e.model >= e.data.max(e.activations) {
-            "wrap.model.hidden"
+            model_key
         } else if e.data >= e.activations {
             "load.rows"
         } else {

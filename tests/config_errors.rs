@@ -27,7 +27,7 @@ const CASES: &[Case] = &[
         file: "",
         args: &["--set", "wrap.model.kind=\"resnet\""],
         env: &[],
-        expected: "error: --set wrap.model.kind=\"resnet\": `wrap.model` cannot be \"resnet\" (one of: \"mlp\", \"cnn\", \"torchscript\")",
+        expected: "error: --set wrap.model.kind=\"resnet\": `wrap.model` cannot be \"resnet\" (one of: \"mlp\", \"cnn\", \"torchscript\", \"transformer\")",
     },
     Case {
         name: "misspelled section",

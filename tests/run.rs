@@ -30,6 +30,9 @@ const SCHEMA: &[(&str, DataType)] = &[
     ("comm_s", DataType::Float64),
     ("compute_s", DataType::Float64),
     ("bubble", DataType::Float64),
+    ("perplexity", DataType::Float64),
+    ("val_perplexity", DataType::Float64),
+    ("tokens_per_s", DataType::Float64),
 ];
 
 fn f64s(df: &DataFrame, col: &str) -> Vec<Option<f64>> {
@@ -92,7 +95,7 @@ fn a_rerun_reproduces_every_value_but_the_timings() {
     assert_ok(&run(&["run", "p.toml", "--out", "a"], dir.path()));
     assert_ok(&run(&["run", "p.toml", "--out", "b"], dir.path()));
     let (a, b) = (trace(&dir.path().join("a")), trace(&dir.path().join("b")));
-    let timing = ["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble"];
+    let timing = ["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "tokens_per_s"];
     for name in a.get_column_names() {
         if timing.contains(&name.as_str()) {
             continue;

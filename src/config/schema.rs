@@ -139,6 +139,11 @@ pub enum Source {
     /// Arrays `x` (any shape, first axis = rows) and `y` (integer labels): an .npz or
     /// .safetensors file, or an .npy file of `x` with `load.labels` the .npy file of `y`.
     Tensors,
+    /// A flat array of token ids (`.npy`, or raw little-endian uint16 `.bin` as nanoGPT writes
+    /// it), cut into windows of `wrap.model.seq_len` + 1 for a language model.
+    Tokens,
+    /// Any UTF-8 file read as bytes (token ids 0..256), cut into windows like `tokens`.
+    Text,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -276,6 +281,8 @@ pub enum Model {
     Cnn(Cnn),
     /// A module scripted or traced in PyTorch, with its own initial weights.
     Torchscript(Torchscript),
+    /// A decoder-only language model over windows of token ids.
+    Transformer(Transformer),
 }
 
 impl Default for Model {
@@ -390,6 +397,34 @@ pub struct Torchscript {
     /// the pipeline file: one input tensor (a batch of the data's samples) to one output tensor
     /// (a batch of logits over the classes).
     pub path: PathBuf,
+}
+
+/// `kind = "transformer"`: token and position embeddings, `layers` pre-norm blocks (causal
+/// self-attention with `heads` heads, then an MLP of width 4 × `d_model`), a final layer norm and
+/// an output head over the vocabulary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct Transformer {
+    /// Token ids 0..vocab (256 for `load.source = "text"`).
+    pub vocab: usize,
+    /// Width of the embeddings and of every block.
+    pub d_model: usize,
+    /// Attention heads per block; must divide d_model.
+    pub heads: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Tokens per window (the context length); the data is cut into windows of seq_len + 1.
+    pub seq_len: usize,
+    /// Dropout probability on the embeddings, the attention weights and each residual branch.
+    pub dropout: f64,
+    /// The output head is the token embedding (transposed) instead of a matrix of its own.
+    pub tied: bool,
+}
+
+impl Default for Transformer {
+    fn default() -> Self {
+        Transformer { vocab: 256, d_model: 64, heads: 4, layers: 2, seq_len: 64, dropout: 0.0, tied: true }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -7,6 +7,7 @@ pub mod normalize;
 pub mod shard;
 mod synthetic;
 pub mod tensors;
+pub mod tokens;
 
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Reduction, Tensor};
@@ -29,6 +30,10 @@ pub struct DataSpec {
     /// Synthetic only: the label noise.
     pub noise: f64,
     pub file: Option<FileInfo>,
+    /// A language model's file of token ids or text (`None`: synthetic tokens, or not a
+    /// language model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<tokens::TokenFile>,
 }
 
 impl DataSpec {
@@ -44,6 +49,10 @@ impl DataSpec {
 pub enum Task {
     /// One of `classes` labels per row: cross-entropy over logits, accuracy.
     Classification { classes: usize },
+    /// The next token at every position of a window of token ids: cross-entropy averaged over
+    /// the positions (a sample's loss) and over the samples; accuracy is the share of positions
+    /// whose most likely token is the next one. Inputs are int64 token ids, never normalised.
+    LanguageModel { vocab: usize },
 }
 
 impl Task {
@@ -51,6 +60,7 @@ impl Task {
     pub fn outputs(&self) -> usize {
         match self {
             Task::Classification { classes } => *classes,
+            Task::LanguageModel { vocab } => *vocab,
         }
     }
 
@@ -58,6 +68,13 @@ impl Task {
     pub fn per_sample_loss(&self, out: &Tensor, y: &Tensor) -> Tensor {
         match self {
             Task::Classification { .. } => out.cross_entropy_loss::<Tensor>(y, None, Reduction::None, -100, 0.0),
+            Task::LanguageModel { vocab } => {
+                let (b, t) = (y.size()[0], y.size()[1]);
+                out.reshape([-1, *vocab as i64])
+                    .cross_entropy_loss::<Tensor>(&y.reshape([-1]), None, Reduction::None, -100, 0.0)
+                    .view([b, t])
+                    .mean_dim([-1i64].as_slice(), false, Kind::Float)
+            }
         }
     }
 
@@ -65,7 +82,14 @@ impl Task {
     pub fn correct(&self, out: &Tensor, y: &Tensor) -> Tensor {
         match self {
             Task::Classification { .. } => out.argmax(-1, false).eq_tensor(y).to_kind(Kind::Float),
+            Task::LanguageModel { .. } => {
+                out.argmax(-1, false).eq_tensor(y).to_kind(Kind::Float).mean_dim([-1i64].as_slice(), false, Kind::Float)
+            }
         }
+    }
+
+    pub fn is_language_model(&self) -> bool {
+        matches!(self, Task::LanguageModel { .. })
     }
 
     /// Mean loss and accuracy of outputs `out` against targets `y`.
@@ -74,6 +98,7 @@ impl Task {
             let loss = match self {
                 // torch's F.cross_entropy(out, y): the mean in float32, as the PyTorch twin reports it.
                 Task::Classification { .. } => out.cross_entropy_for_logits(y).double_value(&[]),
+                Task::LanguageModel { .. } => self.per_sample_loss(out, y).mean(Kind::Double).double_value(&[]),
             };
             let acc = self.correct(out, y).mean(Kind::Double).double_value(&[]);
             (loss, acc)
@@ -81,7 +106,8 @@ impl Task {
     }
 }
 
-/// Training and validation rows: inputs as float32 (N × input shape), targets as int64.
+/// Training and validation rows: inputs as float32 (N × input shape), or int64 token ids for a
+/// language model; targets as int64 (N, or N × seq_len for a language model).
 #[derive(Debug)]
 pub struct Dataset {
     pub train_x: Tensor,
@@ -106,13 +132,17 @@ impl Dataset {
 
 /// Reads (or generates) the rows the plan describes.
 pub fn load(data: &DataSpec, seed: u64) -> Result<Dataset, String> {
-    let shape: Vec<i64> = std::iter::once(-1).chain(data.input.iter().map(|&d| d as i64)).collect();
-    let from_vecs =
-        |(x, y): (Vec<f32>, Vec<i64>)| (Tensor::from_slice(&x).view(shape.as_slice()), Tensor::from_slice(&y));
-    let (x, y) = match &data.file {
-        None => from_vecs(synthetic::rows(data, seed)),
-        Some(info) if data.source == Source::Tensors => tensors::read(info)?,
-        Some(info) => from_vecs(file::rows(info, data.source)?),
+    let (x, y) = if data.task.is_language_model() {
+        tokens::windows(data, seed)?
+    } else {
+        let shape: Vec<i64> = std::iter::once(-1).chain(data.input.iter().map(|&d| d as i64)).collect();
+        let from_vecs =
+            |(x, y): (Vec<f32>, Vec<i64>)| (Tensor::from_slice(&x).view(shape.as_slice()), Tensor::from_slice(&y));
+        match &data.file {
+            None => from_vecs(synthetic::rows(data, seed)),
+            Some(info) if data.source == Source::Tensors => tensors::read(info)?,
+            Some(info) => from_vecs(file::rows(info, data.source)?),
+        }
     };
     let n = data.rows as i64;
     let v = data.validation_rows as i64;

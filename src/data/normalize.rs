@@ -6,11 +6,12 @@ use tch::{Kind, Tensor};
 use crate::config::schema::{NormalizeMethod, NormalizeScope};
 use crate::dist::{self, ProcessGroup, ReduceOp};
 
-/// x ↦ (x - offset) / scale, per feature.
+/// x ↦ (x - offset) / scale, per feature; the identity for `method = "none"` (which a language
+/// model's token ids require: they are never scaled, nor turned into floats).
 #[derive(Debug)]
 pub struct Normalizer {
-    offset: Tensor,
-    scale: Tensor,
+    /// (offset, scale); `None`: the identity.
+    scaling: Option<(Tensor, Tensor)>,
 }
 
 impl Normalizer {
@@ -28,10 +29,7 @@ impl Normalizer {
         let real = x.index_select(0, &weight.nonzero().squeeze_dim(1));
         let global = scope == NormalizeScope::Global;
         let (offset, scale) = match method {
-            NormalizeMethod::None => (
-                Tensor::zeros([features], (Kind::Float, x.device())),
-                Tensor::ones([features], (Kind::Float, x.device())),
-            ),
+            NormalizeMethod::None => return Ok(Normalizer { scaling: None }),
             NormalizeMethod::Minmax => {
                 let mut min = real.amin([0].as_slice(), false);
                 let mut max = real.amax([0].as_slice(), false);
@@ -62,13 +60,15 @@ impl Normalizer {
                 (mean.to_kind(Kind::Float), var.clamp_min(0.0).sqrt().to_kind(Kind::Float).clamp_min(f64::EPSILON))
             }
         };
-        Ok(Normalizer { offset, scale })
+        Ok(Normalizer { scaling: Some((offset, scale)) })
     }
 
     pub fn apply(&self, x: &Tensor) -> Tensor {
-        if x.dim() == 2 {
-            return (x - &self.offset) / &self.scale;
+        match &self.scaling {
+            None => x.shallow_clone(),
+            Some((offset, scale)) if x.dim() == 2 => (x - offset) / scale,
+            // Images: every value of a sample is a feature.
+            Some((offset, scale)) => ((x.flatten(1, -1) - offset) / scale).view(x.size().as_slice()),
         }
-        ((x.flatten(1, -1) - &self.offset) / &self.scale).view(x.size().as_slice())
     }
 }

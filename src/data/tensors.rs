@@ -150,6 +150,7 @@ pub fn spec(load: &Load, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opt
         task: Task::Classification { classes },
         noise: 0.0,
         file: Some(FileInfo { path, rows, features: Vec::new(), target: "y".into(), classes: found, labels }),
+        tokens: None,
     })
 }
 

@@ -25,7 +25,7 @@ const CONV_STREAM: u64 = 0xC0_0000;
 
 /// The keys' own bounds; `false` when a size is too large to compute shapes from.
 pub fn check(m: &Cnn, bad: &mut impl FnMut(&str, String)) -> bool {
-    use crate::launch::limits::{MAX_LAYERS, MAX_WIDTH};
+    use crate::limits::{MAX_LAYERS, MAX_WIDTH};
     let mut ok = true;
     if m.conv.len() + m.hidden.len() > MAX_LAYERS {
         bad("wrap.model.conv", format!("{} layers are more than the {MAX_LAYERS} the runner takes", m.conv.len()));

@@ -7,6 +7,7 @@ pub mod mlp;
 pub mod optim;
 pub mod partition;
 pub mod torchscript;
+pub mod transformer;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -53,12 +54,20 @@ pub trait Architecture {
     /// Layers `range` built under `p`. Each layer's initial weights depend only on (seed, its
     /// index), so the stages of a pipeline together equal the whole model on every rank.
     fn build(&self, p: &nn::Path, range: Range<usize>, seed: u64) -> Box<dyn ModuleT>;
+
+    /// Why a pipeline cannot hold the model in `stages` (one range of layers per rank), when
+    /// parameters are shared across layers that the stages separate.
+    fn check_stages(&self, _stages: &[Range<usize>]) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// The architecture of `model` for inputs of shape `input` (one sample) and `outputs` values out.
 pub fn architecture(model: &Model, input: &[usize], outputs: usize) -> Box<dyn Architecture> {
     match model {
         Model::Mlp(m) => Box::new(mlp::MlpArch::new(m, input, outputs)),
+        // The plan cuts the data into windows of the model's own seq_len over its vocab.
+        Model::Transformer(t) => Box::new(transformer::TransformerArch::new(t)),
         Model::Cnn(m) => Box::new(cnn::CnnArch::new(m, input, outputs)),
         // The path was resolved against the pipeline file ([`resolve_paths`]) and checked by the plan.
         Model::Torchscript(t) => Box::new(torchscript::TorchScriptArch::new(&t.path, input, outputs)),
@@ -85,7 +94,7 @@ pub fn files(model: &Model) -> Vec<(&'static str, PathBuf)> {
 /// [`resolve_paths`]); `false` when [`architecture`] cannot be made from them.
 pub fn check_input(model: &Model, input: &[usize], outputs: usize, bad: &mut impl FnMut(&str, String)) -> bool {
     match model {
-        Model::Mlp(_) => true,
+        Model::Mlp(_) | Model::Transformer(_) => true,
         Model::Cnn(m) => cnn::check_input(m, input, bad),
         Model::Torchscript(t) => {
             if let Err(e) = crate::input::regular_file(&t.path) {
@@ -110,6 +119,7 @@ pub fn check(model: &Model, bad: &mut impl FnMut(&str, String)) -> bool {
         Model::Mlp(m) => mlp::check(m, bad),
         Model::Cnn(m) => cnn::check(m, bad),
         Model::Torchscript(_) => true,
+        Model::Transformer(t) => transformer::check(t, bad),
     }
 }
 

@@ -13,9 +13,22 @@ impl Plan {
         // One sample's shape: "10" for rows of 10 features.
         let f = d.input.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" × ");
         let classes = d.task.outputs();
-        let source = match &d.file {
-            None => format!("synthetic (seed {}, noise {})", c.run.seed, d.noise),
-            Some(info) => info.path.display().to_string(),
+        let source = match (&d.file, &d.tokens) {
+            (Some(info), _) => info.path.display().to_string(),
+            (_, Some(tokens)) => format!("{} ({} tokens)", tokens.path.display(), tokens.tokens),
+            (None, None) if d.task.is_language_model() => {
+                format!("synthetic tokens (seed {}, Markov chain, noise {})", c.run.seed, d.noise)
+            }
+            (None, None) => format!("synthetic (seed {}, noise {})", c.run.seed, d.noise),
+        };
+        let load_op = match d.task {
+            crate::data::Task::LanguageModel { vocab } => format!(
+                "{} training + {} validation windows of {} + 1 tokens, vocab {vocab}",
+                d.rows,
+                d.validation_rows,
+                d.input_size()
+            ),
+            _ => format!("{} training + {} validation rows, {classes} classes", d.rows, d.validation_rows),
         };
         let order = if c.shard.shuffle { "reshuffled every epoch" } else { "file order" };
         let pipeline = self.is_pipeline();
@@ -94,12 +107,7 @@ impl Plan {
             (e, ValidateOn::Rank0) => format!("every {e} epoch(s) on rank 0"),
         };
         let mut rows = vec![
-            vec![
-                "1 load".into(),
-                source,
-                format!("{} training + {} validation rows, {classes} classes", d.rows, d.validation_rows),
-                format!("{} × {f}", d.rows),
-            ],
+            vec!["1 load".into(), source, load_op, format!("{} × {f}", d.rows)],
             vec!["2 shard".into(), format!("{} × {f}", d.rows), shard_op, format!("{} × {f} {each}", l.per_rank)],
             vec![
                 "3 normalize".into(),
@@ -137,7 +145,12 @@ impl Plan {
             );
             (format!("{} × {f} per rank", l.per_rank), op)
         };
-        rows.push(vec!["5 train".into(), train_in, train_op, "loss, accuracy per epoch".into()]);
+        let train_out = if d.task.is_language_model() {
+            "loss, perplexity, next-token accuracy, tokens/s per epoch"
+        } else {
+            "loss, accuracy per epoch"
+        };
+        rows.push(vec!["5 train".into(), train_in, train_op, train_out.into()]);
         rows.push(vec![
             "  validate".into(),
             format!("{} × {f}", d.validation_rows),

@@ -104,8 +104,31 @@ impl Plan {
         }
 
         let base = file.parent().map(PathBuf::from).unwrap_or_default();
-        let mut data = match c.load.source {
-            Source::Synthetic => {
+        let mut data = match (c.load.source, &c.wrap.model) {
+            // A language model: windows of token ids, from a file or synthetic.
+            (Source::Synthetic | Source::Tokens | Source::Text, Model::Transformer(t)) => {
+                crate::data::tokens::spec(&c.load, t, &base, &mut bad)
+            }
+            (Source::Tokens | Source::Text, _) => {
+                bad(
+                    "load.source",
+                    format!(
+                        "\"{}\" gives token ids for a language model: use wrap.model.kind = \"transformer\"",
+                        if c.load.source == Source::Text { "text" } else { "tokens" }
+                    ),
+                );
+                None
+            }
+            (Source::Csv | Source::Parquet | Source::Tensors, Model::Transformer(_)) => {
+                bad(
+                    "wrap.model.kind",
+                    "\"transformer\" is a language model over token ids: use load.source = \"tokens\", \"text\" \
+                     or \"synthetic\""
+                        .into(),
+                );
+                None
+            }
+            (Source::Synthetic, _) => {
                 for (key, given) in [("load.path", c.load.path.is_some()), ("load.target", c.load.target.is_some())] {
                     if given {
                         bad(key, "is only read by source = \"csv\" or \"parquet\"".into());
@@ -137,6 +160,7 @@ impl Plan {
                     validation_rows: c.load.validation_rows,
                     noise: c.load.noise,
                     file: None,
+                    tokens: None,
                 };
                 if spec.input_size() == 0 && c.load.image.is_none() {
                     bad("load.features", "must be at least 1".into());
@@ -146,9 +170,15 @@ impl Plan {
                 }
                 Some(spec)
             }
-            Source::Tensors => crate::data::tensors::spec(&c.load, &base, &mut bad),
-            source => file_spec(&c.load, source, &base, &mut bad),
+            (Source::Tensors, _) => crate::data::tensors::spec(&c.load, &base, &mut bad),
+            (source, _) => file_spec(&c.load, source, &base, &mut bad),
         };
+        if data.as_ref().is_some_and(|d| d.task.is_language_model()) && c.normalize.method != NormalizeMethod::None {
+            bad(
+                "normalize.method",
+                "a language model's inputs are token ids, which are never scaled: set it to \"none\"".into(),
+            );
+        }
         // Out-of-bounds sizes leave no data: nothing below computes a shape from them.
         if data.as_ref().is_some_and(|d| !crate::limits::sizes(&c, d, &mut bad))
             || c.run.world_size > crate::limits::MAX_WORLD_SIZE
@@ -156,9 +186,10 @@ impl Plan {
             data = None;
         }
         if let Some(d) = &data {
-            let Task::Classification { classes } = d.task;
-            if classes < 2 {
-                bad("load.classes", format!("must be at least 2 for classification, got {classes}"));
+            if let Task::Classification { classes } = d.task {
+                if classes < 2 {
+                    bad("load.classes", format!("must be at least 2 for classification, got {classes}"));
+                }
             }
             if d.rows == 0 {
                 bad("load.rows", "must be at least 1".into());
@@ -276,6 +307,7 @@ impl Plan {
         let mut files = vec![
             ("load.path", data.as_ref().and_then(|d| d.file.as_ref()).map(|f| f.path.clone())),
             ("load.labels", data.as_ref().and_then(|d| d.file.as_ref()).and_then(|f| f.labels.clone())),
+            ("load.path", data.as_ref().and_then(|d| d.tokens.as_ref()).map(|f| f.path.clone())),
             ("wrap.init", init_weights.clone()),
         ];
         files.extend(crate::model::files(&model).into_iter().map(|(key, path)| (key, Some(path))));
@@ -315,6 +347,11 @@ impl Plan {
             }
             Some(vec![0..layer_parameters.len(); w])
         };
+        if let (Some(stages), Some(arch), true) = (&stages, &arch, pipeline) {
+            if let Err(e) = arch.check_stages(stages) {
+                bad("wrap.model.tied", e);
+            }
+        }
         if let (Some(limit), Some(stages)) = (c.run.memory_per_rank_mb, &stages) {
             if !(limit > 0.0) {
                 bad("run.memory_per_rank_mb", format!("must be positive MiB, got {limit}"));
@@ -331,7 +368,11 @@ impl Plan {
             let values =
                 d.input_size() + arch.layers().iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
             let estimate = crate::limits::estimate(&c, d, heaviest, values, batch);
-            crate::limits::check_memory(&estimate, c.run.world_size, &mut bad);
+            let model_key = match c.wrap.model {
+                Model::Transformer(_) => "wrap.model.d_model",
+                _ => "wrap.model.hidden",
+            };
+            crate::limits::check_memory(&estimate, c.run.world_size, model_key, &mut bad);
         }
         if !errors.is_empty() {
             let n = errors.len();
@@ -705,6 +746,7 @@ fn file_spec(
         validation_rows: load.validation_rows,
         noise: 0.0,
         file: Some(FileInfo { path, ..info }),
+        tokens: None,
     })
 }
 

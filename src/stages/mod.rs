@@ -100,9 +100,17 @@ pub fn run(
                 0 => String::new(),
                 n => format!("  bubble {:.0}%", 100.0 * bubbles.iter().sum::<f64>() / n as f64),
             };
+            let lm = match r0.tokens_per_s {
+                Some(tokens) => format!(
+                    "  ppl {:.2}{}  {tokens:.0} tokens/s per rank",
+                    r0.global_train_loss.exp(),
+                    r0.val_perplexity.map(|p| format!("  val ppl {p:.2}")).unwrap_or_default()
+                ),
+                None => String::new(),
+            };
             trainer.progress.end_epoch(
                 &format!(
-                    "epoch {epoch}/{}  loss {:.4}  acc {:.4}{val}  {:.2}s  {:.0} samples/s per rank{bubble}",
+                    "epoch {epoch}/{}  loss {:.4}  acc {:.4}{val}  {:.2}s  {:.0} samples/s per rank{bubble}{lm}",
                     c.train.epochs, r0.global_train_loss, r0.global_train_acc, r0.epoch_s, r0.samples_per_s
                 ),
                 true,

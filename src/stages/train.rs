@@ -141,7 +141,10 @@ impl Trainer<'_, '_> {
         mine.bubble = if stages.is_some() { wait.as_secs_f64() / train_s } else { f64::NAN };
 
         self.position.set("gather metrics", epoch, 0);
-        let rows = gather_epoch_rows(self.pg, epoch, &mine, stages)?;
+        let mut rows = gather_epoch_rows(self.pg, epoch, &mine, stages)?;
+        if self.data.task.is_language_model() {
+            rows.iter_mut().for_each(|r| r.language_model(self.plan.data.input[0]));
+        }
         let steps = gather_step_rows(self.pg, epoch, &step_rows)?;
         Ok(EpochOutput { rows, steps })
     }
@@ -267,6 +270,9 @@ fn gather_epoch_rows(
                 comm_s: f.comm_s,
                 compute_s: f.compute_s,
                 bubble: opt(f.bubble),
+                perplexity: None,
+                val_perplexity: None,
+                tokens_per_s: None,
             }
         })
         .collect())

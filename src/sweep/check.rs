@@ -12,7 +12,7 @@ use crate::rundir::manifest::{Manifest, Status};
 use crate::trace;
 
 /// Columns of trace.parquet that measure time: they differ from run to run by nature.
-pub const TIMING_COLUMNS: &[&str] = &["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble"];
+pub const TIMING_COLUMNS: &[&str] = &["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "tokens_per_s"];
 
 /// Every difference between the stored sweep in `sweep_dir` and a rerun of its points.
 pub fn check(points: &[Point], sweep_dir: &Path) -> anyhow::Result<Vec<String>> {
@@ -150,6 +150,9 @@ mod tests {
             comm_s: epoch_s / 10.0,
             compute_s: epoch_s / 2.0,
             bubble: None,
+            perplexity: None,
+            val_perplexity: None,
+            tokens_per_s: None,
         }
     }
 

@@ -33,6 +33,23 @@ pub struct EpochRow {
     /// waiting for its neighbours (null for the other strategies).
     #[serde(default)]
     pub bubble: Option<f64>,
+    /// Language models: exp(train_loss), exp(val_loss), and training tokens per second
+    /// (samples_per_s × seq_len); null for the other tasks.
+    #[serde(default)]
+    pub perplexity: Option<f64>,
+    #[serde(default)]
+    pub val_perplexity: Option<f64>,
+    #[serde(default)]
+    pub tokens_per_s: Option<f64>,
+}
+
+impl EpochRow {
+    /// Fills the language-model columns of a row over windows of `seq_len` tokens.
+    pub fn language_model(&mut self, seq_len: usize) {
+        self.perplexity = Some(self.train_loss.exp());
+        self.val_perplexity = self.val_loss.map(f64::exp);
+        self.tokens_per_s = Some(self.samples_per_s * seq_len as f64);
+    }
 }
 
 /// The phases of one sampled training step on one rank, in seconds.
@@ -72,6 +89,9 @@ pub const EPOCH_COLUMNS: &[&str] = &[
     "comm_s",
     "compute_s",
     "bubble",
+    "perplexity",
+    "val_perplexity",
+    "tokens_per_s",
 ];
 
 pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsResult<DataFrame> {
@@ -95,6 +115,9 @@ pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsR
         f(|r| r.comm_s).with_name("comm_s".into()),
         f(|r| r.compute_s).with_name("compute_s".into()),
         Column::new("bubble".into(), rows.iter().map(|r| r.bubble).collect::<Vec<_>>()),
+        Column::new("perplexity".into(), rows.iter().map(|r| r.perplexity).collect::<Vec<_>>()),
+        Column::new("val_perplexity".into(), rows.iter().map(|r| r.val_perplexity).collect::<Vec<_>>()),
+        Column::new("tokens_per_s".into(), rows.iter().map(|r| r.tokens_per_s).collect::<Vec<_>>()),
     ];
     DataFrame::new(n, cols)
 }

@@ -114,6 +114,9 @@ mod tests {
             comm_s: 0.0,
             compute_s,
             bubble,
+            perplexity: None,
+            val_perplexity: None,
+            tokens_per_s: None,
         };
         let rows = [
             row(1, 0, 1.0, Some(0.2)),
