@@ -1,6 +1,8 @@
 //! Normalize: per-feature scaling fitted on the rank's shard (`scope = "rank"`, what
 //! the seed does) or on the whole training set through all-reduced statistics (`"global"`).
-//! Fitted once, on the rank's first-epoch shard, then applied to every batch and to validation.
+//! Fitted once, on the rank's first-epoch shard (training rows only), then applied to every
+//! batch and to validation. A constant or near-constant column gets scale 1, as common scalers
+//! do: a range of 1e-16 would blow a later value up to 1e15.
 use tch::{Kind, Tensor};
 
 use crate::config::schema::{NormalizeMethod, NormalizeScope};
@@ -11,6 +13,19 @@ use crate::dist::{self, ProcessGroup, ReduceOp};
 pub struct Normalizer {
     offset: Tensor,
     scale: Tensor,
+}
+
+/// Whether a column whose values span `spread` (range or standard deviation) around values of
+/// magnitude up to `magnitude` is constant but for float32 rounding.
+pub fn is_constant(spread: f64, magnitude: f64) -> bool {
+    !(spread > 10.0 * f32::EPSILON as f64 * magnitude)
+}
+
+/// `spread` where it is a real spread, 1 where the column is constant.
+fn safe_scale(spread: &Tensor, magnitude: &Tensor) -> Tensor {
+    let tol = magnitude.to_kind(Kind::Double) * (10.0 * f32::EPSILON as f64);
+    let keep = spread.to_kind(Kind::Double).gt_tensor(&tol);
+    spread.where_self(&keep, &Tensor::ones_like(spread))
 }
 
 impl Normalizer {
@@ -25,6 +40,13 @@ impl Normalizer {
         let features = x.size()[1];
         let real = x.index_select(0, &weight.nonzero().squeeze_dim(1));
         let global = scope == NormalizeScope::Global;
+        let magnitude = |pg: &ProcessGroup| -> dist::Result<Tensor> {
+            let mut m = real.abs().amax([0].as_slice(), false);
+            if global {
+                pg.all_reduce(&mut m, ReduceOp::Max)?;
+            }
+            Ok(m)
+        };
         let (offset, scale) = match method {
             NormalizeMethod::None => (
                 Tensor::zeros([features], (Kind::Float, x.device())),
@@ -38,7 +60,8 @@ impl Normalizer {
                     pg.all_reduce(&mut max, ReduceOp::Max)?;
                 }
                 let range = &max - &min;
-                (min, range.clamp_min(f64::EPSILON))
+                let scale = safe_scale(&range, &magnitude(pg)?);
+                (min, scale)
             }
             NormalizeMethod::Standard => {
                 // Sums in float64 so the global mean and variance do not depend on the split.
@@ -57,7 +80,8 @@ impl Normalizer {
                 let n = stats.double_value(&[2 * features]);
                 let mean = stats.narrow(0, 0, features) / n;
                 let var = stats.narrow(0, features, features) / n - &mean * &mean;
-                (mean.to_kind(Kind::Float), var.clamp_min(0.0).sqrt().to_kind(Kind::Float).clamp_min(f64::EPSILON))
+                let std = var.clamp_min(0.0).sqrt().to_kind(Kind::Float);
+                (mean.to_kind(Kind::Float), safe_scale(&std, &magnitude(pg)?))
             }
         };
         Ok(Normalizer { offset, scale })
@@ -65,5 +89,16 @@ impl Normalizer {
 
     pub fn apply(&self, x: &Tensor) -> Tensor {
         (x - &self.offset) / &self.scale
+    }
+
+    /// A normalizer with saved statistics (`runner predict`).
+    pub fn from_parts(offset: &[f32], scale: &[f32]) -> Normalizer {
+        Normalizer { offset: Tensor::from_slice(offset), scale: Tensor::from_slice(scale) }
+    }
+
+    /// The offsets and scales, per feature.
+    pub fn parts(&self) -> (Vec<f32>, Vec<f32>) {
+        let v = |t: &Tensor| Vec::<f32>::try_from(t.to_kind(Kind::Float).contiguous()).unwrap_or_default();
+        (v(&self.offset), v(&self.scale))
     }
 }

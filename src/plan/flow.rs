@@ -97,7 +97,12 @@ impl Plan {
             vec![
                 "1 load".into(),
                 source,
-                format!("{} training + {} validation rows, {classes} classes", d.rows, d.validation_rows),
+                match d.task {
+                    crate::data::Task::Regression => {
+                        format!("{} training + {} validation rows, a number to predict", d.rows, d.validation_rows)
+                    }
+                    _ => format!("{} training + {} validation rows, {classes} classes", d.rows, d.validation_rows),
+                },
                 format!("{} × {f}", d.rows),
             ],
             vec!["2 shard".into(), format!("{} × {f}", d.rows), shard_op, format!("{} × {f} {each}", l.per_rank)],
