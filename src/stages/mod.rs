@@ -44,6 +44,7 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
         &first.weight_tensor(),
         pg,
     )?;
+    crate::predict::save(plan, pg, &normalizer, run_dir)?;
     position.set("wrap", 0, 0);
     let found = if resume {
         let found = checkpoint::latest(run_dir, plan)

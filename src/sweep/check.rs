@@ -150,6 +150,10 @@ mod tests {
             comm_s: epoch_s / 10.0,
             compute_s: epoch_s / 2.0,
             bubble: None,
+            val_f1: None,
+            val_rmse: None,
+            val_mae: None,
+            val_r2: None,
         }
     }
 

@@ -114,6 +114,10 @@ mod tests {
             comm_s: 0.0,
             compute_s,
             bubble,
+            val_f1: None,
+            val_rmse: None,
+            val_mae: None,
+            val_r2: None,
         };
         let rows = [
             row(1, 0, 1.0, Some(0.2)),
