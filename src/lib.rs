@@ -15,6 +15,7 @@ pub mod input;
 pub mod launch;
 pub mod model;
 pub mod plan;
+pub mod predict;
 pub mod report;
 pub mod rng;
 pub mod rundir;
