@@ -1,7 +1,9 @@
 """The PyTorch twin of a runner run on a csv file: the same rows for training and validation
 (the run directory's split.json), the same columns and class ids (preprocessing.json), the same
-MLP, optimizer, learning rate, epochs and global batch, trained in one process by plain PyTorch
-(its own default initialisation and shuffling), with min-max or standard scaling fitted on the
+MLP with the runner's initial distribution (tch's default: weights uniform in ±√(6 / in), biases
+in ±1 / √in; `--init torch` for PyTorch's nn.Linear default, ±1 / √in for both), optimizer,
+learning rate, epochs and global batch, trained in one process by plain PyTorch (its own random
+draws and shuffling), with min-max or standard scaling fitted on the
 training rows (scale 1 for constant columns, as scikit-learn's scalers do).
 
     .deps/reference/bin/python benches/reference/tabular_torch.py RUN_DIR [--seeds 5]
@@ -22,6 +24,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir")
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--init", choices=["runner", "torch"], default="runner")
     args = ap.parse_args()
     plan = json.load(open(os.path.join(args.run_dir, "plan.json")))
     pre = json.load(open(os.path.join(args.run_dir, "preprocessing.json")))
@@ -70,6 +73,13 @@ def main():
             width = h
         layers.append(torch.nn.Linear(width, outputs))
         net = torch.nn.Sequential(*layers)
+        if args.init == "runner":
+            with torch.no_grad():
+                for m in net:
+                    if isinstance(m, torch.nn.Linear):
+                        fan_in = m.weight.shape[1]
+                        m.weight.uniform_(-math.sqrt(6 / fan_in), math.sqrt(6 / fan_in))
+                        m.bias.uniform_(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
         opt = {"sgd": lambda p: torch.optim.SGD(p, lr=train["lr"], momentum=train["momentum"], weight_decay=train["weight_decay"]),
                "adam": lambda p: torch.optim.Adam(p, lr=train["lr"], weight_decay=train["weight_decay"]),
                "adamw": lambda p: torch.optim.AdamW(p, lr=train["lr"], weight_decay=train["weight_decay"])}[train["optimizer"]](net.parameters())
@@ -95,7 +105,8 @@ def main():
                 results.append((acc,))
                 print(f"seed {seed}: val acc {acc:.4f}")
     means = [sum(r[i] for r in results) / len(results) for i in range(len(results[0]))]
-    print("mean: " + "  ".join(f"{m:.4f}" for m in means))
+    sds = [math.sqrt(sum((r[i] - m) ** 2 for r in results) / max(len(results) - 1, 1)) for i, m in enumerate(means)]
+    print("mean: " + "  ".join(f"{m:.4f}" for m in means) + "  sd: " + "  ".join(f"{v:.4f}" for v in sds))
 
 
 if __name__ == "__main__":

@@ -397,6 +397,7 @@ fn finite(name: &str, v: &[Option<f64>], path: &Path) -> Result<(), String> {
     let bad: Vec<(usize, f64)> =
         v.iter().enumerate().filter_map(|(i, x)| x.filter(|x| !(*x as f32).is_finite()).map(|x| (i, x))).collect();
     if let Some((row, x)) = bad.first() {
+        let x = if x.is_finite() && x.abs() >= 1e15 { format!("{x:e}") } else { format!("{x}") };
         return Err(format!(
             "column `{name}` of {} holds {x} (row {}{}): values must be finite numbers within float32's range; \
              remove them or leave the cells empty and set load.missing",

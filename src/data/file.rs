@@ -18,7 +18,9 @@ pub struct FileInfo {
     pub delimiter: u8,
     /// Only the file's first rows (`load.rows`).
     pub limit: Option<usize>,
-    /// Rows kept (after `load.missing`), training and validation.
+    /// Rows in the file.
+    pub file_rows: usize,
+    /// Rows kept (after `load.rows` and `load.missing`), training and validation.
     pub rows: usize,
     pub columns: Columns,
     /// How validation rows are held out of the file, with `seed`; absent with `validation_path`.
@@ -78,7 +80,12 @@ pub fn inspect(
     seed: u64,
     validation_path: Option<&Path>,
 ) -> Result<(FileInfo, Rows), String> {
-    let df = read(path, source, delimiter, limit)?;
+    let df = read(path, source, delimiter, None)?;
+    let file_rows = df.height();
+    let df = match limit {
+        Some(n) => df.head(Some(n)),
+        None => df,
+    };
     let classification = choice.task == crate::config::schema::TaskKind::Classification;
     let fitted = columns::fit(&df, path, choice, |y| {
         Ok(match holdout {
@@ -94,6 +101,7 @@ pub fn inspect(
         source,
         delimiter,
         limit,
+        file_rows,
         rows: fitted.rows,
         columns: fitted.columns,
         holdout,

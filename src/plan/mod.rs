@@ -723,6 +723,9 @@ fn file_spec(
             }
         };
     let width = rows.width;
+    if let Some(asked) = limit.filter(|&r| r > info.file_rows) {
+        bad("load.rows", format!("asks for {asked} rows but {} has {}", path.display(), info.file_rows));
+    }
     if let Some(Features::Count(f)) = load.features {
         if f != width {
             bad("load.features", format!("is {f} but {} gives {width} inputs besides `{target}`", path.display()));
