@@ -30,6 +30,10 @@ const SCHEMA: &[(&str, DataType)] = &[
     ("comm_s", DataType::Float64),
     ("compute_s", DataType::Float64),
     ("bubble", DataType::Float64),
+    ("val_f1", DataType::Float64),
+    ("val_rmse", DataType::Float64),
+    ("val_mae", DataType::Float64),
+    ("val_r2", DataType::Float64),
 ];
 
 fn f64s(df: &DataFrame, col: &str) -> Vec<Option<f64>> {

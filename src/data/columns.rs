@@ -349,7 +349,7 @@ fn keep(
     }
     let drop_features = columns.missing == Missing::Drop;
     let kept: Vec<usize> = (0..height)
-        .filter(|&i| !target.is_null(i) && !(drop_features && features.iter().any(|c| c.is_null(i))))
+        .filter(|&i| !(target.is_null(i) || drop_features && features.iter().any(|c| c.is_null(i))))
         .collect();
     if kept.len() < height {
         let how = format!("{:?}", columns.missing).to_lowercase();
@@ -431,7 +431,7 @@ pub fn encode(df: &DataFrame, path: &Path, columns: &Columns) -> Result<Encoded,
             return Err(format!("{} has no column `{}`, a feature of the run", path.display(), f.name()));
         }
     }
-    let has_target = names.iter().any(|n| *n == columns.target);
+    let has_target = names.contains(&columns.target);
     let classification = columns.classes().is_some();
     let mut fcells = Vec::new();
     for f in &columns.features {

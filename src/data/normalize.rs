@@ -18,7 +18,8 @@ pub struct Normalizer {
 /// Whether a column whose values span `spread` (range or standard deviation) around values of
 /// magnitude up to `magnitude` is constant but for float32 rounding.
 pub fn is_constant(spread: f64, magnitude: f64) -> bool {
-    !(spread > 10.0 * f32::EPSILON as f64 * magnitude)
+    // NaN spreads count as constant.
+    spread.partial_cmp(&(10.0 * f32::EPSILON as f64 * magnitude)) != Some(std::cmp::Ordering::Greater)
 }
 
 /// `spread` where it is a real spread, 1 where the column is constant.
@@ -100,5 +101,19 @@ impl Normalizer {
     pub fn parts(&self) -> (Vec<f32>, Vec<f32>) {
         let v = |t: &Tensor| Vec::<f32>::try_from(t.to_kind(Kind::Float).contiguous()).unwrap_or_default();
         (v(&self.offset), v(&self.scale))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_constant;
+
+    #[test]
+    fn a_spread_within_float32_rounding_of_the_values_is_constant() {
+        assert!(is_constant(0.0, 0.0));
+        assert!(is_constant(2e-16, 1.0), "the 2e-16 range that blew digits up");
+        assert!(is_constant(f64::NAN, 1.0));
+        assert!(!is_constant(1e-3, 1.0));
+        assert!(!is_constant(1e-30, 1e-30), "a column of tiny values that varies is not constant");
     }
 }
