@@ -43,6 +43,20 @@ pub enum Command {
     /// Measure the runner against the same pipeline in PyTorch DDP under torchrun, side by side
     /// (installs the reference's PyTorch into .deps/reference on first use, about 5 GB).
     Bench(BenchArgs),
+    /// Apply a finished run's preprocessing and model to a csv or parquet file: predictions as
+    /// parquet, and the metrics when the file holds the target column.
+    Predict(PredictArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct PredictArgs {
+    /// The run directory (results/<name>/<run-id>).
+    pub run_dir: PathBuf,
+    /// A csv or parquet file with the run's feature columns.
+    pub data: PathBuf,
+    /// Where the predictions go [default: RUN_DIR/predictions.parquet]
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -178,6 +192,7 @@ pub fn main(cli: Cli) -> u8 {
             crate::say!("{table}");
             0
         }),
+        Command::Predict(args) => crate::predict::predict(&args.run_dir, &args.data, args.out.as_deref()),
         Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
             quick: args.quick,
             repetitions: if args.quick { 1 } else { args.repetitions as usize },
@@ -216,6 +231,9 @@ pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
 fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
     let plan = plan(args)?;
     crate::say!("{}", plan.data_flow().trim_end_matches('\n'));
+    for note in plan.data.file.iter().flat_map(|f| &f.notes) {
+        crate::say!("{note}");
+    }
     crate::say!("\n{} is valid; nothing was run.", args.file.display());
     Ok(0)
 }
@@ -344,6 +362,9 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
 
 fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
     crate::say!("{}", plan.data_flow());
+    for note in plan.data.file.iter().flat_map(|f| &f.notes) {
+        crate::say!("{note}");
+    }
     if let Some(sweep) = std::env::var(crate::launch::env::SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {
         // Started by `runner sweep`: its end (even by SIGKILL) interrupts this run.
         let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM);

@@ -17,6 +17,7 @@ pub mod launch;
 pub mod limits;
 pub mod model;
 pub mod plan;
+pub mod predict;
 pub mod report;
 pub mod rng;
 pub mod rundir;

@@ -20,7 +20,7 @@ const CASES: &[Case] = &[
         args: &[],
         env: &[],
         expected: "error: p.toml:21:1: unknown key `validate.evry`; did you mean `validate.every`? \
-                   (valid keys in [validate]: validate.every, validate.on)\n  21 | evry = 2",
+                   (valid keys in [validate]: validate.every, validate.on, validate.fraction, validate.rows)\n  21 | evry = 2",
     },
     Case {
         name: "a model kind that does not exist",
@@ -64,7 +64,7 @@ const CASES: &[Case] = &[
         args: &["--set", "train.lrr=0.1"],
         env: &[],
         expected: "error: --set train.lrr=0.1: unknown key `train.lrr`; did you mean `train.lr`? (valid keys in [train]: \
-                   train.epochs, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay)",
+                   train.epochs, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay, train.task)",
     },
     Case {
         name: "--set value of the wrong type",
@@ -86,7 +86,7 @@ const CASES: &[Case] = &[
         args: &[],
         env: &[("RUNNER_TRAIN__LRR", "0.5")],
         expected: "error: environment variable RUNNER_TRAIN__LRR: unknown key `train.lrr`; did you mean `train.lr`? (valid keys in [train]: \
-                   train.epochs, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay)",
+                   train.epochs, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay, train.task)",
     },
     Case {
         name: "environment value of the wrong type",
@@ -129,7 +129,7 @@ const CASES: &[Case] = &[
     Case {
         name: "missing data file",
         file: "",
-        args: &["--set", "load.source=\"csv\"", "--set", "load.path=missing.csv", "--set", "load.target=label"],
+        args: &["--set", "load.source=\"csv\"", "--set", "load.path=missing.csv", "--set", "load.target=label", "--set", "load.validation_rows=1000"],
         env: &[],
         expected: "error: p.toml: invalid configuration:\n  `load.path` (--set load.path=missing.csv): missing.csv does not exist \
                    (paths are relative to the pipeline file)",
@@ -137,28 +137,28 @@ const CASES: &[Case] = &[
     Case {
         name: "absent target column",
         file: "",
-        args: &["--set", "load.source=\"csv\"", "--set", "load.path=labels.csv", "--set", "load.target=lable"],
+        args: &["--set", "load.source=\"csv\"", "--set", "load.path=labels.csv", "--set", "load.target=lable", "--set", "load.validation_rows=1000"],
         env: &[],
         expected: "error: p.toml: invalid configuration:\n  `load.path` (--set load.path=labels.csv): labels.csv has no column `lable`; \
                    did you mean `label`? (columns: a, b, label)",
     },
     Case {
-        name: "target column that is not numeric",
+        name: "a regression target that is not numeric",
         file: "",
-        args: &["--set", "load.source=\"csv\"", "--set", "load.path=named.csv", "--set", "load.target=name"],
+        args: &["--set", "load.source=\"csv\"", "--set", "load.path=named.csv", "--set", "load.target=name", "--set", "load.validation_rows=1000", "--set", "train.task=\"regression\""],
         env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `load.path` (--set load.path=named.csv): column `name` of named.csv is str, \
-                   not numeric (the target must be numbers)",
+        expected: "error: p.toml: invalid configuration:\n  `load.path` (--set load.path=named.csv): target `name` of named.csv holds \
+                   text: train.task = \"regression\" needs numbers",
     },
     Case {
         name: "features that do not match the file, and more rows than it has",
         file: "",
-        args: &["--set", "load.source=\"csv\"", "--set", "load.path=labels.csv", "--set", "load.target=label", "--set", "load.features=5", "--set", "load.validation_rows=1"],
+        args: &["--set", "load.source=\"csv\"", "--set", "load.path=labels.csv", "--set", "load.target=label", "--set", "load.features=5", "--set", "load.validation_rows=1000", "--set", "validate.fraction=0"],
         env: &[],
         expected: "error: p.toml: 3 problems in the configuration:\n  \
-                   `load.features` (--set load.features=5): is 5 but labels.csv has 2 feature columns besides `label`\n  \
                    `load.rows` (file p.toml:9): asks for 600 rows but labels.csv has 3\n  \
-                   `train.batch_size` (file p.toml:19): 16 per rank is larger than a rank's shard of 1 rows (2 rows / 2 ranks); use at most 1",
+                   `load.features` (--set load.features=5): is 5 but labels.csv gives 2 inputs besides `label`\n  \
+                   `train.batch_size` (file p.toml:19): 16 per rank is larger than a rank's shard of 2 rows (3 rows / 2 ranks); use at most 2",
     },
     Case {
         name: "missing initial weights",

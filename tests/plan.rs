@@ -145,7 +145,7 @@ fn a_csv_run_resumes_under_its_id_and_the_id_follows_the_file_content() {
     }
     write(dir.path(), "data.csv", &csv);
     let pipeline = SMALL.replace(
-        "rows = 400\nfeatures = 4\nclasses = 3\n",
+        "rows = 400\nfeatures = 4\nclasses = 3\nvalidation_rows = 50\n",
         "source = \"csv\"\npath = \"data.csv\"\ntarget = \"label\"\n",
     );
     write(dir.path(), "p.toml", &pipeline);

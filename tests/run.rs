@@ -30,6 +30,10 @@ const SCHEMA: &[(&str, DataType)] = &[
     ("comm_s", DataType::Float64),
     ("compute_s", DataType::Float64),
     ("bubble", DataType::Float64),
+    ("val_f1", DataType::Float64),
+    ("val_rmse", DataType::Float64),
+    ("val_mae", DataType::Float64),
+    ("val_r2", DataType::Float64),
     ("perplexity", DataType::Float64),
     ("val_perplexity", DataType::Float64),
     ("tokens_per_s", DataType::Float64),
@@ -192,7 +196,7 @@ fn csv_and_parquet_files_train_like_the_synthetic_source() {
     for source in ["csv", "parquet"] {
         let pipeline = format!(
             "[run]\nname = \"f\"\nworld_size = 2\n[load]\nsource = \"{source}\"\npath = \"data.{source}\"\n\
-             target = \"label\"\nvalidation_rows = 80\n[train]\nepochs = 3\nbatch_size = 8\noptimizer = \"adam\"\nlr = 0.01\n"
+             target = \"label\"\n[validate]\nrows = 80\n[train]\nepochs = 3\nbatch_size = 8\noptimizer = \"adam\"\nlr = 0.01\n"
         );
         write(dir.path(), "f.toml", &pipeline);
         let o = run(&["run", "f.toml", "--out", source], dir.path());

@@ -83,6 +83,10 @@ fn a_sweep_writes_its_table_from_the_traces_and_its_check_catches_one_altered_va
     assert_eq!(f64s(&summary, "speedup")[0], 1.0);
     let csv = std::fs::read_to_string(s.join("table.csv")).unwrap();
     assert!(csv.starts_with("world_size,seeds,final_epoch,train_loss_mean"), "{csv}");
+    assert!(
+        csv.lines().next().unwrap().contains(",val_acc_std,val_f1_mean,val_f1_std,"),
+        "macro-F1 next to accuracy: {csv}"
+    );
     assert_eq!(csv.lines().count(), 3, "{csv}");
     let table = std::fs::read_to_string(s.join("table.md")).unwrap();
     assert!(table.contains(&format!("| 2 | 2 | {mean:.4} ± {std:.4} |")), "{table}");

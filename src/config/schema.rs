@@ -91,17 +91,23 @@ pub struct Load {
     pub source: Source,
     /// Training rows (synthetic); for files, the rows read (all when absent).
     pub rows: Option<usize>,
-    /// Feature columns (synthetic); for files, checked against the file when given.
-    pub features: Option<usize>,
+    /// Synthetic: the number of features. Files: the feature columns, in order (default: every
+    /// column but the target and `exclude`); a number is checked against the file's count.
+    pub features: Option<Features>,
+    /// Files: columns left out of the features (an ID column, a leak).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub exclude: Vec<String>,
     /// Number of classes (synthetic); for files, inferred from the target column when absent.
     pub classes: Option<usize>,
-    /// Rows held out for validation (synthetic: generated after the training rows; files: the last rows).
+    /// Synthetic only: rows generated after the training rows for validation (files:
+    /// `validate.fraction`, `validate.rows` or `load.validation_path`).
     pub validation_rows: usize,
     /// Synthetic only: scale of the label noise (0 = a noiseless teacher).
     pub noise: f64,
     /// csv / parquet: the file, relative to the pipeline file.
     pub path: Option<PathBuf>,
-    /// csv / parquet: the column holding integer class labels 0..classes.
+    /// csv / parquet: the column to predict: class labels (integers, strings or booleans, mapped to
+    /// class ids in sorted order) or, with `train.task = "regression"`, numbers.
     pub target: Option<String>,
     /// Synthetic only: generate images of this shape, [channels, height, width], instead of rows
     /// of `features` numbers.
@@ -111,6 +117,46 @@ pub struct Load {
     /// relative to the pipeline file.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub labels: Option<PathBuf>,
+    /// csv / parquet: a separate validation file with the same columns (instead of a split).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub validation_path: Option<PathBuf>,
+    /// csv / parquet: what to do with missing cells (empty, NA, N/A, null).
+    #[serde(skip_serializing_if = "Missing::is_error")]
+    pub missing: Missing,
+    /// csv: the field separator, one character (default ",").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delimiter: Option<String>,
+}
+
+/// `load.features`: a count (synthetic) or column names (files).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum Features {
+    Count(usize),
+    Columns(Vec<String>),
+}
+
+/// `load.missing`: missing cells in a data file.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Missing {
+    /// Refuse the file, naming the columns and counts.
+    #[default]
+    Error,
+    /// Leave out every row with a missing cell.
+    Drop,
+    /// Fill numeric cells with the training rows' mean (categorical cells: no category).
+    Mean,
+    /// Fill numeric cells with the training rows' median (categorical cells: no category).
+    Median,
+    /// Fill numeric cells with 0 (categorical cells: no category).
+    Zero,
+}
+
+impl Missing {
+    fn is_error(&self) -> bool {
+        *self == Missing::Error
+    }
 }
 
 impl Default for Load {
@@ -126,6 +172,10 @@ impl Default for Load {
             target: None,
             image: None,
             labels: None,
+            exclude: Vec::new(),
+            validation_path: None,
+            missing: Missing::Error,
+            delimiter: None,
         }
     }
 }
@@ -193,10 +243,11 @@ pub enum NormalizeMethod {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum NormalizeScope {
-    /// Statistics of the rank's own shard.
-    #[default]
+    /// Statistics of the rank's own shard (what the seed does; a column constant in one shard
+    /// gets scale 1 there).
     Rank,
-    /// Statistics all-reduced across ranks: the whole training set.
+    /// Statistics all-reduced across ranks: the whole training set, the same at every world size.
+    #[default]
     Global,
 }
 
@@ -447,6 +498,23 @@ pub struct Train {
     pub lr: f64,
     pub momentum: f64,
     pub weight_decay: f64,
+    /// What the model learns: class labels (cross-entropy) or numbers (MSE on the normalised target).
+    #[serde(skip_serializing_if = "TaskKind::is_classification")]
+    pub task: TaskKind,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskKind {
+    #[default]
+    Classification,
+    Regression,
+}
+
+impl TaskKind {
+    fn is_classification(&self) -> bool {
+        *self == TaskKind::Classification
+    }
 }
 
 impl Default for Train {
@@ -459,6 +527,7 @@ impl Default for Train {
             lr: 0.1,
             momentum: 0.0,
             weight_decay: 0.0,
+            task: TaskKind::Classification,
         }
     }
 }
@@ -477,11 +546,18 @@ pub struct Validate {
     /// Validate every this many epochs (and after the last); 0 turns validation off.
     pub every: usize,
     pub on: ValidateOn,
+    /// csv / parquet: the fraction of rows held out for validation, by a seeded shuffle (stratified
+    /// by class for classification); default 0.2.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fraction: Option<f64>,
+    /// csv / parquet: rows held out for validation, instead of a fraction.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rows: Option<usize>,
 }
 
 impl Default for Validate {
     fn default() -> Self {
-        Validate { every: 1, on: ValidateOn::Rank0 }
+        Validate { every: 1, on: ValidateOn::Rank0, fraction: None, rows: None }
     }
 }
 

@@ -1,110 +1,184 @@
-//! csv and parquet files read with polars: checked against the pipeline's needs on the plan
-//! (target column, numeric features, nothing missing), read as rows on each rank.
+//! csv and parquet files read with polars: fitted on the plan ([`inspect`]: columns, encoding,
+//! validation split, all from the training rows), read as encoded rows on each rank ([`load`]).
 use std::path::{Path, PathBuf};
 
 use polars::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use super::columns::{self, Choice, Columns, Encoded};
+use super::split::{self, Holdout};
 use crate::config::schema::Source;
 
-/// What the plan needs to know of a data file.
+/// What the plan knows of a data file, and everything needed to read it again the same way.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FileInfo {
     pub path: PathBuf,
+    pub source: Source,
+    /// csv: the field separator.
+    pub delimiter: u8,
+    /// Only the file's first rows (`load.rows`).
+    pub limit: Option<usize>,
+    /// Rows in the file.
+    pub file_rows: usize,
+    /// Rows kept (after `load.rows` and `load.missing`), training and validation.
     pub rows: usize,
-    pub features: Vec<String>,
-    pub target: String,
-    /// Largest label + 1.
-    pub classes: usize,
-    /// tensors with an .npy `path`: the .npy file of the labels.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub labels: Option<PathBuf>,
+    pub columns: Columns,
+    /// How validation rows are held out of the file, with `seed`; absent with `validation_path`.
+    pub holdout: Option<Holdout>,
+    pub seed: u64,
+    pub validation_path: Option<PathBuf>,
+    /// What `runner validate` and `runner run` tell the user about the data.
+    pub notes: Vec<String>,
 }
 
-/// The features (row-major, float32) and labels of every row of the file.
-pub fn rows(info: &FileInfo, source: Source) -> Result<(Vec<f32>, Vec<i64>), String> {
-    let df = read(&info.path, source)?;
-    columns(&df, info)
-}
-
-fn read(path: &Path, source: Source) -> Result<DataFrame, String> {
+/// Reads a csv or parquet file: empty, NA, N/A and null cells are missing.
+pub fn read(path: &Path, source: Source, delimiter: u8, limit: Option<usize>) -> Result<DataFrame, String> {
     let fail = |e: PolarsError| format!("cannot read {}: {e}", path.display());
     if !path.is_file() {
         return Err(format!("{} does not exist (paths are relative to the pipeline file)", path.display()));
     }
-    match source {
+    let df = match source {
         Source::Parquet => {
             let file = std::fs::File::open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-            ParquetReader::new(file).finish().map_err(fail)
+            ParquetReader::new(file).finish().map_err(fail)?
         }
-        _ => CsvReadOptions::default()
-            .with_has_header(true)
-            .try_into_reader_with_file_path(Some(path.to_owned()))
-            .and_then(|r| r.finish())
-            .map_err(fail),
-    }
-}
-
-/// Checks a data file against the pipeline's needs: the target exists and holds integer
-/// labels, every other column is numeric, nothing is missing.
-pub fn inspect(path: &Path, source: Source, target: &str) -> Result<FileInfo, String> {
-    let df = read(path, source)?;
-    let names: Vec<String> = df.get_column_names().iter().map(|s| s.to_string()).collect();
-    if !names.iter().any(|n| n == target) {
-        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let hint = crate::config::resolve::closest(target, &refs)
-            .map(|c| format!("; did you mean `{c}`?"))
-            .unwrap_or_default();
-        return Err(format!("{} has no column `{target}`{hint} (columns: {})", path.display(), names.join(", ")));
-    }
-    for name in &names {
-        let col = df.column(name).map_err(|e| e.to_string())?;
-        if !col.dtype().is_primitive_numeric() {
-            let role = if name == target { "the target" } else { "a feature" };
-            return Err(format!(
-                "column `{name}` of {} is {}, not numeric ({role} must be numbers)",
-                path.display(),
-                col.dtype()
-            ));
+        _ => {
+            let nulls: Vec<PlSmallStr> =
+                ["", "NA", "N/A", "null", "NULL"].iter().map(|s| PlSmallStr::from(*s)).collect();
+            CsvReadOptions::default()
+                .with_has_header(true)
+                .with_infer_schema_length(None)
+                .map_parse_options(move |p| {
+                    p.with_separator(delimiter).with_null_values(Some(NullValues::AllColumns(nulls.clone())))
+                })
+                .try_into_reader_with_file_path(Some(path.to_owned()))
+                .and_then(|r| r.finish())
+                .map_err(fail)?
         }
-        if col.null_count() > 0 {
-            return Err(format!("column `{name}` of {} has {} missing values", path.display(), col.null_count()));
-        }
-    }
-    let labels = df.column(target).and_then(|c| c.cast(&DataType::Float64)).map_err(|e| e.to_string())?;
-    let labels: Vec<f64> = labels.f64().map_err(|e| e.to_string())?.into_no_null_iter().collect();
-    if let Some(bad) = labels.iter().find(|v| v.fract() != 0.0 || **v < 0.0) {
-        return Err(format!(
-            "target `{target}` of {} holds {bad}: class labels must be integers 0, 1, 2, ...",
-            path.display()
-        ));
-    }
-    let classes = labels.iter().fold(0.0f64, |m, v| m.max(*v)) as usize + 1;
-    let features: Vec<String> = names.into_iter().filter(|n| n != target).collect();
-    if features.is_empty() {
-        return Err(format!("{} has no feature column besides the target `{target}`", path.display()));
-    }
-    Ok(FileInfo {
-        path: path.to_owned(),
-        rows: df.height(),
-        features,
-        target: target.to_owned(),
-        classes,
-        labels: None,
+    };
+    Ok(match limit {
+        Some(n) => df.head(Some(n)),
+        None => df,
     })
 }
 
-fn columns(df: &DataFrame, info: &FileInfo) -> Result<(Vec<f32>, Vec<i64>), String> {
-    let err = |e: PolarsError| format!("{}: {e}", info.path.display());
-    let mut x = vec![0f32; df.height() * info.features.len()];
-    let f = info.features.len();
-    for (j, name) in info.features.iter().enumerate() {
-        let col = df.column(name).and_then(|c| c.cast(&DataType::Float32)).map_err(err)?;
-        for (i, v) in col.f32().map_err(err)?.into_no_null_iter().enumerate() {
-            x[i * f + j] = v;
+/// Class ids of targets that are class ids.
+fn class_ids(y: &[f64], info_columns: &Columns) -> Option<Vec<usize>> {
+    info_columns.classes().map(|_| y.iter().map(|&v| v as usize).collect())
+}
+
+/// Fits the file's encoding and split on the plan: returns the info and the encoded training and
+/// validation rows (for the plan's checks).
+#[allow(clippy::too_many_arguments)]
+pub fn inspect(
+    path: &Path,
+    source: Source,
+    delimiter: u8,
+    limit: Option<usize>,
+    choice: &Choice,
+    holdout: Option<Holdout>,
+    seed: u64,
+    validation_path: Option<&Path>,
+) -> Result<(FileInfo, Rows), String> {
+    let df = read(path, source, delimiter, None)?;
+    let file_rows = df.height();
+    let df = match limit {
+        Some(n) => df.head(Some(n)),
+        None => df,
+    };
+    let classification = choice.task == crate::config::schema::TaskKind::Classification;
+    let fitted = columns::fit(&df, path, choice, |y| {
+        Ok(match holdout {
+            Some(h) => {
+                let ids: Option<Vec<usize>> = classification.then(|| y.iter().map(|&v| v as usize).collect());
+                split::split(y.len(), h, seed, ids.as_deref()).0
+            }
+            None => (0..y.len()).collect(),
+        })
+    })?;
+    let info = FileInfo {
+        path: path.to_owned(),
+        source,
+        delimiter,
+        limit,
+        file_rows,
+        rows: fitted.rows,
+        columns: fitted.columns,
+        holdout,
+        seed,
+        validation_path: validation_path.map(Path::to_owned),
+        notes: fitted.notes,
+    };
+    let rows = load_encoded(&info, df)?;
+    Ok((info, rows))
+}
+
+/// Training and validation rows, encoded: inputs row-major (`width` per row), targets as class
+/// ids or values (in original units).
+#[derive(Debug)]
+pub struct Rows {
+    pub width: usize,
+    pub train_x: Vec<f32>,
+    pub train_y: Vec<f64>,
+    pub val_x: Vec<f32>,
+    pub val_y: Vec<f64>,
+    /// The file rows (0-based, header excluded) of the training and validation rows (of the
+    /// validation file with `load.validation_path`).
+    pub train_rows: Vec<usize>,
+    pub val_rows: Vec<usize>,
+}
+
+/// The run's rows, read and encoded as the plan fitted them.
+pub fn load(info: &FileInfo) -> Result<Rows, String> {
+    let df = read(&info.path, info.source, info.delimiter, info.limit)?;
+    load_encoded(info, df)
+}
+
+fn load_encoded(info: &FileInfo, df: DataFrame) -> Result<Rows, String> {
+    let main = columns::encode(&df, &info.path, &info.columns)?;
+    let y = main.y.clone().unwrap_or_default();
+    let pick = |e: &Encoded, idx: &[usize]| -> (Vec<f32>, Vec<f64>) {
+        let w = e.width;
+        let ys = e.y.as_deref().unwrap_or_default();
+        (
+            idx.iter().flat_map(|&i| e.x[i * w..(i + 1) * w].iter().copied()).collect(),
+            idx.iter().map(|&i| ys[i]).collect(),
+        )
+    };
+    match (&info.holdout, &info.validation_path) {
+        (Some(h), _) => {
+            let ids = class_ids(&y, &info.columns);
+            let (train, val) = split::split(y.len(), *h, info.seed, ids.as_deref());
+            let (train_x, train_y) = pick(&main, &train);
+            let (val_x, val_y) = pick(&main, &val);
+            let (train_rows, val_rows) =
+                (train.iter().map(|&i| main.rows[i]).collect(), val.iter().map(|&i| main.rows[i]).collect());
+            Ok(Rows { width: main.width, train_x, train_y, val_x, val_y, train_rows, val_rows })
         }
+        (None, Some(vpath)) => {
+            let vdf = read(vpath, info.source, info.delimiter, None)?;
+            let v = columns::encode(&vdf, vpath, &info.columns)?;
+            if v.y.is_none() {
+                return Err(format!("{} has no column `{}`, the target", vpath.display(), info.columns.target));
+            }
+            Ok(Rows {
+                width: main.width,
+                train_x: main.x,
+                train_y: y,
+                val_x: v.x,
+                val_y: v.y.unwrap_or_default(),
+                train_rows: main.rows,
+                val_rows: v.rows,
+            })
+        }
+        (None, None) => Ok(Rows {
+            width: main.width,
+            train_x: main.x,
+            train_y: y,
+            val_x: Vec::new(),
+            val_y: Vec::new(),
+            train_rows: main.rows,
+            val_rows: Vec::new(),
+        }),
     }
-    let y = df.column(&info.target).and_then(|c| c.cast(&DataType::Int64)).map_err(err)?;
-    let y: Vec<i64> = y.i64().map_err(err)?.into_no_null_iter().collect();
-    Ok((x, y))
 }

@@ -1,6 +1,8 @@
 //! Normalize: per-feature scaling (every value of a sample is a feature: a pixel of a channel) fitted on the rank's shard (`scope = "rank"`, what
 //! the seed does) or on the whole training set through all-reduced statistics (`"global"`).
-//! Fitted once, on the rank's first-epoch shard, then applied to every batch and to validation.
+//! Fitted once, on the rank's first-epoch shard (training rows only), then applied to every
+//! batch and to validation. A constant or near-constant column gets scale 1, as common scalers
+//! do: a range of 1e-16 would blow a later value up to 1e15.
 use tch::{Kind, Tensor};
 
 use crate::config::schema::{NormalizeMethod, NormalizeScope};
@@ -12,6 +14,20 @@ use crate::dist::{self, ProcessGroup, ReduceOp};
 pub struct Normalizer {
     /// (offset, scale); `None`: the identity.
     scaling: Option<(Tensor, Tensor)>,
+}
+
+/// Whether a column whose values span `spread` (range or standard deviation) around values of
+/// magnitude up to `magnitude` is constant but for float32 rounding.
+pub fn is_constant(spread: f64, magnitude: f64) -> bool {
+    // NaN spreads count as constant.
+    spread.partial_cmp(&(10.0 * f32::EPSILON as f64 * magnitude)) != Some(std::cmp::Ordering::Greater)
+}
+
+/// `spread` where it is a real spread, 1 where the column is constant.
+fn safe_scale(spread: &Tensor, magnitude: &Tensor) -> Tensor {
+    let tol = magnitude.to_kind(Kind::Double) * (10.0 * f32::EPSILON as f64);
+    let keep = spread.to_kind(Kind::Double).gt_tensor(&tol);
+    spread.where_self(&keep, &Tensor::ones_like(spread))
 }
 
 impl Normalizer {
@@ -28,6 +44,13 @@ impl Normalizer {
         let features = x.size()[1];
         let real = x.index_select(0, &weight.nonzero().squeeze_dim(1));
         let global = scope == NormalizeScope::Global;
+        let magnitude = |pg: &ProcessGroup| -> dist::Result<Tensor> {
+            let mut m = real.abs().amax([0].as_slice(), false);
+            if global {
+                pg.all_reduce(&mut m, ReduceOp::Max)?;
+            }
+            Ok(m)
+        };
         let (offset, scale) = match method {
             NormalizeMethod::None => return Ok(Normalizer { scaling: None }),
             NormalizeMethod::Minmax => {
@@ -38,7 +61,8 @@ impl Normalizer {
                     pg.all_reduce(&mut max, ReduceOp::Max)?;
                 }
                 let range = &max - &min;
-                (min, range.clamp_min(f64::EPSILON))
+                let scale = safe_scale(&range, &magnitude(pg)?);
+                (min, scale)
             }
             NormalizeMethod::Standard => {
                 // Sums in float64 so the global mean and variance do not depend on the split.
@@ -57,7 +81,8 @@ impl Normalizer {
                 let n = stats.double_value(&[2 * features]);
                 let mean = stats.narrow(0, 0, features) / n;
                 let var = stats.narrow(0, features, features) / n - &mean * &mean;
-                (mean.to_kind(Kind::Float), var.clamp_min(0.0).sqrt().to_kind(Kind::Float).clamp_min(f64::EPSILON))
+                let std = var.clamp_min(0.0).sqrt().to_kind(Kind::Float);
+                (mean.to_kind(Kind::Float), safe_scale(&std, &magnitude(pg)?))
             }
         };
         Ok(Normalizer { scaling: Some((offset, scale)) })
@@ -70,5 +95,33 @@ impl Normalizer {
             // Images: every value of a sample is a feature.
             Some((offset, scale)) => ((x.flatten(1, -1) - offset) / scale).view(x.size().as_slice()),
         }
+    }
+
+    /// A normalizer with saved statistics (`runner predict`).
+    pub fn from_parts(offset: &[f32], scale: &[f32]) -> Normalizer {
+        Normalizer { scaling: Some((Tensor::from_slice(offset), Tensor::from_slice(scale))) }
+    }
+
+    /// The offsets and scales, per feature (none for the identity).
+    pub fn parts(&self) -> (Vec<f32>, Vec<f32>) {
+        let v = |t: &Tensor| Vec::<f32>::try_from(t.to_kind(Kind::Float).contiguous()).unwrap_or_default();
+        match &self.scaling {
+            Some((offset, scale)) => (v(offset), v(scale)),
+            None => (Vec::new(), Vec::new()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_constant;
+
+    #[test]
+    fn a_spread_within_float32_rounding_of_the_values_is_constant() {
+        assert!(is_constant(0.0, 0.0));
+        assert!(is_constant(2e-16, 1.0), "the 2e-16 range that blew digits up");
+        assert!(is_constant(f64::NAN, 1.0));
+        assert!(!is_constant(1e-3, 1.0));
+        assert!(!is_constant(1e-30, 1e-30), "a column of tiny values that varies is not constant");
     }
 }

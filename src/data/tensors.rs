@@ -5,11 +5,22 @@ use std::path::{Path, PathBuf};
 
 use tch::{Kind, Tensor};
 
-use super::{DataSpec, FileInfo, Task};
+use serde::{Deserialize, Serialize};
+
+use super::{DataSpec, Task};
 use crate::config::schema::{Load, Source};
 
+/// What the plan knows of a tensors file (or .npy pair).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorsInfo {
+    /// `x` (with `y`, unless `labels` holds it).
+    pub path: PathBuf,
+    /// The .npy file of `y`, with an .npy `path`.
+    pub labels: Option<PathBuf>,
+}
+
 /// The inputs as float32 and the labels as int64 of every row of the file(s).
-pub fn read(info: &FileInfo) -> Result<(Tensor, Tensor), String> {
+pub fn read(info: &TensorsInfo) -> Result<(Tensor, Tensor), String> {
     let (x, y) = arrays(&info.path, info.labels.as_deref())?;
     Ok((x.to_kind(Kind::Float), y.to_kind(Kind::Int64)))
 }
@@ -127,8 +138,14 @@ pub fn spec(load: &Load, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opt
         }
     };
     let size: usize = input.iter().product();
-    if let Some(f) = load.features.filter(|&f| f != size) {
-        bad("load.features", format!("is {f} but a sample of {} holds {size} values ({input:?})", path.display()));
+    match &load.features {
+        Some(crate::config::schema::Features::Count(f)) if *f != size => {
+            bad("load.features", format!("is {f} but a sample of {} holds {size} values ({input:?})", path.display()))
+        }
+        Some(crate::config::schema::Features::Columns(_)) => {
+            bad("load.features", "names columns of a csv or parquet file; a tensors file has none".into())
+        }
+        _ => {}
     }
     let classes = load.classes.unwrap_or(found);
     if classes < found {
@@ -149,8 +166,9 @@ pub fn spec(load: &Load, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opt
         input,
         task: Task::Classification { classes },
         noise: 0.0,
-        file: Some(FileInfo { path, rows, features: Vec::new(), target: "y".into(), classes: found, labels }),
+        file: None,
         tokens: None,
+        tensors: Some(TensorsInfo { path, labels }),
     })
 }
 

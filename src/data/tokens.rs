@@ -131,6 +131,7 @@ pub fn spec(load: &Load, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str
         noise: if file.is_none() { load.noise } else { 0.0 },
         file: None,
         tokens: file,
+        tensors: None,
     };
     if load.source == Source::Synthetic {
         if load.path.is_some() {
@@ -289,6 +290,7 @@ mod tests {
             noise: 0.1,
             file: None,
             tokens: None,
+            tensors: None,
         };
         let (x, y) = windows(&d, 1).unwrap();
         assert_eq!(x.size(), [4, 5]);

@@ -107,7 +107,17 @@ impl Plan {
             (e, ValidateOn::Rank0) => format!("every {e} epoch(s) on rank 0"),
         };
         let mut rows = vec![
-            vec!["1 load".into(), source, load_op, format!("{} × {f}", d.rows)],
+            vec![
+                "1 load".into(),
+                source,
+                match d.task {
+                    crate::data::Task::Regression => {
+                        format!("{} training + {} validation rows, a number to predict", d.rows, d.validation_rows)
+                    }
+                    _ => load_op,
+                },
+                format!("{} × {f}", d.rows),
+            ],
             vec!["2 shard".into(), format!("{} × {f}", d.rows), shard_op, format!("{} × {f} {each}", l.per_rank)],
             vec![
                 "3 normalize".into(),

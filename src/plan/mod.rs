@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::schema::*;
 use crate::config::{ConfigError, Resolved};
 use crate::data::shard::ShardLayout;
+use crate::data::split::Holdout;
 use crate::data::{file, DataSpec, FileInfo, Task};
 use crate::model::Architecture;
 
@@ -129,12 +130,28 @@ impl Plan {
                 None
             }
             (Source::Synthetic, _) => {
-                for (key, given) in [("load.path", c.load.path.is_some()), ("load.target", c.load.target.is_some())] {
+                let l = &c.load;
+                for (key, given) in [
+                    ("load.path", l.path.is_some()),
+                    ("load.target", l.target.is_some()),
+                    ("load.exclude", !l.exclude.is_empty()),
+                    ("load.validation_path", l.validation_path.is_some()),
+                    ("load.missing", l.missing != Missing::Error),
+                    ("load.delimiter", l.delimiter.is_some()),
+                    ("validate.fraction", c.validate.fraction.is_some()),
+                    ("validate.rows", c.validate.rows.is_some()),
+                ] {
                     if given {
                         bad(key, "is only read by source = \"csv\" or \"parquet\"".into());
                     }
                 }
-                let input = match (c.load.image, c.load.features) {
+                if c.train.task != TaskKind::Classification {
+                    bad(
+                        "train.task",
+                        "synthetic data is a classification; regression needs a csv or parquet file".into(),
+                    );
+                }
+                let input = match (c.load.image, &l.features) {
                     (Some(_), Some(_)) => {
                         bad(
                             "load.features",
@@ -147,7 +164,12 @@ impl Plan {
                         vec![0]
                     }
                     (Some(image), None) => image.to_vec(),
-                    (None, f) => vec![f.unwrap_or(10)],
+                    (None, None) => vec![10],
+                    (None, Some(Features::Count(n))) => vec![*n],
+                    (None, Some(Features::Columns(_))) => {
+                        bad("load.features", "names columns of a file; synthetic data takes a number".into());
+                        vec![10]
+                    }
                 };
                 if c.load.labels.is_some() {
                     bad("load.labels", "is only read by source = \"tensors\"".into());
@@ -161,6 +183,7 @@ impl Plan {
                     noise: c.load.noise,
                     file: None,
                     tokens: None,
+                    tensors: None,
                 };
                 if spec.input_size() == 0 && c.load.image.is_none() {
                     bad("load.features", "must be at least 1".into());
@@ -171,7 +194,7 @@ impl Plan {
                 Some(spec)
             }
             (Source::Tensors, _) => crate::data::tensors::spec(&c.load, &base, &mut bad),
-            (source, _) => file_spec(&c.load, source, &base, &mut bad),
+            (source, _) => file_spec(&c, source, &base, &mut bad),
         };
         if data.as_ref().is_some_and(|d| d.task.is_language_model()) && c.normalize.method != NormalizeMethod::None {
             bad(
@@ -186,10 +209,8 @@ impl Plan {
             data = None;
         }
         if let Some(d) = &data {
-            if let Task::Classification { classes } = d.task {
-                if classes < 2 {
-                    bad("load.classes", format!("must be at least 2 for classification, got {classes}"));
-                }
+            if let Task::Classification { classes: classes @ 0..=1 } = d.task {
+                bad("load.classes", format!("must be at least 2 for classification, got {classes}"));
             }
             if d.rows == 0 {
                 bad("load.rows", "must be at least 1".into());
@@ -306,8 +327,13 @@ impl Plan {
         let mut inputs = Vec::new();
         let mut files = vec![
             ("load.path", data.as_ref().and_then(|d| d.file.as_ref()).map(|f| f.path.clone())),
-            ("load.labels", data.as_ref().and_then(|d| d.file.as_ref()).and_then(|f| f.labels.clone())),
+            ("load.path", data.as_ref().and_then(|d| d.tensors.as_ref()).map(|t| t.path.clone())),
+            ("load.labels", data.as_ref().and_then(|d| d.tensors.as_ref()).and_then(|t| t.labels.clone())),
             ("load.path", data.as_ref().and_then(|d| d.tokens.as_ref()).map(|f| f.path.clone())),
+            (
+                "load.validation_path",
+                data.as_ref().and_then(|d| d.file.as_ref()).and_then(|f| f.validation_path.clone()),
+            ),
             ("wrap.init", init_weights.clone()),
         ];
         files.extend(crate::model::files(&model).into_iter().map(|(key, path)| (key, Some(path))));
@@ -681,11 +707,12 @@ fn memory_check(limit: f64, stages: &[Range<usize>], layer_parameters: &[usize],
 }
 
 fn file_spec(
-    load: &Load,
+    c: &Config,
     source: Source,
     base: &std::path::Path,
     bad: &mut impl FnMut(&str, String),
 ) -> Option<DataSpec> {
+    let load = &c.load;
     let Some(rel) = &load.path else {
         bad(
             "load.path",
@@ -694,7 +721,7 @@ fn file_spec(
         return None;
     };
     let Some(target) = &load.target else {
-        bad("load.target", "names the column holding the class labels; it is required for files".into());
+        bad("load.target", "names the column to predict; it is required for files".into());
         return None;
     };
     if load.noise != Load::default().noise {
@@ -706,48 +733,169 @@ fn file_spec(
     if load.labels.is_some() {
         bad("load.labels", "is only read by source = \"tensors\"".into());
     }
+    // Compared with the default, not by source: a run's saved config.toml sets every key.
+    if load.validation_rows != Load::default().validation_rows {
+        bad(
+            "load.validation_rows",
+            "is only read by source = \"synthetic\"; a file's validation rows are validate.fraction (default 0.2), \
+             validate.rows or load.validation_path"
+                .into(),
+        );
+    }
+    let delimiter = match load.delimiter.as_deref() {
+        None => b',',
+        Some(d) if d.len() == 1 && source == Source::Csv => d.as_bytes()[0],
+        Some(d) if source != Source::Csv => {
+            bad("load.delimiter", format!("{d:?} is only read by source = \"csv\""));
+            b','
+        }
+        Some(d) => {
+            bad("load.delimiter", format!("{d:?} is not one ASCII character; use e.g. \";\" or \"\\t\""));
+            b','
+        }
+    };
+    let v = &c.validate;
+    let holdout = match (&load.validation_path, v.fraction, v.rows) {
+        (Some(_), None, None) => None,
+        (Some(_), _, _) => {
+            bad("load.validation_path", "holds the validation rows: remove validate.fraction and validate.rows".into());
+            None
+        }
+        (None, Some(_), Some(_)) => {
+            bad("validate.rows", "and validate.fraction both set the validation rows: keep one".into());
+            None
+        }
+        (None, _, Some(r)) => Some(Holdout::Rows(r)),
+        (None, f, None) => {
+            let f = f.unwrap_or(0.2);
+            if !(0.0..1.0).contains(&f) {
+                bad("validate.fraction", format!("must be in [0, 1), got {f}"));
+                return None;
+            }
+            Some(Holdout::Fraction(f))
+        }
+    };
     let path = base.join(rel);
     if let Err(e) = path.exists().then(|| crate::input::regular_file(&path)).transpose() {
         bad("load.path", e);
         return None;
     }
-    let info = match file::inspect(&path, source, target) {
-        Ok(info) => info,
-        Err(e) => {
-            bad("load.path", e);
+    let vpath = load.validation_path.as_ref().map(|p| base.join(p));
+    if let Some(vp) = &vpath {
+        if let Err(e) = crate::input::regular_file(vp) {
+            bad("load.validation_path", e);
             return None;
         }
+    }
+    let names = match &load.features {
+        Some(Features::Columns(names)) => Some(names.as_slice()),
+        _ => None,
     };
-    if let Some(f) = load.features {
-        if f != info.features.len() {
-            bad(
-                "load.features",
-                format!("is {f} but {} has {} feature columns besides `{target}`", path.display(), info.features.len()),
-            );
+    let choice = crate::data::columns::Choice {
+        target,
+        features: names,
+        exclude: &load.exclude,
+        missing: load.missing,
+        task: c.train.task,
+    };
+    let limit = load.rows;
+    let (mut info, rows) =
+        match file::inspect(&path, source, delimiter, limit, &choice, holdout, c.run.seed, vpath.as_deref()) {
+            Ok(found) => found,
+            Err(e) => {
+                let key = if vpath.as_ref().is_some_and(|v| e.contains(&v.display().to_string())) {
+                    "load.validation_path"
+                } else {
+                    "load.path"
+                };
+                bad(key, e);
+                return None;
+            }
+        };
+    let width = rows.width;
+    if let Some(asked) = limit.filter(|&r| r > info.file_rows) {
+        bad("load.rows", format!("asks for {asked} rows but {} has {}", path.display(), info.file_rows));
+    }
+    if let Some(Features::Count(f)) = load.features {
+        if f != width {
+            bad("load.features", format!("is {f} but {} gives {width} inputs besides `{target}`", path.display()));
         }
     }
-    let classes = load.classes.unwrap_or(info.classes);
-    if classes < info.classes {
-        bad("load.classes", format!("is {classes} but `{target}` has labels up to {}", info.classes - 1));
+    let task = match info.columns.classes() {
+        Some(names) => {
+            let k = names.len();
+            if let Some(classes) = load.classes.filter(|&n| n != k) {
+                bad("load.classes", format!("is {classes} but `{target}` holds {k} classes ({})", names.join(", ")));
+            }
+            let count = |y: &[f64]| {
+                let mut n = vec![0usize; k];
+                y.iter().for_each(|&c| n[c as usize] += 1);
+                n
+            };
+            let (train, val) = (count(&rows.train_y), count(&rows.val_y));
+            let lacking: Vec<&str> = (0..k).filter(|&c| train[c] == 0).map(|c| names[c].as_str()).collect();
+            if !lacking.is_empty() {
+                bad(
+                    "load.path",
+                    format!(
+                        "the training rows hold no row of class {}: the model could never learn it (a separate \
+                         validation file with classes the training file lacks, or too few rows?)",
+                        lacking.join(", ")
+                    ),
+                );
+            }
+            for (side, n, total) in [("training", &train, rows.train_y.len()), ("validation", &val, rows.val_y.len())] {
+                let rare: Vec<String> = (0..k)
+                    .filter(|&c| total > 0 && (n[c] as f64) < 0.01 * total as f64)
+                    .map(|c| format!("{} ({} of {total})", names[c], n[c]))
+                    .collect();
+                if !rare.is_empty() {
+                    info.notes.push(format!("warning: classes under 1% of the {side} rows: {}", rare.join(", ")));
+                }
+            }
+            Task::Classification { classes: k }
+        }
+        None => {
+            if load.classes.is_some() {
+                bad("load.classes", "is only read by train.task = \"classification\"".into());
+            }
+            Task::Regression
+        }
+    };
+    let constant = constant_inputs(&rows.train_x, width, &info.columns.input_names());
+    if !constant.is_empty() {
+        info.notes.push(format!("constant over the training rows (normalised with scale 1): {}", constant.join(", ")));
     }
-    if let Some(rows) = load.rows.filter(|r| *r > info.rows) {
-        bad("load.rows", format!("asks for {rows} rows but {} has {}", path.display(), info.rows));
-    }
-    let total = load.rows.unwrap_or(info.rows).min(info.rows);
-    if load.validation_rows >= total {
-        bad("load.validation_rows", format!("{} leaves no training rows out of {total}", load.validation_rows));
+    if rows.train_y.is_empty() {
+        bad("validate.fraction", format!("leaves no training rows out of {}", info.rows));
         return None;
     }
     Some(DataSpec {
         source,
-        rows: total - load.validation_rows,
-        input: vec![info.features.len()],
-        task: Task::Classification { classes },
-        validation_rows: load.validation_rows,
+        rows: rows.train_y.len(),
+        input: vec![width],
+        task,
+        validation_rows: rows.val_y.len(),
         noise: 0.0,
         file: Some(FileInfo { path, ..info }),
         tokens: None,
+        tensors: None,
     })
+}
+
+/// Inputs whose training values are constant, or nearly: the normalizer gives them scale 1.
+fn constant_inputs(x: &[f32], width: usize, names: &[String]) -> Vec<String> {
+    (0..width)
+        .filter(|&j| {
+            let (lo, hi) = x
+                .iter()
+                .skip(j)
+                .step_by(width)
+                .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            crate::data::normalize::is_constant((hi - lo) as f64, lo.abs().max(hi.abs()) as f64)
+        })
+        .map(|j| names[j].clone())
+        .collect()
 }
 
 /// 12 hex digits of FNV-1a over the resolved configuration's canonical JSON and the content

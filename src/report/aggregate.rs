@@ -39,6 +39,8 @@ pub struct Final {
     pub train_acc: f64,
     pub val_loss: Option<f64>,
     pub val_acc: Option<f64>,
+    /// Classification: validation macro-F1 (absent from traces written before it existed).
+    pub val_f1: Option<f64>,
     /// The slowest rank's epoch time, in seconds.
     pub epoch_s: f64,
     /// Samples per second of all ranks together (a pipeline: its slowest rank's, as every rank
@@ -114,6 +116,7 @@ fn point_result(
         train_acc: needed(first(&final_rank0, "global_train_acc")?, "global_train_acc")?,
         val_loss: first(&final_rank0, "val_loss")?,
         val_acc: first(&final_rank0, "val_acc")?,
+        val_f1: if df.column("val_f1").is_ok() { first(&final_rank0, "val_f1")? } else { None },
         epoch_s: final_rows.column("epoch_s")?.f64()?.max().context("no epoch_s")?,
         samples_per_s: if pipeline { sps.min() } else { sps.sum() }.unwrap_or(0.0),
     };
@@ -140,6 +143,8 @@ pub struct Row {
     pub train_acc: Spread,
     pub val_loss: Option<Spread>,
     pub val_acc: Option<Spread>,
+    /// Classification: validation macro-F1; absent when no point's trace has it.
+    pub val_f1: Option<Spread>,
     pub epoch_s: Spread,
     pub samples_per_s: Spread,
     /// Mean samples/s ÷ that of the smallest world size with the same other axis values.
@@ -224,6 +229,7 @@ fn row(group: &[(String, String)], world_size: usize, points: &[&PointResult]) -
         train_acc: spread(|f| f.train_acc),
         val_loss: optional(|f| f.val_loss),
         val_acc: optional(|f| f.val_acc),
+        val_f1: optional(|f| f.val_f1),
         epoch_s: spread(|f| f.epoch_s),
         samples_per_s: spread(|f| f.samples_per_s),
         speedup: f64::NAN,
@@ -254,6 +260,7 @@ mod tests {
                 train_acc: 0.9,
                 val_loss: Some(0.4),
                 val_acc: Some(0.8),
+                val_f1: None,
                 epoch_s: 1.0,
                 samples_per_s,
             },

@@ -37,19 +37,15 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
     );
     let group_keys: Vec<&str> =
         rows.first().map(|r| r.group.iter().map(|(k, _)| k.as_str()).collect()).unwrap_or_default();
+    // Macro-F1 next to accuracy, where the traces have it (not in tables of older traces).
+    let f1 = rows.iter().any(|r| r.val_f1.is_some());
     let mut header = vec!["world size"];
     header.extend(&group_keys);
-    header.extend([
-        "seeds",
-        "train loss",
-        "train acc",
-        "val loss",
-        "val acc",
-        "epoch s",
-        "samples/s",
-        "speedup",
-        "efficiency",
-    ]);
+    header.extend(["seeds", "train loss", "train acc", "val loss", "val acc"]);
+    if f1 {
+        header.push("val f1");
+    }
+    header.extend(["epoch s", "samples/s", "speedup", "efficiency"]);
     out += &format!("| {} |\n", header.join(" | "));
     let align: Vec<&str> = header.iter().map(|h| if group_keys.contains(h) { "---" } else { "---:" }).collect();
     out += &format!("| {} |\n", align.join(" | "));
@@ -64,6 +60,11 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
             r.train_acc.display(4),
             opt(&r.val_loss, 4),
             opt(&r.val_acc, 4),
+        ]);
+        if f1 {
+            cells.push(opt(&r.val_f1, 4));
+        }
+        cells.extend([
             r.epoch_s.display(3),
             r.samples_per_s.display(0),
             format!("{:.2}", r.speedup),
@@ -129,14 +130,17 @@ pub fn frame(rows: &[Row]) -> PolarsResult<DataFrame> {
     cols.push(u32s("seeds", |r| r.seeds));
     cols.push(u32s("final_epoch", |r| r.final_epoch as usize));
     type Stat = fn(&Row) -> Option<Spread>;
-    let stats: [(&str, Stat); 6] = [
+    let mut stats: Vec<(&str, Stat)> = vec![
         ("train_loss", |r| Some(r.train_loss)),
         ("train_acc", |r| Some(r.train_acc)),
         ("val_loss", |r| r.val_loss),
         ("val_acc", |r| r.val_acc),
-        ("epoch_s", |r| Some(r.epoch_s)),
-        ("samples_per_s", |r| Some(r.samples_per_s)),
     ];
+    // Where the traces have it (tables of older traces keep their columns).
+    if rows.iter().any(|r| r.val_f1.is_some()) {
+        stats.push(("val_f1", |r| r.val_f1));
+    }
+    stats.extend([("epoch_s", (|r| Some(r.epoch_s)) as Stat), ("samples_per_s", |r| Some(r.samples_per_s))]);
     for (name, f) in stats {
         let mean: Vec<Option<f64>> = rows.iter().map(|r| f(r).map(|s| s.mean)).collect();
         let std: Vec<Option<f64>> = rows.iter().map(|r| f(r).and_then(|s| s.std)).collect();

@@ -36,7 +36,8 @@ pub const RUN_LOG: &str = "run.log";
 pub const LOCK: &str = lock::FILE;
 
 /// The files a run writes at the top of its directory (besides dot-files and `checkpoints/`).
-const OWN_FILES: &[&str] = &[MANIFEST, CONFIG, PLAN, TRACE, STEPS, MODEL, RUN_LOG];
+const OWN_FILES: &[&str] =
+    &[MANIFEST, CONFIG, PLAN, TRACE, STEPS, MODEL, RUN_LOG, crate::predict::PREPROCESSING, crate::predict::SPLIT];
 
 pub fn checkpoints(run_dir: &Path) -> PathBuf {
     run_dir.join(CHECKPOINTS)

@@ -203,7 +203,10 @@ pub fn write_model(
     let Some(named) = strategy.gather_model(plan, pg, vs)? else { return Ok(()) };
     let path = run_dir.join(crate::rundir::MODEL);
     let tmp = crate::rundir::tmp_path(&path);
-    if let Err(e) = Tensor::write_safetensors(&named, &tmp) {
+    // The preprocessing travels in the model file's metadata: the file alone is usable.
+    let pre = std::fs::read_to_string(run_dir.join(crate::predict::PREPROCESSING)).ok();
+    let meta: Vec<(&str, String)> = pre.into_iter().map(|p| ("runner.preprocessing", p)).collect();
+    if let Err(e) = crate::predict::write_safetensors(&named, &meta, &tmp) {
         let _ = std::fs::remove_file(&tmp);
         return Err(e).with_context(|| format!("cannot write {}", path.display()));
     }

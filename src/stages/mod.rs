@@ -51,6 +51,7 @@ pub fn run(
         &first.weight_tensor().to_device(device),
         pg,
     )?;
+    crate::predict::save(plan, pg, &normalizer, run_dir)?;
     position.set("wrap", 0, 0);
     let found = if resume {
         let found = checkpoint::latest(run_dir, plan)
@@ -90,11 +91,19 @@ pub fn run(
         let buckets = if checkpointing { trainer.wrapped.strategy.bucket_layout()? } else { None };
         if rank == 0 {
             let r0 = &out.rows[0];
-            let val = r0
-                .val_loss
-                .zip(r0.val_acc)
-                .map(|(l, a)| format!("  val loss {l:.4}  val acc {a:.4}"))
-                .unwrap_or_default();
+            let val = match (r0.val_loss, r0.val_acc, r0.val_rmse) {
+                (Some(l), Some(a), _) => {
+                    let f1 = r0.val_f1.map(|f| format!("  val f1 {f:.4}")).unwrap_or_default();
+                    format!("  val loss {l:.4}  val acc {a:.4}{f1}")
+                }
+                (Some(l), None, Some(rmse)) => {
+                    format!("  val loss {l:.4}  val rmse {rmse:.4}  val r2 {:.4}", r0.val_r2.unwrap_or(f64::NAN))
+                }
+                _ => String::new(),
+            };
+            // Regression has no accuracy.
+            let acc =
+                if r0.global_train_acc.is_nan() { String::new() } else { format!("  acc {:.4}", r0.global_train_acc) };
             let bubbles: Vec<f64> = out.rows.iter().filter_map(|r| r.bubble).collect();
             let bubble = match bubbles.len() {
                 0 => String::new(),
@@ -110,8 +119,8 @@ pub fn run(
             };
             trainer.progress.end_epoch(
                 &format!(
-                    "epoch {epoch}/{}  loss {:.4}  acc {:.4}{val}  {:.2}s  {:.0} samples/s per rank{bubble}{lm}",
-                    c.train.epochs, r0.global_train_loss, r0.global_train_acc, r0.epoch_s, r0.samples_per_s
+                    "epoch {epoch}/{}  loss {:.4}{acc}{val}  {:.2}s  {:.0} samples/s per rank{bubble}{lm}",
+                    c.train.epochs, r0.global_train_loss, r0.epoch_s, r0.samples_per_s
                 ),
                 true,
             );

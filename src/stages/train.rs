@@ -129,12 +129,15 @@ impl Trainer<'_, '_> {
         };
 
         let validate = c.validate.every > 0 && (epoch.is_multiple_of(c.validate.every) || epoch == c.train.epochs);
-        (mine.val_loss, mine.val_acc) = (f64::NAN, f64::NAN);
+        let nan = f64::NAN;
+        (mine.val_loss, mine.val_acc, mine.val_f1, mine.val_rmse, mine.val_mae, mine.val_r2) =
+            (nan, nan, nan, nan, nan, nan);
         if validate {
             self.position.set("validate", epoch, 0);
             let w_ = &self.wrapped;
-            if let Some((loss, acc)) = w_.strategy.validate(self.plan, w_.model.as_ref(), self.data, self.normalizer)? {
-                (mine.val_loss, mine.val_acc) = (loss, acc);
+            if let Some(m) = w_.strategy.validate(self.plan, w_.model.as_ref(), self.data, self.normalizer)? {
+                (mine.val_loss, mine.val_acc, mine.val_f1) = (m.loss, m.acc, m.f1);
+                (mine.val_rmse, mine.val_mae, mine.val_r2) = (m.rmse, m.mae, m.r2);
             }
         }
         let stages = self.wrapped.strategy.pipeline_ranks(self.plan);
@@ -178,19 +181,55 @@ struct RankEpoch {
     val_acc: f64,
     compute_s: f64,
     bubble: f64,
+    val_f1: f64,
+    val_rmse: f64,
+    val_mae: f64,
+    val_r2: f64,
 }
 
 impl RankEpoch {
-    fn to_array(self) -> [f64; 10] {
-        let RankEpoch { loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble } =
-            self;
-        [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble]
+    fn to_array(self) -> [f64; 14] {
+        let RankEpoch {
+            loss_sum,
+            correct,
+            samples,
+            steps,
+            epoch_s,
+            comm_s,
+            val_loss,
+            val_acc,
+            compute_s,
+            bubble,
+            val_f1,
+            val_rmse,
+            val_mae,
+            val_r2,
+        } = self;
+        [
+            loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble, val_f1, val_rmse,
+            val_mae, val_r2,
+        ]
     }
 
     fn from_slice(v: &[f64]) -> RankEpoch {
-        let [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble] =
-            v.try_into().expect("10 values per rank");
-        RankEpoch { loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble }
+        let [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble, val_f1, val_rmse, val_mae, val_r2] =
+            v.try_into().expect("14 values per rank");
+        RankEpoch {
+            loss_sum,
+            correct,
+            samples,
+            steps,
+            epoch_s,
+            comm_s,
+            val_loss,
+            val_acc,
+            compute_s,
+            bubble,
+            val_f1,
+            val_rmse,
+            val_mae,
+            val_r2,
+        }
     }
 }
 
@@ -263,6 +302,10 @@ fn gather_epoch_rows(
                 global_train_acc: g_correct / g_samples,
                 val_loss: opt(m.val_loss),
                 val_acc: opt(m.val_acc),
+                val_f1: opt(m.val_f1),
+                val_rmse: opt(m.val_rmse),
+                val_mae: opt(m.val_mae),
+                val_r2: opt(m.val_r2),
                 samples: f.samples as u64,
                 steps: f.steps as u64,
                 epoch_s: f.epoch_s,

@@ -12,7 +12,7 @@ use tch::Tensor;
 
 use crate::config::schema::WrapStrategy;
 use crate::data::normalize::Normalizer;
-use crate::data::Dataset;
+use crate::data::{Dataset, Metrics};
 use crate::dist::ProcessGroup;
 use crate::model::optim::Optimizer;
 use crate::plan::Plan;
@@ -87,7 +87,7 @@ impl<'pg> Strategy<'pg> {
         model: &dyn ModuleT,
         data: &Dataset,
         normalizer: &Normalizer,
-    ) -> anyhow::Result<Option<(f64, f64)>> {
+    ) -> anyhow::Result<Option<Metrics>> {
         if data.val_x.size()[0] == 0 {
             return Ok(None);
         }

@@ -168,14 +168,14 @@ impl<'pg> Stage<'pg> {
         model: &dyn ModuleT,
         data: &Dataset,
         normalizer: &Normalizer,
-    ) -> anyhow::Result<Option<(f64, f64)>> {
+    ) -> anyhow::Result<Option<crate::data::Metrics>> {
         if plan.replica(self.rank) != 0 {
             return Ok(None);
         }
         let n = data.val_x.size()[0];
         let x = if self.stage == 0 { normalizer.apply(&data.val_x) } else { Tensor::new() };
         let out = self.evaluate(model, &x, n, plan.batch_per_rank as i64)?;
-        Ok(out.map(|o| self.task.metrics(&o, &data.val_y)))
+        Ok(out.map(|o| data.metrics(&o, &data.val_y)))
     }
 
     /// The whole model's parameters on rank 0: every rank of the first copy sends its layers

@@ -97,12 +97,12 @@ impl<'pg> Replica<'pg> {
         model: &dyn ModuleT,
         data: &Dataset,
         normalizer: &Normalizer,
-    ) -> Option<(f64, f64)> {
+    ) -> Option<crate::data::Metrics> {
         if self.pg.rank() != 0 && plan.config.validate.on != ValidateOn::All {
             return None;
         }
         let out = tch::no_grad(|| model.forward_t(&normalizer.apply(&data.val_x), false));
-        Some(self.task.metrics(&out, &data.val_y))
+        Some(data.metrics(&out, &data.val_y))
     }
 
     pub fn bucket_layout(&self) -> anyhow::Result<Option<Vec<Vec<usize>>>> {

@@ -33,6 +33,16 @@ pub struct EpochRow {
     /// waiting for its neighbours (null for the other strategies).
     #[serde(default)]
     pub bubble: Option<f64>,
+    /// Classification: the validation set's macro-F1 (mean of the classes' F1).
+    #[serde(default)]
+    pub val_f1: Option<f64>,
+    /// Regression: validation RMSE, MAE (in the target's units) and R².
+    #[serde(default)]
+    pub val_rmse: Option<f64>,
+    #[serde(default)]
+    pub val_mae: Option<f64>,
+    #[serde(default)]
+    pub val_r2: Option<f64>,
     /// Language models: exp(train_loss), exp(val_loss), and training tokens per second
     /// (samples_per_s × seq_len); null for the other tasks.
     #[serde(default)]
@@ -89,6 +99,10 @@ pub const EPOCH_COLUMNS: &[&str] = &[
     "comm_s",
     "compute_s",
     "bubble",
+    "val_f1",
+    "val_rmse",
+    "val_mae",
+    "val_r2",
     "perplexity",
     "val_perplexity",
     "tokens_per_s",
@@ -115,6 +129,10 @@ pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsR
         f(|r| r.comm_s).with_name("comm_s".into()),
         f(|r| r.compute_s).with_name("compute_s".into()),
         Column::new("bubble".into(), rows.iter().map(|r| r.bubble).collect::<Vec<_>>()),
+        Column::new("val_f1".into(), rows.iter().map(|r| r.val_f1).collect::<Vec<_>>()),
+        Column::new("val_rmse".into(), rows.iter().map(|r| r.val_rmse).collect::<Vec<_>>()),
+        Column::new("val_mae".into(), rows.iter().map(|r| r.val_mae).collect::<Vec<_>>()),
+        Column::new("val_r2".into(), rows.iter().map(|r| r.val_r2).collect::<Vec<_>>()),
         Column::new("perplexity".into(), rows.iter().map(|r| r.perplexity).collect::<Vec<_>>()),
         Column::new("val_perplexity".into(), rows.iter().map(|r| r.val_perplexity).collect::<Vec<_>>()),
         Column::new("tokens_per_s".into(), rows.iter().map(|r| r.tokens_per_s).collect::<Vec<_>>()),
