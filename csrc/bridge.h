@@ -85,6 +85,16 @@ char* rn_clear_grads(void** params, size_t n);
 char* rn_fused_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n, double step, double lr,
                     double beta1, double beta2, double weight_decay, double eps, int decoupled);
 
+// CPU autocast to bfloat16 on this thread (torch.autocast("cpu", dtype=torch.bfloat16)): enabled = 1
+// enters a region, enabled = 0 leaves it (clearing the cache of cast weights when the outermost
+// region ends, as torch does, so updated weights are cast afresh).
+char* rn_autocast_cpu_bf16(int enabled);
+
+// The sum of `input` over every rank of pg, as a new tensor (*out, owned by the caller, freed as a
+// tch Tensor) that autograd differentiates: its backward pass all-reduces the incoming gradient too
+// (the collective SyncBatchNorm runs in both directions).
+char* rn_all_reduce_sum_autograd(rn_pg* pg, void* input, void** out);
+
 #ifdef __cplusplus
 }
 #endif

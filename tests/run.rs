@@ -30,6 +30,9 @@ const SCHEMA: &[(&str, DataType)] = &[
     ("comm_s", DataType::Float64),
     ("compute_s", DataType::Float64),
     ("bubble", DataType::Float64),
+    ("lr", DataType::Float64),
+    ("grad_norm_mean", DataType::Float64),
+    ("grad_norm_max", DataType::Float64),
 ];
 
 fn f64s(df: &DataFrame, col: &str) -> Vec<Option<f64>> {

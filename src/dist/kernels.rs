@@ -55,3 +55,23 @@ pub fn fused_adam(params: &[Tensor], m: &[Tensor], v: &[Tensor], step: i64, c: A
     };
     check("fused_adam", err)
 }
+
+/// CPU autocast to bfloat16 while it lives (`torch.autocast("cpu", dtype=torch.bfloat16)`), on
+/// this thread: matrix products run in bfloat16, the weights stay float32.
+pub struct AutocastBf16(());
+
+impl AutocastBf16 {
+    pub fn enter() -> Result<AutocastBf16> {
+        // SAFETY: no pointers; thread-local state only.
+        check("autocast", unsafe { ffi::rn_autocast_cpu_bf16(1) })?;
+        Ok(AutocastBf16(()))
+    }
+}
+
+impl Drop for AutocastBf16 {
+    fn drop(&mut self) {
+        // SAFETY: as in `enter`; leaving a region cannot fail short of a libtorch bug.
+        let err = unsafe { ffi::rn_autocast_cpu_bf16(0) };
+        let _ = check("autocast", err);
+    }
+}

@@ -2,6 +2,7 @@
 //! the pipeline partition, the memory check, the data-flow table, DDP, checkpoints and
 //! `model.safetensors` need to know of a model. Adding a kind is one module here and one variant
 //! of `config::schema::Model` (matched in [`architecture`] and [`check`]).
+pub mod batchnorm;
 pub mod mlp;
 pub mod optim;
 pub mod partition;
@@ -44,6 +45,12 @@ pub trait Architecture {
     /// Layers `range` built under `p`. Each layer's initial weights depend only on (seed, its
     /// index), so the stages of a pipeline together equal the whole model on every rank.
     fn build(&self, p: &nn::Path, range: Range<usize>, seed: u64) -> Box<dyn ModuleT>;
+
+    /// Whether the model holds batch norm layers (`wrap.sync_batchnorm` applies only then); a kind
+    /// with batch norm builds them with [`crate::model::batchnorm::SyncBatchNorm`] when asked.
+    fn has_batch_norm(&self) -> bool {
+        false
+    }
 }
 
 /// The architecture of `model` for inputs of shape `input` (one sample) and `outputs` values out.

@@ -33,6 +33,15 @@ pub struct EpochRow {
     /// waiting for its neighbours (null for the other strategies).
     #[serde(default)]
     pub bubble: Option<f64>,
+    /// The learning rate of the epoch's last optimizer step.
+    #[serde(default)]
+    pub lr: f64,
+    /// With train.clip_grad_norm: the global gradient norm before clipping, mean and max over the
+    /// epoch's optimizer steps (null without clipping).
+    #[serde(default)]
+    pub grad_norm_mean: Option<f64>,
+    #[serde(default)]
+    pub grad_norm_max: Option<f64>,
 }
 
 /// The phases of one sampled training step on one rank, in seconds.
@@ -72,6 +81,9 @@ pub const EPOCH_COLUMNS: &[&str] = &[
     "comm_s",
     "compute_s",
     "bubble",
+    "lr",
+    "grad_norm_mean",
+    "grad_norm_max",
 ];
 
 pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsResult<DataFrame> {
@@ -95,6 +107,9 @@ pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsR
         f(|r| r.comm_s).with_name("comm_s".into()),
         f(|r| r.compute_s).with_name("compute_s".into()),
         Column::new("bubble".into(), rows.iter().map(|r| r.bubble).collect::<Vec<_>>()),
+        f(|r| r.lr).with_name("lr".into()),
+        Column::new("grad_norm_mean".into(), rows.iter().map(|r| r.grad_norm_mean).collect::<Vec<_>>()),
+        Column::new("grad_norm_max".into(), rows.iter().map(|r| r.grad_norm_max).collect::<Vec<_>>()),
     ];
     DataFrame::new(n, cols)
 }

@@ -114,6 +114,9 @@ mod tests {
             comm_s: 0.0,
             compute_s,
             bubble,
+            lr: 0.1,
+            grad_norm_mean: None,
+            grad_norm_max: None,
         };
         let rows = [
             row(1, 0, 1.0, Some(0.2)),
