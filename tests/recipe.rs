@@ -315,14 +315,20 @@ fn a_pipeline_checkpoint_of_another_partition_is_refused_and_a_length_dependent_
     // The record names the partition: rewrite it as another one.
     let json = dir.path().join("r/checkpoints/epoch-0001.json");
     let record = std::fs::read_to_string(&json).unwrap();
-    let other = record.replace("\"stages\":[{\"start\":0,\"end\":2},{\"start\":2,\"end\":3}]", "\"stages\":[{\"start\":0,\"end\":1},{\"start\":1,\"end\":3}]");
+    let other = record.replace(
+        "\"stages\":[{\"start\":0,\"end\":1},{\"start\":1,\"end\":3}]",
+        "\"stages\":[{\"start\":0,\"end\":2},{\"start\":2,\"end\":3}]",
+    );
     assert_ne!(record, other, "{record}");
     std::fs::write(&json, other).unwrap();
     let o = run(&["run", "--resume", "r"], dir.path());
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("it was written with another partition of the model: stages layer 0 | layers 1-2, this run has stages layers 0-1 | layer 2"),
+        err.contains(
+            "it was written with another partition of the model: stages layers 0-1 | layer 2, this run has stages \
+             layer 0 | layers 1-2"
+        ),
         "{err}"
     );
     std::fs::write(&json, record).unwrap();
