@@ -176,21 +176,18 @@ impl Plan {
         if t.accumulate == 1 {
             step.push("an optimizer step per batch".into());
         } else {
-            step.push(format!(
-                "{} batches accumulated per optimizer step ({} steps per epoch; DDP syncs on the last batch only)",
-                t.accumulate, steps
-            ));
+            step.push(format!("{} batches per optimizer step ({steps} per epoch, synced on the last)", t.accumulate));
         }
         match t.clip_grad_norm {
             Some(max) => {
                 let across = if self.is_pipeline() { " (global across the stages)" } else { "" };
-                step.push(format!("clip gradients to global norm {max} after averaging{across}"));
+                step.push(format!("clip to global norm {max} after averaging{across}"));
             }
             None => step.push("no clipping".into()),
         }
         step.push(match t.precision {
             Precision::Fp32 => "fp32".into(),
-            Precision::Bf16 => "bf16 autocast forward, float32 weights and optimizer state".into(),
+            Precision::Bf16 => "bf16 autocast, float32 weights and optimizer state".into(),
             Precision::Fp16 => "fp16".into(),
         });
         if self.config.wrap.sync_batchnorm {

@@ -136,6 +136,7 @@ pub fn run(plan: &Plan, pg: &ProcessGroup, run_dir: &Path, resume: bool) -> anyh
             last_epoch = epoch;
             if rank == 0 {
                 let why = stopper.as_ref().expect("a verdict").reason(epoch);
+                crate::say!("  {why}");
                 crate::rundir::atomic_write(&run_dir.join(crate::rundir::STOPPED), why.as_bytes())?;
             }
             break;
