@@ -57,14 +57,18 @@ fn a_cosine_schedule_with_warmup_is_in_the_trace_and_in_the_plan() {
     }
     let config = std::fs::read_to_string(dir.path().join("r/config.toml")).unwrap();
     assert!(config.contains("[train.schedule]\nkind = \"cosine\"  # --set train.schedule.kind=\"cosine\""), "{config}");
-    assert!(config.contains("accumulate = 1  # default") && config.contains("precision = \"fp32\"  # default"), "{config}");
+    assert!(
+        config.contains("accumulate = 1  # default") && config.contains("precision = \"fp32\"  # default"),
+        "{config}"
+    );
 }
 
 #[test]
 fn a_step_schedule_decays_by_gamma() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", TINY);
-    let args = ["--set", "train.epochs=3", "--set", "train.schedule.kind=\"step\"", "--set", "train.schedule.step_epochs=1"];
+    let args =
+        ["--set", "train.epochs=3", "--set", "train.schedule.kind=\"step\"", "--set", "train.schedule.step_epochs=1"];
     assert_ok(&run(&[&["run", "p.toml", "--out", "r"][..], &args].concat(), dir.path()));
     let lr: Vec<f64> = rank0(&dir.path().join("r"), "lr").into_iter().map(Option::unwrap).collect();
     let expected = [0.1, 0.01, 0.001];
@@ -81,7 +85,8 @@ fn accumulating_k_batches_equals_one_batch_k_times_larger_also_under_ddp() {
         let w = format!("run.world_size={world}");
         let acc = format!("acc{world}");
         let big = format!("big{world}");
-        let a = ["run", "p.toml", "--out", &acc, "--set", &w, "--set", "train.batch_size=8", "--set", "train.accumulate=4"];
+        let a =
+            ["run", "p.toml", "--out", &acc, "--set", &w, "--set", "train.batch_size=8", "--set", "train.accumulate=4"];
         assert_ok(&run(&a, dir.path()));
         assert_ok(&run(&["run", "p.toml", "--out", &big, "--set", &w, "--set", "train.batch_size=32"], dir.path()));
         for col in ["global_train_loss", "val_loss"] {
@@ -119,7 +124,8 @@ fn clipping_records_the_pre_clip_norm_and_a_loose_bound_changes_nothing() {
 fn a_pipeline_clips_by_the_global_norm_across_its_stages() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", TINY);
-    let common = ["--set", "run.world_size=2", "--set", "wrap.model.hidden=[16, 16]", "--set", "train.clip_grad_norm=0.05"];
+    let common =
+        ["--set", "run.world_size=2", "--set", "wrap.model.hidden=[16, 16]", "--set", "train.clip_grad_norm=0.05"];
     let pipe = [&["run", "p.toml", "--out", "pipe", "--set", "wrap.strategy=\"pipeline\""][..], &common].concat();
     assert_ok(&run(&pipe, dir.path()));
     // One process walking the same rows (a single pipeline's ranks walk the whole set).
@@ -135,15 +141,24 @@ fn bf16_trains_close_to_fp32_and_fp16_is_refused_on_cpu() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", TINY);
     assert_ok(&run(&["run", "p.toml", "--out", "fp32", "--set", "train.epochs=4"], dir.path()));
-    assert_ok(&run(&["run", "p.toml", "--out", "bf16", "--set", "train.epochs=4", "--set", "train.precision=\"bf16\""], dir.path()));
-    let (a, b) = (rank0(&dir.path().join("fp32"), "global_train_loss"), rank0(&dir.path().join("bf16"), "global_train_loss"));
+    assert_ok(&run(
+        &["run", "p.toml", "--out", "bf16", "--set", "train.epochs=4", "--set", "train.precision=\"bf16\""],
+        dir.path(),
+    ));
+    let (a, b) =
+        (rank0(&dir.path().join("fp32"), "global_train_loss"), rank0(&dir.path().join("bf16"), "global_train_loss"));
     assert_ne!(a, b, "bf16 autocast changes the arithmetic");
     close(&b, &a, 0.03, "bf16 vs fp32 train loss");
 
     let o = run(&["validate", "p.toml", "--set", "train.precision=\"fp16\""], dir.path());
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("`train.precision` (--set train.precision=\"fp16\"): \"fp16\" (with dynamic loss scaling) needs a GPU"), "{err}");
+    assert!(
+        err.contains(
+            "`train.precision` (--set train.precision=\"fp16\"): \"fp16\" (with dynamic loss scaling) needs a GPU"
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -151,7 +166,8 @@ fn early_stopping_keeps_the_best_model_and_says_why_it_stopped() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", TINY);
     // No improvement counts under min_delta = 10: the run stops after 1 + patience validations.
-    let args = ["--set", "train.epochs=6", "--set", "train.early_stop.patience=2", "--set", "train.early_stop.min_delta=10"];
+    let args =
+        ["--set", "train.epochs=6", "--set", "train.early_stop.patience=2", "--set", "train.early_stop.min_delta=10"];
     let o = run(&[&["run", "p.toml", "--out", "r"][..], &args].concat(), dir.path());
     assert_ok(&o);
     let r = dir.path().join("r");
@@ -162,7 +178,8 @@ fn early_stopping_keeps_the_best_model_and_says_why_it_stopped() {
     let manifest = std::fs::read_to_string(r.join("manifest.json")).unwrap();
     assert!(
         manifest.contains("\"status\": \"complete\"")
-            && manifest.contains("early stop after epoch 3: val_loss did not improve by more than 10 for 2 validations"),
+            && manifest
+                .contains("early stop after epoch 3: val_loss did not improve by more than 10 for 2 validations"),
         "{manifest}"
     );
     assert_ok(&run(&["run", "p.toml", "--out", "whole"], dir.path()));
@@ -180,7 +197,10 @@ fn impossible_combinations_are_refused_before_any_rank_starts() {
             "`train.accumulate` (--set train.accumulate=20): 20 batches per optimizer step, but an epoch has only 19 \
              batches per rank",
         ),
-        (&["--set", "train.schedule.warmup_steps=38"][..], "the warmup (38 optimizer steps) is as long as the run or longer"),
+        (
+            &["--set", "train.schedule.warmup_steps=38"][..],
+            "the warmup (38 optimizer steps) is as long as the run or longer",
+        ),
         (
             &["--set", "validate.every=0", "--set", "train.early_stop.patience=2"][..],
             "`validate.every` (--set validate.every=0): is 0 (no validation), but [train.early_stop] watches a \

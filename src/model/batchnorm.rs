@@ -87,11 +87,8 @@ mod tests {
     fn matches_torch_batch_norm_on_one_rank() {
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let ours = SyncBatchNorm::new(&vs.root().sub("ours"), 3);
-        let config = nn::BatchNormConfig {
-            ws_init: nn::Init::Const(1.0),
-            bs_init: nn::Init::Const(0.0),
-            ..Default::default()
-        };
+        let config =
+            nn::BatchNormConfig { ws_init: nn::Init::Const(1.0), bs_init: nn::Init::Const(0.0), ..Default::default() };
         let theirs = nn::batch_norm1d(vs.root().sub("theirs"), 3, config);
         let x = Tensor::arange(24, (Kind::Float, tch::Device::Cpu)).view([8, 3]).sin() * 3.0;
         let a = ours.forward(&x, true, None).unwrap();

@@ -427,8 +427,8 @@ impl Plan {
 
     /// The resolved configuration as TOML, each value annotated with where it came from.
     pub fn annotated_toml(&self) -> String {
-        let value = crate::config::schema::with_every_key(|| toml::Value::try_from(&self.config))
-            .expect("a Config serializes");
+        let value =
+            crate::config::schema::with_every_key(|| toml::Value::try_from(&self.config)).expect("a Config serializes");
         let mut out = format!(
             "# The resolved configuration of run {} (runner {}), from {}.\n\
              # Each value's comment says where it came from: default, file, env, --set or sweep axis.\n",
@@ -584,7 +584,10 @@ fn recipe_values(c: &Config, validation_rows: Option<usize>, bad: &mut impl FnMu
     }
     if s.kind == ScheduleKind::Step {
         if (s.step_size > 0) == (s.step_epochs > 0) {
-            bad("train.schedule.step_size", "kind = \"step\" needs step_size (optimizer steps) or step_epochs, one of them".into());
+            bad(
+                "train.schedule.step_size",
+                "kind = \"step\" needs step_size (optimizer steps) or step_epochs, one of them".into(),
+            );
         }
         if let Some(g) = s.gamma.filter(|g| !(*g > 0.0 && *g <= 1.0)) {
             bad("train.schedule.gamma", format!("must be in (0, 1], got {g}"));
@@ -632,7 +635,8 @@ fn recipe_lengths(c: &Config, batches: usize, bad: &mut impl FnMut(&str, String)
     let steps = batches.div_ceil(t.accumulate);
     let s = crate::stages::recipe::Schedule::new(&t.schedule, t.lr, t.epochs, steps);
     if s.warmup >= s.total && s.warmup > 0 {
-        let key = if t.schedule.warmup_epochs > 0 { "train.schedule.warmup_epochs" } else { "train.schedule.warmup_steps" };
+        let key =
+            if t.schedule.warmup_epochs > 0 { "train.schedule.warmup_epochs" } else { "train.schedule.warmup_steps" };
         bad(
             key,
             format!(

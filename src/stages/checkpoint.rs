@@ -357,12 +357,12 @@ pub fn write_model(
 /// `rank` loads its own stage's file in a pipeline.
 pub fn load(found: &Found, rank: usize, vs: &nn::VarStore, optimizer: &mut Optimizer) -> anyhow::Result<()> {
     let file = found.file_for(rank);
-    let saved: HashMap<String, Tensor> = Tensor::load_multi(file)
-        .with_context(|| format!("cannot load {}", file.display()))?
-        .into_iter()
-        .collect();
+    let saved: HashMap<String, Tensor> =
+        Tensor::load_multi(file).with_context(|| format!("cannot load {}", file.display()))?.into_iter().collect();
     for (name, mut t) in named_parameters(vs) {
-        let s = saved.get(&format!("model.{name}")).with_context(|| format!("{} has no parameter {name}", file.display()))?;
+        let s = saved
+            .get(&format!("model.{name}"))
+            .with_context(|| format!("{} has no parameter {name}", file.display()))?;
         tch::no_grad(|| t.copy_(s));
     }
     optimizer.load_state(|n| saved.get(n).map(|t| t.shallow_clone())).map_err(anyhow::Error::msg)

@@ -136,12 +136,15 @@ pub fn clip_grad_norm(
     let norm = tch::no_grad(|| -> anyhow::Result<f64> {
         let mut sq = match grads.len() {
             0 => Tensor::zeros([1], (Kind::Float, tch::Device::Cpu)),
-            _ => Tensor::stack(&grads.iter().map(|g| g.norm()).collect::<Vec<_>>(), 0).square().sum(Kind::Float).view([1]),
+            _ => Tensor::stack(&grads.iter().map(|g| g.norm()).collect::<Vec<_>>(), 0)
+                .square()
+                .sum(Kind::Float)
+                .view([1]),
         };
         if let Some((pg, copies)) = group {
             pg.all_reduce(&mut sq, ReduceOp::Sum)?;
             if copies > 1 {
-                sq = sq / copies as f64;
+                sq /= copies as f64;
             }
         }
         Ok(sq.sqrt().double_value(&[0]))
