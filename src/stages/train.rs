@@ -144,7 +144,8 @@ impl Trainer<'_, '_> {
         // DDP's Reducer times only the steps it samples: the epoch's total is estimated from them.
         mine.comm_s = match comm_measured {
             0 => 0.0,
-            k => comm.as_secs_f64() * steps as f64 / k as f64,
+            // Gradients are averaged once per optimizer step (the last batch of each).
+            k => comm.as_secs_f64() * self.plan.optimizer_steps_per_epoch() as f64 / k as f64,
         };
 
         let validate = c.validate.every > 0 && (epoch.is_multiple_of(c.validate.every) || epoch == c.train.epochs);
