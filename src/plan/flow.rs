@@ -163,7 +163,7 @@ impl Plan {
         let schedule = crate::stages::recipe::Schedule::of(self);
         let steps = self.optimizer_steps_per_epoch();
         let mut rows = vec![vec![
-            "  lr schedule".into(),
+            "  schedule".into(),
             format!("optimizer step 1..{}", schedule.total),
             schedule.describe(),
             if schedule.kind == ScheduleKind::Constant && schedule.warmup == 0 {
