@@ -160,7 +160,7 @@ impl Plan {
     /// The training recipe: the learning rate's shape, and what each optimizer step does besides.
     fn recipe_rows(&self) -> Vec<Vec<String>> {
         let t = &self.config.train;
-        let schedule = crate::stages::recipe::Schedule::of(self);
+        let schedule = super::schedule::Schedule::of(self);
         let steps = self.optimizer_steps_per_epoch();
         let mut rows = vec![vec![
             "  schedule".into(),

@@ -7,6 +7,7 @@
 
 mod flow;
 mod resume;
+pub mod schedule;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -633,7 +634,7 @@ fn recipe_lengths(c: &Config, batches: usize, bad: &mut impl FnMut(&str, String)
         return;
     }
     let steps = batches.div_ceil(t.accumulate);
-    let s = crate::stages::recipe::Schedule::new(&t.schedule, t.lr, t.epochs, steps);
+    let s = schedule::Schedule::new(&t.schedule, t.lr, t.epochs, steps);
     if s.warmup >= s.total && s.warmup > 0 {
         let key =
             if t.schedule.warmup_epochs > 0 { "train.schedule.warmup_epochs" } else { "train.schedule.warmup_steps" };

@@ -51,7 +51,7 @@ impl Plan {
                 continue;
             }
             if EXTENDS_A_RUN.contains(&key.as_str()) {
-                let schedule = crate::stages::recipe::Schedule::of(&self);
+                let schedule = super::schedule::Schedule::of(&self);
                 if key == "train.epochs" && schedule.depends_on_length() {
                     refused.push(format!(
                         "`{key}`: {} in the run, {} now ({}): the {} learning-rate schedule spans the run's length, \
