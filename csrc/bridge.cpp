@@ -15,6 +15,7 @@
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -433,7 +434,51 @@ char* rn_set_autocast_dtype(int device_type, int scalar_type) {
   });
 }
 
+char* rn_autocast_cpu_bf16(int enabled) {
+  return protect([&] {
+    if (enabled) {
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+      at::autocast::increment_nesting();
+    } else {
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+      if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    }
+  });
+}
+
 }  // extern "C"
+
+namespace {
+// Sum over the ranks, forward and backward: d(sum_r x_r)/d(x_r) applied to the gradients every
+// rank's loss sends back, i.e. the all-reduced gradient.
+struct AllReduceSum : public torch::autograd::Function<AllReduceSum> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t pg) {
+    ctx->saved_data["pg"] = pg;
+    std::vector<at::Tensor> ts{x.detach().clone()};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    reinterpret_cast<rn_pg*>(pg)->backend->allreduce(ts, opts)->wait();
+    return ts[0];
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* pg = reinterpret_cast<rn_pg*>(ctx->saved_data["pg"].toInt());
+    std::vector<at::Tensor> ts{grads[0].contiguous().clone()};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    pg->backend->allreduce(ts, opts)->wait();
+    return {ts[0], at::Tensor()};
+  }
+};
+}  // namespace
+
+extern "C" char* rn_all_reduce_sum_autograd(rn_pg* pg, void* input, void** out) {
+  return protect([&] {
+    at::Tensor r = AllReduceSum::apply(tensor(input), reinterpret_cast<int64_t>(pg));
+    *out = new at::Tensor(std::move(r));
+  });
+}
 
 char* rn_ddp_bucket_layout(rn_ddp* d, size_t* layout, size_t* bucket_sizes, size_t* n_buckets) {
   return protect([&] {

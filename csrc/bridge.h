@@ -91,6 +91,16 @@ char* rn_fused_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n
 // scalar_type is a c10::ScalarType (5 Half, 15 BFloat16). torch.autocast(dtype=...).
 char* rn_set_autocast_dtype(int device_type, int scalar_type);
 
+// CPU autocast to bfloat16 on this thread (torch.autocast("cpu", dtype=torch.bfloat16)): enabled = 1
+// enters a region, enabled = 0 leaves it (clearing the cache of cast weights when the outermost
+// region ends, as torch does, so updated weights are cast afresh).
+char* rn_autocast_cpu_bf16(int enabled);
+
+// The sum of `input` over every rank of pg, as a new tensor (*out, owned by the caller, freed as a
+// tch Tensor) that autograd differentiates: its backward pass all-reduces the incoming gradient too
+// (the collective SyncBatchNorm runs in both directions).
+char* rn_all_reduce_sum_autograd(rn_pg* pg, void* input, void** out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -76,6 +76,10 @@ pub struct BenchArgs {
     /// Where the results go (the part between the markers is replaced; notes around it are kept).
     #[arg(long, value_name = "FILE", default_value = "benches/RESULTS.md")]
     pub out: PathBuf,
+    /// Precisions, comma-separated: fp32, and bf16 (the runner's train.precision = "bf16" against
+    /// torch.autocast("cpu", dtype=torch.bfloat16)); each workload runs in each.
+    #[arg(long, value_delimiter = ',', default_value = "fp32", value_parser = ["fp32", "bf16"])]
+    pub precision: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -199,6 +203,7 @@ pub fn main(cli: Cli) -> u8 {
             world_sizes: args.world_sizes.iter().map(|w| *w as usize).collect(),
             workloads: args.workloads,
             out: args.out,
+            precisions: args.precision,
         }),
     };
     match result {
@@ -334,7 +339,10 @@ fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, claim: Claim) -> anyhow:
         .unwrap_or_else(|panic| Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))));
     if let Some(manifest) = manifest.as_mut() {
         match &result {
-            Ok(_) => manifest.end(Status::Complete, None),
+            Ok(_) => {
+                manifest.end(Status::Complete, None);
+                manifest.stopped(run_dir, plan.config.train.epochs);
+            }
             Err(e) => manifest.end(Status::Failed, Some(format!("rank 0: {e:#}"))),
         }
         manifest.write(run_dir)?;
@@ -407,6 +415,7 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
     match &outcome.failure {
         None => {
             manifest.end(Status::Complete, None);
+            manifest.stopped(run_dir, plan.config.train.epochs);
             manifest.write(run_dir)?;
             crate::say!("  run directory: {}", run_dir.display());
             Ok(0)
@@ -437,6 +446,8 @@ fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest, claim: Clai
     let lock = lock::acquire(run_dir).map_err(|e| ConfigError::new(e.message(run_dir)))?;
     if claim.resume {
         rundir::remove_stale(run_dir);
+        // Written again if the resumed run stops early.
+        let _ = std::fs::remove_file(run_dir.join(rundir::STOPPED));
     } else {
         if !claim.force {
             if let Some(why) = rundir::foreign(run_dir, &plan.run_id) {

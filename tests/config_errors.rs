@@ -64,7 +64,8 @@ const CASES: &[Case] = &[
         args: &["--set", "train.lrr=0.1"],
         env: &[],
         expected: "error: --set train.lrr=0.1: unknown key `train.lrr`; did you mean `train.lr`? (valid keys in [train]: \
-                   train.epochs, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay, train.task)",
+                   train.epochs, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay, train.task, \
+                   train.clip_grad_norm, train.accumulate, train.precision, train.schedule, train.early_stop)",
     },
     Case {
         name: "--set value of the wrong type",
@@ -86,7 +87,8 @@ const CASES: &[Case] = &[
         args: &[],
         env: &[("RUNNER_TRAIN__LRR", "0.5")],
         expected: "error: environment variable RUNNER_TRAIN__LRR: unknown key `train.lrr`; did you mean `train.lr`? (valid keys in [train]: \
-                   train.epochs, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay, train.task)",
+                   train.epochs, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.weight_decay, train.task, \
+                   train.clip_grad_norm, train.accumulate, train.precision, train.schedule, train.early_stop)",
     },
     Case {
         name: "environment value of the wrong type",
@@ -234,15 +236,27 @@ const CASES: &[Case] = &[
     Case {
         name: "what a pipeline cannot do",
         file: "",
-        args: &["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.pipeline.micro_batches=17", "--set", "validate.on=\"all\"", "--set", "checkpoint.every=1"],
+        args: &["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.pipeline.micro_batches=17", "--set", "validate.on=\"all\""],
         env: &[],
-        expected: "error: p.toml: 3 problems in the configuration:\n  \
+        expected: "error: p.toml: 2 problems in the configuration:\n  \
                    `wrap.pipeline.micro_batches` (--set wrap.pipeline.micro_batches=17): 17 micro-batches of a batch of 16 rows \
                    would leave some empty; use at most 16\n  \
                    `validate.on` (--set validate.on=\"all\"): \"all\" validates every replica, but a pipeline is one model: its \
-                   validation runs through every rank; use \"rank0\"\n  \
-                   `checkpoint.every` (--set checkpoint.every=1): pipelines do not write checkpoints yet (each rank holds other \
-                   layers); set it to 0 (the run still writes its final model.safetensors)",
+                   validation runs through every rank; use \"rank0\"",
+    },
+    Case {
+        name: "the training recipe's impossible combinations",
+        file: "",
+        args: &["--set", "train.precision=\"fp16\"", "--set", "train.accumulate=100", "--set", "validate.every=0",
+                "--set", "train.early_stop.metric=\"val_acc\""],
+        env: &[],
+        expected: "error: p.toml: 3 problems in the configuration:\n  \
+                   `train.precision` (--set train.precision=\"fp16\"): \"fp16\" (with dynamic loss scaling) needs a GPU: CPUs have \
+                   no fast float16 arithmetic; use \"bf16\" on CPU (autocast to bfloat16, float32 weights) or \"fp32\"\n  \
+                   `validate.every` (--set validate.every=0): is 0 (no validation), but [train.early_stop] watches a validation \
+                   metric: validate, or remove [train.early_stop]\n  \
+                   `train.accumulate` (--set train.accumulate=100): 100 batches per optimizer step, but an epoch has only 19 \
+                   batches per rank; use at most 19",
     },
     Case {
         name: "a pipeline key without the pipeline",

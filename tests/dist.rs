@@ -88,6 +88,16 @@ fn ddp_two_ranks_match_one_process_with_double_batch() {
     assert!(rel < 1e-5, "DDP 2×{PARITY_B} differs from 1×{} by {rel:e} (relative)", 2 * PARITY_B);
 }
 
+/// SyncBatchNorm under DDP: 2 ranks × B rows equal one process × 2B rows (outputs, averaged
+/// gradients of the layers before and after the batch norm, running statistics). Each rank
+/// checks itself against the single process computed on the whole batch.
+#[test]
+fn sync_batchnorm_two_ranks_equal_one_process_with_double_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let (outputs, _) = run_world("sync_bn", 2, dir.path());
+    assert_all_ok("sync_bn", &outputs);
+}
+
 #[test]
 fn a_peer_that_leaves_is_named_by_the_survivors_within_the_timeout() {
     let dir = tempfile::tempdir().unwrap();
@@ -176,6 +186,7 @@ fn worker_entry() {
     match scenario.as_str() {
         "collectives" => collectives(&pg),
         "ddp_identical" => ddp_identical(&pg),
+        "sync_bn" => sync_bn(&pg),
         "parity" => parity(&pg, &dir),
         "early_exit" => early_exit(pg),
         "loopback" => {
@@ -270,6 +281,52 @@ fn collectives(pg: &ProcessGroup) {
     assert!(buckets >= 3, "expected the rebuilt layout to have several buckets, got {buckets}");
     grads("the synchronised step averages the accumulated gradients", w + 1.0);
     pg.barrier().unwrap();
+}
+
+/// A small module built here: linear 6 → 4, SyncBatchNorm(4), relu, linear 4 → 3; one loss and
+/// backward on this rank's rows, gradients averaged as DDP does; against the same module on both
+/// ranks' rows in one process.
+fn sync_bn(pg: &ProcessGroup) {
+    use runner::model::batchnorm::SyncBatchNorm;
+    const B: i64 = 5;
+    let x_all = Tensor::arange(2 * B * 6, (Kind::Float, Device::Cpu)).view([2 * B, 6]).sin() * 2.0;
+    let y_all = Tensor::arange(2 * B, (Kind::Int64, Device::Cpu)).remainder(3);
+    let build = |vs: &nn::VarStore| {
+        let a = nn::linear(vs.root() / "a", 6, 4, Default::default());
+        let bn = SyncBatchNorm::new(&(vs.root() / "bn"), 4);
+        let b = nn::linear(vs.root() / "b", 4, 3, Default::default());
+        (a, bn, b)
+    };
+    let step = |x: &Tensor, y: &Tensor, group: Option<&ProcessGroup>| {
+        tch::manual_seed(7);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let (a, bn, b) = build(&vs);
+        let h = bn.forward(&a.forward(x), true, group).unwrap().relu();
+        let out = b.forward(&h);
+        let loss = out.cross_entropy_for_logits(y);
+        loss.backward();
+        let mut grads: Vec<(String, Tensor)> =
+            vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).map(|(n, t)| (n, t.grad())).collect();
+        grads.sort_by(|p, q| p.0.cmp(&q.0));
+        let mut flat = Tensor::cat(&grads.iter().map(|(_, g)| g.view([-1])).collect::<Vec<_>>(), 0);
+        if let Some(pg) = group {
+            pg.all_reduce(&mut flat, ReduceOp::Avg).unwrap();
+        }
+        let stats = Tensor::cat(&[bn.running_mean.shallow_clone(), bn.running_var.shallow_clone()], 0);
+        (out.detach(), flat, stats)
+    };
+    let r = pg.rank() as i64;
+    let (out, grads, stats) = step(&x_all.narrow(0, r * B, B), &y_all.narrow(0, r * B, B), Some(pg));
+    let (out1, grads1, stats1) = step(&x_all, &y_all, None);
+    let diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+    assert!(diff(&out, &out1.narrow(0, r * B, B)) < 1e-5, "outputs differ");
+    assert!(diff(&grads, &grads1) < 1e-5, "gradients differ by {}", diff(&grads, &grads1));
+    assert!(diff(&stats, &stats1) < 1e-5, "running statistics differ");
+    // And plain (unsynchronised) batch norm does differ: the test can tell.
+    let (_, local, _) = step(&x_all.narrow(0, r * B, B), &y_all.narrow(0, r * B, B), None);
+    let mut local = local;
+    pg.all_reduce(&mut local, ReduceOp::Avg).unwrap();
+    assert!(diff(&local, &grads1) > 1e-4, "per-rank batch norm should differ");
 }
 
 fn ddp_identical(pg: &ProcessGroup) {

@@ -37,6 +37,9 @@ const SCHEMA: &[(&str, DataType)] = &[
     ("perplexity", DataType::Float64),
     ("val_perplexity", DataType::Float64),
     ("tokens_per_s", DataType::Float64),
+    ("lr", DataType::Float64),
+    ("grad_norm_mean", DataType::Float64),
+    ("grad_norm_max", DataType::Float64),
 ];
 
 fn f64s(df: &DataFrame, col: &str) -> Vec<Option<f64>> {

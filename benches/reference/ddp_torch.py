@@ -64,7 +64,9 @@ def main():
     p.add_argument("--lr", type=float, required=True)
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     a = p.parse_args()
+    bf16 = a.precision == "bf16"
 
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo")
@@ -103,7 +105,10 @@ def main():
         samples = 0
         for xb, yb in loader:
             optimizer.zero_grad()
-            logits = model(xb)
+            # The forward pass autocast to bfloat16, the loss in float32 (as the runner does).
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(xb)
+            logits = logits.float()
             per_sample = F.cross_entropy(logits, yb, reduction="none")
             per_sample.mean().backward()
             optimizer.step()

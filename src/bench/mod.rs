@@ -23,6 +23,8 @@ pub struct Options {
     /// Workload names; empty: all.
     pub workloads: Vec<String>,
     pub out: PathBuf,
+    /// "fp32", "bf16": each workload runs in each.
+    pub precisions: Vec<String>,
 }
 
 /// One measured run of one side.
@@ -73,9 +75,12 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     };
 
     let mut results = Vec::new();
-    for w in
-        workload::all().into_iter().filter(|w| opts.workloads.is_empty() || opts.workloads.iter().any(|n| n == w.name))
-    {
+    let chosen =
+        workload::all().into_iter().filter(|w| opts.workloads.is_empty() || opts.workloads.iter().any(|n| n == w.name));
+    let in_precisions = |w: Workload| {
+        opts.precisions.iter().map(move |p| Workload { bf16: p == "bf16", ..w.clone() }).collect::<Vec<_>>()
+    };
+    for w in chosen.flat_map(in_precisions) {
         measure_peak(&format!("before {}", w.name));
         crate::say!("\n{}: {}", w.name, w.describe());
         let files = workload::prepare(&w, &work.join(w.name))?;
@@ -84,7 +89,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
             let threads = (cores / ws).max(1);
             let mut cell = Cell { world_size: ws, threads, runner: Vec::new(), torch: Vec::new() };
             for rep in 1..=opts.repetitions {
-                let r = retried(|| run_runner(&files, ws, threads))?;
+                let r = retried(|| run_runner(&files, &w, ws, threads))?;
                 let t = retried(|| run_torch(&torchrun, &script, &files, &w, ws, threads))?;
                 crate::say!(
                     "  world size {ws}, run {rep}/{}: runner {:.2} s ({:.3} s/epoch), PyTorch {:.2} s ({:.3} s/epoch)",
@@ -145,8 +150,9 @@ fn matmul_peak(threads: usize) -> f64 {
         .fold(0.0, f64::max)
 }
 
-fn run_runner(files: &workload::Files, ws: usize, threads: usize) -> anyhow::Result<Measure> {
-    let out = files.dir.join(format!("runner-ws{ws}"));
+fn run_runner(files: &workload::Files, w: &Workload, ws: usize, threads: usize) -> anyhow::Result<Measure> {
+    let tag = w.precision_tag();
+    let out = files.dir.join(format!("runner{tag}-ws{ws}"));
     let exe = std::env::current_exe().context("cannot find the runner binary")?;
     let mut cmd = Command::new(exe);
     cmd.arg("run")
@@ -156,7 +162,10 @@ fn run_runner(files: &workload::Files, ws: usize, threads: usize) -> anyhow::Res
         .arg(&out)
         // The bench owns its directories: another thread count is another run id, same place.
         .arg("--force");
-    let wall_s = timed(cmd, &files.dir.join(format!("runner-ws{ws}.log")))?;
+    if w.bf16 {
+        cmd.args(["--set", "train.precision=\"bf16\""]);
+    }
+    let wall_s = timed(cmd, &files.dir.join(format!("runner{tag}-ws{ws}.log")))?;
     let df = crate::trace::read_parquet(&out.join(crate::rundir::TRACE))?;
     let col = |c: &str| -> anyhow::Result<Vec<f64>> {
         Ok(df.column(c)?.cast(&polars::prelude::DataType::Float64)?.f64()?.into_no_null_iter().collect())
@@ -183,7 +192,8 @@ fn run_torch(
     ws: usize,
     threads: usize,
 ) -> anyhow::Result<Measure> {
-    let result = files.dir.join(format!("torch-ws{ws}.json"));
+    let tag = w.precision_tag();
+    let result = files.dir.join(format!("torch{tag}-ws{ws}.json"));
     let _ = std::fs::remove_file(&result);
     let mut cmd = Command::new(torchrun);
     cmd.args(["--standalone", &format!("--nproc_per_node={ws}")])
@@ -196,7 +206,10 @@ fn run_torch(
         .arg("--out")
         .arg(&result)
         .env("OMP_NUM_THREADS", threads.to_string());
-    let wall_s = timed(cmd, &files.dir.join(format!("torch-ws{ws}.log")))?;
+    if w.bf16 {
+        cmd.args(["--precision", "bf16"]);
+    }
+    let wall_s = timed(cmd, &files.dir.join(format!("torch{tag}-ws{ws}.log")))?;
     let text =
         std::fs::read_to_string(&result).with_context(|| format!("the reference wrote no {}", result.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text)?;

@@ -24,6 +24,8 @@ pub struct Workload {
     pub lr: f64,
     /// Report the fraction of the measured matmul peak.
     pub compute_bound: bool,
+    /// Both sides autocast the forward pass to bfloat16 (`--precision bf16`).
+    pub bf16: bool,
 }
 
 pub fn all() -> Vec<Workload> {
@@ -39,6 +41,7 @@ pub fn all() -> Vec<Workload> {
             epochs: 5,
             lr: 0.005,
             compute_bound: false,
+            bf16: false,
         },
         Workload {
             name: "compute-bound",
@@ -50,6 +53,7 @@ pub fn all() -> Vec<Workload> {
             epochs: 2,
             lr: 0.001,
             compute_bound: true,
+            bf16: false,
         },
     ]
 }
@@ -64,15 +68,25 @@ impl Workload {
         model::layer_parameters(&self.model()).iter().sum()
     }
 
+    /// "" in fp32, "-bf16" in bf16: the files of each precision apart.
+    pub fn precision_tag(&self) -> &'static str {
+        if self.bf16 {
+            "-bf16"
+        } else {
+            ""
+        }
+    }
+
     pub fn describe(&self) -> String {
         format!(
-            "{} × {}, {}, batch {} per rank, {} epochs, Adam lr {}",
+            "{} × {}, {}, batch {} per rank, {} epochs, Adam lr {}{}",
             self.rows,
             self.features,
             self.model().describe(),
             self.batch,
             self.epochs,
-            self.lr
+            self.lr,
+            if self.bf16 { ", bf16 autocast (both sides)" } else { "" }
         )
     }
 

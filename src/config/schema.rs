@@ -261,6 +261,10 @@ pub struct Wrap {
     /// (`layer0.weight`, `layer0.bias`, ...), relative to the pipeline file; default: from run.seed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init: Option<PathBuf>,
+    /// Batch norm with batch statistics all-reduced across ranks (torch's SyncBatchNorm); only for
+    /// models with batch norm.
+    #[serde(skip_serializing_if = "is_false")]
+    pub sync_batchnorm: bool,
     #[serde(deserialize_with = "model_of_default_kind")]
     pub model: Model,
     /// strategy = "pipeline" only.
@@ -273,6 +277,7 @@ impl Default for Wrap {
             strategy: WrapStrategy::Ddp,
             bucket_cap_mb: 25.0,
             init: None,
+            sync_batchnorm: false,
             model: Model::default(),
             pipeline: Pipeline::default(),
         }
@@ -495,12 +500,29 @@ pub struct Train {
     /// Samples per step over all ranks (shard.strategy = "batch"), split evenly across them.
     pub global_batch_size: Option<usize>,
     pub optimizer: Optimizer,
+    /// The peak learning rate (the schedule's base).
     pub lr: f64,
     pub momentum: f64,
     pub weight_decay: f64,
     /// What the model learns: class labels (cross-entropy) or numbers (MSE on the normalised target).
     #[serde(skip_serializing_if = "TaskKind::is_classification")]
     pub task: TaskKind,
+    /// Clip the gradients to this global L2 norm (after averaging across ranks); absent: no clipping.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clip_grad_norm: Option<f64>,
+    /// Batches (micro-batches) per optimizer step: k batches of batch_size make one step of k × batch_size.
+    #[serde(skip_serializing_if = "is_one")]
+    pub accumulate: usize,
+    /// The forward pass's arithmetic: fp32, or autocast to bfloat16 (float32 weights and optimizer state).
+    #[serde(skip_serializing_if = "is_default")]
+    pub precision: Precision,
+    /// How the learning rate changes with the optimizer step; absent: constant `lr`. (Tables
+    /// after the plain values: config.toml writes each section once.)
+    #[serde(skip_serializing_if = "is_default")]
+    pub schedule: LrSchedule,
+    /// Stop when a validation metric stops improving; absent: train every epoch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub early_stop: Option<EarlyStop>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -528,7 +550,145 @@ impl Default for Train {
             momentum: 0.0,
             weight_decay: 0.0,
             task: TaskKind::Classification,
+            clip_grad_norm: None,
+            accumulate: 1,
+            precision: Precision::Fp32,
+            schedule: LrSchedule::default(),
+            early_stop: None,
         }
+    }
+}
+
+thread_local! {
+    static EVERY_KEY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (a serialization) with every key written, defaults included: the resolved config.toml
+/// shows every option. Elsewhere (the run id, plan.json) the training recipe's keys are left out
+/// while they hold their defaults, so a configuration that does not use them keeps its run id.
+pub fn with_every_key<R>(f: impl FnOnce() -> R) -> R {
+    let before = EVERY_KEY.with(|k| k.replace(true));
+    let out = f();
+    EVERY_KEY.with(|k| k.set(before));
+    out
+}
+
+fn skip(default: bool) -> bool {
+    default && !EVERY_KEY.with(|k| k.get())
+}
+
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    skip(*v == T::default())
+}
+
+fn is_one(v: &usize) -> bool {
+    skip(*v == 1)
+}
+
+fn is_false(v: &bool) -> bool {
+    skip(!*v)
+}
+
+/// `[train.schedule]`: the learning rate of optimizer step s (counted from 0 over the whole run) is a
+/// pure function of s, so a resumed run takes the same rates.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct LrSchedule {
+    pub kind: ScheduleKind,
+    /// Optimizer steps of linear warmup from lr / warmup_steps up to lr.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub warmup_steps: usize,
+    /// Warmup in epochs instead of steps (epochs × optimizer steps per epoch).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub warmup_epochs: usize,
+    /// linear, cosine: the learning rate reached at the last step.
+    #[serde(skip_serializing_if = "is_zero_f")]
+    pub min_lr: f64,
+    /// step: multiply the learning rate by gamma every step_size optimizer steps...
+    #[serde(skip_serializing_if = "is_zero")]
+    pub step_size: usize,
+    /// ...or every step_epochs epochs.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub step_epochs: usize,
+    /// step: the factor (0 < gamma ≤ 1); default 0.1.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gamma: Option<f64>,
+}
+
+fn is_zero(v: &usize) -> bool {
+    skip(*v == 0)
+}
+
+fn is_zero_f(v: &f64) -> bool {
+    skip(*v == 0.0)
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleKind {
+    /// lr throughout (after the warmup).
+    #[default]
+    Constant,
+    /// From lr down to min_lr in a straight line over the steps after the warmup.
+    Linear,
+    /// From lr down to min_lr along half a cosine over the steps after the warmup.
+    Cosine,
+    /// lr × gamma^(completed step_size periods after the warmup).
+    Step,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    Fp32,
+    /// Autocast to bfloat16 (matrix products and convolutions), float32 master weights.
+    Bf16,
+    /// Float16 with dynamic loss scaling: CUDA only (refused on CPU).
+    Fp16,
+}
+
+/// `[train.early_stop]`: stop once `metric` has not improved by more than min_delta for
+/// `patience` validations in a row; the best epoch's model is saved as model.best.safetensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct EarlyStop {
+    pub metric: StopMetric,
+    /// min: lower is better (losses); max: higher is better (accuracies). Default: the metric's own.
+    pub mode: Option<StopMode>,
+    /// Validations without improvement before the run stops.
+    pub patience: usize,
+    /// The least change that counts as an improvement.
+    pub min_delta: f64,
+}
+
+impl Default for EarlyStop {
+    fn default() -> Self {
+        EarlyStop { metric: StopMetric::ValLoss, mode: None, patience: 3, min_delta: 0.0 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum StopMetric {
+    ValLoss,
+    ValAcc,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum StopMode {
+    Min,
+    Max,
+}
+
+impl EarlyStop {
+    /// The mode given, or the metric's natural one.
+    pub fn mode(&self) -> StopMode {
+        self.mode.unwrap_or(match self.metric {
+            StopMetric::ValLoss => StopMode::Min,
+            StopMetric::ValAcc => StopMode::Max,
+        })
     }
 }
 

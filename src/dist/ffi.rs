@@ -136,4 +136,6 @@ extern "C" {
         eps: f64,
         decoupled: c_int,
     ) -> *mut c_char;
+    pub fn rn_autocast_cpu_bf16(enabled: c_int) -> *mut c_char;
+    pub fn rn_all_reduce_sum_autograd(pg: *mut RnPg, input: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
 }

@@ -29,7 +29,7 @@ mod store;
 
 pub use ddp::{Ddp, ReducerTimes};
 pub use error::{Error, PeerExit, Result};
-pub use kernels::{clear_grads, fused_adam, set_autocast_dtype, AdamConfig};
+pub use kernels::{clear_grads, fused_adam, set_autocast_dtype, AdamConfig, AutocastBf16};
 pub use process_group::{record_exit, Backend, ProcessGroup, ReduceOp};
 pub use store::Store;
 

@@ -216,6 +216,21 @@ impl ProcessGroup {
         })
     }
 
+    /// The sum of `t` over every rank, as a new tensor autograd differentiates: its backward pass
+    /// all-reduces the gradient (every rank's loss depends on every rank's `t`). SyncBatchNorm's
+    /// statistics go through it.
+    pub fn all_reduce_sum_autograd(&self, t: &Tensor) -> Result<Tensor> {
+        let name = "all_reduce_sum_autograd";
+        let t = t.contiguous();
+        let mut out = std::ptr::null_mut();
+        // SAFETY: `t` is live for the blocking call; on success `out` is a new at::Tensor that the
+        // returned Tensor owns (tch frees it).
+        let err = unsafe { ffi::rn_all_reduce_sum_autograd(self.raw(), t.as_ptr() as *mut c_void, &mut out) };
+        self.result(name, err)?;
+        // SAFETY: the bridge allocated `out` with `new at::Tensor`, what tch's handles are.
+        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    }
+
     /// Copies `root`'s `t` into every other rank's `t`.
     pub fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()> {
         let name = format!("broadcast(root {root})");

@@ -2,6 +2,7 @@
 //! the pipeline partition, the memory check, the data-flow table, DDP, checkpoints and
 //! `model.safetensors` need to know of a model. Adding a kind is one module here and one variant
 //! of `config::schema::Model` (matched in [`architecture`] and [`check`]).
+pub mod batchnorm;
 pub mod cnn;
 pub mod mlp;
 pub mod optim;
@@ -59,6 +60,12 @@ pub trait Architecture {
     /// parameters are shared across layers that the stages separate.
     fn check_stages(&self, _stages: &[Range<usize>]) -> Result<(), String> {
         Ok(())
+    }
+
+    /// Whether the model holds batch norm layers (`wrap.sync_batchnorm` applies only then); a kind
+    /// with batch norm builds them with [`crate::model::batchnorm::SyncBatchNorm`] when asked.
+    fn has_batch_norm(&self) -> bool {
+        false
     }
 }
 

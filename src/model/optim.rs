@@ -40,6 +40,20 @@ impl Optimizer {
         }
     }
 
+    /// Steps taken so far (restored from a checkpoint): the learning-rate schedule's clock.
+    pub fn steps(&self) -> usize {
+        self.steps as usize
+    }
+
+    /// The learning rate of the next steps (the schedule sets it before each).
+    pub fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    pub fn lr(&self) -> f64 {
+        self.lr
+    }
+
     /// The parameters it updates, in its order.
     pub fn params(&self) -> &[Tensor] {
         &self.params

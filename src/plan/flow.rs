@@ -161,6 +161,7 @@ impl Plan {
             "loss, accuracy per epoch"
         };
         rows.push(vec!["5 train".into(), train_in, train_op, train_out.into()]);
+        rows.extend(self.recipe_rows());
         rows.push(vec![
             "  validate".into(),
             format!("{} × {f}", d.validation_rows),
@@ -177,6 +178,62 @@ impl Plan {
             table(&["stage", "input", "operation", "output"], &rows),
             self.bubble_note()
         )
+    }
+
+    /// The training recipe: the learning rate's shape, and what each optimizer step does besides.
+    fn recipe_rows(&self) -> Vec<Vec<String>> {
+        let t = &self.config.train;
+        let schedule = super::schedule::Schedule::of(self);
+        let steps = self.optimizer_steps_per_epoch();
+        let mut rows = vec![vec![
+            "  schedule".into(),
+            format!("optimizer step 1..{}", schedule.total),
+            schedule.describe(),
+            if schedule.kind == ScheduleKind::Constant && schedule.warmup == 0 {
+                format!("lr {} at every step", t.lr)
+            } else {
+                format!("lr at steps {}", schedule.points())
+            },
+        ]];
+        let mut step = Vec::new();
+        if t.accumulate == 1 {
+            step.push("an optimizer step per batch".into());
+        } else {
+            step.push(format!("{} batches per optimizer step ({steps} per epoch, synced on the last)", t.accumulate));
+        }
+        match t.clip_grad_norm {
+            Some(max) => {
+                let across = if self.is_pipeline() { " (global across the stages)" } else { "" };
+                step.push(format!("clip to global norm {max} after averaging{across}"));
+            }
+            None => step.push("no clipping".into()),
+        }
+        step.push(match t.precision {
+            Precision::Fp32 => "fp32".into(),
+            Precision::Bf16 => "bf16 autocast, float32 weights and optimizer state".into(),
+            Precision::Fp16 => "fp16".into(),
+        });
+        if self.config.wrap.sync_batchnorm {
+            step.push("batch norm statistics all-reduced across ranks (SyncBatchNorm)".into());
+        }
+        rows.push(vec!["  step".into(), "gradients".into(), step.join("; "), "lr, grad norm per epoch".into()]);
+        if let Some(e) = &t.early_stop {
+            let metric = match e.metric {
+                StopMetric::ValLoss => "val_loss",
+                StopMetric::ValAcc => "val_acc",
+            };
+            let mode = match e.mode() {
+                StopMode::Min => "min",
+                StopMode::Max => "max",
+            };
+            rows.push(vec![
+                "  early stop".into(),
+                metric.into(),
+                format!("stop after {} validations without a {mode} improvement > {}", e.patience, e.min_delta),
+                "model.best.safetensors".into(),
+            ]);
+        }
+        rows
     }
 
     /// One row per pipeline stage: the ranks holding it, what flows in, its layers, what flows out.

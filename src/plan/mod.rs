@@ -7,6 +7,7 @@
 
 mod flow;
 mod resume;
+pub mod schedule;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -248,6 +249,8 @@ impl Plan {
             bad("train.weight_decay", format!("must be 0 or more, got {}", t.weight_decay));
         }
 
+        recipe_values(&c, data.as_ref().map(|d| d.validation_rows), &mut bad);
+
         let w = c.run.world_size;
         let pipeline = c.wrap.strategy == WrapStrategy::Pipeline;
         // A pipeline's ranks share one copy of the model: each copy walks its own shard.
@@ -318,6 +321,14 @@ impl Plan {
             && data.as_ref().is_some_and(|d| crate::model::check_input(&model, &d.input, d.task.outputs(), &mut bad));
         let arch =
             data.as_ref().filter(|_| model_ok).map(|d| crate::model::architecture(&model, &d.input, d.task.outputs()));
+        if let (true, Some(arch)) = (c.wrap.sync_batchnorm, &arch) {
+            if !arch.has_batch_norm() {
+                bad(
+                    "wrap.sync_batchnorm",
+                    format!("{} has no batch norm layers to synchronise; remove it", arch.describe()),
+                );
+            }
+        }
         let init_weights = c.wrap.init.as_ref().map(|rel| base.join(rel));
         if let (Some(path), Some(arch)) = (&init_weights, &arch) {
             if let Err(e) = crate::model::read_weights(path, &crate::model::sorted_parameters(arch.as_ref())) {
@@ -377,6 +388,10 @@ impl Plan {
             if let Err(e) = arch.check_stages(stages) {
                 bad("wrap.model.tied", e);
             }
+        }
+        if let Some(l) = layout.as_ref().filter(|l| l.per_rank > 0 && t.batch_size > 0 && t.accumulate > 0) {
+            let batch = l.split_batch.unwrap_or(t.batch_size);
+            recipe_lengths(&c, l.per_rank.div_ceil(batch), &mut bad);
         }
         if let (Some(limit), Some(stages)) = (c.run.memory_per_rank_mb, &stages) {
             if !(limit > 0.0) {
@@ -518,9 +533,15 @@ impl Plan {
         self.layout.per_rank.div_ceil(self.batch_per_rank)
     }
 
+    /// Optimizer steps per epoch: the batches, in groups of train.accumulate.
+    pub fn optimizer_steps_per_epoch(&self) -> usize {
+        self.steps_per_epoch().div_ceil(self.config.train.accumulate)
+    }
+
     /// The resolved configuration as TOML, each value annotated with where it came from.
     pub fn annotated_toml(&self) -> String {
-        let value = toml::Value::try_from(&self.config).expect("a Config serializes");
+        let value =
+            crate::config::schema::with_every_key(|| toml::Value::try_from(&self.config)).expect("a Config serializes");
         let mut out = format!(
             "# The resolved configuration of run {} (runner {}), from {}.\n\
              # Each value's comment says where it came from: default, file, env, --set or sweep axis.\n",
@@ -597,14 +618,6 @@ fn pipeline_stages(
                 .into(),
         );
     }
-    if c.checkpoint.every > 0 {
-        bad(
-            "checkpoint.every",
-            "pipelines do not write checkpoints yet (each rank holds other layers); set it to 0 \
-             (the run still writes its final model.safetensors)"
-                .into(),
-        );
-    }
     let layers = layer_parameters.len();
     if layers == 0 {
         return None;
@@ -647,6 +660,105 @@ fn pipeline_stages(
         None => crate::model::partition::balanced(layer_parameters, w),
     }?;
     Some((0..c.run.world_size).map(|r| stages[r % w].clone()).collect())
+}
+
+/// The training recipe's own values (schedule, clipping, accumulation, precision, early stopping).
+fn recipe_values(c: &Config, validation_rows: Option<usize>, bad: &mut impl FnMut(&str, String)) {
+    let t = &c.train;
+    let s = &t.schedule;
+    if t.accumulate == 0 {
+        bad("train.accumulate", "must be at least 1 (1: an optimizer step per batch)".into());
+    }
+    if let Some(max) = t.clip_grad_norm {
+        if !(max > 0.0 && max.is_finite()) {
+            bad("train.clip_grad_norm", format!("must be a positive norm, got {max}"));
+        }
+    }
+    match (t.precision, c.run.device) {
+        (Precision::Fp16, Device::Cpu) => bad(
+            "train.precision",
+            "\"fp16\" (with dynamic loss scaling) needs a GPU: CPUs have no fast float16 arithmetic; use \"bf16\" on \
+             CPU (autocast to bfloat16, float32 weights) or \"fp32\""
+                .into(),
+        ),
+        (Precision::Fp16 | Precision::Bf16, Device::Cuda) => {
+            bad("train.precision", "mixed precision on CUDA is not implemented yet; use \"fp32\"".into())
+        }
+        _ => {}
+    }
+    if s.warmup_steps > 0 && s.warmup_epochs > 0 {
+        bad("train.schedule.warmup_epochs", "give the warmup in steps or in epochs, not both".into());
+    }
+    let decays = matches!(s.kind, ScheduleKind::Linear | ScheduleKind::Cosine);
+    if s.min_lr != 0.0 && !decays {
+        bad("train.schedule.min_lr", "is only read by kind = \"linear\" or \"cosine\"".into());
+    } else if decays && !(s.min_lr >= 0.0 && s.min_lr < t.lr) {
+        bad("train.schedule.min_lr", format!("must be in [0, train.lr = {}), got {}", t.lr, s.min_lr));
+    }
+    if s.kind == ScheduleKind::Step {
+        if (s.step_size > 0) == (s.step_epochs > 0) {
+            bad(
+                "train.schedule.step_size",
+                "kind = \"step\" needs step_size (optimizer steps) or step_epochs, one of them".into(),
+            );
+        }
+        if let Some(g) = s.gamma.filter(|g| !(*g > 0.0 && *g <= 1.0)) {
+            bad("train.schedule.gamma", format!("must be in (0, 1], got {g}"));
+        }
+    } else {
+        for (key, set) in [
+            ("train.schedule.step_size", s.step_size > 0),
+            ("train.schedule.step_epochs", s.step_epochs > 0),
+            ("train.schedule.gamma", s.gamma.is_some()),
+        ] {
+            if set {
+                bad(key, "is only read by kind = \"step\"".into());
+            }
+        }
+    }
+    if let Some(e) = &t.early_stop {
+        let why = "[train.early_stop] watches a validation metric: validate, or remove [train.early_stop]";
+        if c.validate.every == 0 {
+            bad("validate.every", format!("is 0 (no validation), but {why}"));
+        } else if validation_rows == Some(0) {
+            bad("load.validation_rows", format!("is 0 (no validation rows), but {why}"));
+        }
+        if e.patience == 0 {
+            bad("train.early_stop.patience", "must be at least 1 validation".into());
+        }
+        if !(e.min_delta >= 0.0 && e.min_delta.is_finite()) {
+            bad("train.early_stop.min_delta", format!("must be 0 or more, got {}", e.min_delta));
+        }
+    }
+}
+
+/// The recipe's checks against the run's length: `batches` per epoch on a rank.
+fn recipe_lengths(c: &Config, batches: usize, bad: &mut impl FnMut(&str, String)) {
+    let t = &c.train;
+    if t.accumulate > batches {
+        bad(
+            "train.accumulate",
+            format!(
+                "{} batches per optimizer step, but an epoch has only {batches} batches per rank; use at most {batches}",
+                t.accumulate
+            ),
+        );
+        return;
+    }
+    let steps = batches.div_ceil(t.accumulate);
+    let s = schedule::Schedule::new(&t.schedule, t.lr, t.epochs, steps);
+    if s.warmup >= s.total && s.warmup > 0 {
+        let key =
+            if t.schedule.warmup_epochs > 0 { "train.schedule.warmup_epochs" } else { "train.schedule.warmup_steps" };
+        bad(
+            key,
+            format!(
+                "the warmup ({} optimizer steps) is as long as the run or longer ({} epochs × {steps} steps = {}); \
+                 shorten it",
+                s.warmup, t.epochs, s.total
+            ),
+        );
+    }
 }
 
 /// MiB of `parameters` float32 values.

@@ -8,6 +8,11 @@ use crate::config::resolve::flatten;
 use crate::config::ConfigError;
 
 /// Keys a resumed run may change: they extend it without changing what it has done so far.
+/// None of the training recipe's keys (issue 14) is among them: the schedule, accumulation,
+/// clipping and precision each change the steps an uninterrupted run would take from the
+/// checkpoint on, and early stopping's rule decides which epochs run at all. train.epochs itself
+/// is refused with a schedule whose rates depend on the run's length (linear, cosine): the steps
+/// already taken followed the old length's curve.
 pub const EXTENDS_A_RUN: &[&str] = &["train.epochs"];
 
 fn leaves(plan: &Plan) -> BTreeMap<String, toml::Value> {
@@ -46,6 +51,18 @@ impl Plan {
                 continue;
             }
             if EXTENDS_A_RUN.contains(&key.as_str()) {
+                let schedule = super::schedule::Schedule::of(&self);
+                if key == "train.epochs" && schedule.depends_on_length() {
+                    refused.push(format!(
+                        "`{key}`: {} in the run, {} now ({}): the {} learning-rate schedule spans the run's length, \
+                         so the steps already taken followed another curve; start a new run to train longer",
+                        old.get(key).map_or("(absent)".to_owned(), |v| v.to_string()),
+                        new.get(key).map_or("(absent)".to_owned(), |v| v.to_string()),
+                        from(key),
+                        format!("{:?}", self.config.train.schedule.kind).to_lowercase()
+                    ));
+                    continue;
+                }
                 extended.push(key.clone());
                 continue;
             }

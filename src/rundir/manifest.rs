@@ -35,6 +35,9 @@ pub struct Manifest {
     pub ended_at: Option<String>,
     /// Why the run failed, when it did.
     pub failure: Option<String>,
+    /// Why a complete run stopped: its last epoch, or early stopping's reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<String>,
 }
 
 impl Manifest {
@@ -64,6 +67,7 @@ impl Manifest {
             started_at: now(),
             ended_at: None,
             failure: None,
+            stopped: None,
         }
     }
 
@@ -71,6 +75,15 @@ impl Manifest {
         self.status = status;
         self.failure = failure;
         self.ended_at = Some(now());
+    }
+
+    /// Records why a complete run stopped: early stopping's reason (its rank 0 wrote it into the
+    /// run directory), or the end of its `epochs`.
+    pub fn stopped(&mut self, run_dir: &Path, epochs: usize) {
+        self.stopped = Some(match std::fs::read_to_string(run_dir.join(super::STOPPED)) {
+            Ok(why) => why,
+            Err(_) => format!("completed train.epochs = {epochs}"),
+        });
     }
 
     pub fn write(&self, run_dir: &Path) -> anyhow::Result<()> {

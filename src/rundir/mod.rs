@@ -10,6 +10,8 @@
 //!   trace.parquet         one row per rank per epoch
 //!   steps.parquet         the phases of sampled training steps
 //!   model.safetensors     the trained model
+//!   model.best.safetensors  with [train.early_stop]: the model of the best validation
+//!   stopped.txt           with [train.early_stop]: why the run stopped early (into the manifest)
 //!   checkpoints/          epoch-NNNN.pt + epoch-NNNN.json
 //!   run.log               a sweep point's output
 //!   .rank-N.position      where each rank is, while it runs
@@ -30,14 +32,27 @@ pub const PLAN: &str = "plan.json";
 pub const TRACE: &str = "trace.parquet";
 pub const STEPS: &str = "steps.parquet";
 pub const MODEL: &str = "model.safetensors";
+pub const BEST_MODEL: &str = "model.best.safetensors";
+pub const STOPPED: &str = "stopped.txt";
 pub const CHECKPOINTS: &str = "checkpoints";
 /// A sweep point's output, written by `runner sweep`.
 pub const RUN_LOG: &str = "run.log";
 pub const LOCK: &str = lock::FILE;
 
 /// The files a run writes at the top of its directory (besides dot-files and `checkpoints/`).
-const OWN_FILES: &[&str] =
-    &[MANIFEST, CONFIG, PLAN, TRACE, STEPS, MODEL, RUN_LOG, crate::predict::PREPROCESSING, crate::predict::SPLIT];
+const OWN_FILES: &[&str] = &[
+    MANIFEST,
+    CONFIG,
+    PLAN,
+    TRACE,
+    STEPS,
+    MODEL,
+    BEST_MODEL,
+    STOPPED,
+    RUN_LOG,
+    crate::predict::PREPROCESSING,
+    crate::predict::SPLIT,
+];
 
 pub fn checkpoints(run_dir: &Path) -> PathBuf {
     run_dir.join(CHECKPOINTS)
@@ -85,7 +100,7 @@ pub fn foreign(run_dir: &Path, run_id: &str) -> Option<String> {
 /// Removes the files a fresh (not resumed) run replaces: traces, model, checkpoints, positions,
 /// temporary files. Only names the runner writes; anything else in the directory is left alone.
 pub fn clear_for_fresh_run(run_dir: &Path) {
-    for name in [TRACE, STEPS, MODEL, PLAN] {
+    for name in [TRACE, STEPS, MODEL, BEST_MODEL, STOPPED, PLAN] {
         let _ = std::fs::remove_file(run_dir.join(name));
     }
     let ck = checkpoints(run_dir);

@@ -4,6 +4,11 @@
 //! nothing else is needed for a resumed run to continue exactly where the first one stopped.
 //! Every file is written atomically; a checkpoint that does not verify is refused, never loaded.
 //! At the end of a run, rank 0 also writes the trained model alone (`model.safetensors`).
+//!
+//! A pipeline's ranks each hold other layers: every rank of its first copy writes its own stage
+//! (`epoch-NNNN.rank-R.pt`, its parameters and optimizer state), and only once every stage is
+//! written (an all-gather of their sizes and checksums) does rank 0 commit the record that makes
+//! them a checkpoint. The record names the partition; another partition or world size is refused.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -31,13 +36,46 @@ pub struct Meta {
     /// them: a resumed run starts from them, so it sums gradients as an uninterrupted one.
     #[serde(default)]
     pub buckets: Option<Vec<Vec<usize>>>,
+    /// A pipeline's checkpoint: each stage's file (the record's parameters list the whole model).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<Part>,
+    /// A pipeline's checkpoint: the layers of each stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages: Option<Vec<std::ops::Range<usize>>>,
 }
 
-/// A checkpoint that verified: its record and its tensor file.
+/// One pipeline stage's file in a checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Part {
+    pub file: String,
+    pub bytes: u64,
+    pub fnv1a: String,
+}
+
+/// A checkpoint that verified: its record and its tensor file (a pipeline: one per stage).
 #[derive(Debug, Clone)]
 pub struct Found {
     pub meta: Meta,
     pub tensors: PathBuf,
+    pub parts: Vec<PathBuf>,
+}
+
+impl Found {
+    /// The tensor file `rank` loads.
+    fn file_for(&self, rank: usize) -> &Path {
+        match self.parts.len() {
+            0 => &self.tensors,
+            n => &self.parts[rank % n],
+        }
+    }
+}
+
+fn part_path(run_dir: &Path, epoch: usize, stage: usize) -> PathBuf {
+    dir(run_dir).join(part_name(epoch, stage))
+}
+
+fn part_name(epoch: usize, stage: usize) -> String {
+    format!("epoch-{epoch:04}.rank-{stage}.pt")
 }
 
 pub fn dir(run_dir: &Path) -> PathBuf {
@@ -75,7 +113,103 @@ pub struct Snapshot<'a> {
 /// good one), so `keep` checkpoints' worth of disk is enough; with `keep` = 1 the new one is
 /// written before the old one goes. When the free space is short, the run fails before writing
 /// and says so, with the last good checkpoint kept.
-pub fn save(run_dir: &Path, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
+///
+/// Every rank calls it: a replica's rank 0 writes the checkpoint alone; a pipeline's stages each
+/// write their own file, and rank 0 commits the record once all are written.
+pub fn save(run_dir: &Path, plan: &Plan, pg: &ProcessGroup, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
+    let rank = pg.rank();
+    if !plan.is_pipeline() {
+        return if rank == 0 { save_replica(run_dir, s, keep) } else { Ok(()) };
+    }
+    let stages = plan.pipeline_ranks();
+    let ck = dir(run_dir);
+    if rank == 0 {
+        std::fs::create_dir_all(&ck).with_context(|| format!("cannot create {}", ck.display()))?;
+        if keep >= 2 {
+            prune(run_dir, keep - 1);
+        }
+    }
+    // Every rank waits for the directory; then the first copy's ranks write their stages.
+    pg.barrier()?;
+    let mine = if rank < stages {
+        let params = named_parameters(s.vs);
+        // Files hold CPU tensors, whatever device trained them: they load anywhere.
+        let cpu = tch::Device::Cpu;
+        let mut named: Vec<(String, Tensor)> =
+            params.iter().map(|(n, t)| (format!("model.{n}"), t.to_device(cpu))).collect();
+        named.extend(s.optimizer.state().into_iter().map(|(n, t)| (n, t.to_device(cpu))));
+        let (bytes, hash) = write_tensors(run_dir, s.epoch, &part_path(run_dir, s.epoch, rank), &named, 0)?;
+        [bytes as i64, hash as i64]
+    } else {
+        [0, 0]
+    };
+    // The all-gather is the commit's barrier: rank 0 learns that every stage is on disk.
+    let all = pg.all_gather(&Tensor::from_slice(&mine))?;
+    if rank != 0 {
+        return Ok(());
+    }
+    let parts = all[..stages]
+        .iter()
+        .enumerate()
+        .map(|(r, t)| {
+            let v = Vec::<i64>::try_from(t).expect("two int64 values");
+            Part { file: part_name(s.epoch, r), bytes: v[0] as u64, fnv1a: format!("{:016x}", v[1] as u64) }
+        })
+        .collect();
+    let meta = Meta {
+        epoch: s.epoch,
+        world_size: s.world_size,
+        parameters: crate::model::sorted_parameters(plan.model().as_ref()),
+        tensors_bytes: 0,
+        tensors_fnv1a: String::new(),
+        rows: s.rows.to_vec(),
+        steps: s.steps.to_vec(),
+        buckets: None,
+        parts,
+        stages: Some(plan.stages[..stages].to_vec()),
+    };
+    let (_, json) = paths(run_dir, s.epoch);
+    crate::rundir::atomic_write(&json, serde_json::to_string(&meta)?.as_bytes())?;
+    prune(run_dir, keep);
+    Ok(())
+}
+
+/// Writes `named` to `path` atomically, after checking the free space (`extra` bytes beyond the
+/// tensors'); returns its size and checksum.
+fn write_tensors(
+    run_dir: &Path,
+    epoch: usize,
+    path: &Path,
+    named: &[(String, Tensor)],
+    extra: u64,
+) -> anyhow::Result<(u64, u64)> {
+    let ck = dir(run_dir);
+    // The tensors' bytes, and room for the names and the record.
+    let need: u64 =
+        named.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum::<u64>() + 64 * 1024 + extra;
+    if let Some(free) = free_bytes(&ck) {
+        if free < need {
+            let last = epochs(run_dir).pop().map_or("none yet".to_owned(), |e| format!("epoch {e}"));
+            anyhow::bail!(
+                "not enough free space for the checkpoint of epoch {epoch}: it needs about {:.1} MiB, {:.1} MiB are \
+                 free on {}; the last good checkpoint ({last}) is kept: free some space and resume with --resume",
+                need as f64 / 1048576.0,
+                free as f64 / 1048576.0,
+                ck.display()
+            );
+        }
+    }
+    let tmp = crate::rundir::tmp_path(path);
+    if let Err(e) = Tensor::save_multi(named, &tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("cannot write {}", path.display()));
+    }
+    let bytes = std::fs::read(&tmp)?;
+    crate::rundir::commit(&tmp, path)?;
+    Ok((bytes.len() as u64, crate::rng::fnv1a(&bytes)))
+}
+
+fn save_replica(run_dir: &Path, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
     let Snapshot { epoch, world_size, vs, optimizer, rows, steps, ref buckets } = *s;
     let (pt, json) = paths(run_dir, epoch);
     let ck = dir(run_dir);
@@ -89,38 +223,18 @@ pub fn save(run_dir: &Path, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
     if keep >= 2 {
         prune(run_dir, keep - 1);
     }
-    // The tensors' bytes, and room for the names, the record and the trace rows.
-    let need: u64 = named.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum::<u64>()
-        + 64 * 1024
-        + 512 * (rows.len() + steps.len()) as u64;
-    if let Some(free) = free_bytes(&ck) {
-        if free < need {
-            let last = epochs(run_dir).pop().map_or("none yet".to_owned(), |e| format!("epoch {e}"));
-            anyhow::bail!(
-                "not enough free space for the checkpoint of epoch {epoch}: it needs about {:.1} MiB, {:.1} MiB are \
-                 free on {}; the last good checkpoint ({last}) is kept: free some space and resume with --resume",
-                need as f64 / 1048576.0,
-                free as f64 / 1048576.0,
-                ck.display()
-            );
-        }
-    }
-    let tmp = crate::rundir::tmp_path(&pt);
-    if let Err(e) = Tensor::save_multi(&named, &tmp) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("cannot write {}", pt.display()));
-    }
-    let bytes = std::fs::read(&tmp)?;
-    crate::rundir::commit(&tmp, &pt)?;
+    let (bytes, hash) = write_tensors(run_dir, epoch, &pt, &named, 512 * (rows.len() + steps.len()) as u64)?;
     let meta = Meta {
         epoch,
         world_size,
         parameters: params.iter().map(|(n, t)| (n.clone(), t.size())).collect(),
-        tensors_bytes: bytes.len() as u64,
-        tensors_fnv1a: fnv1a(&bytes),
+        tensors_bytes: bytes,
+        tensors_fnv1a: format!("{hash:016x}"),
         rows: rows.to_vec(),
         steps: steps.to_vec(),
         buckets: buckets.clone(),
+        parts: Vec::new(),
+        stages: None,
     };
     crate::rundir::atomic_write(&json, serde_json::to_string(&meta)?.as_bytes())?;
     prune(run_dir, keep);
@@ -134,6 +248,13 @@ fn prune(run_dir: &Path, keep: usize) {
         let (pt, json) = paths(run_dir, old);
         let _ = std::fs::remove_file(json);
         let _ = std::fs::remove_file(pt);
+        // A pipeline's stage files (the record, gone first, named them).
+        let prefix = format!("epoch-{old:04}.rank-");
+        for e in std::fs::read_dir(dir(run_dir)).into_iter().flatten().flatten() {
+            if e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".pt")) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
     }
 }
 
@@ -171,37 +292,63 @@ pub fn latest(run_dir: &Path, plan: &Plan) -> Result<Option<Found>, String> {
         Ok(m) => m,
         Err(e) => return refuse(format!("its record {} is corrupt ({e})", json.display())),
     };
-    let bytes = match std::fs::read(&pt) {
-        Ok(b) => b,
-        Err(e) => return refuse(format!("cannot read it ({e})")),
-    };
-    if bytes.len() as u64 != meta.tensors_bytes || fnv1a(&bytes) != meta.tensors_fnv1a {
-        return refuse(format!(
-            "it is truncated or corrupt ({} bytes, {} expected, checksum mismatch)",
-            bytes.len(),
-            meta.tensors_bytes
-        ));
-    }
     if meta.world_size != plan.world_size() {
         return refuse(format!("it was written at world size {}, this run has {}", meta.world_size, plan.world_size()));
     }
     if meta.parameters != expected {
         return refuse("it holds a different model (parameter names or shapes differ from [wrap.model])".into());
     }
-    Ok(Some(Found { meta, tensors: pt }))
+    let stages = plan.is_pipeline().then(|| plan.stages[..plan.pipeline_ranks()].to_vec());
+    if meta.stages != stages {
+        let show = |s: &Option<Vec<std::ops::Range<usize>>>| match s {
+            None => "no pipeline (one file of the whole model)".to_owned(),
+            Some(v) => format!("stages {}", v.iter().map(crate::plan::layers_text).collect::<Vec<_>>().join(" | ")),
+        };
+        return refuse(format!(
+            "it was written with another partition of the model: {}, this run has {}",
+            show(&meta.stages),
+            show(&stages)
+        ));
+    }
+    let verify = |path: &Path, want_bytes: u64, want: &str| -> Result<(), String> {
+        let bytes = std::fs::read(path).map_err(|e| format!("cannot be read ({e})"))?;
+        if bytes.len() as u64 != want_bytes || fnv1a(&bytes) != want {
+            return Err(format!(
+                "is truncated or corrupt ({} bytes, {want_bytes} expected, checksum mismatch)",
+                bytes.len()
+            ));
+        }
+        Ok(())
+    };
+    let mut parts = Vec::new();
+    if meta.parts.is_empty() {
+        if let Err(e) = verify(&pt, meta.tensors_bytes, &meta.tensors_fnv1a) {
+            return refuse(format!("it {e}"));
+        }
+    }
+    for part in &meta.parts {
+        let path = dir(run_dir).join(&part.file);
+        if let Err(e) = verify(&path, part.bytes, &part.fnv1a) {
+            return refuse(format!("its stage file {} {e}", path.display()));
+        }
+        parts.push(path);
+    }
+    Ok(Some(Found { meta, tensors: pt, parts }))
 }
 
-/// Writes the trained model's parameters to `model.safetensors` in the run directory, named as
-/// in the whole model (`layer0.weight`, ...) whatever the strategy (it gathers them to rank 0).
+/// Writes the trained model's parameters to `file` (`model.safetensors`, `model.best.safetensors`)
+/// in the run directory, named as in the whole model (`layer0.weight`, ...) whatever the strategy
+/// (it gathers them to rank 0; every rank calls it).
 pub fn write_model(
     plan: &Plan,
     pg: &ProcessGroup,
     strategy: &Strategy,
     vs: &nn::VarStore,
     run_dir: &Path,
+    file: &str,
 ) -> anyhow::Result<()> {
     let Some(named) = strategy.gather_model(plan, pg, vs)? else { return Ok(()) };
-    let path = run_dir.join(crate::rundir::MODEL);
+    let path = run_dir.join(file);
     let tmp = crate::rundir::tmp_path(&path);
     // The preprocessing travels in the model file's metadata: the file alone is usable.
     let pre = std::fs::read_to_string(run_dir.join(crate::predict::PREPROCESSING)).ok();
@@ -214,15 +361,15 @@ pub fn write_model(
 }
 
 /// Loads a verified checkpoint's parameters and optimizer state.
-pub fn load(found: &Found, vs: &nn::VarStore, optimizer: &mut Optimizer) -> anyhow::Result<()> {
-    let saved: HashMap<String, Tensor> = Tensor::load_multi(&found.tensors)
-        .with_context(|| format!("cannot load {}", found.tensors.display()))?
-        .into_iter()
-        .collect();
+/// `rank` loads its own stage's file in a pipeline.
+pub fn load(found: &Found, rank: usize, vs: &nn::VarStore, optimizer: &mut Optimizer) -> anyhow::Result<()> {
+    let file = found.file_for(rank);
+    let saved: HashMap<String, Tensor> =
+        Tensor::load_multi(file).with_context(|| format!("cannot load {}", file.display()))?.into_iter().collect();
     for (name, mut t) in named_parameters(vs) {
         let s = saved
             .get(&format!("model.{name}"))
-            .with_context(|| format!("{} has no parameter {name}", found.tensors.display()))?;
+            .with_context(|| format!("{} has no parameter {name}", file.display()))?;
         tch::no_grad(|| t.copy_(s));
     }
     optimizer.load_state(|n| saved.get(n).map(|t| t.shallow_clone())).map_err(anyhow::Error::msg)

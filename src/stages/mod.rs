@@ -1,6 +1,7 @@
 //! The five stages a rank runs: load → shard → normalize → wrap → train/validate. Each stage
 //! receives what the previous one produced and the part of the plan it owns.
 pub mod checkpoint;
+pub mod recipe;
 pub mod train;
 pub mod wrap;
 
@@ -64,7 +65,7 @@ pub fn run(
     let mut wrapped = wrap::wrap(plan, pg, device, found.as_ref().and_then(|f| f.meta.buckets.as_deref()))?;
     let (mut rows, mut steps, first_epoch) = match found {
         Some(found) => {
-            checkpoint::load(&found, &wrapped.vs, &mut wrapped.optimizer)?;
+            checkpoint::load(&found, rank, &wrapped.vs, &mut wrapped.optimizer)?;
             (found.meta.rows, found.meta.steps, found.meta.epoch + 1)
         }
         None => (Vec::new(), Vec::new(), 1),
@@ -83,12 +84,24 @@ pub fn run(
         iteration: 0,
     };
 
+    // Early stopping's state is a function of the validations so far: a resumed run replays them.
+    let mut stopper = c.train.early_stop.as_ref().map(recipe::EarlyStopper::new);
+    if let Some(stopper) = stopper.as_mut() {
+        for r in rows.iter().filter(|r| r.rank == 0) {
+            if let Some(v) = stop_metric(stopper, r) {
+                stopper.observe(r.epoch as usize, v);
+            }
+        }
+    }
+    let mut last_epoch = c.train.epochs;
     for epoch in first_epoch..=c.train.epochs {
         let out = trainer.epoch(epoch)?;
         // Every rank takes part: the bucket layout is read on each (it is the same on all).
         let checkpointing =
             c.checkpoint.every > 0 && (epoch.is_multiple_of(c.checkpoint.every) || epoch == c.train.epochs);
         let buckets = if checkpointing { trainer.wrapped.strategy.bucket_layout()? } else { None };
+        // Every rank holds every rank's rows: they all reach the same verdict.
+        let verdict = stopper.as_mut().and_then(|s| Some(s.observe(epoch, stop_metric(s, &out.rows[0])?)));
         if rank == 0 {
             let r0 = &out.rows[0];
             let val = match (r0.val_loss, r0.val_acc, r0.val_rmse) {
@@ -132,25 +145,47 @@ pub fn run(
                 &mut trace::epochs_frame(&plan.run_id, ws, &rows)?,
             )?;
             trace::write_parquet(&run_dir.join(crate::rundir::STEPS), &mut trace::steps_frame(&plan.run_id, &steps)?)?;
-            if checkpointing {
-                trainer.position.set("checkpoint", epoch, 0);
-                let w = &trainer.wrapped;
-                let snapshot = checkpoint::Snapshot {
-                    epoch,
-                    world_size: plan.world_size(),
-                    vs: &w.vs,
-                    optimizer: &w.optimizer,
-                    rows: &rows,
-                    steps: &steps,
-                    buckets,
-                };
-                checkpoint::save(run_dir, &snapshot, c.checkpoint.keep)?;
+        }
+        if verdict == Some(recipe::Verdict::Improved) {
+            trainer.position.set("write best model", epoch, 0);
+            let w = &trainer.wrapped;
+            checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::BEST_MODEL)?;
+        }
+        if checkpointing {
+            trainer.position.set("checkpoint", epoch, 0);
+            let w = &trainer.wrapped;
+            let snapshot = checkpoint::Snapshot {
+                epoch,
+                world_size: plan.world_size(),
+                vs: &w.vs,
+                optimizer: &w.optimizer,
+                rows: &rows,
+                steps: &steps,
+                buckets,
+            };
+            checkpoint::save(run_dir, plan, pg, &snapshot, c.checkpoint.keep)?;
+        }
+        if verdict == Some(recipe::Verdict::Stop) {
+            last_epoch = epoch;
+            if rank == 0 {
+                let why = stopper.as_ref().expect("a verdict").reason(epoch);
+                crate::say!("  {why}");
+                crate::rundir::atomic_write(&run_dir.join(crate::rundir::STOPPED), why.as_bytes())?;
             }
+            break;
         }
     }
     trainer.progress.finish();
-    trainer.position.set("write model", c.train.epochs, 0);
+    trainer.position.set("write model", last_epoch, 0);
     let w = &trainer.wrapped;
-    checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir)?;
+    checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::MODEL)?;
     Ok(rows)
+}
+
+/// The early-stopping metric of a trace row (rank 0's), where the epoch validated.
+fn stop_metric(stopper: &recipe::EarlyStopper, row: &EpochRow) -> Option<f64> {
+    match stopper.rule.metric {
+        crate::config::schema::StopMetric::ValLoss => row.val_loss,
+        crate::config::schema::StopMetric::ValAcc => row.val_acc,
+    }
 }

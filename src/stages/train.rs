@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use tch::{Kind, Tensor};
 
+use super::recipe::{clip_grad_norm, Accumulation, Schedule};
 use super::wrap::Wrapped;
 use crate::data::normalize::Normalizer;
 use crate::data::shard::{permutation, RankShard};
@@ -15,6 +16,7 @@ use crate::device;
 use crate::dist::ProcessGroup;
 use crate::plan::Plan;
 use crate::rundir::position::Position;
+use crate::strategy::Micro;
 use crate::trace::progress::Progress;
 use crate::trace::{EpochRow, StepRow};
 
@@ -69,6 +71,10 @@ impl Trainer<'_, '_> {
         let report_every = (steps / 40).max(1);
         let mut checked = 0;
         let train_start = Instant::now();
+        let accumulation = Accumulation { k: c.train.accumulate, batch: b, rows: n, batches: steps };
+        let schedule = Schedule::of(self.plan);
+        let norm_group = self.wrapped.strategy.norm_group().map(|copies| (self.pg, copies));
+        let mut norms = Vec::new();
         for step in 0..steps {
             self.position.set("train", epoch, step + 1);
             self.iteration += 1;
@@ -78,9 +84,21 @@ impl Trainer<'_, '_> {
             let (xb, yb) = (x.narrow(0, step as i64 * b, len), y.narrow(0, step as i64 * b, len));
             let t1 = device::now(dev);
             let w_ = &mut self.wrapped;
-            let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, sampled)?;
+            let (first, last, scale) = accumulation.batch(step);
+            if first {
+                w_.optimizer.zero_grad()?;
+            }
+            let micro = Micro { scale, sync: last };
+            let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, sampled, micro)?;
             let t2 = device::now(dev);
-            w_.optimizer.step()?;
+            if last {
+                // The optimizer's step count is the schedule's clock: restored by a checkpoint.
+                w_.optimizer.set_lr(schedule.lr(w_.optimizer.steps()));
+                if let Some(max) = c.train.clip_grad_norm {
+                    norms.push(clip_grad_norm(w_.optimizer.params(), Some(max), norm_group)?);
+                }
+                w_.optimizer.step()?;
+            }
             let update = device::elapsed(dev, t2);
             if let (Some(per_sample), Some(right)) = (&s.per_sample, &s.correct) {
                 tch::no_grad(|| {
@@ -118,6 +136,11 @@ impl Trainer<'_, '_> {
             }
         }
         let train_s = device::elapsed(dev, train_start).as_secs_f64();
+        mine.lr = self.wrapped.optimizer.lr();
+        (mine.grad_norm_mean, mine.grad_norm_max) = match norms.len() {
+            0 => (f64::NAN, f64::NAN),
+            k => (norms.iter().sum::<f64>() / k as f64, norms.iter().copied().fold(f64::MIN, f64::max)),
+        };
         mine.epoch_s = start.elapsed().as_secs_f64();
         mine.samples = w.sum(Kind::Double).double_value(&[]);
         mine.loss_sum = (losses * &w).sum(Kind::Double).double_value(&[]);
@@ -125,7 +148,8 @@ impl Trainer<'_, '_> {
         // DDP's Reducer times only the steps it samples: the epoch's total is estimated from them.
         mine.comm_s = match comm_measured {
             0 => 0.0,
-            k => comm.as_secs_f64() * steps as f64 / k as f64,
+            // Gradients are averaged once per optimizer step (the last batch of each).
+            k => comm.as_secs_f64() * self.plan.optimizer_steps_per_epoch() as f64 / k as f64,
         };
 
         let validate = c.validate.every > 0 && (epoch.is_multiple_of(c.validate.every) || epoch == c.train.epochs);
@@ -181,6 +205,12 @@ struct RankEpoch {
     val_acc: f64,
     compute_s: f64,
     bubble: f64,
+    /// The learning rate of the epoch's last optimizer step.
+    lr: f64,
+    /// The global gradient norm before clipping, over the epoch's optimizer steps (NaN without
+    /// clipping).
+    grad_norm_mean: f64,
+    grad_norm_max: f64,
     val_f1: f64,
     val_rmse: f64,
     val_mae: f64,
@@ -188,7 +218,7 @@ struct RankEpoch {
 }
 
 impl RankEpoch {
-    fn to_array(self) -> [f64; 14] {
+    fn to_array(self) -> [f64; 17] {
         let RankEpoch {
             loss_sum,
             correct,
@@ -200,20 +230,38 @@ impl RankEpoch {
             val_acc,
             compute_s,
             bubble,
+            lr,
+            grad_norm_mean,
+            grad_norm_max,
             val_f1,
             val_rmse,
             val_mae,
             val_r2,
         } = self;
         [
-            loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble, val_f1, val_rmse,
-            val_mae, val_r2,
+            loss_sum,
+            correct,
+            samples,
+            steps,
+            epoch_s,
+            comm_s,
+            val_loss,
+            val_acc,
+            compute_s,
+            bubble,
+            lr,
+            grad_norm_mean,
+            grad_norm_max,
+            val_f1,
+            val_rmse,
+            val_mae,
+            val_r2,
         ]
     }
 
     fn from_slice(v: &[f64]) -> RankEpoch {
-        let [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble, val_f1, val_rmse, val_mae, val_r2] =
-            v.try_into().expect("14 values per rank");
+        let [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble, lr, grad_norm_mean, grad_norm_max, val_f1, val_rmse, val_mae, val_r2] =
+            v.try_into().expect("17 values per rank");
         RankEpoch {
             loss_sum,
             correct,
@@ -225,6 +273,9 @@ impl RankEpoch {
             val_acc,
             compute_s,
             bubble,
+            lr,
+            grad_norm_mean,
+            grad_norm_max,
             val_f1,
             val_rmse,
             val_mae,
@@ -316,6 +367,9 @@ fn gather_epoch_rows(
                 perplexity: None,
                 val_perplexity: None,
                 tokens_per_s: None,
+                lr: f.lr,
+                grad_norm_mean: opt(f.grad_norm_mean),
+                grad_norm_max: opt(f.grad_norm_max),
             }
         })
         .collect())

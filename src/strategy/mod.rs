@@ -36,6 +36,21 @@ pub struct StepOut {
     pub wait: Duration,
 }
 
+/// One batch's place in its optimizer step (gradient accumulation).
+#[derive(Debug, Clone, Copy)]
+pub struct Micro {
+    /// The batch's share of the step's mean loss (1 without accumulation).
+    pub scale: f64,
+    /// The step's last batch: average the gradients across ranks now.
+    pub sync: bool,
+}
+
+impl Default for Micro {
+    fn default() -> Self {
+        Micro { scale: 1.0, sync: true }
+    }
+}
+
 pub enum Strategy<'pg> {
     Replica(replica::Replica<'pg>),
     Pipeline(pipeline::Stage<'pg>),
@@ -59,8 +74,9 @@ impl<'pg> Strategy<'pg> {
         })
     }
 
-    /// Forward, loss and backward of one batch, leaving this rank's gradients ready for the
-    /// optimizer (averaged where the strategy averages them).
+    /// Forward, loss and backward of one batch, adding its gradients (its loss scaled by
+    /// `micro.scale`) to this rank's; on the optimizer step's last batch (`micro.sync`) they are
+    /// averaged where the strategy averages them, ready for the optimizer.
     pub fn step(
         &mut self,
         model: &dyn ModuleT,
@@ -68,15 +84,26 @@ impl<'pg> Strategy<'pg> {
         x: &Tensor,
         y: &Tensor,
         sampled: bool,
+        micro: Micro,
     ) -> anyhow::Result<StepOut> {
         match self {
-            Strategy::Replica(r) => r.step(model, optimizer, x, y, sampled),
+            Strategy::Replica(r) => r.step(model, optimizer, x, y, sampled, micro),
             Strategy::Pipeline(stage) => {
-                optimizer.zero_grad()?;
-                let mut out = stage.train_step(model, x, y, y.size()[0])?;
-                out.comm = Some(stage.average_gradients(optimizer.params())?);
+                let mut out = stage.train_step(model, x, y, y.size()[0], micro.scale)?;
+                if micro.sync {
+                    out.comm = Some(stage.average_gradients(optimizer.params())?);
+                }
                 Ok(out)
             }
+        }
+    }
+
+    /// The ranks whose gradients make up the model's global norm with this rank's, and how many
+    /// copies of it they hold: a pipeline's stages (`None` for a replica, which holds them all).
+    pub fn norm_group(&self) -> Option<usize> {
+        match self {
+            Strategy::Replica(_) => None,
+            Strategy::Pipeline(stage) => Some(stage.copies()),
         }
     }
 

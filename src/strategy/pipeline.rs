@@ -17,7 +17,7 @@ use tch::nn::ModuleT;
 use tch::{Kind, Tensor};
 
 use super::StepOut;
-use crate::config::schema::Schedule;
+use crate::config::schema::{Precision, Schedule};
 use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Task};
 use crate::device;
@@ -46,6 +46,8 @@ pub struct Stage<'pg> {
     schedule: Schedule,
     /// Where this rank's activations and gradients are.
     device: tch::Device,
+    precision: Precision,
+    copies: usize,
 }
 
 /// The micro-batch sizes of a batch of `n` rows: `min(micro, n)` parts differing by at most one
@@ -83,7 +85,14 @@ impl<'pg> Stage<'pg> {
             micro_batches: c.wrap.pipeline.micro_batches,
             schedule: c.wrap.pipeline.schedule,
             device,
+            precision: c.train.precision,
+            copies: plan.layout.world_size,
         })
+    }
+
+    /// Copies of the pipeline.
+    pub fn copies(&self) -> usize {
+        self.copies
     }
 
     pub fn is_last(&self) -> bool {
@@ -108,17 +117,25 @@ impl<'pg> Stage<'pg> {
     }
 
     /// Forward and backward of one batch of `n` rows: `x` on rank 0, `y` on the last rank.
-    /// Leaves this rank's parameter gradients summed over the micro-batches, for a loss that is
-    /// the mean over the whole batch.
-    pub fn train_step(&self, model: &dyn ModuleT, x: &Tensor, y: &Tensor, n: i64) -> anyhow::Result<StepOut> {
+    /// Adds to this rank's parameter gradients those of the batch's mean loss times `scale`,
+    /// summed over the micro-batches.
+    pub fn train_step(
+        &self,
+        model: &dyn ModuleT,
+        x: &Tensor,
+        y: &Tensor,
+        n: i64,
+        scale: f64,
+    ) -> anyhow::Result<StepOut> {
         let sizes = micro_sizes(n, self.micro_batches);
         let m = sizes.len();
         let mut step = Step::new(self, model, x, y, n, sizes);
+        step.scale = scale;
         match self.schedule {
             Schedule::Gpipe => {
                 for i in 0..m {
                     let input = step.recv_forward(i)?;
-                    step.forward(i, input);
+                    step.forward(i, input)?;
                     step.send_forward(i)?;
                 }
                 for i in (0..m).rev() {
@@ -135,13 +152,13 @@ impl<'pg> Stage<'pg> {
                 let warmup = (self.last - self.stage).min(m);
                 for i in 0..warmup {
                     let input = step.recv_forward(i)?;
-                    step.forward(i, input);
+                    step.forward(i, input)?;
                     step.send_forward(i)?;
                 }
                 let mut input = if warmup < m { Some(step.recv_forward(warmup)?) } else { None };
                 for j in 0..m - warmup {
                     let i = warmup + j;
-                    step.forward(i, input.take().expect("received above"));
+                    step.forward(i, input.take().expect("received above"))?;
                     let grad = step.send_forward_recv_backward(i, j)?;
                     step.backward(j, grad)?;
                     if i + 1 < m {
@@ -272,6 +289,8 @@ struct Step<'a, 'pg> {
     x: &'a Tensor,
     y: &'a Tensor,
     n: i64,
+    /// The batch's share of its optimizer step's loss (gradient accumulation).
+    scale: f64,
     sizes: Vec<i64>,
     offsets: Vec<i64>,
     inputs: Vec<Option<Tensor>>,
@@ -299,6 +318,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
             x,
             y,
             n,
+            scale: 1.0,
             sizes,
             offsets,
             inputs: (0..m).map(|_| None).collect(),
@@ -315,9 +335,11 @@ impl<'a, 'pg> Step<'a, 'pg> {
         Ok(if self.stage.stage > 0 { input.set_requires_grad(true) } else { input })
     }
 
-    fn forward(&mut self, i: usize, input: Tensor) {
+    fn forward(&mut self, i: usize, input: Tensor) -> anyhow::Result<()> {
         let t = device::now(self.stage.device);
-        let h = self.model.forward_t(&input, true);
+        let h = crate::stages::recipe::in_precision(self.stage.precision, || self.model.forward_t(&input, true))?;
+        // Activations travel, and losses are taken, in float32.
+        let h = if h.kind() == Kind::Float { h } else { h.to_kind(Kind::Float) };
         self.out.forward += device::elapsed(self.stage.device, t);
         self.inputs[i] = Some(input);
         if self.stage.is_last() {
@@ -325,13 +347,15 @@ impl<'a, 'pg> Step<'a, 'pg> {
             let y = self.y.narrow(0, self.offsets[i], self.sizes[i]);
             let ps = self.stage.task.per_sample_loss(&h, &y);
             // Each micro-batch's share of the batch mean, so the gradients add up to it.
-            self.outputs[i] = Some(ps.sum(Kind::Float) / self.n as f64);
+            let share = ps.sum(Kind::Float) / self.n as f64;
+            self.outputs[i] = Some(if self.scale == 1.0 { share } else { share * self.scale });
             self.per_sample.push(ps.detach());
             self.correct.push(tch::no_grad(|| self.stage.task.correct(&h, &y)));
             self.out.loss += device::elapsed(self.stage.device, t);
         } else {
             self.outputs[i] = Some(h);
         }
+        Ok(())
     }
 
     fn send_forward(&mut self, i: usize) -> anyhow::Result<()> {

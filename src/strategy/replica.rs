@@ -5,8 +5,8 @@
 use tch::nn::ModuleT;
 use tch::{Kind, Tensor};
 
-use super::StepOut;
-use crate::config::schema::{ValidateOn, WrapStrategy};
+use super::{Micro, StepOut};
+use crate::config::schema::{Precision, ValidateOn, WrapStrategy};
 use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Task};
 use crate::device;
@@ -20,7 +20,8 @@ pub struct Replica<'pg> {
     task: Task,
     /// Where the model and batches are (step timings synchronise it).
     device: tch::Device,
-    /// Steps taken so far (the Reducer numbers its iterations the same way).
+    precision: Precision,
+    /// Synchronised steps taken so far (the Reducer numbers its iterations the same way).
     iteration: i64,
 }
 
@@ -44,38 +45,45 @@ impl<'pg> Replica<'pg> {
             }
             _ => None,
         };
-        Ok(Replica { pg, ddp, task: plan.data.task, device, iteration: 0 })
+        Ok(Replica { pg, ddp, task: plan.data.task, device, precision: c.train.precision, iteration: 0 })
     }
 
-    /// `sampled`: the step trace records this step (the Reducer has timed it).
+    /// `sampled`: the step trace records this step (the Reducer has timed it). The gradients add
+    /// to those of the batches before it in the optimizer step; DDP averages them on the last
+    /// (`micro.sync`), as torch's `no_sync` does.
     pub fn step(
         &mut self,
         model: &dyn ModuleT,
-        optimizer: &mut Optimizer,
+        _optimizer: &mut Optimizer,
         x: &Tensor,
         y: &Tensor,
         sampled: bool,
+        micro: Micro,
     ) -> anyhow::Result<StepOut> {
-        self.iteration += 1;
+        if micro.sync || self.ddp.is_none() {
+            self.iteration += 1;
+        }
         let dev = self.device;
         let t0 = device::now(dev);
         if let Some(ddp) = self.ddp.as_mut() {
+            ddp.set_sync(micro.sync);
             ddp.prepare_forward()?;
         }
-        let out = model.forward_t(x, true);
+        let out = crate::stages::recipe::in_precision(self.precision, || model.forward_t(x, true))?;
+        let out = if out.kind() == Kind::Float { out } else { out.to_kind(Kind::Float) };
         let t1 = device::now(dev);
         let per_sample = self.task.per_sample_loss(&out, y);
         let loss = per_sample.mean(Kind::Float);
+        let loss = if micro.scale == 1.0 { loss } else { loss * micro.scale };
         let t2 = device::now(dev);
         if let Some(ddp) = self.ddp.as_mut() {
             ddp.prepare_backward()?;
         }
-        optimizer.zero_grad()?;
         loss.f_backward()
             .map_err(|e| self.pg.explain(crate::dist::Error::new("backward (gradient all-reduce)", e.to_string())))?;
         let backward = device::elapsed(dev, t2);
         let times = match self.ddp.as_mut() {
-            Some(ddp) if sampled || self.iteration <= 10 => ddp.reducer_times(self.iteration)?,
+            Some(ddp) if micro.sync && (sampled || self.iteration <= 10) => ddp.reducer_times(self.iteration)?,
             _ => None,
         };
         Ok(StepOut {

@@ -51,6 +51,15 @@ pub struct EpochRow {
     pub val_perplexity: Option<f64>,
     #[serde(default)]
     pub tokens_per_s: Option<f64>,
+    /// The learning rate of the epoch's last optimizer step.
+    #[serde(default)]
+    pub lr: f64,
+    /// With train.clip_grad_norm: the global gradient norm before clipping, mean and max over the
+    /// epoch's optimizer steps (null without clipping).
+    #[serde(default)]
+    pub grad_norm_mean: Option<f64>,
+    #[serde(default)]
+    pub grad_norm_max: Option<f64>,
 }
 
 impl EpochRow {
@@ -106,6 +115,9 @@ pub const EPOCH_COLUMNS: &[&str] = &[
     "perplexity",
     "val_perplexity",
     "tokens_per_s",
+    "lr",
+    "grad_norm_mean",
+    "grad_norm_max",
 ];
 
 pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsResult<DataFrame> {
@@ -136,6 +148,9 @@ pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsR
         Column::new("perplexity".into(), rows.iter().map(|r| r.perplexity).collect::<Vec<_>>()),
         Column::new("val_perplexity".into(), rows.iter().map(|r| r.val_perplexity).collect::<Vec<_>>()),
         Column::new("tokens_per_s".into(), rows.iter().map(|r| r.tokens_per_s).collect::<Vec<_>>()),
+        f(|r| r.lr).with_name("lr".into()),
+        Column::new("grad_norm_mean".into(), rows.iter().map(|r| r.grad_norm_mean).collect::<Vec<_>>()),
+        Column::new("grad_norm_max".into(), rows.iter().map(|r| r.grad_norm_max).collect::<Vec<_>>()),
     ];
     DataFrame::new(n, cols)
 }

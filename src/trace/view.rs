@@ -121,6 +121,9 @@ mod tests {
             perplexity: None,
             val_perplexity: None,
             tokens_per_s: None,
+            lr: 0.1,
+            grad_norm_mean: None,
+            grad_norm_max: None,
         };
         let rows = [
             row(1, 0, 1.0, Some(0.2)),

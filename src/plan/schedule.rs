@@ -1,0 +1,133 @@
+//! The learning-rate schedule (`[train.schedule]`): the rate of optimizer step s, counted from 0
+//! over the whole run, is a pure function of s, so a resumed run takes the same rates. The plan
+//! checks it and prints its shape; the epoch loop (`stages::recipe`) asks it before each step.
+use crate::config::schema::{LrSchedule, ScheduleKind};
+
+/// The learning rate of every optimizer step of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Schedule {
+    pub kind: ScheduleKind,
+    pub lr: f64,
+    pub min_lr: f64,
+    /// Optimizer steps of warmup.
+    pub warmup: usize,
+    /// Optimizer steps in the whole run.
+    pub total: usize,
+    /// kind = step: steps per decay, and the factor.
+    pub step_size: usize,
+    pub gamma: f64,
+}
+
+impl Schedule {
+    /// The schedule `s` over a run of `epochs` × `steps_per_epoch` optimizer steps.
+    pub fn new(s: &LrSchedule, lr: f64, epochs: usize, steps_per_epoch: usize) -> Schedule {
+        Schedule {
+            kind: s.kind,
+            lr,
+            min_lr: s.min_lr,
+            warmup: s.warmup_steps + s.warmup_epochs * steps_per_epoch,
+            total: epochs * steps_per_epoch,
+            step_size: s.step_size + s.step_epochs * steps_per_epoch,
+            gamma: s.gamma.unwrap_or(0.1),
+        }
+    }
+
+    pub fn of(plan: &super::Plan) -> Schedule {
+        let t = &plan.config.train;
+        Schedule::new(&t.schedule, t.lr, t.epochs, plan.optimizer_steps_per_epoch())
+    }
+
+    /// The learning rate of optimizer step `step` (0-based, over the whole run).
+    pub fn lr(&self, step: usize) -> f64 {
+        if step < self.warmup {
+            return self.lr * (step + 1) as f64 / self.warmup as f64;
+        }
+        let after = step - self.warmup;
+        // The fraction of the decay done: 0 at the first step after warmup, 1 at the last step.
+        let span = self.total.saturating_sub(self.warmup + 1).max(1);
+        let t = (after as f64 / span as f64).min(1.0);
+        match self.kind {
+            ScheduleKind::Constant => self.lr,
+            ScheduleKind::Linear => self.min_lr + (self.lr - self.min_lr) * (1.0 - t),
+            ScheduleKind::Cosine => {
+                self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
+            }
+            ScheduleKind::Step => self.lr * self.gamma.powi((after / self.step_size.max(1)) as i32),
+        }
+    }
+
+    /// Whether the rates depend on the run's length (train.epochs).
+    pub fn depends_on_length(&self) -> bool {
+        matches!(self.kind, ScheduleKind::Linear | ScheduleKind::Cosine)
+    }
+
+    /// The shape, for `runner validate`: "cosine 0.1 → 0.001 over 780 steps after 78 warmup steps".
+    pub fn describe(&self) -> String {
+        let warmup = match self.warmup {
+            0 => String::new(),
+            w => format!(", after {w} warmup step{} from {:.4e}", if w == 1 { "" } else { "s" }, self.lr(0)),
+        };
+        let decay = self.total.saturating_sub(self.warmup);
+        let shape = match self.kind {
+            ScheduleKind::Constant => format!("constant {}", self.lr),
+            ScheduleKind::Linear => format!("linear {} → {} over {decay} steps", self.lr, self.min_lr),
+            ScheduleKind::Cosine => format!("cosine {} → {} over {decay} steps", self.lr, self.min_lr),
+            ScheduleKind::Step => format!(
+                "step {} × {} every {} steps (last {})",
+                self.lr,
+                self.gamma,
+                self.step_size,
+                self.lr(self.total.saturating_sub(1))
+            ),
+        };
+        format!("{shape}{warmup}")
+    }
+
+    /// A few (step, lr) points of the curve, for the plan's table.
+    pub fn points(&self) -> String {
+        let last = self.total.saturating_sub(1);
+        let mut at: Vec<usize> = vec![0, self.warmup.min(last), last / 4, last / 2, 3 * last / 4, last];
+        at.sort();
+        at.dedup();
+        at.iter().map(|&s| format!("{}: {:.4e}", s + 1, self.lr(s))).collect::<Vec<_>>().join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sched(kind: ScheduleKind, warmup: usize) -> Schedule {
+        let s = LrSchedule { kind, warmup_steps: warmup, min_lr: 0.01, step_size: 10, ..LrSchedule::default() };
+        Schedule::new(&s, 0.1, 10, 10)
+    }
+
+    #[test]
+    fn warmup_rises_linearly_to_lr() {
+        let s = sched(ScheduleKind::Constant, 10);
+        assert!((s.lr(0) - 0.01).abs() < 1e-12);
+        assert!((s.lr(4) - 0.05).abs() < 1e-12);
+        assert_eq!(s.lr(9), 0.1);
+        assert_eq!(s.lr(50), 0.1);
+    }
+
+    #[test]
+    fn linear_and_cosine_end_at_min_lr() {
+        for kind in [ScheduleKind::Linear, ScheduleKind::Cosine] {
+            let s = sched(kind, 10);
+            assert!((s.lr(10) - 0.1).abs() < 1e-12, "{kind:?} starts at lr after warmup");
+            assert!((s.lr(99) - 0.01).abs() < 1e-12, "{kind:?} ends at min_lr");
+            assert!((1..100).all(|i| i <= 10 || s.lr(i) <= s.lr(i - 1)), "{kind:?} falls");
+        }
+        let c = sched(ScheduleKind::Cosine, 0);
+        assert!((c.lr(99 / 2) - 0.055).abs() < 2e-3, "cosine is halfway at the middle");
+    }
+
+    #[test]
+    fn step_decays_by_gamma_every_step_size() {
+        let s = sched(ScheduleKind::Step, 0);
+        assert_eq!(s.lr(9), 0.1);
+        assert!((s.lr(10) - 0.01).abs() < 1e-12);
+        assert!((s.lr(25) - 0.001).abs() < 1e-12);
+    }
+}
