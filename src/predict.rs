@@ -15,10 +15,8 @@ use crate::data::normalize::Normalizer;
 use crate::dist::ProcessGroup;
 use crate::plan::Plan;
 
-/// The run directory's file of preprocessing (also in model.safetensors' metadata).
-pub const PREPROCESSING: &str = "preprocessing.json";
-/// The run directory's record of which file rows trained and which validated.
-pub const SPLIT: &str = "split.json";
+pub use crate::rundir::PREPROCESSING;
+pub use crate::rundir::SPLIT;
 
 /// One rank's normalisation: x ↦ (x - offset) / scale per model input.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -130,6 +130,20 @@ pub fn check(model: &Model, bad: &mut impl FnMut(&str, String)) -> bool {
     }
 }
 
+/// MiB of `parameters` float32 values.
+pub fn parameter_mib(parameters: usize) -> f64 {
+    (parameters * 4) as f64 / (1024.0 * 1024.0)
+}
+
+/// "layer 3", "layers 3-5".
+pub fn layers_text(r: &Range<usize>) -> String {
+    if r.len() == 1 {
+        format!("layer {}", r.start)
+    } else {
+        format!("layers {}-{}", r.start, r.end - 1)
+    }
+}
+
 /// Parameters of each layer.
 pub fn layer_parameters(arch: &dyn Architecture) -> Vec<usize> {
     arch.layers().iter().map(|l| l.parameters).collect()

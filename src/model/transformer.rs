@@ -194,7 +194,7 @@ impl Architecture for TransformerArch {
             Some(r) if self.t.tied => Err(format!(
                 "the output head (layer {head}) is tied to the token embedding (layer 0), but a pipeline puts them \
                  on different ranks ({} without layer 0); set wrap.model.tied = false",
-                crate::plan::layers_text(r)
+                super::layers_text(r)
             )),
             _ => Ok(()),
         }

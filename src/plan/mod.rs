@@ -761,19 +761,7 @@ fn recipe_lengths(c: &Config, batches: usize, bad: &mut impl FnMut(&str, String)
     }
 }
 
-/// MiB of `parameters` float32 values.
-pub fn parameter_mib(parameters: usize) -> f64 {
-    (parameters * 4) as f64 / (1024.0 * 1024.0)
-}
-
-/// "layer 3", "layers 3-5".
-pub fn layers_text(r: &Range<usize>) -> String {
-    if r.len() == 1 {
-        format!("layer {}", r.start)
-    } else {
-        format!("layers {}-{}", r.start, r.end - 1)
-    }
-}
+pub use crate::model::{layers_text, parameter_mib};
 
 /// Why the heaviest rank's parameters (float32) exceed `limit` MiB, and what would fit.
 fn memory_check(limit: f64, stages: &[Range<usize>], layer_parameters: &[usize], pipeline: bool) -> Option<String> {

@@ -29,6 +29,9 @@ use anyhow::Context;
 pub const MANIFEST: &str = "manifest.json";
 pub const CONFIG: &str = "config.toml";
 pub const PLAN: &str = "plan.json";
+/// The preprocessing a run fitted (`runner predict` applies it), and its train/validation split.
+pub const PREPROCESSING: &str = "preprocessing.json";
+pub const SPLIT: &str = "split.json";
 pub const TRACE: &str = "trace.parquet";
 pub const STEPS: &str = "steps.parquet";
 pub const MODEL: &str = "model.safetensors";
@@ -40,19 +43,8 @@ pub const RUN_LOG: &str = "run.log";
 pub const LOCK: &str = lock::FILE;
 
 /// The files a run writes at the top of its directory (besides dot-files and `checkpoints/`).
-const OWN_FILES: &[&str] = &[
-    MANIFEST,
-    CONFIG,
-    PLAN,
-    TRACE,
-    STEPS,
-    MODEL,
-    BEST_MODEL,
-    STOPPED,
-    RUN_LOG,
-    crate::predict::PREPROCESSING,
-    crate::predict::SPLIT,
-];
+const OWN_FILES: &[&str] =
+    &[MANIFEST, CONFIG, PLAN, TRACE, STEPS, MODEL, BEST_MODEL, STOPPED, RUN_LOG, PREPROCESSING, SPLIT];
 
 pub fn checkpoints(run_dir: &Path) -> PathBuf {
     run_dir.join(CHECKPOINTS)

@@ -5,8 +5,8 @@
 //! stopping. The epoch loop asks it; the strategies only receive a loss scale and whether to sync.
 use tch::{Kind, Tensor};
 
-use crate::config::schema::{EarlyStop, Precision, StopMode};
-use crate::dist::{AutocastBf16, ProcessGroup, ReduceOp};
+use crate::config::schema::{EarlyStop, StopMode};
+use crate::dist::{ProcessGroup, ReduceOp};
 pub use crate::plan::schedule::Schedule;
 
 /// Which batches of an epoch make one optimizer step: groups of `k` consecutive batches (the last
@@ -70,19 +70,6 @@ pub fn clip_grad_norm(
         }
     }
     Ok(norm)
-}
-
-/// Runs `f` (a forward pass) in the run's precision: bf16 autocasts it to bfloat16.
-pub fn in_precision<T>(precision: Precision, f: impl FnOnce() -> T) -> anyhow::Result<T> {
-    match precision {
-        Precision::Fp32 => Ok(f()),
-        Precision::Bf16 => {
-            let _guard = AutocastBf16::enter()?;
-            Ok(f())
-        }
-        // Refused on the plan: CPU runs only.
-        Precision::Fp16 => anyhow::bail!("train.precision = \"fp16\" needs CUDA"),
-    }
 }
 
 /// Early stopping's state: the best value of the metric and when it was seen. It is rebuilt from

@@ -17,6 +17,19 @@ use crate::dist::ProcessGroup;
 use crate::model::optim::Optimizer;
 use crate::plan::Plan;
 
+/// Runs `f` (a forward pass) in the run's precision: bf16 autocasts it to bfloat16.
+pub fn in_precision<T>(precision: crate::config::schema::Precision, f: impl FnOnce() -> T) -> anyhow::Result<T> {
+    match precision {
+        crate::config::schema::Precision::Fp32 => Ok(f()),
+        crate::config::schema::Precision::Bf16 => {
+            let _guard = crate::dist::AutocastBf16::enter()?;
+            Ok(f())
+        }
+        // Refused on the plan: CPU runs only.
+        crate::config::schema::Precision::Fp16 => anyhow::bail!("train.precision = \"fp16\" needs CUDA"),
+    }
+}
+
 /// What one training step measured on this rank.
 #[derive(Default)]
 pub struct StepOut {

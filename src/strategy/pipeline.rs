@@ -337,7 +337,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
 
     fn forward(&mut self, i: usize, input: Tensor) -> anyhow::Result<()> {
         let t = device::now(self.stage.device);
-        let h = crate::stages::recipe::in_precision(self.stage.precision, || self.model.forward_t(&input, true))?;
+        let h = super::in_precision(self.stage.precision, || self.model.forward_t(&input, true))?;
         // Activations travel, and losses are taken, in float32.
         let h = if h.kind() == Kind::Float { h } else { h.to_kind(Kind::Float) };
         self.out.forward += device::elapsed(self.stage.device, t);

@@ -69,7 +69,7 @@ impl<'pg> Replica<'pg> {
             ddp.set_sync(micro.sync);
             ddp.prepare_forward()?;
         }
-        let out = crate::stages::recipe::in_precision(self.precision, || model.forward_t(x, true))?;
+        let out = super::in_precision(self.precision, || model.forward_t(x, true))?;
         let out = if out.kind() == Kind::Float { out } else { out.to_kind(Kind::Float) };
         let t1 = device::now(dev);
         let per_sample = self.task.per_sample_loss(&out, y);
