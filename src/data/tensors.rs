@@ -198,7 +198,7 @@ mod tests {
             let spec = spec(&load, dir.path(), &mut |k, m| errors.push(format!("{k}: {m}"))).unwrap();
             assert!(errors.is_empty(), "{errors:?}");
             assert_eq!((spec.rows, spec.input.clone(), spec.task.outputs()), (4, vec![1, 2, 2], 3));
-            let (rx, ry) = read(spec.file.as_ref().unwrap()).unwrap();
+            let (rx, ry) = read(spec.tensors.as_ref().unwrap()).unwrap();
             assert!(rx.equal(&x) && ry.equal(&y), "{file}");
         }
         let bad = [("x".to_string(), x), ("y".to_string(), Tensor::from_slice(&[0.5f32, 1., 2., 0., 1., 2.]))];
