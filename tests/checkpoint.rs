@@ -3,10 +3,8 @@
 mod common;
 
 use std::path::Path;
-use std::process::Stdio;
-use std::time::{Duration, Instant};
 
-use common::{assert_ok, children, run, runner, text, write};
+use common::{assert_ok, run, run_and_kill, text, write};
 use polars::prelude::*;
 
 const RESUMABLE: &str = r#"
@@ -41,41 +39,12 @@ fn trace(dir: &Path) -> DataFrame {
     ParquetReader::new(std::fs::File::open(dir.join("trace.parquet")).unwrap()).finish().unwrap()
 }
 
-/// Runs into `out`, and kills rank `victim` as soon as the epoch-2 checkpoint exists.
-fn run_and_kill(dir: &Path, out: &str, victim: usize) {
-    let mut launcher = runner()
-        .args(["run", "p.toml", "--out", out])
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let marker = dir.join(out).join("checkpoints/epoch-0002.json");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !marker.exists() {
-        assert!(Instant::now() < deadline, "no epoch-2 checkpoint");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let rank_pid = children(launcher.id())
-        .into_iter()
-        .find(|p| {
-            let env = std::fs::read(format!("/proc/{p}/environ")).unwrap_or_default();
-            env.split(|b| *b == 0).any(|v| v == format!("RANK={victim}").as_bytes())
-        })
-        .expect("the rank process");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(rank_pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let status = launcher.wait().unwrap();
-    let mut err = String::new();
-    std::io::Read::read_to_string(launcher.stderr.as_mut().unwrap(), &mut err).unwrap();
-    assert_eq!(status.code(), Some(1), "the kill must land before the run ends:\n{err}");
-}
-
 #[test]
 fn a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", RESUMABLE);
     assert_ok(&run(&["run", "p.toml", "--out", "whole"], dir.path()));
-    run_and_kill(dir.path(), "cut", 1);
+    run_and_kill(dir.path(), "cut", &[], 1);
     assert_ok(&run(&["run", "--resume", "cut"], dir.path()));
 
     let (a, b) = (trace(&dir.path().join("whole")), trace(&dir.path().join("cut")));

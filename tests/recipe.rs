@@ -3,10 +3,8 @@
 mod common;
 
 use std::path::Path;
-use std::process::Stdio;
-use std::time::{Duration, Instant};
 
-use common::{assert_ok, children, run, runner, text, write, TINY};
+use common::{assert_ok, run, run_and_kill, text, write, TINY};
 use polars::prelude::*;
 
 fn trace(dir: &Path) -> DataFrame {
@@ -265,37 +263,11 @@ every = 1
 keep = 2
 "#;
 
-fn run_and_kill(dir: &Path, out: &str, extra: &[&str]) {
-    let mut launcher = runner()
-        .args([&["run", "p.toml", "--out", out][..], extra].concat())
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let marker = dir.join(out).join("checkpoints/epoch-0002.json");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !marker.exists() {
-        assert!(Instant::now() < deadline, "no epoch-2 checkpoint");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let rank_pid = children(launcher.id())
-        .into_iter()
-        .find(|p| {
-            let env = std::fs::read(format!("/proc/{p}/environ")).unwrap_or_default();
-            env.split(|b| *b == 0).any(|v| v == b"RANK=1")
-        })
-        .expect("the rank process");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(rank_pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let status = launcher.wait().unwrap();
-    assert_eq!(status.code(), Some(1), "the kill must land before the run ends");
-}
-
 fn resumes_bit_identical(extra: &[&str], files: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", RECIPE);
     assert_ok(&run(&[&["run", "p.toml", "--out", "whole"][..], extra].concat(), dir.path()));
-    run_and_kill(dir.path(), "cut", extra);
+    run_and_kill(dir.path(), "cut", extra, 1);
     assert_ok(&run(&["run", "--resume", "cut"], dir.path()));
     let (a, b) = (trace(&dir.path().join("whole")), trace(&dir.path().join("cut")));
     assert_eq!(a.height(), 5 * 2);

@@ -84,3 +84,34 @@ pub fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .is_ok_and(|s| !s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
 }
+
+/// Runs `runner run p.toml --out OUT EXTRA...` in `dir` and kills rank `victim` (SIGKILL) as soon
+/// as the epoch-2 checkpoint exists; the run must then fail (exit 1), not have ended already.
+pub fn run_and_kill(dir: &Path, out: &str, extra: &[&str], victim: usize) {
+    use std::time::{Duration, Instant};
+    let mut launcher = runner()
+        .args([&["run", "p.toml", "--out", out][..], extra].concat())
+        .current_dir(dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let marker = dir.join(out).join("checkpoints/epoch-0002.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !marker.exists() {
+        assert!(Instant::now() < deadline, "no epoch-2 checkpoint");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let rank_pid = children(launcher.id())
+        .into_iter()
+        .find(|p| {
+            let env = std::fs::read(format!("/proc/{p}/environ")).unwrap_or_default();
+            env.split(|b| *b == 0).any(|v| v == format!("RANK={victim}").as_bytes())
+        })
+        .expect("the rank process");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(rank_pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let status = launcher.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(launcher.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(1), "the kill must land before the run ends:\n{err}");
+}
