@@ -427,6 +427,28 @@ char* rn_fused_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n
   });
 }
 
+char* rn_sgd(void** params, void** bufs, size_t n, int first, double lr, double momentum, double weight_decay) {
+  return protect([&] {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < n; ++i) {
+      at::Tensor& p = tensor(params[i]);
+      at::Tensor d = p.grad();
+      if (!d.defined()) continue;
+      if (weight_decay != 0.0) d = d.add(p, weight_decay);
+      if (momentum != 0.0) {
+        at::Tensor& buf = tensor(bufs[i]);
+        if (first) {
+          buf.copy_(d);
+        } else {
+          buf.mul_(momentum).add_(d);
+        }
+        d = buf;
+      }
+      p.add_(d, -lr);
+    }
+  });
+}
+
 char* rn_set_autocast_dtype(int device_type, int scalar_type) {
   return protect([&] {
     at::autocast::set_autocast_dtype(static_cast<at::DeviceType>(device_type),

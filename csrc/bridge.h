@@ -87,6 +87,13 @@ char* rn_clear_grads(void** params, size_t n);
 char* rn_fused_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n, double step, double lr,
                     double beta1, double beta2, double weight_decay, double eps, int decoupled);
 
+// One step of torch.optim.SGD (single-tensor, dampening 0, not Nesterov) over the n parameters that
+// have a gradient, with torch's roundings: weight decay and the update are each one add with alpha
+// (grad.add(p, alpha=wd), p.add_(d, alpha=-lr)), not a multiply then an add. bufs are the
+// momentum buffers (ignored when momentum = 0); first = 1 copies the gradient into them, as torch
+// does when a buffer is new.
+char* rn_sgd(void** params, void** bufs, size_t n, int first, double lr, double momentum, double weight_decay);
+
 // The type that autocast regions on device_type (a c10::DeviceType: 0 CPU, 1 CUDA) compute in:
 // scalar_type is a c10::ScalarType (5 Half, 15 BFloat16). torch.autocast(dtype=...).
 char* rn_set_autocast_dtype(int device_type, int scalar_type);

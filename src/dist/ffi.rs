@@ -136,6 +136,15 @@ extern "C" {
         eps: f64,
         decoupled: c_int,
     ) -> *mut c_char;
+    pub fn rn_sgd(
+        params: *const *mut c_void,
+        bufs: *const *mut c_void,
+        n: usize,
+        first: c_int,
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+    ) -> *mut c_char;
     pub fn rn_autocast_cpu_bf16(enabled: c_int) -> *mut c_char;
     pub fn rn_all_reduce_sum_autograd(pg: *mut RnPg, input: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
 }

@@ -56,6 +56,29 @@ pub fn fused_adam(params: &[Tensor], m: &[Tensor], v: &[Tensor], step: i64, c: A
     check("fused_adam", err)
 }
 
+/// SGD's hyper-parameters for [`sgd`].
+#[derive(Debug, Clone, Copy)]
+pub struct SgdConfig {
+    pub lr: f64,
+    /// 0: no momentum (`bufs` is then unused and may be empty).
+    pub momentum: f64,
+    pub weight_decay: f64,
+}
+
+/// One step of torch's SGD over every parameter that has a gradient, rounding as torch does:
+/// `p.add_(d, alpha=-lr)` is one rounding where tch's `p - d * lr` would be two, and over a run
+/// those differences grow until the losses drift from PyTorch's. `first` (the first step) copies
+/// the gradients into the momentum buffers `bufs`.
+pub fn sgd(params: &[Tensor], bufs: &[Tensor], first: bool, c: SgdConfig) -> Result<()> {
+    assert!(c.momentum == 0.0 || bufs.len() == params.len(), "one momentum buffer per parameter");
+    let (p, b) = (ptrs(params), ptrs(bufs));
+    let b = if c.momentum == 0.0 { vec![std::ptr::null_mut(); p.len()] } else { b };
+    // SAFETY: every pointer is a live tensor for the duration of the call (the buffers are only
+    // read when momentum ≠ 0, and then there is one per parameter); lengths match.
+    let err = unsafe { ffi::rn_sgd(p.as_ptr(), b.as_ptr(), p.len(), first as i32, c.lr, c.momentum, c.weight_decay) };
+    check("sgd", err)
+}
+
 /// Makes `tch::autocast` regions on `device`'s type compute in `kind` (`Half` or `BFloat16`), as
 /// `torch.autocast(device_type, dtype=kind)`: tch's autocast alone uses libtorch's default,
 /// float16 on CUDA.
