@@ -456,15 +456,22 @@ char* rn_set_autocast_dtype(int device_type, int scalar_type) {
   });
 }
 
-char* rn_autocast_cpu_bf16(int enabled) {
+char* rn_autocast_bf16(int enabled) {
   return protect([&] {
+    // Both devices' flags: a forward pass on CUDA tensors is cast by CUDA's autocast, one on CPU
+    // tensors by CPU's, and a flag for a device the pass does not touch changes nothing.
+    for (auto device : {at::kCPU, at::kCUDA}) {
+      if (enabled) {
+        at::autocast::set_autocast_dtype(device, at::kBFloat16);
+        at::autocast::set_autocast_enabled(device, true);
+      } else {
+        at::autocast::set_autocast_enabled(device, false);
+      }
+    }
     if (enabled) {
-      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-      at::autocast::set_autocast_enabled(at::kCPU, true);
       at::autocast::increment_nesting();
-    } else {
-      at::autocast::set_autocast_enabled(at::kCPU, false);
-      if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    } else if (at::autocast::decrement_nesting() == 0) {
+      at::autocast::clear_cache();
     }
   });
 }

@@ -98,10 +98,11 @@ char* rn_sgd(void** params, void** bufs, size_t n, int first, double lr, double 
 // scalar_type is a c10::ScalarType (5 Half, 15 BFloat16). torch.autocast(dtype=...).
 char* rn_set_autocast_dtype(int device_type, int scalar_type);
 
-// CPU autocast to bfloat16 on this thread (torch.autocast("cpu", dtype=torch.bfloat16)): enabled = 1
-// enters a region, enabled = 0 leaves it (clearing the cache of cast weights when the outermost
-// region ends, as torch does, so updated weights are cast afresh).
-char* rn_autocast_cpu_bf16(int enabled);
+// Autocast to bfloat16 on this thread, on CPU and CUDA (torch.autocast(device, dtype=torch.bfloat16)
+// for the device the tensors are on): enabled = 1 enters a region, enabled = 0 leaves it (clearing
+// the cache of cast weights when the outermost region ends, as torch does, so updated weights are
+// cast afresh).
+char* rn_autocast_bf16(int enabled);
 
 // The sum of `input` over every rank of pg, as a new tensor (*out, owned by the caller, freed as a
 // tch Tensor) that autograd differentiates: its backward pass all-reduces the incoming gradient too

@@ -145,6 +145,6 @@ extern "C" {
         momentum: f64,
         weight_decay: f64,
     ) -> *mut c_char;
-    pub fn rn_autocast_cpu_bf16(enabled: c_int) -> *mut c_char;
+    pub fn rn_autocast_bf16(enabled: c_int) -> *mut c_char;
     pub fn rn_all_reduce_sum_autograd(pg: *mut RnPg, input: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
 }

@@ -97,14 +97,15 @@ pub fn set_autocast_dtype(device: Device, kind: Kind) -> Result<()> {
     check("set_autocast_dtype", unsafe { ffi::rn_set_autocast_dtype(device_type, scalar_type) })
 }
 
-/// CPU autocast to bfloat16 while it lives (`torch.autocast("cpu", dtype=torch.bfloat16)`), on
-/// this thread: matrix products run in bfloat16, the weights stay float32.
+/// Autocast to bfloat16 while it lives, on this thread, on CPU and on CUDA alike
+/// (`torch.autocast(device, dtype=torch.bfloat16)` where the tensors are): matrix products and
+/// convolutions run in bfloat16, the weights stay float32.
 pub struct AutocastBf16(());
 
 impl AutocastBf16 {
     pub fn enter() -> Result<AutocastBf16> {
         // SAFETY: no pointers; thread-local state only.
-        check("autocast", unsafe { ffi::rn_autocast_cpu_bf16(1) })?;
+        check("autocast", unsafe { ffi::rn_autocast_bf16(1) })?;
         Ok(AutocastBf16(()))
     }
 }
@@ -112,7 +113,7 @@ impl AutocastBf16 {
 impl Drop for AutocastBf16 {
     fn drop(&mut self) {
         // SAFETY: as in `enter`; leaving a region cannot fail short of a libtorch bug.
-        let err = unsafe { ffi::rn_autocast_cpu_bf16(0) };
+        let err = unsafe { ffi::rn_autocast_bf16(0) };
         let _ = check("autocast", err);
     }
 }

@@ -681,9 +681,12 @@ fn recipe_values(c: &Config, validation_rows: Option<usize>, bad: &mut impl FnMu
              CPU (autocast to bfloat16, float32 weights) or \"fp32\""
                 .into(),
         ),
-        (Precision::Fp16 | Precision::Bf16, Device::Cuda) => {
-            bad("train.precision", "mixed precision on CUDA is not implemented yet; use \"fp32\"".into())
-        }
+        (Precision::Fp16, Device::Cuda) => bad(
+            "train.precision",
+            "\"fp16\" with dynamic loss scaling is not built yet; use \"bf16\" (GPUs since Ampere compute in \
+             bfloat16, which needs no loss scaling) or \"fp32\""
+                .into(),
+        ),
         _ => {}
     }
     if s.warmup_steps > 0 && s.warmup_epochs > 0 {

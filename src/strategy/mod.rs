@@ -17,7 +17,7 @@ use crate::dist::ProcessGroup;
 use crate::model::optim::Optimizer;
 use crate::plan::Plan;
 
-/// Runs `f` (a forward pass) in the run's precision: bf16 autocasts it to bfloat16.
+/// Runs `f` (a forward pass) in the run's precision: bf16 autocasts it to bfloat16 (on CPU or CUDA).
 pub fn in_precision<T>(precision: crate::config::schema::Precision, f: impl FnOnce() -> T) -> anyhow::Result<T> {
     match precision {
         crate::config::schema::Precision::Fp32 => Ok(f()),
@@ -25,8 +25,8 @@ pub fn in_precision<T>(precision: crate::config::schema::Precision, f: impl FnOn
             let _guard = crate::dist::AutocastBf16::enter()?;
             Ok(f())
         }
-        // Refused on the plan: CPU runs only.
-        crate::config::schema::Precision::Fp16 => anyhow::bail!("train.precision = \"fp16\" needs CUDA"),
+        // Refused on the plan.
+        crate::config::schema::Precision::Fp16 => anyhow::bail!("train.precision = \"fp16\" is not built"),
     }
 }
 

@@ -115,3 +115,10 @@ pub fn run_and_kill(dir: &Path, out: &str, extra: &[&str], victim: usize) {
     std::io::Read::read_to_string(launcher.stderr.as_mut().unwrap(), &mut err).unwrap();
     assert_eq!(status.code(), Some(1), "the kill must land before the run ends:\n{err}");
 }
+
+/// A run directory's trace.parquet, read back by polars.
+pub fn trace(dir: &Path) -> polars::prelude::DataFrame {
+    use polars::prelude::{ParquetReader, SerReader};
+    let file = std::fs::File::open(dir.join("trace.parquet")).expect("trace.parquet");
+    ParquetReader::new(file).finish().unwrap()
+}
