@@ -64,7 +64,7 @@ pub fn sizes(c: &Config, d: &DataSpec, bad: &mut impl FnMut(&str, String)) -> bo
 }
 
 /// Bytes one rank needs, by part: an estimate, not a measurement.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Estimate {
     /// Parameters, gradients, optimizer state and DDP's gradient buckets.
     pub model: f64,
@@ -82,8 +82,16 @@ impl Estimate {
 
 /// What one rank holds: `parameters` of the model (its heaviest rank's share), a batch of
 /// `batch` rows whose activations hold `values_per_sample` values (the input and every layer's
-/// output), and the whole data set (every rank loads it, then shards).
-pub fn estimate(c: &Config, d: &DataSpec, parameters: usize, values_per_sample: usize, batch: usize) -> Estimate {
+/// output) and `held_per_sample` more inside the layers for the backward pass, and the whole data
+/// set (every rank loads it, then shards).
+pub fn estimate(
+    c: &Config,
+    d: &DataSpec,
+    parameters: usize,
+    values_per_sample: usize,
+    held_per_sample: usize,
+    batch: usize,
+) -> Estimate {
     const F: f64 = 4.0; // float32
     let p = parameters as f64;
     let optimizer = match c.train.optimizer {
@@ -95,13 +103,46 @@ pub fn estimate(c: &Config, d: &DataSpec, parameters: usize, values_per_sample: 
     let model = p * F * (3.0 + optimizer);
     let widths = values_per_sample as f64;
     // Each layer's output, its pre-activation and its gradient, for a training batch and for
-    // the validation rows evaluated at once.
-    let activations = 3.0 * F * widths * (batch as f64 + d.validation_rows as f64);
+    // the validation rows evaluated at once; in training, what the layers keep inside them and
+    // its gradient too.
+    let activations =
+        3.0 * F * widths * (batch as f64 + d.validation_rows as f64) + 2.0 * F * held_per_sample as f64 * batch as f64;
     // The table as loaded (plus labels), as tensors, and the normalized shard.
     let rows = (d.rows + d.validation_rows) as f64;
     let tensors = 3.0 * F * rows * (d.input_size() as f64 + 1.0);
     let file = d.file.as_ref().and_then(|f| std::fs::metadata(&f.path).ok()).map_or(0.0, |m| 2.0 * m.len() as f64);
     Estimate { model, activations, data: tensors + file, base: 150.0 * 1024.0 * 1024.0 }
+}
+
+impl std::fmt::Display for Estimate {
+    /// "1.02 GiB per rank (model, gradients and optimizer state 480 MiB, activations 410 MiB, ...)".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} per rank (model, gradients and optimizer state {}, activations {}, data {}, libtorch {})",
+            size(self.per_rank()),
+            size(self.model),
+            size(self.activations),
+            size(self.data),
+            size(self.base)
+        )
+    }
+}
+
+/// Bytes in GiB from 1 GiB up, in MiB below.
+fn size(bytes: f64) -> String {
+    let mib = bytes / (1u64 << 20) as f64;
+    if mib >= 1024.0 {
+        format!("{:.2} GiB", mib / 1024.0)
+    } else if mib >= 10.0 {
+        format!("{mib:.0} MiB")
+    } else {
+        format!("{mib:.1} MiB")
+    }
+}
+
+fn gib(bytes: f64) -> f64 {
+    bytes / (1u64 << 30) as f64
 }
 
 /// Bytes of memory available on this machine (MemAvailable), when it can be read.
@@ -118,17 +159,10 @@ pub fn memory(e: &Estimate, ranks: usize, available: f64) -> Option<String> {
     if total <= available {
         return None;
     }
-    let gib = |b: f64| b / (1u64 << 30) as f64;
     Some(format!(
-        "the run needs about {:.1} GiB ({ranks} ranks × {:.2} GiB: model, gradients and optimizer state {:.2}, \
-         activations {:.2}, data {:.2}, libtorch {:.2}) but this machine has {:.1} GiB available; use a smaller \
-         model or data set, fewer ranks, or set {NO_MEMORY_CHECK}=1 to run anyway",
+        "the run needs about {:.1} GiB ({ranks} ranks × {e}) but this machine has {:.1} GiB available; use a \
+         smaller model or data set, fewer ranks, or set {NO_MEMORY_CHECK}=1 to run anyway",
         gib(total),
-        gib(e.per_rank()),
-        gib(e.model),
-        gib(e.activations),
-        gib(e.data),
-        gib(e.base),
         gib(available)
     ))
 }

@@ -218,3 +218,29 @@ fn the_schema_describes_every_shipped_pipeline_and_refuses_unknown_keys() {
         assert!(!validator.is_valid(&value), "the schema lets through {bad:?}");
     }
 }
+
+/// `runner validate` shows the memory estimate it checks. A transformer's counts what its blocks
+/// keep for the backward pass: with dropout, libtorch's attention keeps its weights too, so the
+/// estimate grows (it would not if the layers' insides were ignored).
+#[test]
+fn validate_shows_the_memory_estimate_counting_what_layers_keep_for_backward() {
+    let pipeline = concat!(env!("CARGO_MANIFEST_DIR"), "/pipelines/transformer_ddp.toml");
+    let dir = tempfile::tempdir().unwrap();
+    let activations_mib = |dropout: &str| -> f64 {
+        let o = run(&["validate", pipeline, "--set", &format!("wrap.model.dropout={dropout}")], dir.path());
+        assert_ok(&o);
+        let out = text(&o).0;
+        let line =
+            out.lines().find(|l| l.contains("memory: about")).unwrap_or_else(|| panic!("no memory line:\n{out}"));
+        let after = line.split("activations ").nth(1).unwrap();
+        let (number, unit) = after.split_once(' ').unwrap();
+        let n: f64 = number.parse().unwrap();
+        if unit.starts_with("GiB") {
+            n * 1024.0
+        } else {
+            n
+        }
+    };
+    let (plain, dropout) = (activations_mib("0.0"), activations_mib("0.1"));
+    assert!(dropout > plain, "with dropout {dropout} MiB, without {plain} MiB");
+}

@@ -137,6 +137,19 @@ impl CnnArch {
         CnnArch { blocks: m.conv.clone(), shapes, widths, activation: m.activation, dropout: m.dropout }
     }
 
+    /// Values per sample block i keeps for its backward pass besides its output: the
+    /// convolution's maps, batch norm's, the activation's and, for a max pool, the index of each
+    /// maximum (an int64, two floats' worth).
+    fn held(&self, i: usize) -> usize {
+        let b = &self.blocks[i];
+        let [c, h, w] = self.shapes[i];
+        let conv =
+            block_output(&ConvBlock { pool: Pool::None, ..b.clone() }, [c, h, w]).map_or(0, |s| s.iter().product());
+        let out: usize = self.shapes[i + 1].iter().product();
+        let maps = if b.pool == Pool::None { 1 + b.batch_norm as usize } else { 2 + b.batch_norm as usize };
+        conv * maps + if b.pool == Pool::Max { 2 * out } else { 0 }
+    }
+
     fn conv_parameters(&self, i: usize) -> Vec<(String, Vec<i64>)> {
         let b = &self.blocks[i];
         let (cin, cout, k) = (self.shapes[i][0] as i64, b.channels as i64, b.kernel as i64);
@@ -176,12 +189,13 @@ impl Architecture for CnnArch {
                 Pool::Max => name += &format!(", max pool {}", b.pool_size),
                 Pool::Avg => name += &format!(", avg pool {}", b.pool_size),
             }
-            Layer { name, parameters, output: self.shapes[i + 1].to_vec() }
+            Layer { name, parameters, output: self.shapes[i + 1].to_vec(), held: self.held(i) }
         });
         let linear = self.widths.windows(2).map(|w| Layer {
             name: format!("linear {} → {}", w[0], w[1]),
             parameters: w[0] * w[1] + w[1],
             output: vec![w[1]],
+            held: 0,
         });
         blocks.chain(linear).collect()
     }

@@ -59,6 +59,8 @@ impl Architecture for MlpArch {
                 name: format!("linear {} → {}", w[0], w[1]),
                 parameters: w[0] * w[1] + w[1],
                 output: vec![w[1]],
+                // The pre-activation is counted with every output (limits::estimate).
+                held: 0,
             })
             .collect()
     }

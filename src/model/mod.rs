@@ -28,6 +28,10 @@ pub struct Layer {
     /// The shape of one sample's output of this layer (its input is the previous layer's output,
     /// or the data's for layer 0).
     pub output: Vec<usize>,
+    /// Values per sample the layer keeps inside it for the backward pass, besides its output
+    /// (a convolution block's pre-pooling maps, a transformer block's attention and MLP
+    /// intermediates): the memory estimate counts them.
+    pub held: usize,
 }
 
 /// A model kind applied to the data's shapes: a sequence of layers, any contiguous range of

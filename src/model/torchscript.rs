@@ -102,6 +102,8 @@ impl Architecture for TorchScriptArch {
             name: format!("TorchScript module, {} tensors", self.params.len()),
             parameters,
             output: vec![self.outputs],
+            // Unknown: the module's insides are not described.
+            held: 0,
         }]
     }
 

@@ -66,6 +66,18 @@ impl TransformerArch {
     fn head_layer(&self) -> usize {
         self.t.layers + 1
     }
+
+    /// Values per sample (per window) a block keeps for its backward pass besides its output:
+    /// per token, the two norms (2d), q, k and v (3d), the attention's output and projection
+    /// (2d), the first residual (d), the MLP's hidden layer before and after GELU (8d) and the
+    /// attention's log-sum-exp per head. With dropout, libtorch's attention takes its plain path,
+    /// which keeps the attention weights and their dropout mask (2 × heads × seq_len²).
+    fn block_held(&self) -> usize {
+        let t = &self.t;
+        let (d, s) = (t.d_model, t.seq_len);
+        let weights = if t.dropout > 0.0 { 2 * t.heads * s * s } else { 0 };
+        s * (16 * d + t.heads) + weights
+    }
 }
 
 /// Parameters of one block of width `d`: two layer norms, qkv, the attention's projection, the MLP.
@@ -94,16 +106,20 @@ impl Architecture for TransformerArch {
             name: format!("embedding {v} × {d} + positions {s} × {d}"),
             parameters: v * d + s * d,
             output: vec![s, d],
+            held: 0,
         }];
         layers.extend((0..t.layers).map(|i| Layer {
             name: format!("block {i}: attention ({} heads) + MLP {d}-{}-{d}", t.heads, 4 * d),
             parameters: block_parameters(d),
             output: vec![s, d],
+            held: self.block_held(),
         }));
         layers.push(Layer {
             name: if t.tied { format!("norm + head {d} → {v} (tied)") } else { format!("norm + head {d} → {v}") },
             parameters: 2 * d + if t.tied { 0 } else { v * d },
             output: vec![s, v],
+            // The final norm's output and the log-softmax cross-entropy keeps.
+            held: s * (d + v),
         });
         layers
     }

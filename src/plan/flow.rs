@@ -176,7 +176,7 @@ impl Plan {
             self.threads_per_rank,
             if self.threads_per_rank == 1 { "" } else { "s" },
             table(&["stage", "input", "operation", "output"], &rows),
-            self.bubble_note()
+            self.bubble_note() + &self.memory_note()
         )
     }
 
@@ -279,6 +279,14 @@ impl Plan {
                 ]
             })
             .collect()
+    }
+
+    /// Under the table: the memory estimate the plan checked.
+    fn memory_note(&self) -> String {
+        match &self.memory {
+            Some(e) => format!("\n  memory: about {e}, estimated\n"),
+            None => String::new(),
+        }
     }
 
     /// Under a pipeline's table: the idle share its schedule implies.

@@ -77,6 +77,9 @@ pub struct Plan {
     pub layer_parameters: Vec<usize>,
     /// The layers each rank holds: all of them, except with wrap.strategy = "pipeline".
     pub stages: Vec<Range<usize>>,
+    /// What one rank needs in memory, by part (when the data and model could be sized).
+    #[serde(default)]
+    pub memory: Option<crate::limits::Estimate>,
 }
 
 impl Plan {
@@ -403,17 +406,20 @@ impl Plan {
             }
         }
 
+        let mut memory = None;
         if let (Some(d), Some(stages), Some(arch)) = (&data, &stages, &arch) {
             let heaviest = stages.iter().map(|r| layer_parameters[r.clone()].iter().sum()).max().unwrap_or(0);
             let batch = layout.as_ref().and_then(|l| l.split_batch).unwrap_or(c.train.batch_size);
-            let values =
-                d.input_size() + arch.layers().iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
-            let estimate = crate::limits::estimate(&c, d, heaviest, values, batch);
+            let layers = arch.layers();
+            let outputs = layers.iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
+            let held = layers.iter().map(|l| l.held).sum::<usize>();
+            let estimate = crate::limits::estimate(&c, d, heaviest, d.input_size() + outputs, held, batch);
             let model_key = match c.wrap.model {
                 Model::Transformer(_) => "wrap.model.d_model",
                 _ => "wrap.model.hidden",
             };
             crate::limits::check_memory(&estimate, c.run.world_size, model_key, &mut bad);
+            memory = Some(estimate);
         }
         if !errors.is_empty() {
             let n = errors.len();
@@ -443,6 +449,7 @@ impl Plan {
             inputs,
             layer_parameters,
             stages,
+            memory,
         })
     }
 
