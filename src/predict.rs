@@ -153,7 +153,7 @@ pub fn predict(run_dir: &Path, data: &Path, out: Option<&Path>) -> anyhow::Resul
     let x = Normalizer::from_parts(&stats.offset, &stats.scale).apply(&x);
     let arch = plan.model();
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let model = arch.build(&vs.root(), 0..arch.layers().len(), plan.config.run.seed);
+    let model = arch.build(&vs.root(), 0..arch.layers().len(), &crate::model::BuildContext::new(plan.config.run.seed));
     let model_path = run_dir.join(crate::rundir::MODEL);
     let weights = crate::model::read_weights(&model_path, &crate::model::sorted_parameters(arch.as_ref()))
         .map_err(anyhow::Error::msg)?;

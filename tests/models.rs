@@ -1,6 +1,7 @@
 //! Model kinds beyond the MLP, end to end on the real binary: a CNN over synthetic images (DDP
 //! at world sizes 1 and 2, a pipeline over its conv blocks, batch norm's running statistics in
-//! model.safetensors and checkpoints), a TorchScript module (tests/fixtures/tiny_mlp.pt, made by
+//! model.safetensors and checkpoints, SyncBatchNorm under DDP against one process on the double
+//! batch), a TorchScript module (tests/fixtures/tiny_mlp.pt, made by
 //! tests/fixtures/make_torchscript.py) under DDP, images from a tensors file, and the messages
 //! for bad models.
 mod common;
@@ -8,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{assert_ok, run, runner, text, write, TINY};
+use common::{assert_ok, run, run_and_kill, runner, text, write, TINY};
 use polars::prelude::*;
 use tch::Tensor;
 
@@ -47,6 +48,12 @@ batch_size = 16
 lr = 0.05
 "#
     )
+}
+
+/// `cnn(true)` with batch norm in both blocks, synchronised (`wrap.sync_batchnorm`).
+fn synced_cnn() -> String {
+    let p = cnn(true).replace("padding = 1, pool", "padding = 1, batch_norm = true, pool");
+    p.replace("[wrap.model]", "[wrap]\nsync_batchnorm = true\n\n[wrap.model]")
 }
 
 fn trace(dir: &Path) -> DataFrame {
@@ -115,6 +122,90 @@ fn batch_norm_statistics_are_saved_with_the_model_and_a_resumed_run_continues_ex
     let after = params(&dir.path().join("cut"));
     for (name, want) in &model {
         assert!(after[name].equal(want), "{name} differs after resuming");
+    }
+}
+
+/// Largest relative difference of the per-epoch losses of runs `a` and `b`.
+fn loss_gap(dir: &Path, a: &str, b: &str) -> f64 {
+    let (la, lb) = (losses(&dir.join(a)), losses(&dir.join(b)));
+    la.iter().zip(&lb).map(|(x, y)| ((x - y) / y).abs()).fold(0.0, f64::max)
+}
+
+/// Largest difference of the final running statistics of runs `a` and `b`.
+fn running_gap(dir: &Path, a: &str, b: &str) -> f64 {
+    let (pa, pb) = (params(&dir.join(a)), params(&dir.join(b)));
+    pb.iter()
+        .filter(|(name, _)| name.contains("running_"))
+        .map(|(name, want)| (&pa[name] - want).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
+}
+
+/// SyncBatchNorm under DDP: 2 ranks × B rows are one process × 2B rows, losses and final model
+/// (running statistics included), over batch norm in both conv blocks and an uneven last batch;
+/// plain per-rank batch norm at 2 × B is not (so the comparison can fail); on one rank the key is
+/// plain batch norm, bit for bit.
+#[test]
+fn sync_batchnorm_under_ddp_over_2_ranks_x_b_equals_1_rank_x_2b_and_plain_batch_norm_does_not() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", &synced_cnn());
+    // 128 rows per rank in batches of 12: each epoch ends on a batch of 8 per rank (16 on one).
+    let o = run(&["run", "p.toml", "--out", "two", "--set", "train.batch_size=12"], dir.path());
+    assert_ok(&o);
+    let (stdout, _) = text(&o);
+    assert!(stdout.contains("the 2 ranks' batches") && stdout.contains("SyncBatchNorm"), "{stdout}");
+    let one = ["run", "p.toml", "--out", "one", "--set", "run.world_size=1", "--set", "train.batch_size=24"];
+    let o = run(&one, dir.path());
+    assert_ok(&o);
+    assert!(text(&o).0.contains("plain batch norm: nothing to synchronise (one rank)"), "{}", text(&o).0);
+    assert_same(dir.path(), "two", "one");
+    let model = params(&dir.path().join("two"));
+    assert!(model["bn0.running_var"].ne(1.0).any().int64_value(&[]) == 1, "the running statistics moved");
+
+    let plain = ["--set", "wrap.sync_batchnorm=false"];
+    assert_ok(&run(
+        &[&["run", "p.toml", "--out", "local", "--set", "train.batch_size=12"][..], &plain].concat(),
+        dir.path(),
+    ));
+    let (synced, local) = (loss_gap(dir.path(), "two", "one"), loss_gap(dir.path(), "local", "one"));
+    let (synced_stats, local_stats) = (running_gap(dir.path(), "two", "one"), running_gap(dir.path(), "local", "one"));
+    eprintln!(
+        "2 × 12 against 1 × 24: losses {synced:e} (synchronised), {local:e} (per rank); running statistics \
+         {synced_stats:e}, {local_stats:e}"
+    );
+    assert!(local > 100.0 * synced.max(1e-7), "per-rank batch norm should differ: {local:e}");
+    assert!(local_stats > 1e-3, "per-rank running statistics should differ: {local_stats:e}");
+
+    let one_plain = [&one[..2], &["--out", "one-plain"], &one[4..], &plain].concat();
+    assert_ok(&run(&one_plain, dir.path()));
+    assert_eq!(losses(&dir.path().join("one")), losses(&dir.path().join("one-plain")));
+    let plain_model = params(&dir.path().join("one-plain"));
+    for (name, want) in params(&dir.path().join("one")) {
+        assert!(plain_model[&name].equal(&want), "{name}: one rank with sync_batchnorm is not plain batch norm");
+    }
+}
+
+/// A SyncBatchNorm run whose rank 1 is killed after its second checkpoint fails cleanly (rank 0's
+/// all-reduce names the dead peer) and, resumed, ends bit-identical to an uninterrupted run.
+#[test]
+fn a_killed_sync_batchnorm_run_resumed_ends_bit_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", &synced_cnn());
+    let extra = ["--set", "train.epochs=6", "--set", "checkpoint.every=1", "--set", "run.abort_after_s=2"];
+    assert_ok(&run(&[&["run", "p.toml", "--out", "whole"][..], &extra].concat(), dir.path()));
+    let err = run_and_kill(dir.path(), "cut", &extra, 1);
+    assert!(err.contains("rank 1 was killed") && !err.contains("panicked"), "{err}");
+    assert_ok(&run(&["run", "--resume", "cut"], dir.path()));
+    let (a, b) = (trace(&dir.path().join("whole")), trace(&dir.path().join("cut")));
+    assert_eq!(a.height(), 6 * 2);
+    for name in a.get_column_names() {
+        if ["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble"].contains(&name.as_str()) {
+            continue;
+        }
+        assert_eq!(a.column(name).unwrap(), b.column(name).unwrap(), "column {name} differs after resume");
+    }
+    for f in ["checkpoints/epoch-0006.pt", "model.safetensors"] {
+        let read = |d: &str| std::fs::read(dir.path().join(d).join(f)).unwrap();
+        assert!(read("whole") == read("cut"), "{f} differs after resume");
     }
 }
 
@@ -202,6 +293,13 @@ fn bad_models_are_refused_with_pinned_messages() {
          one opaque graph to the runner: it cannot be cut into pipeline stages; use \"ddp\" (or a built-in model kind, \
          whose layers a pipeline can split)",
     );
+    refused(
+        dir.path(),
+        &["--set", "wrap.sync_batchnorm=true"],
+        "error: p.toml: invalid configuration:\n  `wrap.sync_batchnorm` (--set wrap.sync_batchnorm=true): TorchScript m.pt \
+         runs its own layers: the runner cannot synchronise batch norm inside it; remove it (or use a built-in model \
+         kind, such as \"cnn\" with batch_norm blocks)",
+    );
     write(dir.path(), "m.pt", "def forward(self, x): return x\n");
     refused(
         dir.path(),
@@ -210,6 +308,28 @@ fn bad_models_are_refused_with_pinned_messages() {
          archive torch.jit.save writes); save one with torch.jit.script(model).save(path) or torch.jit.trace(model, \
          example).save(path)",
     );
+    write(dir.path(), "p.toml", &cnn(false));
+    refused(
+        dir.path(),
+        &["--set", "wrap.sync_batchnorm=true"],
+        "error: p.toml: invalid configuration:\n  `wrap.sync_batchnorm` (--set wrap.sync_batchnorm=true): CNN 1×8×8 → \
+         4×4×4 → 6×1×1 → 12-3 has no batch norm layers to synchronise; remove it",
+    );
+    write(dir.path(), "p.toml", &synced_cnn());
+    refused(
+        dir.path(),
+        &["--set", "wrap.strategy=\"pipeline\""],
+        "error: p.toml: invalid configuration:\n  `wrap.sync_batchnorm` (file p.toml:19): is not available with \
+         wrap.strategy = \"pipeline\": each rank of a pipeline holds other layers, and a batch norm layer \
+         normalises each micro-batch on its own; synchronising over the pipeline's copies is not implemented (torch \
+         has no equivalent either). Use wrap.strategy = \"ddp\", or remove it",
+    );
+    let o = runner().current_dir(dir.path()).args(["validate", "p.toml", "--set", "wrap.strategy=\"none\""]).output();
+    let o = o.unwrap();
+    assert_ok(&o);
+    assert!(text(&o)
+        .0
+        .contains("plain batch norm: nothing to synchronise (with wrap.strategy = \"none\" the ranks train alone)"));
     write(dir.path(), "p.toml", &cnn(false));
     refused(
         dir.path(),

@@ -144,7 +144,7 @@ fn write_init(w: &Workload, path: &Path) -> anyhow::Result<()> {
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let arch = w.model();
     // The runner's own initialisation for run.seed = 0.
-    let _model = arch.build(&vs.root(), 0..arch.layers().len(), 0);
+    let _model = arch.build(&vs.root(), 0..arch.layers().len(), &crate::model::BuildContext::new(0));
     let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     write_npz(&named, path)
 }

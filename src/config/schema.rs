@@ -261,8 +261,9 @@ pub struct Wrap {
     /// (`layer0.weight`, `layer0.bias`, ...), relative to the pipeline file; default: from run.seed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init: Option<PathBuf>,
-    /// Batch norm with batch statistics all-reduced across ranks (torch's SyncBatchNorm); only for
-    /// models with batch norm.
+    /// Under DDP, batch norm with batch statistics all-reduced across ranks (torch's SyncBatchNorm);
+    /// only for models with batch norm (a CNN with batch_norm blocks), refused with a pipeline; plain
+    /// batch norm on one rank or with strategy = "none".
     #[serde(skip_serializing_if = "is_false")]
     pub sync_batchnorm: bool,
     #[serde(deserialize_with = "model_of_default_kind")]

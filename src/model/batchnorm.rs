@@ -6,10 +6,53 @@
 //! Without a process group (or outside training) it is plain batch norm.
 //!
 //! A model kind with batch norm holds a [`SyncBatchNorm`] per layer and calls
-//! [`SyncBatchNorm::forward`] with the group when `wrap.sync_batchnorm` is set.
+//! [`SyncBatchNorm::forward_t`] with the [`StatsGroup`] its build context carries
+//! ([`crate::model::BuildContext`]): the data-parallel group when `wrap.sync_batchnorm` is set
+//! under DDP over more than one rank, none otherwise (libtorch's own `batch_norm` then).
+use std::sync::{Arc, Mutex};
+
 use tch::{nn, Kind, Tensor};
 
 use crate::dist::ProcessGroup;
+
+/// The ranks whose batch statistics a model's batch norm layers combine in training, shared by
+/// the layers of one model and by the training step that runs it. `ModuleT::forward_t` cannot
+/// return an error, so a collective that fails in a forward pass is kept here: the layers after
+/// it normalise with their own rank's statistics (no further collective, no further timeout),
+/// and the step reports the failure as soon as the forward pass returns ([`StatsGroup::failure`]).
+pub struct StatsGroup<'pg> {
+    pg: &'pg ProcessGroup,
+    failure: Mutex<Option<crate::dist::Error>>,
+}
+
+impl<'pg> StatsGroup<'pg> {
+    pub fn new(pg: &'pg ProcessGroup) -> Arc<StatsGroup<'pg>> {
+        Arc::new(StatsGroup { pg, failure: Mutex::new(None) })
+    }
+
+    pub fn size(&self) -> usize {
+        self.pg.size()
+    }
+
+    /// The failed collective of a forward pass, taken (none when every one succeeded).
+    pub fn failure(&self) -> Option<crate::dist::Error> {
+        self.failure.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    fn failed(&self) -> bool {
+        self.failure.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    fn fail(&self, e: crate::dist::Error) {
+        self.failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+    }
+}
+
+impl std::fmt::Debug for StatsGroup<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StatsGroup(rank {} of {})", self.pg.rank(), self.pg.size())
+    }
+}
 
 /// One batch norm layer's parameters and running statistics, as `torch.nn.BatchNorm{1,2}d` holds
 /// them (`weight`, `bias`, `running_mean`, `running_var`).
@@ -34,6 +77,30 @@ impl SyncBatchNorm {
             momentum: 0.1,
             eps: 1e-5,
         }
+    }
+
+    /// `x`: [N, C] or [N, C, ...]. In training with a `group` of more than one rank, normalised
+    /// with the statistics of every rank's batch ([`SyncBatchNorm::forward`]); otherwise
+    /// libtorch's `batch_norm` (this rank's batch in training, the running statistics outside
+    /// it), to the bit what a model without `wrap.sync_batchnorm` computes.
+    pub fn forward_t(&self, x: &Tensor, train: bool, group: Option<&StatsGroup>) -> Tensor {
+        if let Some(g) = group.filter(|g| train && g.size() > 1 && !g.failed()) {
+            match self.forward(x, true, Some(g.pg)) {
+                Ok(y) => return y,
+                Err(e) => g.fail(e),
+            }
+        }
+        Tensor::batch_norm(
+            x,
+            Some(&self.weight),
+            Some(&self.bias),
+            Some(&self.running_mean),
+            Some(&self.running_var),
+            train,
+            self.momentum,
+            self.eps,
+            false,
+        )
     }
 
     /// `x`: [N, C] or [N, C, ...]. In training, normalised with the batch statistics of every
@@ -74,7 +141,8 @@ impl SyncBatchNorm {
         });
         let mean = mean.view(shape.as_slice());
         let invstd = (var.view(shape.as_slice()) + self.eps).rsqrt();
-        Ok((xf - mean) * invstd * w + b)
+        // In the input's precision, as torch's (a bf16 activation under autocast stays bf16).
+        Ok(((xf - mean) * invstd * w + b).to_kind(x.kind()))
     }
 }
 
@@ -100,5 +168,31 @@ mod tests {
         let e = ours.forward(&x, false, None).unwrap();
         let f = nn::ModuleT::forward_t(&theirs, &x, false);
         assert!((&e - &f).abs().max().double_value(&[]) < 1e-5);
+    }
+
+    /// Without a group of several ranks, `forward_t` is libtorch's batch_norm itself: the same
+    /// bits, in training and out, and the same running statistics.
+    #[test]
+    fn forward_t_without_a_group_is_libtorch_batch_norm_to_the_bit() {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let ours = SyncBatchNorm::new(&vs.root().sub("ours"), 3);
+        let theirs = SyncBatchNorm::new(&vs.root().sub("theirs"), 3);
+        let x = Tensor::arange(48, (Kind::Float, tch::Device::Cpu)).view([4, 3, 2, 2]).sin() * 3.0;
+        for train in [true, false] {
+            let a = ours.forward_t(&x, train, None);
+            let b = Tensor::batch_norm(
+                &x,
+                Some(&theirs.weight),
+                Some(&theirs.bias),
+                Some(&theirs.running_mean),
+                Some(&theirs.running_var),
+                train,
+                0.1,
+                1e-5,
+                false,
+            );
+            assert!(a.equal(&b), "train = {train}");
+        }
+        assert!(ours.running_mean.equal(&theirs.running_mean) && ours.running_var.equal(&theirs.running_var));
     }
 }

@@ -7,19 +7,20 @@
 //! Batch norm's running statistics are buffers: in the VarStore but not trainable, so the
 //! optimizer and DDP's Reducer never see them, while checkpoints, `model.safetensors` and
 //! `wrap.init` hold them beside the parameters. In training a batch is normalised by its own
-//! statistics (per rank, as PyTorch's BatchNorm2d under DDP); validation uses the running ones.
+//! statistics (per rank, as PyTorch's BatchNorm2d under DDP), or with `wrap.sync_batchnorm` under
+//! DDP by the statistics of every rank's batch (torch's SyncBatchNorm, through the build
+//! context's group); validation uses the running ones.
 use std::ops::Range;
+use std::sync::Arc;
 
 use tch::nn::{self, Module, ModuleT};
 use tch::Tensor;
 
-use super::{Architecture, Layer};
+use super::batchnorm::{StatsGroup, SyncBatchNorm};
+use super::{Architecture, BuildContext, Layer};
 use crate::config::schema::{Activation, Cnn, ConvBlock, Pool};
 use crate::rng::Rng;
 
-/// Batch norm's constants (PyTorch's defaults).
-const BN_MOMENTUM: f64 = 0.1;
-const BN_EPS: f64 = 1e-5;
 /// Separates the convolutions' streams from other uses of the run's seed.
 const CONV_STREAM: u64 = 0xC0_0000;
 
@@ -225,19 +226,25 @@ impl Architecture for CnnArch {
             .collect()
     }
 
-    fn build(&self, p: &nn::Path, range: Range<usize>, seed: u64) -> Box<dyn ModuleT> {
+    fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
         let nb = self.blocks.len();
         let mut layers = Vec::new();
         for l in range {
             if l < nb {
-                layers.push(Built::Block(self.build_block(p, l, seed)));
+                layers.push(Built::Block(self.build_block(p, l, ctx.seed)));
             } else {
                 let j = l - nb;
-                let fc = super::mlp::init_linear(&(p / format!("fc{j}")), self.widths[j], self.widths[j + 1], seed, l);
+                let (inputs, outputs) = (self.widths[j], self.widths[j + 1]);
+                let fc = super::mlp::init_linear(&(p / format!("fc{j}")), inputs, outputs, ctx.seed, l);
                 layers.push(Built::Linear(j, fc));
             }
         }
-        Box::new(CnnStage { layers, activation: self.activation, dropout: self.dropout })
+        let batch_norm = ctx.batch_norm.clone();
+        Box::new(CnnStage { layers, activation: self.activation, dropout: self.dropout, batch_norm })
+    }
+
+    fn has_batch_norm(&self) -> bool {
+        self.blocks.iter().any(|b| b.batch_norm)
     }
 }
 
@@ -260,16 +267,7 @@ impl CnnArch {
         let conv = p / format!("conv{i}");
         let weight = conv.var_copy("weight", &w);
         let bias = (!b.batch_norm).then(|| conv.var_copy("bias", &bias));
-        let bn = b.batch_norm.then(|| {
-            let bn = p / format!("bn{i}");
-            let c = [cout as i64];
-            BatchNorm {
-                weight: bn.var_copy("weight", &Tensor::ones(c, (tch::Kind::Float, tch::Device::Cpu))),
-                bias: bn.var_copy("bias", &Tensor::zeros(c, (tch::Kind::Float, tch::Device::Cpu))),
-                running_mean: bn.zeros_no_train("running_mean", &c),
-                running_var: bn.ones_no_train("running_var", &c),
-            }
-        });
+        let bn = b.batch_norm.then(|| SyncBatchNorm::new(&(p / format!("bn{i}")), cout as i64));
         Block {
             weight,
             bias,
@@ -284,21 +282,13 @@ impl CnnArch {
 }
 
 #[derive(Debug)]
-struct BatchNorm {
-    weight: Tensor,
-    bias: Tensor,
-    running_mean: Tensor,
-    running_var: Tensor,
-}
-
-#[derive(Debug)]
 struct Block {
     weight: Tensor,
     /// None before a batch norm.
     bias: Option<Tensor>,
     stride: i64,
     padding: i64,
-    bn: Option<BatchNorm>,
+    bn: Option<SyncBatchNorm>,
     pool: Pool,
     pool_size: i64,
     dropout: f64,
@@ -313,10 +303,13 @@ enum Built {
 
 /// The built layers of a CNN: the whole model, or one pipeline stage's contiguous layers.
 #[derive(Debug)]
-struct CnnStage {
+struct CnnStage<'a> {
     layers: Vec<Built>,
     activation: Activation,
     dropout: f64,
+    /// The ranks whose batches the batch norm layers' statistics cover in training (none: this
+    /// rank's batch alone).
+    batch_norm: Option<Arc<StatsGroup<'a>>>,
 }
 
 fn activate(h: Tensor, a: Activation) -> Tensor {
@@ -327,7 +320,7 @@ fn activate(h: Tensor, a: Activation) -> Tensor {
     }
 }
 
-impl ModuleT for CnnStage {
+impl ModuleT for CnnStage<'_> {
     fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
         let mut h = x.shallow_clone();
         for layer in &self.layers {
@@ -336,17 +329,7 @@ impl ModuleT for CnnStage {
                     let (s, p) = ([b.stride, b.stride], [b.padding, b.padding]);
                     let mut h = h.conv2d(&b.weight, b.bias.as_ref(), s, p, [1, 1], 1);
                     if let Some(bn) = &b.bn {
-                        h = Tensor::batch_norm(
-                            &h,
-                            Some(&bn.weight),
-                            Some(&bn.bias),
-                            Some(&bn.running_mean),
-                            Some(&bn.running_var),
-                            train,
-                            BN_MOMENTUM,
-                            BN_EPS,
-                            false,
-                        );
+                        h = bn.forward_t(&h, train, self.batch_norm.as_deref());
                     }
                     h = activate(h, self.activation);
                     let k = [b.pool_size, b.pool_size];
@@ -404,7 +387,7 @@ mod tests {
         assert_eq!(outputs, [vec![4, 6, 6], vec![6, 1, 1], vec![8], vec![3]]);
         assert_eq!(arch.describe(), "CNN 2×12×12 → 4×6×6 → 6×1×1 → 8-3");
         let vs = nn::VarStore::new(tch::Device::Cpu);
-        let net = arch.build(&vs.root(), 0..4, 0);
+        let net = arch.build(&vs.root(), 0..4, &BuildContext::new(0));
         let trainable: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
         assert_eq!(trainable as usize, layers.iter().map(|l| l.parameters).sum::<usize>());
         let mut named: Vec<(String, Vec<i64>)> = vs.variables().into_iter().map(|(n, t)| (n, t.size())).collect();
@@ -415,6 +398,9 @@ mod tests {
         assert_eq!(out.size(), [5, 3]);
         let mean = &vs.variables()["bn0.running_mean"];
         assert!(mean.abs().sum(tch::Kind::Float).double_value(&[]) > 0.0, "training updates the running mean");
+        assert!(arch.has_batch_norm());
+        let plain = Cnn { conv: vec![ConvBlock::default()], ..Cnn::default() };
+        assert!(!CnnArch::new(&plain, &[2, 12, 12], 3).has_batch_norm());
     }
 
     #[test]
@@ -437,10 +423,10 @@ mod tests {
         let m = Cnn { conv: vec![ConvBlock { channels: 3, ..ConvBlock::default() }; 2], ..Cnn::default() };
         let arch = CnnArch::new(&m, &[1, 6, 6], 4);
         let x = Tensor::randn([3, 1, 6, 6], (tch::Kind::Float, tch::Device::Cpu));
-        let whole = arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), 0..4, 7);
+        let whole = arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), 0..4, &BuildContext::new(7));
         let stages: Vec<Box<dyn ModuleT>> = [0..1, 1..3, 3..4]
             .into_iter()
-            .map(|r| arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), r, 7))
+            .map(|r| arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), r, &BuildContext::new(7)))
             .collect();
         let piped = stages.iter().fold(x.shallow_clone(), |h, s| s.forward_t(&h, false));
         assert!(whole.forward_t(&x, false).equal(&piped));

@@ -5,7 +5,7 @@ use std::ops::Range;
 use tch::nn::{self, Module, ModuleT};
 use tch::Tensor;
 
-use super::{Architecture, Layer};
+use super::{Architecture, BuildContext, Layer};
 use crate::config::schema::{Activation, Mlp};
 use crate::rng::Rng;
 
@@ -74,9 +74,9 @@ impl Architecture for MlpArch {
             .collect()
     }
 
-    fn build(&self, p: &nn::Path, range: Range<usize>, seed: u64) -> Box<dyn ModuleT> {
+    fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
         let layers = range
-            .map(|i| (i, init_linear(&(p / format!("layer{i}")), self.widths[i], self.widths[i + 1], seed, i)))
+            .map(|i| (i, init_linear(&(p / format!("layer{i}")), self.widths[i], self.widths[i + 1], ctx.seed, i)))
             .collect();
         Box::new(MlpStage { layers, activation: self.activation, dropout: self.dropout })
     }
@@ -142,7 +142,7 @@ mod tests {
         let m = Mlp { hidden: vec![64, 32], ..Mlp::default() };
         let arch = MlpArch::new(&m, &[10], 4);
         let vs = nn::VarStore::new(tch::Device::Cpu);
-        let _net = arch.build(&vs.root(), 0..3, 0);
+        let _net = arch.build(&vs.root(), 0..3, &BuildContext::new(0));
         let built: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
         assert_eq!(built as usize, arch.layers().iter().map(|l| l.parameters).sum::<usize>());
         assert_eq!(arch.describe(), "MLP 10-64-32-4");
@@ -159,10 +159,10 @@ mod tests {
         let arch = MlpArch::new(&m, &[6], 3);
         let x = Tensor::randn([5, 6], (tch::Kind::Float, tch::Device::Cpu));
         let vs = nn::VarStore::new(tch::Device::Cpu);
-        let whole = arch.build(&vs.root(), 0..4, 7);
+        let whole = arch.build(&vs.root(), 0..4, &BuildContext::new(7));
         let stages: Vec<Box<dyn ModuleT>> = [0..1, 1..3, 3..4]
             .into_iter()
-            .map(|r| arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), r, 7))
+            .map(|r| arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), r, &BuildContext::new(7)))
             .collect();
         let piped = stages.iter().fold(x.shallow_clone(), |h, s| s.forward_t(&h, false));
         assert!(whole.forward_t(&x, false).equal(&piped));

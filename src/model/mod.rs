@@ -13,11 +13,31 @@ pub mod transformer;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use tch::nn::{self, ModuleT};
 use tch::Tensor;
 
 use crate::config::schema::{Model, Torchscript};
+use batchnorm::StatsGroup;
+
+/// What building a model's layers takes besides its configuration and shapes.
+#[derive(Debug, Clone, Default)]
+pub struct BuildContext<'a> {
+    /// Each layer's initial weights depend only on (seed, its index).
+    pub seed: u64,
+    /// The ranks whose batch statistics batch norm layers combine in training
+    /// (`wrap.sync_batchnorm` under DDP: the data-parallel group, set by the wrap stage); `None`:
+    /// each rank normalises by its own batch.
+    pub batch_norm: Option<Arc<StatsGroup<'a>>>,
+}
+
+impl BuildContext<'_> {
+    /// Weights from `seed`, batch norm over this process's batch.
+    pub fn new(seed: u64) -> BuildContext<'static> {
+        BuildContext { seed, batch_norm: None }
+    }
+}
 
 /// One layer as the plan sees it. Layers are where a pipeline may cut the model.
 #[derive(Debug, Clone, PartialEq)]
@@ -56,9 +76,10 @@ pub trait Architecture {
         Vec::new()
     }
 
-    /// Layers `range` built under `p`. Each layer's initial weights depend only on (seed, its
-    /// index), so the stages of a pipeline together equal the whole model on every rank.
-    fn build(&self, p: &nn::Path, range: Range<usize>, seed: u64) -> Box<dyn ModuleT>;
+    /// Layers `range` built under `p`. Each layer's initial weights depend only on (`ctx.seed`,
+    /// its index), so the stages of a pipeline together equal the whole model on every rank. The
+    /// built layers may hold on to `ctx`'s group (batch norm), hence the lifetime.
+    fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a>;
 
     /// Why a pipeline cannot hold the model in `stages` (one range of layers per rank), when
     /// parameters are shared across layers that the stages separate.
@@ -67,7 +88,8 @@ pub trait Architecture {
     }
 
     /// Whether the model holds batch norm layers (`wrap.sync_batchnorm` applies only then); a kind
-    /// with batch norm builds them with [`crate::model::batchnorm::SyncBatchNorm`] when asked.
+    /// with batch norm builds them with [`batchnorm::SyncBatchNorm`], synchronised over
+    /// [`BuildContext::batch_norm`] when it is set.
     fn has_batch_norm(&self) -> bool {
         false
     }

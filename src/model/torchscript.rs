@@ -13,7 +13,7 @@ use std::sync::Mutex;
 use tch::nn::{self, ModuleT};
 use tch::{CModule, Kind, Tensor, TrainableCModule};
 
-use super::{Architecture, Layer};
+use super::{Architecture, BuildContext, Layer};
 
 /// What the plan learned by loading the module and running it once.
 #[derive(Debug, Clone)]
@@ -123,7 +123,7 @@ impl Architecture for TorchScriptArch {
         }
     }
 
-    fn build(&self, p: &nn::Path, _range: Range<usize>, _seed: u64) -> Box<dyn ModuleT> {
+    fn build<'a>(&self, p: &nn::Path, _range: Range<usize>, _ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
         let mut module = TrainableCModule::load(&self.path, p.clone()).unwrap_or_else(|e| {
             panic!("cannot load {} (it was read when the plan was made): {e}", self.path.display())
         });

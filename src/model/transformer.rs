@@ -14,7 +14,7 @@ use std::ops::Range;
 use tch::nn::{self, ModuleT};
 use tch::Tensor;
 
-use super::{Architecture, Layer};
+use super::{Architecture, BuildContext, Layer};
 use crate::config::schema::Transformer;
 use crate::rng::Rng;
 
@@ -161,8 +161,8 @@ impl Architecture for TransformerArch {
         out
     }
 
-    fn build(&self, p: &nn::Path, range: Range<usize>, seed: u64) -> Box<dyn ModuleT> {
-        let t = &self.t;
+    fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
+        let (t, seed) = (&self.t, ctx.seed);
         let mut stage = TransformerStage {
             embed: None,
             blocks: Vec::new(),
@@ -342,7 +342,7 @@ mod tests {
             let n = arch.layers().len();
             assert_eq!(n, 5);
             let vs = nn::VarStore::new(tch::Device::Cpu);
-            let net = arch.build(&vs.root(), 0..n, 0);
+            let net = arch.build(&vs.root(), 0..n, &BuildContext::new(0));
             let built: usize = vs.trainable_variables().iter().map(|t| t.numel()).sum();
             assert_eq!(built, arch.layers().iter().map(|l| l.parameters).sum::<usize>());
             let mut named: Vec<(String, Vec<i64>)> = vs.variables().into_iter().map(|(n, t)| (n, t.size())).collect();
@@ -359,7 +359,7 @@ mod tests {
         // Changing the last token leaves every earlier position's output unchanged.
         let arch = TransformerArch::new(&small(false));
         let vs = nn::VarStore::new(tch::Device::Cpu);
-        let net = arch.build(&vs.root(), 0..5, 3);
+        let net = arch.build(&vs.root(), 0..5, &BuildContext::new(3));
         let a = net.forward_t(&Tensor::from_slice(&[1i64, 2, 3, 4, 5]).view([1, 5]), false);
         let b = net.forward_t(&Tensor::from_slice(&[1i64, 2, 3, 4, 9]).view([1, 5]), false);
         assert!(a.narrow(1, 0, 4).equal(&b.narrow(1, 0, 4)));
@@ -370,10 +370,10 @@ mod tests {
     fn stages_together_equal_the_whole_model() {
         let arch = TransformerArch::new(&small(false));
         let x = Tensor::from_slice(&[0i64, 3, 10, 2, 2, 7, 1, 0, 5, 9]).view([2, 5]);
-        let whole = arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), 0..5, 7);
+        let whole = arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), 0..5, &BuildContext::new(7));
         let stages: Vec<Box<dyn ModuleT>> = [0..2, 2..3, 3..5]
             .into_iter()
-            .map(|r| arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), r, 7))
+            .map(|r| arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), r, &BuildContext::new(7)))
             .collect();
         let piped = stages.iter().fold(x.shallow_clone(), |h, s| s.forward_t(&h, false));
         assert!(whole.forward_t(&x, false).equal(&piped));

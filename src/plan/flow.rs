@@ -213,10 +213,24 @@ impl Plan {
             Precision::Bf16 => "bf16 autocast, float32 weights and optimizer state".into(),
             Precision::Fp16 => "fp16".into(),
         });
-        if self.config.wrap.sync_batchnorm {
-            step.push("batch norm statistics all-reduced across ranks (SyncBatchNorm)".into());
-        }
         rows.push(vec!["  step".into(), "gradients".into(), step.join("; "), "lr, grad norm per epoch".into()]);
+        if self.config.wrap.sync_batchnorm {
+            let w = self.world_size();
+            let (input, op, output) = if self.syncs_batch_norm() {
+                (
+                    format!("the {w} ranks' batches"),
+                    "SyncBatchNorm: per-channel sums all-reduced in the forward pass, their gradients in the \
+                     backward pass; validation uses the running statistics"
+                        .to_string(),
+                    "running statistics, the same on every rank",
+                )
+            } else {
+                let why = if w == 1 { "one rank" } else { "with wrap.strategy = \"none\" the ranks train alone" };
+                let op = format!("plain batch norm: nothing to synchronise ({why})");
+                ("each rank's batch".into(), op, "running statistics")
+            };
+            rows.push(vec!["  batch norm".into(), input, op, output.into()]);
+        }
         if let Some(e) = &t.early_stop {
             let metric = match e.metric {
                 StopMetric::ValLoss => "val_loss",

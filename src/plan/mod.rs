@@ -325,10 +325,28 @@ impl Plan {
         let arch =
             data.as_ref().filter(|_| model_ok).map(|d| crate::model::architecture(&model, &d.input, d.task.outputs()));
         if let (true, Some(arch)) = (c.wrap.sync_batchnorm, &arch) {
-            if !arch.has_batch_norm() {
+            if matches!(c.wrap.model, Model::Torchscript(_)) {
+                bad(
+                    "wrap.sync_batchnorm",
+                    format!(
+                        "{} runs its own layers: the runner cannot synchronise batch norm inside it; remove it (or \
+                         use a built-in model kind, such as \"cnn\" with batch_norm blocks)",
+                        arch.describe()
+                    ),
+                );
+            } else if !arch.has_batch_norm() {
                 bad(
                     "wrap.sync_batchnorm",
                     format!("{} has no batch norm layers to synchronise; remove it", arch.describe()),
+                );
+            } else if pipeline {
+                bad(
+                    "wrap.sync_batchnorm",
+                    "is not available with wrap.strategy = \"pipeline\": each rank of a pipeline holds other layers, \
+                     and a batch norm layer normalises each micro-batch on its own; synchronising over the pipeline's \
+                     copies is not implemented (torch has no equivalent either). Use wrap.strategy = \"ddp\", or \
+                     remove it"
+                        .into(),
                 );
             }
         }
@@ -510,6 +528,14 @@ impl Plan {
 
     pub fn is_pipeline(&self) -> bool {
         self.config.wrap.strategy == WrapStrategy::Pipeline
+    }
+
+    /// Whether batch norm layers normalise by the statistics of every rank's batch in training:
+    /// `wrap.sync_batchnorm` under DDP over more than one rank. With one rank, or ranks that train
+    /// alone (`wrap.strategy = "none"`), it is plain batch norm, as torch's SyncBatchNorm is then.
+    pub fn syncs_batch_norm(&self) -> bool {
+        let c = &self.config;
+        c.wrap.sync_batchnorm && c.wrap.strategy == WrapStrategy::Ddp && self.world_size() > 1
     }
 
     /// Which shard of the data `rank` walks: its own, or its pipeline's.

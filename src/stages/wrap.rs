@@ -5,13 +5,16 @@
 use tch::nn::{self, ModuleT};
 
 use crate::dist::ProcessGroup;
+use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::Optimizer;
+use crate::model::BuildContext;
 use crate::plan::Plan;
 use crate::strategy::Strategy;
 
 pub struct Wrapped<'pg> {
     pub vs: nn::VarStore,
-    pub model: Box<dyn ModuleT>,
+    /// Its batch norm layers may hold the process group (`wrap.sync_batchnorm`).
+    pub model: Box<dyn ModuleT + 'pg>,
     pub strategy: Strategy<'pg>,
     pub optimizer: Optimizer,
 }
@@ -28,7 +31,11 @@ pub fn wrap<'pg>(
     let vs = nn::VarStore::new(device);
     let arch = plan.model();
     let layers = plan.stages[pg.rank()].clone();
-    let model = arch.build(&vs.root(), layers.clone(), c.run.seed);
+    // With wrap.sync_batchnorm under DDP, batch norm's statistics cover the data-parallel group:
+    // every rank of the job, each a whole replica. The replica's step reports a failed collective.
+    let batch_norm = plan.syncs_batch_norm().then(|| StatsGroup::new(pg));
+    let ctx = BuildContext { seed: c.run.seed, batch_norm: batch_norm.clone() };
+    let model = arch.build(&vs.root(), layers.clone(), &ctx);
     if let Some(path) = &plan.init_weights {
         // The file holds the whole model; a pipeline stage takes its own layers from it.
         let weights = crate::model::read_weights(path, &crate::model::sorted_parameters(arch.as_ref()))
@@ -38,7 +45,7 @@ pub fn wrap<'pg>(
         }
     }
     let params = crate::model::parameters_in_module_order(arch.as_ref(), layers, &vs);
-    let strategy = Strategy::new(plan, pg, device, &params, buckets)?;
+    let strategy = Strategy::new(plan, pg, device, &params, buckets, batch_norm)?;
     let optimizer = Optimizer::new(&c.train, vs.trainable_variables());
     Ok(Wrapped { vs, model, strategy, optimizer })
 }

@@ -5,6 +5,7 @@
 pub mod pipeline;
 pub mod replica;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tch::nn::{self, ModuleT};
@@ -14,6 +15,7 @@ use crate::config::schema::WrapStrategy;
 use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Metrics};
 use crate::dist::ProcessGroup;
+use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::Optimizer;
 use crate::plan::Plan;
 
@@ -71,17 +73,20 @@ pub enum Strategy<'pg> {
 
 impl<'pg> Strategy<'pg> {
     /// This rank's part of the strategy, over `params` (this rank's, in module order). `buckets`:
-    /// the DDP bucket layout a checkpoint recorded. Every rank must call this at the same point.
+    /// the DDP bucket layout a checkpoint recorded. `batch_norm`: the group the model's batch norm
+    /// layers synchronise over (a replica's, under `wrap.sync_batchnorm`). Every rank must call
+    /// this at the same point.
     pub fn new(
         plan: &Plan,
         pg: &'pg ProcessGroup,
         device: tch::Device,
         params: &[Tensor],
         buckets: Option<&[Vec<usize>]>,
+        batch_norm: Option<Arc<StatsGroup<'pg>>>,
     ) -> anyhow::Result<Strategy<'pg>> {
         Ok(match plan.config.wrap.strategy {
             WrapStrategy::Ddp | WrapStrategy::None => {
-                Strategy::Replica(replica::Replica::new(plan, pg, device, params, buckets)?)
+                Strategy::Replica(replica::Replica::new(plan, pg, device, params, buckets, batch_norm)?)
             }
             WrapStrategy::Pipeline => Strategy::Pipeline(pipeline::Stage::new(plan, pg, device)?),
         })

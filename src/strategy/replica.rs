@@ -2,6 +2,8 @@
 //! and more than one rank, c10d's Reducer averages the gradients in buckets while the backward
 //! pass runs; otherwise each rank trains alone.
 
+use std::sync::Arc;
+
 use tch::nn::ModuleT;
 use tch::{Kind, Tensor};
 
@@ -11,6 +13,7 @@ use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Task};
 use crate::device;
 use crate::dist::{Ddp, ProcessGroup};
+use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::Optimizer;
 use crate::plan::Plan;
 
@@ -23,6 +26,9 @@ pub struct Replica<'pg> {
     precision: Precision,
     /// Synchronised steps taken so far (the Reducer numbers its iterations the same way).
     iteration: i64,
+    /// The group the model's batch norm layers synchronise over (`wrap.sync_batchnorm`), where a
+    /// forward pass leaves a failed collective.
+    batch_norm: Option<Arc<StatsGroup<'pg>>>,
 }
 
 impl<'pg> Replica<'pg> {
@@ -32,6 +38,7 @@ impl<'pg> Replica<'pg> {
         device: tch::Device,
         params: &[Tensor],
         buckets: Option<&[Vec<usize>]>,
+        batch_norm: Option<Arc<StatsGroup<'pg>>>,
     ) -> anyhow::Result<Replica<'pg>> {
         let c = &plan.config;
         let ddp = match c.wrap.strategy {
@@ -45,7 +52,7 @@ impl<'pg> Replica<'pg> {
             }
             _ => None,
         };
-        Ok(Replica { pg, ddp, task: plan.data.task, device, precision: c.train.precision, iteration: 0 })
+        Ok(Replica { pg, ddp, task: plan.data.task, device, precision: c.train.precision, iteration: 0, batch_norm })
     }
 
     /// `sampled`: the step trace records this step (the Reducer has timed it). The gradients add
@@ -70,6 +77,10 @@ impl<'pg> Replica<'pg> {
             ddp.prepare_forward()?;
         }
         let out = super::in_precision(self.precision, || model.forward_t(x, true))?;
+        // SyncBatchNorm's statistics all-reduce failed (a peer left): nothing of this step counts.
+        if let Some(e) = self.batch_norm.as_ref().and_then(|g| g.failure()) {
+            return Err(e.into());
+        }
         let out = if out.kind() == Kind::Float { out } else { out.to_kind(Kind::Float) };
         let t1 = device::now(dev);
         let per_sample = self.task.per_sample_loss(&out, y);

@@ -87,7 +87,8 @@ pub fn alive(pid: u32) -> bool {
 
 /// Runs `runner run p.toml --out OUT EXTRA...` in `dir` and kills rank `victim` (SIGKILL) as soon
 /// as the epoch-2 checkpoint exists; the run must then fail (exit 1), not have ended already.
-pub fn run_and_kill(dir: &Path, out: &str, extra: &[&str], victim: usize) {
+/// Returns what the launcher wrote on stderr.
+pub fn run_and_kill(dir: &Path, out: &str, extra: &[&str], victim: usize) -> String {
     use std::time::{Duration, Instant};
     let mut launcher = runner()
         .args([&["run", "p.toml", "--out", out][..], extra].concat())
@@ -114,6 +115,7 @@ pub fn run_and_kill(dir: &Path, out: &str, extra: &[&str], victim: usize) {
     let mut err = String::new();
     std::io::Read::read_to_string(launcher.stderr.as_mut().unwrap(), &mut err).unwrap();
     assert_eq!(status.code(), Some(1), "the kill must land before the run ends:\n{err}");
+    err
 }
 
 /// A run directory's trace.parquet, read back by polars.
