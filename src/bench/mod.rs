@@ -1,5 +1,6 @@
 //! `runner bench`: the runner against the same pipeline in plain PyTorch
-//! (benches/reference/ddp_torch.py under torchrun), side by side in one run. For each workload
+//! (benches/reference/ddp_torch.py under torchrun, with the MLP, or the CNN and the transformer of
+//! the twins cnn_torch.py and transformer_torch.py), side by side in one run. For each workload
 //! and world size the two alternate, A B A B, so that a change in the machine's load hits both;
 //! the results (medians with min–max, ratios, fraction of the matmul peak, the targets) go to
 //! benches/RESULTS.md between markers, the notes around them are kept.
@@ -199,9 +200,13 @@ fn run_torch(
     cmd.args(["--standalone", &format!("--nproc_per_node={ws}")])
         .arg(script)
         .arg(&files.data)
+        .arg("--model")
+        .arg(&files.model)
         .arg("--init")
         .arg(&files.init)
-        .args(["--batch", &w.batch.to_string(), "--epochs", &w.epochs.to_string(), "--lr", &w.lr.to_string()])
+        .args(["--batch", &w.batch.to_string(), "--epochs", &w.epochs.to_string()])
+        .args(["--optimizer", &w.optimizer_name(), "--lr", &w.lr.to_string()])
+        .args(["--weight-decay", &w.weight_decay.to_string()])
         .args(["--threads", &threads.to_string()])
         .arg("--out")
         .arg(&result)
@@ -253,5 +258,8 @@ mod tests {
             assert!(crate::cli::Cli::try_parse_from(["runner", "bench", "--workload", w.name]).is_ok(), "{}", w.name);
         }
         assert!(crate::cli::Cli::try_parse_from(["runner", "bench", "--workload", "tiny"]).is_err());
+        let cli = crate::cli::Cli::try_parse_from(["runner", "bench", "--workload", "cnn,transformer"]).unwrap();
+        let crate::cli::Command::Bench(args) = cli.command else { panic!("not bench") };
+        assert_eq!(args.workloads, ["cnn", "transformer"]);
     }
 }

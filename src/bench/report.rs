@@ -7,9 +7,6 @@ use super::{Cell, Measure, WorkloadResult};
 const BEGIN: &str = "<!-- runner bench: begin (this part is rewritten by `runner bench`) -->";
 const END: &str = "<!-- runner bench: end -->";
 
-/// Per-epoch training losses of the two sides agree within this, relative.
-const LOSS_TOLERANCE: f64 = 1e-4;
-
 pub struct Machine {
     pub cpu: String,
     pub cores: usize,
@@ -62,6 +59,9 @@ fn epoch(m: &[Measure]) -> Vec<f64> {
 fn throughput(m: &[Measure]) -> Vec<f64> {
     m.iter().map(|m| m.samples / m.epoch_s).collect()
 }
+fn scaled(v: Vec<f64>, by: f64) -> Vec<f64> {
+    v.into_iter().map(|x| x * by).collect()
+}
 
 /// Largest relative difference between the two sides' per-epoch losses, over every run.
 fn loss_difference(c: &Cell) -> f64 {
@@ -73,9 +73,10 @@ fn loss_difference(c: &Cell) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// Fraction of the matmul peak: FLOPs ≈ 6 × parameters × samples per epoch, over the epoch time.
-fn peak_fraction(m: &Measure, parameters: usize, peak: f64) -> f64 {
-    6.0 * parameters as f64 * m.samples / m.epoch_s / peak
+/// Fraction of the matmul peak: the model's training FLOPs per sample (3 × its forward pass, counted
+/// from its shapes) × samples per epoch, over the epoch time.
+fn peak_fraction(m: &Measure, flops_per_sample: f64, peak: f64) -> f64 {
+    flops_per_sample * m.samples / m.epoch_s / peak
 }
 
 struct Target {
@@ -101,16 +102,25 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
     let _ = writeln!(
         s,
         "Each cell: median (min–max) over the repetitions. Epoch time: the slowest rank's, median over \
-         the epochs of a run. Samples/s: training samples of all ranks per epoch time. Ratios: runner / PyTorch \
-         of the medians.\n"
+         the epochs of a run. Samples/s: training samples of all ranks per epoch time (images/s for the CNN, \
+         whose sample is one image; tokens/s for the transformer: samples × seq_len). Ratios: runner / PyTorch \
+         of the medians. Peak: training FLOPs (3 × the forward pass's matrix products and convolutions, \
+         counted from the model's shapes) per second, over the matmul peak.\n"
     );
     let mut targets = Vec::new();
     for r in results {
         let w = &r.workload;
+        let units = w.kind.throughput_units();
         let _ = writeln!(s, "### {}: {}\n", w.name, w.describe());
-        let mut head = "| world size | threads per rank | wall s runner | wall s PyTorch | wall ratio | epoch s runner | epoch s PyTorch | samples/s runner | samples/s PyTorch | throughput ratio |".to_string();
-        let mut rule = "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|".to_string();
-        if w.compute_bound {
+        let mut head = "| world size | threads per rank | wall s runner | wall s PyTorch | wall ratio | epoch s runner | epoch s PyTorch |".to_string();
+        let mut rule = "|---:|---:|---:|---:|---:|---:|---:|".to_string();
+        for (unit, _) in &units {
+            let _ = write!(head, " {unit} runner | {unit} PyTorch |");
+            rule.push_str("---:|---:|");
+        }
+        head.push_str(" throughput ratio |");
+        rule.push_str("---:|");
+        if w.peak_columns {
             head.push_str(" peak runner | peak PyTorch |");
             rule.push_str("---:|---:|");
         }
@@ -122,61 +132,72 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
             let tp_ratio = median(&throughput(&c.runner)) / median(&throughput(&c.torch));
             let _ = write!(
                 s,
-                "| {} | {} | {} | {} | {wall_ratio:.3} | {} | {} | {} | {} | {tp_ratio:.2} |",
+                "| {} | {} | {} | {} | {wall_ratio:.3} | {} | {} |",
                 c.world_size,
                 c.threads,
                 spread(&wall(&c.runner), 2),
                 spread(&wall(&c.torch), 2),
                 spread(&epoch(&c.runner), 3),
                 spread(&epoch(&c.torch), 3),
-                spread(&throughput(&c.runner), 0),
-                spread(&throughput(&c.torch), 0),
             );
+            for (_, per_sample) in &units {
+                let _ = write!(
+                    s,
+                    " {} | {} |",
+                    spread(&scaled(throughput(&c.runner), *per_sample), 0),
+                    spread(&scaled(throughput(&c.torch), *per_sample), 0)
+                );
+            }
+            let _ = write!(s, " {tp_ratio:.2} |");
+            let flops = w.train_flops_per_sample();
             let fraction = |m: &[Measure]| -> Vec<f64> {
-                m.iter().map(|m| 100.0 * peak_fraction(m, w.parameters(), machine.peak_flops)).collect()
+                m.iter().map(|m| 100.0 * peak_fraction(m, flops, machine.peak_flops)).collect()
             };
-            if w.compute_bound {
+            if w.peak_columns {
                 let _ = write!(s, " {}% | {}% |", spread(&fraction(&c.runner), 1), spread(&fraction(&c.torch), 1));
             }
             let diff = loss_difference(c);
             let _ = writeln!(s, " {diff:.1e} |");
 
             let ws = c.world_size;
-            if w.compute_bound {
-                targets.push(Target {
-                    what: format!("{} ws {ws}: throughput {tp_ratio:.2}× PyTorch's (target ≥ 1.05×)", w.name),
-                    met: tp_ratio >= 1.05,
-                });
-                if ws == 1 {
-                    let f = median(&fraction(&c.runner));
-                    targets.push(Target {
-                        what: format!(
-                            "{} ws 1: {f:.1}% of the matmul peak (target ≥ 80%; PyTorch: {:.1}%)",
-                            w.name,
-                            median(&fraction(&c.torch))
-                        ),
-                        met: f >= 80.0,
-                    });
-                }
-            } else if ws <= 2 {
-                targets.push(Target {
-                    what: format!("{} ws {ws}: throughput {tp_ratio:.2}× PyTorch's (target ≥ 3×)", w.name),
-                    met: tp_ratio >= 3.0,
-                });
+            let t = &w.targets;
+            if t.world_sizes.is_none_or(|up_to| ws <= up_to) {
                 targets.push(Target {
                     what: format!(
-                        "{} ws {ws}: end-to-end wall time {wall_ratio:.3}× torchrun's (target ≤ 0.2×)",
-                        w.name
+                        "{} ws {ws}: throughput {tp_ratio:.2}× PyTorch's (target ≥ {}×)",
+                        w.label(),
+                        t.throughput
                     ),
-                    met: wall_ratio <= 0.2,
+                    met: tp_ratio >= t.throughput,
+                });
+                if let Some(wall) = t.wall {
+                    targets.push(Target {
+                        what: format!(
+                            "{} ws {ws}: end-to-end wall time {wall_ratio:.3}× torchrun's (target ≤ {wall}×)",
+                            w.label()
+                        ),
+                        met: wall_ratio <= wall,
+                    });
+                }
+            }
+            if let (Some(peak), 1) = (t.peak, ws) {
+                let f = median(&fraction(&c.runner));
+                targets.push(Target {
+                    what: format!(
+                        "{} ws 1: {f:.1}% of the matmul peak (target ≥ {peak}%; PyTorch: {:.1}%)",
+                        w.label(),
+                        median(&fraction(&c.torch))
+                    ),
+                    met: f >= peak,
                 });
             }
             targets.push(Target {
                 what: format!(
-                    "{} ws {ws}: per-epoch losses within {diff:.1e} relative of PyTorch's (target ≤ {LOSS_TOLERANCE:.0e})",
-                    w.name
+                    "{} ws {ws}: per-epoch losses within {diff:.1e} relative of PyTorch's (target ≤ {:.0e})",
+                    w.label(),
+                    t.loss
                 ),
-                met: diff <= LOSS_TOLERANCE,
+                met: diff <= t.loss,
             });
         }
         let _ = writeln!(s);
@@ -225,6 +246,41 @@ mod tests {
         write(&path, "second\n").unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(text.contains("second") && !text.contains("first") && text.ends_with("## Notes\nkept\n"), "{text}");
+    }
+
+    #[test]
+    fn the_tables_have_the_kinds_columns_and_targets() {
+        let m = |epoch_s, losses: Vec<f64>| Measure { wall_s: 2.0, epoch_s, samples: 1024.0, losses };
+        let cell = |ws| Cell {
+            world_size: ws,
+            threads: 2 / ws,
+            runner: vec![m(1.0, vec![2.0, 1.0])],
+            torch: vec![m(2.0, vec![2.0, 1.00001])],
+        };
+        let results: Vec<WorkloadResult> = super::super::workload::all()
+            .into_iter()
+            .filter(|w| w.name == "cnn" || w.name == "transformer")
+            .map(|w| WorkloadResult { workload: w, cells: vec![cell(1), cell(2)] })
+            .collect();
+        let machine = Machine { cpu: "test".into(), cores: 2, peak_flops: 1e12 };
+        let text = markdown(&machine, 1, &results);
+        assert!(
+            text.contains("| epoch s PyTorch | images/s runner | images/s PyTorch | throughput ratio | peak runner |")
+        );
+        assert!(text.contains(
+            "| samples/s runner | samples/s PyTorch | tokens/s runner | tokens/s PyTorch | throughput ratio |"
+        ));
+        // The transformer's windows are 64 tokens: 1024 samples/s are 65536 tokens/s.
+        assert!(
+            text.contains("| 1 | 2 | 2.00 | 2.00 | 1.000 | 1.000 | 2.000 | 1024 | 512 | 65536 | 32768 | 2.00 |"),
+            "{text}"
+        );
+        assert!(text.contains("- ✓ cnn ws 2: throughput 2.00× PyTorch's (target ≥ 1.1×)"), "{text}");
+        assert!(
+            text.contains("- ✓ transformer ws 1: per-epoch losses within 1.0e-5 relative of PyTorch's (target ≤ 1e-5)"),
+            "{text}"
+        );
+        assert!(text.contains("### Targets: 8 of 8 met"), "{text}");
     }
 
     #[test]

@@ -1,71 +1,240 @@
 //! The benchmark's workloads and the files both sides read: the runner's pipeline file, and for
-//! the PyTorch reference the same training rows, the runner's per-epoch permutations and one
-//! initial-weights file that both load.
+//! the PyTorch reference the same training rows, the runner's per-epoch permutations, the model
+//! (`model.json`: the same `[wrap.model]` table) and one initial-weights file that both load.
+//!
+//! A workload is one [`Kind`] (the model with its data) and its training; everything else (the
+//! pipeline, the data and weights files, the reference's model, the FLOP count, the report's
+//! columns) follows from the kind, the same way for every kind.
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use tch::Tensor;
 
-use crate::config;
+use crate::config::{
+    self,
+    schema::{self, ConvBlock, Optimizer, Pool},
+};
 use crate::data::{self, shard};
-use crate::model::{self, mlp::MlpArch, Architecture};
+use crate::model::{self, Architecture};
 use crate::plan::Plan;
+
+/// Every workload's run.seed: the runner's initialisation, data and shuffles follow from it.
+const SEED: u64 = 0;
+
+/// What a workload trains: the model kind with the synthetic data it learns from.
+#[derive(Debug, Clone)]
+pub enum Kind {
+    /// Rows of `features` numbers (the synthetic teacher's), `classes` labels; an MLP.
+    Mlp { features: usize, classes: usize, model: schema::Mlp },
+    /// Synthetic images (`load.image`: class templates shifted, plus noise), `classes` labels; a CNN.
+    Cnn { image: [usize; 3], classes: usize, model: schema::Cnn },
+    /// Synthetic tokens (a random Markov chain over the vocabulary) cut into windows of
+    /// seq_len + 1; a transformer language model.
+    Transformer(schema::Transformer),
+}
+
+impl Kind {
+    /// The `[wrap.model]` table.
+    pub fn model(&self) -> schema::Model {
+        match self {
+            Kind::Mlp { model, .. } => schema::Model::Mlp(model.clone()),
+            Kind::Cnn { model, .. } => schema::Model::Cnn(model.clone()),
+            Kind::Transformer(t) => schema::Model::Transformer(t.clone()),
+        }
+    }
+
+    /// One sample's input shape.
+    pub fn input(&self) -> Vec<usize> {
+        match self {
+            Kind::Mlp { features, .. } => vec![*features],
+            Kind::Cnn { image, .. } => image.to_vec(),
+            Kind::Transformer(t) => vec![t.seq_len],
+        }
+    }
+
+    /// The model's outputs per sample (per position for a language model).
+    pub fn outputs(&self) -> usize {
+        match self {
+            Kind::Mlp { classes, .. } | Kind::Cnn { classes, .. } => *classes,
+            Kind::Transformer(t) => t.vocab,
+        }
+    }
+
+    pub fn arch(&self) -> Box<dyn Architecture> {
+        model::architecture(&self.model(), &self.input(), self.outputs())
+    }
+
+    /// The throughput columns of the report: a name and the units per sample. A CNN's sample is
+    /// one image; a language model's one window of seq_len tokens.
+    pub fn throughput_units(&self) -> Vec<(&'static str, f64)> {
+        match self {
+            Kind::Mlp { .. } => vec![("samples/s", 1.0)],
+            Kind::Cnn { .. } => vec![("images/s", 1.0)],
+            Kind::Transformer(t) => vec![("samples/s", 1.0), ("tokens/s", t.seq_len as f64)],
+        }
+    }
+
+    /// Both sides scale the MLP's features to [0, 1] with the statistics of each rank's rows (as
+    /// the seed pipeline does); images and tokens are used as they are.
+    fn normalize(&self) -> &'static str {
+        match self {
+            Kind::Mlp { .. } => "minmax",
+            Kind::Cnn { .. } | Kind::Transformer(_) => "none",
+        }
+    }
+
+    /// The `[load]` keys of the kind's data.
+    fn load(&self) -> String {
+        match self {
+            Kind::Mlp { features, classes, .. } => {
+                format!("features = {features}\nclasses = {classes}\nnoise = 0.3\n")
+            }
+            Kind::Cnn { image: [c, h, w], classes, .. } => {
+                format!("image = [{c}, {h}, {w}]\nclasses = {classes}\nnoise = 1.0\n")
+            }
+            // The chance of a random next token instead of one of the current token's four successors.
+            Kind::Transformer(_) => "noise = 0.5\n".into(),
+        }
+    }
+
+    /// "10000 × 10", "4096 images 3×32×32", "2048 windows of 64 tokens".
+    fn data(&self, rows: usize) -> String {
+        match self {
+            Kind::Mlp { features, .. } => format!("{rows} × {features}"),
+            Kind::Cnn { image: [c, h, w], classes, .. } => {
+                format!("{rows} synthetic images {c}×{h}×{w} of {classes} classes")
+            }
+            Kind::Transformer(t) => format!("{rows} windows of {} synthetic tokens", t.seq_len),
+        }
+    }
+}
+
+/// What a workload is expected to reach; each applies at world sizes up to `world_sizes`.
+#[derive(Debug, Clone)]
+pub struct Targets {
+    /// The runner's throughput at least this × PyTorch's.
+    pub throughput: f64,
+    /// The runner's end-to-end wall time at most this × torchrun's.
+    pub wall: Option<f64>,
+    /// At world size 1, at least this percentage of the matmul peak.
+    pub peak: Option<f64>,
+    /// Where the throughput and wall-time targets apply (`None`: every world size).
+    pub world_sizes: Option<usize>,
+    /// Every epoch's loss within this of PyTorch's, relative (at every world size).
+    pub loss: f64,
+}
 
 #[derive(Debug, Clone)]
 pub struct Workload {
     pub name: &'static str,
+    pub kind: Kind,
+    /// Training samples (rows, images, windows).
     pub rows: usize,
-    pub features: usize,
-    pub classes: usize,
-    pub hidden: Vec<usize>,
     /// Per rank.
     pub batch: usize,
     pub epochs: usize,
+    pub optimizer: Optimizer,
     pub lr: f64,
+    pub weight_decay: f64,
     /// Report the fraction of the measured matmul peak.
-    pub compute_bound: bool,
+    pub peak_columns: bool,
+    pub targets: Targets,
     /// Both sides autocast the forward pass to bfloat16 (`--precision bf16`).
     pub bf16: bool,
 }
 
 pub fn all() -> Vec<Workload> {
+    let mlp = |features, classes, hidden| Kind::Mlp {
+        features,
+        classes,
+        model: schema::Mlp { hidden, activation: schema::Activation::Relu, dropout: 0.0 },
+    };
+    let block = |channels| ConvBlock { channels, batch_norm: true, pool: Pool::Max, ..ConvBlock::default() };
     vec![
         // The seed workload (pipelines/ddp.toml without validation).
         Workload {
             name: "overhead-bound",
+            kind: mlp(10, 4, vec![64, 64]),
             rows: 10_000,
-            features: 10,
-            classes: 4,
-            hidden: vec![64, 64],
             batch: 32,
             epochs: 5,
+            optimizer: Optimizer::Adam,
             lr: 0.005,
-            compute_bound: false,
+            weight_decay: 0.0,
+            peak_columns: false,
+            targets: Targets { throughput: 3.0, wall: Some(0.2), peak: None, world_sizes: Some(2), loss: 1e-4 },
             bf16: false,
         },
         Workload {
             name: "compute-bound",
+            kind: mlp(256, 10, vec![1024, 1024]),
             rows: 20_000,
-            features: 256,
-            classes: 10,
-            hidden: vec![1024, 1024],
             batch: 256,
             epochs: 2,
+            optimizer: Optimizer::Adam,
             lr: 0.001,
-            compute_bound: true,
+            weight_decay: 0.0,
+            peak_columns: true,
+            targets: Targets { throughput: 1.05, wall: None, peak: Some(80.0), world_sizes: None, loss: 1e-4 },
+            bf16: false,
+        },
+        // Three convolution blocks with batch norm and max pooling (32×32 → 16 → 8 → 4), then a
+        // hidden linear layer: about 6 MFLOP per image forward, mostly in the convolutions.
+        Workload {
+            name: "cnn",
+            kind: Kind::Cnn {
+                image: [3, 32, 32],
+                classes: 10,
+                model: schema::Cnn {
+                    conv: vec![block(16), block(32), block(64)],
+                    hidden: vec![128],
+                    activation: schema::Activation::Relu,
+                    dropout: 0.0,
+                },
+            },
+            rows: 4096,
+            batch: 64,
+            epochs: 3,
+            optimizer: Optimizer::Adam,
+            lr: 0.001,
+            weight_decay: 0.0,
+            peak_columns: true,
+            targets: Targets { throughput: 1.1, wall: None, peak: None, world_sizes: Some(2), loss: 1e-5 },
+            bf16: false,
+        },
+        // A small GPT over bytes: about 59 MFLOP per window of 64 tokens forward.
+        Workload {
+            name: "transformer",
+            kind: Kind::Transformer(schema::Transformer {
+                vocab: 256,
+                d_model: 128,
+                heads: 4,
+                layers: 2,
+                seq_len: 64,
+                dropout: 0.0,
+                tied: true,
+            }),
+            rows: 2048,
+            batch: 16,
+            epochs: 3,
+            optimizer: Optimizer::Adamw,
+            lr: 0.001,
+            weight_decay: 0.01,
+            peak_columns: true,
+            targets: Targets { throughput: 1.1, wall: None, peak: None, world_sizes: Some(2), loss: 1e-5 },
             bf16: false,
         },
     ]
 }
 
 impl Workload {
-    fn model(&self) -> MlpArch {
-        let m = config::schema::Mlp { hidden: self.hidden.clone(), ..Default::default() };
-        MlpArch::new(&m, &[self.features], self.classes)
+    pub fn parameters(&self) -> usize {
+        model::layer_parameters(self.kind.arch().as_ref()).iter().sum()
     }
 
-    pub fn parameters(&self) -> usize {
-        model::layer_parameters(&self.model()).iter().sum()
+    /// FLOPs of training one sample: 3 × its forward pass ([`Architecture::forward_flops`]).
+    pub fn train_flops_per_sample(&self) -> f64 {
+        3.0 * self.kind.arch().forward_flops().expect("every bench kind counts its FLOPs")
     }
 
     /// "" in fp32, "-bf16" in bf16: the files of each precision apart.
@@ -77,41 +246,76 @@ impl Workload {
         }
     }
 
+    /// "cnn", "cnn bf16": the workload in its precision, as the targets name it.
+    pub fn label(&self) -> String {
+        if self.bf16 {
+            format!("{} bf16", self.name)
+        } else {
+            self.name.to_owned()
+        }
+    }
+
+    /// "adam", "adamw": as the pipeline and the reference's --optimizer spell it.
+    pub fn optimizer_name(&self) -> String {
+        serde_json::to_value(self.optimizer).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
+    }
+
     pub fn describe(&self) -> String {
+        let decay =
+            if self.weight_decay > 0.0 { format!(" weight decay {}", self.weight_decay) } else { String::new() };
         format!(
-            "{} × {}, {}, batch {} per rank, {} epochs, Adam lr {}{}",
-            self.rows,
-            self.features,
-            self.model().describe(),
+            "{}, {} ({} parameters, {:.1} MFLOP per sample forward), batch {} per rank, {} epochs, {} lr {}{decay}{}",
+            self.kind.data(self.rows),
+            self.kind.arch().describe(),
+            self.parameters(),
+            self.train_flops_per_sample() / 3e6,
             self.batch,
             self.epochs,
+            match self.optimizer {
+                Optimizer::Sgd => "SGD",
+                Optimizer::Adam => "Adam",
+                Optimizer::Adamw => "AdamW",
+            },
             self.lr,
             if self.bf16 { ", bf16 autocast (both sides)" } else { "" }
         )
     }
 
-    fn pipeline(&self) -> String {
-        let hidden: Vec<String> = self.hidden.iter().map(|h| h.to_string()).collect();
-        format!(
+    fn pipeline(&self) -> anyhow::Result<String> {
+        let model = toml::Table::try_from(self.kind.model()).context("the model as TOML")?;
+        let model: String = model.iter().map(|(k, v)| format!("{k} = {v}\n")).collect();
+        Ok(format!(
             "# Written by `runner bench` for the {name} workload; world size and threads come with --set.\n\
-             [run]\nname = \"bench-{name}\"\nseed = 0\nworld_size = 1\ntimeout_s = 300\n\n\
-             [load]\nsource = \"synthetic\"\nrows = {rows}\nfeatures = {features}\nclasses = {classes}\n\
-             validation_rows = 0\nnoise = 0.3\n\n\
+             [run]\nname = \"bench-{name}\"\nseed = {SEED}\nworld_size = 1\ntimeout_s = 300\n\n\
+             [load]\nsource = \"synthetic\"\nrows = {rows}\nvalidation_rows = 0\n{load}\n\
              [shard]\nstrategy = \"dataset\"\nshuffle = true\ndrop_last = false\n\n\
-             [normalize]\nmethod = \"minmax\"\nscope = \"rank\"\n\n\
+             [normalize]\nmethod = \"{normalize}\"\nscope = \"rank\"\n\n\
              [wrap]\nstrategy = \"ddp\"\nbucket_cap_mb = 25\ninit = \"init.npz\"\n\n\
-             [wrap.model]\nkind = \"mlp\"\nhidden = [{hidden}]\nactivation = \"relu\"\ndropout = 0.0\n\n\
-             [train]\nepochs = {epochs}\nbatch_size = {batch}\noptimizer = \"adam\"\nlr = {lr}\n\n\
+             [wrap.model]\n{model}\n\
+             [train]\nepochs = {epochs}\nbatch_size = {batch}\noptimizer = \"{optimizer}\"\nlr = {lr}\n\
+             weight_decay = {weight_decay:?}\n\n\
              [validate]\nevery = 0\n",
             name = self.name,
             rows = self.rows,
-            features = self.features,
-            classes = self.classes,
-            hidden = hidden.join(", "),
+            load = self.kind.load(),
+            normalize = self.kind.normalize(),
             epochs = self.epochs,
             batch = self.batch,
+            optimizer = self.optimizer_name(),
             lr = self.lr,
-        )
+            weight_decay = self.weight_decay,
+        ))
+    }
+
+    /// What the reference builds its model from: the `[wrap.model]` table, the sample's shape,
+    /// the outputs and the normalisation.
+    fn reference_model(&self) -> serde_json::Value {
+        serde_json::json!({
+            "model": self.kind.model(),
+            "input": self.kind.input(),
+            "outputs": self.kind.outputs(),
+            "normalize": self.kind.normalize(),
+        })
     }
 }
 
@@ -121,10 +325,11 @@ pub struct Files {
     pub pipeline: PathBuf,
     pub data: PathBuf,
     pub init: PathBuf,
+    pub model: PathBuf,
 }
 
 /// Writes the workload's pipeline, initial weights (the runner's own initialisation for
-/// run.seed) and, for the reference, the training rows and the runner's permutations.
+/// run.seed) and, for the reference, the model, the training rows and the runner's permutations.
 pub fn prepare(w: &Workload, dir: &Path) -> anyhow::Result<Files> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let files = Files {
@@ -132,19 +337,22 @@ pub fn prepare(w: &Workload, dir: &Path) -> anyhow::Result<Files> {
         pipeline: dir.join("pipeline.toml"),
         data: dir.join("data.npz"),
         init: dir.join("init.npz"),
+        model: dir.join("model.json"),
     };
-    crate::rundir::atomic_write(&files.pipeline, w.pipeline().as_bytes())?;
-    write_init(w, &files.init)?;
+    crate::rundir::atomic_write(&files.pipeline, w.pipeline()?.as_bytes())?;
+    let model = serde_json::to_string_pretty(&w.reference_model())?;
+    crate::rundir::atomic_write(&files.model, model.as_bytes())?;
+    // Before the plan, which reads wrap.init.
+    write_init(w.kind.arch().as_ref(), SEED, &files.init)?;
     let plan = Plan::new(config::resolve(&files.pipeline, &[])?)?;
     write_data(&plan, &files.data)?;
     Ok(files)
 }
 
-fn write_init(w: &Workload, path: &Path) -> anyhow::Result<()> {
+/// The runner's own initialisation of `arch` for `seed`: every parameter and buffer.
+fn write_init(arch: &dyn Architecture, seed: u64, path: &Path) -> anyhow::Result<()> {
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
-    let arch = w.model();
-    // The runner's own initialisation for run.seed = 0.
-    let _model = arch.build(&vs.root(), 0..arch.layers().len(), &crate::model::BuildContext::new(0));
+    let _model = arch.build(&vs.root(), 0..arch.layers().len(), &crate::model::BuildContext::new(seed));
     let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     write_npz(&named, path)
 }
@@ -156,8 +364,8 @@ fn write_data(plan: &Plan, path: &Path) -> anyhow::Result<()> {
     let rows = plan.data.rows;
     let perms: Vec<i64> = (1..=epochs).flat_map(|e| shard::permutation(seed, e, rows, true)).collect();
     let named = vec![
-        ("train_x".to_string(), data.train_x.shallow_clone()),
-        ("train_y".to_string(), data.train_y.shallow_clone()),
+        ("train_x".to_string(), data.train_x.contiguous()),
+        ("train_y".to_string(), data.train_y.contiguous()),
         ("permutations".to_string(), Tensor::from_slice(&perms).view([epochs as i64, rows as i64])),
     ];
     write_npz(&named, path)
@@ -167,4 +375,54 @@ fn write_npz(named: &[(String, Tensor)], path: &Path) -> anyhow::Result<()> {
     let part = path.with_extension("npz.part");
     Tensor::write_npz(named, &part).with_context(|| format!("cannot write {}", part.display()))?;
     std::fs::rename(&part, path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    #[test]
+    fn every_workload_prepares_the_files_both_sides_read() {
+        let dir = tempfile::tempdir().unwrap();
+        for w in all() {
+            let w = Workload { rows: 64, batch: 16, epochs: 2, ..w };
+            let files = prepare(&w, &dir.path().join(w.name)).unwrap();
+            let plan = Plan::new(config::resolve(&files.pipeline, &[]).unwrap()).unwrap();
+            assert_eq!(plan.config.wrap.model, w.kind.model(), "{}", w.name);
+            assert_eq!((plan.data.rows, plan.data.input.clone()), (64, w.kind.input()), "{}", w.name);
+
+            // Every parameter and buffer of the model, as the runner reads wrap.init.
+            let arch = w.kind.arch();
+            let init = model::read_weights(&files.init, &model::sorted_parameters(arch.as_ref())).unwrap();
+            assert_eq!(init.contains_key("bn0.running_var"), matches!(w.kind, Kind::Cnn { .. }), "{}", w.name);
+
+            // The training samples and the runner's shuffle of each epoch.
+            let data: BTreeMap<String, Tensor> = Tensor::read_npz(&files.data).unwrap().into_iter().collect();
+            let shape = |v: &[usize]| -> Vec<i64> { std::iter::once(64).chain(v.iter().map(|&d| d as i64)).collect() };
+            assert_eq!(data["train_x"].size(), shape(&w.kind.input()), "{}", w.name);
+            let lm = matches!(w.kind, Kind::Transformer(_));
+            assert_eq!(data["train_y"].size(), if lm { shape(&w.kind.input()) } else { vec![64] }, "{}", w.name);
+            let kind = if lm { tch::Kind::Int64 } else { tch::Kind::Float };
+            assert_eq!(data["train_x"].kind(), kind, "{}", w.name);
+            let perms: Vec<i64> = Vec::try_from(data["permutations"].view([-1])).unwrap();
+            let want: Vec<i64> = (1..=2).flat_map(|e| shard::permutation(SEED, e, 64, true)).collect();
+            assert_eq!(perms, want, "{}", w.name);
+
+            // The reference's model: the same [wrap.model] table.
+            let spec: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&files.model).unwrap()).unwrap();
+            let model: schema::Model = serde_json::from_value(spec["model"].clone()).unwrap();
+            assert_eq!(model, w.kind.model(), "{}", w.name);
+            assert_eq!(spec["outputs"], w.kind.outputs(), "{}", w.name);
+        }
+    }
+
+    #[test]
+    fn the_throughput_columns_follow_the_kind() {
+        let units: Vec<Vec<&str>> =
+            all().iter().map(|w| w.kind.throughput_units().iter().map(|u| u.0).collect()).collect();
+        assert_eq!(units, [vec!["samples/s"], vec!["samples/s"], vec!["images/s"], vec!["samples/s", "tokens/s"]]);
+    }
 }

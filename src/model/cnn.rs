@@ -226,6 +226,18 @@ impl Architecture for CnnArch {
             .collect()
     }
 
+    /// Each convolution: 2 × C_out × H_conv × W_conv × C_in × k² (its output before pooling);
+    /// each linear layer: 2 × inputs × outputs.
+    fn forward_flops(&self) -> Option<f64> {
+        let conv = self.blocks.iter().enumerate().map(|(i, b)| {
+            let [cin, h, w] = self.shapes[i];
+            let out = |x: usize| (x + 2 * b.padding).saturating_sub(b.kernel) / b.stride + 1;
+            2.0 * (b.channels * out(h) * out(w) * cin * b.kernel * b.kernel) as f64
+        });
+        let linear = self.widths.windows(2).map(|w| 2.0 * (w[0] * w[1]) as f64);
+        Some(conv.chain(linear).sum())
+    }
+
     fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
         let nb = self.blocks.len();
         let mut layers = Vec::new();
@@ -386,6 +398,10 @@ mod tests {
         let outputs: Vec<Vec<usize>> = layers.iter().map(|l| l.output.clone()).collect();
         assert_eq!(outputs, [vec![4, 6, 6], vec![6, 1, 1], vec![8], vec![3]]);
         assert_eq!(arch.describe(), "CNN 2×12×12 → 4×6×6 → 6×1×1 → 8-3");
+        // conv0: 4 × 12 × 12 outputs of 2 × 3 × 3 inputs; conv1 (stride 2, no padding on 6 × 6):
+        // 6 × 2 × 2 outputs of 4 × 3 × 3; then linear 6 → 8 → 3.
+        let macs = 4 * 12 * 12 * 2 * 9 + 6 * 2 * 2 * 4 * 9 + 6 * 8 + 8 * 3;
+        assert_eq!(arch.forward_flops(), Some(2.0 * macs as f64));
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let net = arch.build(&vs.root(), 0..4, &BuildContext::new(0));
         let trainable: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();

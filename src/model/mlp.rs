@@ -74,6 +74,10 @@ impl Architecture for MlpArch {
             .collect()
     }
 
+    fn forward_flops(&self) -> Option<f64> {
+        Some(self.widths.windows(2).map(|w| 2.0 * (w[0] * w[1]) as f64).sum())
+    }
+
     fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
         let layers = range
             .map(|i| (i, init_linear(&(p / format!("layer{i}")), self.widths[i], self.widths[i + 1], ctx.seed, i)))
@@ -151,6 +155,7 @@ mod tests {
         assert_eq!(named, sorted_parameters(&arch));
         let sizes: Vec<Vec<i64>> = parameters_in_module_order(&arch, 0..3, &vs).iter().map(|t| t.size()).collect();
         assert_eq!(sizes, [vec![64, 10], vec![64], vec![32, 64], vec![32], vec![4, 32], vec![4]]);
+        assert_eq!(arch.forward_flops(), Some(2.0 * (10.0 * 64.0 + 64.0 * 32.0 + 32.0 * 4.0)));
     }
 
     #[test]

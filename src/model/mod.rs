@@ -93,6 +93,15 @@ pub trait Architecture {
     fn has_batch_norm(&self) -> bool {
         false
     }
+
+    /// Floating-point operations of one sample's forward pass through the whole model, counted
+    /// from the layers' shapes: the matrix products and convolutions, 2 per multiply-add
+    /// (activations, norms, pooling, softmax and biases are left out: elementwise, a few percent at
+    /// most). Training a sample takes 3 × this (the backward pass computes two products per
+    /// forward one). `None` where the kind does not know its shapes (TorchScript).
+    fn forward_flops(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// The architecture of `model` for inputs of shape `input` (one sample) and `outputs` values out.

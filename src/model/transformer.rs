@@ -161,6 +161,17 @@ impl Architecture for TransformerArch {
         out
     }
 
+    /// One window of T = seq_len tokens: per block the qkv, attention-projection and MLP
+    /// products (2 × T × 12 d², d = d_model) and the attention's two T × T products (2 × 2 T² d,
+    /// the half the causal mask hides counted too, as PaLM's 6 N + 12 L d T per token counts it);
+    /// then the head's 2 T d V. The embeddings are lookups. Training, 3 × this, is about
+    /// 6 × parameters × T + 12 × L × d × T² per window.
+    fn forward_flops(&self) -> Option<f64> {
+        let t = &self.t;
+        let (d, s, v, l) = (t.d_model as f64, t.seq_len as f64, t.vocab as f64, t.layers as f64);
+        Some(l * (2.0 * s * 12.0 * d * d + 4.0 * s * s * d) + 2.0 * s * d * v)
+    }
+
     fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
         let (t, seed) = (&self.t, ctx.seed);
         let mut stage = TransformerStage {
@@ -351,6 +362,9 @@ mod tests {
             assert_eq!(parameters_in_module_order(&arch, 0..n, &vs).len(), named.len());
             let x = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6, 7, 8, 9, 10]).view([2, 5]);
             assert_eq!(net.forward_t(&x, false).size(), [2, 5, 11]);
+            // 3 blocks of 2 × 5 × 12 × 8² + 4 × 5² × 8, and the head's 2 × 5 × 8 × 11.
+            let flops = 3.0 * (2.0 * 5.0 * 12.0 * 64.0 + 4.0 * 25.0 * 8.0) + 2.0 * 5.0 * 8.0 * 11.0;
+            assert_eq!(arch.forward_flops(), Some(flops));
         }
     }
 
