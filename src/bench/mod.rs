@@ -66,21 +66,26 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let work = root.join("target/bench");
 
-    // The peak is measured before each workload and after the last, and the best is kept: a
+    // The peaks are measured before each workload and after the last, and the best is kept: a
     // single measurement on a shared machine can land in a slow moment and flatter the fractions.
-    let mut peak = 0.0f64;
+    // The bfloat16 one is the ceiling of what bf16 can gain on this CPU.
+    let (mut peak, mut peak_bf16) = (0.0f64, 0.0f64);
     let mut measure_peak = |when: &str| {
-        let p = matmul_peak(cores);
+        let (p, b) = (matmul_peak(cores, Kind::Float), matmul_peak(cores, Kind::BFloat16));
         peak = peak.max(p);
-        crate::say!("matmul peak {when} ({cores} threads): {:.1} GFLOP/s", p / 1e9);
+        peak_bf16 = peak_bf16.max(b);
+        crate::say!(
+            "matmul peak {when} ({cores} threads): float32 {:.1} GFLOP/s, bfloat16 {:.1} GFLOP/s",
+            p / 1e9,
+            b / 1e9
+        );
     };
 
     let mut results = Vec::new();
     let chosen =
         workload::all().into_iter().filter(|w| opts.workloads.is_empty() || opts.workloads.iter().any(|n| n == w.name));
-    let in_precisions = |w: Workload| {
-        opts.precisions.iter().map(move |p| Workload { bf16: p == "bf16", ..w.clone() }).collect::<Vec<_>>()
-    };
+    let in_precisions =
+        |w: Workload| opts.precisions.iter().map(move |p| w.clone().in_precision(p == "bf16")).collect::<Vec<_>>();
     for w in chosen.flat_map(in_precisions) {
         measure_peak(&format!("before {}", w.name));
         crate::say!("\n{}: {}", w.name, w.describe());
@@ -109,7 +114,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     }
 
     measure_peak("at the end");
-    let machine = report::Machine::this(cores, peak);
+    let machine = report::Machine::this(cores, peak, peak_bf16);
     let text = report::markdown(&machine, opts.repetitions, &results);
     crate::say!("\n{text}");
     if opts.quick {
@@ -133,12 +138,12 @@ fn reference_python(root: &Path) -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
-/// Best FLOP/s of a 2048² float32 matmul with `threads` intra-op threads.
-fn matmul_peak(threads: usize) -> f64 {
+/// Best FLOP/s of a 2048² matmul in `kind` (float32 or bfloat16) with `threads` intra-op threads.
+fn matmul_peak(threads: usize, kind: Kind) -> f64 {
     tch::set_num_threads(threads as i32);
     let n = 2048;
-    let a = Tensor::randn([n, n], (Kind::Float, tch::Device::Cpu));
-    let b = Tensor::randn([n, n], (Kind::Float, tch::Device::Cpu));
+    let a = Tensor::randn([n, n], (kind, tch::Device::Cpu));
+    let b = Tensor::randn([n, n], (kind, tch::Device::Cpu));
     let _ = a.matmul(&b);
     (0..5)
         .map(|_| {

@@ -10,11 +10,14 @@ const END: &str = "<!-- runner bench: end -->";
 pub struct Machine {
     pub cpu: String,
     pub cores: usize,
+    /// The float32 matmul peak, FLOP/s.
     pub peak_flops: f64,
+    /// The bfloat16 one: on a CPU without fast bfloat16 units it is below the float32 peak.
+    pub peak_flops_bf16: f64,
 }
 
 impl Machine {
-    pub fn this(cores: usize, peak_flops: f64) -> Machine {
+    pub fn this(cores: usize, peak_flops: f64, peak_flops_bf16: f64) -> Machine {
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
             .and_then(|t| {
@@ -23,7 +26,16 @@ impl Machine {
                     .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
             })
             .unwrap_or_else(|| "unknown CPU".into());
-        Machine { cpu, cores, peak_flops }
+        Machine { cpu, cores, peak_flops, peak_flops_bf16 }
+    }
+
+    /// The matmul peak in the workload's precision.
+    fn peak(&self, bf16: bool) -> f64 {
+        if bf16 {
+            self.peak_flops_bf16
+        } else {
+            self.peak_flops
+        }
     }
 }
 
@@ -92,12 +104,15 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
         s,
         "Machine: {}, {} cores. runner {} ({build}), PyTorch 2.13.0 under torchrun, both on gloo. \
          {repetitions} repetition(s) per cell, runner and PyTorch alternating. \
-         Matmul peak (2048² float32, {} threads, best of the measurements before each workload and at the end): {:.1} GFLOP/s.\n",
+         Matmul peak (2048², {} threads, best of the measurements before each workload and at the end): \
+         {:.1} GFLOP/s in float32, {:.1} GFLOP/s in bfloat16 ({:.2}× float32: the most bf16 can gain here).\n",
         machine.cpu,
         machine.cores,
         env!("CARGO_PKG_VERSION"),
         machine.cores,
-        machine.peak_flops / 1e9
+        machine.peak_flops / 1e9,
+        machine.peak_flops_bf16 / 1e9,
+        machine.peak_flops_bf16 / machine.peak_flops
     );
     let _ = writeln!(
         s,
@@ -105,7 +120,7 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
          the epochs of a run. Samples/s: training samples of all ranks per epoch time (images/s for the CNN, \
          whose sample is one image; tokens/s for the transformer: samples × seq_len). Ratios: runner / PyTorch \
          of the medians. Peak: training FLOPs (3 × the forward pass's matrix products and convolutions, \
-         counted from the model's shapes) per second, over the matmul peak.\n"
+         counted from the model's shapes) per second, over the matmul peak of the run's precision.\n"
     );
     let mut targets = Vec::new();
     for r in results {
@@ -151,7 +166,7 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
             let _ = write!(s, " {tp_ratio:.2} |");
             let flops = w.train_flops_per_sample();
             let fraction = |m: &[Measure]| -> Vec<f64> {
-                m.iter().map(|m| 100.0 * peak_fraction(m, flops, machine.peak_flops)).collect()
+                m.iter().map(|m| 100.0 * peak_fraction(m, flops, machine.peak(w.bf16))).collect()
             };
             if w.peak_columns {
                 let _ = write!(s, " {}% | {}% |", spread(&fraction(&c.runner), 1), spread(&fraction(&c.torch), 1));
@@ -202,12 +217,62 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
         }
         let _ = writeln!(s);
     }
+    precision_comparison(&mut s, results, &mut targets);
     let met = targets.iter().filter(|t| t.met).count();
     let _ = writeln!(s, "### Targets: {met} of {} met\n", targets.len());
     for t in &targets {
         let _ = writeln!(s, "- {} {}", if t.met { "✓" } else { "✗ missed:" }, t.what);
     }
     s
+}
+
+/// bf16 against fp32, where a workload ran in both: each side's speed-up and the runner's final
+/// loss in each, with their targets (≥ 1.5× the throughput, the final loss within 2%).
+fn precision_comparison(s: &mut String, results: &[WorkloadResult], targets: &mut Vec<Target>) {
+    const SPEEDUP: f64 = 1.5;
+    const LOSS: f64 = 0.02;
+    let pairs: Vec<(&WorkloadResult, &WorkloadResult)> = results
+        .iter()
+        .filter(|r| r.workload.bf16)
+        .filter_map(|b| results.iter().find(|f| !f.workload.bf16 && f.workload.name == b.workload.name).map(|f| (f, b)))
+        .collect();
+    if pairs.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "### bf16 against fp32\n\nSpeed-up: bf16 throughput over fp32 throughput (medians), on each side. Final loss: \
+         the runner's last epoch, median over the repetitions.\n\n\
+         | workload | world size | speed-up runner | speed-up PyTorch | final loss fp32 | final loss bf16 | loss rel. difference |\n\
+         |---|---:|---:|---:|---:|---:|---:|"
+    );
+    let final_loss = |m: &[Measure]| median(&m.iter().filter_map(|m| m.losses.last().copied()).collect::<Vec<_>>());
+    for (fp32, bf16) in pairs {
+        for (f, b) in fp32.cells.iter().zip(&bf16.cells).filter(|(f, b)| f.world_size == b.world_size) {
+            let ws = f.world_size;
+            let speedup = |fm: &[Measure], bm: &[Measure]| median(&throughput(bm)) / median(&throughput(fm));
+            let (runner, torch) = (speedup(&f.runner, &b.runner), speedup(&f.torch, &b.torch));
+            let (lf, lb) = (final_loss(&f.runner), final_loss(&b.runner));
+            let diff = (lb - lf).abs() / lf.abs().max(f64::MIN_POSITIVE);
+            let name = fp32.workload.name;
+            let _ = writeln!(s, "| {name} | {ws} | {runner:.2}× | {torch:.2}× | {lf:.4} | {lb:.4} | {diff:.1e} |");
+            targets.push(Target {
+                what: format!(
+                    "{name} ws {ws}: bf16 {runner:.2}× fp32's throughput (target ≥ {SPEEDUP}×; PyTorch: {torch:.2}×)"
+                ),
+                met: runner >= SPEEDUP,
+            });
+            targets.push(Target {
+                what: format!(
+                    "{name} ws {ws}: bf16's final loss within {:.2}% of fp32's (target ≤ {}%)",
+                    100.0 * diff,
+                    100.0 * LOSS
+                ),
+                met: diff <= LOSS,
+            });
+        }
+    }
+    let _ = writeln!(s);
 }
 
 /// Replaces the part of `path` between the markers with `text` (the rest is notes, kept).
@@ -262,7 +327,7 @@ mod tests {
             .filter(|w| w.name == "cnn" || w.name == "transformer")
             .map(|w| WorkloadResult { workload: w, cells: vec![cell(1), cell(2)] })
             .collect();
-        let machine = Machine { cpu: "test".into(), cores: 2, peak_flops: 1e12 };
+        let machine = Machine { cpu: "test".into(), cores: 2, peak_flops: 1e12, peak_flops_bf16: 5e11 };
         let text = markdown(&machine, 1, &results);
         assert!(
             text.contains("| epoch s PyTorch | images/s runner | images/s PyTorch | throughput ratio | peak runner |")
@@ -281,6 +346,33 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("### Targets: 8 of 8 met"), "{text}");
+    }
+
+    /// A workload run in both precisions gets the bf16 section: each side's speed-up and the final
+    /// losses, against their targets; the bf16 rows' peak fraction is over the bfloat16 peak.
+    #[test]
+    fn bf16_is_compared_with_fp32_where_both_ran() {
+        let m = |epoch_s, last| Measure { wall_s: 2.0, epoch_s, samples: 1024.0, losses: vec![2.0, last] };
+        let cell = |runner: f64, torch: f64, last| Cell {
+            world_size: 1,
+            threads: 2,
+            runner: vec![m(runner, last)],
+            torch: vec![m(torch, last)],
+        };
+        let w = super::super::workload::all().into_iter().find(|w| w.name == "compute-bound").unwrap();
+        let results = vec![
+            WorkloadResult { workload: w.clone().in_precision(false), cells: vec![cell(1.0, 1.2, 1.0)] },
+            WorkloadResult { workload: w.in_precision(true), cells: vec![cell(0.8, 1.0, 1.01)] },
+        ];
+        let machine = Machine { cpu: "test".into(), cores: 2, peak_flops: 1e12, peak_flops_bf16: 5e11 };
+        let text = markdown(&machine, 1, &results);
+        assert!(text.contains("| compute-bound | 1 | 1.25× | 1.20× | 1.0000 | 1.0100 | 1.0e-2 |"), "{text}");
+        assert!(text.contains("- ✗ missed: compute-bound ws 1: bf16 1.25× fp32's throughput (target ≥ 1.5×"), "{text}");
+        assert!(text.contains("- ✓ compute-bound ws 1: bf16's final loss within 1.00% of fp32's"), "{text}");
+        // In bf16 the runner must beat PyTorch by 1.1× (1.25 here), with no float32 peak target.
+        assert!(text.contains("- ✓ compute-bound bf16 ws 1: throughput 1.25× PyTorch's (target ≥ 1.1×)"), "{text}");
+        assert!(!text.contains("compute-bound bf16 ws 1: 0"), "{text}");
+        assert!(text.contains("0.50× float32: the most bf16 can gain here"), "{text}");
     }
 
     #[test]
