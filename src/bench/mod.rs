@@ -84,8 +84,10 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     let mut results = Vec::new();
     let chosen =
         workload::all().into_iter().filter(|w| opts.workloads.is_empty() || opts.workloads.iter().any(|n| n == w.name));
-    let in_precisions =
-        |w: Workload| opts.precisions.iter().map(move |p| w.clone().in_precision(p == "bf16")).collect::<Vec<_>>();
+    let in_precisions = |w: Workload| {
+        let precisions = opts.precisions.iter().filter(|p| *p != "bf16" || w.compute_bound);
+        precisions.map(|p| w.clone().in_precision(p == "bf16")).collect::<Vec<_>>()
+    };
     for w in chosen.flat_map(in_precisions) {
         measure_peak(&format!("before {}", w.name));
         crate::say!("\n{}: {}", w.name, w.describe());

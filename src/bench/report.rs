@@ -135,7 +135,7 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
         }
         head.push_str(" throughput ratio |");
         rule.push_str("---:|");
-        if w.peak_columns {
+        if w.compute_bound {
             head.push_str(" peak runner | peak PyTorch |");
             rule.push_str("---:|---:|");
         }
@@ -168,7 +168,7 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
             let fraction = |m: &[Measure]| -> Vec<f64> {
                 m.iter().map(|m| 100.0 * peak_fraction(m, flops, machine.peak(w.bf16))).collect()
             };
-            if w.peak_columns {
+            if w.compute_bound {
                 let _ = write!(s, " {}% | {}% |", spread(&fraction(&c.runner), 1), spread(&fraction(&c.torch), 1));
             }
             let diff = loss_difference(c);
