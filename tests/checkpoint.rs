@@ -4,7 +4,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{assert_ok, run, run_and_kill, text, write};
+use common::{assert_ok, run, run_and_kill, text, trace, write};
 use polars::prelude::*;
 
 const RESUMABLE: &str = r#"
@@ -34,10 +34,6 @@ lr = 0.01
 every = 1
 keep = 2
 "#;
-
-fn trace(dir: &Path) -> DataFrame {
-    ParquetReader::new(std::fs::File::open(dir.join("trace.parquet")).unwrap()).finish().unwrap()
-}
 
 #[test]
 fn a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one() {

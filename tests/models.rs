@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{assert_ok, run, run_and_kill, runner, text, write, TINY};
+use common::{assert_ok, run, run_and_kill, runner, text, trace, write, TINY};
 use polars::prelude::*;
 use tch::Tensor;
 
@@ -54,10 +54,6 @@ lr = 0.05
 fn synced_cnn() -> String {
     let p = cnn(true).replace("padding = 1, pool", "padding = 1, batch_norm = true, pool");
     p.replace("[wrap.model]", "[wrap]\nsync_batchnorm = true\n\n[wrap.model]")
-}
-
-fn trace(dir: &Path) -> DataFrame {
-    ParquetReader::new(std::fs::File::open(dir.join("trace.parquet")).expect("trace.parquet")).finish().unwrap()
 }
 
 /// Rank 0's global training loss per epoch.

@@ -5,13 +5,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{assert_ok, run, text, write, TINY};
+use common::{assert_ok, run, text, trace, write, TINY};
 use polars::prelude::*;
 use tch::Tensor;
-
-fn trace(dir: &Path) -> DataFrame {
-    ParquetReader::new(std::fs::File::open(dir.join("trace.parquet")).expect("trace.parquet")).finish().unwrap()
-}
 
 fn params(dir: &Path) -> BTreeMap<String, Tensor> {
     Tensor::read_safetensors(dir.join("model.safetensors")).expect("model.safetensors").into_iter().collect()

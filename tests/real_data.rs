@@ -5,15 +5,11 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{assert_ok, run, runner, text, write};
+use common::{assert_ok, run, runner, text, trace, write};
 use polars::prelude::*;
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
-}
-
-fn trace(dir: &Path) -> DataFrame {
-    ParquetReader::new(std::fs::File::open(dir.join("trace.parquet")).unwrap()).finish().unwrap()
 }
 
 /// Rank 0's values of `col`, epoch by epoch.

@@ -4,12 +4,8 @@ mod common;
 
 use std::path::Path;
 
-use common::{assert_ok, run, run_and_kill, text, write, TINY};
+use common::{assert_ok, run, run_and_kill, text, trace, write, TINY};
 use polars::prelude::*;
-
-fn trace(dir: &Path) -> DataFrame {
-    ParquetReader::new(std::fs::File::open(dir.join("trace.parquet")).unwrap()).finish().unwrap()
-}
 
 /// A column of rank 0's rows.
 fn rank0(dir: &Path, col: &str) -> Vec<Option<f64>> {
