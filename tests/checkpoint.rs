@@ -5,7 +5,6 @@ mod common;
 use std::path::Path;
 
 use common::{assert_ok, run, run_and_kill, text, trace, write};
-use polars::prelude::*;
 
 const RESUMABLE: &str = r#"
 [run]
