@@ -180,6 +180,21 @@ fn sync_batchnorm_under_ddp_over_2_ranks_x_b_equals_1_rank_x_2b_and_plain_batch_
     }
 }
 
+/// SyncBatchNorm with gradient accumulation: every micro-batch's statistics cover both ranks, so
+/// 2 ranks × 12 rows × 2 micro-batches per step equal 1 rank × 24 rows × 2 (losses, weights and
+/// running statistics).
+#[test]
+fn sync_batchnorm_with_accumulation_over_2_ranks_equals_one_rank_on_the_double_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", &synced_cnn());
+    let accumulate = ["--set", "train.accumulate=2"];
+    let two = ["run", "p.toml", "--out", "two", "--set", "train.batch_size=12"];
+    assert_ok(&run(&[&two[..], &accumulate].concat(), dir.path()));
+    let one = ["run", "p.toml", "--out", "one", "--set", "run.world_size=1", "--set", "train.batch_size=24"];
+    assert_ok(&run(&[&one[..], &accumulate].concat(), dir.path()));
+    assert_same(dir.path(), "two", "one");
+}
+
 /// A SyncBatchNorm run whose rank 1 is killed after its second checkpoint fails cleanly (rank 0's
 /// all-reduce names the dead peer) and, resumed, ends bit-identical to an uninterrupted run.
 #[test]
