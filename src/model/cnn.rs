@@ -439,12 +439,6 @@ mod tests {
         let m = Cnn { conv: vec![ConvBlock { channels: 3, ..ConvBlock::default() }; 2], ..Cnn::default() };
         let arch = CnnArch::new(&m, &[1, 6, 6], 4);
         let x = Tensor::randn([3, 1, 6, 6], (tch::Kind::Float, tch::Device::Cpu));
-        let whole = arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), 0..4, &BuildContext::new(7));
-        let stages: Vec<Box<dyn ModuleT>> = [0..1, 1..3, 3..4]
-            .into_iter()
-            .map(|r| arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), r, &BuildContext::new(7)))
-            .collect();
-        let piped = stages.iter().fold(x.shallow_clone(), |h, s| s.forward_t(&h, false));
-        assert!(whole.forward_t(&x, false).equal(&piped));
+        crate::model::assert_stages_equal_whole(&arch, &x, &[0..1, 1..3, 3..4]);
     }
 }

@@ -245,6 +245,16 @@ pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeM
     }
 }
 
+/// For the model kinds' tests: `arch` built as the stages `cuts` (fresh variable stores, the same
+/// seed) and run one after another gives the whole model's output on `x`, to the bit.
+#[cfg(test)]
+pub(crate) fn assert_stages_equal_whole(arch: &dyn Architecture, x: &Tensor, cuts: &[Range<usize>]) {
+    let build = |r: Range<usize>| arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), r, &BuildContext::new(7));
+    let whole = build(0..arch.layers().len());
+    let piped = cuts.iter().fold(x.shallow_clone(), |h, r| build(r.clone()).forward_t(&h, false));
+    assert!(whole.forward_t(x, false).equal(&piped));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

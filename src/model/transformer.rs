@@ -384,13 +384,7 @@ mod tests {
     fn stages_together_equal_the_whole_model() {
         let arch = TransformerArch::new(&small(false));
         let x = Tensor::from_slice(&[0i64, 3, 10, 2, 2, 7, 1, 0, 5, 9]).view([2, 5]);
-        let whole = arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), 0..5, &BuildContext::new(7));
-        let stages: Vec<Box<dyn ModuleT>> = [0..2, 2..3, 3..5]
-            .into_iter()
-            .map(|r| arch.build(&nn::VarStore::new(tch::Device::Cpu).root(), r, &BuildContext::new(7)))
-            .collect();
-        let piped = stages.iter().fold(x.shallow_clone(), |h, s| s.forward_t(&h, false));
-        assert!(whole.forward_t(&x, false).equal(&piped));
+        crate::model::assert_stages_equal_whole(&arch, &x, &[0..2, 2..3, 3..5]);
     }
 
     #[test]
