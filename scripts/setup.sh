@@ -7,6 +7,10 @@
 # Idempotent: when everything is present it only checks a few files.
 # A LIBTORCH already set by the user is honoured (it must contain lib/libtorch_cpu.so).
 #
+# scripts/setup.sh --tests also installs what the test suite runs beside the runner (see the end of
+# this file): the Python reference environment (.deps/reference: torch 2.13.0, the same libtorch)
+# with the packages of scripts/test-requirements.txt (torchvision, TensorBoard's reader, MLflow).
+#
 # scripts/setup.sh --cuda also fetches what `cargo build --features cuda` compiles and links against
 # (see the end of this file): the CUDA libtorch in .deps/libtorch-cuda, and the CUDA and NCCL headers
 # in .deps/cuda/include. The torch wheel is kept in .deps/wheels (or $RUNNER_WHEELS) so that the two
@@ -20,20 +24,22 @@ torch_version=2.13.0
 cudart="nvidia-cuda-runtime==13.0.96"
 cupti="nvidia-cuda-cupti==13.0.85"
 
-cuda=0 runtime=0
+cuda=0 runtime=0 tests=0
 for arg in "$@"; do
   case "$arg" in
+    --tests) tests=1 ;;
     --cuda) cuda=1 ;;
     --cuda-runtime) cuda=1 runtime=1 ;;
     -h | --help)
-      echo "usage: scripts/setup.sh [--cuda | --cuda-runtime]"
+      echo "usage: scripts/setup.sh [--tests] [--cuda | --cuda-runtime]"
+      echo "  with --tests, also the test suite's Python environment (.deps/reference) and tools"
       echo "  fetches libtorch $torch_version and the gloo headers into .deps/; with --cuda, also the CUDA"
       echo "  libtorch and the CUDA and NCCL headers that 'cargo build --features cuda' needs; with"
       echo "  --cuda-runtime, also the CUDA libraries that the CUDA build loads when it runs (about 2 GB)"
       exit 0
       ;;
     *)
-      printf 'setup: unknown argument %s (usage: scripts/setup.sh [--cuda | --cuda-runtime])\n' "$arg" >&2
+      printf 'setup: unknown argument %s (usage: scripts/setup.sh [--tests] [--cuda | --cuda-runtime])\n' "$arg" >&2
       exit 2
       ;;
   esac
@@ -145,6 +151,21 @@ fi
 
 if [ ! -f "$deps/gloo/usr/include/gloo/config.h" ] && [ ! -f /usr/include/gloo/config.h ]; then
   fetch_gloo_headers
+fi
+
+# --- scripts/setup.sh --tests ------------------------------------------------------------------
+# The reference environment (torch 2.13.0 from PyPI, as `runner bench` uses it) plus the test-only
+# packages pinned in scripts/test-requirements.txt. A stamp of that file skips pip when nothing changed.
+if [ "$tests" = 1 ]; then
+  python=$("$root/benches/reference/setup.sh")
+  reqs="$root/scripts/test-requirements.txt"
+  stamp="$(dirname "$(dirname "$python")")/.test-requirements"
+  if ! cmp -s "$reqs" "$stamp"; then
+    echo "setup: installing the test packages of scripts/test-requirements.txt into ${python%/bin/python}"
+    "$python" -m pip install --quiet --disable-pip-version-check -r "$reqs" \
+      || die "pip could not install scripts/test-requirements.txt (see the message above)."
+    cp "$reqs" "$stamp"
+  fi
 fi
 
 [ "$cuda" = 1 ] || exit 0

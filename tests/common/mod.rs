@@ -124,3 +124,15 @@ pub fn trace(dir: &Path) -> polars::prelude::DataFrame {
     let file = std::fs::File::open(dir.join("trace.parquet")).expect("trace.parquet");
     ParquetReader::new(file).finish().unwrap()
 }
+
+/// The test suite's Python (torch 2.13.0 and scripts/test-requirements.txt), installed by
+/// `scripts/setup.sh --tests`. Missing, a test fails and says how to install it: it never skips.
+pub fn reference_python() -> PathBuf {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".deps/reference/bin/python");
+    let stamp = Path::new(env!("CARGO_MANIFEST_DIR")).join(".deps/reference/.test-requirements");
+    assert!(
+        python.exists() && stamp.exists(),
+        "the tests' Python environment is missing: run ./scripts/setup.sh --tests (the README's test command does)"
+    );
+    python
+}
