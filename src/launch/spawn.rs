@@ -20,7 +20,6 @@ use nix::unistd::Pid;
 use signal_hook::consts::signal::*;
 
 use super::env::{AGENT_STORE, LAUNCHER_PID};
-use crate::config::ConfigError;
 use crate::dist::{record_exit, Store};
 use crate::plan::Plan;
 use crate::rundir::position;
@@ -117,7 +116,8 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
         Some((addr, port)) => (Store::connect(addr, *port, timeout)?, addr.clone(), *port),
     };
     if topology.nnodes > 1 {
-        same_config_on_every_node(&store, plan, topology)?;
+        let parties = super::agree::Parties { label: "node", me: topology.node_rank, count: topology.nnodes };
+        super::agree::same_config(&store, plan, parties)?;
     }
     let exe = std::env::current_exe()?;
 
@@ -256,92 +256,6 @@ fn is_stopped(pid: u32) -> bool {
         .ok()
         .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with(['T', 't'])))
         .unwrap_or(false)
-}
-
-/// Multi-node: every node's launcher publishes its resolved configuration (flattened to dotted
-/// keys) in the store; node 0 compares them all and publishes a verdict every node waits for.
-/// On a mismatch every node refuses before it starts a rank, naming each key that differs and
-/// its value on each node.
-fn same_config_on_every_node(store: &Store, plan: &Plan, topology: &Topology) -> anyhow::Result<()> {
-    let mine = flat_config(plan);
-    store.set(&format!("runner/config/node{}", topology.node_rank), serde_json::to_string(&mine)?.as_bytes())?;
-    const VERDICT: &str = "runner/config/verdict";
-    const READ: &str = "runner/config/verdict-read";
-    let verdict = if topology.node_rank == 0 {
-        let mut nodes = vec![mine];
-        for n in 1..topology.nnodes {
-            let bytes = store.get(&format!("runner/config/node{n}"))?;
-            nodes.push(serde_json::from_slice(&bytes).with_context(|| format!("node {n} sent no configuration"))?);
-        }
-        let verdict = config_differences(&nodes).unwrap_or_default();
-        store.set(VERDICT, verdict.as_bytes())?;
-        if !verdict.is_empty() {
-            // The store ends with this launcher: it stays until every node has read the verdict.
-            let deadline = Instant::now() + store.timeout();
-            while store.add(READ, 0)? < topology.nnodes as i64 - 1 && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-        verdict
-    } else {
-        let verdict = String::from_utf8_lossy(&store.get(VERDICT)?).into_owned();
-        store.add(READ, 1)?;
-        verdict
-    };
-    if verdict.is_empty() {
-        Ok(())
-    } else {
-        Err(ConfigError::new(verdict).into())
-    }
-}
-
-type FlatConfig = std::collections::BTreeMap<String, String>;
-
-const RUN_ID_KEY: &str = "run id (configuration and wrap.init file)";
-
-/// The resolved configuration as dotted keys and JSON values, plus the run id (which also
-/// covers the initial-weights file's bytes).
-fn flat_config(plan: &Plan) -> FlatConfig {
-    fn walk(prefix: &str, v: &serde_json::Value, out: &mut FlatConfig) {
-        match v {
-            serde_json::Value::Object(map) => {
-                for (k, v) in map {
-                    walk(&if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") }, v, out);
-                }
-            }
-            v => {
-                out.insert(prefix.to_owned(), v.to_string());
-            }
-        }
-    }
-    let mut out = FlatConfig::new();
-    walk("", &serde_json::to_value(&plan.config).unwrap_or_default(), &mut out);
-    out.insert(RUN_ID_KEY.into(), plan.run_id.clone());
-    out
-}
-
-/// Each key whose value differs between nodes, with every node's value; `None` when all agree.
-fn config_differences(nodes: &[FlatConfig]) -> Option<String> {
-    let keys: std::collections::BTreeSet<&String> = nodes.iter().flat_map(|n| n.keys()).collect();
-    let differ: Vec<&String> =
-        keys.into_iter().filter(|k| nodes.iter().any(|n| n.get(*k) != nodes[0].get(*k))).collect();
-    // The run id differs whenever a key does: it is news only alone (a different wrap.init file).
-    let only_id = differ.len() == 1;
-    let lines: Vec<String> = differ
-        .into_iter()
-        .filter(|k| only_id || k.as_str() != RUN_ID_KEY)
-        .map(|k| {
-            let values: Vec<String> = nodes
-                .iter()
-                .enumerate()
-                .map(|(i, n)| format!("node {i}: {}", n.get(k).map_or("(absent)", String::as_str)))
-                .collect();
-            format!("{k}: {}", values.join(", "))
-        })
-        .collect();
-    (!lines.is_empty()).then(|| {
-        format!("the nodes do not run the same configuration; every node refused to start:\n  {}", lines.join("\n  "))
-    })
 }
 
 fn describe(status: ExitStatus) -> String {
