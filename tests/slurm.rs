@@ -74,3 +74,102 @@ fn a_rank_whose_configuration_differs_is_refused_naming_the_key() {
     assert!(err.contains("train.lr: rank 0: 0.01, rank 1: 0.11"), "{err}");
     assert!(!dir.path().join("o/manifest.json").exists(), "a refused run claims no directory");
 }
+
+const EXPERIMENT: &str = r#"
+pipeline = "p.toml"
+
+[sweep]
+"run.seed" = [1, 2]
+
+[slurm]
+nodes = 1
+time = "10"
+extra = ["--comment=runner-test"]
+"#;
+
+/// table.csv's values, less the columns that measure time.
+fn table_without_timings(sweep: &Path) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(sweep.join("table.csv")).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let timing = |c: &str| c.starts_with("epoch_s") || c.starts_with("samples_per_s") || ["speedup", "efficiency"].contains(&c);
+    lines
+        .flat_map(|l| {
+            let values: Vec<&str> = l.split(',').collect();
+            header.iter().zip(values).filter(|(c, _)| !timing(c)).map(|(c, v)| (c.to_string(), v.to_string())).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn a_sweep_through_slurm_equals_a_local_sweep_and_skips_and_checks_like_one() {
+    let Some(c) = cluster() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    write(dir.path(), "exp.toml", EXPERIMENT);
+    assert_ok(&common::run(&["sweep", "exp.toml", "--out", "local"], dir.path()));
+    let sweep = |extra: &[&str]| {
+        let mut args = vec!["sweep", "exp.toml", "--out", "slurm", "--launcher", "slurm"];
+        args.extend(extra);
+        c.runner().args(args).current_dir(dir.path()).output().unwrap()
+    };
+    let o = sweep(&[]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}\n{}", c.logs());
+    assert_eq!(out.matches("submitted as job").count(), 2, "{out}");
+    assert!(out.contains("2 of 2 points complete (2 run now"), "{out}");
+    for point in ["seed=1", "seed=2"] {
+        assert_same_trace(&dir.path().join("local").join(point), &dir.path().join("slurm").join(point));
+        let script = std::fs::read_to_string(dir.path().join("slurm").join(point).join("slurm.sh")).unwrap();
+        for line in ["#SBATCH --requeue", "#SBATCH --signal=USR1@90", "#SBATCH --time=10", "#SBATCH --comment=runner-test"] {
+            assert!(script.contains(line), "{script}");
+        }
+        assert!(script.contains("exec srun "), "{script}");
+    }
+    assert_eq!(table_without_timings(&dir.path().join("local")), table_without_timings(&dir.path().join("slurm")));
+
+    // Complete points are skipped, as locally; --check reruns them as jobs and compares.
+    let o = sweep(&[]);
+    let (out, _) = text(&o);
+    assert!(o.status.success() && out.contains("0 run now, 2 already complete") && !out.contains("submitted"), "{out}");
+    let o = sweep(&["--check"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("2 points reproduce"), "{out}");
+}
+
+#[test]
+fn stopping_a_slurm_sweep_cancels_its_jobs() {
+    let Some(c) = cluster() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", &TINY.replace("epochs = 2", "epochs = 500"));
+    write(dir.path(), "exp.toml", "pipeline = \"p.toml\"\n[sweep]\n\"train.lr\" = [0.0123]\n");
+    let sweep = c
+        .runner()
+        .args(["sweep", "exp.toml", "--out", "s", "--launcher", "slurm"])
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let job = || {
+        let o = c.command("squeue").args(["-h", "--states=all", "-n", "runner:lr=0.0123", "-o", "%i %T"]).output().unwrap();
+        String::from_utf8_lossy(&o.stdout).trim().split_once(' ').map(|(i, s)| (i.to_owned(), s.to_owned()))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !job().is_some_and(|(_, s)| s == "RUNNING") {
+        assert!(std::time::Instant::now() < deadline, "the job never ran:\n{}", c.logs());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let (id, _) = job().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(sweep.id() as i32), nix::sys::signal::Signal::SIGINT).unwrap();
+    let o = sweep.wait_with_output().unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(130), "{out}\n{err}");
+    assert!(err.contains("the sweep cancelled its Slurm jobs (scancel)"), "{err}");
+    assert!(out.contains("lr=0.0123: cancelled (scancel)"), "{out}");
+    while c.job_state(&id).is_some_and(|s| s != "CANCELLED") {
+        assert!(std::time::Instant::now() < deadline, "job {id} was not cancelled");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}

@@ -138,6 +138,13 @@ impl Cluster {
         c
     }
 
+    /// `runner` as `common::runner()`, as a client of this cluster (`runner sweep --launcher slurm`).
+    pub fn runner(&self) -> Command {
+        let mut c = super::runner();
+        c.env("SLURM_CONF", &self.conf);
+        c
+    }
+
     /// `runner` under `srun ARGS`, e.g. `srun -n 2 runner run ...`.
     pub fn srun(&self, srun_args: &[&str]) -> Command {
         let mut c = self.command("srun");
