@@ -255,7 +255,7 @@ pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
 fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
     let plan = plan(args)?;
     crate::say!("{}", plan.data_flow().trim_end_matches('\n'));
-    for note in plan.data.file.iter().flat_map(|f| &f.notes) {
+    for note in plan.data.notes() {
         crate::say!("{note}");
     }
     crate::say!("\n{} is valid; nothing was run.", args.file.display());
@@ -323,8 +323,18 @@ fn resumed_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Plan> {
         .into());
     }
     let plan = Plan::load(&saved_path)?.resumed(asked)?;
+    let done = found.meta.step.unwrap_or_default();
+    if let (Some(steps), true) = (plan.config.train.steps, done >= plan.total_steps()) {
+        let source = plan.sources.get("train.steps").map(String::as_str).unwrap_or("default");
+        return Err(ConfigError::new(format!(
+            "`train.steps` ({source}) is {steps} but the newest checkpoint of {} is at step {done}: nothing is left to \
+             run; pass --set train.steps=N with N > {done} to train further",
+            dir.display(),
+        ))
+        .into());
+    }
     let epochs = plan.config.train.epochs;
-    if found.meta.epoch >= epochs {
+    if done >= plan.total_steps() {
         let source = plan.sources.get("train.epochs").map(String::as_str).unwrap_or("default");
         return Err(ConfigError::new(format!(
             "`train.epochs` ({source}) is {epochs} but the newest checkpoint of {} is at epoch {}: nothing is left to \
@@ -404,7 +414,7 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
 
 fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
     crate::say!("{}", plan.data_flow());
-    for note in plan.data.file.iter().flat_map(|f| &f.notes) {
+    for note in plan.data.notes() {
         crate::say!("{note}");
     }
     if let Some(sweep) = std::env::var(crate::launch::env::SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {

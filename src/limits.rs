@@ -107,11 +107,21 @@ pub fn estimate(
     // its gradient too.
     let activations =
         3.0 * F * widths * (batch as f64 + d.validation_rows as f64) + 2.0 * F * held_per_sample as f64 * batch as f64;
-    // The table as loaded (plus labels), as tensors, and the normalized shard.
-    let rows = (d.rows + d.validation_rows) as f64;
-    let tensors = 3.0 * F * rows * (d.input_size() as f64 + 1.0);
-    let file = d.file.as_ref().and_then(|f| std::fs::metadata(&f.path).ok()).map_or(0.0, |m| 2.0 * m.len() as f64);
-    Estimate { model, activations, data: tensors + file, base: 150.0 * 1024.0 * 1024.0 }
+    // The rows as the rank holds them (in memory once, or only the labels of data read where it
+    // lies), an epoch's shard gathered and normalised (rows in memory), and a csv or parquet
+    // file's table while it is encoded.
+    let resident = d.resident_bytes();
+    let shard = match &d.source {
+        crate::data::SourceSpec::Synthetic(_) | crate::data::SourceSpec::Table(_) => {
+            2.0 * F * (d.rows as f64 / c.run.world_size.max(1) as f64).ceil() * (d.input_size() as f64 + 1.0)
+        }
+        crate::data::SourceSpec::Tensors(t) if t.train.labels.is_none() => {
+            2.0 * F * (d.rows as f64 / c.run.world_size.max(1) as f64).ceil() * (d.input_size() as f64 + 1.0)
+        }
+        _ => 0.0,
+    };
+    let file = d.file().and_then(|f| std::fs::metadata(&f.path).ok()).map_or(0.0, |m| m.len() as f64);
+    Estimate { model, activations, data: resident + shard + file, base: 150.0 * 1024.0 * 1024.0 }
 }
 
 impl std::fmt::Display for Estimate {

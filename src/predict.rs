@@ -60,7 +60,7 @@ pub fn save(plan: &Plan, pg: &ProcessGroup, normalizer: &Normalizer, run_dir: &P
             Statistics { offset: v[..f].to_vec(), scale: v[f..].to_vec() }
         })
         .collect();
-    let columns = plan.data.file.as_ref().map(|i| i.columns.clone());
+    let columns = plan.data.file().map(|i| i.columns.clone());
     let inputs = match &columns {
         Some(c) => c.input_names(),
         None => (0..plan.data.input_size()).map(|j| format!("x{j}")).collect(),
@@ -77,7 +77,7 @@ pub fn save(plan: &Plan, pg: &ProcessGroup, normalizer: &Normalizer, run_dir: &P
     };
     let json = serde_json::to_string_pretty(&p)? + "\n";
     crate::rundir::atomic_write(&run_dir.join(PREPROCESSING), json.as_bytes())?;
-    if let Some(info) = &plan.data.file {
+    if let Some(info) = plan.data.file() {
         let rows = crate::data::file::load(info).map_err(anyhow::Error::msg)?;
         let split = serde_json::json!({
             "file": info.path,
@@ -128,7 +128,7 @@ pub fn predict(run_dir: &Path, data: &Path, out: Option<&Path>) -> anyhow::Resul
             format!("cannot read {} (a run of an older runner, or not finished?)", pre_path.display())
         })?)
         .with_context(|| format!("{} is damaged", pre_path.display()))?;
-    let info = plan.data.file.as_ref().context(
+    let info = plan.data.file().context(
         "this run trained on synthetic data: runner predict reads csv or parquet files with the run's columns",
     )?;
     let columns = &info.columns;

@@ -244,12 +244,14 @@ fn images_from_a_tensors_file_train_like_the_same_images_generated() {
     let plan: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("gen/plan.json")).unwrap()).unwrap();
     let spec: runner::data::DataSpec = serde_json::from_value(plan["data"].clone()).unwrap();
-    let data = runner::data::load(&spec, 5).unwrap();
-    let x = Tensor::cat(&[&data.train_x, &data.val_x], 0);
-    let y = Tensor::cat(&[&data.train_y, &data.val_y], 0);
+    let data = runner::data::load(&spec).unwrap();
+    let (x, y) = data.train.gather(&(0..spec.rows as i64).collect::<Vec<_>>()).unwrap();
     Tensor::write_npz(&[("x", x), ("y", y)], dir.path().join("images.npz")).unwrap();
-    let file = cnn(false).replace("image = [1, 8, 8]", "source = \"tensors\"\npath = \"images.npz\"");
-    write(dir.path(), "f.toml", &file.replace("rows = 256\n", ""));
+    Tensor::write_npz(&[("x", &data.val_x), ("y", &data.val_y)], dir.path().join("val.npz")).unwrap();
+    let file = cnn(false)
+        .replace("image = [1, 8, 8]", "source = \"tensors\"\npath = \"images.npz\"\nvalidation_path = \"val.npz\"");
+    let file = file.replace("rows = 256\n", "").replace("validation_rows = 64\n", "");
+    write(dir.path(), "f.toml", &file);
     let o =
         run(&["run", "f.toml", "--out", "file", "--set", "run.world_size=1", "--set", "train.epochs=1"], dir.path());
     assert_ok(&o);

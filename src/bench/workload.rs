@@ -375,13 +375,14 @@ fn write_init(arch: &dyn Architecture, seed: u64, path: &Path) -> anyhow::Result
 
 fn write_data(plan: &Plan, path: &Path) -> anyhow::Result<()> {
     let seed = plan.config.run.seed;
-    let data = data::load(&plan.data, seed).map_err(anyhow::Error::msg)?;
+    let data = data::load(&plan.data).map_err(anyhow::Error::msg)?;
     let epochs = plan.config.train.epochs;
     let rows = plan.data.rows;
     let perms: Vec<i64> = (1..=epochs).flat_map(|e| shard::permutation(seed, e, rows, true)).collect();
+    let (train_x, train_y) = data.train.gather(&(0..rows as i64).collect::<Vec<_>>())?;
     let named = vec![
-        ("train_x".to_string(), data.train_x.contiguous()),
-        ("train_y".to_string(), data.train_y.contiguous()),
+        ("train_x".to_string(), train_x.contiguous()),
+        ("train_y".to_string(), train_y.contiguous()),
         ("permutations".to_string(), Tensor::from_slice(&perms).view([epochs as i64, rows as i64])),
     ];
     write_npz(&named, path)

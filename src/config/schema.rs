@@ -24,13 +24,17 @@ pub struct Config {
 pub struct Checkpoint {
     /// Write a checkpoint every this many epochs (and after the last); 0: never.
     pub every: usize,
+    /// Write a checkpoint every this many optimizer steps (and after the last), mid-epoch too,
+    /// with the data position: a run resumes exactly from any of them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub every_steps: Option<usize>,
     /// Checkpoints kept; older ones are deleted.
     pub keep: usize,
 }
 
 impl Default for Checkpoint {
     fn default() -> Self {
-        Checkpoint { every: 0, keep: 2 }
+        Checkpoint { every: 0, every_steps: None, keep: 2 }
     }
 }
 
@@ -104,8 +108,10 @@ pub struct Load {
     pub validation_rows: usize,
     /// Synthetic only: scale of the label noise (0 = a noiseless teacher).
     pub noise: f64,
-    /// csv / parquet: the file, relative to the pipeline file.
-    pub path: Option<PathBuf>,
+    /// The data file, relative to the pipeline file. Token files (`source = "tokens"` or
+    /// `"text"`) may be several: a list of paths or a glob (`"data/train-*.bin"`), read as one
+    /// stream in sorted order.
+    pub path: Option<Paths>,
     /// csv / parquet: the column to predict: class labels (integers, strings or booleans, mapped to
     /// class ids in sorted order) or, with `train.task = "regression"`, numbers.
     pub target: Option<String>,
@@ -117,15 +123,54 @@ pub struct Load {
     /// relative to the pipeline file.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub labels: Option<PathBuf>,
-    /// csv / parquet: a separate validation file with the same columns (instead of a split).
+    /// A separate validation file (instead of a split): the same columns (csv / parquet), the same
+    /// arrays (tensors), or a token file such as nanoGPT's `val.bin` (tokens, text).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub validation_path: Option<PathBuf>,
+    /// Language models: how each step's windows are drawn. "epoch": DistributedSampler over fixed
+    /// windows; "random": every step, each rank draws its windows at uniformly random token
+    /// offsets (nanoGPT's get_batch), seeded by (run.seed, step, rank).
+    #[serde(skip_serializing_if = "is_default")]
+    pub sampling: Sampling,
     /// csv / parquet: what to do with missing cells (empty, NA, N/A, null).
     #[serde(skip_serializing_if = "Missing::is_error")]
     pub missing: Missing,
     /// csv: the field separator, one character (default ",").
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delimiter: Option<String>,
+}
+
+/// `load.path`: one file, or (token files) several, or a glob.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum Paths {
+    One(PathBuf),
+    Many(Vec<PathBuf>),
+}
+
+impl Paths {
+    /// The single path, or `None` for a list.
+    pub fn single(&self) -> Option<&PathBuf> {
+        match self {
+            Paths::One(p) => Some(p),
+            Paths::Many(_) => None,
+        }
+    }
+}
+
+impl From<&str> for Paths {
+    fn from(p: &str) -> Paths {
+        Paths::One(p.into())
+    }
+}
+
+/// `load.sampling`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Sampling {
+    #[default]
+    Epoch,
+    Random,
 }
 
 /// `load.features`: a count (synthetic) or column names (files).
@@ -174,6 +219,7 @@ impl Default for Load {
             labels: None,
             exclude: Vec::new(),
             validation_path: None,
+            sampling: Sampling::Epoch,
             missing: Missing::Error,
             delimiter: None,
         }
@@ -495,7 +541,11 @@ pub enum Activation {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Train {
+    /// Passes over the training data. Give `epochs` or `steps`, not both.
     pub epochs: usize,
+    /// Optimizer steps to train for, instead of epochs (each of `accumulate` batches).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<usize>,
     /// Samples per step on each rank (shard.strategy = "dataset").
     pub batch_size: usize,
     /// Samples per step over all ranks (shard.strategy = "batch"), split evenly across them.
@@ -544,6 +594,7 @@ impl Default for Train {
     fn default() -> Self {
         Train {
             epochs: 5,
+            steps: None,
             batch_size: 32,
             global_batch_size: None,
             optimizer: Optimizer::Sgd,
@@ -706,19 +757,27 @@ pub enum Optimizer {
 pub struct Validate {
     /// Validate every this many epochs (and after the last); 0 turns validation off.
     pub every: usize,
+    /// Validate (and write a trace row) every this many optimizer steps, and after the last.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub every_steps: Option<usize>,
+    /// Validate on this many batches of train.batch_size per rank, the same ones every time
+    /// (nanoGPT's eval_iters); absent: every validation row.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batches: Option<usize>,
     pub on: ValidateOn,
-    /// csv / parquet: the fraction of rows held out for validation, by a seeded shuffle (stratified
-    /// by class for classification); default 0.2.
+    /// Files, tensors and token files: the fraction of rows (windows) held out for validation;
+    /// default 0.2. Rows by a seeded shuffle (stratified by class for classification); windows
+    /// of a token stream from its end.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fraction: Option<f64>,
-    /// csv / parquet: rows held out for validation, instead of a fraction.
+    /// Files, tensors and token files: rows (windows) held out for validation, instead of a fraction.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rows: Option<usize>,
 }
 
 impl Default for Validate {
     fn default() -> Self {
-        Validate { every: 1, on: ValidateOn::Rank0, fraction: None, rows: None }
+        Validate { every: 1, every_steps: None, batches: None, on: ValidateOn::Rank0, fraction: None, rows: None }
     }
 }
 

@@ -182,3 +182,151 @@ fn load_encoded(info: &FileInfo, df: DataFrame) -> Result<Rows, String> {
         }),
     }
 }
+
+/// The plan's view of a csv or parquet file: the columns fitted, the split made and checked.
+pub fn spec(
+    c: &crate::config::schema::Config,
+    source: Source,
+    base: &Path,
+    bad: &mut impl FnMut(&str, String),
+) -> Option<super::DataSpec> {
+    use crate::config::schema::{Features, Load, Sampling};
+    let load = &c.load;
+    let name = if source == Source::Csv { "csv" } else { "parquet" };
+    let Some(rel) = load.path.as_ref().and_then(|p| p.single()) else {
+        bad("load.path", format!("source = \"{name}\" needs a path to one file"));
+        return None;
+    };
+    let Some(target) = &load.target else {
+        bad("load.target", "names the column to predict; it is required for files".into());
+        return None;
+    };
+    for (key, given, why) in [
+        ("load.noise", load.noise != Load::default().noise, "is only read by source = \"synthetic\""),
+        ("load.image", load.image.is_some(), "is only read by source = \"synthetic\"; a file's columns are features"),
+        ("load.labels", load.labels.is_some(), "is only read by source = \"tensors\""),
+        (
+            "load.sampling",
+            load.sampling != Sampling::Epoch,
+            "\"random\" draws windows from a token file: use source = \"tokens\" or \"text\"",
+        ),
+        // Compared with the default, not by source: a run's saved config.toml sets every key.
+        (
+            "load.validation_rows",
+            load.validation_rows != Load::default().validation_rows,
+            "is only read by source = \"synthetic\"; a file's validation rows are validate.fraction (default 0.2), \
+             validate.rows or load.validation_path",
+        ),
+    ] {
+        if given {
+            bad(key, why.into());
+        }
+    }
+    let delimiter = match load.delimiter.as_deref() {
+        None => b',',
+        Some(d) if d.len() == 1 && source == Source::Csv => d.as_bytes()[0],
+        Some(d) if source != Source::Csv => {
+            bad("load.delimiter", format!("{d:?} is only read by source = \"csv\""));
+            b','
+        }
+        Some(d) => {
+            bad("load.delimiter", format!("{d:?} is not one ASCII character; use e.g. \";\" or \"\\t\""));
+            b','
+        }
+    };
+    let holdout = split::holdout(c, bad)?;
+    let path = base.join(rel);
+    if let Err(e) = path.exists().then(|| crate::input::regular_file(&path)).transpose() {
+        bad("load.path", e);
+        return None;
+    }
+    let vpath = load.validation_path.as_ref().map(|p| base.join(p));
+    if let Some(vp) = &vpath {
+        if let Err(e) = crate::input::regular_file(vp) {
+            bad("load.validation_path", e);
+            return None;
+        }
+    }
+    let names = match &load.features {
+        Some(Features::Columns(names)) => Some(names.as_slice()),
+        _ => None,
+    };
+    let choice = Choice { target, features: names, exclude: &load.exclude, missing: load.missing, task: c.train.task };
+    let limit = load.rows;
+    let (mut info, rows) =
+        match inspect(&path, source, delimiter, limit, &choice, holdout, c.run.seed, vpath.as_deref()) {
+            Ok(found) => found,
+            Err(e) => {
+                let key = if vpath.as_ref().is_some_and(|v| e.contains(&v.display().to_string())) {
+                    "load.validation_path"
+                } else {
+                    "load.path"
+                };
+                bad(key, e);
+                return None;
+            }
+        };
+    let width = rows.width;
+    if let Some(asked) = limit.filter(|&r| r > info.file_rows) {
+        bad("load.rows", format!("asks for {asked} rows but {} has {}", path.display(), info.file_rows));
+    }
+    if let Some(Features::Count(f)) = load.features {
+        if f != width {
+            bad("load.features", format!("is {f} but {} gives {width} inputs besides `{target}`", path.display()));
+        }
+    }
+    let task = match info.columns.classes() {
+        Some(names) => {
+            let k = names.len();
+            if let Some(classes) = load.classes.filter(|&n| n != k) {
+                bad("load.classes", format!("is {classes} but `{target}` holds {k} classes ({})", names.join(", ")));
+            }
+            split::class_checks(names, &rows.train_y, &rows.val_y, "load.path", bad, &mut info.notes);
+            super::Task::Classification { classes: k }
+        }
+        None => {
+            if load.classes.is_some() {
+                bad("load.classes", "is only read by train.task = \"classification\"".into());
+            }
+            super::Task::Regression
+        }
+    };
+    let constant = constant_inputs(&rows.train_x, width, &info.columns.input_names());
+    if !constant.is_empty() {
+        info.notes.push(format!("constant over the training rows (normalised with scale 1): {}", constant.join(", ")));
+    }
+    if rows.train_y.is_empty() {
+        bad("validate.fraction", format!("leaves no training rows out of {}", info.rows));
+        return None;
+    }
+    Some(super::DataSpec {
+        rows: rows.train_y.len(),
+        input: vec![width],
+        task,
+        validation_rows: rows.val_y.len(),
+        source: super::SourceSpec::Table(FileInfo { path, ..info }),
+    })
+}
+
+/// Inputs whose training values are constant, or nearly: the normalizer gives them scale 1.
+fn constant_inputs(x: &[f32], width: usize, names: &[String]) -> Vec<String> {
+    (0..width)
+        .filter(|&j| {
+            let (lo, hi) = x
+                .iter()
+                .skip(j)
+                .step_by(width)
+                .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            super::normalize::is_constant((hi - lo) as f64, lo.abs().max(hi.abs()) as f64)
+        })
+        .map(|j| names[j].clone())
+        .collect()
+}
+
+impl FileInfo {
+    pub fn inputs(&self) -> Vec<(&'static str, PathBuf)> {
+        let mut v = vec![("load.path", self.path.clone())];
+        v.extend(self.validation_path.iter().map(|p| ("load.validation_path", p.clone())));
+        v
+    }
+}

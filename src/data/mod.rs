@@ -6,9 +6,10 @@
 pub mod columns;
 pub mod file;
 pub mod normalize;
+pub mod npy;
 pub mod shard;
 pub mod split;
-mod synthetic;
+pub mod synthetic;
 pub mod tensors;
 pub mod tokens;
 
@@ -17,35 +18,110 @@ use tch::{Kind, Reduction, Tensor};
 
 pub use file::FileInfo;
 
-use crate::config::schema::Source;
-
 /// The data the load stage produces, with its shapes: everything the plan knows before any row
 /// is read.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DataSpec {
-    pub source: Source,
-    /// Training rows.
+    /// Training rows (a language model's windows).
     pub rows: usize,
     pub validation_rows: usize,
-    /// The shape of one sample's input: `[features]` for rows of numbers, `[C, H, W]` for images.
+    /// The shape of one sample's input: `[features]` for rows of numbers, `[C, H, W]` for images,
+    /// `[seq_len]` for windows of tokens.
     pub input: Vec<usize>,
     pub task: Task,
-    /// Synthetic only: the label noise.
-    pub noise: f64,
-    pub file: Option<FileInfo>,
-    /// A language model's file of token ids or text (`None`: synthetic tokens, or not a
-    /// language model).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tokens: Option<tokens::TokenFile>,
-    /// `load.source = "tensors"`: the arrays' file(s).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tensors: Option<tensors::TensorsInfo>,
+    /// Where the rows come from: one variant per source, each owned by its module.
+    pub source: SourceSpec,
+}
+
+/// The sources, one variant each (`load.source`): what the plan learned of it, enough for a rank
+/// to read the same rows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SourceSpec {
+    /// Generated rows, images or tokens.
+    Synthetic(synthetic::Spec),
+    /// A csv or parquet file.
+    Table(FileInfo),
+    /// Arrays `x` and `y`.
+    Tensors(tensors::TensorsInfo),
+    /// Token files or text.
+    Tokens(tokens::TokenSpec),
 }
 
 impl DataSpec {
     /// Values in one sample's input.
     pub fn input_size(&self) -> usize {
         self.input.iter().product()
+    }
+
+    /// What the data-flow table and `runner predict` call the data.
+    pub fn describe(&self) -> String {
+        match &self.source {
+            SourceSpec::Synthetic(s) if self.task.is_language_model() => {
+                format!("synthetic tokens (seed {}, Markov chain, noise {})", s.seed, s.noise)
+            }
+            SourceSpec::Synthetic(s) => format!("synthetic (seed {}, noise {})", s.seed, s.noise),
+            SourceSpec::Table(f) => f.path.display().to_string(),
+            SourceSpec::Tensors(t) => t.describe(),
+            SourceSpec::Tokens(t) => t.describe(),
+        }
+    }
+
+    /// The files the run reads, with the key that names each: the plan digests them.
+    pub fn inputs(&self) -> Vec<(&'static str, std::path::PathBuf)> {
+        match &self.source {
+            SourceSpec::Synthetic(_) => Vec::new(),
+            SourceSpec::Table(f) => f.inputs(),
+            SourceSpec::Tensors(t) => t.inputs(),
+            SourceSpec::Tokens(t) => t.inputs(),
+        }
+    }
+
+    /// What the plan tells the user about the data (warnings, constant columns).
+    pub fn notes(&self) -> &[String] {
+        match &self.source {
+            SourceSpec::Table(f) => &f.notes,
+            SourceSpec::Tensors(t) => &t.notes,
+            SourceSpec::Synthetic(_) | SourceSpec::Tokens(_) => &[],
+        }
+    }
+
+    /// A csv or parquet file's encoding.
+    pub fn file(&self) -> Option<&FileInfo> {
+        match &self.source {
+            SourceSpec::Table(f) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// A token source.
+    pub fn tokens(&self) -> Option<&tokens::TokenSpec> {
+        match &self.source {
+            SourceSpec::Tokens(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Windows are drawn at random offsets every step (no epochs).
+    pub fn random_windows(&self) -> bool {
+        self.tokens().is_some_and(|t| t.sampling == crate::config::schema::Sampling::Random)
+    }
+
+    /// Bytes a rank holds for the data itself: rows in memory as float32 (and their labels), or,
+    /// for data read where it lies (token files, .npy arrays), nothing beyond its batches.
+    pub fn resident_bytes(&self) -> f64 {
+        let row = 4.0 * (self.input_size() as f64 + 1.0);
+        let streamed = match &self.source {
+            SourceSpec::Tokens(_) => true,
+            SourceSpec::Tensors(t) => t.train.labels.is_some(),
+            SourceSpec::Synthetic(_) | SourceSpec::Table(_) => false,
+        };
+        if streamed {
+            // The labels (8 bytes a row) and the validation rows in memory.
+            8.0 * self.rows as f64 + row * self.validation_rows as f64
+        } else {
+            row * (self.rows + self.validation_rows) as f64
+        }
     }
 }
 
@@ -134,13 +210,53 @@ pub struct Metrics {
     pub r2: f64,
 }
 
-/// Training and validation rows: inputs as float32 (N × input shape), or int64 token ids for a
-/// language model; targets as int64 (class ids; N × seq_len for a language model) or float32
-/// (regression: normalised by `target`).
+/// A rank's training rows: in memory, or read per batch where they lie.
+#[derive(Debug)]
+pub enum Rows {
+    /// Inputs as float32 (N × input shape), or int64 token ids; targets as int64 (class ids;
+    /// N × seq_len for a language model) or float32 (regression: normalised by `target`).
+    Memory { x: Tensor, y: Tensor },
+    /// Windows of token files.
+    Windows(tokens::Windows),
+    /// Rows of an .npy array.
+    Arrays(tensors::Rows),
+}
+
+impl Rows {
+    pub fn len(&self) -> usize {
+        match self {
+            Rows::Memory { y, .. } => y.size()[0] as usize,
+            Rows::Windows(w) => w.count,
+            Rows::Arrays(a) => a.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The rows at positions `idx` among the training rows: inputs and targets, on the CPU.
+    pub fn gather(&self, idx: &[i64]) -> anyhow::Result<(Tensor, Tensor)> {
+        match self {
+            Rows::Memory { x, y } => {
+                let i = Tensor::from_slice(idx).to_device(x.device());
+                Ok((x.index_select(0, &i), y.index_select(0, &i)))
+            }
+            Rows::Windows(w) => w.gather(idx).map_err(anyhow::Error::msg),
+            Rows::Arrays(a) => a.gather(idx).map_err(anyhow::Error::msg),
+        }
+    }
+
+    /// Whether the rows are held in memory (an epoch's rows are then gathered at once).
+    pub fn in_memory(&self) -> bool {
+        matches!(self, Rows::Memory { .. })
+    }
+}
+
+/// A rank's data: the training rows and the validation rows (in memory).
 #[derive(Debug)]
 pub struct Dataset {
-    pub train_x: Tensor,
-    pub train_y: Tensor,
+    pub train: Rows,
     pub val_x: Tensor,
     pub val_y: Tensor,
     pub task: Task,
@@ -202,11 +318,14 @@ pub fn macro_f1(pred: &[i64], truth: &[i64], classes: usize) -> f64 {
 }
 
 impl Dataset {
-    /// The same rows on `device` (once per rank: every epoch's tensors are cut from them there).
+    /// The same rows on `device` (once per rank); rows read per batch stay where they lie.
     pub fn to_device(self, device: tch::Device) -> Dataset {
+        let train = match self.train {
+            Rows::Memory { x, y } => Rows::Memory { x: x.to_device(device), y: y.to_device(device) },
+            other => other,
+        };
         Dataset {
-            train_x: self.train_x.to_device(device),
-            train_y: self.train_y.to_device(device),
+            train,
             val_x: self.val_x.to_device(device),
             val_y: self.val_y.to_device(device),
             task: self.task,
@@ -215,30 +334,81 @@ impl Dataset {
     }
 }
 
-/// Reads (or generates) the rows the plan describes.
-pub fn load(data: &DataSpec, seed: u64) -> Result<Dataset, String> {
-    if let Some(info) = &data.file {
-        return load_file(data, info);
-    }
-    let (x, y) = if data.task.is_language_model() {
-        tokens::windows(data, seed)?
-    } else if let Some(t) = &data.tensors {
-        tensors::read(t)?
-    } else {
-        let shape: Vec<i64> = std::iter::once(-1).chain(data.input.iter().map(|&d| d as i64)).collect();
-        let (x, y) = synthetic::rows(data, seed);
-        (Tensor::from_slice(&x).view(shape.as_slice()), Tensor::from_slice(&y))
+/// Reads (or generates, or opens) the rows the plan describes: the validation rows are the first
+/// `validation_rows` of the source's (`validate.batches` may take fewer than it holds).
+pub fn load(data: &DataSpec) -> Result<Dataset, String> {
+    let mut d = load_source(data)?;
+    let v = (data.validation_rows as i64).min(d.val_x.size()[0]);
+    d.val_x = d.val_x.narrow(0, 0, v);
+    d.val_y = d.val_y.narrow(0, 0, v);
+    Ok(d)
+}
+
+fn load_source(data: &DataSpec) -> Result<Dataset, String> {
+    let memory = |x: Tensor, y: Tensor| {
+        let n = data.rows as i64;
+        let v = data.validation_rows as i64;
+        Dataset {
+            train: Rows::Memory { x: x.narrow(0, 0, n), y: y.narrow(0, 0, n) },
+            val_x: x.narrow(0, n, v),
+            val_y: y.narrow(0, n, v),
+            task: data.task,
+            target: None,
+        }
     };
-    let n = data.rows as i64;
-    let v = data.validation_rows as i64;
-    Ok(Dataset {
-        train_x: x.narrow(0, 0, n),
-        train_y: y.narrow(0, 0, n),
-        val_x: x.narrow(0, n, v),
-        val_y: y.narrow(0, n, v),
-        task: data.task,
-        target: None,
-    })
+    match &data.source {
+        SourceSpec::Table(info) => load_file(data, info),
+        SourceSpec::Synthetic(s) if data.task.is_language_model() => {
+            let (x, y) = tokens::synthetic_windows(
+                data.task.outputs(),
+                s.noise,
+                data.input[0],
+                data.rows + data.validation_rows,
+                s.seed,
+            );
+            Ok(memory(x, y))
+        }
+        SourceSpec::Synthetic(s) => {
+            let shape: Vec<i64> = std::iter::once(-1).chain(data.input.iter().map(|&d| d as i64)).collect();
+            let (x, y) = synthetic::rows(data, s);
+            Ok(memory(Tensor::from_slice(&x).view(shape.as_slice()), Tensor::from_slice(&y)))
+        }
+        SourceSpec::Tensors(t) => {
+            let (rows, val_x, val_y) = tensors::load(t)?;
+            let train = if t.train.labels.is_some() {
+                Rows::Arrays(rows)
+            } else {
+                // In memory anyway: one gather of every training row.
+                let all: Vec<i64> = (0..rows.len() as i64).collect();
+                let (x, y) = rows.gather(&all)?;
+                Rows::Memory { x, y }
+            };
+            Ok(Dataset { train, val_x, val_y, task: data.task, target: None })
+        }
+        SourceSpec::Tokens(t) => {
+            let seq_len = data.input[0];
+            let train = tokens::Windows::open(&t.train, seq_len, data.rows)?;
+            let val = tokens::Windows::open(&t.validation, seq_len, t.validation.windows(seq_len))?;
+            let (val_x, val_y) = match (t.validation_windows, t.sampling) {
+                (Some(n), crate::config::schema::Sampling::Random) => {
+                    val.random(n, seed_of(data), tokens::VALIDATION_STREAM)?
+                }
+                (n, _) => {
+                    let idx: Vec<i64> = (0..n.unwrap_or(val.count) as i64).collect();
+                    val.gather(&idx)?
+                }
+            };
+            Ok(Dataset { train: Rows::Windows(train), val_x, val_y, task: data.task, target: None })
+        }
+    }
+}
+
+/// The seed of a token source's fixed random validation windows: the run's, kept in the plan.
+fn seed_of(data: &DataSpec) -> u64 {
+    match &data.source {
+        SourceSpec::Tokens(t) => t.seed,
+        _ => 0,
+    }
 }
 
 fn load_file(data: &DataSpec, info: &FileInfo) -> Result<Dataset, String> {
@@ -253,8 +423,7 @@ fn load_file(data: &DataSpec, info: &FileInfo) -> Result<Dataset, String> {
         None => Tensor::from_slice(&v.iter().map(|&y| y as i64).collect::<Vec<i64>>()),
     };
     Ok(Dataset {
-        train_x: Tensor::from_slice(&rows.train_x).view(shape.as_slice()),
-        train_y: y(&rows.train_y),
+        train: Rows::Memory { x: Tensor::from_slice(&rows.train_x).view(shape.as_slice()), y: y(&rows.train_y) },
         val_x: Tensor::from_slice(&rows.val_x).view(shape.as_slice()),
         val_y: y(&rows.val_y),
         task: data.task,

@@ -97,6 +97,11 @@ impl Normalizer {
         }
     }
 
+    /// x ↦ x (`method = "none"`).
+    pub fn identity() -> Normalizer {
+        Normalizer { scaling: None }
+    }
+
     /// A normalizer with saved statistics (`runner predict`).
     pub fn from_parts(offset: &[f32], scale: &[f32]) -> Normalizer {
         Normalizer { scaling: Some((Tensor::from_slice(offset), Tensor::from_slice(scale))) }

@@ -13,6 +13,72 @@ pub enum Holdout {
     Rows(usize),
 }
 
+/// The validation split the configuration asks for, the same for every source with rows:
+/// `Some(None)` with `load.validation_path` (a file holds the validation rows), `Some(Some(h))`
+/// for `validate.rows` or `validate.fraction` (default 0.2), `None` (reported) for a conflict.
+pub fn holdout(c: &crate::config::schema::Config, bad: &mut impl FnMut(&str, String)) -> Option<Option<Holdout>> {
+    let v = &c.validate;
+    match (&c.load.validation_path, v.fraction, v.rows) {
+        (Some(_), None, None) => Some(None),
+        (Some(_), _, _) => {
+            bad("load.validation_path", "holds the validation rows: remove validate.fraction and validate.rows".into());
+            None
+        }
+        (None, Some(_), Some(_)) => {
+            bad("validate.rows", "and validate.fraction both set the validation rows: keep one".into());
+            None
+        }
+        (None, _, Some(r)) => Some(Some(Holdout::Rows(r))),
+        (None, f, None) => {
+            let f = f.unwrap_or(0.2);
+            if !(0.0..1.0).contains(&f) {
+                bad("validate.fraction", format!("must be in [0, 1), got {f}"));
+                return None;
+            }
+            Some(Some(Holdout::Fraction(f)))
+        }
+    }
+}
+
+/// The class checks of a split, the same for every source of labelled rows: a class the training
+/// rows lack is refused (naming `key`, the file's key); a class under 1% of either side is noted.
+pub fn class_checks(
+    names: &[String],
+    train_y: &[f64],
+    val_y: &[f64],
+    key: &str,
+    bad: &mut impl FnMut(&str, String),
+    notes: &mut Vec<String>,
+) {
+    let k = names.len();
+    let count = |y: &[f64]| {
+        let mut n = vec![0usize; k];
+        y.iter().for_each(|&c| n[(c as usize).min(k - 1)] += 1);
+        n
+    };
+    let (train, val) = (count(train_y), count(val_y));
+    let lacking: Vec<&str> = (0..k).filter(|&c| train[c] == 0).map(|c| names[c].as_str()).collect();
+    if !lacking.is_empty() {
+        bad(
+            key,
+            format!(
+                "the training rows hold no row of class {}: the model could never learn it (a separate validation \
+                 file with classes the training file lacks, or too few rows?)",
+                lacking.join(", ")
+            ),
+        );
+    }
+    for (side, n, total) in [("training", &train, train_y.len()), ("validation", &val, val_y.len())] {
+        let rare: Vec<String> = (0..k)
+            .filter(|&c| total > 0 && (n[c] as f64) < 0.01 * total as f64)
+            .map(|c| format!("{} ({} of {total})", names[c], n[c]))
+            .collect();
+        if !rare.is_empty() {
+            notes.push(format!("warning: classes under 1% of the {side} rows: {}", rare.join(", ")));
+        }
+    }
+}
+
 /// Training and validation positions (ascending) among `n` rows; `classes` holds each row's
 /// class id to stratify by.
 pub fn split(n: usize, holdout: Holdout, seed: u64, classes: Option<&[usize]>) -> (Vec<usize>, Vec<usize>) {

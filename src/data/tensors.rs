@@ -1,52 +1,141 @@
 //! `load.source = "tensors"`: arrays `x` (any shape, first axis = rows) and `y` (integer class
 //! labels, one per row) from an .npz or .safetensors file holding both, or from two .npy files
-//! (`load.path` for `x`, `load.labels` for `y`). Checked whole on the plan; read whole on each rank.
+//! (`load.path` for `x`, `load.labels` for `y`). The validation rows are held out as from a csv
+//! file (`validate.fraction`, default 0.2, or `validate.rows`: a seeded shuffle stratified by
+//! class), or come from another file of the same kind (`load.validation_path`). An .npy `x` is
+//! checked by its header and scanned in chunks on the plan, and read row by row where it lies on
+//! the ranks: only the labels are held whole.
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use serde::{Deserialize, Serialize};
+use super::npy::Npy;
+use super::split::{self, Holdout};
+use super::{DataSpec, SourceSpec, Task};
+use crate::config::schema::{Config, Load};
 
-use super::{DataSpec, Task};
-use crate::config::schema::{Load, Source};
-
-/// What the plan knows of a tensors file (or .npy pair).
+/// One file (or .npy pair) of arrays.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TensorsInfo {
+pub struct Arrays {
     /// `x` (with `y`, unless `labels` holds it).
     pub path: PathBuf,
     /// The .npy file of `y`, with an .npy `path`.
     pub labels: Option<PathBuf>,
 }
 
-/// The inputs as float32 and the labels as int64 of every row of the file(s).
-pub fn read(info: &TensorsInfo) -> Result<(Tensor, Tensor), String> {
-    let (x, y) = arrays(&info.path, info.labels.as_deref())?;
-    Ok((x.to_kind(Kind::Float), y.to_kind(Kind::Int64)))
+/// What the plan knows of a tensors source.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorsInfo {
+    pub train: Arrays,
+    /// `load.validation_path` (with its own labels file for an .npy pair: `y` beside it is not
+    /// guessed; it must be an .npz or .safetensors file, or named by the same stem `_y.npy`).
+    pub validation: Option<Arrays>,
+    /// How validation rows are held out of `train`, with `seed`; absent with `validation`.
+    pub holdout: Option<Holdout>,
+    pub seed: u64,
+    /// Only the file's first rows (`load.rows`).
+    pub limit: Option<usize>,
+    pub notes: Vec<String>,
 }
 
-/// `x` and `y` as stored.
-fn arrays(path: &Path, labels: Option<&Path>) -> Result<(Tensor, Tensor), String> {
+impl TensorsInfo {
+    pub fn describe(&self) -> String {
+        match &self.train.labels {
+            Some(y) => format!("{} + {}", self.train.path.display(), y.display()),
+            None => self.train.path.display().to_string(),
+        }
+    }
+
+    pub fn inputs(&self) -> Vec<(&'static str, PathBuf)> {
+        let mut v = vec![("load.path", self.train.path.clone())];
+        v.extend(self.train.labels.iter().map(|p| ("load.labels", p.clone())));
+        if let Some(val) = &self.validation {
+            v.push(("load.validation_path", val.path.clone()));
+        }
+        v
+    }
+
+    /// The training and validation rows of the file (0-based), as the split holds them out.
+    pub fn split_rows(&self, labels: &[i64]) -> (Vec<usize>, Vec<usize>) {
+        let n = self.limit.map_or(labels.len(), |l| l.min(labels.len()));
+        match self.holdout {
+            Some(h) => {
+                let ids: Vec<usize> = labels[..n].iter().map(|&c| c as usize).collect();
+                split::split(n, h, self.seed, Some(&ids))
+            }
+            None => ((0..n).collect(), Vec::new()),
+        }
+    }
+}
+
+/// `x` of a file: in memory (.npz, .safetensors), or an .npy array read row by row.
+enum X {
+    Memory(Tensor),
+    Npy(Npy),
+}
+
+impl X {
+    fn rows(&self) -> usize {
+        match self {
+            X::Memory(t) => t.size().first().copied().unwrap_or(0) as usize,
+            X::Npy(a) => a.rows(),
+        }
+    }
+
+    fn sample_shape(&self) -> Vec<usize> {
+        match self {
+            X::Memory(t) => t.size().iter().skip(1).map(|&d| d as usize).collect(),
+            X::Npy(a) => a.shape[1..].to_vec(),
+        }
+    }
+
+    /// Rows `idx` as float32.
+    fn gather(&self, idx: &[i64]) -> Result<Tensor, String> {
+        match self {
+            X::Memory(t) => Ok(t.index_select(0, &Tensor::from_slice(idx)).to_kind(Kind::Float)),
+            X::Npy(a) => a.read_rows(idx, Kind::Float),
+        }
+    }
+}
+
+/// Opens the arrays: `x` (whole for .npz / .safetensors, by its header for .npy) and `y` whole.
+fn open(a: &Arrays) -> Result<(X, Tensor), String> {
+    let path = &a.path;
     let cannot = |p: &Path, e: tch::TchError| format!("cannot read {}: {e}", p.display());
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or_default();
     let named = match ext {
         "npz" => Tensor::read_npz(path).map_err(|e| cannot(path, e))?,
         "safetensors" => Tensor::read_safetensors(path).map_err(|e| cannot(path, e))?,
         "npy" => {
-            let Some(labels) = labels else {
+            let Some(labels) = &a.labels else {
                 return Err(format!(
                     "{}: an .npy file holds one array; name the labels' .npy file in load.labels",
                     path.display()
                 ));
             };
-            let x = Tensor::read_npy(path).map_err(|e| cannot(path, e))?;
-            let y = Tensor::read_npy(labels).map_err(|e| cannot(labels, e))?;
-            return Ok((x, y));
+            let x = Npy::open(path)?;
+            if x.dtype == super::npy::Dtype::Bool {
+                return Err(format!("`x` of {} holds booleans, not numbers", path.display()));
+            }
+            let y = Npy::open(labels)?;
+            if y.shape.len() != 1 {
+                return Err(format!("`y` of {} is {:?}: give one label per row", labels.display(), y.shape));
+            }
+            if !y.dtype.is_integer() {
+                return Err(format!(
+                    "`y` of {} holds {:?}: class labels must be integers 0, 1, 2, ...",
+                    labels.display(),
+                    y.dtype
+                ));
+            }
+            let raw = y.read_elements(0, y.rows())?;
+            let y = super::npy::to_tensor(&raw, y.dtype, &[y.rows() as i64]).to_kind(Kind::Int64);
+            return Ok((X::Npy(x), y));
         }
         _ => return Err(format!("{}: use an .npz, .safetensors or .npy file", path.display())),
     };
-    let mut x = None;
-    let mut y = None;
+    let (mut x, mut y) = (None, None);
     for (name, t) in named {
         match name.as_str() {
             "x" => x = Some(t),
@@ -54,48 +143,65 @@ fn arrays(path: &Path, labels: Option<&Path>) -> Result<(Tensor, Tensor), String
             _ => {}
         }
     }
-    match (x, y) {
-        (Some(x), Some(y)) => Ok((x, y)),
-        _ => Err(format!("{} needs two arrays named `x` (the inputs) and `y` (the labels)", path.display())),
-    }
-}
-
-/// Checks the arrays and returns (rows, one sample's shape, classes).
-fn inspect(path: &Path, labels: Option<&Path>) -> Result<(usize, Vec<usize>, usize), String> {
-    let (x, y) = arrays(path, labels)?;
-    let p = path.display();
-    if x.dim() < 2 {
-        return Err(format!("`x` of {p} is {:?}: it needs a first axis of rows and at least one more", x.size()));
-    }
-    let rows = x.size()[0];
-    if y.size() != [rows] {
-        return Err(format!("`y` is {:?} but `x` of {p} has {rows} rows: give one label per row", y.size()));
-    }
+    let (Some(x), Some(y)) = (x, y) else {
+        return Err(format!("{} needs two arrays named `x` (the inputs) and `y` (the labels)", path.display()));
+    };
     if x.kind() == Kind::Bool {
-        return Err(format!("`x` of {p} holds booleans, not numbers"));
-    }
-    if x.is_floating_point() {
-        let finite = x.isfinite().sum(Kind::Int64).int64_value(&[]);
-        if finite != x.numel() as i64 {
-            return Err(format!("`x` of {p} holds {} NaN or infinite values", x.numel() as i64 - finite));
-        }
+        return Err(format!("`x` of {} holds booleans, not numbers", path.display()));
     }
     if y.is_floating_point() || y.kind() == Kind::Bool {
-        return Err(format!("`y` of {p} holds {:?}: class labels must be integers 0, 1, 2, ...", y.kind()));
+        return Err(format!(
+            "`y` of {} holds {:?}: class labels must be integers 0, 1, 2, ...",
+            path.display(),
+            y.kind()
+        ));
     }
-    let y = y.to_kind(Kind::Int64);
-    let (lo, hi) = if rows > 0 { (y.min().int64_value(&[]), y.max().int64_value(&[])) } else { (0, 0) };
-    if lo < 0 {
-        return Err(format!("`y` of {p} holds {lo}: class labels must be integers 0, 1, 2, ..."));
+    Ok((X::Memory(x), y.to_kind(Kind::Int64)))
+}
+
+/// Checks the arrays: shapes, one integer label ≥ 0 per row, finite inputs (scanned in chunks).
+/// Returns `x`, the labels and one sample's shape.
+fn inspect(a: &Arrays) -> Result<(X, Vec<i64>, Vec<usize>), String> {
+    let (x, y) = open(a)?;
+    let p = a.path.display();
+    let dims = match &x {
+        X::Memory(t) => t.dim(),
+        X::Npy(n) => n.shape.len(),
+    };
+    if dims < 2 {
+        return Err(format!("`x` of {p} has {dims} axis: it needs a first axis of rows and at least one more"));
     }
-    let shape = x.size()[1..].iter().map(|&d| d as usize).collect();
-    Ok((rows as usize, shape, hi as usize + 1))
+    let rows = x.rows();
+    if y.size() != [rows as i64] {
+        return Err(format!("`y` is {:?} but `x` of {p} has {rows} rows: give one label per row", y.size()));
+    }
+    // Chunks of about 16 MiB of float32, so the scan's memory does not grow with the file.
+    let chunk = ((1usize << 22) / x.sample_shape().iter().product::<usize>().max(1)).max(1);
+    for start in (0..rows).step_by(chunk) {
+        let idx: Vec<i64> = (start as i64..(start + chunk).min(rows) as i64).collect();
+        let part = x.gather(&idx)?;
+        let finite = part.isfinite().sum(Kind::Int64).int64_value(&[]);
+        if finite != part.numel() as i64 {
+            return Err(format!(
+                "`x` of {p} holds {} NaN or infinite values (rows {start} on)",
+                part.numel() as i64 - finite
+            ));
+        }
+    }
+    let labels: Vec<i64> = Vec::try_from(&y).map_err(|e| format!("`y` of {p}: {e}"))?;
+    if let Some((i, l)) = labels.iter().enumerate().find(|(_, &l)| l < 0) {
+        let which = a.labels.as_ref().map_or(format!("`y` of {p}"), |l| format!("`y` ({})", l.display()));
+        return Err(format!("{which} holds {l} at row {i}: class labels must be integers 0, 1, 2, ..."));
+    }
+    let shape = x.sample_shape();
+    Ok((x, labels, shape))
 }
 
 /// The plan's view of a tensors source; problems are reported through `bad`.
-pub fn spec(load: &Load, base: &Path, bad: &mut impl FnMut(&str, String)) -> Option<DataSpec> {
-    let Some(rel) = &load.path else {
-        bad("load.path", "source = \"tensors\" needs a path to an .npz, .safetensors or .npy file".into());
+pub fn spec(c: &Config, base: &Path, bad: &mut impl FnMut(&str, String)) -> Option<DataSpec> {
+    let load = &c.load;
+    let Some(rel) = load.path.as_ref().and_then(|p| p.single()) else {
+        bad("load.path", "source = \"tensors\" needs a path to one .npz, .safetensors or .npy file".into());
         return None;
     };
     for (key, given) in [
@@ -107,10 +213,20 @@ pub fn spec(load: &Load, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opt
             bad(key, "is not read by source = \"tensors\" (arrays `x` and `y`)".into());
         }
     }
-    let path = base.join(rel);
-    let labels: Option<PathBuf> = load.labels.as_ref().map(|l| base.join(l));
-    let npy = path.extension().is_some_and(|e| e == "npy");
-    if npy != labels.is_some() {
+    if load.validation_rows != Load::default().validation_rows {
+        bad(
+            "load.validation_rows",
+            "is only read by source = \"synthetic\"; a tensors file's validation rows are validate.fraction (default \
+             0.2), validate.rows or load.validation_path"
+                .into(),
+        );
+    }
+    if load.sampling != crate::config::schema::Sampling::Epoch {
+        bad("load.sampling", "\"random\" draws windows from a token file: use source = \"tokens\" or \"text\"".into());
+    }
+    let train = Arrays { path: base.join(rel), labels: load.labels.as_ref().map(|l| base.join(l)) };
+    let npy = train.path.extension().is_some_and(|e| e == "npy");
+    if npy != train.labels.is_some() {
         let msg = if npy {
             "an .npy `path` holds `x` alone: name the .npy file of the labels here"
         } else {
@@ -119,7 +235,7 @@ pub fn spec(load: &Load, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opt
         bad("load.labels", msg.into());
         return None;
     }
-    for (key, p) in [("load.path", Some(&path)), ("load.labels", labels.as_ref())] {
+    for (key, p) in [("load.path", Some(&train.path)), ("load.labels", train.labels.as_ref())] {
         let Some(p) = p else { continue };
         if !p.exists() {
             bad(key, format!("{} does not exist (paths are relative to the pipeline file)", p.display()));
@@ -130,82 +246,221 @@ pub fn spec(load: &Load, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opt
             return None;
         }
     }
-    let (rows, input, found) = match inspect(&path, labels.as_deref()) {
+    let holdout = split::holdout(c, bad)?;
+    let (x, labels, input) = match inspect(&train) {
         Ok(v) => v,
         Err(e) => {
-            bad("load.path", e);
+            // Name the key of the file at fault.
+            let key = match &train.labels {
+                Some(l) if e.contains(&l.display().to_string()) => "load.labels",
+                _ => "load.path",
+            };
+            bad(key, e);
             return None;
         }
     };
+    let validation = match &load.validation_path {
+        None => None,
+        Some(v) => {
+            let path = base.join(v);
+            if let Err(e) = crate::input::regular_file(&path) {
+                bad("load.validation_path", e);
+                return None;
+            }
+            let arrays = Arrays { path, labels: None };
+            if arrays.path.extension().is_some_and(|e| e == "npy") {
+                bad(
+                    "load.validation_path",
+                    "a tensors validation file holds `x` and `y` together: use an .npz or .safetensors file".into(),
+                );
+                return None;
+            }
+            match inspect(&arrays) {
+                Ok((_, vl, vshape)) if vshape == input => Some((arrays, vl)),
+                Ok((_, _, vshape)) => {
+                    bad("load.validation_path", format!("its samples are {vshape:?}, the training samples {input:?}"));
+                    return None;
+                }
+                Err(e) => {
+                    bad("load.validation_path", e);
+                    return None;
+                }
+            }
+        }
+    };
+    drop(x);
     let size: usize = input.iter().product();
     match &load.features {
-        Some(crate::config::schema::Features::Count(f)) if *f != size => {
-            bad("load.features", format!("is {f} but a sample of {} holds {size} values ({input:?})", path.display()))
-        }
+        Some(crate::config::schema::Features::Count(f)) if *f != size => bad(
+            "load.features",
+            format!("is {f} but a sample of {} holds {size} values ({input:?})", train.path.display()),
+        ),
         Some(crate::config::schema::Features::Columns(_)) => {
             bad("load.features", "names columns of a csv or parquet file; a tensors file has none".into())
         }
         _ => {}
     }
+    if let Some(r) = load.rows.filter(|&r| r > labels.len()) {
+        bad("load.rows", format!("asks for {r} rows but {} has {}", train.path.display(), labels.len()));
+    }
+    let mut info = TensorsInfo {
+        train,
+        validation: validation.as_ref().map(|v| v.0.clone()),
+        holdout,
+        seed: c.run.seed,
+        limit: load.rows,
+        notes: Vec::new(),
+    };
+    let (train_rows, val_rows) = info.split_rows(&labels);
+    let train_y: Vec<i64> = train_rows.iter().map(|&i| labels[i]).collect();
+    let val_y: Vec<i64> = match &validation {
+        Some((_, vl)) => vl.clone(),
+        None => val_rows.iter().map(|&i| labels[i]).collect(),
+    };
+    let found = labels.iter().chain(&val_y).max().map_or(1, |m| *m as usize + 1);
     let classes = load.classes.unwrap_or(found);
     if classes < found {
-        bad("load.classes", format!("is {classes} but `y` has labels up to {}", found - 1));
-    }
-    if let Some(r) = load.rows.filter(|&r| r > rows) {
-        bad("load.rows", format!("asks for {r} rows but {} has {rows}", path.display()));
-    }
-    let total = load.rows.unwrap_or(rows).min(rows);
-    if load.validation_rows >= total {
-        bad("load.validation_rows", format!("{} leaves no training rows out of {total}", load.validation_rows));
+        let key = if load.labels.is_some() { "load.labels" } else { "load.path" };
+        bad(
+            "load.classes",
+            format!(
+                "is {classes} but the labels ({key}) go up to {}: set it to at least {found}, or remove it",
+                found - 1
+            ),
+        );
+    } else if classes > super::columns::MAX_CLASSES {
+        let key = if load.labels.is_some() { "load.labels" } else { "load.path" };
+        bad(
+            key,
+            format!(
+                "holds a label of {}: more than {} classes is not a classification (labels are class ids 0, 1, 2, ...)",
+                found - 1,
+                super::columns::MAX_CLASSES
+            ),
+        );
         return None;
     }
+    if train_y.is_empty() {
+        bad("validate.fraction", format!("leaves no training rows out of {}", labels.len()));
+        return None;
+    }
+    let names: Vec<String> = (0..classes).map(|c| c.to_string()).collect();
+    let as_ids = |v: &[i64]| v.iter().map(|&c| c as f64).collect::<Vec<f64>>();
+    let key = if load.labels.is_some() { "load.labels" } else { "load.path" };
+    split::class_checks(&names, &as_ids(&train_y), &as_ids(&val_y), key, bad, &mut info.notes);
     Some(DataSpec {
-        source: Source::Tensors,
-        rows: total - load.validation_rows,
-        validation_rows: load.validation_rows,
+        rows: train_y.len(),
+        validation_rows: val_y.len(),
         input,
         task: Task::Classification { classes },
-        noise: 0.0,
-        file: None,
-        tokens: None,
-        tensors: Some(TensorsInfo { path, labels }),
+        source: SourceSpec::Tensors(info),
     })
+}
+
+/// A rank's training rows of a tensors source: `x` by file row, the labels of the training rows.
+pub struct Rows {
+    x: X,
+    /// The file row of each training row.
+    rows: Vec<i64>,
+    y: Tensor,
+}
+
+impl Rows {
+    pub fn gather(&self, idx: &[i64]) -> Result<(Tensor, Tensor), String> {
+        let file_rows: Vec<i64> = idx.iter().map(|&i| self.rows[i as usize]).collect();
+        Ok((self.x.gather(&file_rows)?, self.y.index_select(0, &Tensor::from_slice(idx))))
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+}
+
+impl std::fmt::Debug for Rows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "tensors::Rows({} rows)", self.rows.len())
+    }
+}
+
+/// A rank's view: the training rows (read per batch from an .npy `x`) and the validation rows.
+pub fn load(info: &TensorsInfo) -> Result<(Rows, Tensor, Tensor), String> {
+    let (x, y) = open(&info.train)?;
+    let labels: Vec<i64> = Vec::try_from(&y).map_err(|e: tch::TchError| e.to_string())?;
+    let (train, val) = info.split_rows(&labels);
+    let (val_x, val_y) = match &info.validation {
+        Some(v) => {
+            let (vx, vy) = open(v)?;
+            let all: Vec<i64> = (0..vx.rows() as i64).collect();
+            (vx.gather(&all)?, vy)
+        }
+        None => {
+            let idx: Vec<i64> = val.iter().map(|&i| i as i64).collect();
+            (x.gather(&idx)?, y.index_select(0, &Tensor::from_slice(&idx)))
+        }
+    };
+    let rows: Vec<i64> = train.iter().map(|&i| i as i64).collect();
+    let train_y = y.index_select(0, &Tensor::from_slice(&rows));
+    Ok((Rows { x, rows, y: train_y }, val_x, val_y))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::schema::Source;
+
+    fn config(load: Load) -> Config {
+        let mut c = Config::default();
+        c.load = load;
+        c
+    }
 
     #[test]
     fn npz_safetensors_and_npy_pairs_read_alike_and_bad_labels_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let x = Tensor::arange(24, (Kind::Float, tch::Device::Cpu)).view([6, 1, 2, 2]);
-        let y = Tensor::from_slice(&[0i64, 1, 2, 0, 1, 2]);
+        let x = Tensor::arange(40, (Kind::Float, tch::Device::Cpu)).view([10, 1, 2, 2]);
+        let y = Tensor::from_slice(&[0i64, 1, 2, 0, 1, 2, 0, 1, 2, 0]);
         let named = [("x".to_string(), x.shallow_clone()), ("y".to_string(), y.shallow_clone())];
         Tensor::write_npz(&named, dir.path().join("d.npz")).unwrap();
         Tensor::write_safetensors(&named, dir.path().join("d.safetensors")).unwrap();
         x.write_npy(dir.path().join("x.npy")).unwrap();
         y.write_npy(dir.path().join("y.npy")).unwrap();
+        let mut seen = Vec::new();
         for (file, labels) in [("d.npz", None), ("d.safetensors", None), ("x.npy", Some("y.npy"))] {
-            let load = Load {
+            let mut c = config(Load {
                 source: Source::Tensors,
                 path: Some(file.into()),
                 labels: labels.map(PathBuf::from),
-                validation_rows: 2,
                 ..Load::default()
-            };
+            });
+            c.validate.rows = Some(3);
             let mut errors = Vec::new();
-            let spec = spec(&load, dir.path(), &mut |k, m| errors.push(format!("{k}: {m}"))).unwrap();
+            let spec = spec(&c, dir.path(), &mut |k, m| errors.push(format!("{k}: {m}"))).unwrap();
             assert!(errors.is_empty(), "{errors:?}");
-            assert_eq!((spec.rows, spec.input.clone(), spec.task.outputs()), (4, vec![1, 2, 2], 3));
-            let (rx, ry) = read(spec.tensors.as_ref().unwrap()).unwrap();
-            assert!(rx.equal(&x) && ry.equal(&y), "{file}");
+            assert_eq!(
+                (spec.rows, spec.validation_rows, spec.input.clone(), spec.task.outputs()),
+                (7, 3, vec![1, 2, 2], 3)
+            );
+            let SourceSpec::Tensors(info) = &spec.source else { panic!("tensors") };
+            let (rows, vx, vy) = load(info).unwrap();
+            let all: Vec<i64> = (0..7).collect();
+            let (tx, ty) = rows.gather(&all).unwrap();
+            // Every row lands on one side, with its own label.
+            let both = Tensor::cat(&[tx.view([-1, 4]), vx.view([-1, 4])], 0);
+            let order = both.select(1, 0).argsort(0, false);
+            assert!(both.index_select(0, &order).equal(&x.view([-1, 4])), "{file}");
+            let labels = Tensor::cat(&[ty, vy], 0).index_select(0, &order);
+            assert!(labels.equal(&y), "{file}");
+            seen.push(Vec::<f32>::try_from(vx.reshape([-1])).unwrap());
         }
-        let bad = [("x".to_string(), x), ("y".to_string(), Tensor::from_slice(&[0.5f32, 1., 2., 0., 1., 2.]))];
+        assert!(seen.windows(2).all(|w| w[0] == w[1]), "the same split whatever the format");
+        let bad = [
+            ("x".to_string(), x),
+            ("y".to_string(), Tensor::from_slice(&[0.5f32, 1., 2., 0., 1., 2., 0., 1., 2., 0.])),
+        ];
         Tensor::write_npz(&bad, dir.path().join("bad.npz")).unwrap();
-        let load = Load { source: Source::Tensors, path: Some("bad.npz".into()), ..Load::default() };
+        let c = config(Load { source: Source::Tensors, path: Some("bad.npz".into()), ..Load::default() });
         let mut errors = Vec::new();
-        assert!(spec(&load, dir.path(), &mut |k, m| errors.push(format!("{k}: {m}"))).is_none());
+        assert!(spec(&c, dir.path(), &mut |k, m| errors.push(format!("{k}: {m}"))).is_none());
         assert!(errors[0].contains("class labels must be integers"), "{errors:?}");
     }
 }

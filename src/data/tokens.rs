@@ -1,114 +1,261 @@
 //! Data for a language model: a stream of token ids cut into windows of `seq_len` + 1 tokens
 //! (window i starts at token i · seq_len; its first seq_len tokens are the input, its last
-//! seq_len the targets, so consecutive windows share one token). The stream comes from a file of
-//! token ids (`load.source = "tokens"`: a 1-D `.npy` of integers, or the raw little-endian uint16
-//! `.bin` nanoGPT writes), from any UTF-8 file read as bytes (`"text"`, ids 0..256), or from the
-//! synthetic source's token mode (a random Markov chain over the vocabulary, for tests).
+//! seq_len the targets, so consecutive windows share one token). The stream comes from files of
+//! token ids (`load.source = "tokens"`: 1-D `.npy` arrays of integers, or the raw little-endian
+//! uint16 `.bin` nanoGPT writes; several files or a glob read as one stream in sorted order), from
+//! UTF-8 files read as bytes (`"text"`, ids 0..256), or from the synthetic source's token mode (a
+//! random Markov chain over the vocabulary, for tests).
+//!
+//! Files are never loaded: the plan scans them once in chunks (ids below the vocabulary, UTF-8),
+//! and a rank reads only the windows of its batch where they lie (positioned reads), keeping the
+//! ids in their file's width until the batch is built. With `load.sampling = "random"` a rank
+//! draws each batch's windows at uniformly random token offsets (nanoGPT's `get_batch`).
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
-use super::{DataSpec, Task};
-use crate::config::schema::{Load, Source, Transformer};
+use super::npy::{Dtype, Npy};
+use super::{DataSpec, SourceSpec, Task};
+use crate::config::schema::{Config, Load, Sampling, Source, Transformer};
 use crate::rng::Rng;
 
-/// What the plan knows of a token file.
+/// One file of a token stream: where its ids start and how wide each is.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TokenFile {
     pub path: PathBuf,
-    /// Token ids in the file.
+    pub dtype: Dtype,
+    /// Byte offset of the first id (a `.npy` header's length; 0 for `.bin` and text).
+    pub offset: u64,
     pub tokens: usize,
 }
 
-/// The token ids of a file of `source` ("tokens" or "text").
-pub fn read(path: &Path, source: Source) -> Result<Vec<u32>, String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    if source == Source::Text {
-        if let Err(e) = std::str::from_utf8(&bytes) {
-            return Err(format!(
-                "{} is not UTF-8 text (invalid byte at offset {}); a file of token ids needs source = \"tokens\"",
-                path.display(),
-                e.valid_up_to()
-            ));
+/// A run of tokens over one or more files: tokens `start .. start + len` of their concatenation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Stream {
+    pub files: Vec<TokenFile>,
+    pub start: usize,
+    pub len: usize,
+}
+
+impl Stream {
+    /// Whole windows of `seq_len` + 1 tokens at stride `seq_len`.
+    pub fn windows(&self, seq_len: usize) -> usize {
+        if seq_len == 0 || self.len < seq_len + 1 {
+            0
+        } else {
+            (self.len - 1) / seq_len
         }
-        return Ok(bytes.into_iter().map(u32::from).collect());
+    }
+
+    /// Its tokens from `from` on (relative to this stream), `len` of them.
+    fn slice(&self, from: usize, len: usize) -> Stream {
+        Stream { files: self.files.clone(), start: self.start + from, len }
+    }
+}
+
+/// What the plan knows of a token source: the training and validation streams.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenSpec {
+    pub source: Source,
+    pub train: Stream,
+    pub validation: Stream,
+    pub sampling: Sampling,
+    /// `validate.batches` × batch: the fixed validation windows (random offsets with random
+    /// sampling, the first windows otherwise); `None`: every validation window.
+    pub validation_windows: Option<usize>,
+    /// run.seed: the random validation windows' generator.
+    pub seed: u64,
+}
+
+impl TokenSpec {
+    pub fn describe(&self) -> String {
+        let files = &self.train.files;
+        let name = match files.len() {
+            1 => files[0].path.display().to_string(),
+            n => format!("{} and {} more files", files[0].path.display(), n - 1),
+        };
+        let total: usize = files.iter().map(|f| f.tokens).sum();
+        format!("{name} ({total} tokens)")
+    }
+
+    /// Every file read, for the plan's digests: (key, path).
+    pub fn inputs(&self) -> Vec<(&'static str, PathBuf)> {
+        let mut v: Vec<(&'static str, PathBuf)> =
+            self.train.files.iter().map(|f| ("load.path", f.path.clone())).collect();
+        if self.validation.files != self.train.files {
+            v.extend(self.validation.files.iter().map(|f| ("load.validation_path", f.path.clone())));
+        }
+        v
+    }
+}
+
+/// The files `load.path` names: one, a list, or a glob, relative to `base`, in sorted order for a
+/// glob. Each must be a regular file.
+pub fn resolve_paths(paths: &crate::config::schema::Paths, base: &Path) -> Result<Vec<PathBuf>, String> {
+    use crate::config::schema::Paths;
+    let given: Vec<PathBuf> = match paths {
+        Paths::One(p) => vec![p.clone()],
+        Paths::Many(v) if v.is_empty() => return Err("is an empty list: name at least one file".into()),
+        Paths::Many(v) => v.clone(),
+    };
+    let mut out = Vec::new();
+    for rel in given {
+        let full = base.join(&rel);
+        let text = full.to_string_lossy();
+        if text.contains(['*', '?', '[']) {
+            let mut found: Vec<PathBuf> = glob::glob(&text)
+                .map_err(|e| format!("{text} is not a valid glob: {e}"))?
+                .filter_map(Result::ok)
+                .collect();
+            if found.is_empty() {
+                return Err(format!("{text} matches no file (paths are relative to the pipeline file)"));
+            }
+            found.sort();
+            out.extend(found);
+        } else {
+            out.push(full);
+        }
+    }
+    for p in &out {
+        if !p.exists() {
+            return Err(format!("{} does not exist (paths are relative to the pipeline file)", p.display()));
+        }
+        crate::input::regular_file(p)?;
+    }
+    Ok(out)
+}
+
+/// Opens a token file: its id width and count (checked against its size).
+fn open(path: &Path, source: Source) -> Result<TokenFile, String> {
+    let p = path.display();
+    let bytes = std::fs::metadata(path).map_err(|e| format!("cannot read {p}: {e}"))?.len();
+    if source == Source::Text {
+        return Ok(TokenFile { path: path.to_owned(), dtype: Dtype::U8, offset: 0, tokens: bytes as usize });
     }
     match path.extension().and_then(|e| e.to_str()) {
         Some("bin") => {
-            if bytes.len() % 2 != 0 {
+            if bytes % 2 != 0 {
+                return Err(format!("{p} has {bytes} bytes, not a whole number of little-endian uint16 token ids"));
+            }
+            Ok(TokenFile { path: path.to_owned(), dtype: Dtype::U16, offset: 0, tokens: (bytes / 2) as usize })
+        }
+        Some("npy") => {
+            let a = Npy::open(path)?;
+            if a.shape.len() != 1 {
+                return Err(format!("{p} holds an array of shape {:?}; token ids are a 1-D array", a.shape));
+            }
+            if !a.dtype.is_integer() {
+                return Err(format!("{p} holds {:?} values; token ids must be integers", a.dtype).to_lowercase());
+            }
+            Ok(TokenFile { path: path.to_owned(), dtype: a.dtype, offset: a.offset, tokens: a.shape[0] })
+        }
+        _ => {
+            Err(format!("{p}: token ids are read from a .npy file or a .bin file of little-endian uint16 (nanoGPT's)"))
+        }
+    }
+}
+
+/// Ids per chunk of the plan's scan: 16 Mi ids (32 MiB of uint16) at a time.
+const SCAN_CHUNK: usize = 1 << 24;
+
+/// Scans a file once, in chunks: every id must be below `vocab` (and not negative); a text file
+/// must be UTF-8. Fast in any build: the chunk's minimum and maximum are libtorch reductions.
+fn scan(f: &TokenFile, source: Source, vocab: usize) -> Result<(), String> {
+    let file = File::open(&f.path).map_err(|e| format!("cannot read {}: {e}", f.path.display()))?;
+    let size = f.dtype.size();
+    let mut carry: Vec<u8> = Vec::new();
+    let mut at = 0usize;
+    while at < f.tokens {
+        let n = SCAN_CHUNK.min(f.tokens - at);
+        let mut buf = vec![0u8; n * size];
+        file.read_exact_at(&mut buf, f.offset + (at * size) as u64)
+            .map_err(|e| format!("cannot read {}: {e}", f.path.display()))?;
+        if source == Source::Text {
+            carry.extend_from_slice(&buf);
+            let valid = match std::str::from_utf8(&carry) {
+                Ok(_) => carry.len(),
+                // An incomplete character at the chunk's end continues in the next one.
+                Err(e) if e.error_len().is_none() && at + n < f.tokens => e.valid_up_to(),
+                Err(e) => return Err(format!(
+                    "{} is not UTF-8 text (invalid byte at offset {}); a file of token ids needs source = \"tokens\"",
+                    f.path.display(),
+                    at + n - carry.len() + e.valid_up_to()
+                )),
+            };
+            carry.drain(..valid);
+        }
+        let ids = ids_tensor(&buf, f.dtype);
+        let bad = ids.lt(0).logical_or(&ids.ge(vocab as i64));
+        if bad.any().int64_value(&[]) == 1 {
+            let i = bad.nonzero().int64_value(&[0, 0]);
+            let id = ids.int64_value(&[i]);
+            let what = if id < 0 && matches!(f.dtype, Dtype::U64) { "huge".to_owned() } else { id.to_string() };
+            if id < 0 && !matches!(f.dtype, Dtype::U64) {
                 return Err(format!(
-                    "{} has {} bytes, not a whole number of little-endian uint16 token ids",
-                    path.display(),
-                    bytes.len()
+                    "{}: token id at position {} is negative, not an id",
+                    f.path.display(),
+                    at + i as usize
                 ));
             }
-            Ok(bytes.chunks_exact(2).map(|b| u32::from(u16::from_le_bytes([b[0], b[1]]))).collect())
-        }
-        Some("npy") => npy(&bytes).map_err(|e| format!("{}: {e}", path.display())),
-        _ => Err(format!(
-            "{}: token ids are read from a .npy file or a .bin file of little-endian uint16 (nanoGPT's)",
-            path.display()
-        )),
-    }
-}
-
-/// The ids of a 1-D, C-order `.npy` array of unsigned or non-negative integers.
-fn npy(bytes: &[u8]) -> Result<Vec<u32>, String> {
-    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
-        return Err("not a .npy file".into());
-    }
-    let (header_len, start) = match bytes[6] {
-        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
-        _ if bytes.len() >= 12 => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12),
-        _ => return Err("not a .npy file".into()),
-    };
-    let header = bytes
-        .get(start..start + header_len)
-        .and_then(|h| std::str::from_utf8(h).ok())
-        .ok_or("a damaged .npy header")?;
-    let field = |key: &str| -> Option<&str> {
-        let rest = &header[header.find(&format!("'{key}'"))? + key.len() + 2..];
-        Some(rest.trim_start_matches([':', ' ']))
-    };
-    let descr = field("descr").and_then(|r| r.split('\'').nth(1)).ok_or("no dtype in the .npy header")?;
-    if field("fortran_order").is_some_and(|r| r.starts_with("True")) {
-        return Err("a Fortran-order array; save it in C order".into());
-    }
-    let shape = field("shape").and_then(|r| r.split(')').next()).ok_or("no shape in the .npy header")?;
-    let dims: Vec<&str> = shape.trim_start_matches('(').split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
-    if dims.len() != 1 {
-        return Err(format!("an array of shape ({shape}); token ids are a 1-D array"));
-    }
-    let data = &bytes[start + header_len..];
-    let size = match descr {
-        "|u1" | "<u1" | "|i1" => 1,
-        "<u2" | "<i2" => 2,
-        "<u4" | "<i4" => 4,
-        "<u8" | "<i8" => 8,
-        other => return Err(format!("dtype {other}: token ids must be little-endian integers")),
-    };
-    let signed = descr.contains('i');
-    let mut ids = Vec::with_capacity(data.len() / size);
-    for (i, c) in data.chunks_exact(size).enumerate() {
-        let mut b = [0u8; 8];
-        b[..size].copy_from_slice(c);
-        let negative = signed && c[size - 1] & 0x80 != 0;
-        let v = u64::from_le_bytes(b);
-        if negative || v > u32::MAX as u64 {
             return Err(format!(
-                "token id at position {i} is {}, not an id",
-                if negative { "negative" } else { "huge" }
+                "{} holds token id {what} (at position {}), but wrap.model.vocab is {vocab}: every id must be below it",
+                f.path.display(),
+                at + i as usize
             ));
         }
-        ids.push(v as u32);
+        at += n;
     }
-    Ok(ids)
+    Ok(())
 }
 
-/// The plan's view of a language model's data: windows of `t.seq_len` + 1 tokens of the file
-/// `load.path` (or synthetic ones), every id checked to be below `t.vocab`.
-pub fn spec(load: &Load, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str, String)) -> Option<DataSpec> {
+/// Little-endian ids as an int64 tensor (unsigned widths read through the signed kind of the same
+/// width and masked: no per-element work in Rust).
+fn ids_tensor(bytes: &[u8], dtype: Dtype) -> Tensor {
+    let n = (bytes.len() / dtype.size()) as i64;
+    let raw = |kind| Tensor::from_data_size(bytes, &[n], kind);
+    match dtype {
+        Dtype::U8 | Dtype::Bool => raw(Kind::Uint8).to_kind(Kind::Int64),
+        Dtype::I8 => raw(Kind::Int8).to_kind(Kind::Int64),
+        Dtype::I16 => raw(Kind::Int16).to_kind(Kind::Int64),
+        Dtype::U16 => raw(Kind::Int16).to_kind(Kind::Int64).bitwise_and(0xFFFF),
+        Dtype::I32 => raw(Kind::Int).to_kind(Kind::Int64),
+        Dtype::U32 => raw(Kind::Int).to_kind(Kind::Int64).bitwise_and(0xFFFF_FFFF),
+        // Ids of 2^63 and more read as negative: refused as huge.
+        Dtype::I64 | Dtype::U64 => raw(Kind::Int64),
+        Dtype::F32 | Dtype::F64 => unreachable!("float token files are refused when opened"),
+    }
+}
+
+/// The files of `key`, opened and scanned, as one stream.
+fn stream(
+    key: &str,
+    paths: &[PathBuf],
+    source: Source,
+    vocab: usize,
+    bad: &mut impl FnMut(&str, String),
+) -> Option<Stream> {
+    let mut files = Vec::new();
+    for p in paths {
+        match open(p, source).and_then(|f| scan(&f, source, vocab).map(|()| f)) {
+            Ok(f) => files.push(f),
+            Err(e) => {
+                bad(key, e);
+                return None;
+            }
+        }
+    }
+    let len = files.iter().map(|f| f.tokens).sum();
+    Some(Stream { files, start: 0, len })
+}
+
+/// The plan's view of a language model's data: windows of `t.seq_len` + 1 tokens of the files
+/// `load.path` (or synthetic ones), every id checked to be below `t.vocab`, split by
+/// `validate.fraction` / `validate.rows` (windows from the stream's end) or `load.validation_path`.
+pub fn spec(c: &Config, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str, String)) -> Option<DataSpec> {
+    let load = &c.load;
     for (key, given) in [("load.features", load.features.is_some()), ("load.classes", load.classes.is_some())] {
         if given {
             bad(
@@ -121,130 +268,241 @@ pub fn spec(load: &Load, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str
     if load.target.is_some() {
         bad("load.target", "is not read by a language model: the targets are the next tokens".into());
     }
-    let task = Task::LanguageModel { vocab: t.vocab };
-    let spec = |rows: usize, validation_rows: usize, file: Option<TokenFile>| DataSpec {
-        source: load.source,
-        rows,
-        validation_rows,
-        input: vec![t.seq_len],
-        task,
-        noise: if file.is_none() { load.noise } else { 0.0 },
-        file: None,
-        tokens: file,
-        tensors: None,
-    };
-    if load.source == Source::Synthetic {
-        if load.path.is_some() {
-            bad("load.path", "is only read by source = \"csv\", \"parquet\", \"tokens\" or \"text\"".into());
-        }
-        if !(0.0..=1.0).contains(&load.noise) {
-            bad("load.noise", format!("is the chance of a random next token in [0, 1], got {}", load.noise));
-        }
-        return Some(spec(load.rows.unwrap_or(10_000), load.validation_rows, None));
+    if t.seq_len == 0 {
+        bad("wrap.model.seq_len", "must be at least 1 token".into());
+        return None;
     }
-    let source = if load.source == Source::Text { "text" } else { "tokens" };
-    let Some(rel) = &load.path else {
-        bad("load.path", format!("source = \"{source}\" needs a path to the file"));
+    let task = Task::LanguageModel { vocab: t.vocab };
+    if load.source == Source::Synthetic {
+        return synthetic_spec(c, t, task, bad);
+    }
+    let source_name = if load.source == Source::Text { "text" } else { "tokens" };
+    let Some(given) = &load.path else {
+        bad("load.path", format!("source = \"{source_name}\" needs a path to the file"));
         return None;
     };
     if load.noise != Load::default().noise {
         bad("load.noise", "is only read by source = \"synthetic\"".into());
     }
-    let path = base.join(rel);
-    if !path.exists() {
-        bad("load.path", format!("{} does not exist (paths are relative to the pipeline file)", path.display()));
-        return None;
+    if load.validation_rows != Load::default().validation_rows {
+        bad("load.validation_rows", "is only read by source = \"synthetic\"; a token file's validation windows are validate.fraction (default 0.2), validate.rows or load.validation_path".into());
     }
-    if let Err(e) = crate::input::regular_file(&path) {
-        bad("load.path", e);
-        return None;
-    }
-    let ids = match read(&path, load.source) {
-        Ok(ids) => ids,
+    let paths = match resolve_paths(given, base) {
+        Ok(p) => p,
         Err(e) => {
             bad("load.path", e);
             return None;
         }
     };
-    if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= t.vocab) {
-        bad(
-            "load.path",
-            format!(
-                "{} holds token id {id} (at position {i}), but wrap.model.vocab is {}: every id must be below it",
-                path.display(),
-                t.vocab
-            ),
-        );
-        return None;
-    }
-    if ids.len() < t.seq_len + 1 {
+    let whole = stream("load.path", &paths, load.source, t.vocab, bad)?;
+    let holdout = super::split::holdout(c, bad)?;
+    let (train, validation) = match (&load.validation_path, holdout) {
+        (Some(vp), _) => {
+            let vpaths = match resolve_paths(&crate::config::schema::Paths::One(vp.clone()), base) {
+                Ok(p) => p,
+                Err(e) => {
+                    bad("load.validation_path", e);
+                    return None;
+                }
+            };
+            let v = stream("load.validation_path", &vpaths, load.source, t.vocab, bad)?;
+            (whole, v)
+        }
+        (None, Some(h)) => {
+            let windows = whole.windows(t.seq_len);
+            let held = match h {
+                super::split::Holdout::Fraction(f) => ((windows as f64) * f).round() as usize,
+                super::split::Holdout::Rows(r) => r,
+            };
+            if held >= windows {
+                let key = if c.validate.rows.is_some() { "validate.rows" } else { "validate.fraction" };
+                bad(key, format!("holds out {held} of the {windows} windows of seq_len + 1 = {} tokens: none is left to train on", t.seq_len + 1));
+                return None;
+            }
+            let train_windows = windows - held;
+            let cut = train_windows * t.seq_len;
+            (whole.slice(0, cut + 1), whole.slice(cut, whole.len - cut))
+        }
+        (None, None) => unreachable!("a holdout or a validation file"),
+    };
+    let mut windows = train.windows(t.seq_len);
+    if windows == 0 {
         bad(
             "wrap.model.seq_len",
             format!(
                 "{} is longer than the data: {} holds {} tokens, and one window needs seq_len + 1 = {}",
                 t.seq_len,
-                path.display(),
-                ids.len(),
+                paths[0].display(),
+                train.len,
                 t.seq_len + 1
             ),
         );
         return None;
     }
-    let windows = (ids.len() - 1) / t.seq_len;
-    if let Some(rows) = load.rows.filter(|r| *r > windows) {
+    if let Some(rows) = load.rows {
+        if rows > windows {
+            bad(
+                "load.rows",
+                format!(
+                    "asks for {rows} windows but the training tokens hold {windows} of seq_len + 1 = {}",
+                    t.seq_len + 1
+                ),
+            );
+        }
+        windows = rows.min(windows);
+    }
+    let batch = c.train.batch_size;
+    // Random sampling draws the fixed validation windows anywhere in the stream; epoch sampling
+    // takes the first ones.
+    let (validation_rows, validation_windows) = match (c.validate.batches, load.sampling) {
+        (Some(b), Sampling::Random) => (b * batch, Some(b * batch)),
+        (Some(b), Sampling::Epoch) => {
+            let n = (b * batch).min(validation.windows(t.seq_len));
+            (n, Some(n))
+        }
+        (None, _) => (validation.windows(t.seq_len), None),
+    };
+    if validation.windows(t.seq_len) == 0 && c.validate.every > 0 {
         bad(
-            "load.rows",
+            if load.validation_path.is_some() { "load.validation_path" } else { "validate.fraction" },
             format!(
-                "asks for {rows} windows but {} holds {windows} of seq_len + 1 = {} tokens",
-                path.display(),
-                t.seq_len + 1
+                "leaves no validation window of seq_len + 1 = {} tokens ({} tokens)",
+                t.seq_len + 1,
+                validation.len
             ),
         );
     }
-    let total = load.rows.unwrap_or(windows).min(windows);
-    if load.validation_rows >= total {
-        bad(
-            "load.validation_rows",
-            format!(
-                "{} leaves no training windows out of {total} (of {} tokens each)",
-                load.validation_rows,
-                t.seq_len + 1
-            ),
-        );
-        return None;
-    }
-    Some(spec(total - load.validation_rows, load.validation_rows, Some(TokenFile { path, tokens: ids.len() })))
+    let tokens = TokenSpec {
+        source: load.source,
+        train,
+        validation,
+        sampling: load.sampling,
+        validation_windows,
+        seed: c.run.seed,
+    };
+    Some(DataSpec { rows: windows, validation_rows, input: vec![t.seq_len], task, source: SourceSpec::Tokens(tokens) })
 }
 
-/// Inputs and targets (int64, N × seq_len) of the plan's N = rows + validation_rows windows.
-pub fn windows(d: &DataSpec, seed: u64) -> Result<(Tensor, Tensor), String> {
-    let t = d.input[0];
-    let n = d.rows + d.validation_rows;
-    let stream: Vec<i64> = match &d.tokens {
-        Some(f) => read(&f.path, d.source)?.into_iter().take(n * t + 1).map(i64::from).collect(),
-        None => synthetic(d, seed, n * t + 1),
-    };
-    if stream.len() < n * t + 1 {
-        return Err(format!("the token data holds {} tokens; the plan needs {}", stream.len(), n * t + 1));
+fn synthetic_spec(c: &Config, t: &Transformer, task: Task, bad: &mut impl FnMut(&str, String)) -> Option<DataSpec> {
+    let load = &c.load;
+    if load.path.is_some() {
+        bad("load.path", "is only read by source = \"csv\", \"parquet\", \"tensors\", \"tokens\" or \"text\"".into());
     }
+    if !(0.0..=1.0).contains(&load.noise) {
+        bad("load.noise", format!("is the chance of a random next token in [0, 1], got {}", load.noise));
+    }
+    if load.sampling == Sampling::Random {
+        bad("load.sampling", "\"random\" draws windows from a token file: use source = \"tokens\" or \"text\"".into());
+    }
+    let synthetic = super::synthetic::Spec { noise: load.noise, seed: c.run.seed };
+    Some(DataSpec {
+        rows: load.rows.unwrap_or(10_000),
+        validation_rows: load.validation_rows,
+        input: vec![t.seq_len],
+        task,
+        source: SourceSpec::Synthetic(synthetic),
+    })
+}
+
+/// A rank's view of a token stream: the files open, windows read where they lie.
+#[derive(Debug)]
+pub struct Windows {
+    files: Vec<(TokenFile, File)>,
+    /// Each file's first token in the concatenation.
+    starts: Vec<usize>,
+    stream: Stream,
+    seq_len: usize,
+    /// Windows at stride seq_len (the sampler's rows).
+    pub count: usize,
+}
+
+impl Windows {
+    pub fn open(stream: &Stream, seq_len: usize, count: usize) -> Result<Windows, String> {
+        let mut files = Vec::new();
+        let mut starts = Vec::new();
+        let mut at = 0;
+        for f in &stream.files {
+            let handle = File::open(&f.path).map_err(|e| format!("cannot read {}: {e}", f.path.display()))?;
+            files.push((f.clone(), handle));
+            starts.push(at);
+            at += f.tokens;
+        }
+        Ok(Windows { files, starts, stream: stream.clone(), seq_len, count })
+    }
+
+    /// Tokens `from .. from + len` of the stream, as int64 ids.
+    fn read(&self, from: usize, len: usize) -> Result<Vec<i64>, String> {
+        let mut out = Vec::with_capacity(len);
+        let (mut at, end) = (self.stream.start + from, self.stream.start + from + len);
+        while at < end {
+            let i = self.starts.partition_point(|&s| s <= at) - 1;
+            let (f, handle) = &self.files[i];
+            let n = (end - at).min(self.starts[i] + f.tokens - at);
+            let size = f.dtype.size();
+            let mut buf = vec![0u8; n * size];
+            handle
+                .read_exact_at(&mut buf, f.offset + ((at - self.starts[i]) * size) as u64)
+                .map_err(|e| format!("cannot read {} (was it changed since the plan?): {e}", f.path.display()))?;
+            out.extend((0..n).map(|k| f.dtype.get_i128(&buf, k) as i64));
+            at += n;
+        }
+        Ok(out)
+    }
+
+    /// Inputs and targets (int64, n × seq_len) of the windows starting at token `offsets`.
+    pub fn at_offsets(&self, offsets: &[usize]) -> Result<(Tensor, Tensor), String> {
+        let t = self.seq_len;
+        let mut ids = Vec::with_capacity(offsets.len() * (t + 1));
+        for &o in offsets {
+            ids.extend(self.read(o, t + 1)?);
+        }
+        let all = Tensor::from_slice(&ids).view([offsets.len() as i64, t as i64 + 1]);
+        Ok((all.narrow(1, 0, t as i64).contiguous(), all.narrow(1, 1, t as i64).contiguous()))
+    }
+
+    /// The fixed windows `idx` (window i starts at token i · seq_len).
+    pub fn gather(&self, idx: &[i64]) -> Result<(Tensor, Tensor), String> {
+        let offsets: Vec<usize> = idx.iter().map(|&i| i as usize * self.seq_len).collect();
+        self.at_offsets(&offsets)
+    }
+
+    /// `n` windows at uniformly random token offsets, from a generator seeded by `(seed, stream)`.
+    pub fn random(&self, n: usize, seed: u64, stream: u64) -> Result<(Tensor, Tensor), String> {
+        let mut rng = Rng::new(seed, stream);
+        let span = (self.stream.len - self.seq_len) as u64;
+        let offsets: Vec<usize> = (0..n).map(|_| rng.below(span) as usize).collect();
+        self.at_offsets(&offsets)
+    }
+}
+
+/// The generator stream of a random batch: (optimizer step, micro-batch, rank) → one stream.
+pub fn batch_stream(batch: u64, rank: usize) -> u64 {
+    0x7A4D_0000_0000 ^ batch.wrapping_mul(0x100_0193) ^ ((rank as u64) << 40)
+}
+
+/// The generator stream of the fixed random validation windows.
+pub const VALIDATION_STREAM: u64 = 0x7A4D_5641_4C00;
+
+/// Inputs and targets (int64, N × seq_len) of `n` synthetic windows (a Markov chain from `seed`).
+pub fn synthetic_windows(vocab: usize, noise: f64, seq_len: usize, n: usize, seed: u64) -> (Tensor, Tensor) {
+    let stream = synthetic(vocab, noise, seed, n * seq_len + 1);
     let all = Tensor::from_slice(&stream);
     // Window i: tokens i·t .. i·t + t + 1, as strided views of one stream.
-    let x = all.narrow(0, 0, (n * t) as i64).view([n as i64, t as i64]);
-    let y = all.narrow(0, 1, (n * t) as i64).view([n as i64, t as i64]);
-    Ok((x, y))
+    let (n, t) = (n as i64, seq_len as i64);
+    (all.narrow(0, 0, n * t).view([n, t]), all.narrow(0, 1, n * t).view([n, t]))
 }
 
 /// `len` tokens of a random Markov chain over the vocabulary: each token is followed by one of
 /// its four successors (drawn once from the seed), or, with probability `noise`, by any token.
-fn synthetic(d: &DataSpec, seed: u64, len: usize) -> Vec<i64> {
-    let vocab = d.task.outputs() as u64;
+fn synthetic(vocab: usize, noise: f64, seed: u64, len: usize) -> Vec<i64> {
+    let vocab = vocab as u64;
     let mut rng = Rng::new(seed, 0x70CE_0000);
     let successors: Vec<[u64; 4]> = (0..vocab).map(|_| std::array::from_fn(|_| rng.below(vocab))).collect();
     let mut token = rng.below(vocab);
     (0..len)
         .map(|_| {
             let current = token;
-            token = if rng.uniform() < d.noise {
+            token = if rng.uniform() < noise {
                 rng.below(vocab)
             } else {
                 successors[token as usize][rng.below(4) as usize]
@@ -258,41 +516,78 @@ fn synthetic(d: &DataSpec, seed: u64, len: usize) -> Vec<i64> {
 mod tests {
     use super::*;
 
+    fn windows_of(paths: &[PathBuf], source: Source, seq_len: usize) -> Result<Windows, String> {
+        let mut noop = |_: &str, e: String| panic!("{e}");
+        let s = stream("load.path", paths, source, 70_000, &mut noop).unwrap();
+        let count = s.windows(seq_len);
+        Windows::open(&s, seq_len, count)
+    }
+
     #[test]
-    fn npy_and_bin_files_give_the_same_ids() {
+    fn npy_bin_and_text_files_give_the_same_ids() {
         let dir = tempfile::tempdir().unwrap();
         let ids: Vec<i64> = vec![0, 5, 65535, 7];
         Tensor::from_slice(&ids).write_npy(dir.path().join("t.npy")).unwrap();
         let bin: Vec<u8> = ids.iter().flat_map(|&i| (i as u16).to_le_bytes()).collect();
         std::fs::write(dir.path().join("t.bin"), bin).unwrap();
-        let want: Vec<u32> = vec![0, 5, 65535, 7];
-        assert_eq!(read(&dir.path().join("t.npy"), Source::Tokens).unwrap(), want);
-        assert_eq!(read(&dir.path().join("t.bin"), Source::Tokens).unwrap(), want);
-        Tensor::from_slice(&[1i64, -2]).write_npy(dir.path().join("neg.npy")).unwrap();
-        let err = read(&dir.path().join("neg.npy"), Source::Tokens).unwrap_err();
-        assert!(err.ends_with("token id at position 1 is negative, not an id"), "{err}");
+        for f in ["t.npy", "t.bin"] {
+            let w = windows_of(&[dir.path().join(f)], Source::Tokens, 3).unwrap();
+            assert_eq!(w.read(0, 4).unwrap(), ids, "{f}");
+        }
         std::fs::write(dir.path().join("t.txt"), "héllo").unwrap();
-        assert_eq!(read(&dir.path().join("t.txt"), Source::Text).unwrap(), [104, 195, 169, 108, 108, 111]);
-        std::fs::write(dir.path().join("bad.txt"), [b'a', 0xff]).unwrap();
-        assert!(read(&dir.path().join("bad.txt"), Source::Text)
-            .unwrap_err()
-            .contains("not UTF-8 text (invalid byte at offset 1)"));
+        let w = windows_of(&[dir.path().join("t.txt")], Source::Text, 2).unwrap();
+        assert_eq!(w.read(0, 6).unwrap(), [104, 195, 169, 108, 108, 111]);
     }
 
     #[test]
-    fn windows_overlap_by_one_token_and_targets_are_the_next_tokens() {
-        let d = DataSpec {
-            source: Source::Synthetic,
-            rows: 3,
-            validation_rows: 1,
-            input: vec![5],
-            task: Task::LanguageModel { vocab: 50 },
-            noise: 0.1,
-            file: None,
-            tokens: None,
-            tensors: None,
+    fn bad_ids_and_bad_text_are_refused_with_their_position() {
+        let dir = tempfile::tempdir().unwrap();
+        let check = |name: &str, source, vocab| {
+            let f = open(&dir.path().join(name), source).and_then(|f| scan(&f, source, vocab));
+            f.unwrap_err()
         };
-        let (x, y) = windows(&d, 1).unwrap();
+        Tensor::from_slice(&[1i64, -2]).write_npy(dir.path().join("neg.npy")).unwrap();
+        assert!(check("neg.npy", Source::Tokens, 10).ends_with("token id at position 1 is negative, not an id"));
+        std::fs::write(dir.path().join("big.bin"), [1u8, 0, 9, 0]).unwrap();
+        assert!(
+            check("big.bin", Source::Tokens, 5).contains("holds token id 9 (at position 1), but wrap.model.vocab is 5")
+        );
+        std::fs::write(dir.path().join("bad.txt"), [b'a', 0xff]).unwrap();
+        assert!(check("bad.txt", Source::Text, 256).contains("not UTF-8 text (invalid byte at offset 1)"));
+        std::fs::write(dir.path().join("odd.bin"), [1u8, 0, 9]).unwrap();
+        assert!(check("odd.bin", Source::Tokens, 256).contains("not a whole number of little-endian uint16"));
+        Tensor::from_slice(&[1.0f32]).write_npy(dir.path().join("f.npy")).unwrap();
+        assert!(check("f.npy", Source::Tokens, 256).contains("token ids must be integers"));
+    }
+
+    #[test]
+    fn a_stream_over_several_files_reads_across_their_boundaries() {
+        let dir = tempfile::tempdir().unwrap();
+        let all: Vec<u16> = (0..100).collect();
+        let mut paths = Vec::new();
+        for (i, part) in all.chunks(33).enumerate() {
+            let p = dir.path().join(format!("part-{i}.bin"));
+            std::fs::write(&p, part.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+            paths.push(p);
+        }
+        let w = windows_of(&paths, Source::Tokens, 8).unwrap();
+        assert_eq!(w.count, 99 / 8);
+        let (x, y) = w.gather(&[3, 4]).unwrap();
+        let want: Vec<i64> = (24..40).collect();
+        assert_eq!(Vec::<i64>::try_from(x.reshape([-1])).unwrap(), want);
+        assert!(x.narrow(1, 1, 7).equal(&y.narrow(1, 0, 7)));
+        let (a, _) = w.random(5, 1, batch_stream(3, 0)).unwrap();
+        let (b, _) = w.random(5, 1, batch_stream(3, 0)).unwrap();
+        let (c, _) = w.random(5, 1, batch_stream(3, 1)).unwrap();
+        assert!(a.equal(&b) && !a.equal(&c));
+        // Random windows are consecutive tokens of the stream.
+        let d = a.narrow(1, 1, 7) - a.narrow(1, 0, 7);
+        assert!(d.eq(1).all().int64_value(&[]) == 1);
+    }
+
+    #[test]
+    fn synthetic_windows_overlap_by_one_token_and_targets_are_the_next_tokens() {
+        let (x, y) = synthetic_windows(50, 0.1, 5, 4, 1);
         assert_eq!(x.size(), [4, 5]);
         assert!(x.narrow(1, 1, 4).equal(&y.narrow(1, 0, 4)));
         assert!(y.narrow(0, 0, 3).select(1, 4).equal(&x.narrow(0, 1, 3).select(1, 0)));

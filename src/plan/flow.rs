@@ -13,14 +13,7 @@ impl Plan {
         // One sample's shape: "10" for rows of 10 features.
         let f = d.input.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" × ");
         let classes = d.task.outputs();
-        let source = match (&d.file, &d.tokens) {
-            (Some(info), _) => info.path.display().to_string(),
-            (_, Some(tokens)) => format!("{} ({} tokens)", tokens.path.display(), tokens.tokens),
-            (None, None) if d.task.is_language_model() => {
-                format!("synthetic tokens (seed {}, Markov chain, noise {})", c.run.seed, d.noise)
-            }
-            (None, None) => format!("synthetic (seed {}, noise {})", c.run.seed, d.noise),
-        };
+        let source = d.describe();
         let load_op = match d.task {
             crate::data::Task::LanguageModel { vocab } => format!(
                 "{} training + {} validation windows of {} + 1 tokens, vocab {vocab}",
@@ -31,6 +24,7 @@ impl Plan {
             _ => format!("{} training + {} validation rows, {classes} classes", d.rows, d.validation_rows),
         };
         let order = if c.shard.shuffle { "reshuffled every epoch" } else { "file order" };
+        let random = d.random_windows();
         let pipeline = self.is_pipeline();
         // Ranks per copy of a pipeline, and copies.
         let (stages, copies) = (self.pipeline_ranks(), l.world_size);
@@ -40,6 +34,11 @@ impl Plan {
             (false, _) => "per rank",
         };
         let mut shard_op = match l.split_batch {
+            _ if random => format!(
+                "random windows: every step, each rank draws {} windows at uniformly random token offsets (seeded by \
+                 run.seed, step, rank)",
+                self.batch_per_rank
+            ),
             None if pipeline && copies == 1 => {
                 format!("none (one model, no replicas): every rank walks the same rows, {order}")
             }
@@ -98,13 +97,29 @@ impl Plan {
             _ => format!("{w} replica{}", if w == 1 { "" } else { "s" }),
         };
         let opt = format!("{:?}", c.train.optimizer).to_lowercase();
+        let every = match (c.validate.every_steps, c.train.steps) {
+            (Some(n), _) => format!("every {n} step(s)"),
+            (None, Some(n)) => format!("after step {n}"),
+            (None, None) => format!("every {} epoch(s)", c.validate.every),
+        };
+        let fixed = match c.validate.batches {
+            Some(b) => {
+                format!(" ({b} batch{} of {}, the same every time)", if b == 1 { "" } else { "es" }, c.train.batch_size)
+            }
+            None => String::new(),
+        };
         let val = match (c.validate.every, c.validate.on) {
             (0, _) => "off".to_string(),
-            (e, _) if pipeline => {
-                format!("every {e} epoch(s), forward through ranks 0-{}, measured on rank {}", stages - 1, stages - 1)
+            _ if pipeline => {
+                format!("{every}{fixed}, forward through ranks 0-{}, measured on rank {}", stages - 1, stages - 1)
             }
-            (e, ValidateOn::All) => format!("every {e} epoch(s) on every rank"),
-            (e, ValidateOn::Rank0) => format!("every {e} epoch(s) on rank 0"),
+            (_, ValidateOn::All) => format!("{every}{fixed} on every rank"),
+            (_, ValidateOn::Rank0) => format!("{every}{fixed} on rank 0"),
+        };
+        let length = match c.train.steps {
+            Some(n) if c.train.accumulate > 1 => format!("{n} optimizer steps × {} batches", c.train.accumulate),
+            Some(n) => format!("{n} steps"),
+            None => format!("{} epochs × {} steps", c.train.epochs, self.steps_per_epoch()),
         };
         let mut rows = vec![
             vec![
@@ -131,9 +146,7 @@ impl Plan {
             rows.extend(self.stage_rows());
             let micro = micro_text(self.batch_per_rank, c.wrap.pipeline.micro_batches);
             let op = format!(
-                "{} epochs × {} steps of {} ({micro}){}, {opt} lr {}; loss on {}",
-                c.train.epochs,
-                self.steps_per_epoch(),
+                "{length} of {} ({micro}){}, {opt} lr {}; loss on {}",
                 self.batch_per_rank,
                 if copies == 1 {
                     String::new()
@@ -146,21 +159,23 @@ impl Plan {
             (format!("{} × {f} {each}", l.per_rank), op)
         } else {
             let op = format!(
-                "{} epochs × {} steps of {} per rank ({} global), {opt} lr {}",
-                c.train.epochs,
-                self.steps_per_epoch(),
+                "{length} of {} per rank ({} global), {opt} lr {}",
                 self.batch_per_rank,
                 self.batch_per_rank * w,
                 c.train.lr
             );
             (format!("{} × {f} per rank", l.per_rank), op)
         };
-        let train_out = if d.task.is_language_model() {
-            "loss, perplexity, next-token accuracy, tokens/s per epoch"
-        } else {
-            "loss, accuracy per epoch"
+        let per = match c.validate.every_steps.or(c.train.steps) {
+            Some(_) => "per validation interval",
+            None => "per epoch",
         };
-        rows.push(vec!["5 train".into(), train_in, train_op, train_out.into()]);
+        let train_out = if d.task.is_language_model() {
+            format!("loss, perplexity, next-token accuracy, tokens/s {per}")
+        } else {
+            format!("loss, accuracy {per}")
+        };
+        rows.push(vec!["5 train".into(), train_in, train_op, train_out]);
         rows.extend(self.recipe_rows());
         rows.push(vec![
             "  validate".into(),
@@ -285,9 +300,9 @@ impl Plan {
                     format!("{mb} × {} {from}", dims(&input)),
                     format!(
                         "{} ({}): {p} parameters, {:.3} MiB{limit}",
-                        super::layers_text(s),
+                        crate::model::layers_text(s),
                         layer_widths.join("-"),
-                        super::parameter_mib(p)
+                        crate::model::parameter_mib(p)
                     ),
                     format!("{mb} × {} {to}", dims(&output)),
                 ]

@@ -13,7 +13,7 @@ use crate::config::ConfigError;
 /// checkpoint on, and early stopping's rule decides which epochs run at all. train.epochs itself
 /// is refused with a schedule whose rates depend on the run's length (linear, cosine): the steps
 /// already taken followed the old length's curve.
-pub const EXTENDS_A_RUN: &[&str] = &["train.epochs"];
+pub const EXTENDS_A_RUN: &[&str] = &["train.epochs", "train.steps"];
 
 fn leaves(plan: &Plan) -> BTreeMap<String, toml::Value> {
     let mut out = Vec::new();
@@ -31,18 +31,25 @@ impl Plan {
         let mut extended = Vec::new();
         for key in old.keys().chain(new.keys().filter(|k| !old.contains_key(*k))) {
             // Files are compared by content: the path may be written another way.
-            if let Some(file) = self.inputs.iter().find(|f| f.key == *key) {
-                match asked.inputs.iter().find(|f| f.key == *key) {
-                    Some(now) if now.digest == file.digest => {}
-                    Some(now) => refused.push(format!(
+            let then: Vec<&super::InputFile> = self.inputs.iter().filter(|f| f.key == *key).collect();
+            if !then.is_empty() {
+                let now: Vec<&super::InputFile> = asked.inputs.iter().filter(|f| f.key == *key).collect();
+                if now.is_empty() {
+                    refused.push(format!("`{key}`: the run read {}, now none ({})", then[0].path.display(), from(key)));
+                } else if now.len() != then.len() {
+                    refused.push(format!(
+                        "`{key}`: the run read {} files, now {} ({})",
+                        then.len(),
+                        now.len(),
+                        from(key)
+                    ));
+                } else if let Some((was, is)) = then.iter().zip(&now).find(|(a, b)| a.digest != b.digest) {
+                    refused.push(format!(
                         "`{key}`: {} changed since the run started (digest {} then, {} now)",
-                        now.path.display(),
-                        file.digest,
-                        now.digest
-                    )),
-                    None => {
-                        refused.push(format!("`{key}`: the run read {}, now none ({})", file.path.display(), from(key)))
-                    }
+                        is.path.display(),
+                        was.digest,
+                        is.digest
+                    ));
                 }
                 continue;
             }
@@ -52,7 +59,7 @@ impl Plan {
             }
             if EXTENDS_A_RUN.contains(&key.as_str()) {
                 let schedule = super::schedule::Schedule::of(&self);
-                if key == "train.epochs" && schedule.depends_on_length() {
+                if schedule.depends_on_length() {
                     refused.push(format!(
                         "`{key}`: {} in the run, {} now ({}): the {} learning-rate schedule spans the run's length, \
                          so the steps already taken followed another curve; start a new run to train longer",

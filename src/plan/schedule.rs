@@ -19,14 +19,15 @@ pub struct Schedule {
 }
 
 impl Schedule {
-    /// The schedule `s` over a run of `epochs` × `steps_per_epoch` optimizer steps.
-    pub fn new(s: &LrSchedule, lr: f64, epochs: usize, steps_per_epoch: usize) -> Schedule {
+    /// The schedule `s` over a run of `total` optimizer steps, `steps_per_epoch` of them an epoch
+    /// (for the keys given in epochs).
+    pub fn new(s: &LrSchedule, lr: f64, total: usize, steps_per_epoch: usize) -> Schedule {
         Schedule {
             kind: s.kind,
             lr,
             min_lr: s.min_lr,
             warmup: s.warmup_steps + s.warmup_epochs * steps_per_epoch,
-            total: epochs * steps_per_epoch,
+            total,
             step_size: s.step_size + s.step_epochs * steps_per_epoch,
             gamma: s.gamma.unwrap_or(0.1),
         }
@@ -34,7 +35,7 @@ impl Schedule {
 
     pub fn of(plan: &super::Plan) -> Schedule {
         let t = &plan.config.train;
-        Schedule::new(&t.schedule, t.lr, t.epochs, plan.optimizer_steps_per_epoch())
+        Schedule::new(&t.schedule, t.lr, plan.total_steps(), plan.optimizer_steps_per_epoch())
     }
 
     /// The learning rate of optimizer step `step` (0-based, over the whole run).
@@ -99,7 +100,7 @@ mod tests {
 
     fn sched(kind: ScheduleKind, warmup: usize) -> Schedule {
         let s = LrSchedule { kind, warmup_steps: warmup, min_lr: 0.01, step_size: 10, ..LrSchedule::default() };
-        Schedule::new(&s, 0.1, 10, 10)
+        Schedule::new(&s, 0.1, 100, 10)
     }
 
     #[test]

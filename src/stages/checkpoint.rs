@@ -1,7 +1,10 @@
-//! Checkpoints: rank 0 writes the model's parameters and the optimizer's state (one tensor file)
-//! and a JSON record of the epoch, the world size, the parameter shapes, a checksum of the tensor
-//! file and the trace rows so far. Sampler order and dropout seeds derive from (seed, epoch), so
-//! nothing else is needed for a resumed run to continue exactly where the first one stopped.
+//! Checkpoints, at any optimizer step: rank 0 writes the model's parameters and the optimizer's
+//! state (one tensor file) and a JSON record of the step and the data position, the world size,
+//! the parameter shapes, a checksum of the tensor file and the trace rows so far. Sampler order,
+//! random windows and dropout seeds derive from (seed, epoch, step, rank), so with the buffers of
+//! an unfinished trace interval (every rank's, in the tensor file) nothing else is needed for a
+//! resumed run to continue exactly where the first one stopped. A checkpoint at an epoch's end
+//! (epoch runs) is `epoch-NNNN`, any other `step-NNNNNNNN`.
 //! Every file is written atomically; a checkpoint that does not verify is refused, never loaded.
 //! At the end of a run, rank 0 also writes the trained model alone (`model.safetensors`).
 //!
@@ -24,7 +27,15 @@ use crate::trace::{EpochRow, StepRow};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Meta {
+    /// The epoch in progress (or just finished) at the checkpoint.
     pub epoch: usize,
+    /// Optimizer steps done over the run; older records (epoch ends only) lack it.
+    #[serde(default)]
+    pub step: Option<usize>,
+    /// Where the data stood: "epoch E, batch B" (the sampler's epoch and the batches of it done)
+    /// or "random windows, step S".
+    #[serde(default)]
+    pub position: String,
     pub world_size: usize,
     /// Parameter names and shapes, to refuse a checkpoint of another model.
     pub parameters: Vec<(String, Vec<i64>)>,
@@ -70,21 +81,52 @@ impl Found {
     }
 }
 
-fn part_path(run_dir: &Path, epoch: usize, stage: usize) -> PathBuf {
-    dir(run_dir).join(part_name(epoch, stage))
+fn part_path(run_dir: &Path, stem: &str, stage: usize) -> PathBuf {
+    dir(run_dir).join(part_name(stem, stage))
 }
 
-fn part_name(epoch: usize, stage: usize) -> String {
-    format!("epoch-{epoch:04}.rank-{stage}.pt")
+fn part_name(stem: &str, stage: usize) -> String {
+    format!("{stem}.rank-{stage}.pt")
 }
 
 pub fn dir(run_dir: &Path) -> PathBuf {
     crate::rundir::checkpoints(run_dir)
 }
 
-fn paths(run_dir: &Path, epoch: usize) -> (PathBuf, PathBuf) {
+fn paths(run_dir: &Path, stem: &str) -> (PathBuf, PathBuf) {
     let d = dir(run_dir);
-    (d.join(format!("epoch-{epoch:04}.pt")), d.join(format!("epoch-{epoch:04}.json")))
+    (d.join(format!("{stem}.pt")), d.join(format!("{stem}.json")))
+}
+
+/// The name of the checkpoint after `step` optimizer steps: `epoch-NNNN` at an epoch's end of an
+/// epoch run, `step-NNNNNNNN` elsewhere.
+pub fn stem(plan: &Plan, step: usize) -> String {
+    let per_epoch = plan.optimizer_steps_per_epoch().max(1);
+    if plan.config.train.steps.is_none() && step.is_multiple_of(per_epoch) {
+        format!("epoch-{:04}", step / per_epoch)
+    } else {
+        format!("step-{step:08}")
+    }
+}
+
+/// The checkpoints with a record, oldest first: (optimizer steps done, name).
+fn list(run_dir: &Path, plan: &Plan) -> Vec<(usize, String)> {
+    let per_epoch = plan.optimizer_steps_per_epoch().max(1);
+    let mut v: Vec<(usize, String)> = std::fs::read_dir(dir(run_dir))
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().to_str()?.strip_suffix(".json")?.to_owned();
+            let step = match (name.strip_prefix("epoch-"), name.strip_prefix("step-")) {
+                (Some(e), _) => e.parse::<usize>().ok()? * per_epoch,
+                (_, Some(s)) => s.parse().ok()?,
+                _ => return None,
+            };
+            Some((step, name))
+        })
+        .collect();
+    v.sort();
+    v
 }
 
 fn fnv1a(bytes: &[u8]) -> String {
@@ -100,6 +142,11 @@ fn named_parameters(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
 /// Writes the checkpoint of `epoch` and prunes all but the newest `keep`.
 pub struct Snapshot<'a> {
     pub epoch: usize,
+    /// Optimizer steps done.
+    pub step: usize,
+    pub position: String,
+    /// Mid-interval: every rank's buffers of the unfinished interval (rank 0 holds them all).
+    pub partial: Option<Vec<super::train::Partial>>,
     pub world_size: usize,
     pub vs: &'a nn::VarStore,
     pub optimizer: &'a Optimizer,
@@ -118,15 +165,16 @@ pub struct Snapshot<'a> {
 /// write their own file, and rank 0 commits the record once all are written.
 pub fn save(run_dir: &Path, plan: &Plan, pg: &ProcessGroup, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
     let rank = pg.rank();
+    let stem = stem(plan, s.step);
     if !plan.is_pipeline() {
-        return if rank == 0 { save_replica(run_dir, s, keep) } else { Ok(()) };
+        return if rank == 0 { save_replica(run_dir, plan, &stem, s, keep) } else { Ok(()) };
     }
     let stages = plan.pipeline_ranks();
     let ck = dir(run_dir);
     if rank == 0 {
         std::fs::create_dir_all(&ck).with_context(|| format!("cannot create {}", ck.display()))?;
         if keep >= 2 {
-            prune(run_dir, keep - 1);
+            prune(run_dir, plan, keep - 1);
         }
     }
     // Every rank waits for the directory; then the first copy's ranks write their stages.
@@ -138,7 +186,10 @@ pub fn save(run_dir: &Path, plan: &Plan, pg: &ProcessGroup, s: &Snapshot, keep: 
         let mut named: Vec<(String, Tensor)> =
             params.iter().map(|(n, t)| (format!("model.{n}"), t.to_device(cpu))).collect();
         named.extend(s.optimizer.state().into_iter().map(|(n, t)| (n, t.to_device(cpu))));
-        let (bytes, hash) = write_tensors(run_dir, s.epoch, &part_path(run_dir, s.epoch, rank), &named, 0)?;
+        if rank == 0 {
+            named.extend(partial_tensors(s.partial.as_deref()));
+        }
+        let (bytes, hash) = write_tensors(run_dir, plan, s.step, &part_path(run_dir, &stem, rank), &named, 0)?;
         [bytes as i64, hash as i64]
     } else {
         [0, 0]
@@ -153,11 +204,13 @@ pub fn save(run_dir: &Path, plan: &Plan, pg: &ProcessGroup, s: &Snapshot, keep: 
         .enumerate()
         .map(|(r, t)| {
             let v = Vec::<i64>::try_from(t).expect("two int64 values");
-            Part { file: part_name(s.epoch, r), bytes: v[0] as u64, fnv1a: format!("{:016x}", v[1] as u64) }
+            Part { file: part_name(&stem, r), bytes: v[0] as u64, fnv1a: format!("{:016x}", v[1] as u64) }
         })
         .collect();
     let meta = Meta {
         epoch: s.epoch,
+        step: Some(s.step),
+        position: s.position.clone(),
         world_size: s.world_size,
         parameters: crate::model::sorted_parameters(plan.model().as_ref()),
         tensors_bytes: 0,
@@ -168,17 +221,30 @@ pub fn save(run_dir: &Path, plan: &Plan, pg: &ProcessGroup, s: &Snapshot, keep: 
         parts,
         stages: Some(plan.stages[..stages].to_vec()),
     };
-    let (_, json) = paths(run_dir, s.epoch);
+    let (_, json) = paths(run_dir, &stem);
     crate::rundir::atomic_write(&json, serde_json::to_string(&meta)?.as_bytes())?;
-    prune(run_dir, keep);
+    prune(run_dir, plan, keep);
     Ok(())
+}
+
+/// Every rank's buffers of an unfinished interval, as named tensors (`partial.R.losses`, ...).
+fn partial_tensors(partial: Option<&[super::train::Partial]>) -> Vec<(String, Tensor)> {
+    let mut named = Vec::new();
+    for (r, p) in partial.unwrap_or_default().iter().enumerate() {
+        named.push((format!("partial.{r}.losses"), Tensor::from_slice(&p.losses)));
+        named.push((format!("partial.{r}.correct"), Tensor::from_slice(&p.correct)));
+        named.push((format!("partial.{r}.weights"), Tensor::from_slice(&p.weights)));
+        named.push((format!("partial.{r}.norms"), Tensor::from_slice(&p.norms)));
+    }
+    named
 }
 
 /// Writes `named` to `path` atomically, after checking the free space (`extra` bytes beyond the
 /// tensors'); returns its size and checksum.
 fn write_tensors(
     run_dir: &Path,
-    epoch: usize,
+    plan: &Plan,
+    step: usize,
     path: &Path,
     named: &[(String, Tensor)],
     extra: u64,
@@ -189,9 +255,9 @@ fn write_tensors(
         named.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum::<u64>() + 64 * 1024 + extra;
     if let Some(free) = free_bytes(&ck) {
         if free < need {
-            let last = epochs(run_dir).pop().map_or("none yet".to_owned(), |e| format!("epoch {e}"));
+            let last = list(run_dir, plan).pop().map_or("none yet".to_owned(), |(_, name)| name);
             anyhow::bail!(
-                "not enough free space for the checkpoint of epoch {epoch}: it needs about {:.1} MiB, {:.1} MiB are \
+                "not enough free space for the checkpoint of step {step}: it needs about {:.1} MiB, {:.1} MiB are \
                  free on {}; the last good checkpoint ({last}) is kept: free some space and resume with --resume",
                 need as f64 / 1048576.0,
                 free as f64 / 1048576.0,
@@ -209,47 +275,50 @@ fn write_tensors(
     Ok((bytes.len() as u64, crate::rng::fnv1a(&bytes)))
 }
 
-fn save_replica(run_dir: &Path, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
-    let Snapshot { epoch, world_size, vs, optimizer, rows, steps, ref buckets } = *s;
-    let (pt, json) = paths(run_dir, epoch);
+fn save_replica(run_dir: &Path, plan: &Plan, stem: &str, s: &Snapshot, keep: usize) -> anyhow::Result<()> {
+    let (pt, json) = paths(run_dir, stem);
     let ck = dir(run_dir);
     std::fs::create_dir_all(&ck).with_context(|| format!("cannot create {}", ck.display()))?;
-    let params = named_parameters(vs);
+    let params = named_parameters(s.vs);
     // Files hold CPU tensors, whatever device trained them: they load anywhere.
     let cpu = tch::Device::Cpu;
     let mut named: Vec<(String, Tensor)> =
         params.iter().map(|(n, t)| (format!("model.{n}"), t.to_device(cpu))).collect();
-    named.extend(optimizer.state().into_iter().map(|(n, t)| (n, t.to_device(cpu))));
+    named.extend(s.optimizer.state().into_iter().map(|(n, t)| (n, t.to_device(cpu))));
+    named.extend(partial_tensors(s.partial.as_deref()));
     if keep >= 2 {
-        prune(run_dir, keep - 1);
+        prune(run_dir, plan, keep - 1);
     }
-    let (bytes, hash) = write_tensors(run_dir, epoch, &pt, &named, 512 * (rows.len() + steps.len()) as u64)?;
+    let extra = 512 * (s.rows.len() + s.steps.len()) as u64;
+    let (bytes, hash) = write_tensors(run_dir, plan, s.step, &pt, &named, extra)?;
     let meta = Meta {
-        epoch,
-        world_size,
+        epoch: s.epoch,
+        step: Some(s.step),
+        position: s.position.clone(),
+        world_size: s.world_size,
         parameters: params.iter().map(|(n, t)| (n.clone(), t.size())).collect(),
         tensors_bytes: bytes,
         tensors_fnv1a: format!("{hash:016x}"),
-        rows: rows.to_vec(),
-        steps: steps.to_vec(),
-        buckets: buckets.clone(),
+        rows: s.rows.to_vec(),
+        steps: s.steps.to_vec(),
+        buckets: s.buckets.clone(),
         parts: Vec::new(),
         stages: None,
     };
     crate::rundir::atomic_write(&json, serde_json::to_string(&meta)?.as_bytes())?;
-    prune(run_dir, keep);
+    prune(run_dir, plan, keep);
     Ok(())
 }
 
 /// Removes all but the newest `keep` checkpoints (record first: a checkpoint without its record
 /// is not one).
-fn prune(run_dir: &Path, keep: usize) {
-    for old in epochs(run_dir).into_iter().rev().skip(keep) {
-        let (pt, json) = paths(run_dir, old);
+fn prune(run_dir: &Path, plan: &Plan, keep: usize) {
+    for (_, old) in list(run_dir, plan).into_iter().rev().skip(keep) {
+        let (pt, json) = paths(run_dir, &old);
         let _ = std::fs::remove_file(json);
         let _ = std::fs::remove_file(pt);
         // A pipeline's stage files (the record, gone first, named them).
-        let prefix = format!("epoch-{old:04}.rank-");
+        let prefix = format!("{old}.rank-");
         for e in std::fs::read_dir(dir(run_dir)).into_iter().flatten().flatten() {
             if e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".pt")) {
                 let _ = std::fs::remove_file(e.path());
@@ -264,23 +333,12 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     Some(s.blocks_available() as u64 * s.fragment_size() as u64)
 }
 
-/// Epochs with a checkpoint record, oldest first.
-fn epochs(run_dir: &Path) -> Vec<usize> {
-    let mut v: Vec<usize> = std::fs::read_dir(dir(run_dir))
-        .into_iter()
-        .flatten()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("epoch-")?.strip_suffix(".json")?.parse().ok())
-        .collect();
-    v.sort();
-    v
-}
-
 /// The newest checkpoint, verified against its checksum and against the plan (model shapes,
 /// world size). An error names the file and says what to do.
 pub fn latest(run_dir: &Path, plan: &Plan) -> Result<Option<Found>, String> {
     let expected = crate::model::sorted_parameters(plan.model().as_ref());
-    let Some(epoch) = epochs(run_dir).pop() else { return Ok(None) };
-    let (pt, json) = paths(run_dir, epoch);
+    let Some((step, name)) = list(run_dir, plan).pop() else { return Ok(None) };
+    let (pt, json) = paths(run_dir, &name);
     let refuse = |why: String| {
         Err(format!(
             "checkpoint {} is refused: {why}; delete it to resume from the one before, or start a new run",
@@ -288,10 +346,15 @@ pub fn latest(run_dir: &Path, plan: &Plan) -> Result<Option<Found>, String> {
         ))
     };
     let text = std::fs::read_to_string(&json).map_err(|e| format!("cannot read {}: {e}", json.display()))?;
-    let meta: Meta = match serde_json::from_str(&text) {
+    let mut meta: Meta = match serde_json::from_str(&text) {
         Ok(m) => m,
         Err(e) => return refuse(format!("its record {} is corrupt ({e})", json.display())),
     };
+    // Records of epoch ends written before steps were counted.
+    let recorded = *meta.step.get_or_insert(step);
+    if recorded != step {
+        return refuse(format!("its record says step {recorded}, its name {name} (step {step})"));
+    }
     if meta.world_size != plan.world_size() {
         return refuse(format!("it was written at world size {}, this run has {}", meta.world_size, plan.world_size()));
     }
@@ -302,7 +365,7 @@ pub fn latest(run_dir: &Path, plan: &Plan) -> Result<Option<Found>, String> {
     if meta.stages != stages {
         let show = |s: &Option<Vec<std::ops::Range<usize>>>| match s {
             None => "no pipeline (one file of the whole model)".to_owned(),
-            Some(v) => format!("stages {}", v.iter().map(crate::plan::layers_text).collect::<Vec<_>>().join(" | ")),
+            Some(v) => format!("stages {}", v.iter().map(crate::model::layers_text).collect::<Vec<_>>().join(" | ")),
         };
         return refuse(format!(
             "it was written with another partition of the model: {}, this run has {}",
@@ -373,4 +436,27 @@ pub fn load(found: &Found, rank: usize, vs: &nn::VarStore, optimizer: &mut Optim
         tch::no_grad(|| t.copy_(s));
     }
     optimizer.load_state(|n| saved.get(n).map(|t| t.shallow_clone())).map_err(anyhow::Error::msg)
+}
+
+/// `rank`'s buffers of the interval a checkpoint interrupted (`None` at an interval's end).
+pub fn load_partial(found: &Found, rank: usize) -> anyhow::Result<Option<super::train::Partial>> {
+    let file = found.file_for(0);
+    let saved: HashMap<String, Tensor> =
+        Tensor::load_multi(file).with_context(|| format!("cannot load {}", file.display()))?.into_iter().collect();
+    let get = |what: &str| saved.get(&format!("partial.{rank}.{what}"));
+    let (Some(losses), Some(correct), Some(weights), Some(norms)) =
+        (get("losses"), get("correct"), get("weights"), get("norms"))
+    else {
+        return Ok(None);
+    };
+    let f32s = |t: &Tensor| {
+        Vec::<f32>::try_from(t).with_context(|| format!("{} holds a damaged partial interval", file.display()))
+    };
+    Ok(Some(super::train::Partial {
+        losses: f32s(losses)?,
+        correct: f32s(correct)?,
+        weights: f32s(weights)?,
+        norms: Vec::<f64>::try_from(norms)
+            .with_context(|| format!("{} holds damaged gradient norms", file.display()))?,
+    }))
 }

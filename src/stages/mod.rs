@@ -16,10 +16,9 @@ use crate::trace::progress::Progress;
 use crate::trace::{self, EpochRow};
 use anyhow::Context;
 
-/// Runs the pipeline as `pg.rank()`. Rank 0 writes the traces after every epoch (atomically, so
-/// they always hold every finished epoch), and the final model at the end; it returns every
-/// rank's rows.
-/// With `resume`, continues from the run directory's newest checkpoint.
+/// Runs the pipeline as `pg.rank()`. Rank 0 writes the traces after every interval (atomically,
+/// so they always hold every finished one), and the final model at the end; it returns every
+/// rank's rows. With `resume`, continues from the run directory's newest checkpoint, at any step.
 /// `device`: where this rank keeps its model, data and batches ([`Plan::device`]).
 pub fn run(
     plan: &Plan,
@@ -34,24 +33,9 @@ pub fn run(
     let position = Position::new(run_dir, rank);
 
     position.set("load", 0, 0);
-    let data = data::load(&plan.data, c.run.seed).map_err(anyhow::Error::msg)?.to_device(device);
-    let first = shard::RankShard::take(
-        &plan.layout,
-        &shard::permutation(c.run.seed, 1, plan.layout.rows, c.shard.shuffle),
-        plan.replica(rank),
-    );
+    let data = data::load(&plan.data).map_err(anyhow::Error::msg)?.to_device(device);
     position.set("normalize", 0, 0);
-    // The ranks of a single pipeline all hold the whole training set: their own statistics are
-    // the global ones.
-    let scope =
-        if plan.is_pipeline() && plan.layout.world_size == 1 { NormalizeScope::Rank } else { c.normalize.scope };
-    let normalizer = normalize::Normalizer::fit(
-        c.normalize.method,
-        scope,
-        &data.train_x.index_select(0, &first.index_tensor().to_device(device)),
-        &first.weight_tensor().to_device(device),
-        pg,
-    )?;
+    let normalizer = fit_normalizer(plan, pg, &data, device)?;
     crate::predict::save(plan, pg, &normalizer, run_dir)?;
     position.set("wrap", 0, 0);
     let found = if resume {
@@ -63,26 +47,17 @@ pub fn run(
         None
     };
     let mut wrapped = wrap::wrap(plan, pg, device, found.as_ref().and_then(|f| f.meta.buckets.as_deref()))?;
-    let (mut rows, mut steps, first_epoch) = match found {
+    let (mut rows, mut steps, mut done, mut partial) = match found {
         Some(found) => {
             checkpoint::load(&found, rank, &wrapped.vs, &mut wrapped.optimizer)?;
-            (found.meta.rows, found.meta.steps, found.meta.epoch + 1)
+            let partial = checkpoint::load_partial(&found, rank)?;
+            (found.meta.rows, found.meta.steps, found.meta.step.unwrap_or_default(), partial)
         }
-        None => (Vec::new(), Vec::new(), 1),
+        None => (Vec::new(), Vec::new(), 0, None),
     };
-    let progress = Progress::new(rank == 0, c.train.epochs, plan.steps_per_epoch());
-    // DDP's Reducer counts iterations from 1 in every process, resumed or not.
-    let mut trainer = train::Trainer {
-        plan,
-        pg,
-        device,
-        data: &data,
-        normalizer: &normalizer,
-        wrapped,
-        progress,
-        position,
-        iteration: 0,
-    };
+    let progress = Progress::new(rank == 0, plan);
+    let mut trainer = train::Trainer::new(plan, pg, device, &data, &normalizer, wrapped, progress, position);
+    let clock = trainer.clock.clone();
 
     // Early stopping's state is a function of the validations so far: a resumed run replays them.
     let mut stopper = c.train.early_stop.as_ref().map(recipe::EarlyStopper::new);
@@ -93,50 +68,23 @@ pub fn run(
             }
         }
     }
-    let mut last_epoch = c.train.epochs;
-    for epoch in first_epoch..=c.train.epochs {
-        let out = trainer.epoch(epoch)?;
-        // Every rank takes part: the bucket layout is read on each (it is the same on all).
-        let checkpointing =
-            c.checkpoint.every > 0 && (epoch.is_multiple_of(c.checkpoint.every) || epoch == c.train.epochs);
-        let buckets = if checkpointing { trainer.wrapped.strategy.bucket_layout()? } else { None };
+    while done < clock.total {
+        let interval = clock.interval_of(done);
+        let mut iv = trainer.begin(interval.clone(), partial.take());
+        while done < interval.end {
+            trainer.train(&mut iv, done..done + 1)?;
+            done += 1;
+            if done < interval.end && checkpoint_due(plan, &clock, done) {
+                let all = gather_partials(pg, iv.partial())?;
+                save_checkpoint(&trainer, plan, pg, run_dir, done, &rows, &steps, Some(all))?;
+            }
+        }
+        let out = trainer.finish(iv)?;
+        let epoch = clock.epoch(done - 1);
         // Every rank holds every rank's rows: they all reach the same verdict.
         let verdict = stopper.as_mut().and_then(|s| Some(s.observe(epoch, stop_metric(s, &out.rows[0])?)));
         if rank == 0 {
-            let r0 = &out.rows[0];
-            let val = match (r0.val_loss, r0.val_acc, r0.val_rmse) {
-                (Some(l), Some(a), _) => {
-                    let f1 = r0.val_f1.map(|f| format!("  val f1 {f:.4}")).unwrap_or_default();
-                    format!("  val loss {l:.4}  val acc {a:.4}{f1}")
-                }
-                (Some(l), None, Some(rmse)) => {
-                    format!("  val loss {l:.4}  val rmse {rmse:.4}  val r2 {:.4}", r0.val_r2.unwrap_or(f64::NAN))
-                }
-                _ => String::new(),
-            };
-            // Regression has no accuracy.
-            let acc =
-                if r0.global_train_acc.is_nan() { String::new() } else { format!("  acc {:.4}", r0.global_train_acc) };
-            let bubbles: Vec<f64> = out.rows.iter().filter_map(|r| r.bubble).collect();
-            let bubble = match bubbles.len() {
-                0 => String::new(),
-                n => format!("  bubble {:.0}%", 100.0 * bubbles.iter().sum::<f64>() / n as f64),
-            };
-            let lm = match r0.tokens_per_s {
-                Some(tokens) => format!(
-                    "  ppl {:.2}{}  {tokens:.0} tokens/s per rank",
-                    r0.global_train_loss.exp(),
-                    r0.val_perplexity.map(|p| format!("  val ppl {p:.2}")).unwrap_or_default()
-                ),
-                None => String::new(),
-            };
-            trainer.progress.end_epoch(
-                &format!(
-                    "epoch {epoch}/{}  loss {:.4}{acc}{val}  {:.2}s  {:.0} samples/s per rank{bubble}{lm}",
-                    c.train.epochs, r0.global_train_loss, r0.epoch_s, r0.samples_per_s
-                ),
-                true,
-            );
+            trainer.progress.end_epoch(&interval_line(plan, &clock, done, &out.rows), true);
             rows.extend(out.rows);
             steps.extend(out.steps);
             let ws = plan.world_size() as u32;
@@ -151,22 +99,10 @@ pub fn run(
             let w = &trainer.wrapped;
             checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::BEST_MODEL)?;
         }
-        if checkpointing {
-            trainer.position.set("checkpoint", epoch, 0);
-            let w = &trainer.wrapped;
-            let snapshot = checkpoint::Snapshot {
-                epoch,
-                world_size: plan.world_size(),
-                vs: &w.vs,
-                optimizer: &w.optimizer,
-                rows: &rows,
-                steps: &steps,
-                buckets,
-            };
-            checkpoint::save(run_dir, plan, pg, &snapshot, c.checkpoint.keep)?;
+        if checkpoint_due(plan, &clock, done) {
+            save_checkpoint(&trainer, plan, pg, run_dir, done, &rows, &steps, None)?;
         }
         if verdict == Some(recipe::Verdict::Stop) {
-            last_epoch = epoch;
             if rank == 0 {
                 let why = stopper.as_ref().expect("a verdict").reason(epoch);
                 crate::say!("  {why}");
@@ -176,10 +112,156 @@ pub fn run(
         }
     }
     trainer.progress.finish();
-    trainer.position.set("write model", last_epoch, 0);
+    trainer.position.set("write model", clock.epoch(done.max(1) - 1), 0);
     let w = &trainer.wrapped;
     checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::MODEL)?;
     Ok(rows)
+}
+
+/// Fitted once, on the rank's first-epoch shard (training rows only); token ids are never scaled.
+fn fit_normalizer(
+    plan: &Plan,
+    pg: &ProcessGroup,
+    data: &data::Dataset,
+    device: tch::Device,
+) -> anyhow::Result<normalize::Normalizer> {
+    let c = &plan.config;
+    if c.normalize.method == crate::config::schema::NormalizeMethod::None {
+        return Ok(normalize::Normalizer::identity());
+    }
+    let first = shard::RankShard::take(
+        &plan.layout,
+        &shard::permutation(c.run.seed, 1, plan.layout.rows, c.shard.shuffle),
+        plan.replica(pg.rank()),
+    );
+    // The ranks of a single pipeline all hold the whole training set: their own statistics are
+    // the global ones.
+    let scope =
+        if plan.is_pipeline() && plan.layout.world_size == 1 { NormalizeScope::Rank } else { c.normalize.scope };
+    let (x, _) = data.train.gather(&first.indices)?;
+    Ok(normalize::Normalizer::fit(
+        c.normalize.method,
+        scope,
+        &x.to_device(device),
+        &first.weight_tensor().to_device(device),
+        pg,
+    )?)
+}
+
+/// Whether a checkpoint is written after `done` optimizer steps: at the epochs `checkpoint.every`
+/// names, every `checkpoint.every_steps` steps, and at the run's end when either is set.
+fn checkpoint_due(plan: &Plan, clock: &train::Clock, done: usize) -> bool {
+    let k = &plan.config.checkpoint;
+    let last = done == clock.total;
+    let by_epoch =
+        k.every > 0 && plan.config.train.steps.is_none() && done.is_multiple_of(clock.steps_per_epoch.max(1)) && {
+            let epoch = done / clock.steps_per_epoch.max(1);
+            epoch.is_multiple_of(k.every) || last
+        };
+    let by_step = k.every_steps.is_some_and(|n| done.is_multiple_of(n) || last);
+    by_epoch || by_step
+}
+
+/// Every rank's buffers of the unfinished interval, gathered to every rank (rank 0 writes them).
+fn gather_partials(pg: &ProcessGroup, mine: train::Partial) -> anyhow::Result<Vec<train::Partial>> {
+    let flat: Vec<f64> = [&mine.losses, &mine.correct, &mine.weights]
+        .iter()
+        .flat_map(|v| v.iter().map(|&x| x as f64))
+        .chain(mine.norms.iter().copied())
+        .collect();
+    let (rows, norms) = (mine.losses.len(), mine.norms.len());
+    let all = pg.all_gather(&tch::Tensor::from_slice(&flat))?;
+    Ok(all
+        .iter()
+        .map(|t| {
+            let v = Vec::<f64>::try_from(t).expect("float64 values");
+            let part = |k: usize| v[k * rows..(k + 1) * rows].iter().map(|&x| x as f32).collect();
+            train::Partial {
+                losses: part(0),
+                correct: part(1),
+                weights: part(2),
+                norms: v[3 * rows..3 * rows + norms].to_vec(),
+            }
+        })
+        .collect())
+}
+
+/// Writes the checkpoint after `done` optimizer steps (every rank calls it).
+#[allow(clippy::too_many_arguments)]
+fn save_checkpoint(
+    trainer: &train::Trainer,
+    plan: &Plan,
+    pg: &ProcessGroup,
+    run_dir: &Path,
+    done: usize,
+    rows: &[EpochRow],
+    steps: &[trace::StepRow],
+    partial: Option<Vec<train::Partial>>,
+) -> anyhow::Result<()> {
+    let clock = &trainer.clock;
+    let epoch = clock.epoch(done - 1);
+    // Every rank takes part: the bucket layout is read on each (it is the same on all).
+    let buckets = trainer.wrapped.strategy.bucket_layout()?;
+    trainer.position.set("checkpoint", epoch, 0);
+    let position = if clock.random {
+        format!("random windows, step {done}")
+    } else {
+        let into = clock.batches(done - 1).end;
+        format!("epoch {epoch}, batch {into} of {}", clock.batches_per_epoch)
+    };
+    let w = &trainer.wrapped;
+    let snapshot = checkpoint::Snapshot {
+        epoch,
+        step: done,
+        position,
+        partial,
+        world_size: plan.world_size(),
+        vs: &w.vs,
+        optimizer: &w.optimizer,
+        rows,
+        steps,
+        buckets,
+    };
+    checkpoint::save(run_dir, plan, pg, &snapshot, plan.config.checkpoint.keep)
+}
+
+/// Rank 0's line at the end of an interval.
+fn interval_line(plan: &Plan, clock: &train::Clock, done: usize, rows: &[EpochRow]) -> String {
+    let c = &plan.config;
+    let r0 = &rows[0];
+    let val = match (r0.val_loss, r0.val_acc, r0.val_rmse) {
+        (Some(l), Some(a), _) => {
+            let f1 = r0.val_f1.map(|f| format!("  val f1 {f:.4}")).unwrap_or_default();
+            format!("  val loss {l:.4}  val acc {a:.4}{f1}")
+        }
+        (Some(l), None, Some(rmse)) => {
+            format!("  val loss {l:.4}  val rmse {rmse:.4}  val r2 {:.4}", r0.val_r2.unwrap_or(f64::NAN))
+        }
+        _ => String::new(),
+    };
+    // Regression has no accuracy.
+    let acc = if r0.global_train_acc.is_nan() { String::new() } else { format!("  acc {:.4}", r0.global_train_acc) };
+    let bubbles: Vec<f64> = rows.iter().filter_map(|r| r.bubble).collect();
+    let bubble = match bubbles.len() {
+        0 => String::new(),
+        n => format!("  bubble {:.0}%", 100.0 * bubbles.iter().sum::<f64>() / n as f64),
+    };
+    let lm = match r0.tokens_per_s {
+        Some(tokens) => format!(
+            "  ppl {:.2}{}  {tokens:.0} tokens/s per rank",
+            r0.global_train_loss.exp(),
+            r0.val_perplexity.map(|p| format!("  val ppl {p:.2}")).unwrap_or_default()
+        ),
+        None => String::new(),
+    };
+    let at = match c.train.steps {
+        Some(total) => format!("step {done}/{total}"),
+        None => format!("epoch {}/{}", clock.epoch(done - 1), c.train.epochs),
+    };
+    format!(
+        "{at}  loss {:.4}{acc}{val}  {:.2}s  {:.0} samples/s per rank{bubble}{lm}",
+        r0.global_train_loss, r0.epoch_s, r0.samples_per_s
+    )
 }
 
 /// The early-stopping metric of a trace row (rank 0's), where the epoch validated.

@@ -1,17 +1,22 @@
-//! Stage 5, train and validate: the epoch loop. Each step slices the rank's epoch tensor (one
-//! gather per epoch, no per-step copies), lets the strategy run forward, loss and backward
-//! (averaging gradients its way), and updates. Each row's loss and correctness go into per-epoch
-//! buffers, reduced once per epoch, then all-gathered so that rank 0 holds every rank's row and
-//! the global (all-rank) metrics.
+//! Stage 5, train and validate: the loop over optimizer steps. A run is `total` optimizer steps
+//! ([`Clock`]: `train.steps`, or the epochs' steps), cut into intervals that end in a trace row
+//! (every epoch, or every `validate.every_steps`); an epoch is a way of counting steps. Each step
+//! takes its batches where the [`Clock`] says (an epoch's shard, or random windows), lets the
+//! strategy run forward, loss and backward (averaging gradients its way), and updates. Each row's
+//! loss and correctness go into per-interval buffers, reduced once at the interval's end, then
+//! all-gathered so that rank 0 holds every rank's row and the global (all-rank) metrics. The
+//! buffers of an unfinished interval are part of a mid-interval checkpoint ([`Partial`]), so a
+//! run resumed from any step writes the same rows as an uninterrupted one.
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use tch::{Kind, Tensor};
 
-use super::recipe::{clip_grad_norm, Accumulation, Schedule};
+use super::recipe::{clip_grad_norm, Schedule};
 use super::wrap::Wrapped;
 use crate::data::normalize::Normalizer;
 use crate::data::shard::{permutation, RankShard};
-use crate::data::Dataset;
+use crate::data::{Dataset, Rows};
 use crate::device;
 use crate::dist::ProcessGroup;
 use crate::plan::Plan;
@@ -20,10 +25,109 @@ use crate::strategy::Micro;
 use crate::trace::progress::Progress;
 use crate::trace::{EpochRow, StepRow};
 
-/// What one epoch produced; rank 0 receives every rank's rows.
+/// Where every optimizer step of a run takes its batches, and where intervals end.
+#[derive(Debug, Clone)]
+pub struct Clock {
+    /// Optimizer steps in the run.
+    pub total: usize,
+    /// Batches per optimizer step (train.accumulate).
+    pub accumulate: usize,
+    /// Batches per epoch on a rank, and optimizer steps per epoch (groups of `accumulate`
+    /// batches; the last group of an epoch may be shorter).
+    pub batches_per_epoch: usize,
+    pub steps_per_epoch: usize,
+    /// Rows per batch, and rows in a rank's epoch.
+    pub batch: usize,
+    pub rows_per_epoch: usize,
+    /// Windows at random offsets instead of an epoch's shard.
+    pub random: bool,
+    /// A trace row every this many steps (steps runs); `None`: every epoch.
+    pub row_every: Option<usize>,
+}
+
+impl Clock {
+    pub fn of(plan: &Plan) -> Clock {
+        let c = &plan.config;
+        Clock {
+            total: plan.total_steps(),
+            accumulate: c.train.accumulate,
+            batches_per_epoch: plan.steps_per_epoch(),
+            steps_per_epoch: plan.optimizer_steps_per_epoch(),
+            batch: plan.batch_per_rank,
+            rows_per_epoch: plan.layout.per_rank,
+            random: plan.data.random_windows(),
+            row_every: c.train.steps.map(|total| c.validate.every_steps.unwrap_or(total)),
+        }
+    }
+
+    /// The (1-based) epoch of optimizer step `step` (0-based).
+    pub fn epoch(&self, step: usize) -> usize {
+        step / self.steps_per_epoch.max(1) + 1
+    }
+
+    /// The batches of optimizer step `step`: with epochs, indices within its epoch; with random
+    /// windows, a global batch counter (each is `batch` rows).
+    pub fn batches(&self, step: usize) -> Range<usize> {
+        if self.random {
+            return step * self.accumulate..(step + 1) * self.accumulate;
+        }
+        let g = step % self.steps_per_epoch.max(1);
+        g * self.accumulate..((g + 1) * self.accumulate).min(self.batches_per_epoch)
+    }
+
+    /// Rows in batch `b` of an epoch (the last may be short); `batch` with random windows.
+    pub fn rows(&self, b: usize) -> usize {
+        if self.random {
+            self.batch
+        } else {
+            self.batch.min(self.rows_per_epoch - b * self.batch)
+        }
+    }
+
+    /// Whether a trace row ends after `done` optimizer steps.
+    pub fn row_ends(&self, done: usize) -> bool {
+        done == self.total
+            || match self.row_every {
+                Some(n) => done.is_multiple_of(n),
+                None => done.is_multiple_of(self.steps_per_epoch.max(1)),
+            }
+    }
+
+    /// The interval (from one row's end to the next) that holds optimizer step `step`.
+    pub fn interval_of(&self, step: usize) -> Range<usize> {
+        let mut start = step;
+        while start > 0 && !self.row_ends(start) {
+            start -= 1;
+        }
+        let mut end = step + 1;
+        while !self.row_ends(end) {
+            end += 1;
+        }
+        start..end
+    }
+}
+
+/// The per-sample buffers of an interval not yet finished, saved in a mid-interval checkpoint:
+/// each rank's losses, correctness and weights of the rows trained so far, and the gradient norms.
+#[derive(Debug, Default)]
+pub struct Partial {
+    pub losses: Vec<f32>,
+    pub correct: Vec<f32>,
+    pub weights: Vec<f32>,
+    pub norms: Vec<f64>,
+}
+
+/// What one interval produced; rank 0 receives every rank's rows.
 pub struct EpochOutput {
     pub rows: Vec<EpochRow>,
     pub steps: Vec<StepRow>,
+}
+
+/// One epoch's rows on a rank: gathered and normalised at once (rows in memory), or their
+/// indices, read per batch (data read where it lies).
+enum EpochRows {
+    Gathered { x: Tensor, y: Tensor, w: Tensor },
+    Indexed { indices: Vec<i64>, weights: Vec<f32> },
 }
 
 pub struct Trainer<'a, 'pg> {
@@ -36,123 +140,276 @@ pub struct Trainer<'a, 'pg> {
     pub wrapped: Wrapped<'pg>,
     pub progress: Progress,
     pub position: Position,
-    /// Steps taken so far, over every epoch of this process (DDP's Reducer counts the same).
-    pub iteration: usize,
+    pub clock: Clock,
+    /// The epoch whose rows are ready, and its rows.
+    epoch_rows: Option<(usize, EpochRows)>,
 }
 
-impl Trainer<'_, '_> {
-    pub fn epoch(&mut self, epoch: usize) -> anyhow::Result<EpochOutput> {
-        let c = &self.plan.config;
-        let rank = self.pg.rank();
-        let start = Instant::now();
-        // Dropout masks differ across ranks (as each torch rank draws its own) and depend only on
-        // (seed, rank, epoch), so a run resumed at an epoch boundary draws the same ones.
-        tch::manual_seed((c.run.seed as i64) ^ ((rank as i64) << 32) ^ (epoch as i64).wrapping_mul(0x9E37_79B9));
-        let perm = permutation(c.run.seed, epoch, self.plan.layout.rows, c.shard.shuffle);
-        let shard = RankShard::take(&self.plan.layout, &perm, self.plan.replica(rank));
-        let dev = self.device;
-        let idx = shard.index_tensor().to_device(dev);
-        let x = self.normalizer.apply(&self.data.train_x.index_select(0, &idx));
-        let y = self.data.train_y.index_select(0, &idx);
-        let w = shard.weight_tensor().to_device(dev);
+/// The state of the interval in progress: filled step by step, restored from a checkpoint.
+struct Buffers {
+    losses: Tensor,
+    correct: Tensor,
+    weights: Tensor,
+    norms: Vec<f64>,
+}
 
-        let b = self.plan.batch_per_rank as i64;
-        let n = self.plan.layout.per_rank as i64;
-        let steps = self.plan.steps_per_epoch();
-        let step_every = c.trace.step_every;
-        // Each row's loss and correctness, written by its step and reduced once at the epoch's
-        // end: two cheap copies per step instead of a chain of small reductions.
-        let losses = Tensor::zeros([n], (Kind::Float, dev));
-        let correct = Tensor::zeros([n], (Kind::Float, dev));
-        let mut mine = RankEpoch { steps: steps as f64, ..RankEpoch::default() };
-        let (mut comm, mut comm_measured, mut wait) = (Duration::ZERO, 0usize, Duration::ZERO);
-        let mut step_rows = Vec::new();
-        self.progress.start_epoch(epoch);
-        let report_every = (steps / 40).max(1);
-        let mut checked = 0;
-        let train_start = Instant::now();
-        let accumulation = Accumulation { k: c.train.accumulate, batch: b, rows: n, batches: steps };
-        let schedule = Schedule::of(self.plan);
-        let norm_group = self.wrapped.strategy.norm_group().map(|copies| (self.pg, copies));
-        let mut norms = Vec::new();
-        for step in 0..steps {
-            self.position.set("train", epoch, step + 1);
-            self.iteration += 1;
-            let sampled = step_every > 0 && self.iteration.is_multiple_of(step_every);
-            let t0 = device::now(dev);
-            let len = b.min(n - step as i64 * b);
-            let (xb, yb) = (x.narrow(0, step as i64 * b, len), y.narrow(0, step as i64 * b, len));
-            let t1 = device::now(dev);
-            let w_ = &mut self.wrapped;
-            let (first, last, scale) = accumulation.batch(step);
-            if first {
-                w_.optimizer.zero_grad()?;
-            }
-            let micro = Micro { scale, sync: last };
-            let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, sampled, micro)?;
-            let t2 = device::now(dev);
-            if last {
-                // The optimizer's step count is the schedule's clock: restored by a checkpoint.
-                w_.optimizer.set_lr(schedule.lr(w_.optimizer.steps()));
-                if let Some(max) = c.train.clip_grad_norm {
-                    norms.push(clip_grad_norm(w_.optimizer.params(), Some(max), norm_group)?);
+impl Buffers {
+    fn new(rows: usize, partial: Option<Partial>, device: tch::Device) -> Buffers {
+        let zeros = || Tensor::zeros([rows as i64], (Kind::Float, device));
+        let b = Buffers { losses: zeros(), correct: zeros(), weights: zeros(), norms: Vec::new() };
+        match partial {
+            None => b,
+            Some(p) => {
+                for (t, v) in [(&b.losses, &p.losses), (&b.correct, &p.correct), (&b.weights, &p.weights)] {
+                    tch::no_grad(|| t.narrow(0, 0, v.len() as i64).copy_(&Tensor::from_slice(v)));
                 }
-                w_.optimizer.step()?;
+                Buffers { norms: p.norms, ..b }
             }
-            let update = device::elapsed(dev, t2);
-            if let (Some(per_sample), Some(right)) = (&s.per_sample, &s.correct) {
+        }
+    }
+
+    /// The first `rows` rows' values, and the norms: what a checkpoint saves.
+    pub fn partial(&self, rows: usize) -> Partial {
+        let take = |t: &Tensor| {
+            Vec::<f32>::try_from(t.narrow(0, 0, rows as i64).to_device(tch::Device::Cpu)).expect("float32")
+        };
+        Partial {
+            losses: take(&self.losses),
+            correct: take(&self.correct),
+            weights: take(&self.weights),
+            norms: self.norms.clone(),
+        }
+    }
+}
+
+impl<'a, 'pg> Trainer<'a, 'pg> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        plan: &'a Plan,
+        pg: &'pg ProcessGroup,
+        device: tch::Device,
+        data: &'a Dataset,
+        normalizer: &'a Normalizer,
+        wrapped: Wrapped<'pg>,
+        progress: Progress,
+        position: Position,
+    ) -> Trainer<'a, 'pg> {
+        let clock = Clock::of(plan);
+        Trainer { plan, pg, device, data, normalizer, wrapped, progress, position, clock, epoch_rows: None }
+    }
+
+    /// Rows trained in steps `steps` of the interval starting at `start` (batch sizes vary at an
+    /// epoch's end).
+    fn rows_in(&self, steps: Range<usize>) -> usize {
+        steps.map(|s| self.clock.batches(s).map(|b| self.clock.rows(b)).sum::<usize>()).sum()
+    }
+
+    /// Makes `epoch`'s rows ready (once per epoch).
+    fn ready_epoch(&mut self, epoch: usize) -> anyhow::Result<()> {
+        if self.clock.random || self.epoch_rows.as_ref().is_some_and(|(e, _)| *e == epoch) {
+            return Ok(());
+        }
+        let c = &self.plan.config;
+        let perm = permutation(c.run.seed, epoch, self.plan.layout.rows, c.shard.shuffle);
+        let shard = RankShard::take(&self.plan.layout, &perm, self.plan.replica(self.pg.rank()));
+        let rows = match &self.data.train {
+            Rows::Memory { x, y } => {
+                let idx = shard.index_tensor().to_device(self.device);
+                EpochRows::Gathered {
+                    x: self.normalizer.apply(&x.index_select(0, &idx)),
+                    y: y.index_select(0, &idx),
+                    w: shard.weight_tensor().to_device(self.device),
+                }
+            }
+            _ => EpochRows::Indexed { indices: shard.indices, weights: shard.weights },
+        };
+        self.epoch_rows = Some((epoch, rows));
+        Ok(())
+    }
+
+    /// Batch `b` of `epoch` (or the `b`-th random batch): inputs, targets and row weights.
+    fn batch(&self, epoch: usize, b: usize) -> anyhow::Result<(Tensor, Tensor, Tensor)> {
+        let dev = self.device;
+        if self.clock.random {
+            let Rows::Windows(w) = &self.data.train else { unreachable!("random windows read a token stream") };
+            let stream = crate::data::tokens::batch_stream(b as u64, self.pg.rank());
+            let (x, y) = w.random(self.clock.batch, self.plan.config.run.seed, stream).map_err(anyhow::Error::msg)?;
+            return Ok((
+                x.to_device(dev),
+                y.to_device(dev),
+                Tensor::ones([self.clock.batch as i64], (Kind::Float, dev)),
+            ));
+        }
+        let (e, rows) = self.epoch_rows.as_ref().expect("the epoch's rows are ready");
+        debug_assert_eq!(*e, epoch);
+        let (from, len) = (b * self.clock.batch, self.clock.rows(b));
+        Ok(match rows {
+            EpochRows::Gathered { x, y, w } => {
+                let (f, l) = (from as i64, len as i64);
+                (x.narrow(0, f, l), y.narrow(0, f, l), w.narrow(0, f, l))
+            }
+            EpochRows::Indexed { indices, weights } => {
+                let (x, y) = self.data.train.gather(&indices[from..from + len])?;
+                let x = self.normalizer.apply(&x.to_device(dev));
+                (x, y.to_device(dev), Tensor::from_slice(&weights[from..from + len]).to_device(dev))
+            }
+        })
+    }
+
+    /// Starts the interval `steps` (from its first step, or from a checkpoint's `partial` rows).
+    pub fn begin(&self, steps: Range<usize>, partial: Option<Partial>) -> Interval {
+        let rows = self.rows_in(steps.clone());
+        let filled = partial.as_ref().map_or(0, |p| p.losses.len());
+        let batches: usize = steps.clone().map(|s| self.clock.batches(s).len()).sum();
+        Interval {
+            buffers: Buffers::new(rows, partial, self.device),
+            steps,
+            filled,
+            checked: filled,
+            start: Instant::now(),
+            train_s: Duration::ZERO,
+            compute_s: 0.0,
+            comm: Duration::ZERO,
+            comm_measured: 0,
+            wait: Duration::ZERO,
+            step_rows: Vec::new(),
+            report_every: (batches / 40).max(1),
+        }
+    }
+
+    /// Trains optimizer steps `steps` of the interval `iv`.
+    pub fn train(&mut self, iv: &mut Interval, steps: Range<usize>) -> anyhow::Result<()> {
+        let c = &self.plan.config;
+        let (rank, dev) = (self.pg.rank(), self.device);
+        let schedule = Schedule::of(self.plan);
+        let train_start = device::now(dev);
+        for step in steps {
+            let epoch = self.clock.epoch(step);
+            self.ready_epoch(epoch)?;
+            if step == iv.steps.start || self.clock.batches(step).start == 0 {
+                self.progress.start_epoch(epoch);
+            }
+            let batches = self.clock.batches(step);
+            let step_rows: usize = batches.clone().map(|b| self.clock.rows(b)).sum();
+            for b in batches.clone() {
+                self.position.set("train", epoch, b + 1);
+                // Dropout masks differ across ranks (as each torch rank draws its own) and depend
+                // only on (seed, rank, batch), so a run resumed at any step draws the same ones.
+                let global = (step * self.clock.accumulate + b - batches.start) as i64;
+                tch::manual_seed((c.run.seed as i64) ^ ((rank as i64) << 32) ^ global.wrapping_mul(0x9E37_79B9));
+                let sampled = c.trace.step_every > 0 && (global as usize).is_multiple_of(c.trace.step_every);
+                let t0 = device::now(dev);
+                let (xb, yb, wb) = self.batch(epoch, b)?;
+                let t1 = device::now(dev);
+                let len = yb.size()[0];
+                let (first, last) = (b == batches.start, b + 1 == batches.end);
+                let w_ = &mut self.wrapped;
+                if first {
+                    w_.optimizer.zero_grad()?;
+                }
+                // Each batch's share of the step's mean loss: its rows over the step's rows.
+                let scale = if self.clock.accumulate == 1 { 1.0 } else { len as f64 / step_rows as f64 };
+                let micro = Micro { scale, sync: last };
+                let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, sampled, micro)?;
+                let t2 = device::now(dev);
+                if last {
+                    // The optimizer's step count is the schedule's clock: restored by a checkpoint.
+                    w_.optimizer.set_lr(schedule.lr(w_.optimizer.steps()));
+                    if let Some(max) = c.train.clip_grad_norm {
+                        let group = w_.strategy.norm_group().map(|copies| (self.pg, copies));
+                        iv.buffers.norms.push(clip_grad_norm(w_.optimizer.params(), Some(max), group)?);
+                    }
+                    w_.optimizer.step()?;
+                }
+                let update = device::elapsed(dev, t2);
+                let at = iv.filled as i64;
                 tch::no_grad(|| {
-                    losses.narrow(0, step as i64 * b, len).copy_(per_sample);
-                    correct.narrow(0, step as i64 * b, len).copy_(right);
+                    iv.buffers.weights.narrow(0, at, len).copy_(&wb);
+                    if let (Some(per_sample), Some(right)) = (&s.per_sample, &s.correct) {
+                        iv.buffers.losses.narrow(0, at, len).copy_(per_sample);
+                        iv.buffers.correct.narrow(0, at, len).copy_(right);
+                    }
                 });
-            }
-            if let Some(c) = s.comm {
-                comm += c;
-                comm_measured += 1;
-            }
-            mine.compute_s += (s.forward + s.loss + s.backward + update).as_secs_f64();
-            wait += s.wait;
-            if sampled {
-                step_rows.push(StepSample {
-                    step: step as f64,
-                    batch_s: (t1 - t0).as_secs_f64(),
-                    forward_s: s.forward.as_secs_f64(),
-                    loss_s: s.loss.as_secs_f64(),
-                    backward_s: s.backward.as_secs_f64(),
-                    sync_s: s.comm.map_or(s.wait, |c| c + s.wait).as_secs_f64(),
-                    overlap_s: s.overlap.as_secs_f64(),
-                    update_s: update.as_secs_f64(),
-                });
-            }
-            if step % report_every == 0 || step + 1 == steps {
-                // A loss that is no longer finite stops the run here, not at the epoch's end.
-                let to = ((step + 1) as i64 * b).min(n);
-                check_finite(&losses.narrow(0, checked, to - checked), rank, epoch, checked / b + 1, step + 1)?;
-                checked = to;
-                if rank == 0 {
-                    let loss = s.per_sample.as_ref().map(|p| p.mean(Kind::Double).double_value(&[]));
-                    self.progress.step(step + 1, loss, to as f64 / start.elapsed().as_secs_f64());
+                iv.filled += len as usize;
+                if let Some(c) = s.comm {
+                    iv.comm += c;
+                    iv.comm_measured += 1;
+                }
+                iv.compute_s += (s.forward + s.loss + s.backward + update).as_secs_f64();
+                iv.wait += s.wait;
+                if sampled {
+                    iv.step_rows.push(StepSample {
+                        epoch: epoch as f64,
+                        step: b as f64,
+                        batch_s: (t1 - t0).as_secs_f64(),
+                        forward_s: s.forward.as_secs_f64(),
+                        loss_s: s.loss.as_secs_f64(),
+                        backward_s: s.backward.as_secs_f64(),
+                        sync_s: s.comm.map_or(s.wait, |c| c + s.wait).as_secs_f64(),
+                        overlap_s: s.overlap.as_secs_f64(),
+                        update_s: update.as_secs_f64(),
+                    });
+                }
+                let batches_done = self.batches_done(iv, step, b);
+                if batches_done.is_multiple_of(iv.report_every) || (last && step + 1 == iv.steps.end) {
+                    // A loss that is no longer finite stops the run here, not at the interval's end.
+                    let (from, to) = (iv.checked as i64, iv.filled as i64);
+                    check_finite(&iv.buffers.losses.narrow(0, from, to - from), rank, epoch, step + 1)?;
+                    iv.checked = iv.filled;
+                    if rank == 0 {
+                        let loss = s.per_sample.as_ref().map(|p| p.mean(Kind::Double).double_value(&[]));
+                        let done = if c.train.steps.is_some() { step + 1 } else { b + 1 };
+                        self.progress.step(done, loss, self.samples_per_s(iv));
+                    }
                 }
             }
         }
-        let train_s = device::elapsed(dev, train_start).as_secs_f64();
+        iv.train_s += device::elapsed(dev, train_start);
+        Ok(())
+    }
+
+    /// Batches done in the interval, counting batch `b` of `step`.
+    fn batches_done(&self, iv: &Interval, step: usize, b: usize) -> usize {
+        let before: usize = (iv.steps.start..step).map(|s| self.clock.batches(s).len()).sum();
+        before + b - self.clock.batches(step).start + 1
+    }
+
+    fn samples_per_s(&self, iv: &Interval) -> f64 {
+        iv.filled as f64 / iv.start.elapsed().as_secs_f64()
+    }
+
+    /// Ends the interval: reduces its buffers, validates when due, and all-gathers every rank's row.
+    pub fn finish(&mut self, iv: Interval) -> anyhow::Result<EpochOutput> {
+        let c = &self.plan.config;
+        let done = iv.steps.end;
+        let epoch = self.clock.epoch(done - 1);
+        let mut mine = RankEpoch {
+            steps: iv.steps.clone().map(|s| self.clock.batches(s).len()).sum::<usize>() as f64,
+            ..RankEpoch::default()
+        };
         mine.lr = self.wrapped.optimizer.lr();
+        let norms = &iv.buffers.norms;
         (mine.grad_norm_mean, mine.grad_norm_max) = match norms.len() {
             0 => (f64::NAN, f64::NAN),
             k => (norms.iter().sum::<f64>() / k as f64, norms.iter().copied().fold(f64::MIN, f64::max)),
         };
-        mine.epoch_s = start.elapsed().as_secs_f64();
-        mine.samples = w.sum(Kind::Double).double_value(&[]);
-        mine.loss_sum = (losses * &w).sum(Kind::Double).double_value(&[]);
-        mine.correct = (correct * &w).sum(Kind::Double).double_value(&[]);
-        // DDP's Reducer times only the steps it samples: the epoch's total is estimated from them.
-        mine.comm_s = match comm_measured {
+        mine.epoch_s = iv.start.elapsed().as_secs_f64();
+        mine.compute_s = iv.compute_s;
+        let b = &iv.buffers;
+        mine.samples = b.weights.sum(Kind::Double).double_value(&[]);
+        mine.loss_sum = (&b.losses * &b.weights).sum(Kind::Double).double_value(&[]);
+        mine.correct = (&b.correct * &b.weights).sum(Kind::Double).double_value(&[]);
+        // DDP's Reducer times only the steps it samples: the interval's total is estimated from them.
+        mine.comm_s = match iv.comm_measured {
             0 => 0.0,
             // Gradients are averaged once per optimizer step (the last batch of each).
-            k => comm.as_secs_f64() * self.plan.optimizer_steps_per_epoch() as f64 / k as f64,
+            k => iv.comm.as_secs_f64() * (iv.steps.len() as f64) / k as f64,
         };
-
-        let validate = c.validate.every > 0 && (epoch.is_multiple_of(c.validate.every) || epoch == c.train.epochs);
+        let validate = c.validate.every > 0
+            && match c.train.steps {
+                Some(_) => true,
+                None => epoch.is_multiple_of(c.validate.every) || done == self.clock.total,
+            };
         let nan = f64::NAN;
         (mine.val_loss, mine.val_acc, mine.val_f1, mine.val_rmse, mine.val_mae, mine.val_r2) =
             (nan, nan, nan, nan, nan, nan);
@@ -165,25 +422,51 @@ impl Trainer<'_, '_> {
             }
         }
         let stages = self.wrapped.strategy.pipeline_ranks(self.plan);
-        mine.bubble = if stages.is_some() { wait.as_secs_f64() / train_s } else { f64::NAN };
+        let train_s = iv.train_s.as_secs_f64();
+        mine.bubble = if stages.is_some() { iv.wait.as_secs_f64() / train_s } else { f64::NAN };
 
         self.position.set("gather metrics", epoch, 0);
-        let mut rows = gather_epoch_rows(self.pg, epoch, &mine, stages)?;
+        let mut rows = gather_epoch_rows(self.pg, epoch, done, &mine, stages)?;
         if self.data.task.is_language_model() {
             rows.iter_mut().for_each(|r| r.language_model(self.plan.data.input[0]));
         }
-        let steps = gather_step_rows(self.pg, epoch, &step_rows)?;
+        let steps = gather_step_rows(self.pg, &iv.step_rows)?;
         Ok(EpochOutput { rows, steps })
     }
 }
 
-/// Fails with where it happened when `losses` (steps `first`..=`last` of `epoch`) hold a NaN or
-/// an infinity: training on would only spread it.
-fn check_finite(losses: &Tensor, rank: usize, epoch: usize, first: i64, last: usize) -> anyhow::Result<()> {
+/// The interval in progress on a rank.
+pub struct Interval {
+    buffers: Buffers,
+    /// Its optimizer steps.
+    pub steps: Range<usize>,
+    /// Rows trained so far (their losses are in the buffers), and rows checked to be finite.
+    filled: usize,
+    checked: usize,
+    start: Instant,
+    train_s: Duration,
+    compute_s: f64,
+    comm: Duration,
+    comm_measured: usize,
+    wait: Duration,
+    step_rows: Vec<StepSample>,
+    report_every: usize,
+}
+
+impl Interval {
+    /// What a checkpoint in the middle of the interval saves of it.
+    pub fn partial(&self) -> Partial {
+        self.buffers.partial(self.filled)
+    }
+}
+
+/// Fails with where it happened when `losses` (up to optimizer step `step`, in `epoch`) hold a
+/// NaN or an infinity: training on would only spread it.
+fn check_finite(losses: &Tensor, rank: usize, epoch: usize, step: usize) -> anyhow::Result<()> {
     let finite = losses.isfinite().all().int64_value(&[]) == 1;
     if !finite {
         anyhow::bail!(
-            "the training loss became {} on rank {rank} in epoch {epoch}, steps {first}-{last}: lower train.lr, \
+            "the training loss became {} on rank {rank} in epoch {epoch}, by optimizer step {step}: lower train.lr, \
              check the data for extreme values, or use another normalize.method",
             if losses.isnan().any().int64_value(&[]) == 1 { "NaN" } else { "infinite" }
         );
@@ -287,6 +570,7 @@ impl RankEpoch {
 /// One sampled step's phases on one rank, all-gathered as float64 values in field order.
 #[derive(Debug, Clone, Copy)]
 struct StepSample {
+    epoch: f64,
     step: f64,
     batch_s: f64,
     forward_s: f64,
@@ -298,16 +582,16 @@ struct StepSample {
 }
 
 impl StepSample {
-    const FIELDS: usize = 8;
+    const FIELDS: usize = 9;
 
     fn to_array(self) -> [f64; Self::FIELDS] {
-        let StepSample { step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s } = self;
-        [step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s]
+        let StepSample { epoch, step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s } = self;
+        [epoch, step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s]
     }
 
-    fn row(v: &[f64], epoch: usize, rank: usize) -> StepRow {
-        let [step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s] =
-            v.try_into().expect("8 values per step");
+    fn row(v: &[f64], rank: usize) -> StepRow {
+        let [epoch, step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s] =
+            v.try_into().expect("9 values per step");
         StepRow {
             epoch: epoch as u32,
             step: step as u32,
@@ -329,6 +613,7 @@ impl StepSample {
 fn gather_epoch_rows(
     pg: &ProcessGroup,
     epoch: usize,
+    step: usize,
     mine: &RankEpoch,
     stages: Option<usize>,
 ) -> anyhow::Result<Vec<EpochRow>> {
@@ -346,6 +631,7 @@ fn gather_epoch_rows(
             let m = &v[measured_on(r)];
             EpochRow {
                 epoch: epoch as u32,
+                step: step as u64,
                 rank: r as u32,
                 train_loss: m.loss_sum / m.samples,
                 train_acc: m.correct / m.samples,
@@ -376,7 +662,8 @@ fn gather_epoch_rows(
 }
 
 /// Every rank's sampled steps (the same count on each rank), all-gathered.
-fn gather_step_rows(pg: &ProcessGroup, epoch: usize, mine: &[StepSample]) -> anyhow::Result<Vec<StepRow>> {
+fn gather_step_rows(pg: &ProcessGroup, mine: &[StepSample]) -> anyhow::Result<Vec<StepRow>> {
+    // Every rank samples the same batches: all or none of them have rows.
     if mine.is_empty() {
         return Ok(Vec::new());
     }
@@ -387,7 +674,7 @@ fn gather_step_rows(pg: &ProcessGroup, epoch: usize, mine: &[StepSample]) -> any
         .enumerate()
         .flat_map(|(r, t)| {
             let v = Vec::<f64>::try_from(t).expect("float64 values");
-            v.chunks(StepSample::FIELDS).map(|s| StepSample::row(s, epoch, r)).collect::<Vec<_>>()
+            v.chunks(StepSample::FIELDS).map(|s| StepSample::row(s, r)).collect::<Vec<_>>()
         })
         .collect())
 }

@@ -170,6 +170,7 @@ mod tests {
 
     fn row(epoch: u32, rank: u32, loss: f64, epoch_s: f64) -> EpochRow {
         EpochRow {
+            step: epoch as u64,
             epoch,
             rank,
             train_loss: loss,

@@ -10,7 +10,12 @@ use polars::prelude::*;
 /// One rank's epoch. `global_*` are all-reduced over every rank (the same on each row).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EpochRow {
+    /// The epoch in progress at the row's end (with random windows: the passes over the
+    /// stream's windows so far, plus one).
     pub epoch: u32,
+    /// Optimizer steps done over the run at the row's end.
+    #[serde(default)]
+    pub step: u64,
     pub rank: u32,
     pub train_loss: f64,
     pub train_acc: f64,
@@ -126,6 +131,7 @@ pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsR
     let cols = vec![
         Column::new("run_id".into(), vec![run_id; n]),
         Column::new("epoch".into(), rows.iter().map(|r| r.epoch).collect::<Vec<_>>()),
+        Column::new("step".into(), rows.iter().map(|r| r.step).collect::<Vec<_>>()),
         Column::new("rank".into(), rows.iter().map(|r| r.rank).collect::<Vec<_>>()),
         Column::new("world_size".into(), vec![world_size; n]),
         f(|r| r.train_loss).with_name("train_loss".into()),

@@ -6,38 +6,53 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 pub struct Progress {
     bar: Option<ProgressBar>,
-    epochs: usize,
+    /// Epoch runs: the epochs (the bar counts one epoch's batches); `None` for step runs (the
+    /// bar counts the run's optimizer steps, with the ETA).
+    epochs: Option<usize>,
+    /// Language models: tokens per sample, to show tokens/s.
+    seq_len: Option<usize>,
 }
 
 impl Progress {
     /// A display for rank 0; `None` (silent) on other ranks.
-    pub fn new(show: bool, epochs: usize, steps: usize) -> Progress {
+    pub fn new(show: bool, plan: &crate::plan::Plan) -> Progress {
+        let c = &plan.config;
+        let epochs = c.train.steps.is_none().then_some(c.train.epochs);
         let bar = (show && std::io::stdout().is_terminal()).then(|| {
-            let bar = ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stdout());
-            bar.set_style(
-                ProgressStyle::with_template("  epoch {prefix} [{bar:30}] {pos}/{len} steps  {msg}")
-                    .expect("a valid template")
-                    .progress_chars("=> "),
-            );
-            bar.set_prefix(format!("1/{epochs}"));
+            let (len, template) = match epochs {
+                Some(_) => (plan.steps_per_epoch(), "  epoch {prefix} [{bar:30}] {pos}/{len} steps  {msg}"),
+                None => (plan.total_steps(), "  step [{bar:30}] {pos}/{len}  ETA {eta}  {msg}"),
+            };
+            let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stdout());
+            bar.set_style(ProgressStyle::with_template(template).expect("a valid template").progress_chars("=> "));
+            if let Some(epochs) = epochs {
+                bar.set_prefix(format!("1/{epochs}"));
+            }
             bar.enable_steady_tick(Duration::from_millis(200));
             bar
         });
-        Progress { bar, epochs }
+        let seq_len = plan.data.task.is_language_model().then(|| plan.data.input[0]);
+        Progress { bar, epochs, seq_len }
     }
 
+    /// An epoch run's new epoch: the bar starts over.
     pub fn start_epoch(&self, epoch: usize) {
-        if let Some(bar) = &self.bar {
+        if let (Some(bar), Some(epochs)) = (&self.bar, self.epochs) {
             bar.reset();
-            bar.set_prefix(format!("{epoch}/{}", self.epochs));
+            bar.set_prefix(format!("{epoch}/{epochs}"));
         }
     }
 
+    /// `done`: batches of the epoch (epoch runs) or optimizer steps of the run (step runs).
     pub fn step(&self, done: usize, loss: Option<f64>, samples_per_s: f64) {
         if let Some(bar) = &self.bar {
             bar.set_position(done as u64);
             if let Some(loss) = loss {
-                bar.set_message(format!("loss {loss:.4}  {samples_per_s:.0} samples/s"));
+                let rate = match self.seq_len {
+                    Some(t) => format!("{:.0} tokens/s", samples_per_s * t as f64),
+                    None => format!("{samples_per_s:.0} samples/s"),
+                };
+                bar.set_message(format!("loss {loss:.4}  {rate}"));
             }
         }
     }

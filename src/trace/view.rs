@@ -99,6 +99,7 @@ mod tests {
     #[test]
     fn pipeline_table_averages_each_rank_over_the_epochs() {
         let row = |epoch, rank, compute_s, bubble| EpochRow {
+            step: epoch as u64,
             epoch,
             rank,
             train_loss: 1.0,

@@ -1,0 +1,60 @@
+//! The load stage's part of the plan: each source's module makes its [`DataSpec`] (one closed
+//! enum, one module a source); here only the rules that hold across sources: which model kinds
+//! read which data, token ids are never normalised, sizes within bounds, `validate.batches`.
+use std::path::Path;
+
+use crate::config::schema::*;
+use crate::data::{self, DataSpec, Task};
+
+/// The data's spec, or `None` (reported through `bad`) where it cannot be known.
+pub fn spec(c: &Config, base: &Path, bad: &mut impl FnMut(&str, String)) -> Option<DataSpec> {
+    let mut d = match (c.load.source, &c.wrap.model) {
+        // A language model: windows of token ids, from files or synthetic.
+        (Source::Synthetic | Source::Tokens | Source::Text, Model::Transformer(t)) => {
+            data::tokens::spec(c, t, base, bad)
+        }
+        (Source::Tokens | Source::Text, _) => {
+            let name = if c.load.source == Source::Text { "text" } else { "tokens" };
+            bad(
+                "load.source",
+                format!("\"{name}\" gives token ids for a language model: use wrap.model.kind = \"transformer\""),
+            );
+            None
+        }
+        (Source::Csv | Source::Parquet | Source::Tensors, Model::Transformer(_)) => {
+            bad(
+                "wrap.model.kind",
+                "\"transformer\" is a language model over token ids: use load.source = \"tokens\", \"text\" or \
+                 \"synthetic\""
+                    .into(),
+            );
+            None
+        }
+        (Source::Synthetic, _) => data::synthetic::spec(c, bad),
+        (Source::Tensors, _) => data::tensors::spec(c, base, bad),
+        (source @ (Source::Csv | Source::Parquet), _) => data::file::spec(c, source, base, bad),
+    };
+    if d.as_ref().is_some_and(|d| d.task.is_language_model()) && c.normalize.method != NormalizeMethod::None {
+        bad(
+            "normalize.method",
+            "a language model's inputs are token ids, which are never scaled: set it to \"none\"".into(),
+        );
+    }
+    // Out-of-bounds sizes leave no data: nothing below computes a shape from them.
+    if d.as_ref().is_some_and(|d| !crate::limits::sizes(c, d, bad)) || c.run.world_size > crate::limits::MAX_WORLD_SIZE
+    {
+        return None;
+    }
+    let d_ref = d.as_mut()?;
+    if let Task::Classification { classes: classes @ 0..=1 } = d_ref.task {
+        bad("load.classes", format!("must be at least 2 for classification, got {classes}"));
+    }
+    if d_ref.rows == 0 {
+        bad("load.rows", "must be at least 1".into());
+    }
+    // The same first rows every validation (a token source draws its own windows).
+    if let (Some(b), None) = (c.validate.batches, d_ref.tokens()) {
+        d_ref.validation_rows = d_ref.validation_rows.min(b.saturating_mul(c.train.batch_size));
+    }
+    d
+}

@@ -1,0 +1,198 @@
+//! Which layers each rank holds: all of them, or a pipeline's stages (balanced by parameters or
+//! given), and the check of the heaviest rank's parameters against `run.memory_per_rank_mb`.
+// `!(x > 0.0)` is meant: it also rejects NaN, which `x <= 0.0` would let through.
+#![allow(clippy::neg_cmp_op_on_partial_ord)]
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use crate::config::schema::*;
+use crate::model::{layers_text, parameter_mib};
+
+/// The layers of every rank, when the strategy's keys are valid.
+pub fn of_ranks(
+    c: &Config,
+    sources: &BTreeMap<String, String>,
+    layer_parameters: &[usize],
+    bad: &mut impl FnMut(&str, String),
+) -> Option<Vec<Range<usize>>> {
+    let pipeline = c.wrap.strategy == WrapStrategy::Pipeline;
+    if c.run.world_size > crate::limits::MAX_WORLD_SIZE {
+        None
+    } else if pipeline && matches!(c.wrap.model, Model::Torchscript(_)) {
+        bad(
+            "wrap.strategy",
+            "a TorchScript module is one opaque graph to the runner: it cannot be cut into pipeline stages; use \"ddp\" \
+             (or a built-in model kind, whose layers a pipeline can split)"
+                .into(),
+        );
+        None
+    } else if pipeline {
+        pipeline_stages(c, sources, layer_parameters, bad)
+    } else {
+        // Compared with the defaults, not by source: a run's saved config.toml sets every key.
+        let (p, default) = (&c.wrap.pipeline, Pipeline::default());
+        for (key, set) in [
+            ("wrap.pipeline.stages", p.stages != default.stages),
+            ("wrap.pipeline.micro_batches", p.micro_batches != default.micro_batches),
+            ("wrap.pipeline.schedule", p.schedule != default.schedule),
+            ("wrap.pipeline.replicas", p.replicas != default.replicas),
+        ] {
+            if set {
+                bad(key, "is only read by wrap.strategy = \"pipeline\"".into());
+            }
+        }
+        Some(vec![0..layer_parameters.len(); c.run.world_size])
+    }
+}
+
+/// The pipeline's checks; the layers of each rank, when they are valid.
+fn pipeline_stages(
+    c: &Config,
+    sources: &BTreeMap<String, String>,
+    layer_parameters: &[usize],
+    bad: &mut impl FnMut(&str, String),
+) -> Option<Vec<Range<usize>>> {
+    let p = &c.wrap.pipeline;
+    if p.replicas == 0 || !c.run.world_size.is_multiple_of(p.replicas) {
+        bad(
+            "wrap.pipeline.replicas",
+            format!(
+                "{} copies of the pipeline do not split run.world_size = {} evenly; use a divisor of it",
+                p.replicas, c.run.world_size
+            ),
+        );
+        return None;
+    }
+    // The stages of one copy; the copies repeat them.
+    let w = c.run.world_size / p.replicas;
+    if c.shard.strategy == ShardStrategy::Batch {
+        bad(
+            "shard.strategy",
+            "a pipeline holds one model, not replicas, so it has no batches to split: every rank walks \
+             the same batches; use \"dataset\""
+                .into(),
+        );
+    }
+    if p.micro_batches == 0 {
+        bad("wrap.pipeline.micro_batches", "must be at least 1".into());
+    } else if p.micro_batches > c.train.batch_size && c.train.batch_size > 0 {
+        bad(
+            "wrap.pipeline.micro_batches",
+            format!(
+                "{} micro-batches of a batch of {} rows would leave some empty; use at most {}",
+                p.micro_batches, c.train.batch_size, c.train.batch_size
+            ),
+        );
+    }
+    if c.validate.on == ValidateOn::All {
+        bad(
+            "validate.on",
+            "\"all\" validates every replica, but a pipeline is one model: its validation runs through \
+             every rank; use \"rank0\""
+                .into(),
+        );
+    }
+    let layers = layer_parameters.len();
+    if layers == 0 {
+        return None;
+    }
+    let stages = match &p.stages {
+        Some(stages) => {
+            let ranges = match crate::model::partition::explicit(stages, layers) {
+                Ok(r) => r,
+                Err(e) => {
+                    bad("wrap.pipeline.stages", e);
+                    return None;
+                }
+            };
+            if ranges.len() != w {
+                let from = sources.get("run.world_size").map(String::as_str).unwrap_or("default");
+                let ranks = if p.replicas == 1 {
+                    format!("run.world_size ({from}) is {w}")
+                } else {
+                    format!("each of the {} copies has {w} ranks (run.world_size ({from}) / replicas)", p.replicas)
+                };
+                bad(
+                    "wrap.pipeline.stages",
+                    format!("lists {} stages but {ranks}; a pipeline has one stage per rank", ranges.len()),
+                );
+                return None;
+            }
+            Some(ranges)
+        }
+        None if w > layers => {
+            bad(
+                "run.world_size",
+                format!(
+                    "{w} ranks, but the model has {layers} layers ({} hidden + the output layer); a pipeline \
+                     needs at least one layer per rank: use at most {layers} ranks, or more hidden layers",
+                    layers - 1
+                ),
+            );
+            None
+        }
+        None => crate::model::partition::balanced(layer_parameters, w),
+    }?;
+    Some((0..c.run.world_size).map(|r| stages[r % w].clone()).collect())
+}
+
+/// `run.memory_per_rank_mb` against the heaviest rank's parameters.
+pub fn check_memory_limit(
+    c: &Config,
+    stages: &[Range<usize>],
+    layer_parameters: &[usize],
+    bad: &mut impl FnMut(&str, String),
+) {
+    let Some(limit) = c.run.memory_per_rank_mb else { return };
+    if !(limit > 0.0) {
+        bad("run.memory_per_rank_mb", format!("must be positive MiB, got {limit}"));
+    } else if !layer_parameters.is_empty() {
+        let pipeline = c.wrap.strategy == WrapStrategy::Pipeline;
+        if let Some(msg) = memory_check(limit, stages, layer_parameters, pipeline) {
+            bad("run.memory_per_rank_mb", msg);
+        }
+    }
+}
+
+/// Why the heaviest rank's parameters (float32) exceed `limit` MiB, and what would fit.
+fn memory_check(limit: f64, stages: &[Range<usize>], layer_parameters: &[usize], pipeline: bool) -> Option<String> {
+    let params = |r: &Range<usize>| layer_parameters[r.clone()].iter().sum::<usize>();
+    let (rank, heaviest) = stages.iter().enumerate().rev().max_by_key(|(_, r)| params(r))?;
+    let mib = parameter_mib;
+    if mib(params(heaviest)) <= limit {
+        return None;
+    }
+    let what = if heaviest.len() == layer_parameters.len() {
+        format!("the whole model, {}", layers_text(heaviest))
+    } else {
+        layers_text(heaviest)
+    };
+    let fits = (1..=layer_parameters.len()).find(|&n| {
+        crate::model::partition::balanced(layer_parameters, n)
+            .is_some_and(|split| split.iter().all(|r| mib(params(r)) <= limit))
+    });
+    let advice = match fits {
+        // Only explicit stages can be over the limit where a balanced split of as many fits.
+        Some(n) if pipeline && n <= stages.len() => format!(
+            "give rank {rank} fewer layers in wrap.pipeline.stages, or leave them out: the split balanced by \
+             parameters fits"
+        ),
+        Some(n) if pipeline => {
+            format!("split the model over at least {n} ranks (run.world_size = {n}), or use a smaller model")
+        }
+        Some(n) => format!(
+            "split the model with wrap.strategy = \"pipeline\" over at least {n} ranks (run.world_size = {n}), \
+             or use a smaller model"
+        ),
+        None => {
+            let (i, p) = layer_parameters.iter().enumerate().rev().max_by_key(|(_, p)| **p).expect("layers");
+            format!("even layer {i} alone holds {:.3} MiB: use a smaller model", mib(*p))
+        }
+    };
+    Some(format!(
+        "rank {rank} would hold {what} ({} parameters, {:.3} MiB as float32), more than the {limit} MiB a rank may \
+         hold; {advice}",
+        params(heaviest),
+        mib(params(heaviest))
+    ))
+}
