@@ -15,7 +15,7 @@ use crate::plan::Plan;
 use crate::rundir;
 use crate::rundir::lock::{self, RunLock};
 use crate::rundir::manifest::{Manifest, Status};
-use crate::stages::checkpoint;
+use crate::stages::{checkpoint, preempt};
 use crate::trace::view;
 
 #[derive(Debug, Parser)]
@@ -287,19 +287,41 @@ fn run(args: &RunArgs) -> anyhow::Result<u8> {
             Path::new("results").join(&plan.config.run.name).join(&plan.run_id)
         })
     };
-    let env = RankEnv::from_env()?;
-    if let (Some(dir), None) = (&args.resume, &env) {
-        if let Ok(m) = Manifest::read(dir) {
-            let why = m.failure.map(|f| format!(": {f}")).unwrap_or_default();
-            crate::say!("resuming run {} ({}{why})", m.run_id, format!("{:?}", m.status).to_lowercase());
-        }
+    if let Some(env) = RankEnv::from_env()? {
+        return run_rank(plan, &env, &run_dir_of, claim);
     }
-    match env {
-        Some(env) => run_rank(plan, &env, &run_dir_of, claim),
-        None => {
-            let topology = args.topology(plan.world_size())?;
-            launch(&plan, &topology, claim, &run_dir_of(&plan))
-        }
+    let dir = run_dir_of(&plan);
+    let (plan, claim) = match preempted_plan(&dir, &plan, claim)? {
+        Some(resumed) => (resumed, Claim { resume: true, ..claim }),
+        None => (plan, claim),
+    };
+    if claim.resume {
+        say_resuming(&dir);
+    }
+    launch(&plan, &args.topology(plan.world_size())?, claim, &dir)
+}
+
+/// The plan that continues a preempted run of `asked`'s configuration in `dir`: Slurm reruns
+/// the command line it requeued, and that resumes from the checkpoint the preemption wrote.
+/// `None` for any other directory, or when already resuming.
+fn preempted_plan(dir: &Path, asked: &Plan, claim: Claim) -> anyhow::Result<Option<Plan>> {
+    if claim.resume {
+        return Ok(None);
+    }
+    match Manifest::read_raw(dir) {
+        Ok(Some(m)) if m.status == Status::Preempted && m.run_id == asked.run_id => Ok(Some(resumed_plan(dir, asked)?)),
+        _ => Ok(None),
+    }
+}
+
+fn say_resuming(dir: &Path) {
+    if let Ok(m) = Manifest::read(dir) {
+        let why = match (m.failure, m.preempted_at_step) {
+            (Some(f), _) => format!(": {f}"),
+            (None, Some(step)) => format!(" at step {step}"),
+            (None, None) => String::new(),
+        };
+        crate::say!("resuming run {} ({}{why})", m.run_id, format!("{:?}", m.status).to_lowercase());
     }
 }
 
@@ -363,33 +385,56 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     if let Some(pid) = env.launcher_pid {
         rank::die_with_launcher(pid);
     }
+    preempt::watch(plan.config.run.preempt_signal)?;
     let timeout = std::time::Duration::from_secs_f64(plan.config.run.timeout_s);
     let store = std::sync::Arc::new(rank::open_store(env, timeout)?);
-    let (plan, owned) = if env.launcher == Launcher::Runner {
-        (plan, None)
+    let (agreed, owned) = if env.launcher == Launcher::Runner {
+        (agree::Agreed { plan, resume: claim.resume }, None)
     } else {
         let parties = agree::Parties { label: "rank", me: env.rank, count: env.world_size };
-        agree::rank0_plan(&store, plan, parties, |plan| {
+        agree::rank0_plan(&store, &plan, parties, |plan| {
             rank::check_world_size(plan, env)?;
+            let run_dir = run_dir_of(plan);
+            let (plan, resume) = match preempted_plan(&run_dir, plan, claim)? {
+                Some(resumed) => (resumed, true),
+                None => (plan.clone(), claim.resume),
+            };
+            if resume {
+                say_resuming(&run_dir);
+            }
             let manifest = plan.manifest();
-            let lock = prepare_run_dir(plan, &run_dir_of(plan), &manifest, claim)?;
-            Ok((lock, manifest))
+            let lock = prepare_run_dir(&plan, &run_dir, &manifest, Claim { resume, ..claim })?;
+            Ok((agree::Agreed { plan, resume }, (lock, manifest)))
         })?
     };
+    let agree::Agreed { plan, resume } = agreed;
     let run_dir = run_dir_of(&plan);
     let (_lock, mut manifest) = owned.unzip();
     let result =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rank::run(&plan, env, store, &run_dir, claim.resume)))
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rank::run(&plan, env, store, &run_dir, resume)))
             .unwrap_or_else(|panic| Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))));
+    let preempted = result.as_ref().err().and_then(|e| e.downcast_ref::<preempt::Preempted>()).copied();
     if let Some(manifest) = manifest.as_mut() {
-        match &result {
-            Ok(_) => {
+        match (&result, preempted) {
+            (Ok(_), _) => {
                 manifest.end(Status::Complete, None);
                 manifest.stopped(&run_dir, plan.config.train.epochs);
             }
-            Err(e) => manifest.end(Status::Failed, Some(format!("rank 0: {e:#}"))),
+            (Err(_), Some(p)) => {
+                manifest.end(Status::Preempted, None);
+                manifest.preempted_at_step = Some(p.step);
+            }
+            (Err(e), None) => manifest.end(Status::Failed, Some(format!("rank 0: {e:#}"))),
         }
         manifest.write(&run_dir)?;
+    }
+    if let Some(p) = preempted {
+        // Under srun rank 0 owns the run, and requeues the job once; under runner's launcher,
+        // the launcher does.
+        if manifest.is_some() {
+            slurm::requeue(p.step, &run_dir);
+        }
+        return Ok(128 + plan.config.run.preempt_signal.number() as u8);
     }
     let rows = result?;
     if env.rank == 0 {
@@ -447,6 +492,18 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
             return Err(e);
         }
     };
+    if outcome.preempted {
+        let found = checkpoint::latest(run_dir, plan).ok().flatten();
+        let step = found.and_then(|f| f.meta.step).unwrap_or_default();
+        manifest.end(Status::Preempted, None);
+        manifest.preempted_at_step = Some(step);
+        manifest.write(run_dir)?;
+        // One requeue per job: node 0's launcher asks for it.
+        if topology.node_rank == 0 {
+            slurm::requeue(step, run_dir);
+        }
+        return Ok(128 + plan.config.run.preempt_signal.number() as u8);
+    }
     if let Some(sig) = outcome.interrupted {
         manifest.end(Status::Interrupted, None);
         manifest.write(run_dir)?;

@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use serde::{Deserialize, Serialize};
 
 use crate::config::ConfigError;
 use crate::dist::Store;
@@ -28,33 +29,49 @@ const PLAN: &str = "runner/config/plan";
 
 /// Multi-node: every node's launcher must have resolved the same configuration.
 pub fn same_config(store: &Store, plan: &Plan, parties: Parties) -> anyhow::Result<()> {
-    agree(store, plan, parties, |_| Ok(())).map(|_| ())
+    agree(store, plan, parties, |_| Ok(((), String::new()))).map(|_| ())
 }
 
-/// Under torchrun or srun: the plan every rank runs, rank 0's. Rank 0 runs `claim` (taking the
-/// run directory) once the configurations agree; its error, like a mismatch, stops every rank.
+/// What rank 0 settled for every rank: the plan, and whether the run resumes (from `--resume`,
+/// or a preempted run of this configuration in the run directory).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Agreed {
+    pub plan: Plan,
+    pub resume: bool,
+}
+
+/// Under torchrun or srun: what every rank runs, as rank 0 settles it. Once the configurations
+/// agree, rank 0 runs `claim` (taking the run directory); its error, like a mismatch, stops
+/// every rank.
 pub fn rank0_plan<T>(
     store: &Store,
-    plan: Plan,
+    plan: &Plan,
     parties: Parties,
-    claim: impl FnOnce(&Plan) -> anyhow::Result<T>,
-) -> anyhow::Result<(Plan, Option<T>)> {
-    let claimed = agree(store, &plan, parties, claim)?;
-    if parties.me == 0 {
-        return Ok((plan, claimed));
+    claim: impl FnOnce(&Plan) -> anyhow::Result<(Agreed, T)>,
+) -> anyhow::Result<(Agreed, Option<T>)> {
+    let claimed = agree(store, plan, parties, |plan| {
+        let (agreed, claimed) = claim(plan)?;
+        let published = serde_json::to_string(&agreed)?;
+        Ok(((agreed, claimed), published))
+    })?;
+    match claimed {
+        Some((agreed, claimed)) => Ok((agreed, Some(claimed))),
+        None => {
+            let bytes = store.get(PLAN)?;
+            let agreed = serde_json::from_slice(&bytes).context("rank 0 published a plan this rank cannot read")?;
+            Ok((agreed, None))
+        }
     }
-    let bytes = store.get(PLAN)?;
-    let plan = serde_json::from_slice(&bytes).context("rank 0 published a plan this rank cannot read")?;
-    Ok((plan, None))
 }
 
 /// Publishes this participant's configuration and waits for participant 0's verdict (an empty
-/// one: every configuration is the same). Participant 0 also publishes its plan.
+/// one: every configuration is the same). Participant 0 publishes what its `claim` returns
+/// beside the verdict; it alone gets `Some`.
 fn agree<T>(
     store: &Store,
     plan: &Plan,
     parties: Parties,
-    claim: impl FnOnce(&Plan) -> anyhow::Result<T>,
+    claim: impl FnOnce(&Plan) -> anyhow::Result<(T, String)>,
 ) -> anyhow::Result<Option<T>> {
     let mine = flat_config(plan);
     let key = |n: usize| format!("runner/config/{}{n}", parties.label);
@@ -72,13 +89,13 @@ fn agree<T>(
     let (verdict, claimed) = match differences(&all, parties.label) {
         Some(verdict) => (verdict, None),
         None => match claim(plan) {
-            Ok(claimed) => (String::new(), Some(claimed)),
+            Ok((claimed, published)) => {
+                store.set(PLAN, published.as_bytes())?;
+                (String::new(), Some(claimed))
+            }
             Err(e) => (format!("{e:#}"), None),
         },
     };
-    if verdict.is_empty() {
-        store.set(PLAN, serde_json::to_string(plan)?.as_bytes())?;
-    }
     store.set(VERDICT, verdict.as_bytes())?;
     if verdict.is_empty() {
         return Ok(claimed);

@@ -37,6 +37,8 @@ pub fn run(
             pg.barrier()?;
             Ok(rows)
         }
+        // Every rank stopped after the same step and wrote its part of the checkpoint.
+        Err(e) if e.is::<crate::stages::preempt::Preempted>() => Err(e),
         Err(e) => {
             // Peers blocked on this rank learn why, rather than only that a socket closed.
             pg.leave(&format!("failed: {}", first_line(&format!("{e:#}"))));

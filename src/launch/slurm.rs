@@ -127,6 +127,31 @@ pub fn first_host() -> Option<String> {
     expand_nodelist(&list).ok()?.into_iter().next()
 }
 
+/// A preempted run's last word: the checkpoint is written and the manifest says `preempted`.
+/// Under Slurm (SLURM_JOB_ID set), the job is requeued (`scontrol requeue`), which ends it:
+/// Slurm reruns its script, and the same `runner run` resumes from that checkpoint. Elsewhere,
+/// says how to resume.
+pub fn requeue(step: usize, run_dir: &std::path::Path) {
+    let Some(job) = var("SLURM_JOB_ID").ok().flatten() else {
+        crate::say_err!(
+            "preempted at step {step}: checkpoint written; the same command, or runner run --resume {}, continues it",
+            run_dir.display()
+        );
+        return;
+    };
+    // Said first: the requeue ends this job, and this process with it.
+    crate::say_err!("preempted at step {step}: checkpoint written, job requeued");
+    match std::process::Command::new("scontrol").args(["requeue", &job]).output() {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => crate::say_err!(
+            "error: scontrol requeue {job} failed ({}): resubmit the job, or run runner run --resume {}",
+            String::from_utf8_lossy(&out.stderr).trim(),
+            run_dir.display()
+        ),
+        Err(e) => crate::say_err!("error: cannot run scontrol requeue {job}: {e}; resubmit the job"),
+    }
+}
+
 /// The task count of node `node` in a tasks-per-node list: `2(x3),1` is 2, 2, 2, 1.
 fn tasks_on_node(spec: &str, node: usize) -> Option<usize> {
     let mut counts = Vec::new();

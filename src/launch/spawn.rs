@@ -27,7 +27,8 @@ use crate::rundir::position;
 const STDERR_TAIL: usize = 12;
 
 /// The signals that stop a run cleanly (ranks stopped, manifest `interrupted`) rather than
-/// killing the launcher where it stands.
+/// killing the launcher where it stands; all but `run.preempt_signal`, which the launcher
+/// forwards to every rank: they checkpoint after the same step and end preempted.
 pub const STOP_SIGNALS: &[i32] =
     &[SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF];
 
@@ -38,6 +39,8 @@ pub struct Outcome {
     pub failure: Option<Failure>,
     /// The signal (one of [`STOP_SIGNALS`]) that interrupted the run.
     pub interrupted: Option<i32>,
+    /// Every rank stopped on `run.preempt_signal` after writing its part of a checkpoint.
+    pub preempted: bool,
 }
 
 #[derive(Debug)]
@@ -93,9 +96,14 @@ impl Topology {
 pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[OsString]) -> anyhow::Result<Outcome> {
     // Ctrl-C, SIGTERM, SIGHUP, ... stop the ranks through the supervision loop below.
     let interrupt = Arc::new(AtomicUsize::new(0));
-    for &sig in STOP_SIGNALS {
+    let preempt_signal = plan.config.run.preempt_signal.number();
+    for &sig in STOP_SIGNALS.iter().filter(|&&s| s != preempt_signal) {
         signal_hook::flag::register_usize(sig, Arc::clone(&interrupt), sig as usize)?;
     }
+    let preempt = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    signal_hook::flag::register(preempt_signal, Arc::clone(&preempt))?;
+    // How a rank that was preempted exits.
+    let preempted_exit = Some(128 + preempt_signal);
     let world = plan.world_size();
     let per_node = world / topology.nnodes;
     let first_rank = topology.node_rank * per_node;
@@ -161,7 +169,14 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     let mut killed = Vec::new();
     let mut stopped_since: Vec<Option<Instant>> = vec![None; ranks.len()];
     let mut stall_blamed = false;
+    let mut preempting = false;
     loop {
+        if preempt.load(Ordering::SeqCst) && !preempting && interrupted.is_none() {
+            preempting = true;
+            for rank in ranks.iter().filter(|r| r.status.is_none()) {
+                let _ = signal::kill(Pid::from_raw(rank.child.id() as i32), Signal::try_from(preempt_signal).ok());
+            }
+        }
         let sig = interrupt.load(Ordering::SeqCst);
         if sig != 0 && interrupted.is_none() {
             interrupted = Some((sig as i32, Instant::now()));
@@ -176,7 +191,8 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
             }
             if let Some(status) = rank.child.try_wait()? {
                 rank.status = Some(status);
-                if !status.success() && first_failure.is_none() && interrupted.is_none() {
+                let preempted = preempting && status.code() == preempted_exit;
+                if !status.success() && !preempted && first_failure.is_none() && interrupted.is_none() {
                     let how = describe(status);
                     // Peers blocked on this rank name it in their errors.
                     let _ = record_exit(&store, r, &how);
@@ -247,7 +263,11 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
         killed,
     });
     position::remove_all(run_dir, first_rank..first_rank + per_node);
-    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0) })
+    let preempted = preempting
+        && failure.is_none()
+        && interrupted.is_none()
+        && ranks.iter().any(|r| r.status.and_then(|s| s.code()) == preempted_exit);
+    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted })
 }
 
 /// Whether `pid` is stopped (state T) or traced (t).
