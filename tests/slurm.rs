@@ -173,3 +173,52 @@ fn stopping_a_slurm_sweep_cancels_its_jobs() {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }
+
+#[test]
+fn sigusr1_preempts_a_job_which_checkpoints_requeues_itself_and_ends_as_if_uninterrupted() {
+    let Some(c) = cluster() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "p.toml", &TINY.replace("rows = 600", "rows = 6000").replace("epochs = 2", "epochs = 12"));
+    assert_ok(&common::run(&["run", "p.toml", "--out", "whole"], d));
+    let runner = env!("CARGO_BIN_EXE_runner");
+    write(d, "job.sh", &format!("#!/bin/sh\nexec srun {runner} run p.toml --out o\n"));
+    let log = d.join("job.log");
+    let o = c
+        .command("sbatch")
+        .args(["--parsable", "--ntasks=2", "--requeue", "--open-mode=append", "--output"])
+        .arg(&log)
+        .arg("--chdir")
+        .arg(d)
+        .arg(d.join("job.sh"))
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "sbatch: {err}");
+    let id = out.trim().to_owned();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    // Mid-run (the first epoch's row is written), Slurm signals every task of the job's steps.
+    while !d.join("o/trace.parquet").exists() {
+        assert!(std::time::Instant::now() < deadline, "the job did not train:\n{}", c.logs());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(c.command("scancel").args(["--signal=USR1", &id]).status().unwrap().success());
+    while c.job_state(&id).as_deref() != Some("COMPLETED") {
+        let log = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(std::time::Instant::now() < deadline, "job {id} did not complete: {:?}\n{log}", c.job_state(&id));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let log = std::fs::read_to_string(&log).unwrap();
+    let step: usize = log
+        .split("preempted at step ")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no preemption in the job's output:\n{log}"));
+    assert!(log.contains(&format!("preempted at step {step}: checkpoint written, job requeued")), "{log}");
+    assert!(log.contains(&format!("(preempted at step {step})")), "the requeued job resumed there:\n{log}");
+    let manifest = std::fs::read_to_string(d.join("o/manifest.json")).unwrap();
+    assert!(manifest.contains("\"status\": \"complete\""), "{manifest}");
+    let shown = c.command("scontrol").args(["show", "job", &id]).output().unwrap();
+    assert!(String::from_utf8_lossy(&shown.stdout).contains("Restarts=1"), "requeued once");
+    assert_same_trace(&d.join("whole"), &d.join("o"));
+}
