@@ -30,8 +30,7 @@ use crate::rundir::manifest::Manifest;
 /// The script each point's job runs, in its run directory.
 pub const SCRIPT: &str = "slurm.sh";
 
-/// The signal Slurm sends a job WARNING_S seconds before its time limit (`--signal`).
-const PREEMPT_SIGNAL: &str = "USR1";
+/// Seconds before its time limit that Slurm sends a job `run.preempt_signal` (`--signal`).
 const WARNING_S: u32 = 90;
 
 /// How often the sweep asks Slurm for its jobs' states.
@@ -257,7 +256,7 @@ fn script(point: &Point, run_dir: &Path, exe: &Path, flags: &[String], resume: b
     let mut s = String::from("#!/bin/sh\n# Written by `runner sweep --launcher slurm`; resubmit with: sbatch slurm.sh\n");
     let name = format!("runner:{}", point.dir);
     let log = run_dir.join(crate::rundir::RUN_LOG);
-    let signal = format!("{PREEMPT_SIGNAL}@{WARNING_S}");
+    let signal = format!("{}@{WARNING_S}", point.plan.config.run.preempt_signal.name());
     for flag in [
         format!("--job-name={name}"),
         format!("--output={}", log.display()),
