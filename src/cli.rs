@@ -283,9 +283,10 @@ fn run(args: &RunArgs) -> anyhow::Result<u8> {
     };
     // The run directory of a plan: under torchrun or srun, rank 0's plan names it for every rank.
     let run_dir_of = |plan: &Plan| {
-        args.resume.clone().or(args.out.clone()).unwrap_or_else(|| {
-            Path::new("results").join(&plan.config.run.name).join(&plan.run_id)
-        })
+        args.resume
+            .clone()
+            .or(args.out.clone())
+            .unwrap_or_else(|| Path::new("results").join(&plan.config.run.name).join(&plan.run_id))
     };
     if let Some(env) = RankEnv::from_env()? {
         return run_rank(plan, &env, &run_dir_of, claim);

@@ -144,7 +144,15 @@ fn sighup_interrupts_the_run_and_sigusr1_preempts_it_at_a_checkpoint() {
         if sig == Signal::SIGUSR1 {
             // The step of the checkpoint every rank wrote, in the manifest, the output and the
             // checkpoint's own name.
-            let step: usize = m.split("\"preempted_at_step\": ").nth(1).unwrap().split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap();
+            let step: usize = m
+                .split("\"preempted_at_step\": ")
+                .nth(1)
+                .unwrap()
+                .split(|c: char| !c.is_ascii_digit())
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
             assert!(err.contains(&format!("preempted at step {step}: checkpoint written;")), "{err}");
             let name = format!("step-{step:08}.json");
             assert!(dir.path().join(&out).join("checkpoints").join(&name).exists(), "no {name}");

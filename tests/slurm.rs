@@ -92,11 +92,17 @@ fn table_without_timings(sweep: &Path) -> Vec<(String, String)> {
     let text = std::fs::read_to_string(sweep.join("table.csv")).unwrap();
     let mut lines = text.lines();
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();
-    let timing = |c: &str| c.starts_with("epoch_s") || c.starts_with("samples_per_s") || ["speedup", "efficiency"].contains(&c);
+    let timing =
+        |c: &str| c.starts_with("epoch_s") || c.starts_with("samples_per_s") || ["speedup", "efficiency"].contains(&c);
     lines
         .flat_map(|l| {
             let values: Vec<&str> = l.split(',').collect();
-            header.iter().zip(values).filter(|(c, _)| !timing(c)).map(|(c, v)| (c.to_string(), v.to_string())).collect::<Vec<_>>()
+            header
+                .iter()
+                .zip(values)
+                .filter(|(c, _)| !timing(c))
+                .map(|(c, v)| (c.to_string(), v.to_string()))
+                .collect::<Vec<_>>()
         })
         .collect()
 }
@@ -121,7 +127,9 @@ fn a_sweep_through_slurm_equals_a_local_sweep_and_skips_and_checks_like_one() {
     for point in ["seed=1", "seed=2"] {
         assert_same_trace(&dir.path().join("local").join(point), &dir.path().join("slurm").join(point));
         let script = std::fs::read_to_string(dir.path().join("slurm").join(point).join("slurm.sh")).unwrap();
-        for line in ["#SBATCH --requeue", "#SBATCH --signal=USR1@90", "#SBATCH --time=10", "#SBATCH --comment=runner-test"] {
+        for line in
+            ["#SBATCH --requeue", "#SBATCH --signal=USR1@90", "#SBATCH --time=10", "#SBATCH --comment=runner-test"]
+        {
             assert!(script.contains(line), "{script}");
         }
         assert!(script.contains("exec srun "), "{script}");
@@ -153,11 +161,12 @@ fn stopping_a_slurm_sweep_cancels_its_jobs() {
         .spawn()
         .unwrap();
     let job = || {
-        let o = c.command("squeue").args(["-h", "--states=all", "-n", "runner:lr=0.0123", "-o", "%i %T"]).output().unwrap();
+        let o =
+            c.command("squeue").args(["-h", "--states=all", "-n", "runner:lr=0.0123", "-o", "%i %T"]).output().unwrap();
         String::from_utf8_lossy(&o.stdout).trim().split_once(' ').map(|(i, s)| (i.to_owned(), s.to_owned()))
     };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while !job().is_some_and(|(_, s)| s == "RUNNING") {
+    while job().is_none_or(|(_, s)| s != "RUNNING") {
         assert!(std::time::Instant::now() < deadline, "the job never ran:\n{}", c.logs());
         std::thread::sleep(std::time::Duration::from_millis(100));
     }

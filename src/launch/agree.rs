@@ -84,7 +84,9 @@ fn agree<T>(
     let mut all = vec![mine];
     for n in 1..parties.count {
         let bytes = store.get(&key(n))?;
-        all.push(serde_json::from_slice(&bytes).with_context(|| format!("{} {n} sent no configuration", parties.label))?);
+        all.push(
+            serde_json::from_slice(&bytes).with_context(|| format!("{} {n} sent no configuration", parties.label))?,
+        );
     }
     let (verdict, claimed) = match differences(&all, parties.label) {
         Some(verdict) => (verdict, None),

@@ -66,7 +66,8 @@ impl Step {
                 .with_context(|| format!("SLURM_STEP_TASKS_PER_NODE={spec:?} has no count for node {node}"))?,
             None => tasks / nodes.max(1),
         };
-        let list = var("SLURM_STEP_NODELIST")?.or(var("SLURM_JOB_NODELIST")?).context("SLURM_JOB_NODELIST is not set")?;
+        let list =
+            var("SLURM_STEP_NODELIST")?.or(var("SLURM_JOB_NODELIST")?).context("SLURM_JOB_NODELIST is not set")?;
         let hosts = expand_nodelist(&list)?;
         let job_id = var("SLURM_JOB_ID")?.context("SLURM_JOB_ID is not set")?;
         if task >= tasks || node >= nodes || local_task >= local_tasks {
@@ -88,7 +89,11 @@ impl Step {
     /// at MASTER_PORT or 15000 + the job id's last four digits.
     pub fn rank_env(&self) -> anyhow::Result<RankEnv> {
         if self.tasks > crate::limits::MAX_WORLD_SIZE {
-            bail!("srun started {} tasks, more than the {} ranks the runner takes", self.tasks, crate::limits::MAX_WORLD_SIZE);
+            bail!(
+                "srun started {} tasks, more than the {} ranks the runner takes",
+                self.tasks,
+                crate::limits::MAX_WORLD_SIZE
+            );
         }
         let master_addr = match (var("MASTER_ADDR")?, self.nodes) {
             (Some(addr), _) => addr,

@@ -159,8 +159,9 @@ fn log_of(run_dir: &Path) -> String {
 /// Whether the point in `run_dir` was stopped part-way (interrupted, or its launcher died) with
 /// a checkpoint of this configuration to resume from.
 pub fn resumable(point: &Point, run_dir: &Path) -> bool {
-    let stopped = Manifest::read(run_dir)
-        .is_ok_and(|m| matches!(m.status, Status::Interrupted | Status::Crashed | Status::Preempted) && m.run_id == point.plan.run_id);
+    let stopped = Manifest::read(run_dir).is_ok_and(|m| {
+        matches!(m.status, Status::Interrupted | Status::Crashed | Status::Preempted) && m.run_id == point.plan.run_id
+    });
     stopped && crate::stages::checkpoint::latest(run_dir, &point.plan).is_ok_and(|found| found.is_some())
 }
 

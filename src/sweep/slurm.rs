@@ -211,8 +211,19 @@ fn outcome(run_dir: &Path, state: &str) -> Result<(), String> {
 fn is_terminal(state: &str) -> bool {
     !matches!(
         state,
-        "PENDING" | "RUNNING" | "CONFIGURING" | "COMPLETING" | "REQUEUED" | "REQUEUE_FED" | "REQUEUE_HOLD"
-            | "RESIZING" | "SUSPENDED" | "STOPPED" | "SIGNALING" | "STAGE_OUT" | "RESV_DEL_HOLD"
+        "PENDING"
+            | "RUNNING"
+            | "CONFIGURING"
+            | "COMPLETING"
+            | "REQUEUED"
+            | "REQUEUE_FED"
+            | "REQUEUE_HOLD"
+            | "RESIZING"
+            | "SUSPENDED"
+            | "STOPPED"
+            | "SIGNALING"
+            | "STAGE_OUT"
+            | "RESV_DEL_HOLD"
     )
 }
 
@@ -253,7 +264,8 @@ fn submit(point: &Point, run_dir: &Path, resources: &Resources) -> anyhow::Resul
 /// The job script: `#SBATCH` lines, then `srun runner run ...` (each task one rank).
 fn script(point: &Point, run_dir: &Path, exe: &Path, flags: &[String], resume: bool) -> anyhow::Result<String> {
     let pipeline = std::path::absolute(&point.plan.pipeline_file)?;
-    let mut s = String::from("#!/bin/sh\n# Written by `runner sweep --launcher slurm`; resubmit with: sbatch slurm.sh\n");
+    let mut s =
+        String::from("#!/bin/sh\n# Written by `runner sweep --launcher slurm`; resubmit with: sbatch slurm.sh\n");
     let name = format!("runner:{}", point.dir);
     let log = run_dir.join(crate::rundir::RUN_LOG);
     let signal = format!("{}@{WARNING_S}", point.plan.config.run.preempt_signal.name());

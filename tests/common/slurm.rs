@@ -19,6 +19,8 @@ pub struct Cluster {
     pub conf: PathBuf,
     /// The node's name (this machine's hostname).
     pub node: String,
+    /// munged, slurmctld, slurmd and the watchdog, never waited for: the watchdog ends them.
+    _processes: Vec<std::process::Child>,
 }
 
 /// The binary's cluster, started on first use; `None` (after a SKIPPED line) where it cannot run
@@ -48,7 +50,10 @@ fn why_impossible() -> Option<String> {
         .filter(|tool| Command::new("which").arg(tool).stdout(Stdio::null()).status().map_or(true, |s| !s.success()))
         .collect();
     (!missing.is_empty()).then(|| {
-        format!("{} missing; run ./scripts/setup.sh --tests as root (it installs slurm-wlm and munge)", missing.join(", "))
+        format!(
+            "{} missing; run ./scripts/setup.sh --tests as root (it installs slurm-wlm and munge)",
+            missing.join(", ")
+        )
     })
 }
 
@@ -74,7 +79,6 @@ impl Cluster {
         let conf = d("slurm.conf");
         std::fs::write(&conf, slurm_conf(&dir, &node, &socket)).unwrap();
 
-        let mut pids = Vec::new();
         let munged = Command::new("munged")
             .args(["--foreground", "--force", "--key-file"])
             .arg(d("munge/munge.key"))
@@ -90,7 +94,6 @@ impl Cluster {
             .stderr(Stdio::null())
             .spawn()
             .expect("munged starts");
-        pids.push(munged.id());
         wait_for(|| socket.exists(), "munged's socket", &dir);
         // Foreground daemons (-D): their pids are known without reading pid files.
         let ctld = Command::new("slurmctld")
@@ -100,7 +103,6 @@ impl Cluster {
             .stderr(Stdio::null())
             .spawn()
             .expect("slurmctld starts");
-        pids.push(ctld.id());
         let slurmd = Command::new("slurmd")
             .args(["-D", "-N", &node])
             .env("SLURM_CONF", &conf)
@@ -108,9 +110,9 @@ impl Cluster {
             .stderr(Stdio::null())
             .spawn()
             .expect("slurmd starts");
-        pids.push(slurmd.id());
-        watchdog(&dir, &conf, &pids);
-        let cluster = Cluster { dir: dir.clone(), conf, node };
+        let pids = [munged.id(), ctld.id(), slurmd.id()];
+        let watchdog = watchdog(&dir, &conf, &pids);
+        let cluster = Cluster { dir: dir.clone(), conf, node, _processes: vec![munged, ctld, slurmd, watchdog] };
         wait_for(
             || {
                 cluster
@@ -130,7 +132,10 @@ impl Cluster {
     pub fn command(&self, program: &str) -> Command {
         let mut c = Command::new(program);
         for (k, _) in std::env::vars() {
-            if k.starts_with("RUNNER_") || k.starts_with("SLURM_") || ["RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"].contains(&k.as_str()) {
+            if k.starts_with("RUNNER_")
+                || k.starts_with("SLURM_")
+                || ["RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"].contains(&k.as_str())
+            {
                 c.env_remove(k);
             }
         }
@@ -221,7 +226,7 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 
 /// A shell that outlives nothing: once this test process is gone it cancels the cluster's jobs,
 /// stops the daemons started here (their pids, nothing else) and removes the folder.
-fn watchdog(dir: &Path, conf: &Path, pids: &[u32]) {
+fn watchdog(dir: &Path, conf: &Path, pids: &[u32]) -> std::process::Child {
     let pids: Vec<String> = pids.iter().map(|p| p.to_string()).collect();
     let script = format!(
         "while kill -0 {me} 2>/dev/null; do sleep 0.5; done
@@ -242,7 +247,7 @@ rm -rf '{dir}'",
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("sh starts");
+        .expect("sh starts")
 }
 
 fn wait_for(mut ready: impl FnMut() -> bool, what: &str, dir: &Path) {
