@@ -171,6 +171,11 @@ pub struct SweepArgs {
     /// with the stored ones; exit 1 listing every difference.
     #[arg(long)]
     pub check: bool,
+    /// With --check: float values whose relative difference is at most this count as equal
+    /// (for results stored on another CPU where a path is not CPU-independent); the largest
+    /// difference found is reported. Default: bit for bit.
+    #[arg(long, value_name = "REL", requires = "check")]
+    pub tolerance: Option<f64>,
 }
 
 #[derive(Debug, Args)]
@@ -190,7 +195,7 @@ pub fn main(cli: Cli) -> u8 {
         Command::Run(args) => run(&args),
         Command::Sweep(args) => crate::sweep::sweep(
             &args.file,
-            &crate::sweep::Options { out: args.out, fail_fast: args.fail_fast, force: args.force, check: args.check },
+            &crate::sweep::Options { out: args.out, fail_fast: args.fail_fast, force: args.force, check: args.check, tolerance: args.tolerance },
         ),
         Command::Report(args) => crate::report::write(&args.dir).map(|table| {
             crate::say!("{table}");

@@ -38,6 +38,9 @@ pub struct Manifest {
     /// Why a complete run stopped: its last epoch, or early stopping's reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped: Option<String>,
+    /// The CPU and the numerical settings (`MKL_CBWR`) the run computed under; older runs lack it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numerics: Option<crate::numerics::Numerics>,
 }
 
 impl Manifest {
@@ -68,6 +71,7 @@ impl Manifest {
             ended_at: None,
             failure: None,
             stopped: None,
+            numerics: Some(crate::numerics::current()),
         }
     }
 
