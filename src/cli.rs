@@ -195,7 +195,13 @@ pub fn main(cli: Cli) -> u8 {
         Command::Run(args) => run(&args),
         Command::Sweep(args) => crate::sweep::sweep(
             &args.file,
-            &crate::sweep::Options { out: args.out, fail_fast: args.fail_fast, force: args.force, check: args.check, tolerance: args.tolerance },
+            &crate::sweep::Options {
+                out: args.out,
+                fail_fast: args.fail_fast,
+                force: args.force,
+                check: args.check,
+                tolerance: args.tolerance,
+            },
         ),
         Command::Report(args) => crate::report::write(&args.dir).map(|table| {
             crate::say!("{table}");

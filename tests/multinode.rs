@@ -64,7 +64,10 @@ fn two_hosts_with_two_ranks_each_train_as_one_job() {
     let (_guard, ns, addr) = match two_hosts() {
         Ok(hosts) => hosts,
         Err(why) => {
-            common::cannot_run("two_hosts_with_two_ranks_each_train_as_one_job", &format!("cannot make network namespaces ({why})"));
+            common::cannot_run(
+                "two_hosts_with_two_ranks_each_train_as_one_job",
+                &format!("cannot make network namespaces ({why})"),
+            );
             return;
         }
     };
@@ -98,7 +101,10 @@ fn nodes_with_different_configurations_all_refuse_before_any_rank_starts() {
     // Two namespaces where they can be made; otherwise two launchers on loopback.
     let hosts = two_hosts();
     if let Err(why) = &hosts {
-        common::cannot_run("nodes_with_different_configurations (in two namespaces)", &format!("cannot make network namespaces ({why})"));
+        common::cannot_run(
+            "nodes_with_different_configurations (in two namespaces)",
+            &format!("cannot make network namespaces ({why})"),
+        );
         eprintln!("both nodes on 127.0.0.1 instead");
     }
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();

@@ -153,8 +153,12 @@ extern "C" {
     pub fn rn_autocast_bf16(enabled: c_int) -> *mut c_char;
     pub fn rn_all_reduce_sum_autograd(pg: *mut RnPg, input: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
 
-    pub fn rn_script_load(path: *const c_char, device_type: c_int, device_index: c_int, out: *mut *mut RnScript)
-        -> *mut c_char;
+    pub fn rn_script_load(
+        path: *const c_char,
+        device_type: c_int,
+        device_index: c_int,
+        out: *mut *mut RnScript,
+    ) -> *mut c_char;
     pub fn rn_script_free(m: *mut RnScript);
     pub fn rn_script_count(m: *mut RnScript, buffers: c_int, n: *mut usize) -> *mut c_char;
     pub fn rn_script_entry(

@@ -62,7 +62,9 @@ pub fn inspect(path: &Path, input: &[usize], outputs: usize) -> Result<TorchScri
         )
     })?;
     let (mut params, mut frozen) = (Vec::new(), Vec::new());
-    for (name, t) in module.parameters().map_err(|e| format!("cannot list the parameters of {}: {e}", path.display()))? {
+    for (name, t) in
+        module.parameters().map_err(|e| format!("cannot list the parameters of {}: {e}", path.display()))?
+    {
         let list = if t.requires_grad() { &mut params } else { &mut frozen };
         list.push((name, t.size()));
     }
