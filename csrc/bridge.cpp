@@ -17,6 +17,7 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/jit/serialization/import.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -548,3 +549,51 @@ char* rn_ddp_bucket_layout(rn_ddp* d, size_t* layout, size_t* bucket_sizes, size
     *n_buckets = buckets.size();
   });
 }
+
+struct rn_script {
+  torch::jit::Module module;
+  // Snapshots of named_parameters() and named_buffers(): the tensors alias the module's.
+  std::vector<std::pair<std::string, at::Tensor>> params, buffers;
+};
+
+extern "C" {
+
+char* rn_script_load(const char* path, int device_type, int device_index, rn_script** out) {
+  return protect([&] {
+    c10::Device device(static_cast<c10::DeviceType>(device_type), static_cast<c10::DeviceIndex>(device_index));
+    auto m = std::make_unique<rn_script>();
+    m->module = torch::jit::load(path, device);
+    for (const auto& p : m->module.named_parameters()) m->params.emplace_back(p.name, p.value);
+    for (const auto& b : m->module.named_buffers()) m->buffers.emplace_back(b.name, b.value);
+    *out = m.release();
+  });
+}
+
+void rn_script_free(rn_script* m) { delete m; }
+
+char* rn_script_count(rn_script* m, int buffers, size_t* n) {
+  return protect([&] { *n = (buffers ? m->buffers : m->params).size(); });
+}
+
+char* rn_script_entry(rn_script* m, int buffers, size_t i, char** name, void** tensor) {
+  return protect([&] {
+    const auto& list = buffers ? m->buffers : m->params;
+    TORCH_CHECK(i < list.size(), "no entry ", i);
+    *name = copy_message(list[i].first.c_str());
+    *tensor = new at::Tensor(list[i].second);
+  });
+}
+
+char* rn_script_train(rn_script* m, int training) {
+  return protect([&] { m->module.train(training != 0); });
+}
+
+char* rn_script_forward(rn_script* m, void* input, void** out) {
+  return protect([&] {
+    c10::IValue r = m->module.forward({tensor(input)});
+    TORCH_CHECK(r.isTensor(), "forward returned ", r.tagKind(), ", not a tensor");
+    *out = new at::Tensor(r.toTensor());
+  });
+}
+
+}  // extern "C"

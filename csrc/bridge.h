@@ -115,6 +115,23 @@ char* rn_autocast_bf16(int enabled);
 // (the collective SyncBatchNorm runs in both directions).
 char* rn_all_reduce_sum_autograd(rn_pg* pg, void* input, void** out);
 
+// A TorchScript module (torch.jit.save's archive) loaded onto device (a c10::DeviceType, with
+// device_index): tch's CModule lists its parameters but not its buffers, which the runner
+// checkpoints, broadcasts and saves with them.
+typedef struct rn_script rn_script;
+char* rn_script_load(const char* path, int device_type, int device_index, rn_script** out);
+void rn_script_free(rn_script* m);
+// The number of parameters (buffers = 0) or buffers (buffers = 1), in named_parameters() /
+// named_buffers() order (PyTorch's state_dict order within each).
+char* rn_script_count(rn_script* m, int buffers, size_t* n);
+// Entry i of that list: its dotted name (malloc'd, NUL-terminated, freed with rn_free_string) and
+// the tensor itself (a new at::Tensor sharing the module's storage, owned by the caller).
+char* rn_script_entry(rn_script* m, int buffers, size_t i, char** name, void** tensor);
+// module.train(training != 0).
+char* rn_script_train(rn_script* m, int training);
+// module.forward(input), which must return a tensor (*out, owned by the caller).
+char* rn_script_forward(rn_script* m, void* input, void** out);
+
 #ifdef __cplusplus
 }
 #endif

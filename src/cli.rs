@@ -184,6 +184,11 @@ pub struct SweepArgs {
     /// experiment file's [slurm] resources (srun tasks as ranks, requeued when preempted).
     #[arg(long, value_enum, default_value = "local")]
     pub launcher: crate::sweep::Launcher,
+    /// With --check: float values whose relative difference is at most this count as equal
+    /// (for results stored on another CPU where a path is not CPU-independent); the largest
+    /// difference found is reported. Default: bit for bit.
+    #[arg(long, value_name = "REL", requires = "check")]
+    pub tolerance: Option<f64>,
 }
 
 #[derive(Debug, Args)]
@@ -209,6 +214,7 @@ pub fn main(cli: Cli) -> u8 {
                 force: args.force,
                 check: args.check,
                 launcher: args.launcher,
+                tolerance: args.tolerance,
             },
         ),
         Command::Report(args) => crate::report::write(&args.dir).map(|table| {

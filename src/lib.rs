@@ -16,6 +16,7 @@ pub mod input;
 pub mod launch;
 pub mod limits;
 pub mod model;
+pub mod numerics;
 pub mod plan;
 pub mod predict;
 pub mod report;

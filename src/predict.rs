@@ -77,14 +77,23 @@ pub fn save(plan: &Plan, pg: &ProcessGroup, normalizer: &Normalizer, run_dir: &P
     };
     let json = serde_json::to_string_pretty(&p)? + "\n";
     crate::rundir::atomic_write(&run_dir.join(PREPROCESSING), json.as_bytes())?;
-    if let Some(info) = plan.data.file() {
-        let rows = crate::data::file::load(info).map_err(anyhow::Error::msg)?;
-        let split = serde_json::json!({
-            "file": info.path,
-            "validation_file": info.validation_path,
-            "train": rows.train_rows,
-            "validation": rows.val_rows,
-        });
+    // Which rows trained and validated, for every source with rows (a tensors file's too).
+    let split = match &plan.data.source {
+        crate::data::SourceSpec::Table(info) => {
+            let rows = crate::data::file::load(info).map_err(anyhow::Error::msg)?;
+            Some(serde_json::json!({
+                "file": info.path,
+                "validation_file": info.validation_path,
+                "train": rows.train_rows,
+                "validation": rows.val_rows,
+            }))
+        }
+        crate::data::SourceSpec::Tensors(info) => {
+            Some(crate::data::tensors::split_record(info).map_err(anyhow::Error::msg)?)
+        }
+        crate::data::SourceSpec::Synthetic(_) | crate::data::SourceSpec::Tokens(_) => None,
+    };
+    if let Some(split) = split {
         crate::rundir::atomic_write(&run_dir.join(SPLIT), (split.to_string() + "\n").as_bytes())?;
     }
     Ok(())
@@ -100,12 +109,20 @@ pub fn write_safetensors(named: &[(String, Tensor)], metadata: &[(&str, String)]
     }
     let mut data: Vec<u8> = Vec::new();
     for (name, t) in named {
-        let v = Vec::<f32>::try_from(t.to_kind(Kind::Float).contiguous().view(-1))?;
         let start = data.len();
-        data.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+        // Integer buffers (batch norm's num_batches_tracked) stay int64, as PyTorch keeps them.
+        let dtype = if t.is_floating_point() {
+            let v = Vec::<f32>::try_from(t.to_kind(Kind::Float).contiguous().view(-1))?;
+            data.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+            "F32"
+        } else {
+            let v = Vec::<i64>::try_from(t.to_kind(Kind::Int64).contiguous().view(-1))?;
+            data.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+            "I64"
+        };
         header.insert(
             name.clone(),
-            serde_json::json!({"dtype": "F32", "shape": t.size(), "data_offsets": [start, data.len()]}),
+            serde_json::json!({"dtype": dtype, "shape": t.size(), "data_offsets": [start, data.len()]}),
         );
     }
     let mut h = serde_json::to_string(&header)?.into_bytes();

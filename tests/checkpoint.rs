@@ -159,7 +159,10 @@ fn a_disk_that_holds_the_kept_checkpoints_is_enough_and_a_full_one_is_named_befo
     let disk = match SmallDisk::new((needed + checkpoint / 2) / 1024) {
         Ok(d) => d,
         Err(why) => {
-            eprintln!("SKIPPED: cannot mount a small tmpfs ({why})");
+            common::cannot_run(
+                "a_disk_that_holds_the_kept_checkpoints",
+                &format!("cannot mount a small tmpfs ({why})"),
+            );
             return;
         }
     };

@@ -278,7 +278,7 @@ fn a_torchscript_module_trains_under_ddp_like_one_process_on_the_double_batch() 
     assert_ok(&run(&[&one[..], &global].concat(), dir.path()));
     assert_same(dir.path(), "two", "one");
     let names: Vec<String> = params(&dir.path().join("one")).into_keys().collect();
-    assert_eq!(names, ["fc1_bias", "fc1_weight", "fc2_bias", "fc2_weight"]);
+    assert_eq!(names, ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"], "PyTorch's own names");
 }
 
 /// `runner validate` on `p.toml` with `args`: exit code 2 and exactly `expected` on stderr.

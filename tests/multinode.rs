@@ -1,5 +1,7 @@
 //! Multi-node runs for real: two network namespaces joined by a veth pair act as two hosts with
-//! two ranks each. Needs root and iproute2; elsewhere the test says why it is skipped.
+//! two ranks each. Needs root and iproute2: without them the test fails under `CI=true` and
+//! elsewhere prints a loud SKIPPED line. Every test names its namespaces and links uniquely
+//! (process id and a counter), so the tests run in parallel.
 mod common;
 
 use std::process::{Command, Stdio};
@@ -31,7 +33,7 @@ fn two_hosts() -> Result<(Namespaces, [String; 2], [String; 2]), String> {
     if !nix::unistd::geteuid().is_root() {
         return Err("not running as root".into());
     }
-    let id = std::process::id() % 100_000;
+    let id = common::unique_name("");
     let ns = [format!("rn{id}a"), format!("rn{id}b")];
     let mut guard = Namespaces(Vec::new());
     for n in &ns {
@@ -40,7 +42,8 @@ fn two_hosts() -> Result<(Namespaces, [String; 2], [String; 2]), String> {
     }
     let (va, vb) = (format!("rv{id}a"), format!("rv{id}b"));
     ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
-    let subnet = id % 250;
+    // Distinct subnets for the tests of one process (different processes: different namespaces).
+    let subnet = (fnv(&id) % 250) as u8;
     let addr = [format!("10.231.{subnet}.1"), format!("10.231.{subnet}.2")];
     for ((n, v), a) in ns.iter().zip([&va, &vb]).zip(&addr) {
         ip(&["link", "set", v, "netns", n])?;
@@ -51,12 +54,20 @@ fn two_hosts() -> Result<(Namespaces, [String; 2], [String; 2]), String> {
     Ok((guard, ns, addr))
 }
 
+/// A small hash of a name, to spread the tests' subnets.
+fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
 #[test]
 fn two_hosts_with_two_ranks_each_train_as_one_job() {
     let (_guard, ns, addr) = match two_hosts() {
         Ok(hosts) => hosts,
         Err(why) => {
-            eprintln!("SKIPPED two_hosts_with_two_ranks_each_train_as_one_job: cannot make network namespaces ({why})");
+            common::cannot_run(
+                "two_hosts_with_two_ranks_each_train_as_one_job",
+                &format!("cannot make network namespaces ({why})"),
+            );
             return;
         }
     };
@@ -90,7 +101,11 @@ fn nodes_with_different_configurations_all_refuse_before_any_rank_starts() {
     // Two namespaces where they can be made; otherwise two launchers on loopback.
     let hosts = two_hosts();
     if let Err(why) = &hosts {
-        eprintln!("two namespaces unavailable ({why}): both nodes on 127.0.0.1");
+        common::cannot_run(
+            "nodes_with_different_configurations (in two namespaces)",
+            &format!("cannot make network namespaces ({why})"),
+        );
+        eprintln!("both nodes on 127.0.0.1 instead");
     }
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     let master = hosts.as_ref().map_or("127.0.0.1".to_string(), |h| h.2[0].clone());

@@ -121,14 +121,23 @@ fn a_sweep_writes_its_table_from_the_traces_and_its_check_catches_one_altered_va
     let (_, stderr) = text(&o);
     assert_eq!(o.status.code(), Some(1), "{stderr}");
     let (epoch, rank) = (df.column("epoch").unwrap().get(1).unwrap(), df.column("rank").unwrap().get(1).unwrap());
+    let stored = original + 1e-9;
+    let relative = (stored - original).abs() / stored.abs().max(original.abs());
     assert_eq!(
         stderr.trim(),
         format!(
             "error: 1 difference between s and a rerun:\n  world_size=2,seed=1: row 1 (epoch {epoch}, rank {rank}): \
-             `global_train_loss` stored {:?} but the rerun gives {original:?}",
-            original + 1e-9
+             `global_train_loss` stored {stored:?} but the rerun gives {original:?} (relative difference {relative:.1e})\n\
+             stored on {here}, rerun on {here}; where the CPUs differ, --tolerance REL accepts values within a \
+             relative difference REL",
+            here = format!("{} (MKL_CBWR=COMPATIBLE)", runner::numerics::cpu_model()),
         )
     );
+    // Within a tolerance the altered value is accepted, and counted.
+    let o = run(&["sweep", "e.toml", "--out", "s", "--check", "--tolerance", "1e-6"], dir.path());
+    let (stdout, stderr) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{stderr}");
+    assert!(stdout.contains("1 float values differ by at most"), "{stdout}");
 }
 
 #[test]

@@ -386,6 +386,21 @@ impl std::fmt::Debug for Rows {
     }
 }
 
+/// `split.json` for a tensors source: the file(s) and the 0-based rows of `x` that trained and
+/// validated (`validation` is empty with `validation_file`: every row of that file validates).
+pub fn split_record(info: &TensorsInfo) -> Result<serde_json::Value, String> {
+    let (_, y) = open(&info.train)?;
+    let labels: Vec<i64> = Vec::try_from(&y).map_err(|e: tch::TchError| e.to_string())?;
+    let (train, validation) = info.split_rows(&labels);
+    Ok(serde_json::json!({
+        "file": info.train.path,
+        "labels_file": info.train.labels,
+        "validation_file": info.validation.as_ref().map(|v| &v.path),
+        "train": train,
+        "validation": validation,
+    }))
+}
+
 /// A rank's view: the training rows (read per batch from an .npy `x`) and the validation rows.
 pub fn load(info: &TensorsInfo) -> Result<(Rows, Tensor, Tensor), String> {
     let (x, y) = open(&info.train)?;

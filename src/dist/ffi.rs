@@ -20,6 +20,11 @@ pub struct RnWork {
 }
 
 #[repr(C)]
+pub struct RnScript {
+    _private: [u8; 0],
+}
+
+#[repr(C)]
 #[derive(Debug, Default, Clone, Copy)]
 pub struct RnDdpStats {
     pub forward_compute_ns: i64,
@@ -154,4 +159,22 @@ extern "C" {
     ) -> *mut c_char;
     pub fn rn_autocast_bf16(enabled: c_int) -> *mut c_char;
     pub fn rn_all_reduce_sum_autograd(pg: *mut RnPg, input: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
+
+    pub fn rn_script_load(
+        path: *const c_char,
+        device_type: c_int,
+        device_index: c_int,
+        out: *mut *mut RnScript,
+    ) -> *mut c_char;
+    pub fn rn_script_free(m: *mut RnScript);
+    pub fn rn_script_count(m: *mut RnScript, buffers: c_int, n: *mut usize) -> *mut c_char;
+    pub fn rn_script_entry(
+        m: *mut RnScript,
+        buffers: c_int,
+        i: usize,
+        name: *mut *mut c_char,
+        tensor: *mut *mut c_void,
+    ) -> *mut c_char;
+    pub fn rn_script_train(m: *mut RnScript, training: c_int) -> *mut c_char;
+    pub fn rn_script_forward(m: *mut RnScript, input: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
 }

@@ -3,6 +3,7 @@
 //! - [`Store`]: the TCPStore rendezvous (a server on a socket the caller bound, or a client);
 //! - [`ProcessGroup`]: Gloo (or NCCL) collectives on `tch` tensors, each bounded by a timeout;
 //! - [`Ddp`]: c10d's Reducer, DistributedDataParallel's bucketed gradient averaging;
+//! - [`Script`]: a TorchScript module with its parameters and buffers (tch lists no buffers);
 //! - [`fused_adam`], [`sgd`], [`set_autocast_dtype`]: libtorch functions that tch does not expose.
 //!
 //! Failures come back as [`Error`], naming the operation and, where known, the peer that left.
@@ -25,12 +26,14 @@ mod error;
 mod ffi;
 mod kernels;
 mod process_group;
+mod script;
 mod store;
 
 pub use ddp::{Ddp, ReducerTimes};
 pub use error::{Error, PeerExit, Result};
 pub use kernels::{clear_grads, fused_adam, set_autocast_dtype, sgd, AdamConfig, AutocastBf16, SgdConfig};
 pub use process_group::{record_exit, Backend, Pending, ProcessGroup, ReduceOp};
+pub use script::Script;
 pub use store::Store;
 
 /// Ends the process with `code` once stdout and stderr are flushed, skipping static destructors:

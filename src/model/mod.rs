@@ -200,8 +200,9 @@ pub fn parameters_in_module_order(arch: &dyn Architecture, range: Range<usize>, 
     arch.parameters(range).iter().map(|(name, _)| vars[name].shallow_clone()).collect()
 }
 
-/// Reads a weights file (.npz or .safetensors) holding exactly the parameters of `shapes`,
-/// as float32; says what is missing, extra or misshapen otherwise.
+/// Reads a weights file (.npz or .safetensors) holding exactly the parameters and buffers of
+/// `shapes`, as float32 (batch norm's `num_batches_tracked` as int64); says what is missing,
+/// extra or misshapen otherwise.
 pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeMap<String, Tensor>, String> {
     if !path.exists() {
         return Err(format!("{} does not exist (paths are relative to the pipeline file)", path.display()));
@@ -214,8 +215,9 @@ pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeM
     };
     let mut tensors: BTreeMap<String, Tensor> =
         read.map_err(|e| format!("cannot read {}: {e}", path.display()))?.into_iter().collect();
-    // A PyTorch state_dict counts batch norm's batches; nothing here uses the count.
-    tensors.retain(|name, _| !name.ends_with("num_batches_tracked"));
+    // A PyTorch state_dict counts batch norm's batches: kept where the model has the count
+    // (TorchScript modules), dropped where it has none (the built-in kinds).
+    tensors.retain(|name, _| !name.ends_with("num_batches_tracked") || shapes.iter().any(|(n, _)| n == name));
     let mut problems = Vec::new();
     let mut out = BTreeMap::new();
     for (name, shape) in shapes {
@@ -223,6 +225,9 @@ pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeM
             None => problems.push(format!("no `{name}`")),
             Some(t) if t.size() != *shape => {
                 problems.push(format!("`{name}` is {:?}, the model's is {shape:?}", t.size()))
+            }
+            Some(t) if name.ends_with("num_batches_tracked") && !t.is_floating_point() => {
+                out.insert(name.clone(), t.to_kind(tch::Kind::Int64));
             }
             Some(t) if !t.is_floating_point() => problems.push(format!("`{name}` holds {:?}, not floats", t.kind())),
             Some(t) if t.isfinite().all().int64_value(&[]) == 0 => {

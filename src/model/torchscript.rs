@@ -1,17 +1,21 @@
 //! `kind = "torchscript"`: a module the user scripted or traced in PyTorch
-//! (`torch.jit.script(model).save("model.pt")`), loaded with its own initial weights. Its
-//! parameters join the VarStore (tch's `TrainableCModule`, names with `_` for `.`:
-//! `fc1.weight` is `fc1_weight`), so the optimizer, DDP's Reducer, checkpoints, `wrap.init` and
-//! `model.safetensors` treat them as any model's; the order of `named_parameters()` is torch's
-//! module order. To the runner the module is one opaque layer: a pipeline cannot cut it. Its
-//! buffers (batch norm's running statistics, if it has any) stay inside the module: they are
-//! neither checkpointed nor written to `model.safetensors`.
+//! (`torch.jit.script(model).save("model.pt")`), loaded with its own initial weights. Its whole
+//! state joins the VarStore under PyTorch's own names (`layer1.0.bn1.running_mean`, the keys of
+//! the module's `state_dict()`): the parameters as trainable variables (in `named_parameters()`
+//! order, torch's module order, which DDP's buckets follow), frozen parameters and buffers (batch
+//! norm's running statistics and batch count) as variables that are not trained. So the
+//! optimizer and DDP's Reducer see the parameters, while checkpoints, DDP's buffer broadcast,
+//! `wrap.init` and `model.safetensors` see everything: the saved file loads into the user's own
+//! class with `load_state_dict(..., strict=True)`. To the runner the module is one opaque layer:
+//! a pipeline cannot cut it.
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use tch::nn::{self, ModuleT};
-use tch::{CModule, Kind, Tensor, TrainableCModule};
+use tch::{Kind, Tensor};
+
+use crate::dist::Script;
 
 use super::{Architecture, BuildContext, Layer};
 
@@ -19,16 +23,20 @@ use super::{Architecture, BuildContext, Layer};
 #[derive(Debug, Clone)]
 pub struct TorchScriptArch {
     path: PathBuf,
-    /// Parameter names as the VarStore holds them, with shapes, in module order.
+    /// Trained parameters' names and shapes, in module order.
     params: Vec<(String, Vec<i64>)>,
-    /// Parameters the module freezes (`requires_grad = False`): kept and saved, never trained.
+    /// Parameters the module freezes (`requires_grad = False`), then its buffers: kept, broadcast
+    /// and saved, never trained.
     frozen: Vec<(String, Vec<i64>)>,
     outputs: usize,
 }
 
-/// The VarStore's name of a module parameter (as `TrainableCModule::load` registers it).
-fn var_name(name: &str) -> String {
-    name.replace('.', "_")
+/// Adds `t` to the VarStore under `name`, PyTorch's dotted name: one sub-path per part.
+fn add_var(p: &nn::Path, name: &str, t: Tensor, trainable: bool) {
+    let mut parts: Vec<&str> = name.split('.').collect();
+    let leaf = parts.pop().unwrap_or(name);
+    let path = parts.iter().fold(p.clone(), |p, part| p.sub(*part));
+    let _ = path.add(leaf, t, trainable);
 }
 
 /// Loads the module at `path` and runs one batch of 2 zero samples of shape `input` through it
@@ -45,7 +53,7 @@ pub fn inspect(path: &Path, input: &[usize], outputs: usize) -> Result<TorchScri
             path.display()
         ));
     }
-    let mut module = CModule::load(path).map_err(|e| {
+    let mut module = Script::load(path, tch::Device::Cpu).map_err(|e| {
         let first = e.to_string().lines().next().unwrap_or_default().to_owned();
         format!(
             "{} is not a TorchScript module ({first}); save one with torch.jit.script(model).save(path) or \
@@ -55,15 +63,18 @@ pub fn inspect(path: &Path, input: &[usize], outputs: usize) -> Result<TorchScri
     })?;
     let (mut params, mut frozen) = (Vec::new(), Vec::new());
     for (name, t) in
-        module.named_parameters().map_err(|e| format!("cannot list the parameters of {}: {e}", path.display()))?
+        module.parameters().map_err(|e| format!("cannot list the parameters of {}: {e}", path.display()))?
     {
         let list = if t.requires_grad() { &mut params } else { &mut frozen };
-        list.push((var_name(&name), t.size()));
+        list.push((name, t.size()));
     }
-    module.f_set_eval().map_err(|e| format!("{}: {e}", path.display()))?;
+    for (name, t) in module.buffers().map_err(|e| format!("cannot list the buffers of {}: {e}", path.display()))? {
+        frozen.push((name, t.size()));
+    }
+    module.set_train(false).map_err(|e| format!("{}: {e}", path.display()))?;
     let batch: Vec<i64> = std::iter::once(2).chain(input.iter().map(|&d| d as i64)).collect();
     let x = Tensor::zeros(batch.as_slice(), (Kind::Float, tch::Device::Cpu));
-    let out = tch::no_grad(|| module.forward_ts(&[x])).map_err(|e| {
+    let out = tch::no_grad(|| module.forward(&x)).map_err(|e| {
         let first = e.to_string().lines().next().unwrap_or_default().to_owned();
         format!("{} fails on a batch of shape {batch:?} (the data's samples): {first}", path.display())
     })?;
@@ -99,7 +110,7 @@ impl Architecture for TorchScriptArch {
     fn layers(&self) -> Vec<Layer> {
         let parameters = self.params.iter().map(|(_, s)| s.iter().product::<i64>() as usize).sum();
         vec![Layer {
-            name: format!("TorchScript module, {} tensors", self.params.len()),
+            name: format!("TorchScript module, {} parameters, {} buffers", self.params.len(), self.frozen.len()),
             parameters,
             output: vec![self.outputs],
             // Unknown: the module's insides are not described.
@@ -124,17 +135,25 @@ impl Architecture for TorchScriptArch {
     }
 
     fn build<'a>(&self, p: &nn::Path, _range: Range<usize>, _ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
-        let mut module = TrainableCModule::load(&self.path, p.clone()).unwrap_or_else(|e| {
+        let fail = |e: crate::dist::Error| -> ! {
             panic!("cannot load {} (it was read when the plan was made): {e}", self.path.display())
-        });
-        module.set_train();
+        };
+        let mut module = Script::load(&self.path, p.device()).unwrap_or_else(|e| fail(e));
+        for (name, t) in module.parameters().unwrap_or_else(|e| fail(e)) {
+            let trainable = t.requires_grad();
+            add_var(p, &name, t, trainable);
+        }
+        for (name, t) in module.buffers().unwrap_or_else(|e| fail(e)) {
+            add_var(p, &name, t, false);
+        }
+        module.set_train(true).unwrap_or_else(|e| fail(e));
         Box::new(Scripted { module: Mutex::new((module, true)) })
     }
 }
 
 /// The loaded module and whether it is in training mode (switched only when `train` changes).
 struct Scripted {
-    module: Mutex<(TrainableCModule, bool)>,
+    module: Mutex<(Script, bool)>,
 }
 
 impl std::fmt::Debug for Scripted {
@@ -148,13 +167,9 @@ impl ModuleT for Scripted {
         let mut guard = self.module.lock().unwrap_or_else(|e| e.into_inner());
         let (module, training) = &mut *guard;
         if *training != train {
-            if train {
-                module.set_train()
-            } else {
-                module.set_eval()
-            }
+            module.set_train(train).unwrap_or_else(|e| panic!("the TorchScript module failed: {e}"));
             *training = train;
         }
-        module.forward_ts(&[x]).unwrap_or_else(|e| panic!("the TorchScript module failed: {e}"))
+        module.forward(x).unwrap_or_else(|e| panic!("the TorchScript module failed: {e}"))
     }
 }

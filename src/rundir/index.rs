@@ -14,6 +14,10 @@ pub struct Index {
     pub experiment: String,
     pub axes: Vec<String>,
     pub points: Vec<IndexPoint>,
+    /// The CPU and numerical settings (`MKL_CBWR`) the sweep ran under: `--check` reruns under
+    /// the same settings and names both CPUs when values differ. Older sweeps lack it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numerics: Option<crate::numerics::Numerics>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -44,6 +44,9 @@ pub struct Manifest {
     /// The optimizer step of the checkpoint a preempted run wrote.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preempted_at_step: Option<usize>,
+    /// The CPU and the numerical settings (`MKL_CBWR`) the run computed under; older runs lack it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numerics: Option<crate::numerics::Numerics>,
 }
 
 impl Manifest {
@@ -75,6 +78,7 @@ impl Manifest {
             failure: None,
             stopped: None,
             preempted_at_step: None,
+            numerics: Some(crate::numerics::current()),
         }
     }
 

@@ -1,7 +1,8 @@
 //! Stage 4, wrap: the model from `[wrap.model]` (the layers this rank holds, each seeded from
 //! (seed, layer) alone, so every rank and every strategy starts from the same weights, or read
-//! from `wrap.init`), its strategy (DDP, a pipeline stage, or none) and its optimizer, over the
-//! parameters this rank holds.
+//! from `wrap.init`, which holds every parameter and buffer under the names `model.safetensors`
+//! uses), its strategy (DDP, a pipeline stage, or none; DDP broadcasts the buffers) and its
+//! optimizer, over the parameters this rank holds.
 use tch::nn::{self, ModuleT};
 
 use crate::dist::ProcessGroup;
@@ -44,8 +45,10 @@ pub fn wrap<'pg>(
             tch::no_grad(|| var.copy_(&weights[&name]));
         }
     }
-    let params = crate::model::parameters_in_module_order(arch.as_ref(), layers, &vs);
-    let strategy = Strategy::new(plan, pg, device, &params, buckets, batch_norm)?;
+    let params = crate::model::parameters_in_module_order(arch.as_ref(), layers.clone(), &vs);
+    let vars = vs.variables();
+    let buffers: Vec<_> = arch.buffers(layers).iter().map(|(name, _)| vars[name].shallow_clone()).collect();
+    let strategy = Strategy::new(plan, pg, device, &params, &buffers, buckets, batch_norm)?;
     let optimizer = Optimizer::new(&c.train, vs.trainable_variables());
     Ok(Wrapped { vs, model, strategy, optimizer })
 }

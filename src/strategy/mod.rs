@@ -81,12 +81,13 @@ impl<'pg> Strategy<'pg> {
         pg: &'pg ProcessGroup,
         device: tch::Device,
         params: &[Tensor],
+        buffers: &[Tensor],
         buckets: Option<&[Vec<usize>]>,
         batch_norm: Option<Arc<StatsGroup<'pg>>>,
     ) -> anyhow::Result<Strategy<'pg>> {
         Ok(match plan.config.wrap.strategy {
             WrapStrategy::Ddp | WrapStrategy::None => {
-                Strategy::Replica(replica::Replica::new(plan, pg, device, params, buckets, batch_norm)?)
+                Strategy::Replica(replica::Replica::new(plan, pg, device, params, buffers, buckets, batch_norm)?)
             }
             WrapStrategy::Pipeline => Strategy::Pipeline(pipeline::Stage::new(plan, pg, device)?),
         })
@@ -137,7 +138,7 @@ impl<'pg> Strategy<'pg> {
             return Ok(None);
         }
         match self {
-            Strategy::Replica(r) => Ok(r.validate(plan, model, data, normalizer)),
+            Strategy::Replica(r) => r.validate(plan, model, data, normalizer),
             Strategy::Pipeline(stage) => stage.validate(plan, model, data, normalizer),
         }
     }

@@ -1,6 +1,9 @@
 //! Every rank holds a whole replica of the model (`wrap.strategy = "ddp"` or `"none"`). With DDP
 //! and more than one rank, c10d's Reducer averages the gradients in buckets while the backward
-//! pass runs; otherwise each rank trains alone.
+//! pass runs; otherwise each rank trains alone. Under DDP the model's buffers (batch norm's
+//! running statistics, a TorchScript module's buffers and frozen parameters) are broadcast from
+//! rank 0 before each synchronised forward pass, as torch's `broadcast_buffers=True` does, and
+//! before validation, so every rank validates the model rank 0 saves.
 
 use std::sync::Arc;
 
@@ -29,6 +32,8 @@ pub struct Replica<'pg> {
     /// The group the model's batch norm layers synchronise over (`wrap.sync_batchnorm`), where a
     /// forward pass leaves a failed collective.
     batch_norm: Option<Arc<StatsGroup<'pg>>>,
+    /// The model's buffers, broadcast from rank 0 (under DDP with more than one rank; else empty).
+    buffers: Vec<Tensor>,
 }
 
 impl<'pg> Replica<'pg> {
@@ -37,6 +42,7 @@ impl<'pg> Replica<'pg> {
         pg: &'pg ProcessGroup,
         device: tch::Device,
         params: &[Tensor],
+        buffers: &[Tensor],
         buckets: Option<&[Vec<usize>]>,
         batch_norm: Option<Arc<StatsGroup<'pg>>>,
     ) -> anyhow::Result<Replica<'pg>> {
@@ -52,7 +58,9 @@ impl<'pg> Replica<'pg> {
             }
             _ => None,
         };
-        Ok(Replica { pg, ddp, task: plan.data.task, device, precision: c.train.precision, iteration: 0, batch_norm })
+        let buffers = if ddp.is_some() { buffers.iter().map(Tensor::shallow_clone).collect() } else { Vec::new() };
+        let precision = c.train.precision;
+        Ok(Replica { pg, ddp, task: plan.data.task, device, precision, iteration: 0, batch_norm, buffers })
     }
 
     /// `sampled`: the step trace records this step (the Reducer has timed it). The gradients add
@@ -75,6 +83,9 @@ impl<'pg> Replica<'pg> {
         if let Some(ddp) = self.ddp.as_mut() {
             ddp.set_sync(micro.sync);
             ddp.prepare_forward()?;
+        }
+        if micro.sync {
+            broadcast_buffers(self.pg, &self.buffers)?;
         }
         let out = super::in_precision(self.precision, || model.forward_t(x, true))?;
         // SyncBatchNorm's statistics all-reduce failed (a peer left): nothing of this step counts.
@@ -116,15 +127,36 @@ impl<'pg> Replica<'pg> {
         model: &dyn ModuleT,
         data: &Dataset,
         normalizer: &Normalizer,
-    ) -> Option<crate::data::Metrics> {
+    ) -> anyhow::Result<Option<crate::data::Metrics>> {
+        broadcast_buffers(self.pg, &self.buffers)?;
         if self.pg.rank() != 0 && plan.config.validate.on != ValidateOn::All {
-            return None;
+            return Ok(None);
         }
         let out = tch::no_grad(|| model.forward_t(&normalizer.apply(&data.val_x), false));
-        Some(data.metrics(&out, &data.val_y))
+        Ok(Some(data.metrics(&out, &data.val_y)))
     }
 
     pub fn bucket_layout(&self) -> anyhow::Result<Option<Vec<Vec<usize>>>> {
         Ok(self.ddp.as_ref().map(Ddp::bucket_layout).transpose()?)
     }
+}
+
+/// Copies rank 0's `buffers` into every rank's: one broadcast per element type (float statistics,
+/// integer counts) of the buffers flattened together, as torch's `_sync_module_buffers` coalesces.
+fn broadcast_buffers(pg: &ProcessGroup, buffers: &[Tensor]) -> anyhow::Result<()> {
+    for floating in [true, false] {
+        let group: Vec<&Tensor> = buffers.iter().filter(|b| b.is_floating_point() == floating).collect();
+        if group.is_empty() {
+            continue;
+        }
+        let mut flat = Tensor::cat(&group.iter().map(|b| b.detach().reshape([-1])).collect::<Vec<_>>(), 0);
+        pg.broadcast(&mut flat, 0)?;
+        let mut at = 0;
+        for b in group {
+            let n = b.numel() as i64;
+            tch::no_grad(|| b.detach().copy_(&flat.narrow(0, at, n).view_as(b)));
+            at += n;
+        }
+    }
+    Ok(())
 }

@@ -9,6 +9,7 @@ use super::execute;
 use super::grid::Point;
 use super::progress::SweepProgress;
 use super::Runs;
+use crate::numerics::Numerics;
 use crate::rundir::manifest::{Manifest, Status};
 use crate::trace;
 
@@ -19,16 +20,37 @@ pub const TIMING_COLUMNS: &[&str] = &["epoch_s", "samples_per_s", "comm_s", "com
 /// without them is compared on the others; one that has them is compared on them too.
 pub const LATER_COLUMNS: &[&str] = &["lr", "grad_norm_mean", "grad_norm_max"];
 
+/// Makes the reruns compute under the stored sweep's `MKL_CBWR` (its children inherit it); returns
+/// the stored and the current CPU and settings, as text.
+pub fn apply_stored_numerics(stored: Option<&Numerics>) -> (String, String) {
+    let Some(stored) = stored else {
+        return ("an unrecorded CPU (a sweep of an older runner)".into(), crate::numerics::current().to_string());
+    };
+    if !stored.mkl_cbwr.is_empty() {
+        std::env::set_var("MKL_CBWR", &stored.mkl_cbwr);
+    }
+    (stored.to_string(), crate::numerics::current().to_string())
+}
+
+/// Float values that differed within a tolerance: how many, and the largest relative difference.
+pub type Within = Option<(usize, f64)>;
+
 /// Every difference between the stored sweep in `sweep_dir` and a rerun of its points (run
 /// where `runs` says: under Slurm, side by side, into a folder in the sweep directory that every
 /// node sees).
-pub fn check(points: &[Point], sweep_dir: &Path, runs: &Runs) -> anyhow::Result<Vec<String>> {
+pub fn check(
+    points: &[Point],
+    sweep_dir: &Path,
+    runs: &Runs,
+    tolerance: Option<f64>,
+) -> anyhow::Result<(Vec<String>, Within)> {
     let scratch = match runs {
         Runs::Local => tempfile::Builder::new().prefix("runner-check-").tempdir()?,
         Runs::Slurm(_) => tempfile::Builder::new().prefix(".check-").tempdir_in(sweep_dir)?,
     };
     let mut progress = SweepProgress::new(points.len(), points.len(), "check");
     let mut differences = Vec::new();
+    let mut within: Within = None;
     let mut stored = Vec::new();
     for point in points {
         match stored_run(point, &sweep_dir.join(&point.dir)) {
@@ -43,7 +65,14 @@ pub fn check(points: &[Point], sweep_dir: &Path, runs: &Runs) -> anyhow::Result<
     let mut compared = |point: &Point, result: Result<(), String>| {
         let found = match result {
             Err(why) => vec![format!("the rerun failed: {why}")],
-            Ok(()) => compare_runs(&sweep_dir.join(&point.dir), &rerun_dir(point)),
+            Ok(()) => {
+                let (found, w) = compare_runs(&sweep_dir.join(&point.dir), &rerun_dir(point), tolerance);
+                if let Some((n, r)) = w {
+                    let (m, q) = within.unwrap_or((0, 0.0));
+                    within = Some((m + n, q.max(r)));
+                }
+                found
+            }
         };
         let outcome = match found.len() {
             0 => "reproduced".to_owned(),
@@ -73,17 +102,17 @@ pub fn check(points: &[Point], sweep_dir: &Path, runs: &Runs) -> anyhow::Result<
         }
     }
     progress.clear();
-    Ok(differences)
+    Ok((differences, within))
 }
 
 /// Every difference between the traces of two run directories.
-fn compare_runs(stored: &Path, rerun: &Path) -> Vec<String> {
+fn compare_runs(stored: &Path, rerun: &Path, tolerance: Option<f64>) -> (Vec<String>, Within) {
     match (
         trace::read_parquet(&stored.join(crate::rundir::TRACE)),
         trace::read_parquet(&rerun.join(crate::rundir::TRACE)),
     ) {
-        (Ok(a), Ok(b)) => compare(&a, &b),
-        (Err(e), _) | (_, Err(e)) => vec![format!("{e:#}")],
+        (Ok(a), Ok(b)) => compare(&a, &b, tolerance),
+        (Err(e), _) | (_, Err(e)) => (vec![format!("{e:#}")], None),
     }
 }
 
@@ -106,9 +135,11 @@ fn stored_run(point: &Point, dir: &Path) -> Result<(), String> {
 }
 
 /// Every difference in the non-timing columns of two traces, each naming the row (epoch, rank),
-/// the column and both values.
-pub fn compare(stored: &DataFrame, rerun: &DataFrame) -> Vec<String> {
+/// the column, both values and their relative difference; float values within `tolerance`
+/// (relative) are counted apart, with the largest such difference.
+pub fn compare(stored: &DataFrame, rerun: &DataFrame, tolerance: Option<f64>) -> (Vec<String>, Within) {
     let mut out = Vec::new();
+    let mut within: Within = None;
     let names = |df: &DataFrame| -> Vec<String> {
         df.get_column_names().iter().map(|n| n.to_string()).filter(|n| !TIMING_COLUMNS.contains(&n.as_str())).collect()
     };
@@ -137,12 +168,32 @@ pub fn compare(stored: &DataFrame, rerun: &DataFrame) -> Vec<String> {
         }
         for i in 0..rows {
             let (u, v) = (x.get(i).expect("in range"), y.get(i).expect("in range"));
-            if !same(&u, &v) {
-                out.push(format!("{}: `{name}` stored {} but the rerun gives {}", at(i), exact(&u), exact(&v)));
+            if same(&u, &v) {
+                continue;
+            }
+            match (relative(&u, &v), tolerance) {
+                (Some(r), Some(t)) if r <= t => {
+                    let (n, q) = within.unwrap_or((0, 0.0));
+                    within = Some((n + 1, q.max(r)));
+                }
+                (r, _) => {
+                    let by = r.map(|r| format!(" (relative difference {r:.1e})")).unwrap_or_default();
+                    out.push(format!("{}: `{name}` stored {} but the rerun gives {}{by}", at(i), exact(&u), exact(&v)));
+                }
             }
         }
     }
-    out
+    (out, within)
+}
+
+/// |a − b| / max(|a|, |b|) of two finite floats.
+fn relative(a: &AnyValue, b: &AnyValue) -> Option<f64> {
+    let (x, y) = match (a, b) {
+        (AnyValue::Float64(x), AnyValue::Float64(y)) => (*x, *y),
+        (AnyValue::Float32(x), AnyValue::Float32(y)) => (*x as f64, *y as f64),
+        _ => return None,
+    };
+    (x.is_finite() && y.is_finite()).then(|| (x - y).abs() / x.abs().max(y.abs()))
 }
 
 /// Bit-for-bit equality (NaN equals NaN; 0.0 and −0.0 differ).
@@ -210,17 +261,25 @@ mod tests {
     fn timings_may_differ_and_nothing_else_may() {
         let a = epochs_frame("r", 2, &[row(1, 0, 0.9, 1.0), row(1, 1, 0.9, 1.0)]).unwrap();
         let b = epochs_frame("r", 2, &[row(1, 0, 0.9, 2.5), row(1, 1, 0.9, 0.1)]).unwrap();
-        assert_eq!(compare(&a, &b), Vec::<String>::new());
+        assert_eq!(compare(&a, &b, None).0, Vec::<String>::new());
 
         let c = epochs_frame("r", 2, &[row(1, 0, 0.9, 1.0), row(1, 1, 0.9000000000000001, 1.0)]).unwrap();
         assert_eq!(
-            compare(&a, &c),
+            compare(&a, &c, None).0,
             [
-                "row 1 (epoch 1, rank 1): `train_loss` stored 0.9 but the rerun gives 0.9000000000000001",
-                "row 1 (epoch 1, rank 1): `global_train_loss` stored 0.9 but the rerun gives 0.9000000000000001",
+                "row 1 (epoch 1, rank 1): `train_loss` stored 0.9 but the rerun gives 0.9000000000000001 \
+                 (relative difference 1.2e-16)",
+                "row 1 (epoch 1, rank 1): `global_train_loss` stored 0.9 but the rerun gives 0.9000000000000001 \
+                 (relative difference 1.2e-16)",
             ]
         );
+        // Within a tolerance: counted, with the largest relative difference, not listed.
+        let (found, within) = compare(&a, &c, Some(1e-12));
+        assert!(found.is_empty(), "{found:?}");
+        let (n, largest) = within.unwrap();
+        assert_eq!(n, 2);
+        assert!(largest > 1e-16 && largest < 1e-15, "{largest}");
         let short = epochs_frame("r", 2, &[row(1, 0, 0.9, 1.0)]).unwrap();
-        assert_eq!(compare(&a, &short), ["the stored trace has 2 rows, the rerun 1"]);
+        assert_eq!(compare(&a, &short, None).0, ["the stored trace has 2 rows, the rerun 1"]);
     }
 }

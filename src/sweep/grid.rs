@@ -74,6 +74,7 @@ pub fn index(experiment: &Path, axes: &[Axis], points: &[Point]) -> Index {
                 values: p.values.iter().map(|(k, v)| (k.clone(), v.to_string())).collect(),
             })
             .collect(),
+        numerics: Some(crate::numerics::current()),
     }
 }
 

@@ -31,6 +31,8 @@ pub struct Options {
     pub force: bool,
     pub check: bool,
     pub launcher: Launcher,
+    /// `--tolerance`: the relative difference --check accepts in float values (None: bit for bit).
+    pub tolerance: Option<f64>,
 }
 
 /// Where the points run.
@@ -67,18 +69,24 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
 
     if opts.check {
         // The index is written before any point runs: without it nothing was stored here.
-        if crate::rundir::index::Index::read(&dir).is_err() {
+        let Ok(index) = crate::rundir::index::Index::read(&dir) else {
             return Err(crate::config::ConfigError::new(format!(
                 "{} holds no sweep to check (no {}): run the sweep without --check first",
                 dir.display(),
                 crate::rundir::index::INDEX
             ))
             .into());
+        };
+        let (stored, here) = check::apply_stored_numerics(index.numerics.as_ref());
+        crate::say!("stored on {stored}; rerunning on {here}");
+        let (differences, within) = check::check(&points, &dir, &runs, opts.tolerance)?;
+        if let Some((n, largest)) = within {
+            crate::say!("{n} float values differ by at most {largest:e} (relative), within --tolerance");
         }
-        let differences = check::check(&points, &dir, &runs)?;
         if differences.is_empty() {
+            let how = if opts.tolerance.is_some() { "equal within the tolerance" } else { "identical" };
             crate::say!(
-                "\n{} points reproduce {}: every non-timing value of every trace is identical.",
+                "\n{} points reproduce {}: every non-timing value of every trace is {how}.",
                 points.len(),
                 dir.display()
             );
@@ -93,6 +101,10 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
         for d in &differences {
             crate::say_err!("  {d}");
         }
+        crate::say_err!(
+            "stored on {stored}, rerun on {here}; where the CPUs differ, --tolerance REL accepts values within a \
+             relative difference REL"
+        );
         return Ok(1);
     }
 

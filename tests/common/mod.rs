@@ -161,3 +161,20 @@ pub fn reference_python() -> PathBuf {
     );
     python
 }
+
+/// A test that cannot run here for a reason the machine can fix (not root, a missing tool):
+/// under `CI=true` (or `CI=1`) it fails with `why`; elsewhere it prints a loud SKIPPED line to
+/// stderr and the caller returns. Never a silent pass in CI.
+pub fn cannot_run(test: &str, why: &str) {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    assert!(!ci, "{test} cannot run under CI=true: {why}");
+    eprintln!("\n********** SKIPPED {test}: {why} (fails under CI=true) **********\n");
+}
+
+/// A name no other test of this run (any test binary, any thread) uses: `prefix`, this process's
+/// id and a per-process counter. Kernel interface names allow 15 bytes: keep `prefix` short.
+pub fn unique_name(prefix: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{prefix}{}x{n}", std::process::id() % 1_000_000)
+}

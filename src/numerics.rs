@@ -1,0 +1,75 @@
+//! The numerical path of a run: the settings that make libtorch's CPU kernels give the same bits
+//! on any x86-64 CPU, and the CPU that made a result.
+//!
+//! libtorch's float32 matrix products go to oneMKL (linked into libtorch_cpu.so), which picks its
+//! kernels by the CPU it runs on (AVX-512 on one Xeon, AVX2 on an EPYC): the sums come out in
+//! another order and the last bits differ. MKL's conditional numerical reproducibility
+//! (`MKL_CBWR`) pins one code path on every CPU that supports it. MKL reads it once, when it first
+//! runs, so [`fix`] sets it first thing in `main`, in every process (the launcher, each rank,
+//! whatever started them); a value the environment already gives is kept. The value in effect is
+//! recorded in manifest.json and sweep.json, and `runner sweep --check` reruns under the stored one.
+use serde::{Deserialize, Serialize};
+
+/// The `MKL_CBWR` the runner sets when the environment sets none. `COMPATIBLE` is the one
+/// branch MKL honours on every x86-64 CPU: on an AMD EPYC, MKL ignores `AVX2`, `AVX`, `SSE4_2`
+/// (its verbose log says `CNR:AUTO`; they are Intel-only), so only this one gives the same code
+/// path on Intel and AMD machines.
+pub const MKL_CBWR: &str = "COMPATIBLE";
+
+/// What a result was computed under.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Numerics {
+    /// `MKL_CBWR` in effect ("" when unset: MKL chose by the CPU).
+    pub mkl_cbwr: String,
+    /// The CPU's model name (/proc/cpuinfo).
+    pub cpu: String,
+}
+
+/// Sets `MKL_CBWR` to [`MKL_CBWR`] unless the environment sets it. MKL reads the variable when
+/// libtorch_cpu.so is loaded, before `main`, so setting it here alone changes nothing (measured
+/// with `MKL_VERBOSE=1`: `CNR:AUTO`): the process runs itself again with it, once (the children
+/// it starts inherit it). Call it first in `main`. Should that exec fail, the variable is removed
+/// again, so that the manifest records what MKL really used.
+pub fn fix() {
+    use std::os::unix::process::CommandExt;
+    if std::env::var_os("MKL_CBWR").is_some() {
+        return;
+    }
+    let mut args = std::env::args_os();
+    let argv0 = args.next().unwrap_or_default();
+    let err = std::process::Command::new("/proc/self/exe").arg0(argv0).args(args).env("MKL_CBWR", MKL_CBWR).exec();
+    eprintln!("warning: cannot run runner again with MKL_CBWR={MKL_CBWR} ({err}): results may differ on other CPUs");
+}
+
+/// The settings in effect in this process and the CPU it runs on.
+pub fn current() -> Numerics {
+    Numerics { mkl_cbwr: std::env::var("MKL_CBWR").unwrap_or_default(), cpu: cpu_model() }
+}
+
+/// "AMD EPYC", "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz"; "unknown" where /proc says none.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+impl std::fmt::Display for Numerics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let cbwr = if self.mkl_cbwr.is_empty() { "unset" } else { &self.mkl_cbwr };
+        write!(f, "{} (MKL_CBWR={cbwr})", self.cpu)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_cpu_is_named() {
+        assert!(!super::cpu_model().is_empty());
+    }
+}
