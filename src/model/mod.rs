@@ -9,6 +9,7 @@ pub mod optim;
 pub mod partition;
 pub mod torchscript;
 pub mod transformer;
+pub mod weights;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -207,13 +208,9 @@ pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeM
         return Err(format!("{} does not exist (paths are relative to the pipeline file)", path.display()));
     }
     crate::input::regular_file(path)?;
-    let read = match path.extension().and_then(|e| e.to_str()) {
-        Some("npz") => Tensor::read_npz(path),
-        Some("safetensors") => Tensor::read_safetensors(path),
-        _ => return Err(format!("{}: use an .npz or .safetensors file", path.display())),
-    };
-    let mut tensors: BTreeMap<String, Tensor> =
-        read.map_err(|e| format!("cannot read {}: {e}", path.display()))?.into_iter().collect();
+    // No array is read larger than the model's largest, as float64.
+    let limit = shapes.iter().map(|(_, s)| s.iter().product::<i64>().max(1) as u64 * 8).max().unwrap_or(8);
+    let mut tensors: BTreeMap<String, Tensor> = weights::read(path, limit)?.into_iter().collect();
     // A PyTorch state_dict counts batch norm's batches; nothing here uses the count.
     tensors.retain(|name, _| !name.ends_with("num_batches_tracked"));
     let mut problems = Vec::new();
