@@ -2,7 +2,8 @@
 //! read from a file become a tensor: the shape is checked against the bytes actually there
 //! (negative or overflowing sizes, too few or too many bytes) before libtorch allocates or copies
 //! anything. [`torch_message`] turns a libtorch error into the one line a user reads: no
-//! "Exception raised from ..." line, no C++ frames, no TorchScript traceback.
+//! "Exception raised from ..." line, no C++ frames, no TorchScript traceback. [`fail`] ends a
+//! rank from inside a model's forward pass (which returns no `Result`) with such a line.
 use std::fmt::Display;
 
 use tch::{Kind, Tensor};
@@ -42,6 +43,17 @@ pub fn torch_message(e: &impl Display) -> String {
     };
     let line = line.copied().unwrap_or("libtorch failed without a message");
     line.strip_prefix("builtins.").unwrap_or(line).to_owned()
+}
+
+/// A failure the rank cannot go on from, raised where no `Result` can carry it (inside a model's
+/// forward pass: a user's module that raises). The rank's catch turns it into its one-line error.
+#[derive(Debug)]
+pub struct Failure(pub String);
+
+/// Ends the rank with `msg` as its error: unwinds to the rank's catch without the panic hook's
+/// "panicked at" message and backtrace.
+pub fn fail(msg: String) -> ! {
+    std::panic::resume_unwind(Box::new(Failure(msg)))
 }
 
 #[cfg(test)]

@@ -346,7 +346,11 @@ fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, claim: Claim) -> anyhow:
         None => None,
     };
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rank::run(plan, env, run_dir, claim.resume)))
-        .unwrap_or_else(|panic| Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))));
+        .unwrap_or_else(|panic| match panic.downcast::<crate::checked::Failure>() {
+            // A model's forward pass failed (a user's module raised): its message is the error.
+            Ok(failure) => Err(anyhow::anyhow!(failure.0)),
+            Err(panic) => Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))),
+        });
     if let Some(manifest) = manifest.as_mut() {
         match &result {
             Ok(_) => {

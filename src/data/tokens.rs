@@ -179,11 +179,13 @@ fn scan(f: &TokenFile, source: Source, vocab: usize) -> Result<(), String> {
                 Ok(_) => carry.len(),
                 // An incomplete character at the chunk's end continues in the next one.
                 Err(e) if e.error_len().is_none() && at + n < f.tokens => e.valid_up_to(),
-                Err(e) => return Err(format!(
+                Err(e) => {
+                    return Err(format!(
                     "{} is not UTF-8 text (invalid byte at offset {}); a file of token ids needs source = \"tokens\"",
                     f.path.display(),
                     at + n - carry.len() + e.valid_up_to()
-                )),
+                ))
+                }
             };
             carry.drain(..valid);
         }

@@ -3,3 +3,4 @@
 pub mod env;
 pub mod rank;
 pub mod spawn;
+pub mod watchdog;

@@ -118,12 +118,14 @@ fn read_safetensors(path: &Path, limit: u64) -> Result<Vec<(String, Tensor)>, St
     file.read_exact_at(&mut n, 0).map_err(|_| "not a .safetensors file (shorter than 8 bytes)".to_owned())?;
     let header_len = u64::from_le_bytes(n);
     if header_len > MAX_SAFETENSORS_HEADER || header_len > len - 8 {
-        return Err(format!("the header claims {header_len} bytes, the file has {len}: it is truncated or not a .safetensors file"));
+        return Err(format!(
+            "the header claims {header_len} bytes, the file has {len}: it is truncated or not a .safetensors file"
+        ));
     }
     let mut header = vec![0u8; header_len as usize];
     file.read_exact_at(&mut header, 8).map_err(|e| format!("cannot read it: {e}"))?;
-    let mut entries: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&header).map_err(|e| format!("its header is not the JSON of a .safetensors file ({e})"))?;
+    let mut entries: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| format!("its header is not the JSON of a .safetensors file ({e})"))?;
     entries.remove("__metadata__");
     let data_start = 8 + header_len;
     let data_len = len - data_start;

@@ -8,6 +8,7 @@ mod annotate;
 mod data;
 mod flow;
 mod input;
+mod probe;
 mod recipe;
 mod resume;
 pub mod schedule;
@@ -80,7 +81,7 @@ impl Plan {
         recipe::train_values(&c, &mut bad);
         recipe::recipe_values(&c, data.as_ref().map(|d| d.validation_rows), &mut bad);
         let layout = data.as_ref().and_then(|d| shard_layout(&c, d, &mut bad));
-        let model = model_parts(&c, &base, data.as_ref(), model_ok, &mut bad);
+        let model = model_parts(&c, &base, data.as_ref(), layout.as_ref(), model_ok, &mut bad);
         let mut files: Vec<(&str, Option<PathBuf>)> =
             data.iter().flat_map(|d| d.inputs()).map(|(k, p)| (k, Some(p))).collect();
         files.push(("wrap.init", model.init_weights.clone()));
@@ -320,18 +321,26 @@ fn shard_layout(c: &Config, d: &DataSpec, bad: &mut impl FnMut(&str, String)) ->
     Some(layout)
 }
 
-/// The model against the data: its architecture (a TorchScript module runs one batch here),
+/// The model against the data: its architecture (a TorchScript module runs a batch here),
 /// SyncBatchNorm's preconditions, the initial weights and the model's own files.
 fn model_parts(
     c: &Config,
     base: &Path,
     data: Option<&DataSpec>,
+    layout: Option<&ShardLayout>,
     model_ok: bool,
     bad: &mut impl FnMut(&str, String),
 ) -> ModelParts {
     let model = crate::model::resolve_paths(&c.wrap.model, base);
-    let model_ok = model_ok && data.is_some_and(|d| crate::model::check_input(&model, &d.input, d.task.outputs(), bad));
+    let model_ok = model_ok
+        && data.is_some_and(|d| {
+            let probe = || layout.and_then(|l| probe::torchscript_probe(c, d, l));
+            crate::model::check_input(&model, &d.input, d.task.outputs(), probe, bad)
+        });
     let arch = data.filter(|_| model_ok).map(|d| crate::model::architecture(&model, &d.input, d.task.outputs()));
+    if let (Some(arch), Some(d), Some(l)) = (&arch, data, layout) {
+        probe::batch_norm(c, d, l, arch.as_ref(), bad);
+    }
     if let (true, Some(arch)) = (c.wrap.sync_batchnorm, &arch) {
         sync_batchnorm(c, arch.as_ref(), bad);
     }
