@@ -11,6 +11,7 @@ mod input;
 mod probe;
 mod recipe;
 mod resume;
+mod saved;
 pub mod schedule;
 mod stages;
 
@@ -54,6 +55,10 @@ pub struct Plan {
     /// What one rank needs in memory, by part (when the data and model could be sized).
     #[serde(default)]
     pub memory: Option<crate::limits::Estimate>,
+    /// Keys a resume extended (`train.epochs`), with their values when the run started: the run
+    /// id is the digest of that first configuration.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub started_with: saved::StartedWith,
 }
 
 /// The model's part of a plan: what the checks found.
@@ -134,6 +139,7 @@ impl Plan {
             layer_parameters,
             stages,
             memory,
+            started_with: Default::default(),
         })
     }
 
@@ -180,16 +186,19 @@ impl Plan {
         crate::rundir::atomic_write(path, json.as_bytes())
     }
 
-    /// The plan a launcher saved.
+    /// The plan a launcher saved, checked as [`saved`] says: an edited or damaged one is refused.
     pub fn load(path: &Path) -> Result<Plan, ConfigError> {
+        crate::input::capped_file(path, 64 << 20, "the run's plan").map_err(ConfigError::new)?;
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError::new(format!("cannot read the run's plan {}: {e}", path.display())))?;
-        serde_json::from_str(&text).map_err(|e| {
+        let plan: Plan = serde_json::from_str(&text).map_err(|e| {
             ConfigError::new(format!(
                 "{} is not a plan this runner can read ({e}); it was written by another version, or damaged",
                 path.display()
             ))
-        })
+        })?;
+        plan.check_saved().map_err(|e| ConfigError::new(format!("{}: {e}", path.display())))?;
+        Ok(plan)
     }
 
     pub fn is_pipeline(&self) -> bool {
