@@ -105,7 +105,7 @@ fn open(a: &Arrays) -> Result<(X, Tensor), String> {
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or_default();
     let named = match ext {
         // Headers checked against the bytes there (as `wrap.init`'s).
-        "npz" | "safetensors" => crate::model::weights::read(path, u64::MAX)?,
+        "npz" | "safetensors" => super::arrays::read(path, u64::MAX)?,
         "npy" => {
             let Some(labels) = &a.labels else {
                 return Err(format!(

@@ -9,7 +9,6 @@ pub mod optim;
 pub mod partition;
 pub mod torchscript;
 pub mod transformer;
-pub mod weights;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -229,7 +228,7 @@ pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeM
     crate::input::regular_file(path)?;
     // No array is read larger than the model's largest, as float64.
     let limit = shapes.iter().map(|(_, s)| s.iter().product::<i64>().max(1) as u64 * 8).max().unwrap_or(8);
-    let mut tensors: BTreeMap<String, Tensor> = weights::read(path, limit)?.into_iter().collect();
+    let mut tensors: BTreeMap<String, Tensor> = crate::data::arrays::read(path, limit)?.into_iter().collect();
     // A PyTorch state_dict counts batch norm's batches; nothing here uses the count.
     tensors.retain(|name, _| !name.ends_with("num_batches_tracked"));
     let mut problems = Vec::new();

@@ -1,8 +1,9 @@
-//! Weights files (`wrap.init`, a run's `model.safetensors`) read without trusting them: every
-//! `.npz` member's header and every `.safetensors` entry's dtype, shape and offsets are checked
-//! against the bytes actually there before a tensor is made (through [`crate::checked::tensor`]),
-//! and nothing larger than `limit` bytes is read. Which arrays are weights (floats, the model's
-//! names and shapes) is [`super::read_weights`]'s to say.
+//! Files of named arrays (`.npz`, `.safetensors`: `wrap.init`, a run's `model.safetensors`, a
+//! tensors source) read without trusting them: every `.npz` member's header and every
+//! `.safetensors` entry's dtype, shape and offsets are checked against the bytes actually there
+//! before a tensor is made (through [`crate::checked::tensor`]), and nothing larger than `limit`
+//! bytes is read. Which arrays are weights (floats, the model's
+//! names and shapes) is [`crate::model::read_weights`]'s to say.
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
@@ -10,7 +11,7 @@ use std::path::Path;
 
 use tch::{Kind, Tensor};
 
-use crate::data::npy::{parse_header, Dtype};
+use super::npy::{parse_header, Dtype};
 
 /// The named tensors of an `.npz` or `.safetensors` file, none larger than `limit` bytes.
 pub fn read(path: &Path, limit: u64) -> Result<Vec<(String, Tensor)>, String> {
