@@ -419,7 +419,11 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     let (_lock, mut manifest) = owned.unzip();
     let result =
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rank::run(&plan, env, store, &run_dir, resume)))
-            .unwrap_or_else(|panic| Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))));
+            .unwrap_or_else(|panic| match panic.downcast::<crate::checked::Failure>() {
+                // A model's forward pass failed (a user's module raised): its message is the error.
+                Ok(failure) => Err(anyhow::anyhow!(failure.0)),
+                Err(panic) => Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))),
+            });
     let preempted = result.as_ref().err().and_then(|e| e.downcast_ref::<preempt::Preempted>()).copied();
     if let Some(manifest) = manifest.as_mut() {
         match (&result, preempted) {

@@ -7,6 +7,7 @@
 #[macro_use]
 pub mod say;
 pub mod bench;
+pub mod checked;
 pub mod cli;
 pub mod config;
 pub mod data;

@@ -28,6 +28,9 @@ pub fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
             bad(key, format!("must be between {lo} and {hi} seconds, got {v}"));
         }
     }
+    if let Some(v) = r.step_timeout_s.filter(|v| !(*v >= TIMEOUT_S.0 && *v <= TIMEOUT_S.1)) {
+        bad("run.step_timeout_s", format!("must be between {} and {} seconds, got {v}", TIMEOUT_S.0, TIMEOUT_S.1));
+    }
     if r.world_size > MAX_WORLD_SIZE {
         bad("run.world_size", format!("must be at most {MAX_WORLD_SIZE}, got {}", r.world_size));
     }

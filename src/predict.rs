@@ -180,7 +180,13 @@ pub fn predict(run_dir: &Path, data: &Path, out: Option<&Path>) -> anyhow::Resul
     for (name, mut var) in vs.variables() {
         tch::no_grad(|| var.copy_(&weights[&name]));
     }
-    let output = tch::no_grad(|| model.forward_t(&x, false));
+    // A user's module that raises ends the command with its one-line message.
+    let forward = std::panic::AssertUnwindSafe(|| tch::no_grad(|| model.forward_t(&x, false)));
+    let output =
+        std::panic::catch_unwind(forward).map_err(|panic| match panic.downcast::<crate::checked::Failure>() {
+            Ok(failure) => anyhow::anyhow!(failure.0),
+            Err(_) => anyhow::anyhow!("the model failed on {}", data.display()),
+        })?;
 
     let rows: Vec<u64> = enc.rows.iter().map(|&r| r as u64).collect();
     let mut cols = vec![Column::new("row".into(), rows)];

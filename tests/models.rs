@@ -296,8 +296,9 @@ fn bad_models_are_refused_with_pinned_messages() {
     refused(
         dir.path(),
         &["--set", "load.classes=4"],
-        "error: p.toml: invalid configuration:\n  `wrap.model.path` (file p.toml:16): m.pt maps a batch of shape [2, 5] to [2, 3], \
-         but the task needs [2, 4] (one logit per class)",
+        "error: p.toml: invalid configuration:\n  `wrap.model.path` (file p.toml:16): m.pt, on a batch of 16 rows of the \
+         data (shape [16, 5]) in training mode, returns shape [16, 3] where the task needs [16, 4] (one row of 4 per \
+         sample)",
     );
     refused(
         dir.path(),

@@ -55,6 +55,10 @@ pub struct Run {
     pub timeout_s: f64,
     /// Seconds the launcher lets the other ranks wind down after one fails, before killing them.
     pub abort_after_s: f64,
+    /// Seconds a rank may take over one training step before the launcher ends the run, naming
+    /// the rank and the step; absent: 10 × the slowest step so far, and at least `timeout_s`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step_timeout_s: Option<f64>,
     /// MiB of float32 parameters one rank may hold, checked on the plan; absent: unchecked.
     pub memory_per_rank_mb: Option<f64>,
     /// The signal that preempts the run: every rank finishes its step, a checkpoint is written
@@ -106,6 +110,7 @@ impl Default for Run {
             threads_per_rank: None,
             timeout_s: 60.0,
             abort_after_s: 5.0,
+            step_timeout_s: None,
             memory_per_rank_mb: None,
             preempt_signal: PreemptSignal::Usr1,
         }

@@ -3,6 +3,7 @@
 //! are scaled ([`normalize`]). A [`Dataset`] is tensors of any shape (first axis = rows) plus
 //! its task, so nothing downstream assumes 2-D features or argmax metrics. Files are encoded
 //! by [`columns`] and split by [`split`].
+pub mod arrays;
 pub mod columns;
 pub mod file;
 pub mod normalize;

@@ -226,7 +226,7 @@ pub fn to_tensor(bytes: &[u8], dtype: Dtype, shape: &[i64]) -> Tensor {
 }
 
 /// The dtype and shape of a `.npy` header (`{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }`).
-fn parse_header(header: &str) -> Result<(Dtype, Vec<usize>), String> {
+pub(crate) fn parse_header(header: &str) -> Result<(Dtype, Vec<usize>), String> {
     let value = |key: &str| -> Result<&str, String> {
         let at = header.find(&format!("'{key}'")).ok_or(format!("the .npy header has no '{key}'"))?;
         Ok(header[at + key.len() + 2..].trim_start().trim_start_matches(':').trim_start())

@@ -6,3 +6,4 @@ pub mod env;
 pub mod rank;
 pub mod slurm;
 pub mod spawn;
+pub mod watchdog;

@@ -169,6 +169,7 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     let mut killed = Vec::new();
     let mut stopped_since: Vec<Option<Instant>> = vec![None; ranks.len()];
     let mut stall_blamed = false;
+    let mut watchdog = super::watchdog::Watchdog::new(&plan.config.run, ranks.len());
     let mut preempting = false;
     loop {
         if preempt.load(Ordering::SeqCst) && !preempting && interrupted.is_none() {
@@ -237,6 +238,19 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
                     let _ = rank.child.kill();
                     rank.status = Some(rank.child.wait()?);
                 }
+            }
+        }
+        // A rank stuck in one training step (computation that never ends) fails the run.
+        if interrupted.is_none() && first_failure.is_none() {
+            let running: Vec<bool> = ranks.iter().map(|r| r.status.is_none()).collect();
+            if let Some((local, how)) = watchdog.stalled(run_dir, first_rank, &running) {
+                let r = first_rank + local;
+                // Peers blocked on this rank name it in their errors.
+                let _ = record_exit(&store, r, &how);
+                let rank = &mut ranks[local];
+                let _ = rank.child.kill();
+                rank.status = Some(rank.child.wait()?);
+                first_failure = Some((r, how, Instant::now()));
             }
         }
         let since = first_failure.as_ref().map(|f| f.2).or(interrupted.map(|i| i.1));

@@ -258,6 +258,15 @@ impl Architecture for CnnArch {
     fn has_batch_norm(&self) -> bool {
         self.blocks.iter().any(|b| b.batch_norm)
     }
+
+    fn batch_norm_values(&self) -> Option<usize> {
+        // Batch norm follows the convolution, before pooling: its maps are the convolution's.
+        let conv = |i: usize| block_output(&ConvBlock { pool: Pool::None, ..self.blocks[i].clone() }, self.shapes[i]);
+        (0..self.blocks.len())
+            .filter(|&i| self.blocks[i].batch_norm)
+            .map(|i| conv(i).map_or(1, |[_, h, w]| h * w))
+            .min()
+    }
 }
 
 impl CnnArch {

@@ -94,6 +94,13 @@ pub trait Architecture {
         false
     }
 
+    /// Of the batch norm layers, the fewest values each channel has per sample (the pixels of
+    /// its maps): a training batch of `rows` gives it `rows ×` this to normalise by. `None`
+    /// without batch norm layers.
+    fn batch_norm_values(&self) -> Option<usize> {
+        None
+    }
+
     /// Floating-point operations of one sample's forward pass through the whole model, counted
     /// from the layers' shapes: the matrix products and convolutions, 2 per multiply-add
     /// (activations, norms, pooling, softmax and biases are left out: elementwise, a few percent at
@@ -112,7 +119,7 @@ pub fn architecture(model: &Model, input: &[usize], outputs: usize) -> Box<dyn A
         Model::Transformer(t) => Box::new(transformer::TransformerArch::new(t)),
         Model::Cnn(m) => Box::new(cnn::CnnArch::new(m, input, outputs)),
         // The path was resolved against the pipeline file ([`resolve_paths`]) and checked by the plan.
-        Model::Torchscript(t) => Box::new(torchscript::TorchScriptArch::new(&t.path, input, outputs)),
+        Model::Torchscript(t) => Box::new(torchscript::TorchScriptArch::new(&t.path, outputs)),
     }
 }
 
@@ -133,8 +140,16 @@ pub fn files(model: &Model) -> Vec<(&'static str, PathBuf)> {
 }
 
 /// Checks the model against the data's sample shape `input` and `outputs` (`model` resolved by
-/// [`resolve_paths`]); `false` when [`architecture`] cannot be made from them.
-pub fn check_input(model: &Model, input: &[usize], outputs: usize, bad: &mut impl FnMut(&str, String)) -> bool {
+/// [`resolve_paths`]); `false` when [`architecture`] cannot be made from them. A TorchScript
+/// module runs on `probe`, a batch of the data (made only for it); without one (the data could
+/// not be read) it is only loaded.
+pub fn check_input(
+    model: &Model,
+    input: &[usize],
+    outputs: usize,
+    probe: impl FnOnce() -> Option<torchscript::Probe>,
+    bad: &mut impl FnMut(&str, String),
+) -> bool {
     match model {
         Model::Mlp(_) | Model::Transformer(_) => true,
         Model::Cnn(m) => cnn::check_input(m, input, bad),
@@ -143,7 +158,11 @@ pub fn check_input(model: &Model, input: &[usize], outputs: usize, bad: &mut imp
                 bad("wrap.model.path", e);
                 return false;
             }
-            match torchscript::inspect(&t.path, input, outputs) {
+            let checked = match probe() {
+                Some(probe) => torchscript::check(&t.path, probe),
+                None => torchscript::describe(&t.path, outputs),
+            };
+            match checked {
                 Ok(_) => true,
                 Err(e) => {
                     bad("wrap.model.path", e);
@@ -208,13 +227,9 @@ pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeM
         return Err(format!("{} does not exist (paths are relative to the pipeline file)", path.display()));
     }
     crate::input::regular_file(path)?;
-    let read = match path.extension().and_then(|e| e.to_str()) {
-        Some("npz") => Tensor::read_npz(path),
-        Some("safetensors") => Tensor::read_safetensors(path),
-        _ => return Err(format!("{}: use an .npz or .safetensors file", path.display())),
-    };
-    let mut tensors: BTreeMap<String, Tensor> =
-        read.map_err(|e| format!("cannot read {}: {e}", path.display()))?.into_iter().collect();
+    // No array is read larger than the model's largest, as float64.
+    let limit = shapes.iter().map(|(_, s)| s.iter().product::<i64>().max(1) as u64 * 8).max().unwrap_or(8);
+    let mut tensors: BTreeMap<String, Tensor> = crate::data::arrays::read(path, limit)?.into_iter().collect();
     // A PyTorch state_dict counts batch norm's batches: kept where the model has the count
     // (TorchScript modules), dropped where it has none (the built-in kinds).
     tensors.retain(|name, _| !name.ends_with("num_batches_tracked") || shapes.iter().any(|(n, _)| n == name));

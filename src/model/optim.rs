@@ -100,7 +100,10 @@ impl Optimizer {
     /// Restores what [`Optimizer::state`] produced; `get` looks a tensor up by name.
     pub fn load_state(&mut self, get: impl Fn(&str) -> Option<Tensor>) -> Result<(), String> {
         let steps = get("optim.steps").ok_or("no optimizer state")?;
-        self.steps = steps.int64_value(&[]);
+        if steps.numel() != 1 {
+            return Err(format!("optim.steps has shape {:?}, not one value", steps.size()));
+        }
+        self.steps = steps.f_int64_value(&[0; 0]).map_err(|e| crate::checked::torch_message(&e))?;
         for (k, kind) in self.state.iter_mut().enumerate() {
             for (i, t) in kind.iter_mut().enumerate() {
                 let saved =

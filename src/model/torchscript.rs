@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use tch::nn::{self, ModuleT};
-use tch::{Kind, Tensor};
+use tch::{CModule, Kind, Tensor};
 
 use crate::dist::Script;
 
@@ -39,60 +39,173 @@ fn add_var(p: &nn::Path, name: &str, t: Tensor, trainable: bool) {
     let _ = path.add(leaf, t, trainable);
 }
 
-/// Loads the module at `path` and runs one batch of 2 zero samples of shape `input` through it
-/// (in eval mode, without gradients): it must be TorchScript and give 2 × `outputs` values.
-pub fn inspect(path: &Path, input: &[usize], outputs: usize) -> Result<TorchScriptArch, String> {
+/// A real batch of the data, for the plan's check of a module ([`check`]).
+pub struct Probe {
+    /// The first training rows, as many as a training batch holds (the training batch size).
+    pub x: Tensor,
+    /// Rows of the smallest training batch (an epoch's last, when the rows do not divide).
+    pub smallest: usize,
+    /// Logits (or values) per sample the task needs.
+    pub outputs: usize,
+    /// How long the module may take on it: `run.timeout_s`.
+    pub timeout_s: f64,
+}
+
+/// Loads the module at `path` and lists its parameters: it must be the zip archive
+/// `torch.jit.save` writes, and libtorch must read it.
+pub fn describe(path: &Path, outputs: usize) -> Result<TorchScriptArch, String> {
+    Ok(load(path)?.1.with_outputs(outputs))
+}
+
+fn load(path: &Path) -> Result<(CModule, TorchScriptArch), String> {
+    let advice = "save one with torch.jit.script(model).save(path) or torch.jit.trace(model, example).save(path)";
     // torch.jit.save writes a zip archive; anything else is not worth libtorch's message.
     let mut magic = [0u8; 4];
     let zip = std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)).is_ok()
         && magic == *b"PK\x03\x04";
     if !zip {
         return Err(format!(
-            "{} is not a TorchScript module (not the zip archive torch.jit.save writes); save one with \
-             torch.jit.script(model).save(path) or torch.jit.trace(model, example).save(path)",
+            "{} is not a TorchScript module (not the zip archive torch.jit.save writes); {advice}",
             path.display()
         ));
     }
-    let mut module = Script::load(path, tch::Device::Cpu).map_err(|e| {
-        let first = e.to_string().lines().next().unwrap_or_default().to_owned();
-        format!(
-            "{} is not a TorchScript module ({first}); save one with torch.jit.script(model).save(path) or \
-             torch.jit.trace(model, example).save(path)",
-            path.display()
-        )
+    let module = CModule::load(path).map_err(|e| {
+        format!("{} is not a TorchScript module ({}); {advice}", path.display(), crate::checked::torch_message(&e))
     })?;
+    // The whole state under PyTorch's names: trainable parameters, then frozen ones and buffers.
+    let script = Script::load(path, tch::Device::Cpu)
+        .map_err(|e| format!("{} is not a TorchScript module ({e}); {advice}", path.display()))?;
     let (mut params, mut frozen) = (Vec::new(), Vec::new());
-    for (name, t) in
-        module.parameters().map_err(|e| format!("cannot list the parameters of {}: {e}", path.display()))?
-    {
+    let named = script.parameters().map_err(|e| format!("cannot list the parameters of {}: {e}", path.display()))?;
+    for (name, t) in &named {
         let list = if t.requires_grad() { &mut params } else { &mut frozen };
-        list.push((name, t.size()));
+        list.push((name.clone(), t.size()));
     }
-    for (name, t) in module.buffers().map_err(|e| format!("cannot list the buffers of {}: {e}", path.display()))? {
+    for (name, t) in script.buffers().map_err(|e| format!("cannot list the buffers of {}: {e}", path.display()))? {
         frozen.push((name, t.size()));
     }
-    module.set_train(false).map_err(|e| format!("{}: {e}", path.display()))?;
-    let batch: Vec<i64> = std::iter::once(2).chain(input.iter().map(|&d| d as i64)).collect();
-    let x = Tensor::zeros(batch.as_slice(), (Kind::Float, tch::Device::Cpu));
-    let out = tch::no_grad(|| module.forward(&x)).map_err(|e| {
-        let first = e.to_string().lines().next().unwrap_or_default().to_owned();
-        format!("{} fails on a batch of shape {batch:?} (the data's samples): {first}", path.display())
-    })?;
-    if out.size() != [2, outputs as i64] {
-        return Err(format!(
-            "{} maps a batch of shape {batch:?} to {:?}, but the task needs [2, {outputs}] (one logit per class)",
+    Ok((module, TorchScriptArch { path: path.to_owned(), params, frozen, outputs: 0 }))
+}
+
+/// The plan's check of the module at `path` on `probe`, the data's own rows: in training mode
+/// forward and backward at the training batch size (and at the smallest batch), in eval mode at
+/// the batch size and on one row. It must have trainable parameters, all finite, give float,
+/// finite outputs of `[rows, outputs]` whatever the rows, and gradients to its parameters. A
+/// module that does not return within `probe.timeout_s` is refused too (its thread is left to
+/// the process's end).
+pub fn check(path: &Path, probe: Probe) -> Result<TorchScriptArch, String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let doing = std::sync::Arc::new(Mutex::new(String::from("loading")));
+    let now = std::sync::Arc::clone(&doing);
+    let (file, timeout) = (path.to_owned(), probe.timeout_s);
+    std::thread::spawn(move || {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_checks(&file, &probe, &now)));
+        let _ = tx.send(result.unwrap_or_else(|_| Err(format!("{} failed in libtorch", file.display()))));
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs_f64(timeout)) {
+        Ok(result) => result,
+        Err(_) => Err(format!(
+            "{} did not return within run.timeout_s ({timeout} s) {}: a forward pass that never ends (a loop?)",
             path.display(),
+            doing.lock().unwrap_or_else(|e| e.into_inner())
+        )),
+    }
+}
+
+fn run_checks(path: &Path, probe: &Probe, doing: &Mutex<String>) -> Result<TorchScriptArch, String> {
+    let p = path.display();
+    let (mut module, arch) = load(path)?;
+    let arch = arch.with_outputs(probe.outputs);
+    if arch.params.is_empty() {
+        return Err(format!(
+            "{p} has no trainable parameter ({} frozen, requires_grad = False): there is nothing to train; leave \
+             requires_grad on for the parameters to train",
+            arch.frozen.len()
+        ));
+    }
+    for (name, t) in module.named_parameters().map_err(|e| crate::checked::torch_message(&e))? {
+        let bad = tch::no_grad(|| t.isfinite().logical_not().sum(Kind::Int64).int64_value(&[]));
+        if bad > 0 {
+            return Err(format!("{p}: parameter `{name}` holds {bad} NaN or infinite values"));
+        }
+    }
+    let rows = probe.x.size()[0];
+    let mut sizes = vec![(true, rows)];
+    if (probe.smallest as i64) < rows {
+        sizes.push((true, probe.smallest as i64));
+    }
+    sizes.extend([(false, rows), (false, 1)]);
+    for (train, n) in sizes {
+        let mode = if train { "training" } else { "eval" };
+        *doing.lock().unwrap_or_else(|e| e.into_inner()) = format!("in {mode} mode on a batch of {n} rows");
+        let x = probe.x.narrow(0, 0, n);
+        let out = if train {
+            module.f_set_train().map_err(|e| crate::checked::torch_message(&e))?;
+            module.forward_ts(&[&x])
+        } else {
+            module.f_set_eval().map_err(|e| crate::checked::torch_message(&e))?;
+            tch::no_grad(|| module.forward_ts(&[&x]))
+        };
+        let on = format!("on a batch of {n} rows of the data (shape {:?}) in {mode} mode", x.size());
+        let out = out.map_err(|e| format!("{p} fails {on}: {}", crate::checked::torch_message(&e)))?;
+        check_output(&out, n, probe.outputs).map_err(|e| format!("{p}, {on}, {e}"))?;
+        if train {
+            check_backward(&mut module, &out).map_err(|e| format!("{p}, {on}: {e}"))?;
+        }
+    }
+    Ok(arch)
+}
+
+/// The output of a batch of `rows`: floats, finite, `[rows, outputs]`.
+fn check_output(out: &Tensor, rows: i64, outputs: usize) -> Result<(), String> {
+    if out.size() != [rows, outputs as i64] {
+        return Err(format!(
+            "returns shape {:?} where the task needs [{rows}, {outputs}] (one row of {outputs} per sample)",
             out.size()
         ));
     }
-    Ok(TorchScriptArch { path: path.to_owned(), params, frozen, outputs })
+    if !out.is_floating_point() {
+        return Err(format!("returns {:?} values, not floats", out.kind()));
+    }
+    let bad = tch::no_grad(|| out.isfinite().logical_not().sum(Kind::Int64).int64_value(&[]));
+    if bad > 0 {
+        return Err(format!("returns {bad} NaN or infinite values"));
+    }
+    Ok(())
+}
+
+/// The gradient of the output's sum reaches the trainable parameters, and is finite.
+fn check_backward(module: &mut CModule, out: &Tensor) -> Result<(), String> {
+    if !out.requires_grad() {
+        return Err("its output has no gradient (detached, or computed without its parameters)".into());
+    }
+    let params: Vec<(String, Tensor)> = module.named_parameters().map_err(|e| crate::checked::torch_message(&e))?;
+    out.sum(Kind::Float)
+        .f_backward()
+        .map_err(|e| format!("the backward pass fails: {}", crate::checked::torch_message(&e)))?;
+    let trainable: Vec<&(String, Tensor)> = params.iter().filter(|(_, t)| t.requires_grad()).collect();
+    let with_grad = trainable.iter().filter(|(_, t)| t.grad().defined()).count();
+    if with_grad == 0 {
+        return Err("no trainable parameter gets a gradient from its output".into());
+    }
+    for (name, t) in trainable.iter().filter(|(_, t)| t.grad().defined()) {
+        let grad = t.grad();
+        if tch::no_grad(|| grad.isfinite().all().int64_value(&[])) == 0 {
+            return Err(format!("the gradient of `{name}` holds NaN or infinite values"));
+        }
+    }
+    Ok(())
 }
 
 impl TorchScriptArch {
-    /// The module at `path` (already inspected by the plan); one with no parameters if it cannot
+    fn with_outputs(self, outputs: usize) -> TorchScriptArch {
+        TorchScriptArch { outputs, ..self }
+    }
+
+    /// The module at `path` (already checked by the plan); one with no parameters if it cannot
     /// be read now.
-    pub fn new(path: &Path, input: &[usize], outputs: usize) -> TorchScriptArch {
-        inspect(path, input, outputs).unwrap_or(TorchScriptArch {
+    pub fn new(path: &Path, outputs: usize) -> TorchScriptArch {
+        describe(path, outputs).unwrap_or(TorchScriptArch {
             path: path.to_owned(),
             params: Vec::new(),
             frozen: Vec::new(),
@@ -136,7 +249,10 @@ impl Architecture for TorchScriptArch {
 
     fn build<'a>(&self, p: &nn::Path, _range: Range<usize>, _ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
         let fail = |e: crate::dist::Error| -> ! {
-            panic!("cannot load {} (it was read when the plan was made): {e}", self.path.display())
+            crate::checked::fail(format!(
+                "cannot load {} (it was read when the plan was made): {e}",
+                self.path.display()
+            ))
         };
         let mut module = Script::load(&self.path, p.device()).unwrap_or_else(|e| fail(e));
         for (name, t) in module.parameters().unwrap_or_else(|e| fail(e)) {
@@ -147,13 +263,14 @@ impl Architecture for TorchScriptArch {
             add_var(p, &name, t, false);
         }
         module.set_train(true).unwrap_or_else(|e| fail(e));
-        Box::new(Scripted { module: Mutex::new((module, true)) })
+        Box::new(Scripted { module: Mutex::new((module, true)), path: self.path.clone() })
     }
 }
 
 /// The loaded module and whether it is in training mode (switched only when `train` changes).
 struct Scripted {
     module: Mutex<(Script, bool)>,
+    path: PathBuf,
 }
 
 impl std::fmt::Debug for Scripted {
@@ -167,9 +284,18 @@ impl ModuleT for Scripted {
         let mut guard = self.module.lock().unwrap_or_else(|e| e.into_inner());
         let (module, training) = &mut *guard;
         if *training != train {
-            module.set_train(train).unwrap_or_else(|e| panic!("the TorchScript module failed: {e}"));
+            module
+                .set_train(train)
+                .unwrap_or_else(|e| crate::checked::fail(format!("the TorchScript module failed: {e}")));
             *training = train;
         }
-        module.forward(x).unwrap_or_else(|e| panic!("the TorchScript module failed: {e}"))
+        module.forward(x).unwrap_or_else(|e| {
+            crate::checked::fail(format!(
+                "the TorchScript module {} failed on a batch of shape {:?} in {} mode: {e}",
+                self.path.display(),
+                x.size(),
+                if train { "training" } else { "eval" },
+            ))
+        })
     }
 }

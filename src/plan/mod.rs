@@ -8,8 +8,10 @@ mod annotate;
 mod data;
 mod flow;
 mod input;
+mod probe;
 mod recipe;
 mod resume;
+mod saved;
 pub mod schedule;
 mod stages;
 
@@ -53,6 +55,10 @@ pub struct Plan {
     /// What one rank needs in memory, by part (when the data and model could be sized).
     #[serde(default)]
     pub memory: Option<crate::limits::Estimate>,
+    /// Keys a resume extended (`train.epochs`), with their values when the run started: the run
+    /// id is the digest of that first configuration.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub started_with: saved::StartedWith,
 }
 
 /// The model's part of a plan: what the checks found.
@@ -80,7 +86,7 @@ impl Plan {
         recipe::train_values(&c, &mut bad);
         recipe::recipe_values(&c, data.as_ref().map(|d| d.validation_rows), &mut bad);
         let layout = data.as_ref().and_then(|d| shard_layout(&c, d, &mut bad));
-        let model = model_parts(&c, &base, data.as_ref(), model_ok, &mut bad);
+        let model = model_parts(&c, &base, data.as_ref(), layout.as_ref(), model_ok, &mut bad);
         let mut files: Vec<(&str, Option<PathBuf>)> =
             data.iter().flat_map(|d| d.inputs()).map(|(k, p)| (k, Some(p))).collect();
         files.push(("wrap.init", model.init_weights.clone()));
@@ -133,6 +139,7 @@ impl Plan {
             layer_parameters,
             stages,
             memory,
+            started_with: Default::default(),
         })
     }
 
@@ -179,16 +186,19 @@ impl Plan {
         crate::rundir::atomic_write(path, json.as_bytes())
     }
 
-    /// The plan a launcher saved.
+    /// The plan a launcher saved, checked as [`saved`] says: an edited or damaged one is refused.
     pub fn load(path: &Path) -> Result<Plan, ConfigError> {
+        crate::input::capped_file(path, 64 << 20, "the run's plan").map_err(ConfigError::new)?;
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError::new(format!("cannot read the run's plan {}: {e}", path.display())))?;
-        serde_json::from_str(&text).map_err(|e| {
+        let plan: Plan = serde_json::from_str(&text).map_err(|e| {
             ConfigError::new(format!(
                 "{} is not a plan this runner can read ({e}); it was written by another version, or damaged",
                 path.display()
             ))
-        })
+        })?;
+        plan.check_saved().map_err(|e| ConfigError::new(format!("{}: {e}", path.display())))?;
+        Ok(plan)
     }
 
     pub fn is_pipeline(&self) -> bool {
@@ -320,18 +330,26 @@ fn shard_layout(c: &Config, d: &DataSpec, bad: &mut impl FnMut(&str, String)) ->
     Some(layout)
 }
 
-/// The model against the data: its architecture (a TorchScript module runs one batch here),
+/// The model against the data: its architecture (a TorchScript module runs a batch here),
 /// SyncBatchNorm's preconditions, the initial weights and the model's own files.
 fn model_parts(
     c: &Config,
     base: &Path,
     data: Option<&DataSpec>,
+    layout: Option<&ShardLayout>,
     model_ok: bool,
     bad: &mut impl FnMut(&str, String),
 ) -> ModelParts {
     let model = crate::model::resolve_paths(&c.wrap.model, base);
-    let model_ok = model_ok && data.is_some_and(|d| crate::model::check_input(&model, &d.input, d.task.outputs(), bad));
+    let model_ok = model_ok
+        && data.is_some_and(|d| {
+            let probe = || layout.and_then(|l| probe::torchscript_probe(c, d, l));
+            crate::model::check_input(&model, &d.input, d.task.outputs(), probe, bad)
+        });
     let arch = data.filter(|_| model_ok).map(|d| crate::model::architecture(&model, &d.input, d.task.outputs()));
+    if let (Some(arch), Some(d), Some(l)) = (&arch, data, layout) {
+        probe::batch_norm(c, d, l, arch.as_ref(), bad);
+    }
     if let (true, Some(arch)) = (c.wrap.sync_batchnorm, &arch) {
         sync_batchnorm(c, arch.as_ref(), bad);
     }

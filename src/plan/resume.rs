@@ -94,6 +94,8 @@ impl Plan {
                 table = table.get_mut(*part).expect("a key of the configuration");
             }
             table[parts[parts.len() - 1]] = new[&key].clone();
+            // The run id stays that of the configuration the run started with.
+            plan.started_with.entry(key.clone()).or_insert_with(|| old.get(&key).cloned());
             plan.sources.insert(key.clone(), format!("{} (on resume)", from(&key)));
         }
         plan.config = value.try_into().map_err(|e| ConfigError::new(format!("resumed configuration: {e}")))?;

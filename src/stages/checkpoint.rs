@@ -390,6 +390,9 @@ pub fn latest(run_dir: &Path, plan: &Plan) -> Result<Option<Found>, String> {
         }
         Ok(())
     };
+    if let Err(why) = check_buckets(meta.buckets.as_deref(), plan) {
+        return refuse(why);
+    }
     let mut parts = Vec::new();
     if meta.parts.is_empty() {
         if let Err(e) = verify(&pt, meta.tensors_bytes, &meta.tensors_fnv1a) {
@@ -404,6 +407,24 @@ pub fn latest(run_dir: &Path, plan: &Plan) -> Result<Option<Found>, String> {
         parts.push(path);
     }
     Ok(Some(Found { meta, tensors: pt, parts }))
+}
+
+/// A record's DDP buckets name every trainable parameter (by its index in module order) exactly
+/// once: the Reducer is handed them as they are.
+fn check_buckets(buckets: Option<&[Vec<usize>]>, plan: &Plan) -> Result<(), String> {
+    let Some(buckets) = buckets else { return Ok(()) };
+    let arch = plan.model();
+    let n = arch.parameters(0..arch.layers().len()).len();
+    let mut seen = vec![false; n];
+    for &i in buckets.iter().flatten() {
+        if i >= n || std::mem::replace(&mut seen[i], true) {
+            return Err(format!("its DDP buckets name parameter {i} twice or past the model's {n}"));
+        }
+    }
+    if seen.contains(&false) || buckets.iter().any(Vec::is_empty) {
+        return Err(format!("its DDP buckets do not hold each of the model's {n} parameters"));
+    }
+    Ok(())
 }
 
 /// Writes the trained model's parameters to `file` (`model.safetensors`, `model.best.safetensors`)
@@ -440,7 +461,17 @@ pub fn load(found: &Found, rank: usize, vs: &nn::VarStore, optimizer: &mut Optim
         let s = saved
             .get(&format!("model.{name}"))
             .with_context(|| format!("{} has no parameter {name}", file.display()))?;
-        tch::no_grad(|| t.copy_(s));
+        if s.size() != t.size() || !s.is_floating_point() {
+            anyhow::bail!(
+                "{}: parameter {name} is {:?} {:?}, the model's is {:?}",
+                file.display(),
+                s.kind(),
+                s.size(),
+                t.size()
+            );
+        }
+        tch::no_grad(|| t.f_copy_(s))
+            .map_err(|e| anyhow::anyhow!("{}: {}", file.display(), crate::checked::torch_message(&e)))?;
     }
     optimizer.load_state(|n| saved.get(n).map(|t| t.shallow_clone())).map_err(anyhow::Error::msg)
 }
