@@ -44,8 +44,25 @@ pub enum Command {
     /// (installs the reference's PyTorch into .deps/reference on first use, about 5 GB).
     Bench(BenchArgs),
     /// Apply a finished run's preprocessing and model to a csv or parquet file: predictions as
-    /// parquet, and the metrics when the file holds the target column.
+    /// parquet, and the metrics when the file holds the target column. For a language model,
+    /// --prompt prints text sampled after it instead.
     Predict(PredictArgs),
+    /// Make data files for the runner from other formats.
+    #[command(subcommand)]
+    Prepare(PrepareCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PrepareCommand {
+    /// A UTF-8 text as nanoGPT's character-level prepare.py makes it: train.bin and val.bin
+    /// (uint16 ids, the first 90% of the characters and the rest) and meta.json (the vocabulary).
+    Text {
+        /// The text file.
+        file: PathBuf,
+        /// The folder the three files go to (created if missing).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -53,10 +70,26 @@ pub struct PredictArgs {
     /// The run directory (results/<name>/<run-id>).
     pub run_dir: PathBuf,
     /// A csv or parquet file with the run's feature columns.
-    pub data: PathBuf,
+    #[arg(required_unless_present = "prompt")]
+    pub data: Option<PathBuf>,
     /// Where the predictions go [default: RUN_DIR/predictions.parquet]
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "prompt")]
     pub out: Option<PathBuf>,
+    /// A language model: the text to continue (in the run's vocabulary).
+    #[arg(long, conflicts_with = "data")]
+    pub prompt: Option<String>,
+    /// New tokens to sample after the prompt.
+    #[arg(long, default_value_t = 500, requires = "prompt")]
+    pub tokens: usize,
+    /// Divides the logits: below 1 sharper, above 1 more random.
+    #[arg(long, default_value_t = 0.8, requires = "prompt")]
+    pub temperature: f64,
+    /// Draw only among the k most likely tokens.
+    #[arg(long, default_value_t = 200, requires = "prompt")]
+    pub top_k: usize,
+    /// Seeds the draws: the same seed, the same text.
+    #[arg(long, default_value_t = 1337, requires = "prompt")]
+    pub seed: u64,
 }
 
 #[derive(Debug, Args)]
@@ -196,7 +229,21 @@ pub fn main(cli: Cli) -> u8 {
             crate::say!("{table}");
             0
         }),
-        Command::Predict(args) => crate::predict::predict(&args.run_dir, &args.data, args.out.as_deref()),
+        Command::Predict(args) => match (&args.prompt, &args.data) {
+            (Some(prompt), _) => crate::sample::sample(
+                &args.run_dir,
+                &crate::sample::Options {
+                    prompt: prompt.clone(),
+                    tokens: args.tokens,
+                    temperature: args.temperature,
+                    top_k: args.top_k,
+                    seed: args.seed,
+                },
+            ),
+            (None, Some(data)) => crate::predict::predict(&args.run_dir, data, args.out.as_deref()),
+            (None, None) => unreachable!("clap requires DATA or --prompt"),
+        },
+        Command::Prepare(PrepareCommand::Text { file, out }) => crate::prepare::text(&file, &out),
         Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
             quick: args.quick,
             repetitions: if args.quick { 1 } else { args.repetitions as usize },
