@@ -274,6 +274,18 @@ pub fn schema_json() -> String {
     serde_json::to_string_pretty(&schema).expect("a schema serializes")
 }
 
+/// `train.precision = "bf16"` on a CPU whose bfloat16 matmuls are slower than its float32 ones:
+/// a warning with both rates, measured by a probe of about a second.
+fn warn_of_slow_bf16(plan: &Plan) {
+    use crate::config::schema::{Device, Precision};
+    let t = &plan.config.train;
+    if t.precision == Precision::Bf16 && plan.config.run.device == Device::Cpu {
+        if let Some(warning) = crate::bench::peak::bf16_warning(plan.threads_per_rank) {
+            crate::say_err!("{warning}");
+        }
+    }
+}
+
 pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
     let labelled = args.set_as.chunks(2).map(|pair| Override { label: pair[0].clone(), text: pair[1].clone() });
     let overrides: Vec<Override> = labelled.chain(args.set.iter().map(|s| Override::set(s))).collect();
@@ -286,6 +298,7 @@ fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
     for note in plan.data.notes() {
         crate::say!("{note}");
     }
+    warn_of_slow_bf16(&plan);
     crate::say!("\n{} is valid; nothing was run.", args.file.display());
     Ok(0)
 }
@@ -326,6 +339,7 @@ fn run(args: &RunArgs) -> anyhow::Result<u8> {
         Some(env) => run_rank(&plan, &env, &run_dir, claim),
         None => {
             let topology = args.topology(plan.world_size())?;
+            warn_of_slow_bf16(&plan);
             launch(&plan, &topology, claim, &run_dir)
         }
     }
