@@ -48,9 +48,10 @@ impl Meta {
     pub fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
         text.chars()
             .map(|c| {
-                self.stoi.get(&c.to_string()).copied().with_context(|| {
-                    format!("{c:?} is not in the vocabulary ({} characters)", self.vocab_size)
-                })
+                self.stoi
+                    .get(&c.to_string())
+                    .copied()
+                    .with_context(|| format!("{c:?} is not in the vocabulary ({} characters)", self.vocab_size))
             })
             .collect()
     }
@@ -59,9 +60,10 @@ impl Meta {
     pub fn decode(&self, ids: &[i64]) -> anyhow::Result<String> {
         ids.iter()
             .map(|i| {
-                self.itos.get(&i.to_string()).map(String::as_str).with_context(|| {
-                    format!("token id {i} is outside the vocabulary ({} characters)", self.vocab_size)
-                })
+                self.itos
+                    .get(&i.to_string())
+                    .map(String::as_str)
+                    .with_context(|| format!("token id {i} is outside the vocabulary ({} characters)", self.vocab_size))
             })
             .collect()
     }
@@ -72,7 +74,11 @@ pub fn text(file: &Path, out: &Path) -> anyhow::Result<u8> {
     crate::input::regular_file(file).map_err(anyhow::Error::msg)?;
     let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
     let data = String::from_utf8(bytes).map_err(|e| {
-        anyhow::anyhow!("{} is not UTF-8 text (byte {}): convert it first", file.display(), e.utf8_error().valid_up_to())
+        anyhow::anyhow!(
+            "{} is not UTF-8 text (byte {}): convert it first",
+            file.display(),
+            e.utf8_error().valid_up_to()
+        )
     })?;
     let meta = Meta::of(&data);
     anyhow::ensure!(meta.vocab_size > 0, "{} is empty: there is nothing to prepare", file.display());

@@ -37,7 +37,9 @@ enum Vocabulary {
 impl Vocabulary {
     fn of(plan: &Plan) -> anyhow::Result<Vocabulary> {
         let SourceSpec::Tokens(spec) = &plan.data.source else {
-            anyhow::bail!("this run trained on generated tokens, which have no text: sample a run of a token or text file");
+            anyhow::bail!(
+                "this run trained on generated tokens, which have no text: sample a run of a token or text file"
+            );
         };
         if spec.source == Source::Text {
             return Ok(Vocabulary::Bytes);

@@ -94,8 +94,16 @@ fn betas_decay_on_matrices_and_no_bias_match_the_pytorch_twin_step_by_step() {
         assert_eq!(theirs.len(), STEPS, "one step per epoch: {theirs:?}");
         let out = format!("w{world}");
         let o = run(
-            &["run", "twin.toml", "--out", &out, "--set", &format!("run.world_size={world}"), "--set",
-              &format!("train.batch_size={batch}")],
+            &[
+                "run",
+                "twin.toml",
+                "--out",
+                &out,
+                "--set",
+                &format!("run.world_size={world}"),
+                "--set",
+                &format!("train.batch_size={batch}"),
+            ],
             p,
         );
         assert_ok(&o);
@@ -112,7 +120,9 @@ fn betas_decay_on_matrices_and_no_bias_match_the_pytorch_twin_step_by_step() {
 /// non-ASCII letters.
 fn play() -> String {
     (0..400)
-        .map(|i| format!("ROMEO.\nBut soft, what light through yonder window breaks? {i}\nJULIET.\nAy me; ô Roméo!\n\n"))
+        .map(|i| {
+            format!("ROMEO.\nBut soft, what light through yonder window breaks? {i}\nJULIET.\nAy me; ô Roméo!\n\n")
+        })
         .collect()
 }
 

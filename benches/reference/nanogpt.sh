@@ -20,7 +20,7 @@ cd "$(dirname "$0")/../.."
 NANOGPT=$(realpath "$1")
 ITERS=${2:-2000}
 WORLDS=${3:-"1 2"}
-PY=${PYTHON:-.deps/reference/bin/python}
+PY=${PYTHON:-$PWD/.deps/reference/bin/python}
 RUNNER=${RUNNER:-target/release/runner}
 [ -x "$RUNNER" ] || RUNNER=target/debug/runner
 CORES=$(nproc)

@@ -210,7 +210,8 @@ mod tests {
     #[test]
     fn weight_decay_on_matrices_leaves_vectors_alone() {
         for (on, bias_decays) in [(WeightDecayOn::All, true), (WeightDecayOn::Matrices, false)] {
-            let t = Train { optimizer: Kind_::Adamw, lr: 0.1, weight_decay: 0.5, weight_decay_on: on, ..Train::default() };
+            let t =
+                Train { optimizer: Kind_::Adamw, lr: 0.1, weight_decay: 0.5, weight_decay_on: on, ..Train::default() };
             let w = Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
             let b = Tensor::ones([2], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
             let mut opt = Optimizer::new(&t, vec![w.shallow_clone(), b.shallow_clone()]);

@@ -69,7 +69,8 @@ impl Schedule {
 
     /// Whether the rates depend on the run's length (train.epochs).
     pub fn depends_on_length(&self) -> bool {
-        matches!(self.kind, ScheduleKind::Linear | ScheduleKind::Cosine) && self.decay_end == self.total.saturating_sub(1)
+        matches!(self.kind, ScheduleKind::Linear | ScheduleKind::Cosine)
+            && self.decay_end == self.total.saturating_sub(1)
     }
 
     /// The shape, for `runner validate`: "cosine 0.1 → 0.001 over 780 steps after 78 warmup steps".
