@@ -116,13 +116,13 @@ mod tests {
     #[test]
     fn the_vocabulary_is_the_sorted_characters_and_round_trips() {
         let meta = Meta::of("hello, wörld\n");
-        assert_eq!(meta.vocab_size, 10);
+        assert_eq!(meta.vocab_size, 11);
         assert_eq!(meta.itos["0"], "\n");
-        assert_eq!(meta.stoi["ö"], 9);
+        assert_eq!(meta.stoi["ö"], 10);
         let ids = meta.encode("wörld").unwrap();
         let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
         assert_eq!(meta.decode(&ids).unwrap(), "wörld");
         assert!(meta.encode("x").unwrap_err().to_string().contains("'x' is not in the vocabulary"));
-        assert!(meta.decode(&[10]).is_err());
+        assert!(meta.decode(&[11]).is_err());
     }
 }

@@ -24,7 +24,7 @@ threads_per_rank = 1
 [load]
 source = "text"
 path = "book.txt"
-rows = 16
+rows = 20                    # read: 16 to train on, the last 4 held out (validate.rows), as the twin
 
 [normalize]
 method = "none"
