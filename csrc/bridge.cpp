@@ -233,6 +233,26 @@ char* rn_pg_all_reduce(rn_pg* pg, void* t, int op) {
   });
 }
 
+struct rn_work {
+  c10::intrusive_ptr<c10d::Work> work;
+};
+
+char* rn_pg_all_reduce_start(rn_pg* pg, void* t, int op, rn_work** out) {
+  return protect([&] {
+    if (op == RN_AVG) throw std::invalid_argument("an all-reduce in flight cannot average");
+    std::vector<at::Tensor> ts{tensor(t)};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = reduce_op(op);
+    *out = new rn_work{pg->backend->allreduce(ts, opts)};
+  });
+}
+
+char* rn_work_wait(rn_work* w) {
+  return protect([&] { w->work->wait(); });
+}
+
+void rn_work_free(rn_work* w) { delete w; }
+
 char* rn_pg_broadcast(rn_pg* pg, void* t, int root) {
   return protect([&] {
     std::vector<at::Tensor> ts{tensor(t)};

@@ -14,6 +14,7 @@ extern "C" {
 typedef struct rn_store rn_store;
 typedef struct rn_pg rn_pg;
 typedef struct rn_ddp rn_ddp;
+typedef struct rn_work rn_work;
 
 enum rn_reduce_op { RN_SUM = 0, RN_AVG = 1, RN_MIN = 2, RN_MAX = 3 };
 
@@ -51,6 +52,11 @@ char* rn_pg_new_gloo_group(rn_store* s, const char* prefix, int rank, int size, 
 char* rn_pg_new_nccl(rn_store* s, int rank, int size, int device_index, int64_t timeout_ms, rn_pg** out);
 void rn_pg_free(rn_pg* pg);
 char* rn_pg_all_reduce(rn_pg* pg, void* tensor, int op);
+// Starts an in-place all-reduce (RN_SUM, RN_MIN or RN_MAX) and returns at once; rn_work_wait
+// finishes it. The tensor must stay alive and untouched until then; rn_work_free after the wait.
+char* rn_pg_all_reduce_start(rn_pg* pg, void* tensor, int op, rn_work** out);
+char* rn_work_wait(rn_work* w);
+void rn_work_free(rn_work* w);
 char* rn_pg_broadcast(rn_pg* pg, void* tensor, int root);
 // outputs: `size` tensors shaped like input.
 char* rn_pg_all_gather(rn_pg* pg, void** outputs, size_t n_outputs, void* input);

@@ -9,7 +9,8 @@
 #
 # scripts/setup.sh --tests also installs what the test suite runs beside the runner (see the end of
 # this file): the Python reference environment (.deps/reference: torch 2.13.0, the same libtorch)
-# with the packages of scripts/test-requirements.txt (torchvision, TensorBoard's reader, MLflow).
+# with the packages of scripts/test-requirements.txt (torchvision, TensorBoard's reader, MLflow),
+# and, through scripts/setup-slurm.sh, Debian's slurm-wlm and munge for the Slurm tests (as root).
 #
 # scripts/setup.sh --cuda also fetches what `cargo build --features cuda` compiles and links against
 # (see the end of this file): the CUDA libtorch in .deps/libtorch-cuda, and the CUDA and NCCL headers
@@ -166,6 +167,7 @@ if [ "$tests" = 1 ]; then
       || die "pip could not install scripts/test-requirements.txt (see the message above)."
     cp "$reqs" "$stamp"
   fi
+  "$root/scripts/setup-slurm.sh"
 fi
 
 [ "$cuda" = 1 ] || exit 0

@@ -6,14 +6,16 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{self, ConfigError, Override};
-use crate::launch::env::RankEnv;
+use crate::launch::agree;
+use crate::launch::env::{Launcher, RankEnv};
 use crate::launch::rank;
+use crate::launch::slurm;
 use crate::launch::spawn::{self, Topology};
 use crate::plan::Plan;
 use crate::rundir;
 use crate::rundir::lock::{self, RunLock};
 use crate::rundir::manifest::{Manifest, Status};
-use crate::stages::checkpoint;
+use crate::stages::{checkpoint, preempt};
 use crate::trace::view;
 
 #[derive(Debug, Parser)]
@@ -160,9 +162,10 @@ pub struct RunArgs {
     /// Node 0's address, reachable from every node (needed with --nnodes > 1).
     #[arg(long, value_name = "HOST")]
     pub master_addr: Option<String>,
-    /// The port of node 0's rendezvous store.
-    #[arg(long, value_name = "PORT", default_value_t = 29500)]
-    pub master_port: u16,
+    /// The port of node 0's rendezvous store [default: under Slurm, 15000 + the job id's last
+    /// four digits; otherwise 29500]
+    #[arg(long, value_name = "PORT")]
+    pub master_port: Option<u16>,
 }
 
 impl RunArgs {
@@ -180,10 +183,16 @@ impl RunArgs {
                 self.nnodes
             ));
         }
-        let Some(addr) = self.master_addr.clone() else {
+        // Under Slurm, node 0 is the job's first host.
+        let Some(addr) = self.master_addr.clone().or_else(slurm::first_host) else {
             return fail("--nnodes > 1 needs --master-addr, the address of node 0 that every node can reach".into());
         };
-        Ok(Topology { nnodes: self.nnodes, node_rank: self.node_rank, master: Some((addr, self.master_port)) })
+        let port = match (self.master_port, std::env::var("SLURM_JOB_ID")) {
+            (Some(port), _) => port,
+            (None, Ok(job)) => slurm::master_port(&job).map_err(|e| ConfigError::new(format!("{e:#}")))?,
+            (None, Err(_)) => 29500,
+        };
+        Ok(Topology { nnodes: self.nnodes, node_rank: self.node_rank, master: Some((addr, port)) })
     }
 }
 
@@ -204,6 +213,10 @@ pub struct SweepArgs {
     /// with the stored ones; exit 1 listing every difference.
     #[arg(long)]
     pub check: bool,
+    /// Where the points run: local, one after another; slurm, each an sbatch job with the
+    /// experiment file's [slurm] resources (srun tasks as ranks, requeued when preempted).
+    #[arg(long, value_enum, default_value = "local")]
+    pub launcher: crate::sweep::Launcher,
 }
 
 #[derive(Debug, Args)]
@@ -223,7 +236,13 @@ pub fn main(cli: Cli) -> u8 {
         Command::Run(args) => run(&args),
         Command::Sweep(args) => crate::sweep::sweep(
             &args.file,
-            &crate::sweep::Options { out: args.out, fail_fast: args.fail_fast, force: args.force, check: args.check },
+            &crate::sweep::Options {
+                out: args.out,
+                fail_fast: args.fail_fast,
+                force: args.force,
+                check: args.check,
+                launcher: args.launcher,
+            },
         ),
         Command::Report(args) => crate::report::write(&args.dir).map(|table| {
             crate::say!("{table}");
@@ -309,7 +328,7 @@ fn run(args: &RunArgs) -> anyhow::Result<u8> {
         // A rank of runner's own launcher: the launcher resolved and saved the plan.
         let run_dir = args.resume.clone().or(args.out.clone()).context("--plan needs --out or --resume")?;
         let env = RankEnv::from_env()?.context("--plan is for the ranks `runner run` starts (RANK is not set)")?;
-        return run_rank(&Plan::load(path)?, &env, &run_dir, claim);
+        return run_rank(Plan::load(path)?, &env, &|_| run_dir.clone(), claim);
     }
     let file = match (&args.file, &args.resume) {
         (Some(f), _) => f.clone(),
@@ -318,30 +337,54 @@ fn run(args: &RunArgs) -> anyhow::Result<u8> {
     };
     let config = ConfigArgs { file, set: args.set.clone(), set_as: args.set_as.clone() };
     let asked = plan(&config)?;
-    let (plan, run_dir) = match &args.resume {
-        Some(dir) => (resumed_plan(dir, &asked)?, dir.clone()),
-        None => {
-            let dir = args
-                .out
-                .clone()
-                .unwrap_or_else(|| Path::new("results").join(&asked.config.run.name).join(&asked.run_id));
-            (asked, dir)
-        }
+    let plan = match &args.resume {
+        Some(dir) => resumed_plan(dir, &asked)?,
+        None => asked,
     };
-    let env = RankEnv::from_env()?;
-    if let (Some(dir), None) = (&args.resume, &env) {
-        if let Ok(m) = Manifest::read(dir) {
-            let why = m.failure.map(|f| format!(": {f}")).unwrap_or_default();
-            crate::say!("resuming run {} ({}{why})", m.run_id, format!("{:?}", m.status).to_lowercase());
-        }
+    // The run directory of a plan: under torchrun or srun, rank 0's plan names it for every rank.
+    let run_dir_of = |plan: &Plan| {
+        args.resume
+            .clone()
+            .or(args.out.clone())
+            .unwrap_or_else(|| Path::new("results").join(&plan.config.run.name).join(&plan.run_id))
+    };
+    if let Some(env) = RankEnv::from_env()? {
+        return run_rank(plan, &env, &run_dir_of, claim);
     }
-    match env {
-        Some(env) => run_rank(&plan, &env, &run_dir, claim),
-        None => {
-            let topology = args.topology(plan.world_size())?;
-            warn_of_slow_bf16(&plan);
-            launch(&plan, &topology, claim, &run_dir)
-        }
+    let dir = run_dir_of(&plan);
+    let (plan, claim) = match preempted_plan(&dir, &plan, claim)? {
+        Some(resumed) => (resumed, Claim { resume: true, ..claim }),
+        None => (plan, claim),
+    };
+    if claim.resume {
+        say_resuming(&dir);
+    }
+    let topology = args.topology(plan.world_size())?;
+    warn_of_slow_bf16(&plan);
+    launch(&plan, &topology, claim, &dir)
+}
+
+/// The plan that continues a preempted run of `asked`'s configuration in `dir`: Slurm reruns
+/// the command line it requeued, and that resumes from the checkpoint the preemption wrote.
+/// `None` for any other directory, or when already resuming.
+fn preempted_plan(dir: &Path, asked: &Plan, claim: Claim) -> anyhow::Result<Option<Plan>> {
+    if claim.resume {
+        return Ok(None);
+    }
+    match Manifest::read_raw(dir) {
+        Ok(Some(m)) if m.status == Status::Preempted && m.run_id == asked.run_id => Ok(Some(resumed_plan(dir, asked)?)),
+        _ => Ok(None),
+    }
+}
+
+fn say_resuming(dir: &Path) {
+    if let Ok(m) = Manifest::read(dir) {
+        let why = match (m.failure, m.preempted_at_step) {
+            (Some(f), _) => format!(": {f}"),
+            (None, Some(step)) => format!(" at step {step}"),
+            (None, None) => String::new(),
+        };
+        crate::say!("resuming run {} ({}{why})", m.run_id, format!("{:?}", m.status).to_lowercase());
     }
 }
 
@@ -398,25 +441,63 @@ struct Claim {
 }
 
 /// This process is one rank. Under runner's own launcher the launcher owns the run directory
-/// (config.toml, the manifest, the lock); under another launcher (torchrun, Slurm) rank 0 does.
-fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, claim: Claim) -> anyhow::Result<u8> {
-    let owns_run_dir = env.rank == 0 && env.launcher_pid.is_none();
-    let mut manifest = owns_run_dir.then(|| plan.manifest());
-    let _lock = match &manifest {
-        Some(manifest) => Some(prepare_run_dir(plan, run_dir, manifest, claim)?),
-        None => None,
-    };
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rank::run(plan, env, run_dir, claim.resume)))
-        .unwrap_or_else(|panic| Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))));
-    if let Some(manifest) = manifest.as_mut() {
-        match &result {
-            Ok(_) => {
-                manifest.end(Status::Complete, None);
-                manifest.stopped(run_dir, plan.config.train.epochs);
+/// (config.toml, the manifest, the lock) and resolved the plan; under another launcher (torchrun,
+/// srun) rank 0 does both, and every rank runs rank 0's plan or refuses, naming the keys that
+/// differ ([`agree`]).
+fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, claim: Claim) -> anyhow::Result<u8> {
+    if let Some(pid) = env.launcher_pid {
+        rank::die_with_launcher(pid);
+    }
+    preempt::watch(plan.config.run.preempt_signal)?;
+    let timeout = std::time::Duration::from_secs_f64(plan.config.run.timeout_s);
+    let store = std::sync::Arc::new(rank::open_store(env, timeout)?);
+    let (agreed, owned) = if env.launcher == Launcher::Runner {
+        (agree::Agreed { plan, resume: claim.resume }, None)
+    } else {
+        let parties = agree::Parties { label: "rank", me: env.rank, count: env.world_size };
+        agree::rank0_plan(&store, &plan, parties, |plan| {
+            rank::check_world_size(plan, env)?;
+            let run_dir = run_dir_of(plan);
+            let (plan, resume) = match preempted_plan(&run_dir, plan, claim)? {
+                Some(resumed) => (resumed, true),
+                None => (plan.clone(), claim.resume),
+            };
+            if resume {
+                say_resuming(&run_dir);
             }
-            Err(e) => manifest.end(Status::Failed, Some(format!("rank 0: {e:#}"))),
+            let manifest = plan.manifest();
+            let lock = prepare_run_dir(&plan, &run_dir, &manifest, Claim { resume, ..claim })?;
+            Ok((agree::Agreed { plan, resume }, (lock, manifest)))
+        })?
+    };
+    let agree::Agreed { plan, resume } = agreed;
+    let run_dir = run_dir_of(&plan);
+    let (_lock, mut manifest) = owned.unzip();
+    let result =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rank::run(&plan, env, store, &run_dir, resume)))
+            .unwrap_or_else(|panic| Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))));
+    let preempted = result.as_ref().err().and_then(|e| e.downcast_ref::<preempt::Preempted>()).copied();
+    if let Some(manifest) = manifest.as_mut() {
+        match (&result, preempted) {
+            (Ok(_), _) => {
+                manifest.end(Status::Complete, None);
+                manifest.stopped(&run_dir, plan.config.train.epochs);
+            }
+            (Err(_), Some(p)) => {
+                manifest.end(Status::Preempted, None);
+                manifest.preempted_at_step = Some(p.step);
+            }
+            (Err(e), None) => manifest.end(Status::Failed, Some(format!("rank 0: {e:#}"))),
         }
-        manifest.write(run_dir)?;
+        manifest.write(&run_dir)?;
+    }
+    if let Some(p) = preempted {
+        // Under srun rank 0 owns the run, and requeues the job once; under runner's launcher,
+        // the launcher does.
+        if manifest.is_some() {
+            slurm::requeue(p.step, &run_dir);
+        }
+        return Ok(128 + plan.config.run.preempt_signal.number() as u8);
     }
     let rows = result?;
     if env.rank == 0 {
@@ -480,6 +561,18 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
             return Err(e);
         }
     };
+    if outcome.preempted {
+        let found = checkpoint::latest(run_dir, plan).ok().flatten();
+        let step = found.and_then(|f| f.meta.step).unwrap_or_default();
+        manifest.end(Status::Preempted, None);
+        manifest.preempted_at_step = Some(step);
+        manifest.write(run_dir)?;
+        // One requeue per job: node 0's launcher asks for it.
+        if topology.node_rank == 0 {
+            slurm::requeue(step, run_dir);
+        }
+        return Ok(128 + plan.config.run.preempt_signal.number() as u8);
+    }
     if let Some(sig) = outcome.interrupted {
         manifest.end(Status::Interrupted, None);
         manifest.write(run_dir)?;

@@ -183,6 +183,35 @@ fn under_torchrun_variables_each_process_is_one_rank() {
 }
 
 #[test]
+fn under_torchrun_variables_a_rank_whose_configuration_differs_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // Rank 1 was given another learning rate and seed: both ranks refuse, naming both keys.
+    let ranks: Vec<_> = [["train.lr=0.05", "run.seed=3"], ["train.lr=0.07", "run.seed=4"]]
+        .iter()
+        .enumerate()
+        .map(|(r, sets)| {
+            common::runner()
+                .args(["run", "p.toml", "--out", "o", "--set", sets[0], "--set", sets[1]])
+                .current_dir(dir.path())
+                .envs([("RANK", r.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_ADDR", "127.0.0.1".into())])
+                .env("MASTER_PORT", port.to_string())
+                .output_later()
+        })
+        .collect();
+    for (r, child) in ranks.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "rank {r}: {err}");
+        assert!(err.contains(&format!("error: rank {r}: the ranks do not run the same configuration")), "{err}");
+        assert!(err.contains("train.lr: rank 0: 0.05, rank 1: 0.07"), "{err}");
+        assert!(err.contains("run.seed: rank 0: 3, rank 1: 4"), "{err}");
+    }
+    assert!(!dir.path().join("o/manifest.json").exists(), "a refused run claims no directory");
+}
+
+#[test]
 fn csv_and_parquet_files_train_like_the_synthetic_source() {
     let dir = tempfile::tempdir().unwrap();
     // 400 rows: label = which of x0, x1 is larger; a constant third feature.

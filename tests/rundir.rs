@@ -126,21 +126,70 @@ fn out_on_a_directory_that_is_not_this_runs_is_refused_unless_force_and_only_run
 }
 
 #[test]
-fn sighup_and_sigusr1_stop_the_ranks_and_mark_the_run_interrupted() {
+fn sighup_interrupts_the_run_and_sigusr1_preempts_it_at_a_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", LONG);
-    for (sig, code) in [(Signal::SIGHUP, 129), (Signal::SIGUSR1, 138)] {
+    for (sig, code, status) in [(Signal::SIGHUP, 129, "interrupted"), (Signal::SIGUSR1, 138, "preempted")] {
         let out = format!("{sig}");
         let launcher = start(dir.path(), &["run", "p.toml", "--out", &out]);
         let ranks = training(&launcher, &dir.path().join(&out), 2);
         kill(Pid::from_raw(launcher.id() as i32), sig).unwrap();
-        let (status, err) = finish(launcher, Duration::from_secs(10));
-        assert_eq!(status.code(), Some(code), "{err}");
+        let (status_code, err) = finish(launcher, Duration::from_secs(10));
+        assert_eq!(status_code.code(), Some(code), "{err}");
         for pid in ranks {
             assert!(!alive(pid), "{sig}: rank process {pid} outlived the launcher");
         }
-        assert!(manifest(&dir.path().join(&out)).contains("\"status\": \"interrupted\""));
+        let m = manifest(&dir.path().join(&out));
+        assert!(m.contains(&format!("\"status\": \"{status}\"")), "{m}");
+        if sig == Signal::SIGUSR1 {
+            // The step of the checkpoint every rank wrote, in the manifest, the output and the
+            // checkpoint's own name.
+            let step: usize = m
+                .split("\"preempted_at_step\": ")
+                .nth(1)
+                .unwrap()
+                .split(|c: char| !c.is_ascii_digit())
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(err.contains(&format!("preempted at step {step}: checkpoint written;")), "{err}");
+            let name = format!("step-{step:08}.json");
+            assert!(dir.path().join(&out).join("checkpoints").join(&name).exists(), "no {name}");
+        }
     }
+}
+
+#[test]
+fn a_preempted_run_resumes_when_the_same_command_runs_again_and_ends_as_if_uninterrupted() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // Preemption by SIGUSR2 (submitit's signal); no epoch checkpoints of its own.
+    let pipeline = LONG
+        .replace("epochs = 300", "epochs = 40")
+        .replace("every = 1\nkeep = 2", "keep = 2")
+        .replace("abort_after_s = 2", "abort_after_s = 2\npreempt_signal = \"USR2\"");
+    write(d, "p.toml", &pipeline);
+    let launcher = start(d, &["run", "p.toml", "--out", "o"]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !d.join("o/trace.parquet").exists() {
+        assert!(Instant::now() < deadline, "the run did not train");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    kill(Pid::from_raw(launcher.id() as i32), Signal::SIGUSR2).unwrap();
+    let (status, err) = finish(launcher, Duration::from_secs(30));
+    assert_eq!(status.code(), Some(128 + 12), "{err}");
+    assert!(err.contains("preempted at step"), "{err}");
+    assert!(manifest(&d.join("o")).contains("\"status\": \"preempted\""));
+    // The same command line resumes it, from the step the preemption wrote.
+    let again = run(&["run", "p.toml", "--out", "o"], d);
+    let (out, err) = text(&again);
+    assert_ok(&again);
+    assert!(out.contains("resuming run") && out.contains("(preempted at step"), "{out}\n{err}");
+    assert!(manifest(&d.join("o")).contains("\"status\": \"complete\""));
+    assert_ok(&run(&["run", "p.toml", "--out", "whole"], d));
+    let differences = runner::sweep::check::compare(&common::trace(&d.join("o")), &common::trace(&d.join("whole")));
+    assert!(differences.is_empty(), "{}", differences.join("\n"));
 }
 
 #[test]

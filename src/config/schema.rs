@@ -57,6 +57,42 @@ pub struct Run {
     pub abort_after_s: f64,
     /// MiB of float32 parameters one rank may hold, checked on the plan; absent: unchecked.
     pub memory_per_rank_mb: Option<f64>,
+    /// The signal that preempts the run: every rank finishes its step, a checkpoint is written
+    /// at that step, the manifest says `preempted`, and under Slurm the job requeues itself and
+    /// resumes there. `#SBATCH --signal=USR1@90` sends SIGUSR1 90 s before the time limit;
+    /// submitit uses USR2.
+    #[serde(skip_serializing_if = "is_default")]
+    pub preempt_signal: PreemptSignal,
+}
+
+/// A signal a job scheduler sends before it stops a job (`run.preempt_signal`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PreemptSignal {
+    /// SIGUSR1 (Slurm's `--signal=USR1@SECONDS`).
+    #[default]
+    #[serde(rename = "USR1", alias = "SIGUSR1")]
+    Usr1,
+    /// SIGUSR2 (submitit's choice).
+    #[serde(rename = "USR2", alias = "SIGUSR2")]
+    Usr2,
+}
+
+impl PreemptSignal {
+    /// The signal's number.
+    pub fn number(self) -> i32 {
+        match self {
+            PreemptSignal::Usr1 => signal_hook::consts::SIGUSR1,
+            PreemptSignal::Usr2 => signal_hook::consts::SIGUSR2,
+        }
+    }
+
+    /// Its name as Slurm's `--signal` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PreemptSignal::Usr1 => "USR1",
+            PreemptSignal::Usr2 => "USR2",
+        }
+    }
 }
 
 impl Default for Run {
@@ -71,6 +107,7 @@ impl Default for Run {
             timeout_s: 60.0,
             abort_after_s: 5.0,
             memory_per_rank_mb: None,
+            preempt_signal: PreemptSignal::Usr1,
         }
     }
 }

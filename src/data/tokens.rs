@@ -162,50 +162,51 @@ fn open(path: &Path, source: Source) -> Result<TokenFile, String> {
 const SCAN_CHUNK: usize = 1 << 22;
 
 /// Scans a file once, in chunks: every id must be below `vocab` (and not negative); a text file
-/// must be UTF-8. Fast in any build: the chunk's minimum and maximum are libtorch reductions.
+/// must be UTF-8. Fast in any build: each chunk is checked by libtorch reductions over the ids in
+/// their own width, on one thread (the scan is bound by memory, and a team of threads spinning
+/// at each reduction's barrier only slows it on a busy machine).
 fn scan(f: &TokenFile, source: Source, vocab: usize) -> Result<(), String> {
+    let threads = tch::get_num_threads();
+    tch::set_num_threads(1);
+    let result = scan_chunks(f, source, vocab);
+    tch::set_num_threads(threads);
+    result
+}
+
+fn scan_chunks(f: &TokenFile, source: Source, vocab: usize) -> Result<(), String> {
     let file = File::open(&f.path).map_err(|e| format!("cannot read {}: {e}", f.path.display()))?;
     let size = f.dtype.size();
     let mut carry: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; SCAN_CHUNK * size];
     let mut at = 0usize;
     while at < f.tokens {
         let n = SCAN_CHUNK.min(f.tokens - at);
-        let mut buf = vec![0u8; n * size];
-        file.read_exact_at(&mut buf, f.offset + (at * size) as u64)
+        let buf = &mut buf[..n * size];
+        file.read_exact_at(buf, f.offset + (at * size) as u64)
             .map_err(|e| format!("cannot read {}: {e}", f.path.display()))?;
         if source == Source::Text {
-            carry.extend_from_slice(&buf);
+            carry.extend_from_slice(buf);
             let valid = match std::str::from_utf8(&carry) {
                 Ok(_) => carry.len(),
                 // An incomplete character at the chunk's end continues in the next one.
                 Err(e) if e.error_len().is_none() && at + n < f.tokens => e.valid_up_to(),
-                Err(e) => {
-                    return Err(format!(
+                Err(e) => return Err(format!(
                     "{} is not UTF-8 text (invalid byte at offset {}); a file of token ids needs source = \"tokens\"",
                     f.path.display(),
                     at + n - carry.len() + e.valid_up_to()
-                ))
-                }
+                )),
             };
             carry.drain(..valid);
         }
-        let ids = ids_tensor(&buf, f.dtype);
-        let bad = ids.lt(0).logical_or(&ids.ge(vocab as i64));
-        if bad.any().int64_value(&[]) == 1 {
-            let i = bad.nonzero().int64_value(&[0, 0]);
-            let id = ids.int64_value(&[i]);
-            let what = if id < 0 && matches!(f.dtype, Dtype::U64) { "huge".to_owned() } else { id.to_string() };
-            if id < 0 && !matches!(f.dtype, Dtype::U64) {
-                return Err(format!(
-                    "{}: token id at position {} is negative, not an id",
-                    f.path.display(),
-                    at + i as usize
-                ));
+        if let Some(i) = first_bad_id(buf, f.dtype, vocab) {
+            let id = f.dtype.get_i128(buf, i);
+            let position = at + i;
+            if id < 0 {
+                return Err(format!("{}: token id at position {position} is negative, not an id", f.path.display()));
             }
             return Err(format!(
-                "{} holds token id {what} (at position {}), but wrap.model.vocab is {vocab}: every id must be below it",
-                f.path.display(),
-                at + i as usize
+                "{} holds token id {id} (at position {position}), but wrap.model.vocab is {vocab}: every id must be below it",
+                f.path.display()
             ));
         }
         at += n;
@@ -213,22 +214,38 @@ fn scan(f: &TokenFile, source: Source, vocab: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// Little-endian ids as an int64 tensor (unsigned widths read through the signed kind of the same
-/// width and masked: no per-element work in Rust).
-fn ids_tensor(bytes: &[u8], dtype: Dtype) -> Tensor {
+/// The position of the first id in `bytes` that is negative or not below `vocab`, if any. The ids
+/// stay in their width, and the common case is two vectorised reductions (minimum, maximum):
+/// unsigned ids are read through the signed kind of the same width with the sign bit flipped,
+/// which keeps their order.
+fn first_bad_id(bytes: &[u8], dtype: Dtype, vocab: usize) -> Option<usize> {
     let n = (bytes.len() / dtype.size()) as i64;
-    let raw = |kind| Tensor::from_data_size(bytes, &[n], kind);
-    match dtype {
-        Dtype::U8 | Dtype::Bool => raw(Kind::Uint8).to_kind(Kind::Int64),
-        Dtype::I8 => raw(Kind::Int8).to_kind(Kind::Int64),
-        Dtype::I16 => raw(Kind::Int16).to_kind(Kind::Int64),
-        Dtype::U16 => raw(Kind::Int16).to_kind(Kind::Int64).bitwise_and(0xFFFF),
-        Dtype::I32 => raw(Kind::Int).to_kind(Kind::Int64),
-        Dtype::U32 => raw(Kind::Int).to_kind(Kind::Int64).bitwise_and(0xFFFF_FFFF),
-        // Ids of 2^63 and more read as negative: refused as huge.
-        Dtype::I64 | Dtype::U64 => raw(Kind::Int64),
+    let (kind, unsigned_bits) = match dtype {
+        Dtype::U8 | Dtype::Bool => (Kind::Uint8, None),
+        Dtype::I8 => (Kind::Int8, None),
+        Dtype::U16 => (Kind::Int16, Some(16)),
+        Dtype::I16 => (Kind::Int16, None),
+        Dtype::U32 => (Kind::Int, Some(32)),
+        Dtype::I32 => (Kind::Int, None),
+        Dtype::I64 => (Kind::Int64, None),
+        Dtype::U64 => (Kind::Int64, Some(64)),
         Dtype::F32 | Dtype::F64 => unreachable!("float token files are refused when opened"),
+    };
+    let raw = Tensor::from_data_size(bytes, &[n], kind);
+    // In the flipped order an unsigned id v is v - 2^(bits-1): the lowest allowed is -2^(bits-1).
+    let (t, lowest, limit) = match unsigned_bits {
+        Some(bits) => {
+            let half = 1i128 << (bits - 1);
+            (raw.bitwise_xor(i64::MIN >> (64 - bits)), -half, vocab as i128 - half)
+        }
+        None => (raw, 0, vocab as i128),
+    };
+    let (min, max) = (t.min().int64_value(&[]) as i128, t.max().int64_value(&[]) as i128);
+    if min >= lowest && max < limit {
+        return None;
     }
+    let bad = t.lt(lowest as i64).logical_or(&t.ge(limit.min(i64::MAX as i128) as i64));
+    Some(bad.nonzero().int64_value(&[0, 0]) as usize)
 }
 
 /// The files of `key`, opened and scanned, as one stream.
@@ -556,6 +573,13 @@ mod tests {
         );
         std::fs::write(dir.path().join("bad.txt"), [b'a', 0xff]).unwrap();
         assert!(check("bad.txt", Source::Text, 256).contains("not UTF-8 text (invalid byte at offset 1)"));
+        // GPT-2's vocabulary is past int16's range: ids of 32768 and more are valid below it.
+        let gpt2: Vec<u8> = [40000u16, 50256, 50257].iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(dir.path().join("gpt2.bin"), gpt2).unwrap();
+        assert!(check("gpt2.bin", Source::Tokens, 50257).contains("holds token id 50257 (at position 2)"));
+        assert!(open(&dir.path().join("gpt2.bin"), Source::Tokens)
+            .and_then(|f| scan(&f, Source::Tokens, 50258))
+            .is_ok());
         std::fs::write(dir.path().join("odd.bin"), [1u8, 0, 9]).unwrap();
         assert!(check("odd.bin", Source::Tokens, 256).contains("not a whole number of little-endian uint16"));
         Tensor::from_slice(&[1.0f32]).write_npy(dir.path().join("f.npy")).unwrap();

@@ -14,6 +14,10 @@ pub struct RnPg {
 pub struct RnDdp {
     _private: [u8; 0],
 }
+#[repr(C)]
+pub struct RnWork {
+    _private: [u8; 0],
+}
 
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy)]
@@ -77,6 +81,9 @@ extern "C" {
     ) -> *mut c_char;
     pub fn rn_pg_free(pg: *mut RnPg);
     pub fn rn_pg_all_reduce(pg: *mut RnPg, tensor: *mut c_void, op: c_int) -> *mut c_char;
+    pub fn rn_pg_all_reduce_start(pg: *mut RnPg, tensor: *mut c_void, op: c_int, out: *mut *mut RnWork) -> *mut c_char;
+    pub fn rn_work_wait(w: *mut RnWork) -> *mut c_char;
+    pub fn rn_work_free(w: *mut RnWork);
     pub fn rn_pg_broadcast(pg: *mut RnPg, tensor: *mut c_void, root: c_int) -> *mut c_char;
     pub fn rn_pg_all_gather(
         pg: *mut RnPg,

@@ -30,7 +30,7 @@ mod store;
 pub use ddp::{Ddp, ReducerTimes};
 pub use error::{Error, PeerExit, Result};
 pub use kernels::{clear_grads, fused_adam, set_autocast_dtype, sgd, AdamConfig, AutocastBf16, SgdConfig};
-pub use process_group::{record_exit, Backend, ProcessGroup, ReduceOp};
+pub use process_group::{record_exit, Backend, Pending, ProcessGroup, ReduceOp};
 pub use store::Store;
 
 /// Ends the process with `code` once stdout and stderr are flushed, skipping static destructors:

@@ -216,6 +216,27 @@ impl ProcessGroup {
         })
     }
 
+    /// Starts reducing `t` across ranks (Sum, Min or Max) and returns at once: the reduction runs
+    /// on the backend's threads while this one goes on; [`Pending::wait`] hands `t` back reduced.
+    /// Every rank must start its reductions in the same order, as with the blocking ones.
+    pub fn all_reduce_start(&self, t: Tensor, op: ReduceOp) -> Result<Pending<'_>> {
+        let name = format!("all_reduce({op:?})");
+        let code = match op {
+            ReduceOp::Sum => ffi::RN_SUM,
+            ReduceOp::Min => ffi::RN_MIN,
+            ReduceOp::Max => ffi::RN_MAX,
+            ReduceOp::Avg => return Err(Error::new(&name, "an all-reduce in flight cannot average (use Sum)")),
+        };
+        self.contiguous(&name, &t)?;
+        let mut work = std::ptr::null_mut();
+        // SAFETY: `t` is live and contiguous; the Pending returned owns it (and the work) until the
+        // work is waited for, so the backend never writes into a freed tensor.
+        let err = unsafe { ffi::rn_pg_all_reduce_start(self.raw(), t.as_ptr() as *mut c_void, code, &mut work) };
+        self.result(&name, err)?;
+        let work = NonNull::new(work).ok_or_else(|| Error::new(&name, "the backend started no work"))?;
+        Ok(Pending { pg: self, work: Some(work), tensor: t, name })
+    }
+
     /// The sum of `t` over every rank, as a new tensor autograd differentiates: its backward pass
     /// all-reduces the gradient (every rank's loss depends on every rank's `t`). SyncBatchNorm's
     /// statistics go through it.
@@ -408,5 +429,39 @@ impl Drop for ProcessGroup {
         }
         // SAFETY: the handle is live and dropped exactly once.
         unsafe { ffi::rn_pg_free(self.raw.as_ptr()) }
+    }
+}
+
+/// An all-reduce in flight ([`ProcessGroup::all_reduce_start`]). Dropped unwaited, it still
+/// waits for the work (the backend writes into its tensor until then).
+pub struct Pending<'pg> {
+    pg: &'pg ProcessGroup,
+    work: Option<NonNull<ffi::RnWork>>,
+    tensor: Tensor,
+    name: String,
+}
+
+impl Pending<'_> {
+    /// Waits for the reduction and returns the reduced tensor.
+    pub fn wait(mut self) -> Result<Tensor> {
+        let work = self.work.take().expect("a pending work");
+        // SAFETY: `work` came from rn_pg_all_reduce_start and is waited for and freed once, here.
+        let err = unsafe { ffi::rn_work_wait(work.as_ptr()) };
+        // SAFETY: as above; nothing uses `work` after this.
+        unsafe { ffi::rn_work_free(work.as_ptr()) };
+        self.pg.result(&self.name, err)?;
+        Ok(std::mem::replace(&mut self.tensor, Tensor::new()))
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if let Some(work) = self.work.take() {
+            // SAFETY: `work` is live and not yet waited for; the tensor it writes is still ours.
+            let err = unsafe { ffi::rn_work_wait(work.as_ptr()) };
+            let _ = check(&self.name, err);
+            // SAFETY: waited for above; freed once.
+            unsafe { ffi::rn_work_free(work.as_ptr()) };
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! The torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...): set by `runner run` for the
-//! ranks it spawns, or by torchrun, Slurm or another launcher.
+//! ranks it spawns, or by torchrun or another launcher; under srun, the Slurm variables
+//! ([`super::slurm`]).
 use anyhow::{bail, Context};
 
 /// Set on ranks spawned by `runner run`: the launcher's pid (so a rank dies with it).
@@ -8,6 +9,28 @@ pub const LAUNCHER_PID: &str = "RUNNER_LAUNCHER_PID";
 pub const SWEEP_PID: &str = "RUNNER_SWEEP_PID";
 /// torchrun's flag for "the launcher hosts the store; every rank is a client".
 pub const AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
+
+/// What started this rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Launcher {
+    /// `runner run` itself (its ranks carry RUNNER_LAUNCHER_PID).
+    Runner,
+    /// torchrun or another launcher that sets RANK and WORLD_SIZE.
+    Torchrun,
+    /// srun: one task per rank.
+    Srun,
+}
+
+impl Launcher {
+    /// How the mismatch message names the launcher and its count of ranks.
+    pub fn started(self, n: usize) -> String {
+        match self {
+            Launcher::Runner => format!("the launcher started {n} ranks"),
+            Launcher::Torchrun => format!("the launcher started {n} ranks (WORLD_SIZE={n})"),
+            Launcher::Srun => format!("srun started {n} tasks (SLURM_STEP_NUM_TASKS={n}), one rank each"),
+        }
+    }
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct RankEnv {
@@ -20,13 +43,18 @@ pub struct RankEnv {
     /// The store is hosted by the launcher, not by rank 0.
     pub agent_store: bool,
     pub launcher_pid: Option<u32>,
+    pub launcher: Launcher,
 }
 
 impl RankEnv {
-    /// `None` when RANK is not set (then `runner run` launches the ranks itself).
+    /// `None` when RANK is not set and this is not one of several srun tasks per node (then
+    /// `runner run` launches the ranks itself).
     pub fn from_env() -> anyhow::Result<Option<RankEnv>> {
         let Ok(rank) = std::env::var("RANK") else {
-            return Ok(None);
+            return match super::slurm::Step::from_env()? {
+                Some(step) if step.tasks_are_ranks() => Ok(Some(step.rank_env()?)),
+                _ => Ok(None),
+            };
         };
         let var = |k: &str| {
             std::env::var(k).with_context(|| format!("RANK is set, so {k} must be set too (torchrun sets both)"))
@@ -66,6 +94,7 @@ impl RankEnv {
             master_port,
             agent_store,
             launcher_pid,
+            launcher: if launcher_pid.is_some() { Launcher::Runner } else { Launcher::Torchrun },
         }))
     }
 

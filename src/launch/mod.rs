@@ -1,5 +1,8 @@
-//! Launching: `runner run` either becomes one rank (when the torchrun variables are set) or
-//! spawns and supervises `world_size` rank processes itself.
+//! Launching: `runner run` either becomes one rank (when the torchrun variables are set, or
+//! under srun with several tasks per node) or spawns and supervises `world_size` rank processes
+//! itself.
+pub mod agree;
 pub mod env;
 pub mod rank;
+pub mod slurm;
 pub mod spawn;

@@ -12,22 +12,18 @@ use crate::dist::{Backend, ProcessGroup, Store};
 use crate::plan::Plan;
 use crate::trace::EpochRow;
 
-pub fn run(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::Result<Vec<EpochRow>> {
-    if let Some(pid) = env.launcher_pid {
-        die_with_launcher(pid);
-    }
-    if env.world_size != plan.world_size() {
-        anyhow::bail!(
-            "the launcher started {} ranks but run.world_size is {}; pass --set run.world_size={}",
-            env.world_size,
-            plan.world_size(),
-            env.world_size
-        );
-    }
+/// Runs this rank of `plan` over `store` ([`open_store`]).
+pub fn run(
+    plan: &Plan,
+    env: &RankEnv,
+    store: Arc<Store>,
+    run_dir: &Path,
+    resume: bool,
+) -> anyhow::Result<Vec<EpochRow>> {
+    check_world_size(plan, env)?;
     let device = plan.device(env.local_rank);
     crate::device::check_rank(device)?;
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
-    let store = Arc::new(open_store(env, timeout)?);
     let host =
         if env.single_node() { "127.0.0.1".to_string() } else { address_towards(&env.master_addr, env.master_port)? };
     let backend = match plan.config.run.backend {
@@ -41,6 +37,8 @@ pub fn run(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::
             pg.barrier()?;
             Ok(rows)
         }
+        // Every rank stopped after the same step and wrote its part of the checkpoint.
+        Err(e) if e.is::<crate::stages::preempt::Preempted>() => Err(e),
         Err(e) => {
             // Peers blocked on this rank learn why, rather than only that a socket closed.
             pg.leave(&format!("failed: {}", first_line(&format!("{e:#}"))));
@@ -49,12 +47,27 @@ pub fn run(plan: &Plan, env: &RankEnv, run_dir: &Path, resume: bool) -> anyhow::
     }
 }
 
+/// Refuses a plan whose run.world_size is not the number of ranks the launcher started.
+pub fn check_world_size(plan: &Plan, env: &RankEnv) -> anyhow::Result<()> {
+    if env.world_size != plan.world_size() {
+        return Err(crate::config::ConfigError::new(format!(
+            "{}, but run.world_size is {}; pass --set run.world_size={}, or start {} ranks",
+            env.launcher.started(env.world_size),
+            plan.world_size(),
+            env.world_size,
+            plan.world_size()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
 fn first_line(s: &str) -> &str {
     s.lines().next().unwrap_or(s)
 }
 
 /// The store: a client of the launcher's (torchrun, runner) or, without one, served by rank 0.
-fn open_store(env: &RankEnv, timeout: Duration) -> anyhow::Result<Store> {
+pub fn open_store(env: &RankEnv, timeout: Duration) -> anyhow::Result<Store> {
     if env.rank == 0 && !env.agent_store {
         if is_loopback(&env.master_addr) {
             let listener = TcpListener::bind(("127.0.0.1", env.master_port))
@@ -96,7 +109,7 @@ fn pin_main_thread(env: &RankEnv, threads: usize) {
 }
 
 /// Makes the kernel kill this rank when the launcher dies, whatever killed the launcher.
-fn die_with_launcher(pid: u32) {
+pub fn die_with_launcher(pid: u32) {
     let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
     // The launcher may have died before the line above took effect.
     if nix::unistd::getppid().as_raw() as u32 != pid {

@@ -20,7 +20,6 @@ use nix::unistd::Pid;
 use signal_hook::consts::signal::*;
 
 use super::env::{AGENT_STORE, LAUNCHER_PID};
-use crate::config::ConfigError;
 use crate::dist::{record_exit, Store};
 use crate::plan::Plan;
 use crate::rundir::position;
@@ -28,7 +27,8 @@ use crate::rundir::position;
 const STDERR_TAIL: usize = 12;
 
 /// The signals that stop a run cleanly (ranks stopped, manifest `interrupted`) rather than
-/// killing the launcher where it stands.
+/// killing the launcher where it stands; all but `run.preempt_signal`, which the launcher
+/// forwards to every rank: they checkpoint after the same step and end preempted.
 pub const STOP_SIGNALS: &[i32] =
     &[SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF];
 
@@ -39,6 +39,8 @@ pub struct Outcome {
     pub failure: Option<Failure>,
     /// The signal (one of [`STOP_SIGNALS`]) that interrupted the run.
     pub interrupted: Option<i32>,
+    /// Every rank stopped on `run.preempt_signal` after writing its part of a checkpoint.
+    pub preempted: bool,
 }
 
 #[derive(Debug)]
@@ -94,9 +96,14 @@ impl Topology {
 pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[OsString]) -> anyhow::Result<Outcome> {
     // Ctrl-C, SIGTERM, SIGHUP, ... stop the ranks through the supervision loop below.
     let interrupt = Arc::new(AtomicUsize::new(0));
-    for &sig in STOP_SIGNALS {
+    let preempt_signal = plan.config.run.preempt_signal.number();
+    for &sig in STOP_SIGNALS.iter().filter(|&&s| s != preempt_signal) {
         signal_hook::flag::register_usize(sig, Arc::clone(&interrupt), sig as usize)?;
     }
+    let preempt = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    signal_hook::flag::register(preempt_signal, Arc::clone(&preempt))?;
+    // How a rank that was preempted exits.
+    let preempted_exit = Some(128 + preempt_signal);
     let world = plan.world_size();
     let per_node = world / topology.nnodes;
     let first_rank = topology.node_rank * per_node;
@@ -117,7 +124,8 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
         Some((addr, port)) => (Store::connect(addr, *port, timeout)?, addr.clone(), *port),
     };
     if topology.nnodes > 1 {
-        same_config_on_every_node(&store, plan, topology)?;
+        let parties = super::agree::Parties { label: "node", me: topology.node_rank, count: topology.nnodes };
+        super::agree::same_config(&store, plan, parties)?;
     }
     let exe = std::env::current_exe()?;
 
@@ -161,7 +169,14 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     let mut killed = Vec::new();
     let mut stopped_since: Vec<Option<Instant>> = vec![None; ranks.len()];
     let mut stall_blamed = false;
+    let mut preempting = false;
     loop {
+        if preempt.load(Ordering::SeqCst) && !preempting && interrupted.is_none() {
+            preempting = true;
+            for rank in ranks.iter().filter(|r| r.status.is_none()) {
+                let _ = signal::kill(Pid::from_raw(rank.child.id() as i32), Signal::try_from(preempt_signal).ok());
+            }
+        }
         let sig = interrupt.load(Ordering::SeqCst);
         if sig != 0 && interrupted.is_none() {
             interrupted = Some((sig as i32, Instant::now()));
@@ -176,7 +191,8 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
             }
             if let Some(status) = rank.child.try_wait()? {
                 rank.status = Some(status);
-                if !status.success() && first_failure.is_none() && interrupted.is_none() {
+                let preempted = preempting && status.code() == preempted_exit;
+                if !status.success() && !preempted && first_failure.is_none() && interrupted.is_none() {
                     let how = describe(status);
                     // Peers blocked on this rank name it in their errors.
                     let _ = record_exit(&store, r, &how);
@@ -247,7 +263,11 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
         killed,
     });
     position::remove_all(run_dir, first_rank..first_rank + per_node);
-    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0) })
+    let preempted = preempting
+        && failure.is_none()
+        && interrupted.is_none()
+        && ranks.iter().any(|r| r.status.and_then(|s| s.code()) == preempted_exit);
+    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted })
 }
 
 /// Whether `pid` is stopped (state T) or traced (t).
@@ -256,92 +276,6 @@ fn is_stopped(pid: u32) -> bool {
         .ok()
         .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with(['T', 't'])))
         .unwrap_or(false)
-}
-
-/// Multi-node: every node's launcher publishes its resolved configuration (flattened to dotted
-/// keys) in the store; node 0 compares them all and publishes a verdict every node waits for.
-/// On a mismatch every node refuses before it starts a rank, naming each key that differs and
-/// its value on each node.
-fn same_config_on_every_node(store: &Store, plan: &Plan, topology: &Topology) -> anyhow::Result<()> {
-    let mine = flat_config(plan);
-    store.set(&format!("runner/config/node{}", topology.node_rank), serde_json::to_string(&mine)?.as_bytes())?;
-    const VERDICT: &str = "runner/config/verdict";
-    const READ: &str = "runner/config/verdict-read";
-    let verdict = if topology.node_rank == 0 {
-        let mut nodes = vec![mine];
-        for n in 1..topology.nnodes {
-            let bytes = store.get(&format!("runner/config/node{n}"))?;
-            nodes.push(serde_json::from_slice(&bytes).with_context(|| format!("node {n} sent no configuration"))?);
-        }
-        let verdict = config_differences(&nodes).unwrap_or_default();
-        store.set(VERDICT, verdict.as_bytes())?;
-        if !verdict.is_empty() {
-            // The store ends with this launcher: it stays until every node has read the verdict.
-            let deadline = Instant::now() + store.timeout();
-            while store.add(READ, 0)? < topology.nnodes as i64 - 1 && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-        verdict
-    } else {
-        let verdict = String::from_utf8_lossy(&store.get(VERDICT)?).into_owned();
-        store.add(READ, 1)?;
-        verdict
-    };
-    if verdict.is_empty() {
-        Ok(())
-    } else {
-        Err(ConfigError::new(verdict).into())
-    }
-}
-
-type FlatConfig = std::collections::BTreeMap<String, String>;
-
-const RUN_ID_KEY: &str = "run id (configuration and wrap.init file)";
-
-/// The resolved configuration as dotted keys and JSON values, plus the run id (which also
-/// covers the initial-weights file's bytes).
-fn flat_config(plan: &Plan) -> FlatConfig {
-    fn walk(prefix: &str, v: &serde_json::Value, out: &mut FlatConfig) {
-        match v {
-            serde_json::Value::Object(map) => {
-                for (k, v) in map {
-                    walk(&if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") }, v, out);
-                }
-            }
-            v => {
-                out.insert(prefix.to_owned(), v.to_string());
-            }
-        }
-    }
-    let mut out = FlatConfig::new();
-    walk("", &serde_json::to_value(&plan.config).unwrap_or_default(), &mut out);
-    out.insert(RUN_ID_KEY.into(), plan.run_id.clone());
-    out
-}
-
-/// Each key whose value differs between nodes, with every node's value; `None` when all agree.
-fn config_differences(nodes: &[FlatConfig]) -> Option<String> {
-    let keys: std::collections::BTreeSet<&String> = nodes.iter().flat_map(|n| n.keys()).collect();
-    let differ: Vec<&String> =
-        keys.into_iter().filter(|k| nodes.iter().any(|n| n.get(*k) != nodes[0].get(*k))).collect();
-    // The run id differs whenever a key does: it is news only alone (a different wrap.init file).
-    let only_id = differ.len() == 1;
-    let lines: Vec<String> = differ
-        .into_iter()
-        .filter(|k| only_id || k.as_str() != RUN_ID_KEY)
-        .map(|k| {
-            let values: Vec<String> = nodes
-                .iter()
-                .enumerate()
-                .map(|(i, n)| format!("node {i}: {}", n.get(k).map_or("(absent)", String::as_str)))
-                .collect();
-            format!("{k}: {}", values.join(", "))
-        })
-        .collect();
-    (!lines.is_empty()).then(|| {
-        format!("the nodes do not run the same configuration; every node refused to start:\n  {}", lines.join("\n  "))
-    })
 }
 
 fn describe(status: ExitStatus) -> String {

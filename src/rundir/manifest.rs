@@ -15,6 +15,9 @@ pub enum Status {
     Interrupted,
     /// Left `running` by a launcher that is gone (never written, only read).
     Crashed,
+    /// Stopped by `run.preempt_signal` after writing a checkpoint at `preempted_at_step`; the
+    /// same command line resumes it there.
+    Preempted,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -38,6 +41,9 @@ pub struct Manifest {
     /// Why a complete run stopped: its last epoch, or early stopping's reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped: Option<String>,
+    /// The optimizer step of the checkpoint a preempted run wrote.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preempted_at_step: Option<usize>,
 }
 
 impl Manifest {
@@ -68,6 +74,7 @@ impl Manifest {
             ended_at: None,
             failure: None,
             stopped: None,
+            preempted_at_step: None,
         }
     }
 

@@ -1,6 +1,7 @@
 //! The five stages a rank runs: load → shard → normalize → wrap → train/validate. Each stage
 //! receives what the previous one produced and the part of the plan it owns.
 pub mod checkpoint;
+pub mod preempt;
 pub mod recipe;
 pub mod train;
 pub mod wrap;
@@ -71,15 +72,22 @@ pub fn run(
             }
         }
     }
+    let mut preempted = None;
+    let mut agreement = preempt::Agreement::new(pg, device);
     while done < clock.total {
         let interval = clock.interval_of(done);
         let mut iv = trainer.begin(interval.clone(), partial.take());
         while done < interval.end {
             trainer.train(&mut iv, done..done + 1)?;
             done += 1;
-            if done < interval.end && checkpoint_due(plan, &clock, done) {
+            preempted = agreement.after_step(done)?;
+            if done < interval.end && (preempted.is_some() || checkpoint_due(plan, &clock, done)) {
                 let all = gather_partials(pg, iv.partial())?;
                 save_checkpoint(&trainer, plan, pg, run_dir, done, &rows, &steps, Some(all))?;
+                if let Some(signal) = preempted {
+                    trainer.progress.finish();
+                    return Err(preempt::Preempted { step: done, signal }.into());
+                }
             }
         }
         let out = trainer.finish(iv)?;
@@ -102,7 +110,7 @@ pub fn run(
             let w = &trainer.wrapped;
             checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::BEST_MODEL)?;
         }
-        if checkpoint_due(plan, &clock, done) {
+        if checkpoint_due(plan, &clock, done) || (preempted.is_some() && done < clock.total) {
             save_checkpoint(&trainer, plan, pg, run_dir, done, &rows, &steps, None)?;
         }
         if verdict == Some(recipe::Verdict::Stop) {
@@ -112,6 +120,10 @@ pub fn run(
                 crate::rundir::atomic_write(&run_dir.join(crate::rundir::STOPPED), why.as_bytes())?;
             }
             break;
+        }
+        if let Some(signal) = preempted.filter(|_| done < clock.total) {
+            trainer.progress.finish();
+            return Err(preempt::Preempted { step: done, signal }.into());
         }
     }
     trainer.progress.finish();

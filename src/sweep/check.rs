@@ -8,6 +8,7 @@ use polars::prelude::*;
 use super::execute;
 use super::grid::Point;
 use super::progress::SweepProgress;
+use super::Runs;
 use crate::rundir::manifest::{Manifest, Status};
 use crate::trace;
 
@@ -18,42 +19,72 @@ pub const TIMING_COLUMNS: &[&str] = &["epoch_s", "samples_per_s", "comm_s", "com
 /// without them is compared on the others; one that has them is compared on them too.
 pub const LATER_COLUMNS: &[&str] = &["lr", "grad_norm_mean", "grad_norm_max"];
 
-/// Every difference between the stored sweep in `sweep_dir` and a rerun of its points.
-pub fn check(points: &[Point], sweep_dir: &Path) -> anyhow::Result<Vec<String>> {
-    let scratch = tempfile::Builder::new().prefix("runner-check-").tempdir()?;
+/// Every difference between the stored sweep in `sweep_dir` and a rerun of its points (run
+/// where `runs` says: under Slurm, side by side, into a folder in the sweep directory that every
+/// node sees).
+pub fn check(points: &[Point], sweep_dir: &Path, runs: &Runs) -> anyhow::Result<Vec<String>> {
+    let scratch = match runs {
+        Runs::Local => tempfile::Builder::new().prefix("runner-check-").tempdir()?,
+        Runs::Slurm(_) => tempfile::Builder::new().prefix(".check-").tempdir_in(sweep_dir)?,
+    };
     let mut progress = SweepProgress::new(points.len(), points.len(), "check");
     let mut differences = Vec::new();
+    let mut stored = Vec::new();
     for point in points {
-        let stored = sweep_dir.join(&point.dir);
-        if let Err(why) = stored_run(point, &stored) {
-            progress.skip(&point.dir, &why);
-            differences.push(format!("{}: {why}", point.dir));
-            continue;
-        }
-        progress.start(&point.dir);
-        let rerun = scratch.path().join(&point.dir);
-        let found = match execute::run_point(point, &rerun) {
-            Err(why) => vec![format!("the rerun failed: {why}")],
-            Ok(()) => {
-                match (
-                    trace::read_parquet(&stored.join(crate::rundir::TRACE)),
-                    trace::read_parquet(&rerun.join(crate::rundir::TRACE)),
-                ) {
-                    (Ok(a), Ok(b)) => compare(&a, &b),
-                    (Err(e), _) | (_, Err(e)) => vec![format!("{e:#}")],
-                }
+        match stored_run(point, &sweep_dir.join(&point.dir)) {
+            Ok(()) => stored.push(point),
+            Err(why) => {
+                progress.skip(&point.dir, &why);
+                differences.push(format!("{}: {why}", point.dir));
             }
+        }
+    }
+    let rerun_dir = |point: &Point| scratch.path().join(&point.dir);
+    let mut compared = |point: &Point, result: Result<(), String>| {
+        let found = match result {
+            Err(why) => vec![format!("the rerun failed: {why}")],
+            Ok(()) => compare_runs(&sweep_dir.join(&point.dir), &rerun_dir(point)),
         };
         let outcome = match found.len() {
             0 => "reproduced".to_owned(),
             1 => "1 difference".to_owned(),
             n => format!("{n} differences"),
         };
-        progress.finish(&point.dir, &outcome);
         differences.extend(found.into_iter().map(|d| format!("{}: {d}", point.dir)));
+        outcome
+    };
+    match runs {
+        Runs::Local => {
+            for point in stored {
+                progress.start(&point.dir);
+                let result = execute::run_point(point, &rerun_dir(point));
+                let outcome = compared(point, result);
+                progress.finish(&point.dir, &outcome);
+            }
+        }
+        Runs::Slurm(resources) => {
+            let jobs: Vec<_> = stored.iter().map(|p| (*p, rerun_dir(p))).collect();
+            let batch = super::slurm::run_all(&jobs, resources, &mut progress, false)?;
+            for ((point, _), result) in jobs.iter().zip(batch.results) {
+                let result = result.unwrap_or_else(|| Err("the job was cancelled".into()));
+                let outcome = compared(point, result);
+                progress.line(&format!("{}: {outcome}", point.dir));
+            }
+        }
     }
     progress.clear();
     Ok(differences)
+}
+
+/// Every difference between the traces of two run directories.
+fn compare_runs(stored: &Path, rerun: &Path) -> Vec<String> {
+    match (
+        trace::read_parquet(&stored.join(crate::rundir::TRACE)),
+        trace::read_parquet(&rerun.join(crate::rundir::TRACE)),
+    ) {
+        (Ok(a), Ok(b)) => compare(&a, &b),
+        (Err(e), _) | (_, Err(e)) => vec![format!("{e:#}")],
+    }
 }
 
 /// A stored run of exactly this point's configuration, or why there is none.

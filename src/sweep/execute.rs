@@ -15,6 +15,7 @@ use anyhow::Context;
 
 use super::grid::Point;
 use super::progress::SweepProgress;
+use super::Runs;
 use crate::rundir::manifest::{Manifest, Status};
 
 pub const LOG: &str = crate::rundir::RUN_LOG;
@@ -23,7 +24,7 @@ pub const LOG: &str = crate::rundir::RUN_LOG;
 const STOP: &[i32] = &[signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM, signal_hook::consts::SIGHUP];
 
 /// The stop signal received so far (0: none); handlers are installed on first use.
-fn stop_signal() -> usize {
+pub fn stop_signal() -> usize {
     static FLAG: OnceLock<Arc<AtomicUsize>> = OnceLock::new();
     FLAG.get_or_init(|| {
         let flag = Arc::new(AtomicUsize::new(0));
@@ -58,11 +59,44 @@ pub struct Outcome {
 
 /// Runs every point into `sweep_dir/<point>/`. With `force`, complete points run again; with
 /// `fail_fast`, the first failure stops the sweep.
-pub fn run_points(points: &[Point], sweep_dir: &Path, force: bool, fail_fast: bool) -> anyhow::Result<Outcome> {
+pub fn run_points(
+    points: &[Point],
+    sweep_dir: &Path,
+    force: bool,
+    fail_fast: bool,
+    runs: &Runs,
+) -> anyhow::Result<Outcome> {
     let complete: Vec<bool> = points.iter().map(|p| !force && is_complete(p, &sweep_dir.join(&p.dir))).collect();
     let to_run = complete.iter().filter(|c| !**c).count();
     let mut progress = SweepProgress::new(points.len(), to_run, "sweep");
     let mut outcome = Outcome::default();
+    if let Runs::Slurm(resources) = runs {
+        let mut jobs = Vec::new();
+        for (point, complete) in points.iter().zip(complete) {
+            if complete {
+                progress.skip(&point.dir, "already complete (same configuration), skipped");
+                outcome.skipped += 1;
+            } else {
+                jobs.push((point, sweep_dir.join(&point.dir)));
+            }
+        }
+        let batch = super::slurm::run_all(&jobs, resources, &mut progress, fail_fast)?;
+        for ((point, _), result) in jobs.iter().zip(batch.results) {
+            match result {
+                Some(Ok(())) => outcome.ran += 1,
+                Some(Err(why)) => {
+                    outcome.ran += 1;
+                    outcome.failed.push((point.dir.clone(), why));
+                }
+                None => {}
+            }
+        }
+        if let Some(sig) = batch.stopped {
+            outcome.stopped = Some((sig, String::new()));
+        }
+        progress.clear();
+        return Ok(outcome);
+    }
     for (point, complete) in points.iter().zip(complete) {
         if complete {
             progress.skip(&point.dir, "already complete (same configuration), skipped");
@@ -124,9 +158,10 @@ fn log_of(run_dir: &Path) -> String {
 
 /// Whether the point in `run_dir` was stopped part-way (interrupted, or its launcher died) with
 /// a checkpoint of this configuration to resume from.
-fn resumable(point: &Point, run_dir: &Path) -> bool {
-    let stopped = Manifest::read(run_dir)
-        .is_ok_and(|m| matches!(m.status, Status::Interrupted | Status::Crashed) && m.run_id == point.plan.run_id);
+pub fn resumable(point: &Point, run_dir: &Path) -> bool {
+    let stopped = Manifest::read(run_dir).is_ok_and(|m| {
+        matches!(m.status, Status::Interrupted | Status::Crashed | Status::Preempted) && m.run_id == point.plan.run_id
+    });
     stopped && crate::stages::checkpoint::latest(run_dir, &point.plan).is_ok_and(|found| found.is_some())
 }
 

@@ -29,6 +29,9 @@ struct ExperimentFile {
     sweep: toml::Table,
     #[serde(default)]
     scaling: Scaling,
+    /// The resources of each point's job under `runner sweep --launcher slurm`.
+    #[serde(default)]
+    slurm: super::slurm::Resources,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
@@ -73,6 +76,7 @@ pub struct Experiment {
     pub fixed: Vec<(String, toml::Value)>,
     pub axes: Vec<Axis>,
     pub scaling: Scaling,
+    pub slurm: super::slurm::Resources,
 }
 
 impl Experiment {
@@ -154,6 +158,7 @@ impl Experiment {
             fixed,
             axes: axes.into_iter().map(|(_, a)| a).collect(),
             scaling: raw.scaling,
+            slurm: raw.slurm,
         })
     }
 

@@ -7,12 +7,14 @@
 //! ```text
 //! runner sweep experiments/world_size.toml            # → results/world_size/
 //! runner sweep experiments/world_size.toml --check    # rerun every point, compare the traces
+//! runner sweep experiments/world_size.toml --launcher slurm   # every point a Slurm job
 //! ```
 pub mod check;
 pub mod execute;
 pub mod experiment;
 pub mod grid;
 pub mod progress;
+pub mod slurm;
 
 use std::path::{Path, PathBuf};
 
@@ -28,11 +30,31 @@ pub struct Options {
     pub fail_fast: bool,
     pub force: bool,
     pub check: bool,
+    pub launcher: Launcher,
+}
+
+/// Where the points run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Launcher {
+    /// One after another on this machine.
+    Local,
+    /// Each an sbatch job, side by side, with the experiment file's [slurm] resources.
+    Slurm,
+}
+
+/// Where the points of `experiment` run.
+pub enum Runs<'a> {
+    Local,
+    Slurm(&'a slurm::Resources),
 }
 
 pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
     let experiment = Experiment::load(file)?;
     let points = experiment.points()?;
+    let runs = match opts.launcher {
+        Launcher::Local => Runs::Local,
+        Launcher::Slurm => Runs::Slurm(&experiment.slurm),
+    };
     let dir = opts.out.clone().unwrap_or_else(|| Path::new("results").join(experiment.name()));
     let axes: Vec<String> = experiment.axes.iter().map(|a| format!("{} ({})", a.key, a.values.len())).collect();
     crate::say!(
@@ -53,7 +75,7 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
             ))
             .into());
         }
-        let differences = check::check(&points, &dir)?;
+        let differences = check::check(&points, &dir, &runs)?;
         if differences.is_empty() {
             crate::say!(
                 "\n{} points reproduce {}: every non-timing value of every trace is identical.",
@@ -78,11 +100,16 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
     // One sweep per directory at a time.
     let _lock = crate::rundir::lock::acquire(&dir).map_err(|e| crate::config::ConfigError::new(e.message(&dir)))?;
     grid::index(file, &experiment.axes, &points).write(&dir)?;
-    let outcome = execute::run_points(&points, &dir, opts.force, opts.fail_fast)?;
+    let outcome = execute::run_points(&points, &dir, opts.force, opts.fail_fast, &runs)?;
     if let Some((sig, point)) = &outcome.stopped {
-        crate::say_err!(
-            "\ninterrupted: point {point} was stopped and marked interrupted; run the sweep again to resume it"
-        );
+        match runs {
+            Runs::Local => crate::say_err!(
+                "\ninterrupted: point {point} was stopped and marked interrupted; run the sweep again to resume it"
+            ),
+            Runs::Slurm(_) => crate::say_err!(
+                "\ninterrupted: the sweep cancelled its Slurm jobs (scancel); run the sweep again to resume them"
+            ),
+        }
         return Ok(128 + *sig as u8);
     }
     let failed = outcome.failed.len();

@@ -55,6 +55,11 @@ impl SweepProgress {
     /// The point started last has ended; `outcome` says how ("complete", "failed: ...").
     pub fn finish(&mut self, label: &str, outcome: &str) {
         let took = self.started.take().map(|t| t.elapsed()).unwrap_or_default();
+        self.finish_after(label, outcome, took);
+    }
+
+    /// A point has ended after `took` (points that run side by side, as Slurm jobs).
+    pub fn finish_after(&mut self, label: &str, outcome: &str, took: Duration) {
         self.done += 1;
         self.ran += 1;
         self.run_time += took;
@@ -70,7 +75,14 @@ impl SweepProgress {
         }
     }
 
-    fn line(&self, text: &str) {
+    /// The bar's message (on a terminal only): what is going on now.
+    pub fn message(&self, text: &str) {
+        if let Some(bar) = &self.bar {
+            bar.set_message(text.to_owned());
+        }
+    }
+
+    pub fn line(&self, text: &str) {
         let text = format!("  [{}/{}] {text}", self.done, self.total);
         match &self.bar {
             Some(bar) => bar.println(text),

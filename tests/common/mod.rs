@@ -1,5 +1,7 @@
 //! Helpers for tests that run the real `runner` binary.
 #![allow(dead_code)]
+pub mod slurm;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -7,7 +9,11 @@ pub fn runner() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_runner"));
     // The tests' own environment must not leak config values into the runs.
     for (k, _) in std::env::vars() {
-        if k.starts_with("RUNNER_") || ["RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"].contains(&k.as_str()) {
+        // A test suite run inside a Slurm job must not make every run an srun task.
+        if k.starts_with("RUNNER_")
+            || k.starts_with("SLURM_")
+            || ["RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"].contains(&k.as_str())
+        {
             c.env_remove(k);
         }
     }
