@@ -46,8 +46,25 @@ pub enum Command {
     /// (installs the reference's PyTorch into .deps/reference on first use, about 5 GB).
     Bench(BenchArgs),
     /// Apply a finished run's preprocessing and model to a csv or parquet file: predictions as
-    /// parquet, and the metrics when the file holds the target column.
+    /// parquet, and the metrics when the file holds the target column. For a language model,
+    /// --prompt prints text sampled after it instead.
     Predict(PredictArgs),
+    /// Make data files for the runner from other formats.
+    #[command(subcommand)]
+    Prepare(PrepareCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PrepareCommand {
+    /// A UTF-8 text as nanoGPT's character-level prepare.py makes it: train.bin and val.bin
+    /// (uint16 ids, the first 90% of the characters and the rest) and meta.json (the vocabulary).
+    Text {
+        /// The text file.
+        file: PathBuf,
+        /// The folder the three files go to (created if missing).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -55,10 +72,26 @@ pub struct PredictArgs {
     /// The run directory (results/<name>/<run-id>).
     pub run_dir: PathBuf,
     /// A csv or parquet file with the run's feature columns.
-    pub data: PathBuf,
+    #[arg(required_unless_present = "prompt")]
+    pub data: Option<PathBuf>,
     /// Where the predictions go [default: RUN_DIR/predictions.parquet]
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "prompt")]
     pub out: Option<PathBuf>,
+    /// A language model: the text to continue (in the run's vocabulary).
+    #[arg(long, conflicts_with = "data")]
+    pub prompt: Option<String>,
+    /// New tokens to sample after the prompt.
+    #[arg(long, default_value_t = 500, requires = "prompt")]
+    pub tokens: usize,
+    /// Divides the logits: below 1 sharper, above 1 more random.
+    #[arg(long, default_value_t = 0.8, requires = "prompt")]
+    pub temperature: f64,
+    /// Draw only among the k most likely tokens.
+    #[arg(long, default_value_t = 200, requires = "prompt")]
+    pub top_k: usize,
+    /// Seeds the draws: the same seed, the same text.
+    #[arg(long, default_value_t = 1337, requires = "prompt")]
+    pub seed: u64,
 }
 
 #[derive(Debug, Args)]
@@ -221,7 +254,21 @@ pub fn main(cli: Cli) -> u8 {
             crate::say!("{table}");
             0
         }),
-        Command::Predict(args) => crate::predict::predict(&args.run_dir, &args.data, args.out.as_deref()),
+        Command::Predict(args) => match (&args.prompt, &args.data) {
+            (Some(prompt), _) => crate::sample::sample(
+                &args.run_dir,
+                &crate::sample::Options {
+                    prompt: prompt.clone(),
+                    tokens: args.tokens,
+                    temperature: args.temperature,
+                    top_k: args.top_k,
+                    seed: args.seed,
+                },
+            ),
+            (None, Some(data)) => crate::predict::predict(&args.run_dir, data, args.out.as_deref()),
+            (None, None) => unreachable!("clap requires DATA or --prompt"),
+        },
+        Command::Prepare(PrepareCommand::Text { file, out }) => crate::prepare::text(&file, &out),
         Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
             quick: args.quick,
             repetitions: if args.quick { 1 } else { args.repetitions as usize },
@@ -252,6 +299,18 @@ pub fn schema_json() -> String {
     serde_json::to_string_pretty(&schema).expect("a schema serializes")
 }
 
+/// `train.precision = "bf16"` on a CPU whose bfloat16 matmuls are slower than its float32 ones:
+/// a warning with both rates, measured by a probe of about a second.
+fn warn_of_slow_bf16(plan: &Plan) {
+    use crate::config::schema::{Device, Precision};
+    let t = &plan.config.train;
+    if t.precision == Precision::Bf16 && plan.config.run.device == Device::Cpu {
+        if let Some(warning) = crate::bench::peak::bf16_warning(plan.threads_per_rank) {
+            crate::say_err!("{warning}");
+        }
+    }
+}
+
 pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
     let labelled = args.set_as.chunks(2).map(|pair| Override { label: pair[0].clone(), text: pair[1].clone() });
     let overrides: Vec<Override> = labelled.chain(args.set.iter().map(|s| Override::set(s))).collect();
@@ -264,6 +323,7 @@ fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
     for note in plan.data.notes() {
         crate::say!("{note}");
     }
+    warn_of_slow_bf16(&plan);
     crate::say!("\n{} is valid; nothing was run.", args.file.display());
     Ok(0)
 }
@@ -305,7 +365,9 @@ fn run(args: &RunArgs) -> anyhow::Result<u8> {
     if claim.resume {
         say_resuming(&dir);
     }
-    launch(&plan, &args.topology(plan.world_size())?, claim, &dir)
+    let topology = args.topology(plan.world_size())?;
+    warn_of_slow_bf16(&plan);
+    launch(&plan, &topology, claim, &dir)
 }
 
 /// The plan that continues a preempted run of `asked`'s configuration in `dir`: Slurm reruns

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=W transformer_torch.py FILE --rows R --val V
         --vocab 256 --d-model 64 --heads 4 --layers 2 --seq-len 64 [--tied]
         --batch B --epochs E --optimizer adamw --lr LR [--weight-decay WD] --seed S --threads T
-        --init-out INIT.npz
+        [--no-bias] [--betas B1 B2] [--eps EPS] [--decay-on all|matrices] --init-out INIT.npz
 
 Everything a PyTorch user would write: FILE read as bytes, cut into windows of seq_len + 1
 (window i starts at byte i * seq_len; the last V of the first R + V windows are held out),
@@ -12,7 +12,9 @@ DistributedSampler semantics over the training windows (the runner's per-epoch p
 reproduced here from its SplitMix64 generator, padded by repeating its start, rank r taking
 positions r, r+W, ...), the model (pre-norm blocks, F.scaled_dot_product_attention with
 is_causal=True, GELU MLP of width 4 * d_model, final LayerNorm, a head tied to the token
-embedding or not), DDP on gloo, torch.optim.AdamW / SGD. Rank 0 writes its initial weights
+embedding or not, with or without biases in its linear layers and layer norms), DDP on gloo,
+torch.optim.AdamW / SGD (weight decay on every parameter, or only on those of two or more
+dimensions in a second param group, as nanoGPT's configure_optimizers). Rank 0 writes its initial weights
 (GPT-2's normal(0, 0.02), drawn from torch.manual_seed(seed)) to INIT.npz under the runner's names before training, so the
 runner can start from them with `--set wrap.init=INIT.npz`. Prints one line per epoch:
 `epoch E loss L` with the mean per-sample (per-window) training loss over all ranks.
@@ -62,15 +64,15 @@ def permutation(seed, epoch, rows):
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads):
+    def __init__(self, d, heads, bias):
         super().__init__()
         self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
+        self.ln1 = nn.LayerNorm(d, bias=bias)
+        self.qkv = nn.Linear(d, 3 * d, bias=bias)
+        self.proj = nn.Linear(d, d, bias=bias)
+        self.ln2 = nn.LayerNorm(d, bias=bias)
+        self.fc = nn.Linear(d, 4 * d, bias=bias)
+        self.out = nn.Linear(4 * d, d, bias=bias)
 
     def forward(self, x):
         b, t, d = x.shape
@@ -82,12 +84,12 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, vocab, d, heads, layers, seq_len, tied):
+    def __init__(self, vocab, d, heads, layers, seq_len, tied, bias=True):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(seq_len, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
+        self.blocks = nn.ModuleList(Block(d, heads, bias) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d, bias=bias)
         self.head = None if tied else nn.Linear(d, vocab, bias=False)
         # GPT-2's initialisation, as the runner's (from torch's generator here).
         for m in self.modules():
@@ -125,6 +127,10 @@ def main():
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw")
     p.add_argument("--lr", type=float, required=True)
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--no-bias", action="store_true")
+    p.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.999])
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--decay-on", choices=["all", "matrices"], default="all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--init-out", required=True)
@@ -142,15 +148,23 @@ def main():
     x, y = x_all[: a.rows], y_all[: a.rows]
 
     torch.manual_seed(a.seed)
-    model = Transformer(a.vocab, a.d_model, a.heads, a.layers, t, a.tied)
+    model = Transformer(a.vocab, a.d_model, a.heads, a.layers, t, a.tied, bias=not a.no_bias)
     if rank == 0:
         np.savez(a.init_out, **{k: v.detach().numpy() for k, v in model.named_parameters()})
     dist.barrier()
     ddp = DDP(model) if world > 1 else model
-    if a.optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+    params = list(model.parameters())
+    if a.decay_on == "matrices":
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": a.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+        groups = [{"params": params, "weight_decay": a.weight_decay}]
+    if a.optimizer == "adamw":
+        opt = torch.optim.AdamW(groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps)
+    else:
+        opt = torch.optim.SGD(groups, lr=a.lr)
 
     per_rank = -(-a.rows // world)
     for epoch in range(1, a.epochs + 1):

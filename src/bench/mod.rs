@@ -4,6 +4,7 @@
 //! and world size the two alternate, A B A B, so that a change in the machine's load hits both;
 //! the results (medians with min–max, ratios, fraction of the matmul peak, the targets) go to
 //! benches/RESULTS.md between markers, the notes around them are kept.
+pub mod peak;
 mod report;
 pub mod workload;
 
@@ -12,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use tch::{Kind, Tensor};
+use tch::Kind;
 
 use workload::Workload;
 
@@ -68,17 +69,19 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
 
     // The peaks are measured before each workload and after the last, and the best is kept: a
     // single measurement on a shared machine can land in a slow moment and flatter the fractions.
-    // The bfloat16 one is the ceiling of what bf16 can gain on this CPU.
-    let (mut peak, mut peak_bf16) = (0.0f64, 0.0f64);
+    // A precision's peak is measured only when a workload runs in it, each by a probe of about a
+    // second (bfloat16's is the ceiling of what bf16 can gain on this CPU).
+    let bf16 = opts.precisions.iter().any(|p| p == "bf16");
+    let (mut peak, mut peak_bf16) = (0.0f64, if bf16 { 0.0 } else { f64::NAN });
     let mut measure_peak = |when: &str| {
-        let (p, b) = (matmul_peak(cores, Kind::Float), matmul_peak(cores, Kind::BFloat16));
-        peak = peak.max(p);
-        peak_bf16 = peak_bf16.max(b);
-        crate::say!(
-            "matmul peak {when} ({cores} threads): float32 {:.1} GFLOP/s, bfloat16 {:.1} GFLOP/s",
-            p / 1e9,
-            b / 1e9
-        );
+        crate::say!("measuring the matmul peak {when} ({cores} threads, about a second per precision)...");
+        peak = peak.max(peak::matmul_peak(cores, Kind::Float, peak::PROBE));
+        let mut line = format!("  float32 {:.1} GFLOP/s", peak / 1e9);
+        if bf16 {
+            peak_bf16 = peak_bf16.max(peak::matmul_peak(cores, Kind::BFloat16, peak::PROBE));
+            line += &format!(", bfloat16 {:.1} GFLOP/s", peak_bf16 / 1e9);
+        }
+        crate::say!("{line} (best so far)");
     };
 
     let mut results = Vec::new();
@@ -138,24 +141,6 @@ fn reference_python(root: &Path) -> anyhow::Result<PathBuf> {
         bail!("the PyTorch reference could not be installed (benches/reference/setup.sh {})", out.status);
     }
     Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-}
-
-/// Best FLOP/s of a 2048² matmul in `kind` (float32 or bfloat16) with `threads` intra-op threads.
-fn matmul_peak(threads: usize, kind: Kind) -> f64 {
-    tch::set_num_threads(threads as i32);
-    let n = 2048;
-    let a = Tensor::randn([n, n], (kind, tch::Device::Cpu));
-    let b = Tensor::randn([n, n], (kind, tch::Device::Cpu));
-    let _ = a.matmul(&b);
-    (0..5)
-        .map(|_| {
-            let start = Instant::now();
-            let c = a.matmul(&b);
-            let s = start.elapsed().as_secs_f64();
-            drop(c);
-            2.0 * (n as f64).powi(3) / s
-        })
-        .fold(0.0, f64::max)
 }
 
 fn run_runner(files: &workload::Files, w: &Workload, ws: usize, threads: usize) -> anyhow::Result<Measure> {

@@ -100,19 +100,26 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
     let mut s = String::new();
     let build = if cfg!(debug_assertions) { "debug build: timings are not representative" } else { "release build" };
     let _ = writeln!(s, "## Latest run: {}\n", chrono::Local::now().format("%Y-%m-%d %H:%M"));
+    let bf16 = if machine.peak_flops_bf16.is_nan() {
+        String::from(" (bfloat16 not measured: no workload ran in it)")
+    } else {
+        format!(
+            ", {:.1} GFLOP/s in bfloat16 ({:.2}× float32: the most bf16 can gain here)",
+            machine.peak_flops_bf16 / 1e9,
+            machine.peak_flops_bf16 / machine.peak_flops
+        )
+    };
     let _ = writeln!(
         s,
         "Machine: {}, {} cores. runner {} ({build}), PyTorch 2.13.0 under torchrun, both on gloo. \
          {repetitions} repetition(s) per cell, runner and PyTorch alternating. \
-         Matmul peak (2048², {} threads, best of the measurements before each workload and at the end): \
-         {:.1} GFLOP/s in float32, {:.1} GFLOP/s in bfloat16 ({:.2}× float32: the most bf16 can gain here).\n",
+         Matmul peak (square products up to 2048², a probe of about a second, {} threads, best of the \
+         measurements before each workload and at the end): {:.1} GFLOP/s in float32{bf16}.\n",
         machine.cpu,
         machine.cores,
         env!("CARGO_PKG_VERSION"),
         machine.cores,
         machine.peak_flops / 1e9,
-        machine.peak_flops_bf16 / 1e9,
-        machine.peak_flops_bf16 / machine.peak_flops
     );
     let _ = writeln!(
         s,

@@ -218,6 +218,7 @@ pub fn all() -> Vec<Workload> {
                 seq_len: 64,
                 dropout: 0.0,
                 tied: true,
+                bias: true,
             }),
             rows: 2048,
             batch: 16,

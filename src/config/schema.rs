@@ -564,11 +564,14 @@ pub struct Transformer {
     pub dropout: f64,
     /// The output head is the token embedding (transposed) instead of a matrix of its own.
     pub tied: bool,
+    /// Biases in the linear layers and layer norms; false: weights only (nanoGPT's default).
+    #[serde(skip_serializing_if = "is_true")]
+    pub bias: bool,
 }
 
 impl Default for Transformer {
     fn default() -> Self {
-        Transformer { vocab: 256, d_model: 64, heads: 4, layers: 2, seq_len: 64, dropout: 0.0, tied: true }
+        Transformer { vocab: 256, d_model: 64, heads: 4, layers: 2, seq_len: 64, dropout: 0.0, tied: true, bias: true }
     }
 }
 
@@ -596,7 +599,17 @@ pub struct Train {
     /// The peak learning rate (the schedule's base).
     pub lr: f64,
     pub momentum: f64,
+    /// Adam / AdamW: the decay rates of the first and second moments' running averages.
+    #[serde(skip_serializing_if = "is_default_betas")]
+    pub betas: [f64; 2],
+    /// Adam / AdamW: added to the second moment's square root in the denominator.
+    #[serde(skip_serializing_if = "is_default_eps")]
+    pub eps: f64,
     pub weight_decay: f64,
+    /// Which parameters `weight_decay` applies to: "all", or "matrices" (parameters with two or
+    /// more dimensions, embeddings included; never biases or norms: nanoGPT's configure_optimizers).
+    #[serde(skip_serializing_if = "is_default")]
+    pub weight_decay_on: WeightDecayOn,
     /// What the model learns: class labels (cross-entropy) or numbers (MSE on the normalised target).
     #[serde(skip_serializing_if = "TaskKind::is_classification")]
     pub task: TaskKind,
@@ -616,6 +629,30 @@ pub struct Train {
     /// Stop when a validation metric stops improving; absent: train every epoch.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub early_stop: Option<EarlyStop>,
+}
+
+/// `train.betas` by default (torch's).
+pub const DEFAULT_BETAS: [f64; 2] = [0.9, 0.999];
+/// `train.eps` by default (torch's).
+pub const DEFAULT_EPS: f64 = 1e-8;
+
+fn is_default_betas(v: &[f64; 2]) -> bool {
+    skip(*v == DEFAULT_BETAS)
+}
+
+fn is_default_eps(v: &f64) -> bool {
+    skip(*v == DEFAULT_EPS)
+}
+
+/// `train.weight_decay_on`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDecayOn {
+    /// Every parameter.
+    #[default]
+    All,
+    /// Parameters with two or more dimensions (weight matrices, convolution kernels, embeddings).
+    Matrices,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -642,7 +679,10 @@ impl Default for Train {
             optimizer: Optimizer::Sgd,
             lr: 0.1,
             momentum: 0.0,
+            betas: DEFAULT_BETAS,
+            eps: DEFAULT_EPS,
             weight_decay: 0.0,
+            weight_decay_on: WeightDecayOn::All,
             task: TaskKind::Classification,
             clip_grad_norm: None,
             accumulate: 1,
@@ -683,6 +723,10 @@ fn is_false(v: &bool) -> bool {
     skip(!*v)
 }
 
+fn is_true(v: &bool) -> bool {
+    skip(*v)
+}
+
 /// `[train.schedule]`: the learning rate of optimizer step s (counted from 0 over the whole run) is a
 /// pure function of s, so a resumed run takes the same rates.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -695,9 +739,17 @@ pub struct LrSchedule {
     /// Warmup in epochs instead of steps (epochs × optimizer steps per epoch).
     #[serde(skip_serializing_if = "is_zero")]
     pub warmup_epochs: usize,
-    /// linear, cosine: the learning rate reached at the last step.
+    /// linear, cosine: the learning rate reached at the end of the decay.
     #[serde(skip_serializing_if = "is_zero_f")]
     pub min_lr: f64,
+    /// linear, cosine: the optimizer step (0-based) where the decay reaches min_lr, min_lr after
+    /// it (nanoGPT's lr_decay_iters); absent: the run's last step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decay_end: Option<usize>,
+    /// Where the warmup's straight line reaches lr: at the last warmup step (lr × (s+1) /
+    /// warmup), or at the first step after it (lr × (s+1) / (warmup+1), nanoGPT's get_lr).
+    #[serde(skip_serializing_if = "is_default")]
+    pub warmup_peak: WarmupPeak,
     /// step: multiply the learning rate by gamma every step_size optimizer steps...
     #[serde(skip_serializing_if = "is_zero")]
     pub step_size: usize,
@@ -715,6 +767,17 @@ fn is_zero(v: &usize) -> bool {
 
 fn is_zero_f(v: &f64) -> bool {
     skip(*v == 0.0)
+}
+
+/// `train.schedule.warmup_peak`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WarmupPeak {
+    /// The last warmup step trains at lr: lr × (s+1) / warmup.
+    #[default]
+    LastWarmupStep,
+    /// The first step after the warmup trains at lr: lr × (s+1) / (warmup+1), as nanoGPT.
+    FirstDecayStep,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

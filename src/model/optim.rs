@@ -2,24 +2,24 @@
 //! checkpoint can save and restore it exactly: tch's optimizers do not expose their state.
 use tch::{Kind, Tensor};
 
-use crate::config::schema::{Optimizer as Kind_, Train};
+use crate::config::schema::{Optimizer as Kind_, Train, WeightDecayOn};
 use crate::dist;
 
 pub struct Optimizer {
     kind: Kind_,
     lr: f64,
     momentum: f64,
+    betas: [f64; 2],
+    eps: f64,
     weight_decay: f64,
     params: Vec<Tensor>,
+    /// Per parameter, whether weight decay applies to it (`train.weight_decay_on`).
+    decays: Vec<bool>,
     /// Per kind of state, one tensor per parameter: SGD's momentum buffers, or Adam's first and
     /// second moments.
     state: Vec<Vec<Tensor>>,
     steps: i64,
 }
-
-const BETA1: f64 = 0.9;
-const BETA2: f64 = 0.999;
-const EPS: f64 = 1e-8;
 
 impl Optimizer {
     pub fn new(t: &Train, params: Vec<Tensor>) -> Optimizer {
@@ -29,12 +29,22 @@ impl Optimizer {
             Kind_::Adam | Kind_::Adamw => 2,
         };
         let state = (0..kinds).map(|_| params.iter().map(Tensor::zeros_like).collect()).collect();
+        let decays = params
+            .iter()
+            .map(|p| match t.weight_decay_on {
+                WeightDecayOn::All => true,
+                WeightDecayOn::Matrices => p.dim() >= 2,
+            })
+            .collect();
         Optimizer {
             kind: t.optimizer,
             lr: t.lr,
             momentum: t.momentum,
+            betas: t.betas,
+            eps: t.eps,
             weight_decay: t.weight_decay,
             params,
+            decays,
             state,
             steps: 0,
         }
@@ -66,22 +76,36 @@ impl Optimizer {
 
     pub fn step(&mut self) -> dist::Result<()> {
         self.steps += 1;
+        if self.decays.iter().all(|&d| d) || self.weight_decay == 0.0 {
+            let all: Vec<usize> = (0..self.params.len()).collect();
+            return self.step_group(&all, self.weight_decay);
+        }
+        // Two groups, as torch's param_groups: with and without weight decay.
+        let (decayed, plain): (Vec<usize>, Vec<usize>) = (0..self.params.len()).partition(|&i| self.decays[i]);
+        self.step_group(&decayed, self.weight_decay)?;
+        self.step_group(&plain, 0.0)
+    }
+
+    /// One step over the parameters at `indices`, with their own weight decay.
+    fn step_group(&self, indices: &[usize], weight_decay: f64) -> dist::Result<()> {
+        let pick = |ts: &[Tensor]| -> Vec<Tensor> { indices.iter().map(|&i| ts[i].shallow_clone()).collect() };
+        let params = pick(&self.params);
         match self.kind {
             Kind_::Adam | Kind_::Adamw => {
                 let config = dist::AdamConfig {
                     lr: self.lr,
-                    beta1: BETA1,
-                    beta2: BETA2,
-                    eps: EPS,
-                    weight_decay: self.weight_decay,
+                    beta1: self.betas[0],
+                    beta2: self.betas[1],
+                    eps: self.eps,
+                    weight_decay,
                     decoupled: self.kind == Kind_::Adamw,
                 };
-                dist::fused_adam(&self.params, &self.state[0], &self.state[1], self.steps, config)
+                dist::fused_adam(&params, &pick(&self.state[0]), &pick(&self.state[1]), self.steps, config)
             }
             Kind_::Sgd => {
-                let config = dist::SgdConfig { lr: self.lr, momentum: self.momentum, weight_decay: self.weight_decay };
-                let bufs = self.state.first().map_or(&[][..], |b| b.as_slice());
-                dist::sgd(&self.params, bufs, self.steps == 1, config)
+                let config = dist::SgdConfig { lr: self.lr, momentum: self.momentum, weight_decay };
+                let bufs = self.state.first().map_or(Vec::new(), |b| pick(b));
+                dist::sgd(&params, &bufs, self.steps == 1, config)
             }
         }
     }
@@ -169,6 +193,36 @@ mod tests {
     fn adam_matches_libtorch() {
         let t = Train { optimizer: Kind_::Adam, lr: 0.01, weight_decay: 0.01, ..Train::default() };
         matches_libtorch(t, nn::Adam { wd: 0.01, ..Default::default() }, 1e-6);
+    }
+
+    #[test]
+    fn adamw_with_betas_and_eps_matches_libtorch() {
+        let t = Train {
+            optimizer: Kind_::Adamw,
+            lr: 0.01,
+            weight_decay: 0.1,
+            betas: [0.8, 0.99],
+            eps: 1e-6,
+            ..Train::default()
+        };
+        let reference = nn::AdamW { beta1: 0.8, beta2: 0.99, eps: 1e-6, wd: 0.1, ..Default::default() };
+        matches_libtorch(t, reference, 1e-6);
+    }
+
+    /// "matrices": a vector (a bias) keeps its value when its gradient is zero; a matrix decays.
+    #[test]
+    fn weight_decay_on_matrices_leaves_vectors_alone() {
+        for (on, bias_decays) in [(WeightDecayOn::All, true), (WeightDecayOn::Matrices, false)] {
+            let t =
+                Train { optimizer: Kind_::Adamw, lr: 0.1, weight_decay: 0.5, weight_decay_on: on, ..Train::default() };
+            let w = Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+            let b = Tensor::ones([2], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+            let mut opt = Optimizer::new(&t, vec![w.shallow_clone(), b.shallow_clone()]);
+            (&w * 0.0 + &b * 0.0).sum(Kind::Float).backward();
+            opt.step().unwrap();
+            assert!(w.double_value(&[0, 0]) < 1.0, "{on:?}: the matrix decays");
+            assert_eq!(b.double_value(&[0]) < 1.0, bias_decays, "{on:?}: the vector");
+        }
     }
 
     #[test]

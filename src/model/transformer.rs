@@ -80,22 +80,24 @@ impl TransformerArch {
     }
 }
 
-/// Parameters of one block of width `d`: two layer norms, qkv, the attention's projection, the MLP.
-pub fn block_parameters(d: usize) -> usize {
-    12 * d * d + 13 * d
+/// Parameters of one block of width `d`: two layer norms, qkv, the attention's projection, the
+/// MLP; without biases, the norms' weights alone besides the matrices.
+pub fn block_parameters(d: usize, bias: bool) -> usize {
+    12 * d * d + if bias { 13 * d } else { 2 * d }
 }
 
 impl Architecture for TransformerArch {
     fn describe(&self) -> String {
         let t = &self.t;
         format!(
-            "Transformer LM (vocab {}, d_model {}, {} heads, {} blocks, context {}{})",
+            "Transformer LM (vocab {}, d_model {}, {} heads, {} blocks, context {}{}{})",
             t.vocab,
             t.d_model,
             t.heads,
             t.layers,
             t.seq_len,
-            if t.tied { ", head tied to the embedding" } else { "" }
+            if t.tied { ", head tied to the embedding" } else { "" },
+            if t.bias { "" } else { ", no biases" }
         )
     }
 
@@ -110,13 +112,13 @@ impl Architecture for TransformerArch {
         }];
         layers.extend((0..t.layers).map(|i| Layer {
             name: format!("block {i}: attention ({} heads) + MLP {d}-{}-{d}", t.heads, 4 * d),
-            parameters: block_parameters(d),
+            parameters: block_parameters(d, t.bias),
             output: vec![s, d],
             held: self.block_held(),
         }));
         layers.push(Layer {
             name: if t.tied { format!("norm + head {d} → {v} (tied)") } else { format!("norm + head {d} → {v}") },
-            parameters: 2 * d + if t.tied { 0 } else { v * d },
+            parameters: if t.bias { 2 * d } else { d } + if t.tied { 0 } else { v * d },
             output: vec![s, v],
             // The final norm's output and the log-softmax cross-entropy keeps.
             held: s * (d + v),
@@ -134,7 +136,9 @@ impl Architecture for TransformerArch {
                 out.push(("pos.weight".into(), vec![s, d]));
             } else if layer == self.head_layer() {
                 out.push(("ln_f.weight".into(), vec![d]));
-                out.push(("ln_f.bias".into(), vec![d]));
+                if t.bias {
+                    out.push(("ln_f.bias".into(), vec![d]));
+                }
                 if !t.tied {
                     out.push(("head.weight".into(), vec![v, d]));
                 }
@@ -154,6 +158,9 @@ impl Architecture for TransformerArch {
                     ("out.weight", vec![d, 4 * d]),
                     ("out.bias", vec![d]),
                 ] {
+                    if !t.bias && name.ends_with(".bias") {
+                        continue;
+                    }
                     out.push((format!("{b}.{name}"), shape));
                 }
             }
@@ -185,7 +192,7 @@ impl Architecture for TransformerArch {
         // Residual projections: GPT-2's scaled initialisation.
         let residual_std = 0.02 / ((2 * t.layers) as f64).sqrt();
         for layer in range {
-            let mut init = Init { rng: Rng::new(seed, LAYER_STREAM + layer as u64) };
+            let mut init = Init { rng: Rng::new(seed, LAYER_STREAM + layer as u64), bias: t.bias };
             if layer == 0 {
                 let tok = (p / "tok").var_copy("weight", &init.normal(&[t.vocab, t.d_model], 0.02));
                 let pos = (p / "pos").var_copy("weight", &init.normal(&[t.seq_len, t.d_model], 0.02));
@@ -234,6 +241,8 @@ const LAYER_STREAM: u64 = 0x7F0A_0000;
 /// Draws one layer's initial values from its stream, in a fixed order.
 struct Init {
     rng: Rng,
+    /// Whether linear layers and norms have biases (zeros).
+    bias: bool,
 }
 
 impl Init {
@@ -244,31 +253,38 @@ impl Init {
         Tensor::from_slice(&v).view(shape.as_slice())
     }
 
-    fn linear(&mut self, p: &nn::Path, inputs: usize, outputs: usize, std: f64) -> (Tensor, Tensor) {
+    fn linear(&mut self, p: &nn::Path, inputs: usize, outputs: usize, std: f64) -> Affine {
         let w = p.var_copy("weight", &self.normal(&[outputs, inputs], std));
-        let b = p.var_copy("bias", &Tensor::zeros([outputs as i64], (tch::Kind::Float, tch::Device::Cpu)));
-        (w, b)
+        (w, self.bias(p, outputs))
     }
 
-    fn norm(&mut self, p: &nn::Path, d: usize) -> (Tensor, Tensor) {
+    fn norm(&mut self, p: &nn::Path, d: usize) -> Affine {
         let opts = (tch::Kind::Float, tch::Device::Cpu);
-        (p.var_copy("weight", &Tensor::ones([d as i64], opts)), p.var_copy("bias", &Tensor::zeros([d as i64], opts)))
+        (p.var_copy("weight", &Tensor::ones([d as i64], opts)), self.bias(p, d))
+    }
+
+    fn bias(&self, p: &nn::Path, n: usize) -> Option<Tensor> {
+        let zeros = Tensor::zeros([n as i64], (tch::Kind::Float, tch::Device::Cpu));
+        self.bias.then(|| p.var_copy("bias", &zeros))
     }
 }
 
+/// A weight and its bias (absent with `bias = false`).
+type Affine = (Tensor, Option<Tensor>);
+
 #[derive(Debug)]
 struct Block {
-    ln1: (Tensor, Tensor),
-    qkv: (Tensor, Tensor),
-    proj: (Tensor, Tensor),
-    ln2: (Tensor, Tensor),
-    fc: (Tensor, Tensor),
-    out: (Tensor, Tensor),
+    ln1: Affine,
+    qkv: Affine,
+    proj: Affine,
+    ln2: Affine,
+    fc: Affine,
+    out: Affine,
 }
 
 #[derive(Debug)]
 struct Head {
-    ln: (Tensor, Tensor),
+    ln: Affine,
     /// [vocab, d_model]: its own, or the token embedding.
     weight: Tensor,
 }
@@ -285,13 +301,13 @@ struct TransformerStage {
     dropout: f64,
 }
 
-fn layer_norm(x: &Tensor, (w, b): &(Tensor, Tensor)) -> Tensor {
+fn layer_norm(x: &Tensor, (w, b): &Affine) -> Tensor {
     let d = w.size()[0];
-    x.layer_norm([d].as_slice(), Some(w), Some(b), 1e-5, true)
+    x.layer_norm([d].as_slice(), Some(w), b.as_ref(), 1e-5, true)
 }
 
-fn linear(x: &Tensor, (w, b): &(Tensor, Tensor)) -> Tensor {
-    x.linear(w, Some(b))
+fn linear(x: &Tensor, (w, b): &Affine) -> Tensor {
+    x.linear(w, b.as_ref())
 }
 
 impl TransformerStage {
@@ -343,13 +359,13 @@ mod tests {
     use crate::model::{parameters_in_module_order, sorted_parameters};
 
     fn small(tied: bool) -> Transformer {
-        Transformer { vocab: 11, d_model: 8, heads: 2, layers: 3, seq_len: 5, dropout: 0.0, tied }
+        Transformer { vocab: 11, d_model: 8, heads: 2, layers: 3, seq_len: 5, dropout: 0.0, tied, bias: true }
     }
 
     #[test]
     fn parameter_counts_and_shapes_match_the_built_model() {
-        for tied in [true, false] {
-            let arch = TransformerArch::new(&small(tied));
+        for (tied, bias) in [(true, true), (false, true), (true, false)] {
+            let arch = TransformerArch::new(&Transformer { bias, ..small(tied) });
             let n = arch.layers().len();
             assert_eq!(n, 5);
             let vs = nn::VarStore::new(tch::Device::Cpu);

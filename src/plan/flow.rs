@@ -174,7 +174,7 @@ impl Plan {
         let (c, d, w) = (&self.config, &self.data, self.world_size());
         let (f, per) = (self.sample_shape(), self.per_rank_label());
         let (stages, copies) = (self.pipeline_ranks(), self.layout.world_size);
-        let opt = format!("{:?}", c.train.optimizer).to_lowercase();
+        let opt = optimizer_text(&c.train);
         let length = match c.train.steps {
             Some(n) if c.train.accumulate > 1 => format!("{n} optimizer steps × {} batches", c.train.accumulate),
             Some(n) => format!("{n} steps"),
@@ -402,5 +402,30 @@ fn micro_text(batch: usize, micro: usize) -> String {
     match micro {
         1 => "1 micro-batch".into(),
         m => format!("{m} micro-batches of {}", micro_size(batch, m)),
+    }
+}
+
+/// "adamw (betas 0.9, 0.99; weight decay 0.1 on matrices)": the optimizer, and its values that
+/// differ from the defaults.
+fn optimizer_text(t: &Train) -> String {
+    let mut values = Vec::new();
+    if t.betas != DEFAULT_BETAS {
+        values.push(format!("betas {}, {}", t.betas[0], t.betas[1]));
+    }
+    if t.eps != DEFAULT_EPS {
+        values.push(format!("eps {:e}", t.eps));
+    }
+    if t.weight_decay > 0.0 {
+        let on = match t.weight_decay_on {
+            WeightDecayOn::All => "",
+            WeightDecayOn::Matrices => " on matrices",
+        };
+        values.push(format!("weight decay {}{on}", t.weight_decay));
+    }
+    let name = format!("{:?}", t.optimizer).to_lowercase();
+    if values.is_empty() {
+        name
+    } else {
+        format!("{name} ({})", values.join("; "))
     }
 }

@@ -27,6 +27,7 @@ pub fn train_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
     if !(0.0..1.0).contains(&t.momentum) {
         bad("train.momentum", format!("must be in [0, 1), got {}", t.momentum));
     }
+    adam_values(t, bad);
     if !(t.weight_decay >= 0.0) {
         bad("train.weight_decay", format!("must be 0 or more, got {}", t.weight_decay));
     }
@@ -38,6 +39,20 @@ pub fn train_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
         bad("checkpoint.keep", "must be at least 1 when checkpoint.every or checkpoint.every_steps is set".into());
     }
     step_values(c, bad);
+}
+
+/// `train.betas` and `train.eps`: Adam's alone, each in its range.
+fn adam_values(t: &Train, bad: &mut impl FnMut(&str, String)) {
+    let given = [("train.betas", t.betas != DEFAULT_BETAS), ("train.eps", t.eps != DEFAULT_EPS)];
+    for (key, _) in given.into_iter().filter(|&(_, set)| set && t.optimizer == Optimizer::Sgd) {
+        bad(key, "is only used by optimizer = \"adam\" or \"adamw\", not \"sgd\": remove it".into());
+    }
+    if !t.betas.iter().all(|b| (0.0..1.0).contains(b)) {
+        bad("train.betas", format!("must both be in [0, 1), got {:?}", t.betas));
+    }
+    if !(t.eps > 0.0 && t.eps.is_finite()) {
+        bad("train.eps", format!("must be positive, got {}", t.eps));
+    }
 }
 
 /// `train.steps` and the keys that count steps.
@@ -144,6 +159,9 @@ pub fn recipe_values(c: &Config, validation_rows: Option<usize>, bad: &mut impl 
     } else if decays && !(s.min_lr >= 0.0 && s.min_lr < t.lr) {
         bad("train.schedule.min_lr", format!("must be in [0, train.lr = {}), got {}", t.lr, s.min_lr));
     }
+    if s.decay_end.is_some() && !decays {
+        bad("train.schedule.decay_end", "is only read by kind = \"linear\" or \"cosine\"".into());
+    }
     if s.kind == ScheduleKind::Step {
         if (s.step_size > 0) == (s.step_epochs > 0) {
             bad(
@@ -197,6 +215,12 @@ pub fn recipe_lengths(c: &Config, batches: usize, total: usize, bad: &mut impl F
     }
     let steps = batches.div_ceil(t.accumulate);
     let s = schedule::Schedule::new(&t.schedule, t.lr, total, steps);
+    if t.schedule.decay_end.is_some_and(|end| end <= s.warmup) {
+        bad(
+            "train.schedule.decay_end",
+            format!("must be after the warmup ({} optimizer steps), got {}", s.warmup, s.decay_end),
+        );
+    }
     if s.warmup >= s.total && s.warmup > 0 {
         let key =
             if t.schedule.warmup_epochs > 0 { "train.schedule.warmup_epochs" } else { "train.schedule.warmup_steps" };

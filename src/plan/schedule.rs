@@ -1,7 +1,7 @@
 //! The learning-rate schedule (`[train.schedule]`): the rate of optimizer step s, counted from 0
 //! over the whole run, is a pure function of s, so a resumed run takes the same rates. The plan
 //! checks it and prints its shape; the epoch loop (`stages::recipe`) asks it before each step.
-use crate::config::schema::{LrSchedule, ScheduleKind};
+use crate::config::schema::{LrSchedule, ScheduleKind, WarmupPeak};
 
 /// The learning rate of every optimizer step of a run.
 #[derive(Debug, Clone, PartialEq)]
@@ -11,8 +11,12 @@ pub struct Schedule {
     pub min_lr: f64,
     /// Optimizer steps of warmup.
     pub warmup: usize,
+    /// Where the warmup's line reaches lr.
+    pub peak: WarmupPeak,
     /// Optimizer steps in the whole run.
     pub total: usize,
+    /// The step (0-based) where the decay reaches min_lr.
+    pub decay_end: usize,
     /// kind = step: steps per decay, and the factor.
     pub step_size: usize,
     pub gamma: f64,
@@ -27,7 +31,9 @@ impl Schedule {
             lr,
             min_lr: s.min_lr,
             warmup: s.warmup_steps + s.warmup_epochs * steps_per_epoch,
+            peak: s.warmup_peak,
             total,
+            decay_end: s.decay_end.unwrap_or(total.saturating_sub(1)),
             step_size: s.step_size + s.step_epochs * steps_per_epoch,
             gamma: s.gamma.unwrap_or(0.1),
         }
@@ -41,11 +47,15 @@ impl Schedule {
     /// The learning rate of optimizer step `step` (0-based, over the whole run).
     pub fn lr(&self, step: usize) -> f64 {
         if step < self.warmup {
-            return self.lr * (step + 1) as f64 / self.warmup as f64;
+            let ramp = match self.peak {
+                WarmupPeak::LastWarmupStep => self.warmup,
+                WarmupPeak::FirstDecayStep => self.warmup + 1,
+            };
+            return self.lr * (step + 1) as f64 / ramp as f64;
         }
         let after = step - self.warmup;
-        // The fraction of the decay done: 0 at the first step after warmup, 1 at the last step.
-        let span = self.total.saturating_sub(self.warmup + 1).max(1);
+        // The fraction of the decay done: 0 at the first step after warmup, 1 at decay_end.
+        let span = self.decay_end.saturating_sub(self.warmup).max(1);
         let t = (after as f64 / span as f64).min(1.0);
         match self.kind {
             ScheduleKind::Constant => self.lr,
@@ -60,6 +70,7 @@ impl Schedule {
     /// Whether the rates depend on the run's length (train.epochs).
     pub fn depends_on_length(&self) -> bool {
         matches!(self.kind, ScheduleKind::Linear | ScheduleKind::Cosine)
+            && self.decay_end == self.total.saturating_sub(1)
     }
 
     /// The shape, for `runner validate`: "cosine 0.1 → 0.001 over 780 steps after 78 warmup steps".
@@ -68,7 +79,7 @@ impl Schedule {
             0 => String::new(),
             w => format!(", after {w} warmup step{} from {:.4e}", if w == 1 { "" } else { "s" }, self.lr(0)),
         };
-        let decay = self.total.saturating_sub(self.warmup);
+        let decay = (self.decay_end + 1).saturating_sub(self.warmup);
         let shape = match self.kind {
             ScheduleKind::Constant => format!("constant {}", self.lr),
             ScheduleKind::Linear => format!("linear {} → {} over {decay} steps", self.lr, self.min_lr),
@@ -122,6 +133,39 @@ mod tests {
         }
         let c = sched(ScheduleKind::Cosine, 0);
         assert!((c.lr(99 / 2) - 0.055).abs() < 2e-3, "cosine is halfway at the middle");
+    }
+
+    /// nanoGPT's get_lr(it), written as train.py writes it.
+    fn nanogpt_lr(it: usize, lr: f64, min_lr: f64, warmup: usize, decay_iters: usize) -> f64 {
+        if it < warmup {
+            return lr * (it + 1) as f64 / (warmup + 1) as f64;
+        }
+        if it > decay_iters {
+            return min_lr;
+        }
+        let ratio = (it - warmup) as f64 / (decay_iters - warmup) as f64;
+        min_lr + 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos()) * (lr - min_lr)
+    }
+
+    #[test]
+    fn nanogpt_s_warmup_and_cosine_are_expressible_exactly() {
+        let keys = LrSchedule {
+            kind: ScheduleKind::Cosine,
+            warmup_steps: 100,
+            min_lr: 1e-4,
+            decay_end: Some(2000),
+            warmup_peak: WarmupPeak::FirstDecayStep,
+            ..LrSchedule::default()
+        };
+        let s = Schedule::new(&keys, 1e-3, 2000, 1);
+        for it in 0..2000 {
+            // The same formula; the cosine's factors multiply in another order (a rounding apart).
+            let (ours, theirs) = (s.lr(it), nanogpt_lr(it, 1e-3, 1e-4, 100, 2000));
+            assert!((ours - theirs).abs() <= 1e-15 * theirs, "step {it}: {ours} against {theirs}");
+        }
+        assert!(!s.depends_on_length());
+        let longer = Schedule::new(&keys, 1e-3, 2500, 1);
+        assert_eq!(longer.lr(2400), 1e-4, "min_lr after decay_end");
     }
 
     #[test]
