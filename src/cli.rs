@@ -239,6 +239,9 @@ fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
     for note in plan.data.notes() {
         crate::say!("{note}");
     }
+    for line in crate::trace::track::plan_lines(&plan) {
+        crate::say!("{line}");
+    }
     crate::say!("\n{} is valid; nothing was run.", args.file.display());
     Ok(0)
 }
@@ -382,6 +385,9 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
     crate::say!("{}", plan.data_flow());
     for note in plan.data.notes() {
         crate::say!("{note}");
+    }
+    for line in crate::trace::track::plan_lines(&plan) {
+        crate::say!("{line}");
     }
     if let Some(sweep) = std::env::var(crate::launch::env::SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {
         // Started by `runner sweep`: its end (even by SIGKILL) interrupts this run.

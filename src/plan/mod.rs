@@ -73,6 +73,7 @@ impl Plan {
             errors.push(format!("`{key}` ({from}): {msg}"))
         };
         run_values(&c, &mut bad);
+        crate::trace::track::check(&c.track, &mut bad);
         let base = file.parent().map(PathBuf::from).unwrap_or_default();
         let data = data::spec(&c, &base, &mut bad);
         // Out-of-bounds model sizes leave no architecture: nothing below computes a shape from them.

@@ -13,6 +13,7 @@ use crate::dist::ProcessGroup;
 use crate::plan::Plan;
 use crate::rundir::position::Position;
 use crate::trace::progress::Progress;
+use crate::trace::track::Tracker;
 use crate::trace::{self, EpochRow};
 use anyhow::Context;
 
@@ -56,6 +57,7 @@ pub fn run(
         None => (Vec::new(), Vec::new(), 0, None),
     };
     let progress = Progress::new(rank == 0, plan);
+    let mut tracker = Tracker::start(plan, run_dir, rank);
     let mut trainer = train::Trainer::new(plan, pg, device, &data, &normalizer, wrapped, progress, position);
     let clock = trainer.clock.clone();
 
@@ -74,6 +76,9 @@ pub fn run(
         while done < interval.end {
             trainer.train(&mut iv, done..done + 1)?;
             done += 1;
+            if tracker.wants_step(done) {
+                tracker.step(done, iv.last_step(trainer.wrapped.optimizer.lr()));
+            }
             if done < interval.end && checkpoint_due(plan, &clock, done) {
                 let all = gather_partials(pg, iv.partial())?;
                 save_checkpoint(&trainer, plan, pg, run_dir, done, &rows, &steps, Some(all))?;
@@ -85,6 +90,7 @@ pub fn run(
         let verdict = stopper.as_mut().and_then(|s| Some(s.observe(epoch, stop_metric(s, &out.rows[0])?)));
         if rank == 0 {
             trainer.progress.end_epoch(&interval_line(plan, &clock, done, &out.rows), true);
+            tracker.row(&out.rows[0]);
             rows.extend(out.rows);
             steps.extend(out.steps);
             let ws = plan.world_size() as u32;
@@ -115,6 +121,7 @@ pub fn run(
     trainer.position.set("write model", clock.epoch(done.max(1) - 1), 0);
     let w = &trainer.wrapped;
     checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::MODEL)?;
+    tracker.finish(run_dir);
     Ok(rows)
 }
 
