@@ -235,6 +235,11 @@ pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
 
 fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
     let plan = plan(args)?;
+    if !plan.extends.is_empty() {
+        let chain: Vec<String> =
+            std::iter::once(&plan.pipeline_file).chain(&plan.extends).map(|f| f.display().to_string()).collect();
+        crate::say!("extends: {}\n", chain.join(" → "));
+    }
     crate::say!("{}", plan.data_flow().trim_end_matches('\n'));
     for note in plan.data.notes() {
         crate::say!("{note}");

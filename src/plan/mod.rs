@@ -34,6 +34,9 @@ pub struct Plan {
     pub config: Config,
     pub sources: BTreeMap<String, String>,
     pub pipeline_file: PathBuf,
+    /// The files the pipeline file extends, nearest first.
+    #[serde(default)]
+    pub extends: Vec<PathBuf>,
     /// Derived from the resolved configuration: the same config gives the same id.
     pub run_id: String,
     pub data: DataSpec,
@@ -65,7 +68,7 @@ struct ModelParts {
 impl Plan {
     /// Checks everything and reports every problem found, not just the first.
     pub fn new(resolved: Resolved) -> Result<Plan, ConfigError> {
-        let Resolved { config: c, sources, file } = resolved;
+        let Resolved { config: c, sources, file, extends } = resolved;
         let mut errors = Vec::new();
         // Each problem names the key and where its value came from.
         let mut bad = |key: &str, msg: String| {
@@ -127,6 +130,7 @@ impl Plan {
             config: c,
             sources,
             pipeline_file: file,
+            extends,
             data,
             layout,
             init_weights: model.init_weights,
