@@ -224,6 +224,15 @@ pub fn main(cli: Cli) -> u8 {
 pub fn schema_json() -> String {
     let mut schema = schemars::schema_for!(crate::config::Config);
     schema.insert("title".into(), "runner pipeline file".into());
+    // Read by config::extends before the sections, so not a field of Config.
+    let extends = serde_json::json!({
+        "description": "A pipeline file this one builds on, relative to this file: its tables merge key by key \
+                        under this file's, arrays and other values are replaced.",
+        "type": "string"
+    });
+    if let Some(serde_json::Value::Object(properties)) = schema.get_mut("properties") {
+        properties.insert("extends".into(), extends);
+    }
     serde_json::to_string_pretty(&schema).expect("a schema serializes")
 }
 

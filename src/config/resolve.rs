@@ -38,10 +38,7 @@ impl Override {
 
 pub fn resolve(file: &Path, overrides: &[Override]) -> Result<Resolved, ConfigError> {
     let layers = Layers::read(file, FileKind::Pipeline, "the pipeline file")?;
-    // Each file alone first: its errors carry its own line and column.
-    for layer in &layers.0 {
-        parse_strict::<Config>(&layer.text, &layer.file.display().to_string())?;
-    }
+    parse_layers::<Config>(&layers)?;
     let merged = toml::to_string(&layers.merged()).map_err(|e| ConfigError::new(format!("{}: {e}", file.display())))?;
     let mut figment = Figment::new()
         .merge(Toml::string(&merged))
@@ -54,6 +51,36 @@ pub fn resolve(file: &Path, overrides: &[Override]) -> Result<Resolved, ConfigEr
     let config: Config = figment.extract().map_err(|e| figment_error(e, &layers))?;
     let sources = sources(&figment, &config, &layers);
     Ok(Resolved { config, sources, file: file.to_owned(), extends: layers.bases() })
+}
+
+/// Deserializes a file and its bases merged; errors name the file and line that set the key
+/// (a file alone: its own line and column).
+pub fn parse_layers<T: DeserializeOwned>(layers: &Layers) -> Result<T, ConfigError> {
+    if let [only] = &layers.0[..] {
+        return parse_strict(&only.text, &only.file.display().to_string());
+    }
+    for l in &layers.0 {
+        let origin = l.file.display().to_string();
+        toml::from_str::<toml::Table>(&l.text).map_err(|e| toml_error(&e, None, &l.text, &origin))?;
+    }
+    let text = toml::to_string(&layers.merged()).map_err(|e| ConfigError::new(e.to_string()))?;
+    let de = toml::Deserializer::parse(&text).map_err(|e| ConfigError::new(e.to_string()))?;
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let mut key = path.as_str();
+        let at = loop {
+            match layers.origin(key) {
+                Some((f, Some(line))) => break format!("{}:{line}", f.display()),
+                Some((f, None)) => break f.display().to_string(),
+                None => match key.rsplit_once('.') {
+                    Some((head, _)) => key = head,
+                    None => break layers.file().file.display().to_string(),
+                },
+            }
+        };
+        let path = Some(path).filter(|p| p != ".");
+        ConfigError::new(format!("{at}: {}", explain(e.inner().message(), path.as_deref())))
+    })
 }
 
 /// Deserializes `text` alone, so that errors carry the file's line and column.

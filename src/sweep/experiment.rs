@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use super::grid::{self, Point};
 use crate::config::extends::{normalize, FileKind, Layers};
-use crate::config::resolve::{flatten, parse_strict};
+use crate::config::resolve::{flatten, parse_layers};
 use crate::config::{self, ConfigError, Override};
 use crate::plan::Plan;
 
@@ -81,12 +81,7 @@ impl Experiment {
     /// every axis value resolves against that pipeline. Reports every problem found.
     pub fn load(file: &Path) -> Result<Experiment, ConfigError> {
         let layers = Layers::read(file, FileKind::Experiment, "the experiment file")?;
-        for layer in &layers.0 {
-            parse_strict::<ExperimentFile>(&layer.text, &layer.file.display().to_string())?;
-        }
-        let raw: ExperimentFile = toml::Value::Table(layers.merged())
-            .try_into()
-            .map_err(|e| ConfigError::new(format!("{}: {e}", file.display())))?;
+        let raw: ExperimentFile = parse_layers(&layers)?;
         // Problems are reported in the chain's and the files' order.
         let mut errors: Vec<((usize, usize), String)> = Vec::new();
         let mut bad = |section: &str, key: &str, message: String| {
