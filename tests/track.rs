@@ -168,3 +168,42 @@ fn step_based_runs_write_a_point_per_validation_interval() {
     assert_eq!(steps, [10, 20, 30]);
     assert_scalars_equal_trace(&events, &dir.path().join("r"));
 }
+
+/// A tracking server that cannot be reached is said once on the plan and at the end, and changes
+/// nothing in the results: the same run id and the same trace values as a run without it.
+#[test]
+fn an_unreachable_mlflow_server_leaves_the_results_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    // A port nothing listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let url = format!("track.mlflow=\"http://127.0.0.1:{port}\"");
+    let plain = run(&["run", "p.toml", "--out", "plain"], dir.path());
+    assert_ok(&plain);
+    let tracked = run(&["run", "p.toml", "--out", "tracked", "--set", &url], dir.path());
+    assert_ok(&tracked);
+    let (out, _) = text(&tracked);
+    assert_eq!(out.matches("cannot be reached").count(), 1, "{out}");
+    assert!(out.contains(&format!("messages were not sent to http://127.0.0.1:{port}")), "{out}");
+    let (a, b) = (trace(&dir.path().join("plain")), trace(&dir.path().join("tracked")));
+    for column in ["run_id", "epoch", "step", "rank", "train_loss", "train_acc", "val_loss", "val_acc", "lr"] {
+        assert!(a.column(column).unwrap().equals_missing(b.column(column).unwrap()), "{column} differs");
+    }
+    let model = |d: &str| std::fs::read(dir.path().join(d).join("model.safetensors")).unwrap();
+    assert_eq!(model("plain"), model("tracked"));
+}
+
+#[test]
+fn bad_tracking_values_are_refused_on_the_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    for (set, expected) in [
+        ("track.mlflow=\"localhost:5000\"", "`track.mlflow` (--set track.mlflow=\"localhost:5000\"): \"localhost:5000\" is not an http:// URL"),
+        ("track.experiment=\" \"", "`track.experiment` (--set track.experiment=\" \"): is empty"),
+        ("trace.tensorbord=true", "unknown key `trace.tensorbord`; did you mean `trace.tensorboard`?"),
+    ] {
+        let o = run(&["validate", "p.toml", "--set", set], dir.path());
+        assert_eq!(o.status.code(), Some(2), "{set}");
+        assert!(text(&o).1.contains(expected), "{set}: {}", text(&o).1);
+    }
+}
