@@ -180,7 +180,7 @@ fn an_mlflow_server_receives_a_run_and_a_sweep() {
 
     let o = run(&["validate", "p.toml", "--set", &url], dir.path());
     assert_ok(&o);
-    assert!(text(&o).0.contains(&format!("mlflow   {}, experiment \"logged\"", server.url)), "{}", text(&o).0);
+    assert!(text(&o).0.contains(&format!("mlflow: {}, experiment \"logged\"", server.url)), "{}", text(&o).0);
 
     let o = run(&["run", "p.toml", "--out", "one", "--set", &url], dir.path());
     assert_ok(&o);

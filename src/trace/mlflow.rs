@@ -274,10 +274,10 @@ fn millis() -> u64 {
 pub fn probe(url: &str, experiment: &str) -> String {
     let api = Api::new(url, Duration::from_secs(3));
     match api.experiment_id(experiment) {
-        Ok(Some(id)) => format!("mlflow   {url}, experiment \"{experiment}\" (id {id})"),
-        Ok(None) => format!("mlflow   {url}, experiment \"{experiment}\" (created by the run)"),
+        Ok(Some(id)) => format!("mlflow: {url}, experiment \"{experiment}\" (id {id})"),
+        Ok(None) => format!("mlflow: {url}, experiment \"{experiment}\" (created by the run)"),
         Err(e) => format!(
-            "mlflow   {url} cannot be reached ({e}): the run trains and writes its results all the same, and says \
+            "mlflow: {url} cannot be reached ({e}): the run trains and writes its results all the same, and says \
              at the end what was not sent"
         ),
     }

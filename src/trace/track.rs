@@ -185,13 +185,14 @@ fn sweep_axes(plan: &Plan) -> Vec<(String, toml::Value)> {
     leaves.into_iter().filter(|(k, _)| plan.sources.get(k).is_some_and(|s| s.starts_with(axis))).collect()
 }
 
-/// The plan's lines about tracking: where TensorBoard writes, and whether the MLflow server
-/// answers (asked once, here, with a short timeout).
-pub fn plan_lines(plan: &Plan) -> Vec<String> {
+/// The plan's lines about tracking: where TensorBoard writes (in `run_dir`, when known), and
+/// whether the MLflow server answers (asked once, here, with a short timeout).
+pub fn plan_lines(plan: &Plan, run_dir: Option<&Path>) -> Vec<String> {
     let c = &plan.config;
     let mut out = Vec::new();
     if c.trace.tensorboard {
-        out.push("tensorboard  RUN_DIR/tensorboard/ (tensorboard --logdir RUN_DIR or its parent)".to_owned());
+        let dir = run_dir.map_or("RUN_DIR".to_owned(), |d| d.display().to_string());
+        out.push(format!("tensorboard: events in {dir}/{} (tensorboard --logdir {dir})", tensorboard::DIR));
     }
     if let Some(url) = &c.track.mlflow {
         out.push(mlflow::probe(url, &experiment(c)));
