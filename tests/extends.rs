@@ -83,10 +83,14 @@ fn a_chain_merges_tables_replaces_arrays_and_says_where_each_value_came_from() {
     let after = id(&run(&["validate", "exp/child.toml"], dir.path()));
     assert_ne!(before, after);
     // ... and one file holding the same values has the same id as the chain.
-    write(dir.path(), "flat.toml", &ROOT.replace("rows = 200", "rows = 240").replace("[8, 8]", "[4]").replace(
-        "[wrap.model]",
-        "[train]\nepochs = 1\nlr = 0.01\n\n[wrap.model]",
-    ));
+    write(
+        dir.path(),
+        "flat.toml",
+        &ROOT
+            .replace("rows = 200", "rows = 240")
+            .replace("[8, 8]", "[4]")
+            .replace("[wrap.model]", "[train]\nepochs = 1\nlr = 0.01\n\n[wrap.model]"),
+    );
     assert_eq!(id(&run(&["validate", "flat.toml"], dir.path())), after);
 }
 

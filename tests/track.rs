@@ -198,7 +198,10 @@ fn bad_tracking_values_are_refused_on_the_plan() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", TINY);
     for (set, expected) in [
-        ("track.mlflow=\"localhost:5000\"", "`track.mlflow` (--set track.mlflow=\"localhost:5000\"): \"localhost:5000\" is not an http:// URL"),
+        (
+            "track.mlflow=\"localhost:5000\"",
+            "`track.mlflow` (--set track.mlflow=\"localhost:5000\"): \"localhost:5000\" is not an http:// URL",
+        ),
         ("track.experiment=\" \"", "`track.experiment` (--set track.experiment=\" \"): is empty"),
         ("trace.tensorbord=true", "unknown key `trace.tensorbord`; did you mean `trace.tensorboard`?"),
     ] {

@@ -82,7 +82,8 @@ impl Layers {
                     names(&path)
                 )));
             }
-            let text = crate::input::read_capped(&path, crate::input::CONFIG_FILE_CAP, what).map_err(ConfigError::new)?;
+            let text =
+                crate::input::read_capped(&path, crate::input::CONFIG_FILE_CAP, what).map_err(ConfigError::new)?;
             let origin = path.display().to_string();
             let (text, base) = take_extends(&text, &origin)?;
             let table: toml::Table = toml::from_str(&text).unwrap_or_default();
@@ -134,7 +135,11 @@ impl Layers {
 
     /// The file that sets `dotted` last, and the line where it does (when it can be found).
     pub fn origin(&self, dotted: &str) -> Option<(&Path, Option<usize>)> {
-        self.0.iter().rev().find(|l| get(&l.table, dotted).is_some()).map(|l| (l.file.as_path(), key_line(&l.text, dotted)))
+        self.0
+            .iter()
+            .rev()
+            .find(|l| get(&l.table, dotted).is_some())
+            .map(|l| (l.file.as_path(), key_line(&l.text, dotted)))
     }
 
     /// Where `dotted` is set, in an order that follows the chain (first base first) then lines.

@@ -54,7 +54,12 @@ pub fn checkpoints(run_dir: &Path) -> PathBuf {
 
 /// Whether `name` (an entry of a run directory) is one the runner writes.
 fn is_own(name: &str) -> bool {
-    OWN_FILES.contains(&name) || name == CHECKPOINTS || name == TENSORBOARD || name == LOCK || is_tmp(name) || position::is_position(name)
+    OWN_FILES.contains(&name)
+        || name == CHECKPOINTS
+        || name == TENSORBOARD
+        || name == LOCK
+        || is_tmp(name)
+        || position::is_position(name)
 }
 
 /// `.NAME.tmp-PID`: an atomic write in progress (or interrupted); `epoch-N.pt.tmp` likewise.

@@ -122,11 +122,7 @@ fn serve(t: &Target, rx: Receiver<Message>) -> String {
             "mlflow: run {} in experiment \"{}\" at {}: {sent} requests sent ({artifacts} artifacts)",
             run.id, t.experiment, t.url
         ),
-        (Some(why), _) => format!(
-            "mlflow: {unsent} of {} messages were not sent to {} ({why})",
-            sent + unsent,
-            t.url
-        ),
+        (Some(why), _) => format!("mlflow: {unsent} of {} messages were not sent to {} ({why})", sent + unsent, t.url),
         (None, None) => unreachable!("no run without a failure"),
     }
 }

@@ -74,19 +74,19 @@ impl EventWriter {
     /// The hparams plugin's session start: this run's hyperparameters, in `group` (the run's name).
     pub fn hparams_start(&mut self, hparams: BTreeMap<String, HParamValue>, group: &str) -> std::io::Result<()> {
         let start = SessionStartInfo { hparams, group_name: group.into(), start_time_secs: now() };
-        self.hparams("_hparams_/session_start_info", HParamsPluginData {
-            session_start_info: Some(start),
-            ..Default::default()
-        })
+        self.hparams(
+            "_hparams_/session_start_info",
+            HParamsPluginData { session_start_info: Some(start), ..Default::default() },
+        )
     }
 
     /// The hparams plugin's session end: the run succeeded or failed.
     pub fn hparams_end(&mut self, succeeded: bool) -> std::io::Result<()> {
         let end = SessionEndInfo { status: if succeeded { 1 } else { 2 }, end_time_secs: now() };
-        self.hparams("_hparams_/session_end_info", HParamsPluginData {
-            session_end_info: Some(end),
-            ..Default::default()
-        })
+        self.hparams(
+            "_hparams_/session_end_info",
+            HParamsPluginData { session_end_info: Some(end), ..Default::default() },
+        )
     }
 
     fn hparams(&mut self, tag: &str, data: HParamsPluginData) -> std::io::Result<()> {

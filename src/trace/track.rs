@@ -86,15 +86,18 @@ impl Tracker {
 
     /// Whether [`Tracker::step`] wants the metrics of the step that made `done` steps.
     pub fn wants_step(&self, done: usize) -> bool {
-        (self.tensorboard.is_some() || self.mlflow.is_some()) && self.log_every > 0 && done.is_multiple_of(self.log_every)
+        (self.tensorboard.is_some() || self.mlflow.is_some())
+            && self.log_every > 0
+            && done.is_multiple_of(self.log_every)
     }
 
     /// The training metrics after `done` optimizer steps (`step/loss`, `step/lr`, `step/grad_norm`).
     pub fn step(&mut self, done: usize, m: StepMetrics) {
-        let values: Vec<(String, f64)> = [("step/loss", m.loss), ("step/lr", Some(m.lr)), ("step/grad_norm", m.grad_norm)]
-            .into_iter()
-            .filter_map(|(k, v)| Some((k.to_owned(), v?)))
-            .collect();
+        let values: Vec<(String, f64)> =
+            [("step/loss", m.loss), ("step/lr", Some(m.lr)), ("step/grad_norm", m.grad_norm)]
+                .into_iter()
+                .filter_map(|(k, v)| Some((k.to_owned(), v?)))
+                .collect();
         self.send(done as u64, &values);
     }
 
@@ -147,7 +150,10 @@ impl Drop for Tracker {
 
 fn warn_on_error<T>(r: std::io::Result<T>, run_dir: &Path) -> Option<T> {
     r.map_err(|e| {
-        crate::say_err!("warning: no TensorBoard events: cannot write {}: {e}", run_dir.join(tensorboard::DIR).display())
+        crate::say_err!(
+            "warning: no TensorBoard events: cannot write {}: {e}",
+            run_dir.join(tensorboard::DIR).display()
+        )
     })
     .ok()
 }
