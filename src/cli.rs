@@ -253,7 +253,7 @@ fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
     for note in plan.data.notes() {
         crate::say!("{note}");
     }
-    for line in crate::trace::track::plan_lines(&plan, None) {
+    for line in crate::stages::track::plan_lines(&plan, None) {
         crate::say!("{line}");
     }
     crate::say!("\n{} is valid; nothing was run.", args.file.display());
@@ -400,7 +400,7 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
     for note in plan.data.notes() {
         crate::say!("{note}");
     }
-    for line in crate::trace::track::plan_lines(plan, Some(run_dir)) {
+    for line in crate::stages::track::plan_lines(plan, Some(run_dir)) {
         crate::say!("{line}");
     }
     if let Some(sweep) = std::env::var(crate::launch::env::SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {

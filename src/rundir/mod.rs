@@ -39,7 +39,8 @@ pub const MODEL: &str = "model.safetensors";
 pub const BEST_MODEL: &str = "model.best.safetensors";
 pub const STOPPED: &str = "stopped.txt";
 pub const CHECKPOINTS: &str = "checkpoints";
-pub const TENSORBOARD: &str = crate::trace::tensorboard::DIR;
+/// TensorBoard's event files (`trace.tensorboard`).
+pub const TENSORBOARD: &str = "tensorboard";
 /// A sweep point's output, written by `runner sweep`.
 pub const RUN_LOG: &str = "run.log";
 pub const LOCK: &str = lock::FILE;

@@ -2,6 +2,7 @@
 //! receives what the previous one produced and the part of the plan it owns.
 pub mod checkpoint;
 pub mod recipe;
+pub mod track;
 pub mod train;
 pub mod wrap;
 
@@ -13,7 +14,7 @@ use crate::dist::ProcessGroup;
 use crate::plan::Plan;
 use crate::rundir::position::Position;
 use crate::trace::progress::Progress;
-use crate::trace::track::Tracker;
+use track::Tracker;
 use crate::trace::{self, EpochRow};
 use anyhow::Context;
 

@@ -463,7 +463,7 @@ pub struct Interval {
 
 impl Interval {
     /// This rank's training metrics of its last optimizer step (the trackers' `step/...`).
-    pub fn last_step(&self, lr: f64) -> crate::trace::track::StepMetrics {
+    pub fn last_step(&self, lr: f64) -> super::track::StepMetrics {
         let b = &self.buffers;
         let (from, len) = (self.step_from as i64, (self.filled - self.step_from) as i64);
         let loss = (self.step_measured && len > 0).then(|| {
@@ -471,7 +471,7 @@ impl Interval {
             let sum = (b.losses.narrow(0, from, len) * &w).sum(Kind::Double).double_value(&[]);
             sum / w.sum(Kind::Double).double_value(&[])
         });
-        crate::trace::track::StepMetrics { loss, lr, grad_norm: b.norms.last().copied() }
+        super::track::StepMetrics { loss, lr, grad_norm: b.norms.last().copied() }
     }
 
     /// What a checkpoint in the middle of the interval saves of it.

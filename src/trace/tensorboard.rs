@@ -11,9 +11,6 @@ use prost::Message;
 
 use super::event::*;
 
-/// The run directory's folder of event files.
-pub const DIR: &str = "tensorboard";
-
 pub struct EventWriter {
     file: File,
     pub path: PathBuf,
@@ -26,7 +23,7 @@ fn now() -> f64 {
 impl EventWriter {
     /// A new event file in `run_dir/tensorboard/` (a resumed run adds one beside the first).
     pub fn create(run_dir: &Path) -> std::io::Result<EventWriter> {
-        let dir = run_dir.join(DIR);
+        let dir = run_dir.join(crate::rundir::TENSORBOARD);
         std::fs::create_dir_all(&dir)?;
         let host = nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
         let name = format!("events.out.tfevents.{:010}.{host}.{}.0", now() as u64, std::process::id());

@@ -5,11 +5,11 @@
 //! fails a run: a problem is said once on stderr and that tracker stops.
 use std::path::{Path, PathBuf};
 
-use super::mlflow::{self, Mlflow};
-use super::tensorboard::{self, EventWriter};
-use super::EpochRow;
-use crate::config::schema::{Config, Track};
+use crate::config::schema::Config;
 use crate::plan::Plan;
+use crate::trace::mlflow::{self, Mlflow};
+use crate::trace::tensorboard::{self, EventWriter};
+use crate::trace::EpochRow;
 
 /// The scalars of a trace row (rank 0's row, which holds the global training metrics), by the
 /// names TensorBoard and MLflow show; absent metrics (no validation, no clipping) are left out.
@@ -152,7 +152,7 @@ fn warn_on_error<T>(r: std::io::Result<T>, run_dir: &Path) -> Option<T> {
     r.map_err(|e| {
         crate::say_err!(
             "warning: no TensorBoard events: cannot write {}: {e}",
-            run_dir.join(tensorboard::DIR).display()
+            run_dir.join(crate::rundir::TENSORBOARD).display()
         )
     })
     .ok()
@@ -198,23 +198,10 @@ pub fn plan_lines(plan: &Plan, run_dir: Option<&Path>) -> Vec<String> {
     let mut out = Vec::new();
     if c.trace.tensorboard {
         let dir = run_dir.map_or("RUN_DIR".to_owned(), |d| d.display().to_string());
-        out.push(format!("tensorboard: events in {dir}/{} (tensorboard --logdir {dir})", tensorboard::DIR));
+        out.push(format!("tensorboard: events in {dir}/{} (tensorboard --logdir {dir})", crate::rundir::TENSORBOARD));
     }
     if let Some(url) = &c.track.mlflow {
         out.push(mlflow::probe(url, &experiment(c)));
     }
     out
-}
-
-/// `[track]`'s values, checked on the plan.
-pub fn check(t: &Track, bad: &mut impl FnMut(&str, String)) {
-    if let Some(url) = &t.mlflow {
-        let rest = url.strip_prefix("http://");
-        if rest.is_none_or(|r| r.is_empty() || r.starts_with('/')) {
-            bad("track.mlflow", format!("\"{url}\" is not an http:// URL of an MLflow server (e.g. \"http://127.0.0.1:5000\"; https is not supported)"));
-        }
-    }
-    if t.experiment.as_deref().is_some_and(|e| e.trim().is_empty()) {
-        bad("track.experiment", "is empty; name the MLflow experiment or leave the key out (default: run.name)".into());
-    }
 }
