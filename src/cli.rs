@@ -376,13 +376,19 @@ fn run_rank(plan: &Plan, env: &RankEnv, run_dir: &Path, claim: Claim) -> anyhow:
     }
     let rows = result?;
     if env.rank == 0 {
-        crate::say!("\n{}", view::epoch_table(&rows));
+        let by_step = plan.config.train.steps.is_some();
+        crate::say!("\n{}", view::epoch_table(&rows, by_step));
         let pipeline = view::pipeline_table(&rows);
         if !pipeline.is_empty() {
             crate::say!("  per rank, mean of the epochs (bubble: share of the training time spent waiting in send/recv)\n{pipeline}");
         }
         let losses: Vec<f64> = rows.iter().filter(|r| r.rank == 0).map(|r| r.global_train_loss).collect();
-        crate::say!("  loss\n{}", view::chart("epochs", &losses, 6));
+        let unit = match (by_step, plan.config.validate.every_steps) {
+            (false, _) => "epochs".to_owned(),
+            (true, Some(n)) => format!("validations (every {n} steps)"),
+            (true, None) => "validations".to_owned(),
+        };
+        crate::say!("  loss\n{}", view::chart(&unit, &losses, 6));
     }
     Ok(0)
 }

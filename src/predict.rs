@@ -128,9 +128,12 @@ pub fn predict(run_dir: &Path, data: &Path, out: Option<&Path>) -> anyhow::Resul
             format!("cannot read {} (a run of an older runner, or not finished?)", pre_path.display())
         })?)
         .with_context(|| format!("{} is damaged", pre_path.display()))?;
-    let info = plan.data.file().context(
-        "this run trained on synthetic data: runner predict reads csv or parquet files with the run's columns",
-    )?;
+    let info = plan.data.file().with_context(|| {
+        format!(
+            "this run trained on {}: runner predict reads csv or parquet files with the run's columns",
+            plan.data.describe()
+        )
+    })?;
     let columns = &info.columns;
     crate::input::regular_file(data).map_err(anyhow::Error::msg)?;
     let source = match data.extension().and_then(|e| e.to_str()) {

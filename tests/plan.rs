@@ -94,7 +94,7 @@ fn resuming_with_another_configuration_is_refused_naming_the_keys() {
         let (code, err) = stderr_of(&[&["run", "--resume", "r"][..], args].concat(), dir.path());
         assert_eq!(code, Some(2), "{err}");
         assert!(err.contains("cannot resume with another configuration") && err.contains(expected), "{err}");
-        assert!(err.contains("Only train.epochs may change when resuming"), "{err}");
+        assert!(err.contains("Only train.epochs, train.steps may change when resuming"), "{err}");
     }
     // Editing the run's config.toml is a change too.
     let config = dir.path().join("r/config.toml");

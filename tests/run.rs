@@ -15,6 +15,7 @@ fn trace(dir: &Path) -> DataFrame {
 const SCHEMA: &[(&str, DataType)] = &[
     ("run_id", DataType::String),
     ("epoch", DataType::UInt32),
+    ("step", DataType::UInt64),
     ("rank", DataType::UInt32),
     ("world_size", DataType::UInt32),
     ("train_loss", DataType::Float64),

@@ -131,7 +131,8 @@ fn a_transformer_pipeline_over_2_and_4_ranks_equals_one_process() {
 fn text_and_token_files_train_and_bad_token_data_is_refused_with_pinned_messages() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path();
-    write(p, "p.toml", LM);
+    // Token files hold out windows with validate.rows (load.validation_rows is synthetic's).
+    write(p, "p.toml", &LM.replace("validation_rows = 16\n", ""));
     let text_file: String =
         (0..40).map(|i| format!("line {i}: the quick brown fox jumps over the lazy dog. ")).collect();
     write(p, "book.txt", &text_file);
@@ -148,7 +149,7 @@ fn text_and_token_files_train_and_bad_token_data_is_refused_with_pinned_messages
             "--set",
             "wrap.model.vocab=256",
             "--set",
-            "load.validation_rows=8",
+            "validate.rows=8",
             "--set",
             "run.world_size=2",
         ],
@@ -164,8 +165,7 @@ fn text_and_token_files_train_and_bad_token_data_is_refused_with_pinned_messages
     // A nanoGPT .bin of uint16 ids, one of them 40 ≥ vocab 32.
     let ids: Vec<u16> = (0..200).map(|i| if i == 150 { 40 } else { (i * 7 % 32) as u16 }).collect();
     std::fs::write(p.join("ids.bin"), ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
-    let tokens =
-        ["--set", "load.source=\"tokens\"", "--set", "load.path=\"ids.bin\"", "--set", "load.validation_rows=2"];
+    let tokens = ["--set", "load.source=\"tokens\"", "--set", "load.path=\"ids.bin\"", "--set", "validate.rows=2"];
     let refuse = |extra: &[&str]| {
         let o = run(&[&["validate", "p.toml"][..], &tokens, extra].concat(), p);
         assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));

@@ -112,14 +112,17 @@ def prepare(a):
     seed = run.get("seed", 0)
     os.makedirs(a.dir, exist_ok=True)
     x, y = images(rows + val, image, classes, seed, load.get("noise", 0.5))
-    np.savez(os.path.join(a.dir, "data.npz"), x=x, y=y)
+    # The training rows and the validation rows in two files (load.validation_path), so both sides
+    # train on the same rows in the same order.
+    np.savez(os.path.join(a.dir, "data.npz"), x=x[:rows], y=y[:rows])
+    np.savez(os.path.join(a.dir, "val.npz"), x=x[rows:], y=y[rows:])
     torch.manual_seed(seed)
     net = Cnn(model, image, classes)
     state = {k: v.numpy() for k, v in net.state_dict().items() if not k.endswith("num_batches_tracked")}
     np.savez(os.path.join(a.dir, "init.npz"), **state)
     out = {
         "run": {"name": "cnn_twin", "seed": seed, "world_size": 1},
-        "load": {"source": "tensors", "path": "data.npz", "validation_rows": val},
+        "load": {"source": "tensors", "path": "data.npz", "validation_path": "val.npz"},
         "shard": {"shuffle": False},
         "normalize": {"method": "none"},
         "wrap": {"init": "init.npz"},
@@ -144,8 +147,7 @@ def train(a):
         spec = json.load(f)
     t = spec["train"]
     data = np.load(os.path.join(a.dir, "data.npz"))
-    n = len(data["y"]) - spec["validation_rows"]
-    x, y = torch.from_numpy(data["x"][:n]), torch.from_numpy(data["y"][:n])
+    x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
     dataset = TensorDataset(x, y)
     sampler = DistributedSampler(dataset, shuffle=False)
     loader = DataLoader(dataset, batch_size=t.get("batch_size", 32), sampler=sampler)

@@ -111,16 +111,13 @@ impl DataSpec {
     /// for data read where it lies (token files, .npy arrays), nothing beyond its batches.
     pub fn resident_bytes(&self) -> f64 {
         let row = 4.0 * (self.input_size() as f64 + 1.0);
-        let streamed = match &self.source {
-            SourceSpec::Tokens(_) => true,
-            SourceSpec::Tensors(t) => t.train.labels.is_some(),
-            SourceSpec::Synthetic(_) | SourceSpec::Table(_) => false,
-        };
-        if streamed {
-            // The labels (8 bytes a row) and the validation rows in memory.
-            8.0 * self.rows as f64 + row * self.validation_rows as f64
-        } else {
-            row * (self.rows + self.validation_rows) as f64
+        let validation = row * self.validation_rows as f64;
+        match &self.source {
+            // Token ids are int64 in a batch: windows of inputs and targets.
+            SourceSpec::Tokens(_) => 2.0 * 8.0 * self.input_size() as f64 * self.validation_rows as f64,
+            // The labels (8 bytes a row) and the validation rows.
+            SourceSpec::Tensors(t) if t.train.labels.is_some() => 8.0 * self.rows as f64 + validation,
+            _ => row * self.rows as f64 + validation,
         }
     }
 }

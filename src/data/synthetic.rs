@@ -72,7 +72,7 @@ pub fn spec(c: &Config, bad: &mut impl FnMut(&str, String)) -> Option<DataSpec> 
     if spec.input_size() == 0 && l.image.is_none() {
         bad("load.features", "must be at least 1".into());
     }
-    if !(l.noise >= 0.0) {
+    if l.noise.partial_cmp(&0.0).is_none_or(|o| o == std::cmp::Ordering::Less) {
         bad("load.noise", format!("must be 0 or more, got {}", l.noise));
     }
     Some(spec)

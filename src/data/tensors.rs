@@ -374,6 +374,10 @@ impl Rows {
     pub fn len(&self) -> usize {
         self.rows.len()
     }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
 }
 
 impl std::fmt::Debug for Rows {
@@ -409,9 +413,7 @@ mod tests {
     use crate::config::schema::Source;
 
     fn config(load: Load) -> Config {
-        let mut c = Config::default();
-        c.load = load;
-        c
+        Config { load, ..Config::default() }
     }
 
     #[test]

@@ -158,8 +158,8 @@ fn open(path: &Path, source: Source) -> Result<TokenFile, String> {
     }
 }
 
-/// Ids per chunk of the plan's scan: 16 Mi ids (32 MiB of uint16) at a time.
-const SCAN_CHUNK: usize = 1 << 24;
+/// Ids per chunk of the plan's scan: 4 Mi ids at a time (the scan's memory does not grow with the file).
+const SCAN_CHUNK: usize = 1 << 22;
 
 /// Scans a file once, in chunks: every id must be below `vocab` (and not negative); a text file
 /// must be UTF-8. Fast in any build: the chunk's minimum and maximum are libtorch reductions.
@@ -179,11 +179,13 @@ fn scan(f: &TokenFile, source: Source, vocab: usize) -> Result<(), String> {
                 Ok(_) => carry.len(),
                 // An incomplete character at the chunk's end continues in the next one.
                 Err(e) if e.error_len().is_none() && at + n < f.tokens => e.valid_up_to(),
-                Err(e) => return Err(format!(
+                Err(e) => {
+                    return Err(format!(
                     "{} is not UTF-8 text (invalid byte at offset {}); a file of token ids needs source = \"tokens\"",
                     f.path.display(),
                     at + n - carry.len() + e.valid_up_to()
-                )),
+                ))
+                }
             };
             carry.drain(..valid);
         }
@@ -295,6 +297,31 @@ pub fn spec(c: &Config, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str,
         }
     };
     let whole = stream("load.path", &paths, load.source, t.vocab, bad)?;
+    if whole.windows(t.seq_len) == 0 {
+        bad(
+            "wrap.model.seq_len",
+            format!(
+                "{} is longer than the data: {} holds {} tokens, and one window needs seq_len + 1 = {}",
+                t.seq_len,
+                paths[0].display(),
+                whole.len,
+                t.seq_len + 1
+            ),
+        );
+        return None;
+    }
+    // load.rows: the stream's first windows only, as a file's first rows (then the split).
+    let mut whole = whole;
+    if let Some(rows) = load.rows {
+        let held = whole.windows(t.seq_len);
+        if rows > held {
+            bad(
+                "load.rows",
+                format!("asks for {rows} windows but the data holds {held} of seq_len + 1 = {}", t.seq_len + 1),
+            );
+        }
+        whole.len = whole.len.min(rows.min(held) * t.seq_len + 1);
+    }
     let holdout = super::split::holdout(c, bad)?;
     let (train, validation) = match (&load.validation_path, holdout) {
         (Some(vp), _) => {
@@ -325,32 +352,7 @@ pub fn spec(c: &Config, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str,
         }
         (None, None) => unreachable!("a holdout or a validation file"),
     };
-    let mut windows = train.windows(t.seq_len);
-    if windows == 0 {
-        bad(
-            "wrap.model.seq_len",
-            format!(
-                "{} is longer than the data: {} holds {} tokens, and one window needs seq_len + 1 = {}",
-                t.seq_len,
-                paths[0].display(),
-                train.len,
-                t.seq_len + 1
-            ),
-        );
-        return None;
-    }
-    if let Some(rows) = load.rows {
-        if rows > windows {
-            bad(
-                "load.rows",
-                format!(
-                    "asks for {rows} windows but the training tokens hold {windows} of seq_len + 1 = {}",
-                    t.seq_len + 1
-                ),
-            );
-        }
-        windows = rows.min(windows);
-    }
+    let windows = train.windows(t.seq_len);
     let batch = c.train.batch_size;
     // Random sampling draws the fixed validation windows anywhere in the stream; epoch sampling
     // takes the first ones.

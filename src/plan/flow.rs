@@ -6,39 +6,98 @@ use crate::trace::view::table;
 
 impl Plan {
     pub fn data_flow(&self) -> String {
-        let c = &self.config;
+        let (c, d, w) = (&self.config, &self.data, self.world_size());
+        let f = self.sample_shape();
+        let per = self.per_rank_label();
+        let mut rows = vec![
+            vec!["1 load".into(), d.describe(), self.load_op(), format!("{} × {f}", d.rows)],
+            vec![
+                "2 shard".into(),
+                format!("{} × {f}", d.rows),
+                self.shard_op(),
+                format!("{} × {f} {per}", self.layout.per_rank),
+            ],
+            vec![
+                "3 normalize".into(),
+                format!("{} × {f} {per}", self.layout.per_rank),
+                self.normalize_op(),
+                format!("{} × {f} {per}", self.layout.per_rank),
+            ],
+            vec![
+                "4 wrap".into(),
+                format!("{} ({} parameters)", self.model().describe(), self.parameters),
+                self.wrap_op(),
+                self.wrap_out(),
+            ],
+        ];
+        if self.is_pipeline() {
+            rows.extend(self.stage_rows());
+        }
+        rows.push(self.train_row());
+        rows.extend(self.recipe_rows());
+        rows.push(vec![
+            "  validate".into(),
+            format!("{} × {f}", d.validation_rows),
+            self.validate_op(),
+            "val loss, val accuracy".into(),
+        ]);
+        format!(
+            "run {} ({}): {w} rank{} × {} thread{}\n\n{}{}",
+            c.run.name,
+            self.run_id,
+            if w == 1 { "" } else { "s" },
+            self.threads_per_rank,
+            if self.threads_per_rank == 1 { "" } else { "s" },
+            table(&["stage", "input", "operation", "output"], &rows),
+            self.bubble_note() + &self.memory_note()
+        )
+    }
+
+    /// One sample's shape: "10" for rows of 10 features, "3 × 32 × 32" for images.
+    fn sample_shape(&self) -> String {
+        self.data.input.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" × ")
+    }
+
+    /// Whose rows a shape counts: each rank's, each pipeline copy's, or every rank's.
+    fn per_rank_label(&self) -> &'static str {
+        match (self.is_pipeline(), self.layout.world_size) {
+            (true, 1) => "on every rank",
+            (true, _) => "per copy",
+            (false, _) => "per rank",
+        }
+    }
+
+    fn load_op(&self) -> String {
         let d = &self.data;
-        let l = &self.layout;
-        let w = self.world_size();
-        // One sample's shape: "10" for rows of 10 features.
-        let f = d.input.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" × ");
-        let classes = d.task.outputs();
-        let source = d.describe();
-        let load_op = match d.task {
+        match d.task {
             crate::data::Task::LanguageModel { vocab } => format!(
                 "{} training + {} validation windows of {} + 1 tokens, vocab {vocab}",
                 d.rows,
                 d.validation_rows,
                 d.input_size()
             ),
-            _ => format!("{} training + {} validation rows, {classes} classes", d.rows, d.validation_rows),
-        };
+            crate::data::Task::Regression => {
+                format!("{} training + {} validation rows, a number to predict", d.rows, d.validation_rows)
+            }
+            crate::data::Task::Classification { classes } => {
+                format!("{} training + {} validation rows, {classes} classes", d.rows, d.validation_rows)
+            }
+        }
+    }
+
+    fn shard_op(&self) -> String {
+        let (c, l, w) = (&self.config, &self.layout, self.world_size());
         let order = if c.shard.shuffle { "reshuffled every epoch" } else { "file order" };
-        let random = d.random_windows();
-        let pipeline = self.is_pipeline();
-        // Ranks per copy of a pipeline, and copies.
         let (stages, copies) = (self.pipeline_ranks(), l.world_size);
-        let each = match (pipeline, copies) {
-            (true, 1) => "on every rank",
-            (true, _) => "per copy",
-            (false, _) => "per rank",
-        };
-        let mut shard_op = match l.split_batch {
-            _ if random => format!(
+        let pipeline = self.is_pipeline();
+        if self.data.random_windows() {
+            return format!(
                 "random windows: every step, each rank draws {} windows at uniformly random token offsets (seeded by \
                  run.seed, step, rank)",
                 self.batch_per_rank
-            ),
+            );
+        }
+        let mut op = match l.split_batch {
             None if pipeline && copies == 1 => {
                 format!("none (one model, no replicas): every rank walks the same rows, {order}")
             }
@@ -49,30 +108,38 @@ impl Plan {
             None => format!("DistributedSampler over {w} rank{}, {order}", if w == 1 { "" } else { "s" }),
             Some(b) => format!("each global batch of {} split {w} × {b}, {order}", b * w),
         };
+        let plural = |n: usize| if n == 1 { "" } else { "s" };
         if l.padding() > 0 {
-            shard_op += &format!(
-                ", {} padding row{} (not counted in metrics)",
-                l.padding(),
-                if l.padding() == 1 { "" } else { "s" }
-            );
+            op += &format!(", {} padding row{} (not counted in metrics)", l.padding(), plural(l.padding()));
         }
         if l.dropped() > 0 {
-            shard_op +=
-                &format!(", {} row{} dropped (drop_last)", l.dropped(), if l.dropped() == 1 { "" } else { "s" });
+            op += &format!(", {} row{} dropped (drop_last)", l.dropped(), plural(l.dropped()));
         }
+        op
+    }
+
+    fn normalize_op(&self) -> String {
+        let c = &self.config;
         let norm = match c.normalize.method {
             NormalizeMethod::Minmax => "min-max to [0, 1]",
             NormalizeMethod::Standard => "standardise to mean 0, std 1",
             NormalizeMethod::None => "none",
         };
         let scope = match c.normalize.scope {
-            _ if pipeline && copies == 1 => "statistics of the training set (every rank's rows)",
-            NormalizeScope::Rank if pipeline => "statistics of each copy's shard",
+            _ if self.is_pipeline() && self.layout.world_size == 1 => {
+                "statistics of the training set (every rank's rows)"
+            }
+            NormalizeScope::Rank if self.is_pipeline() => "statistics of each copy's shard",
             NormalizeScope::Rank => "statistics of each rank's shard",
             NormalizeScope::Global => "statistics all-reduced over ranks",
         };
-        let model = self.model().describe();
-        let wrap_op = match c.wrap.strategy {
+        format!("{norm}, {scope}")
+    }
+
+    fn wrap_op(&self) -> String {
+        let c = &self.config;
+        let (stages, copies) = (self.pipeline_ranks(), self.layout.world_size);
+        match c.wrap.strategy {
             WrapStrategy::Ddp => {
                 format!("DDP (c10d Reducer, {} MiB buckets), weights broadcast from rank 0", c.wrap.bucket_cap_mb)
             }
@@ -90,13 +157,65 @@ impl Plan {
                 c.wrap.pipeline.micro_batches,
                 if c.wrap.pipeline.micro_batches == 1 { "" } else { "es" },
             ),
-        };
-        let wrap_out = match c.wrap.strategy {
+        }
+    }
+
+    fn wrap_out(&self) -> String {
+        let (w, stages, copies) = (self.world_size(), self.pipeline_ranks(), self.layout.world_size);
+        match self.config.wrap.strategy {
             WrapStrategy::Pipeline if copies > 1 => format!("{stages} stages × {copies} copies"),
             WrapStrategy::Pipeline => format!("{w} stage{}", if w == 1 { "" } else { "s" }),
             _ => format!("{w} replica{}", if w == 1 { "" } else { "s" }),
-        };
+        }
+    }
+
+    /// The train stage: the run's length, the batches, the optimizer.
+    fn train_row(&self) -> Vec<String> {
+        let (c, d, w) = (&self.config, &self.data, self.world_size());
+        let (f, per) = (self.sample_shape(), self.per_rank_label());
+        let (stages, copies) = (self.pipeline_ranks(), self.layout.world_size);
         let opt = format!("{:?}", c.train.optimizer).to_lowercase();
+        let length = match c.train.steps {
+            Some(n) if c.train.accumulate > 1 => format!("{n} optimizer steps × {} batches", c.train.accumulate),
+            Some(n) => format!("{n} steps"),
+            None => format!("{} epochs × {} steps", c.train.epochs, self.steps_per_epoch()),
+        };
+        let op = if self.is_pipeline() {
+            let micro = micro_text(self.batch_per_rank, c.wrap.pipeline.micro_batches);
+            format!(
+                "{length} of {} ({micro}){}, {opt} lr {}; loss on {}",
+                self.batch_per_rank,
+                if copies == 1 {
+                    String::new()
+                } else {
+                    format!(" per copy ({} global)", self.batch_per_rank * copies)
+                },
+                c.train.lr,
+                if copies == 1 { format!("rank {}", stages - 1) } else { "the last rank of each copy".into() },
+            )
+        } else {
+            format!(
+                "{length} of {} per rank ({} global), {opt} lr {}",
+                self.batch_per_rank,
+                self.batch_per_rank * w,
+                c.train.lr
+            )
+        };
+        let every = match c.validate.every_steps.or(c.train.steps) {
+            Some(_) => "per validation interval",
+            None => "per epoch",
+        };
+        let out = if d.task.is_language_model() {
+            format!("loss, perplexity, next-token accuracy, tokens/s {every}")
+        } else {
+            format!("loss, accuracy {every}")
+        };
+        vec!["5 train".into(), format!("{} × {f} {per}", self.layout.per_rank), op, out]
+    }
+
+    fn validate_op(&self) -> String {
+        let c = &self.config;
+        let stages = self.pipeline_ranks();
         let every = match (c.validate.every_steps, c.train.steps) {
             (Some(n), _) => format!("every {n} step(s)"),
             (None, Some(n)) => format!("after step {n}"),
@@ -108,91 +227,14 @@ impl Plan {
             }
             None => String::new(),
         };
-        let val = match (c.validate.every, c.validate.on) {
+        match (c.validate.every, c.validate.on) {
             (0, _) => "off".to_string(),
-            _ if pipeline => {
+            _ if self.is_pipeline() => {
                 format!("{every}{fixed}, forward through ranks 0-{}, measured on rank {}", stages - 1, stages - 1)
             }
             (_, ValidateOn::All) => format!("{every}{fixed} on every rank"),
             (_, ValidateOn::Rank0) => format!("{every}{fixed} on rank 0"),
-        };
-        let length = match c.train.steps {
-            Some(n) if c.train.accumulate > 1 => format!("{n} optimizer steps × {} batches", c.train.accumulate),
-            Some(n) => format!("{n} steps"),
-            None => format!("{} epochs × {} steps", c.train.epochs, self.steps_per_epoch()),
-        };
-        let mut rows = vec![
-            vec![
-                "1 load".into(),
-                source,
-                match d.task {
-                    crate::data::Task::Regression => {
-                        format!("{} training + {} validation rows, a number to predict", d.rows, d.validation_rows)
-                    }
-                    _ => load_op,
-                },
-                format!("{} × {f}", d.rows),
-            ],
-            vec!["2 shard".into(), format!("{} × {f}", d.rows), shard_op, format!("{} × {f} {each}", l.per_rank)],
-            vec![
-                "3 normalize".into(),
-                format!("{} × {f} {each}", l.per_rank),
-                format!("{norm}, {scope}"),
-                format!("{} × {f} {each}", l.per_rank),
-            ],
-            vec!["4 wrap".into(), format!("{model} ({} parameters)", self.parameters), wrap_op, wrap_out],
-        ];
-        let (train_in, train_op) = if pipeline {
-            rows.extend(self.stage_rows());
-            let micro = micro_text(self.batch_per_rank, c.wrap.pipeline.micro_batches);
-            let op = format!(
-                "{length} of {} ({micro}){}, {opt} lr {}; loss on {}",
-                self.batch_per_rank,
-                if copies == 1 {
-                    String::new()
-                } else {
-                    format!(" per copy ({} global)", self.batch_per_rank * copies)
-                },
-                c.train.lr,
-                if copies == 1 { format!("rank {}", stages - 1) } else { "the last rank of each copy".into() },
-            );
-            (format!("{} × {f} {each}", l.per_rank), op)
-        } else {
-            let op = format!(
-                "{length} of {} per rank ({} global), {opt} lr {}",
-                self.batch_per_rank,
-                self.batch_per_rank * w,
-                c.train.lr
-            );
-            (format!("{} × {f} per rank", l.per_rank), op)
-        };
-        let per = match c.validate.every_steps.or(c.train.steps) {
-            Some(_) => "per validation interval",
-            None => "per epoch",
-        };
-        let train_out = if d.task.is_language_model() {
-            format!("loss, perplexity, next-token accuracy, tokens/s {per}")
-        } else {
-            format!("loss, accuracy {per}")
-        };
-        rows.push(vec!["5 train".into(), train_in, train_op, train_out]);
-        rows.extend(self.recipe_rows());
-        rows.push(vec![
-            "  validate".into(),
-            format!("{} × {f}", d.validation_rows),
-            val,
-            "val loss, val accuracy".into(),
-        ]);
-        format!(
-            "run {} ({}): {w} rank{} × {} thread{}\n\n{}{}",
-            c.run.name,
-            self.run_id,
-            if w == 1 { "" } else { "s" },
-            self.threads_per_rank,
-            if self.threads_per_rank == 1 { "" } else { "s" },
-            table(&["stage", "input", "operation", "output"], &rows),
-            self.bubble_note() + &self.memory_note()
-        )
+        }
     }
 
     /// The training recipe: the learning rate's shape, and what each optimizer step does besides.
@@ -228,7 +270,13 @@ impl Plan {
             Precision::Bf16 => "bf16 autocast, float32 weights and optimizer state".into(),
             Precision::Fp16 => "fp16".into(),
         });
-        rows.push(vec!["  step".into(), "gradients".into(), step.join("; "), "lr, grad norm per epoch".into()]);
+        rows.push(vec![
+            "  step".into(),
+            "gradients".into(),
+            step.join("; "),
+            (if t.steps.is_some() { "lr, grad norm per validation interval" } else { "lr, grad norm per epoch" })
+                .into(),
+        ]);
         if self.config.wrap.sync_batchnorm {
             let w = self.world_size();
             let (input, op, output) = if self.syncs_batch_norm() {

@@ -109,6 +109,12 @@ pub fn stem(plan: &Plan, step: usize) -> String {
     }
 }
 
+/// "epoch 2" or "step 150", for messages.
+fn describe(stem: &str) -> String {
+    let (what, n) = stem.split_once('-').unwrap_or(("checkpoint", stem));
+    format!("{what} {}", n.trim_start_matches('0').parse::<usize>().unwrap_or(0))
+}
+
 /// The checkpoints with a record, oldest first: (optimizer steps done, name).
 fn list(run_dir: &Path, plan: &Plan) -> Vec<(usize, String)> {
     let per_epoch = plan.optimizer_steps_per_epoch().max(1);
@@ -255,10 +261,11 @@ fn write_tensors(
         named.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum::<u64>() + 64 * 1024 + extra;
     if let Some(free) = free_bytes(&ck) {
         if free < need {
-            let last = list(run_dir, plan).pop().map_or("none yet".to_owned(), |(_, name)| name);
+            let last = list(run_dir, plan).pop().map_or("none yet".to_owned(), |(_, name)| describe(&name));
             anyhow::bail!(
-                "not enough free space for the checkpoint of step {step}: it needs about {:.1} MiB, {:.1} MiB are \
+                "not enough free space for the checkpoint of {}: it needs about {:.1} MiB, {:.1} MiB are \
                  free on {}; the last good checkpoint ({last}) is kept: free some space and resume with --resume",
+                describe(&stem(plan, step)),
                 need as f64 / 1048576.0,
                 free as f64 / 1048576.0,
                 ck.display()
@@ -350,11 +357,6 @@ pub fn latest(run_dir: &Path, plan: &Plan) -> Result<Option<Found>, String> {
         Ok(m) => m,
         Err(e) => return refuse(format!("its record {} is corrupt ({e})", json.display())),
     };
-    // Records of epoch ends written before steps were counted.
-    let recorded = *meta.step.get_or_insert(step);
-    if recorded != step {
-        return refuse(format!("its record says step {recorded}, its name {name} (step {step})"));
-    }
     if meta.world_size != plan.world_size() {
         return refuse(format!("it was written at world size {}, this run has {}", meta.world_size, plan.world_size()));
     }
@@ -372,6 +374,11 @@ pub fn latest(run_dir: &Path, plan: &Plan) -> Result<Option<Found>, String> {
             show(&meta.stages),
             show(&stages)
         ));
+    }
+    // Records of epoch ends written before steps were counted.
+    let recorded = *meta.step.get_or_insert(step);
+    if recorded != step {
+        return refuse(format!("its record says step {recorded}, its name {name} (step {step})"));
     }
     let verify = |path: &Path, want_bytes: u64, want: &str| -> Result<(), String> {
         let bytes = std::fs::read(path).map_err(|e| format!("cannot be read ({e})"))?;

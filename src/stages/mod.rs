@@ -57,7 +57,10 @@ pub fn run(
         }
         None => (Vec::new(), Vec::new(), 0, None),
     };
-    let progress = Progress::new(rank == 0, plan);
+    let epochs = c.train.steps.is_none().then_some(c.train.epochs);
+    let len = if epochs.is_some() { plan.steps_per_epoch() } else { plan.total_steps() };
+    let seq_len = plan.data.task.is_language_model().then(|| plan.data.input[0]);
+    let progress = Progress::new(rank == 0, epochs, len, seq_len);
     let mut tracker = Tracker::start(plan, run_dir, rank);
     let mut trainer = train::Trainer::new(plan, pg, device, &data, &normalizer, wrapped, progress, position);
     let clock = trainer.clock.clone();

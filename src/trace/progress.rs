@@ -15,13 +15,13 @@ pub struct Progress {
 
 impl Progress {
     /// A display for rank 0; `None` (silent) on other ranks.
-    pub fn new(show: bool, plan: &crate::plan::Plan) -> Progress {
-        let c = &plan.config;
-        let epochs = c.train.steps.is_none().then_some(c.train.epochs);
+    /// `epochs`: an epoch run's epochs, its bar counting each epoch's `len` batches; `None`: a
+    /// step run, its bar counting the run's `len` optimizer steps. `seq_len`: a language model's.
+    pub fn new(show: bool, epochs: Option<usize>, len: usize, seq_len: Option<usize>) -> Progress {
         let bar = (show && std::io::stdout().is_terminal()).then(|| {
-            let (len, template) = match epochs {
-                Some(_) => (plan.steps_per_epoch(), "  epoch {prefix} [{bar:30}] {pos}/{len} steps  {msg}"),
-                None => (plan.total_steps(), "  step [{bar:30}] {pos}/{len}  ETA {eta}  {msg}"),
+            let template = match epochs {
+                Some(_) => "  epoch {prefix} [{bar:30}] {pos}/{len} steps  {msg}",
+                None => "  step [{bar:30}] {pos}/{len}  ETA {eta}  {msg}",
             };
             let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stdout());
             bar.set_style(ProgressStyle::with_template(template).expect("a valid template").progress_chars("=> "));
@@ -31,7 +31,6 @@ impl Progress {
             bar.enable_steady_tick(Duration::from_millis(200));
             bar
         });
-        let seq_len = plan.data.task.is_language_model().then(|| plan.data.input[0]);
         Progress { bar, epochs, seq_len }
     }
 

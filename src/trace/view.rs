@@ -22,15 +22,16 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-/// The epoch trace of rank 0's rows: global training metrics and validation.
-pub fn epoch_table(rows: &[EpochRow]) -> String {
+/// The trace of rank 0's rows: global training metrics and validation, a row per epoch (or, for
+/// runs counted in steps, per validation interval, `by_step`).
+pub fn epoch_table(rows: &[EpochRow], by_step: bool) -> String {
     let fmt = |v: Option<f64>| v.map_or("—".to_string(), |v| format!("{v:.4}"));
     let body: Vec<Vec<String>> = rows
         .iter()
         .filter(|r| r.rank == 0)
         .map(|r| {
             vec![
-                r.epoch.to_string(),
+                if by_step { r.step.to_string() } else { r.epoch.to_string() },
                 format!("{:.4}", r.global_train_loss),
                 format!("{:.4}", r.global_train_acc),
                 fmt(r.val_loss),
@@ -40,7 +41,8 @@ pub fn epoch_table(rows: &[EpochRow]) -> String {
             ]
         })
         .collect();
-    table(&["epoch", "loss ↓", "accuracy ↑", "val loss", "val accuracy", "epoch s", "samples/s (rank 0)"], &body)
+    let (first, time) = if by_step { ("step", "interval s") } else { ("epoch", "epoch s") };
+    table(&[first, "loss ↓", "accuracy ↑", "val loss", "val accuracy", time, "samples/s (rank 0)"], &body)
 }
 
 /// A pipeline's ranks: compute time and bubble (time waiting for neighbours), mean per epoch.

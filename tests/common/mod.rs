@@ -89,6 +89,11 @@ pub fn alive(pid: u32) -> bool {
 /// as the epoch-2 checkpoint exists; the run must then fail (exit 1), not have ended already.
 /// Returns what the launcher wrote on stderr.
 pub fn run_and_kill(dir: &Path, out: &str, extra: &[&str], victim: usize) -> String {
+    run_and_kill_at(dir, out, extra, victim, "epoch-0002.json")
+}
+
+/// As [`run_and_kill`], killing rank `victim` as soon as `checkpoints/MARKER` exists.
+pub fn run_and_kill_at(dir: &Path, out: &str, extra: &[&str], victim: usize, marker: &str) -> String {
     use std::time::{Duration, Instant};
     let mut launcher = runner()
         .args([&["run", "p.toml", "--out", out][..], extra].concat())
@@ -97,10 +102,10 @@ pub fn run_and_kill(dir: &Path, out: &str, extra: &[&str], victim: usize) -> Str
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let marker = dir.join(out).join("checkpoints/epoch-0002.json");
+    let marker = dir.join(out).join("checkpoints").join(marker);
     let deadline = Instant::now() + Duration::from_secs(60);
     while !marker.exists() {
-        assert!(Instant::now() < deadline, "no epoch-2 checkpoint");
+        assert!(Instant::now() < deadline, "no checkpoint {}", marker.display());
         std::thread::sleep(Duration::from_millis(5));
     }
     let rank_pid = children(launcher.id())
@@ -116,6 +121,20 @@ pub fn run_and_kill(dir: &Path, out: &str, extra: &[&str], victim: usize) -> Str
     std::io::Read::read_to_string(launcher.stderr.as_mut().unwrap(), &mut err).unwrap();
     assert_eq!(status.code(), Some(1), "the kill must land before the run ends:\n{err}");
     err
+}
+
+/// Asserts that two run directories' traces agree in every column but the timings.
+pub fn assert_same_trace(a: &Path, b: &Path) {
+    let (a, b) = (trace(a), trace(b));
+    assert_eq!(a.height(), b.height(), "trace rows");
+    for name in a.get_column_names() {
+        if ["run_id", "epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "tokens_per_s"]
+            .contains(&name.as_str())
+        {
+            continue;
+        }
+        assert_eq!(a.column(name).unwrap(), b.column(name).unwrap(), "column {name} differs");
+    }
 }
 
 /// A run directory's trace.parquet, read back by polars.
