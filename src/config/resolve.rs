@@ -23,6 +23,12 @@ pub struct Resolved {
     pub extends: Vec<PathBuf>,
 }
 
+/// The labels that an experiment's overrides carry into the resolved configuration (and
+/// config.toml): the sources of the values a sweep sets.
+pub const SET_LABEL: &str = "experiment [set]";
+pub const AXIS_LABEL: &str = "sweep axis";
+pub const SCALING_LABEL: &str = "sweep [scaling]";
+
 /// One `--set key=value`, with the label its source gets (`--set`, `sweep axis`, ...).
 #[derive(Debug, Clone)]
 pub struct Override {

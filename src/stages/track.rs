@@ -187,7 +187,7 @@ fn sweep_axes(plan: &Plan) -> Vec<(String, toml::Value)> {
     let value = toml::Value::try_from(&plan.config).expect("a Config serializes");
     let mut leaves = Vec::new();
     crate::config::resolve::flatten("", &value, &mut leaves);
-    let axis = crate::sweep::experiment::AXIS_LABEL;
+    let axis = crate::config::resolve::AXIS_LABEL;
     leaves.into_iter().filter(|(k, _)| plan.sources.get(k).is_some_and(|s| s.starts_with(axis))).collect()
 }
 

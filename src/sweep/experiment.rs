@@ -12,10 +12,7 @@ use crate::config::resolve::{flatten, parse_layers};
 use crate::config::{self, ConfigError, Override};
 use crate::plan::Plan;
 
-/// The labels that overrides carry into the resolved configuration (and config.toml).
-pub const SET_LABEL: &str = "experiment [set]";
-pub const AXIS_LABEL: &str = "sweep axis";
-pub const SCALING_LABEL: &str = "sweep [scaling]";
+pub use crate::config::resolve::{AXIS_LABEL, SCALING_LABEL, SET_LABEL};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
