@@ -50,6 +50,9 @@ fn start_server() -> Server {
         assert!(start.elapsed() < Duration::from_secs(180), "mlflow server did not answer within 180 s");
         std::thread::sleep(Duration::from_millis(500));
     }
+    // The server's first API request sets up its store (seconds on a loaded machine): made here,
+    // so that the plan's one short probe meets a server that is ready.
+    api(&server, "POST", "mlflow/experiments/search", json!({ "max_results": 1 }));
     server
 }
 

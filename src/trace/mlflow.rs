@@ -90,7 +90,8 @@ impl Mlflow {
 
 /// The sending thread: creates the run, then sends each message in order until the queue closes.
 fn serve(t: &Target, rx: Receiver<Message>) -> String {
-    let api = Api::new(&t.url, Duration::from_secs(10));
+    // In the background: a slow server delays nothing but the end's wait.
+    let api = Api::new(&t.url, Duration::from_secs(30));
     let (mut sent, mut unsent, mut artifacts) = (0usize, 0usize, 0usize);
     let mut failure = None;
     let run = match api.start_run(t) {
@@ -268,7 +269,7 @@ fn millis() -> u64 {
 
 /// One line for the plan: whether the server answers, checked once with a short timeout.
 pub fn probe(url: &str, experiment: &str) -> String {
-    let api = Api::new(url, Duration::from_secs(3));
+    let api = Api::new(url, Duration::from_secs(5));
     match api.experiment_id(experiment) {
         Ok(Some(id)) => format!("mlflow: {url}, experiment \"{experiment}\" (id {id})"),
         Ok(None) => format!("mlflow: {url}, experiment \"{experiment}\" (created by the run)"),
