@@ -296,6 +296,15 @@ pub fn main(cli: Cli) -> u8 {
 pub fn schema_json() -> String {
     let mut schema = schemars::schema_for!(crate::config::Config);
     schema.insert("title".into(), "runner pipeline file".into());
+    // Read by config::extends before the sections, so not a field of Config.
+    let extends = serde_json::json!({
+        "description": "A pipeline file this one builds on, relative to this file: its tables merge key by key \
+                        under this file's, arrays and other values are replaced.",
+        "type": "string"
+    });
+    if let Some(serde_json::Value::Object(properties)) = schema.get_mut("properties") {
+        properties.insert("extends".into(), extends);
+    }
     serde_json::to_string_pretty(&schema).expect("a schema serializes")
 }
 
@@ -319,11 +328,19 @@ pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
 
 fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
     let plan = plan(args)?;
+    if !plan.extends.is_empty() {
+        let chain: Vec<String> =
+            std::iter::once(&plan.pipeline_file).chain(&plan.extends).map(|f| f.display().to_string()).collect();
+        crate::say!("extends: {}\n", chain.join(" → "));
+    }
     crate::say!("{}", plan.data_flow().trim_end_matches('\n'));
     for note in plan.data.notes() {
         crate::say!("{note}");
     }
     warn_of_slow_bf16(&plan);
+    for line in crate::stages::track::plan_lines(&plan, None) {
+        crate::say!("{line}");
+    }
     crate::say!("\n{} is valid; nothing was run.", args.file.display());
     Ok(0)
 }
@@ -540,6 +557,9 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
     crate::say!("{}", plan.data_flow());
     for note in plan.data.notes() {
         crate::say!("{note}");
+    }
+    for line in crate::stages::track::plan_lines(plan, Some(run_dir)) {
+        crate::say!("{line}");
     }
     if let Some(sweep) = std::env::var(crate::launch::env::SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {
         // Started by `runner sweep`: its end (even by SIGKILL) interrupts this run.

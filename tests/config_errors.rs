@@ -35,7 +35,7 @@ const CASES: &[Case] = &[
         args: &[],
         env: &[],
         expected: "error: p.toml:20:2: unknown key `trian`; did you mean `train`? \
-                   (valid keys in the file: run, load, shard, normalize, wrap, train, validate, trace, checkpoint)\n  20 | [trian]",
+                   (valid keys in the file: run, load, shard, normalize, wrap, train, validate, trace, checkpoint, track)\n  20 | [trian]",
     },
     Case {
         name: "wrong type in the file",

@@ -1,5 +1,6 @@
-//! Configuration: the TOML schema ([`schema`], serde types only) and layering with figment
-//! ([`resolve`]). `crate::plan` turns a resolved configuration into the validated plan.
+//! Configuration: the TOML schema ([`schema`], serde types only), files that extend a base
+//! ([`extends`]) and layering with figment ([`resolve`]). `crate::plan` turns a resolved configuration into the validated plan.
+pub mod extends;
 pub mod resolve;
 pub mod schema;
 

@@ -1,5 +1,6 @@
-//! Layering: defaults < pipeline file < environment (`RUNNER_SECTION__KEY`) < `--set key=value`,
-//! with errors that name where the bad value came from and the closest valid key.
+//! Layering: defaults < the bases a pipeline file extends < the file < environment
+//! (`RUNNER_SECTION__KEY`) < `--set key=value`, with errors that name where the bad value came
+//! from and the closest valid key.
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -8,6 +9,7 @@ use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde::de::DeserializeOwned;
 
+use super::extends::{FileKind, Layers};
 use super::schema::Config;
 use super::ConfigError;
 
@@ -17,7 +19,15 @@ pub struct Resolved {
     pub config: Config,
     pub sources: BTreeMap<String, String>,
     pub file: PathBuf,
+    /// The files `file` extends, nearest first.
+    pub extends: Vec<PathBuf>,
 }
+
+/// The labels that an experiment's overrides carry into the resolved configuration (and
+/// config.toml): the sources of the values a sweep sets.
+pub const SET_LABEL: &str = "experiment [set]";
+pub const AXIS_LABEL: &str = "sweep axis";
+pub const SCALING_LABEL: &str = "sweep [scaling]";
 
 /// One `--set key=value`, with the label its source gets (`--set`, `sweep axis`, ...).
 #[derive(Debug, Clone)]
@@ -33,21 +43,50 @@ impl Override {
 }
 
 pub fn resolve(file: &Path, overrides: &[Override]) -> Result<Resolved, ConfigError> {
-    let text = crate::input::read_capped(file, crate::input::CONFIG_FILE_CAP, "the pipeline file")
-        .map_err(ConfigError::new)?;
-    parse_strict::<Config>(&text, &file.display().to_string())?;
-
+    let layers = Layers::read(file, FileKind::Pipeline, "the pipeline file")?;
+    parse_layers::<Config>(&layers)?;
+    let merged = toml::to_string(&layers.merged()).map_err(|e| ConfigError::new(format!("{}: {e}", file.display())))?;
     let mut figment = Figment::new()
-        .merge(Toml::string(&text))
+        .merge(Toml::string(&merged))
         // Every config key is `section.key`: only variables with `__` are meant for us, which
         // leaves alone the RUNNER_* that CI systems set (RUNNER_OS, RUNNER_TEMP, ...).
         .merge(Env::prefixed("RUNNER_").filter(|k| k.as_str().contains("__")).split("__"));
     for o in overrides {
         figment = figment.merge(SetArg::parse(o)?);
     }
-    let config: Config = figment.extract().map_err(|e| figment_error(e, file))?;
-    let sources = sources(&figment, &config, &text, file);
-    Ok(Resolved { config, sources, file: file.to_owned() })
+    let config: Config = figment.extract().map_err(|e| figment_error(e, &layers))?;
+    let sources = sources(&figment, &config, &layers);
+    Ok(Resolved { config, sources, file: file.to_owned(), extends: layers.bases() })
+}
+
+/// Deserializes a file and its bases merged; errors name the file and line that set the key
+/// (a file alone: its own line and column).
+pub fn parse_layers<T: DeserializeOwned>(layers: &Layers) -> Result<T, ConfigError> {
+    if let [only] = &layers.0[..] {
+        return parse_strict(&only.text, &only.file.display().to_string());
+    }
+    for l in &layers.0 {
+        let origin = l.file.display().to_string();
+        toml::from_str::<toml::Table>(&l.text).map_err(|e| toml_error(&e, None, &l.text, &origin))?;
+    }
+    let text = toml::to_string(&layers.merged()).map_err(|e| ConfigError::new(e.to_string()))?;
+    let de = toml::Deserializer::parse(&text).map_err(|e| ConfigError::new(e.to_string()))?;
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let mut key = path.as_str();
+        let at = loop {
+            match layers.origin(key) {
+                Some((f, Some(line))) => break format!("{}:{line}", f.display()),
+                Some((f, None)) => break f.display().to_string(),
+                None => match key.rsplit_once('.') {
+                    Some((head, _)) => key = head,
+                    None => break layers.file().file.display().to_string(),
+                },
+            }
+        };
+        let path = Some(path).filter(|p| p != ".");
+        ConfigError::new(format!("{at}: {}", explain(e.inner().message(), path.as_deref())))
+    })
 }
 
 /// Deserializes `text` alone, so that errors carry the file's line and column.
@@ -123,7 +162,7 @@ pub fn closest<'a>(given: &str, valid: &[&'a str]) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
-fn figment_error(e: figment::Error, file: &Path) -> ConfigError {
+fn figment_error(e: figment::Error, layers: &Layers) -> ConfigError {
     let messages: Vec<String> = e
         .into_iter()
         .map(|e| {
@@ -148,7 +187,11 @@ fn figment_error(e: figment::Error, file: &Path) -> ConfigError {
             let origin = if name.contains("environment") {
                 format!("environment variable RUNNER_{}", path.join("__").to_uppercase())
             } else if name.contains("TOML") {
-                file.display().to_string()
+                match layers.origin(&path.join(".")) {
+                    Some((file, Some(line))) => format!("{}:{line}", file.display()),
+                    Some((file, None)) => file.display().to_string(),
+                    None => layers.file().file.display().to_string(),
+                }
             } else {
                 name // an override: "--set train.lr=0.1", a sweep axis, ...
             };
@@ -160,7 +203,7 @@ fn figment_error(e: figment::Error, file: &Path) -> ConfigError {
 }
 
 /// Where each leaf value of `config` came from.
-fn sources(figment: &Figment, config: &Config, text: &str, file: &Path) -> BTreeMap<String, String> {
+fn sources(figment: &Figment, config: &Config, layers: &Layers) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     let value = toml::Value::try_from(config).expect("a Config serializes");
     let mut leaves = Vec::new();
@@ -170,34 +213,15 @@ fn sources(figment: &Figment, config: &Config, text: &str, file: &Path) -> BTree
             Some(m) if m.name.contains("environment") => {
                 format!("env RUNNER_{}", key.replace('.', "__").to_uppercase())
             }
-            Some(m) if m.name.contains("TOML") => match line_of(text, &key) {
-                Some(line) => format!("file {}:{line}", file.display()),
-                None => format!("file {}", file.display()),
-            },
+            Some(m) if m.name.contains("TOML") => {
+                layers.source(&key).unwrap_or_else(|| format!("file {}", layers.file().file.display()))
+            }
             Some(m) => m.name.to_string(),
             None => "default".into(),
         };
         out.insert(key, source);
     }
     out
-}
-
-/// The line (1-based) where `section.key` is set in a TOML text, following `[section]` headers.
-fn line_of(text: &str, dotted: &str) -> Option<usize> {
-    let (section, key) = dotted.rsplit_once('.').unwrap_or(("", dotted));
-    let mut current = String::new();
-    for (i, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if let Some(header) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
-            current = header.trim().to_owned();
-        } else if current == section
-            && line.split('=').next().is_some_and(|k| k.trim().trim_matches('"') == key)
-            && line.contains('=')
-        {
-            return Some(i + 1);
-        }
-    }
-    None
 }
 
 /// Dotted keys and values of the leaves (non-table values) of `v`.

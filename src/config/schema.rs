@@ -17,6 +17,8 @@ pub struct Config {
     pub validate: Validate,
     pub trace: Trace,
     pub checkpoint: Checkpoint,
+    #[serde(skip_serializing_if = "is_default")]
+    pub track: Track,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -898,10 +900,47 @@ pub enum ValidateOn {
 pub struct Trace {
     /// Record the phases of every this many training steps in steps.parquet (0: none).
     pub step_every: usize,
+    /// Write TensorBoard event files (RUN_DIR/tensorboard/events.out.tfevents.*) from rank 0:
+    /// every trace row's scalars, the configuration as text and the hparams.
+    #[serde(skip_serializing_if = "is_true")]
+    pub tensorboard: bool,
+    /// Send rank 0's training loss, learning rate and gradient norm of every this many optimizer
+    /// steps to TensorBoard and MLflow (`step/...`), besides the trace rows; 0: only trace rows.
+    #[serde(skip_serializing_if = "is_default_log_every")]
+    pub log_every_steps: usize,
 }
+
+/// `trace.log_every_steps` unless set.
+pub const LOG_EVERY_STEPS: usize = 10;
 
 impl Default for Trace {
     fn default() -> Self {
-        Trace { step_every: 20 }
+        Trace { step_every: 20, tensorboard: true, log_every_steps: LOG_EVERY_STEPS }
+    }
+}
+
+fn is_default_log_every(v: &usize) -> bool {
+    skip(*v == LOG_EVERY_STEPS)
+}
+
+/// `[track]`: an MLflow tracking server that receives the run's params, metrics and files.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct Track {
+    /// The MLflow tracking server's URL, e.g. "http://127.0.0.1:5000"; absent: no MLflow.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mlflow: Option<String>,
+    /// The MLflow experiment the run joins (created if missing); default: run.name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experiment: Option<String>,
+}
+
+impl Config {
+    /// The configuration without what only records a run (TensorBoard, MLflow, step logging):
+    /// what the run id covers, since none of it changes what the run computes.
+    pub fn without_tracking(&self) -> Config {
+        let d = Trace::default();
+        let trace = Trace { tensorboard: d.tensorboard, log_every_steps: d.log_every_steps, ..self.trace.clone() };
+        Config { trace, track: Track::default(), ..self.clone() }
     }
 }

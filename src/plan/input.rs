@@ -50,9 +50,9 @@ pub fn digests(files: Vec<(&str, Option<PathBuf>)>, bad: &mut impl FnMut(&str, S
 }
 
 /// 12 hex digits of FNV-1a over the resolved configuration's canonical JSON and the content
-/// digests of the files the run reads.
+/// digests of the files the run reads (tracking settings left out: they change no result).
 pub fn run_id(c: &Config, inputs: &[InputFile]) -> String {
-    let mut bytes = serde_json::to_string(c).expect("a Config serializes").into_bytes();
+    let mut bytes = serde_json::to_string(&c.without_tracking()).expect("a Config serializes").into_bytes();
     for f in inputs {
         bytes.extend(f.digest.as_bytes());
     }

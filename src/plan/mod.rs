@@ -36,6 +36,9 @@ pub struct Plan {
     pub config: Config,
     pub sources: BTreeMap<String, String>,
     pub pipeline_file: PathBuf,
+    /// The files the pipeline file extends, nearest first.
+    #[serde(default)]
+    pub extends: Vec<PathBuf>,
     /// Derived from the resolved configuration: the same config gives the same id.
     pub run_id: String,
     pub data: DataSpec,
@@ -71,7 +74,7 @@ struct ModelParts {
 impl Plan {
     /// Checks everything and reports every problem found, not just the first.
     pub fn new(resolved: Resolved) -> Result<Plan, ConfigError> {
-        let Resolved { config: c, sources, file } = resolved;
+        let Resolved { config: c, sources, file, extends } = resolved;
         let mut errors = Vec::new();
         // Each problem names the key and where its value came from.
         let mut bad = |key: &str, msg: String| {
@@ -79,6 +82,7 @@ impl Plan {
             errors.push(format!("`{key}` ({from}): {msg}"))
         };
         run_values(&c, &mut bad);
+        track_values(&c.track, &mut bad);
         let base = file.parent().map(PathBuf::from).unwrap_or_default();
         let data = data::spec(&c, &base, &mut bad);
         // Out-of-bounds model sizes leave no architecture: nothing below computes a shape from them.
@@ -132,6 +136,7 @@ impl Plan {
             config: c,
             sources,
             pipeline_file: file,
+            extends,
             data,
             layout,
             init_weights: model.init_weights,
@@ -259,6 +264,19 @@ impl Plan {
 }
 
 /// The run's values: world size, threads, name, device and backend, timeouts and bounds.
+/// `[track]`'s values, checked on the plan.
+fn track_values(t: &Track, bad: &mut impl FnMut(&str, String)) {
+    if let Some(url) = &t.mlflow {
+        let rest = url.strip_prefix("http://");
+        if rest.is_none_or(|r| r.is_empty() || r.starts_with('/')) {
+            bad("track.mlflow", format!("\"{url}\" is not an http:// URL of an MLflow server (e.g. \"http://127.0.0.1:5000\"; https is not supported)"));
+        }
+    }
+    if t.experiment.as_deref().is_some_and(|e| e.trim().is_empty()) {
+        bad("track.experiment", "is empty; name the MLflow experiment or leave the key out (default: run.name)".into());
+    }
+}
+
 fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
     if c.run.world_size == 0 {
         bad("run.world_size", "must be at least 1".into());

@@ -15,9 +15,10 @@ use crate::config::ConfigError;
 /// already taken followed the old length's curve.
 pub const EXTENDS_A_RUN: &[&str] = &["train.epochs", "train.steps"];
 
+/// The keys compared on resume: tracking (TensorBoard, MLflow) is taken from `asked` as it is.
 fn leaves(plan: &Plan) -> BTreeMap<String, toml::Value> {
     let mut out = Vec::new();
-    flatten("", &toml::Value::try_from(&plan.config).expect("a Config serializes"), &mut out);
+    flatten("", &toml::Value::try_from(plan.config.without_tracking()).expect("a Config serializes"), &mut out);
     out.into_iter().collect()
 }
 
@@ -99,6 +100,9 @@ impl Plan {
             plan.sources.insert(key.clone(), format!("{} (on resume)", from(&key)));
         }
         plan.config = value.try_into().map_err(|e| ConfigError::new(format!("resumed configuration: {e}")))?;
+        (plan.config.trace.tensorboard, plan.config.trace.log_every_steps) =
+            (asked.config.trace.tensorboard, asked.config.trace.log_every_steps);
+        plan.config.track = asked.config.track.clone();
         Ok(plan)
     }
 }

@@ -13,6 +13,7 @@
 //!   model.best.safetensors  with [train.early_stop]: the model of the best validation
 //!   stopped.txt           with [train.early_stop]: why the run stopped early (into the manifest)
 //!   checkpoints/          epoch-NNNN.pt + epoch-NNNN.json
+//!   tensorboard/          events.out.tfevents.* (trace.tensorboard), one file per start
 //!   run.log               a sweep point's output
 //!   .rank-N.position      where each rank is, while it runs
 //! ```
@@ -38,6 +39,8 @@ pub const MODEL: &str = "model.safetensors";
 pub const BEST_MODEL: &str = "model.best.safetensors";
 pub const STOPPED: &str = "stopped.txt";
 pub const CHECKPOINTS: &str = "checkpoints";
+/// TensorBoard's event files (`trace.tensorboard`).
+pub const TENSORBOARD: &str = "tensorboard";
 /// A sweep point's output, written by `runner sweep`.
 pub const RUN_LOG: &str = "run.log";
 pub const LOCK: &str = lock::FILE;
@@ -52,7 +55,12 @@ pub fn checkpoints(run_dir: &Path) -> PathBuf {
 
 /// Whether `name` (an entry of a run directory) is one the runner writes.
 fn is_own(name: &str) -> bool {
-    OWN_FILES.contains(&name) || name == CHECKPOINTS || name == LOCK || is_tmp(name) || position::is_position(name)
+    OWN_FILES.contains(&name)
+        || name == CHECKPOINTS
+        || name == TENSORBOARD
+        || name == LOCK
+        || is_tmp(name)
+        || position::is_position(name)
 }
 
 /// `.NAME.tmp-PID`: an atomic write in progress (or interrupted); `epoch-N.pt.tmp` likewise.
@@ -106,6 +114,11 @@ pub fn clear_for_fresh_run(run_dir: &Path) {
     }
     // Only when empty: a file the runner did not write keeps the folder.
     let _ = std::fs::remove_dir(&ck);
+    let tb = run_dir.join(TENSORBOARD);
+    for name in names(&tb).into_iter().filter(|n| n.starts_with("events.out.tfevents.")) {
+        let _ = std::fs::remove_file(tb.join(name));
+    }
+    let _ = std::fs::remove_dir(&tb);
     remove_stale(run_dir);
 }
 

@@ -3,6 +3,7 @@
 pub mod checkpoint;
 pub mod preempt;
 pub mod recipe;
+pub mod track;
 pub mod train;
 pub mod wrap;
 
@@ -16,6 +17,7 @@ use crate::rundir::position::Position;
 use crate::trace::progress::Progress;
 use crate::trace::{self, EpochRow};
 use anyhow::Context;
+use track::Tracker;
 
 /// Runs the pipeline as `pg.rank()`. Rank 0 writes the traces after every interval (atomically,
 /// so they always hold every finished one), and the final model at the end; it returns every
@@ -60,6 +62,7 @@ pub fn run(
     let len = if epochs.is_some() { plan.steps_per_epoch() } else { plan.total_steps() };
     let seq_len = plan.data.task.is_language_model().then(|| plan.data.input[0]);
     let progress = Progress::new(rank == 0, epochs, len, seq_len);
+    let mut tracker = Tracker::start(plan, run_dir, rank);
     let mut trainer = train::Trainer::new(plan, pg, device, &data, &normalizer, wrapped, progress, position);
     let clock = trainer.clock.clone();
 
@@ -81,6 +84,9 @@ pub fn run(
             trainer.train(&mut iv, done..done + 1)?;
             done += 1;
             preempted = agreement.after_step(done)?;
+            if tracker.wants_step(done) {
+                tracker.step(done, iv.last_step(trainer.wrapped.optimizer.lr()));
+            }
             if done < interval.end && (preempted.is_some() || checkpoint_due(plan, &clock, done)) {
                 let all = gather_partials(pg, iv.partial())?;
                 save_checkpoint(&trainer, plan, pg, run_dir, done, &rows, &steps, Some(all))?;
@@ -96,6 +102,7 @@ pub fn run(
         let verdict = stopper.as_mut().and_then(|s| Some(s.observe(epoch, stop_metric(s, &out.rows[0])?)));
         if rank == 0 {
             trainer.progress.end_epoch(&interval_line(plan, &clock, done, &out.rows), true);
+            tracker.row(&out.rows[0]);
             rows.extend(out.rows);
             steps.extend(out.steps);
             let ws = plan.world_size() as u32;
@@ -130,6 +137,7 @@ pub fn run(
     trainer.position.set("write model", clock.epoch(done.max(1) - 1), 0);
     let w = &trainer.wrapped;
     checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::MODEL)?;
+    tracker.finish(run_dir);
     Ok(rows)
 }
 

@@ -274,6 +274,8 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
             wait: Duration::ZERO,
             step_rows: Vec::new(),
             report_every: (batches / 40).max(1),
+            step_from: filled,
+            step_measured: false,
         }
     }
 
@@ -290,6 +292,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                 self.progress.start_epoch(epoch);
             }
             let batches = self.clock.batches(step);
+            (iv.step_from, iv.step_measured) = (iv.filled, false);
             let step_rows: usize = batches.clone().map(|b| self.clock.rows(b)).sum();
             for b in batches.clone() {
                 self.position.set("train", epoch, b + 1);
@@ -328,6 +331,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                     if let (Some(per_sample), Some(right)) = (&s.per_sample, &s.correct) {
                         iv.buffers.losses.narrow(0, at, len).copy_(per_sample);
                         iv.buffers.correct.narrow(0, at, len).copy_(right);
+                        iv.step_measured = true;
                     }
                 });
                 iv.filled += len as usize;
@@ -452,9 +456,25 @@ pub struct Interval {
     wait: Duration,
     step_rows: Vec<StepSample>,
     report_every: usize,
+    /// Where the last optimizer step's rows start in the buffers, and whether this rank
+    /// computed their losses.
+    step_from: usize,
+    step_measured: bool,
 }
 
 impl Interval {
+    /// This rank's training metrics of its last optimizer step (the trackers' `step/...`).
+    pub fn last_step(&self, lr: f64) -> super::track::StepMetrics {
+        let b = &self.buffers;
+        let (from, len) = (self.step_from as i64, (self.filled - self.step_from) as i64);
+        let loss = (self.step_measured && len > 0).then(|| {
+            let w = b.weights.narrow(0, from, len);
+            let sum = (b.losses.narrow(0, from, len) * &w).sum(Kind::Double).double_value(&[]);
+            sum / w.sum(Kind::Double).double_value(&[])
+        });
+        super::track::StepMetrics { loss, lr, grad_norm: b.norms.last().copied() }
+    }
+
     /// What a checkpoint in the middle of the interval saves of it.
     pub fn partial(&self) -> Partial {
         self.buffers.partial(self.filled)

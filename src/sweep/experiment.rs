@@ -2,25 +2,23 @@
 //! batch and learning rate follow the world size (`[scaling]`). [`Experiment::load`] checks the
 //! file and every key; [`Experiment::points`] resolves and validates every point of the grid,
 //! reporting every bad one before anything runs.
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
 use super::grid::{self, Point};
-use crate::config::resolve::{flatten, parse_strict};
+use crate::config::extends::{normalize, FileKind, Layers};
+use crate::config::resolve::{flatten, parse_layers};
 use crate::config::{self, ConfigError, Override};
 use crate::plan::Plan;
 
-/// The labels that overrides carry into the resolved configuration (and config.toml).
-pub const SET_LABEL: &str = "experiment [set]";
-pub const AXIS_LABEL: &str = "sweep axis";
-pub const SCALING_LABEL: &str = "sweep [scaling]";
+pub use crate::config::resolve::{AXIS_LABEL, SCALING_LABEL, SET_LABEL};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ExperimentFile {
-    /// The pipeline file, relative to the experiment file.
-    pipeline: PathBuf,
+    /// The pipeline file, relative to the experiment file that names it (required in the chain).
+    pipeline: Option<PathBuf>,
     /// Fixed overrides, the same keys as `--set`.
     #[serde(default)]
     set: toml::Table,
@@ -83,19 +81,28 @@ impl Experiment {
     /// Reads and checks the file: its keys, the pipeline it names, and that every `[set]` key and
     /// every axis value resolves against that pipeline. Reports every problem found.
     pub fn load(file: &Path) -> Result<Experiment, ConfigError> {
-        let origin = file.display().to_string();
-        let text = crate::input::read_capped(file, crate::input::CONFIG_FILE_CAP, "the experiment file")
-            .map_err(ConfigError::new)?;
-        let raw: ExperimentFile = parse_strict(&text, &origin)?;
-        // Problems are reported in the file's order: (line, message).
-        let mut errors: Vec<(Option<usize>, String)> = Vec::new();
+        let layers = Layers::read(file, FileKind::Experiment, "the experiment file")?;
+        let raw: ExperimentFile = parse_layers(&layers)?;
+        // Problems are reported in the chain's and the files' order.
+        let mut errors: Vec<((usize, usize), String)> = Vec::new();
         let mut bad = |section: &str, key: &str, message: String| {
-            let line = key_line(&text, section, key);
-            let at = line.map_or(origin.clone(), |l| format!("{origin}:{l}"));
-            errors.push((line, format!("{at}: {message}")));
+            let dotted = if section.is_empty() { key.to_owned() } else { format!("{section}.{key}") };
+            let at = match layers.origin(&dotted) {
+                Some((f, Some(line))) => format!("{}:{line}", f.display()),
+                Some((f, None)) => f.display().to_string(),
+                None => file.display().to_string(),
+            };
+            errors.push((layers.position(&dotted), format!("{at}: {message}")));
         };
-        let base = file.parent().unwrap_or(Path::new(""));
-        let pipeline = normalize(&base.join(&raw.pipeline));
+        let Some(named) = &raw.pipeline else {
+            return Err(ConfigError::new(format!(
+                "{}: no `pipeline`: name the pipeline file the experiment runs, e.g. pipeline = \"../pipelines/ddp.toml\"",
+                file.display()
+            )));
+        };
+        let (named_in, _) = layers.origin("pipeline").expect("the chain sets `pipeline`");
+        let base = named_in.parent().unwrap_or(Path::new(""));
+        let pipeline = normalize(&base.join(named));
         if !pipeline.is_file() {
             bad(
                 "",
@@ -143,15 +150,15 @@ impl Experiment {
                     }
                 }
             }
-            axes.push((key_line(&text, "sweep", &key), Axis { key, values }));
+            axes.push((layers.position(&format!("sweep.{key}")), Axis { key, values }));
         }
         if !errors.is_empty() {
-            errors.sort_by_key(|(line, _)| line.unwrap_or(usize::MAX));
+            errors.sort_by_key(|(at, _)| *at);
             let lines: Vec<String> = errors.into_iter().map(|(_, m)| m).collect();
             return Err(ConfigError::new(lines.join("\n")));
         }
         // The grid follows the file's order of axes, whatever order the TOML map keeps.
-        axes.sort_by_key(|(line, _)| line.unwrap_or(usize::MAX));
+        axes.sort_by_key(|(at, _)| *at);
         Ok(Experiment {
             file: file.to_owned(),
             pipeline,
@@ -269,63 +276,9 @@ fn leaves(table: &toml::Table) -> Vec<(String, toml::Value)> {
     out
 }
 
-/// The line (1-based) where `dotted` is set under `[section]` (or a `[section.sub]` table), with
-/// keys quoted or bare.
-fn key_line(text: &str, section: &str, dotted: &str) -> Option<usize> {
-    let unquote = |s: &str| -> String {
-        s.split('.').map(|p| p.trim().trim_matches('"').trim_matches('\'')).collect::<Vec<_>>().join(".")
-    };
-    let wanted = if section.is_empty() { dotted.to_owned() } else { format!("{section}.{dotted}") };
-    let mut current = String::new();
-    for (i, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if let Some(header) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
-            current = unquote(header);
-        } else if let Some((key, _)) = line.split_once('=') {
-            let key = unquote(key);
-            let full = if current.is_empty() { key } else { format!("{current}.{key}") };
-            if full == wanted {
-                return Some(i + 1);
-            }
-        }
-    }
-    None
-}
-
-/// `experiments/../pipelines/ddp.toml` → `pipelines/ddp.toml`, without touching the disk.
-fn normalize(path: &Path) -> PathBuf {
-    let mut out = PathBuf::new();
-    for c in path.components() {
-        match c {
-            Component::CurDir => {}
-            Component::ParentDir if matches!(out.components().next_back(), Some(Component::Normal(_))) => {
-                out.pop();
-            }
-            c => out.push(c),
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn key_lines_follow_sections_and_quotes() {
-        let text = "pipeline = \"p.toml\"\n[set]\n\"train.epochs\" = 2\n[sweep]\n\"run.seed\" = [0]\n[sweep.run]\nworld_size = [1, 2]\n";
-        assert_eq!(key_line(text, "", "pipeline"), Some(1));
-        assert_eq!(key_line(text, "set", "train.epochs"), Some(3));
-        assert_eq!(key_line(text, "sweep", "run.seed"), Some(5));
-        assert_eq!(key_line(text, "sweep", "run.world_size"), Some(7));
-        assert_eq!(key_line(text, "sweep", "train.lr"), None);
-    }
-
-    #[test]
-    fn paths_are_normalized_lexically() {
-        assert_eq!(normalize(Path::new("experiments/../pipelines/ddp.toml")), PathBuf::from("pipelines/ddp.toml"));
-        assert_eq!(normalize(Path::new("../a/./b.toml")), PathBuf::from("../a/b.toml"));
-    }
 
     fn config(world: usize, batch: usize, lr: f64) -> config::Config {
         let mut c = config::Config::default();

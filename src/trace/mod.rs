@@ -1,6 +1,10 @@
 //! Traces: one row per rank per epoch (`trace.parquet`) and the phases of sampled training steps
-//! (`steps.parquet`), written atomically with polars; plus the terminal views of them.
+//! (`steps.parquet`), written atomically with polars; plus the terminal views of them, and what
+//! the trackers write and send (TensorBoard event files, MLflow's REST API).
+pub mod event;
+pub mod mlflow;
 pub mod progress;
+pub mod tensorboard;
 pub mod view;
 
 use std::path::Path;
