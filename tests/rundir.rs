@@ -188,7 +188,8 @@ fn a_preempted_run_resumes_when_the_same_command_runs_again_and_ends_as_if_unint
     assert!(out.contains("resuming run") && out.contains("(preempted at step"), "{out}\n{err}");
     assert!(manifest(&d.join("o")).contains("\"status\": \"complete\""));
     assert_ok(&run(&["run", "p.toml", "--out", "whole"], d));
-    let differences = runner::sweep::check::compare(&common::trace(&d.join("o")), &common::trace(&d.join("whole")));
+    let (differences, _) =
+        runner::sweep::check::compare(&common::trace(&d.join("o")), &common::trace(&d.join("whole")), None);
     assert!(differences.is_empty(), "{}", differences.join("\n"));
 }
 

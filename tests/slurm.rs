@@ -11,7 +11,7 @@ use runner::sweep::check::compare;
 
 /// Every non-timing value of two run directories' traces is the same.
 fn assert_same_trace(a: &Path, b: &Path) {
-    let differences = compare(&trace(a), &trace(b));
+    let (differences, _) = compare(&trace(a), &trace(b), None);
     assert!(differences.is_empty(), "{} and {} differ:\n{}", a.display(), b.display(), differences.join("\n"));
 }
 

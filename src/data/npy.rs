@@ -180,7 +180,7 @@ impl Npy {
         }
         let shape: Vec<i64> =
             std::iter::once(indices.len() as i64).chain(self.shape.iter().skip(1).map(|&d| d as i64)).collect();
-        Ok(to_tensor(&raw, self.dtype, &shape).to_kind(kind))
+        Ok(to_tensor(&raw, self.dtype, &shape)?.to_kind(kind))
     }
 }
 
@@ -200,8 +200,9 @@ fn dtype_name(d: Dtype) -> String {
     format!("{d:?}").to_lowercase()
 }
 
-/// Little-endian `bytes` of `dtype` as a tensor of `shape` (a copy; the element count is checked).
-pub fn to_tensor(bytes: &[u8], dtype: Dtype, shape: &[i64]) -> Tensor {
+/// Little-endian `bytes` of `dtype` as a tensor of `shape` (a copy, through the checked helper:
+/// the bytes must be exactly the shape's).
+pub fn to_tensor(bytes: &[u8], dtype: Dtype, shape: &[i64]) -> Result<Tensor, String> {
     let kind = match dtype {
         Dtype::Bool => Kind::Bool,
         Dtype::U8 => Kind::Uint8,
@@ -214,14 +215,14 @@ pub fn to_tensor(bytes: &[u8], dtype: Dtype, shape: &[i64]) -> Tensor {
         Dtype::F32 => Kind::Float,
         Dtype::F64 => Kind::Double,
     };
-    let n = bytes.len() / dtype.size();
-    assert_eq!(n as i64, shape.iter().product::<i64>(), "bytes for the shape");
     match dtype {
         Dtype::U16 | Dtype::U32 | Dtype::U64 => {
-            let v: Vec<i64> = (0..n).map(|i| dtype.get_i128(bytes, i).min(i64::MAX as i128) as i64).collect();
-            Tensor::from_slice(&v).view(shape)
+            let n = bytes.len() / dtype.size();
+            let v: Vec<u8> =
+                (0..n).flat_map(|i| (dtype.get_i128(bytes, i).min(i64::MAX as i128) as i64).to_le_bytes()).collect();
+            crate::checked::tensor(&v, shape, kind)
         }
-        _ => Tensor::from_data_size(bytes, shape, kind),
+        _ => crate::checked::tensor(bytes, shape, kind),
     }
 }
 

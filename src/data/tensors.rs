@@ -129,7 +129,7 @@ fn open(a: &Arrays) -> Result<(X, Tensor), String> {
                 ));
             }
             let raw = y.read_elements(0, y.rows())?;
-            let y = super::npy::to_tensor(&raw, y.dtype, &[y.rows() as i64]).to_kind(Kind::Int64);
+            let y = super::npy::to_tensor(&raw, y.dtype, &[y.rows() as i64])?.to_kind(Kind::Int64);
             return Ok((X::Npy(x), y));
         }
         _ => return Err(format!("{}: use an .npz, .safetensors or .npy file", path.display())),

@@ -200,7 +200,7 @@ fn scan_chunks(f: &TokenFile, source: Source, vocab: usize) -> Result<(), String
             };
             carry.drain(..valid);
         }
-        if let Some(i) = first_bad_id(buf, f.dtype, vocab) {
+        if let Some(i) = first_bad_id(buf, f.dtype, vocab)? {
             let id = f.dtype.get_i128(buf, i);
             let position = at + i;
             if id < 0 {
@@ -220,7 +220,7 @@ fn scan_chunks(f: &TokenFile, source: Source, vocab: usize) -> Result<(), String
 /// stay in their width, and the common case is two vectorised reductions (minimum, maximum):
 /// unsigned ids are read through the signed kind of the same width with the sign bit flipped,
 /// which keeps their order.
-fn first_bad_id(bytes: &[u8], dtype: Dtype, vocab: usize) -> Option<usize> {
+fn first_bad_id(bytes: &[u8], dtype: Dtype, vocab: usize) -> Result<Option<usize>, String> {
     let n = (bytes.len() / dtype.size()) as i64;
     let (kind, unsigned_bits) = match dtype {
         Dtype::U8 | Dtype::Bool => (Kind::Uint8, None),
@@ -233,7 +233,7 @@ fn first_bad_id(bytes: &[u8], dtype: Dtype, vocab: usize) -> Option<usize> {
         Dtype::U64 => (Kind::Int64, Some(64)),
         Dtype::F32 | Dtype::F64 => unreachable!("float token files are refused when opened"),
     };
-    let raw = Tensor::from_data_size(bytes, &[n], kind);
+    let raw = crate::checked::tensor(bytes, &[n], kind)?;
     // In the flipped order an unsigned id v is v - 2^(bits-1): the lowest allowed is -2^(bits-1).
     let (t, lowest, limit) = match unsigned_bits {
         Some(bits) => {
@@ -244,10 +244,10 @@ fn first_bad_id(bytes: &[u8], dtype: Dtype, vocab: usize) -> Option<usize> {
     };
     let (min, max) = (t.min().int64_value(&[]) as i128, t.max().int64_value(&[]) as i128);
     if min >= lowest && max < limit {
-        return None;
+        return Ok(None);
     }
     let bad = t.lt(lowest as i64).logical_or(&t.ge(limit.min(i64::MAX as i128) as i64));
-    Some(bad.nonzero().int64_value(&[0, 0]) as usize)
+    Ok(Some(bad.nonzero().int64_value(&[0, 0]) as usize))
 }
 
 /// The files of `key`, opened and scanned, as one stream.
