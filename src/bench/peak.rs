@@ -61,7 +61,9 @@ mod tests {
             let peak = matmul_peak(1, kind, Duration::from_millis(300));
             let took = start.elapsed();
             assert!(peak > 0.0, "{kind:?}");
-            assert!(took < Duration::from_millis(1500), "{kind:?}: {took:?} for a 300 ms budget");
+            // A loose bound (a shared machine stretches any timing): minutes, as before the
+            // probe, would fail it; a busy machine's 2× does not.
+            assert!(took < Duration::from_secs(5), "{kind:?}: {took:?} for a 300 ms budget");
         }
     }
 }

@@ -291,10 +291,11 @@ impl ModuleT for Scripted {
         }
         module.forward(x).unwrap_or_else(|e| {
             crate::checked::fail(format!(
-                "the TorchScript module {} failed on a batch of shape {:?} in {} mode: {e}",
+                "the TorchScript module {} failed on a batch of shape {:?} in {} mode: {}",
                 self.path.display(),
                 x.size(),
                 if train { "training" } else { "eval" },
+                crate::checked::torch_message(&e)
             ))
         })
     }

@@ -461,12 +461,14 @@ pub fn load(found: &Found, rank: usize, vs: &nn::VarStore, optimizer: &mut Optim
         let s = saved
             .get(&format!("model.{name}"))
             .with_context(|| format!("{} has no parameter {name}", file.display()))?;
-        if s.size() != t.size() || !s.is_floating_point() {
+        // Shapes and kinds as the model's (floats, or a module buffer's integer count).
+        if s.size() != t.size() || s.is_floating_point() != t.is_floating_point() {
             anyhow::bail!(
-                "{}: parameter {name} is {:?} {:?}, the model's is {:?}",
+                "{}: parameter {name} is {:?} {:?}, the model's is {:?} {:?}",
                 file.display(),
                 s.kind(),
                 s.size(),
+                t.kind(),
                 t.size()
             );
         }
