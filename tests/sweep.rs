@@ -214,7 +214,7 @@ const BAD: &[Bad] = &[
         name: "unknown key in the experiment file",
         experiment: "pipeline = \"p.toml\"\n[sweeps]\n\"run.seed\" = [0]\n",
         expected: "error: e.toml:2:2: unknown key `sweeps`; did you mean `sweep`? \
-                   (valid keys in the file: pipeline, set, sweep, scaling)\n  2 | [sweeps]",
+                   (valid keys in the file: pipeline, set, sweep, scaling, slurm)\n  2 | [sweeps]",
     },
     Bad {
         name: "axes naming no key, an empty axis, a value of the wrong type",
@@ -222,7 +222,7 @@ const BAD: &[Bad] = &[
                      \"train.epochs\" = [1, \"two\"]\n",
         expected: "error: e.toml:3: sweep axis run.wrld_size=1: unknown key `run.wrld_size`; did you mean \
                    `run.world_size`? (valid keys in [run]: run.name, run.seed, run.world_size, run.backend, \
-                   run.device, run.threads_per_rank, run.timeout_s, run.abort_after_s, run.memory_per_rank_mb)\n\
+                   run.device, run.threads_per_rank, run.timeout_s, run.abort_after_s, run.step_timeout_s, run.memory_per_rank_mb, run.preempt_signal)\n\
                    e.toml:4: the axis `run.seed` is empty; give it at least one value\n\
                    e.toml:5: sweep axis train.epochs=\"two\": `train.epochs`: invalid type: found string \"two\", \
                    expected usize",

@@ -142,6 +142,16 @@ impl Layers {
             .map(|l| (l.file.as_path(), key_line(&l.text, dotted)))
     }
 
+    /// Where `key` of table `section` is set when the key itself holds dots (a sweep axis,
+    /// `"run.seed" = [0, 1]`): the file, and the line that starts with the quoted key.
+    pub fn origin_of_quoted(&self, section: &str, key: &str) -> Option<(&Path, Option<usize>)> {
+        self.0.iter().rev().find(|l| l.table.get(section).and_then(|t| t.get(key)).is_some()).map(|l| {
+            let quoted = [format!("\"{key}\""), format!("'{key}'")];
+            let line = l.text.lines().position(|line| quoted.iter().any(|q| line.trim_start().starts_with(q.as_str())));
+            (l.file.as_path(), line.map(|i| i + 1))
+        })
+    }
+
     /// Where `dotted` is set, in an order that follows the chain (first base first) then lines.
     pub fn position(&self, dotted: &str) -> (usize, usize) {
         match self.0.iter().rposition(|l| get(&l.table, dotted).is_some()) {

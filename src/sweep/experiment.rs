@@ -87,7 +87,7 @@ impl Experiment {
         let mut errors: Vec<((usize, usize), String)> = Vec::new();
         let mut bad = |section: &str, key: &str, message: String| {
             let dotted = if section.is_empty() { key.to_owned() } else { format!("{section}.{key}") };
-            let at = match layers.origin(&dotted) {
+            let at = match layers.origin(&dotted).or_else(|| layers.origin_of_quoted(section, key)) {
                 Some((f, Some(line))) => format!("{}:{line}", f.display()),
                 Some((f, None)) => f.display().to_string(),
                 None => file.display().to_string(),
