@@ -161,16 +161,7 @@ fn under_torchrun_variables_each_process_is_one_rank() {
     write(dir.path(), "p.toml", TINY);
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     // What torchrun (without its agent store), Slurm or a hand-written script would do.
-    let ranks: Vec<_> = (0..2)
-        .map(|r| {
-            common::runner()
-                .args(["run", "p.toml", "--out", "o"])
-                .current_dir(dir.path())
-                .envs([("RANK", r.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_ADDR", "127.0.0.1".into())])
-                .env("MASTER_PORT", port.to_string())
-                .output_later()
-        })
-        .collect();
+    let ranks: Vec<_> = (0..2).map(|r| torchrun_rank(dir.path(), port, r, &[])).collect();
     for (r, child) in ranks.into_iter().enumerate() {
         let out = child.wait_with_output().unwrap();
         assert!(out.status.success(), "rank {r}: {}", String::from_utf8_lossy(&out.stderr));
@@ -191,14 +182,7 @@ fn under_torchrun_variables_a_rank_whose_configuration_differs_is_refused_by_nam
     let ranks: Vec<_> = [["train.lr=0.05", "run.seed=3"], ["train.lr=0.07", "run.seed=4"]]
         .iter()
         .enumerate()
-        .map(|(r, sets)| {
-            common::runner()
-                .args(["run", "p.toml", "--out", "o", "--set", sets[0], "--set", sets[1]])
-                .current_dir(dir.path())
-                .envs([("RANK", r.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_ADDR", "127.0.0.1".into())])
-                .env("MASTER_PORT", port.to_string())
-                .output_later()
-        })
+        .map(|(r, sets)| torchrun_rank(dir.path(), port, r, &["--set", sets[0], "--set", sets[1]]))
         .collect();
     for (r, child) in ranks.into_iter().enumerate() {
         let out = child.wait_with_output().unwrap();
@@ -321,4 +305,15 @@ fn initial_weights_from_a_file_are_where_training_starts() {
     let absolute = std::fs::canonicalize(dir.path().join("init.npz")).unwrap();
     let line = format!("init = \"{}\"  # --set wrap.init=\"init.npz\"", absolute.display());
     assert!(config.contains(&line), "{config}");
+}
+
+/// Rank `rank` of 2 of `runner run p.toml --out o EXTRA...`, started as torchrun would (RANK,
+/// WORLD_SIZE, MASTER_ADDR, MASTER_PORT), its output captured.
+fn torchrun_rank(dir: &std::path::Path, port: u16, rank: usize, extra: &[&str]) -> std::process::Child {
+    common::runner()
+        .args([&["run", "p.toml", "--out", "o"][..], extra].concat())
+        .current_dir(dir)
+        .envs([("RANK", rank.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_ADDR", "127.0.0.1".into())])
+        .env("MASTER_PORT", port.to_string())
+        .output_later()
 }
