@@ -17,7 +17,7 @@ command -v python3 >/dev/null || { echo "bench: python3 is needed for the PyTorc
 echo "bench: installing the PyTorch reference (torch==$torch_version, about 5 GB, once) into $venv" >&2
 rm -rf "$venv"
 python3 -m venv "$venv" >&2
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$torch_version" numpy >&2 \
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir "torch==$torch_version" numpy >&2 \
   || { echo "bench: pip could not install torch==$torch_version from PyPI (see above)" >&2; exit 1; }
 touch "$venv/.complete"
 echo "$venv/bin/python"
