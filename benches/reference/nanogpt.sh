@@ -7,6 +7,16 @@
 #   scripts/shakespeare.sh                                   # data/shakespeare_char
 #   benches/reference/nanogpt.sh NANOGPT_DIR [ITERS=2000] [WORLD_SIZES="1 2"]
 #
+# nanoGPT's train.py runs from a copy made in the work folder with three lines changed, because
+# under DDP it assumes CUDA: `device = f'cuda:{ddp_local_rank}'` becomes `device = 'cpu'`,
+# `torch.cuda.set_device(device)` goes, and `DDP(model, device_ids=[ddp_local_rank])` becomes
+# `DDP(model)` (device_ids is for GPU modules only). Without DDP none of the three lines runs, so at
+# world size 1 the copy is train.py as it is. model.py and the configs are nanoGPT's own, linked.
+#
+# The runner runs twice: as it ships (MKL_CBWR=COMPATIBLE, the same bits on any x86-64 CPU: README,
+# "Reproducible on any x86-64 CPU") and with MKL_CBWR empty (MKL's kernels for this CPU, as nanoGPT
+# computes), so that the cost of that setting shows beside the comparison.
+#
 # nanoGPT runs with --always_save_checkpoint=True (its checkpoint after the last evaluation, so
 # both final models can be compared) and, at world size W > 1, under torchrun with
 # --backend=gloo --gradient_accumulation_steps=W (train.py divides the accumulation by the world
@@ -30,7 +40,11 @@ DATA=$(realpath data/shakespeare_char)
 work=$(mktemp -d)
 mkdir -p "$work/data/shakespeare_char"
 ln -s "$DATA/train.bin" "$DATA/val.bin" "$work/data/shakespeare_char/"
-ln -s "$NANOGPT/config" "$NANOGPT/configurator.py" "$work/"
+ln -s "$NANOGPT/config" "$NANOGPT/configurator.py" "$NANOGPT/model.py" "$work/"
+sed -e "s/device = f'cuda:{ddp_local_rank}'/device = 'cpu'/" -e '/torch.cuda.set_device(device)/d' \
+    -e 's/DDP(model, device_ids=\[ddp_local_rank\])/DDP(model)/' "$NANOGPT/train.py" > "$work/train.py"
+[ "$(diff "$NANOGPT/train.py" "$work/train.py" | grep -c '^<')" = 3 ] \
+    || { echo "nanoGPT's train.py changed: the three CPU-DDP edits did not all apply" >&2; exit 1; }
 "$PY" -c "import json, pickle, sys; m = json.load(open(sys.argv[1])); m['itos'] = {int(k): v for k, v in m['itos'].items()}; pickle.dump(m, open(sys.argv[2], 'wb'))" \
     "$DATA/meta.json" "$work/data/shakespeare_char/meta.pkl"
 echo "nanoGPT $(git -C "$NANOGPT" rev-parse --short HEAD 2>/dev/null || echo '(no git)'), torch $("$PY" -c 'import torch; print(torch.__version__)'), runner $RUNNER, $CORES cores, $ITERS steps"
@@ -49,29 +63,35 @@ for w in $WORLDS; do
     # nanoGPT
     start=$(date +%s.%N)
     if [ "$w" = 1 ]; then
-        (cd "$work" && OMP_NUM_THREADS=$threads "$PY" "$NANOGPT/train.py" config/train_shakespeare_char.py $recipe \
+        (cd "$work" && env -u MKL_CBWR OMP_NUM_THREADS=$threads "$PY" train.py config/train_shakespeare_char.py $recipe \
             --out_dir="$work/nanogpt-w$w") > "$work/nanogpt-w$w.log" 2>&1
     else
-        (cd "$work" && OMP_NUM_THREADS=$threads "$PY" -m torch.distributed.run --standalone --nproc_per_node="$w" \
-            "$NANOGPT/train.py" config/train_shakespeare_char.py $recipe --backend=gloo \
+        (cd "$work" && env -u MKL_CBWR OMP_NUM_THREADS=$threads "$PY" -m torch.distributed.run --standalone --nproc_per_node="$w" \
+            train.py config/train_shakespeare_char.py $recipe --backend=gloo \
             --gradient_accumulation_steps="$w" --out_dir="$work/nanogpt-w$w") > "$work/nanogpt-w$w.log" 2>&1
     fi
     nano_s=$(echo "$(date +%s.%N) - $start" | bc)
     nano_val=$(grep -o "step $ITERS: train loss [0-9.]*, val loss [0-9.]*" "$work/nanogpt-w$w.log" | grep -o "[0-9.]*$")
-    # the runner
-    start=$(date +%s.%N)
-    "$RUNNER" run pipelines/shakespeare_char.toml --out "$work/runner-w$w" --set run.world_size="$w" \
-        --set run.threads_per_rank="$threads" --set train.steps="$ITERS" --set train.schedule.decay_end="$ITERS" --set validate.every_steps="$every" --set train.schedule.warmup_steps="$warmup" \
-        > "$work/runner-w$w.log" 2>&1
-    runner_s=$(echo "$(date +%s.%N) - $start" | bc)
-    runner_val=$("$PY" -c "import pyarrow.parquet as pq, sys; t = pq.read_table(sys.argv[1]).to_pandas(); print(f\"{t[t['rank'] == 0]['val_loss'].dropna().iloc[-1]:.4f}\")" "$work/runner-w$w/trace.parquet" 2>/dev/null \
-        || grep -o "val loss [0-9.]*" "$work/runner-w$w.log" | tail -1 | grep -o "[0-9.]*$")
     echo "world size $w ($threads thread(s) per rank, $(( 12 * 64 * w )) tokens per step):"
-    printf "  nanoGPT  wall %6.1f s  %6.0f tokens/s  val loss %s (20 random batches)\n" "$nano_s" "$(echo "$tokens / $nano_s" | bc -l)" "$nano_val"
-    printf "  runner   wall %6.1f s  %6.0f tokens/s  val loss %s (20 fixed batches)\n" "$runner_s" "$(echo "$tokens / $runner_s" | bc -l)" "$runner_val"
-    printf "  runner / nanoGPT: %.2fx tokens/s, %.2fx wall time\n" "$(echo "$nano_s / $runner_s" | bc -l)" "$(echo "$runner_s / $nano_s" | bc -l)"
-    "$PY" benches/reference/nanogpt_eval.py "$NANOGPT" "$DATA/val.bin" "$work/nanogpt-w$w/ckpt.pt" \
-        "$work/runner-w$w/model.safetensors" | sed 's/^/  same 200 batches: /'
+    printf "  nanoGPT            wall %6.1f s  %6.0f tokens/s  val loss %s (20 random batches)\n" "$nano_s" "$(echo "$tokens / $nano_s" | bc -l)" "$nano_val"
+    # the runner as it ships (MKL_CBWR=COMPATIBLE: the same bits on any x86-64 CPU), then with
+    # MKL's kernels for this CPU (MKL_CBWR empty), as nanoGPT computes
+    for variant in portable native; do
+        out="$work/runner-$variant-w$w"
+        cbwr=()
+        [ "$variant" = native ] && cbwr=(MKL_CBWR=)
+        start=$(date +%s.%N)
+        env -u MKL_CBWR "${cbwr[@]}" "$RUNNER" run pipelines/shakespeare_char.toml --out "$out" --set run.world_size="$w" \
+            --set run.threads_per_rank="$threads" --set train.steps="$ITERS" --set train.schedule.decay_end="$ITERS" \
+            --set validate.every_steps="$every" --set train.schedule.warmup_steps="$warmup" > "$out.log" 2>&1
+        runner_s=$(echo "$(date +%s.%N) - $start" | bc)
+        runner_val=$("$PY" -c "import pyarrow.parquet as pq, sys; t = pq.read_table(sys.argv[1]).to_pandas(); print(f\"{t[t['rank'] == 0]['val_loss'].dropna().iloc[-1]:.4f}\")" "$out/trace.parquet" 2>/dev/null \
+            || grep -o "val loss [0-9.]*" "$out.log" | tail -1 | grep -o "[0-9.]*$")
+        printf "  runner (%-8s)  wall %6.1f s  %6.0f tokens/s  val loss %s (20 fixed batches)\n" "$variant" "$runner_s" "$(echo "$tokens / $runner_s" | bc -l)" "$runner_val"
+        printf "  runner (%s) / nanoGPT: %.2fx tokens/s, %.2fx wall time\n" "$variant" "$(echo "$nano_s / $runner_s" | bc -l)" "$(echo "$runner_s / $nano_s" | bc -l)"
+        "$PY" benches/reference/nanogpt_eval.py "$NANOGPT" "$DATA/val.bin" "$work/nanogpt-w$w/ckpt.pt" \
+            "$out/model.safetensors" | grep -v "^number of parameters" | sed "s/^runner/runner ($variant)/; s/^/  same 200 batches: /"
+    done
 done
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "logs: $work"

@@ -4,6 +4,11 @@
 //! and world size the two alternate, A B A B, so that a change in the machine's load hits both;
 //! the results (medians with min–max, ratios, fraction of the matmul peak, the targets) go to
 //! benches/RESULTS.md between markers, the notes around them are kept.
+//!
+//! The runner computes under `MKL_CBWR=COMPATIBLE` (crate::numerics: the same bits on any x86-64
+//! CPU); PyTorch runs as its users run it, with MKL choosing its kernels by the CPU. A third run
+//! in each repetition, the runner with MKL's own choice too (`MKL_CBWR` empty), prices that
+//! setting: the cost of reproducible numerics, in the report's own table.
 pub mod peak;
 mod report;
 pub mod workload;
@@ -49,6 +54,8 @@ pub struct Cell {
     pub threads: usize,
     pub runner: Vec<Measure>,
     pub torch: Vec<Measure>,
+    /// The runner with MKL choosing its kernels by the CPU (no `MKL_CBWR=COMPATIBLE`).
+    pub runner_cpu_kernels: Vec<Measure>,
 }
 
 pub struct WorkloadResult {
@@ -98,20 +105,26 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
         let mut cells = Vec::new();
         for &ws in &opts.world_sizes {
             let threads = (cores / ws).max(1);
-            let mut cell = Cell { world_size: ws, threads, runner: Vec::new(), torch: Vec::new() };
+            let mut cell =
+                Cell { world_size: ws, threads, runner: Vec::new(), torch: Vec::new(), runner_cpu_kernels: Vec::new() };
             for rep in 1..=opts.repetitions {
-                let r = retried(|| run_runner(&files, &w, ws, threads))?;
+                let r = retried(|| run_runner(&files, &w, ws, threads, Numerics::Reproducible))?;
                 let t = retried(|| run_torch(&torchrun, &script, &files, &w, ws, threads))?;
+                let k = retried(|| run_runner(&files, &w, ws, threads, Numerics::CpuKernels))?;
                 crate::say!(
-                    "  world size {ws}, run {rep}/{}: runner {:.2} s ({:.3} s/epoch), PyTorch {:.2} s ({:.3} s/epoch)",
+                    "  world size {ws}, run {rep}/{}: runner {:.2} s ({:.3} s/epoch), PyTorch {:.2} s ({:.3} s/epoch), \
+                     runner with MKL's kernels for this CPU {:.2} s ({:.3} s/epoch)",
                     opts.repetitions,
                     r.wall_s,
                     r.epoch_s,
                     t.wall_s,
-                    t.epoch_s
+                    t.epoch_s,
+                    k.wall_s,
+                    k.epoch_s
                 );
                 cell.runner.push(r);
                 cell.torch.push(t);
+                cell.runner_cpu_kernels.push(k);
             }
             cells.push(cell);
         }
@@ -143,8 +156,25 @@ fn reference_python(root: &Path) -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
-fn run_runner(files: &workload::Files, w: &Workload, ws: usize, threads: usize) -> anyhow::Result<Measure> {
+/// The runner's numerical path in a bench run.
+#[derive(Clone, Copy, PartialEq)]
+enum Numerics {
+    /// As it runs by default: `MKL_CBWR=COMPATIBLE`, the same bits on any x86-64 CPU.
+    Reproducible,
+    /// `MKL_CBWR` empty (MKL's conditional reproducibility off, as when unset; the runner keeps
+    /// a value the environment gives): MKL's fastest kernels for this CPU, as PyTorch runs.
+    CpuKernels,
+}
+
+fn run_runner(
+    files: &workload::Files,
+    w: &Workload,
+    ws: usize,
+    threads: usize,
+    numerics: Numerics,
+) -> anyhow::Result<Measure> {
     let tag = w.precision_tag();
+    let tag = if numerics == Numerics::CpuKernels { format!("{tag}-cpu-kernels") } else { tag.to_string() };
     let out = files.dir.join(format!("runner{tag}-ws{ws}"));
     let exe = std::env::current_exe().context("cannot find the runner binary")?;
     let mut cmd = Command::new(exe);
@@ -154,7 +184,8 @@ fn run_runner(files: &workload::Files, w: &Workload, ws: usize, threads: usize) 
         .arg("--out")
         .arg(&out)
         // The bench owns its directories: another thread count is another run id, same place.
-        .arg("--force");
+        .arg("--force")
+        .env("MKL_CBWR", if numerics == Numerics::CpuKernels { "" } else { crate::numerics::MKL_CBWR });
     if w.bf16 {
         cmd.args(["--set", "train.precision=\"bf16\""]);
     }
@@ -202,7 +233,9 @@ fn run_torch(
         .args(["--threads", &threads.to_string()])
         .arg("--out")
         .arg(&result)
-        .env("OMP_NUM_THREADS", threads.to_string());
+        .env("OMP_NUM_THREADS", threads.to_string())
+        // PyTorch as its users run it: the bench itself runs under the runner's MKL_CBWR.
+        .env_remove("MKL_CBWR");
     if w.bf16 {
         cmd.args(["--precision", "bf16"]);
     }

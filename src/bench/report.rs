@@ -2,7 +2,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use super::{Cell, Measure, WorkloadResult};
+use super::{Measure, WorkloadResult};
 
 const BEGIN: &str = "<!-- runner bench: begin (this part is rewritten by `runner bench`) -->";
 const END: &str = "<!-- runner bench: end -->";
@@ -75,13 +75,12 @@ fn scaled(v: Vec<f64>, by: f64) -> Vec<f64> {
     v.into_iter().map(|x| x * by).collect()
 }
 
-/// Largest relative difference between the two sides' per-epoch losses, over every run.
-fn loss_difference(c: &Cell) -> f64 {
-    c.runner
-        .iter()
-        .zip(&c.torch)
+/// Largest relative difference between two series' per-epoch losses, over every run.
+fn loss_difference(a: &[Measure], b: &[Measure]) -> f64 {
+    a.iter()
+        .zip(b)
         .flat_map(|(r, t)| r.losses.iter().zip(&t.losses).map(|(a, b)| (a - b).abs() / b.abs().max(f64::MIN_POSITIVE)))
-        .chain(c.runner.iter().zip(&c.torch).filter(|(r, t)| r.losses.len() != t.losses.len()).map(|_| f64::INFINITY))
+        .chain(a.iter().zip(b).filter(|(r, t)| r.losses.len() != t.losses.len()).map(|_| f64::INFINITY))
         .fold(0.0, f64::max)
 }
 
@@ -178,7 +177,7 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
             if w.compute_bound {
                 let _ = write!(s, " {}% | {}% |", spread(&fraction(&c.runner), 1), spread(&fraction(&c.torch), 1));
             }
-            let diff = loss_difference(c);
+            let diff = loss_difference(&c.runner, &c.torch);
             let _ = writeln!(s, " {diff:.1e} |");
 
             let ws = c.world_size;
@@ -224,6 +223,7 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
         }
         let _ = writeln!(s);
     }
+    numerics_cost(&mut s, results);
     precision_comparison(&mut s, results, &mut targets);
     let met = targets.iter().filter(|t| t.met).count();
     let _ = writeln!(s, "### Targets: {met} of {} met\n", targets.len());
@@ -231,6 +231,36 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
         let _ = writeln!(s, "- {} {}", if t.met { "✓" } else { "✗ missed:" }, t.what);
     }
     s
+}
+
+/// What the same bits on every CPU cost: the runner as it runs (`MKL_CBWR=COMPATIBLE`) against
+/// the runner with MKL's kernels for this CPU, in epoch time, and how far apart their losses end.
+fn numerics_cost(s: &mut String, results: &[WorkloadResult]) {
+    let _ = writeln!(
+        s,
+        "### The cost of reproducible numerics\n\n\
+         The runner computes under `MKL_CBWR=COMPATIBLE`, so that a plan gives the same bits on any x86-64 CPU \
+         (README, \"Reproducible on any x86-64 CPU\"); PyTorch above runs with MKL's kernels for this CPU, as its \
+         users run it, and so does the matmul peak's probe. Here the runner runs both ways, alternating. Cost: epoch time with the setting over epoch time without \
+         (medians). Loss difference: the largest relative difference of their per-epoch losses.\n\n\
+         | workload | world size | epoch s, same bits on any CPU | epoch s, MKL's kernels for this CPU | cost | loss rel. difference |\n\
+         |---|---:|---:|---:|---:|---:|"
+    );
+    for r in results {
+        for c in r.cells.iter().filter(|c| !c.runner_cpu_kernels.is_empty()) {
+            let cost = median(&epoch(&c.runner)) / median(&epoch(&c.runner_cpu_kernels));
+            let diff = loss_difference(&c.runner, &c.runner_cpu_kernels);
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {cost:.3}× | {diff:.1e} |",
+                r.workload.label(),
+                c.world_size,
+                spread(&epoch(&c.runner), 3),
+                spread(&epoch(&c.runner_cpu_kernels), 3)
+            );
+        }
+    }
+    let _ = writeln!(s);
 }
 
 /// bf16 against fp32, where a workload ran in both: each side's speed-up and the runner's final
@@ -299,6 +329,7 @@ pub fn write(path: &Path, text: &str) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::Cell;
 
     #[test]
     fn median_and_spread() {
@@ -328,6 +359,7 @@ mod tests {
             threads: 2 / ws,
             runner: vec![m(1.0, vec![2.0, 1.0])],
             torch: vec![m(2.0, vec![2.0, 1.00001])],
+            runner_cpu_kernels: vec![m(0.8, vec![2.0, 1.000001])],
         };
         let results: Vec<WorkloadResult> = super::super::workload::all()
             .into_iter()
@@ -353,6 +385,8 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("### Targets: 8 of 8 met"), "{text}");
+        // The price of the same bits on every CPU: 1.0 s against 0.8 s per epoch.
+        assert!(text.contains("| cnn | 2 | 1.000 | 0.800 | 1.250× | 1.0e-6 |"), "{text}");
     }
 
     /// A workload run in both precisions gets the bf16 section: each side's speed-up and the final
@@ -365,6 +399,7 @@ mod tests {
             threads: 2,
             runner: vec![m(runner, last)],
             torch: vec![m(torch, last)],
+            runner_cpu_kernels: Vec::new(),
         };
         let w = super::super::workload::all().into_iter().find(|w| w.name == "compute-bound").unwrap();
         let results = vec![
@@ -385,9 +420,7 @@ mod tests {
     #[test]
     fn loss_difference_is_relative_and_catches_missing_epochs() {
         let m = |losses: Vec<f64>| Measure { wall_s: 1.0, epoch_s: 1.0, samples: 1.0, losses };
-        let c = Cell { world_size: 1, threads: 1, runner: vec![m(vec![1.0, 0.5])], torch: vec![m(vec![1.0, 0.5001])] };
-        assert!((loss_difference(&c) - 1e-4 / 0.5001).abs() < 1e-12);
-        let c = Cell { world_size: 1, threads: 1, runner: vec![m(vec![1.0])], torch: vec![m(vec![1.0, 0.5])] };
-        assert_eq!(loss_difference(&c), f64::INFINITY);
+        assert!((loss_difference(&[m(vec![1.0, 0.5])], &[m(vec![1.0, 0.5001])]) - 1e-4 / 0.5001).abs() < 1e-12);
+        assert_eq!(loss_difference(&[m(vec![1.0])], &[m(vec![1.0, 0.5])]), f64::INFINITY);
     }
 }
