@@ -231,6 +231,28 @@ pub struct ReportArgs {
 }
 
 /// Exit codes: 0 done, 1 the run failed, 2 the configuration is wrong.
+/// The `run.numerics` a command computes under: its pipeline's (or its run directory's), resolved
+/// before anything runs so that `main` can set MKL up; the default where the configuration does
+/// not resolve (the command itself then reports why). None for commands that compute under no
+/// plan of their own.
+pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
+    let resolved = |file: &Path, set: &[String], set_as: &[String]| {
+        config::resolve(file, &overrides(set, set_as)).map(|r| r.config.run.numerics).unwrap_or_default()
+    };
+    match &cli.command {
+        // A rank the launcher started inherits the launcher's MKL_CBWR.
+        Command::Run(args) if args.plan.is_some() => Some(Default::default()),
+        Command::Run(args) => match (&args.file, &args.resume) {
+            (Some(file), _) => Some(resolved(file, &args.set, &args.set_as)),
+            (None, Some(dir)) => Some(resolved(&dir.join(rundir::CONFIG), &args.set, &args.set_as)),
+            (None, None) => Some(Default::default()),
+        },
+        Command::Validate(args) => Some(resolved(&args.file, &args.set, &args.set_as)),
+        Command::Predict(args) => Some(resolved(&args.run_dir.join(rundir::CONFIG), &[], &[])),
+        Command::Sweep(_) | Command::Bench(_) | Command::Schema | Command::Report(_) | Command::Prepare(_) => None,
+    }
+}
+
 pub fn main(cli: Cli) -> u8 {
     let result = match cli.command {
         Command::Validate(args) => validate(&args),
@@ -320,10 +342,14 @@ fn warn_of_slow_bf16(plan: &Plan) {
     }
 }
 
+/// The overrides of a command line: `--set-as LABEL KEY=VALUE` pairs (a sweep's), then `--set`.
+fn overrides(set: &[String], set_as: &[String]) -> Vec<Override> {
+    let labelled = set_as.chunks(2).map(|pair| Override { label: pair[0].clone(), text: pair[1].clone() });
+    labelled.chain(set.iter().map(|s| Override::set(s))).collect()
+}
+
 pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
-    let labelled = args.set_as.chunks(2).map(|pair| Override { label: pair[0].clone(), text: pair[1].clone() });
-    let overrides: Vec<Override> = labelled.chain(args.set.iter().map(|s| Override::set(s))).collect();
-    Plan::new(config::resolve(&args.file, &overrides)?)
+    Plan::new(config::resolve(&args.file, &overrides(&args.set, &args.set_as))?)
 }
 
 fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {

@@ -2,11 +2,11 @@ use clap::Parser;
 
 fn main() {
     let cli = runner::cli::Cli::parse();
-    // Before anything runs libtorch (and MKL reads its environment), in every process; but for
-    // `runner bench`, which measures the matmul peak with MKL's kernels for this CPU and gives
-    // each run it starts its own MKL_CBWR.
-    if !matches!(cli.command, runner::cli::Command::Bench(_)) {
-        runner::numerics::fix();
+    // Before anything runs libtorch (MKL reads its environment when it loads), in every process
+    // that computes under a plan's run.numerics. The others compute nothing under one: a sweep's
+    // points and a bench's runs are processes of their own, each given or choosing its setting.
+    if let Some(mode) = runner::cli::numerics_of(&cli) {
+        runner::numerics::fix(mode);
     }
     runner::dist::exit_now(runner::cli::main(cli))
 }

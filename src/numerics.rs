@@ -10,11 +10,22 @@
 //! recorded in manifest.json and sweep.json, and `runner sweep --check` reruns under the stored one.
 use serde::{Deserialize, Serialize};
 
-/// The `MKL_CBWR` the runner sets when the environment sets none. `COMPATIBLE` is the one
-/// branch MKL honours on every x86-64 CPU: on an AMD EPYC, MKL ignores `AVX2`, `AVX`, `SSE4_2`
-/// (its verbose log says `CNR:AUTO`; they are Intel-only), so only this one gives the same code
-/// path on Intel and AMD machines.
+use crate::config::schema::CpuNumerics;
+
+/// The `MKL_CBWR` the runner sets for `run.numerics = "portable"` when the environment sets none.
+/// `COMPATIBLE` is the one branch MKL honours on every x86-64 CPU: on an AMD EPYC, MKL ignores
+/// `AVX2`, `AVX`, `SSE4_2` (its verbose log says `CNR:AUTO`; they are Intel-only), so only this
+/// one gives the same code path on Intel and AMD machines.
 pub const MKL_CBWR: &str = "COMPATIBLE";
+
+/// The `MKL_CBWR` of a `run.numerics`: for "native" the empty string, which MKL takes as unset
+/// (`MKL_VERBOSE` says `CNR:OFF`) and which the runner's children keep as the environment's value.
+pub fn mkl_cbwr(mode: CpuNumerics) -> &'static str {
+    match mode {
+        CpuNumerics::Portable => MKL_CBWR,
+        CpuNumerics::Native => "",
+    }
+}
 
 /// What a result was computed under.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -25,20 +36,28 @@ pub struct Numerics {
     pub cpu: String,
 }
 
-/// Sets `MKL_CBWR` to [`MKL_CBWR`] unless the environment sets it. MKL reads the variable when
-/// libtorch_cpu.so is loaded, before `main`, so setting it here alone changes nothing (measured
-/// with `MKL_VERBOSE=1`: `CNR:AUTO`): the process runs itself again with it, once (the children
-/// it starts inherit it). Call it first in `main`. Should that exec fail, the variable is removed
-/// again, so that the manifest records what MKL really used.
-pub fn fix() {
+/// Sets `MKL_CBWR` to the value of `mode` unless the environment sets it. MKL reads the variable
+/// when libtorch_cpu.so is loaded, before `main`, so setting it here alone changes nothing
+/// (measured with `MKL_VERBOSE=1`: `CNR:AUTO`): the process runs itself again with it, once (the
+/// children it starts inherit it). Call it in `main` before anything computes. Should that exec
+/// fail, the variable stays unset, so that the manifest records what MKL really used.
+pub fn fix(mode: CpuNumerics) {
     use std::os::unix::process::CommandExt;
     if std::env::var_os("MKL_CBWR").is_some() {
         return;
     }
+    let value = mkl_cbwr(mode);
     let mut args = std::env::args_os();
     let argv0 = args.next().unwrap_or_default();
-    let err = std::process::Command::new("/proc/self/exe").arg0(argv0).args(args).env("MKL_CBWR", MKL_CBWR).exec();
-    eprintln!("warning: cannot run runner again with MKL_CBWR={MKL_CBWR} ({err}): results may differ on other CPUs");
+    let err = std::process::Command::new("/proc/self/exe").arg0(argv0).args(args).env("MKL_CBWR", value).exec();
+    eprintln!("warning: cannot run runner again with MKL_CBWR={value} ({err}): results may differ on other CPUs");
+}
+
+/// What a process of a plan with `mode` computes under: the environment's `MKL_CBWR` where it
+/// sets one (it wins, as in [`fix`]), else the mode's.
+pub fn of_plan(mode: CpuNumerics) -> Numerics {
+    let mkl_cbwr = std::env::var("MKL_CBWR").unwrap_or_else(|_| mkl_cbwr(mode).to_owned());
+    Numerics { mkl_cbwr, cpu: cpu_model() }
 }
 
 /// The settings in effect in this process and the CPU it runs on.

@@ -13,9 +13,9 @@
 # `DDP(model)` (device_ids is for GPU modules only). Without DDP none of the three lines runs, so at
 # world size 1 the copy is train.py as it is. model.py and the configs are nanoGPT's own, linked.
 #
-# The runner runs twice: as it ships (MKL_CBWR=COMPATIBLE, the same bits on any x86-64 CPU: README,
-# "Reproducible on any x86-64 CPU") and with MKL_CBWR empty (MKL's kernels for this CPU, as nanoGPT
-# computes), so that the cost of that setting shows beside the comparison.
+# The runner runs twice: as the pipeline says (run.numerics = "native": MKL's kernels for this CPU,
+# as nanoGPT computes) and with run.numerics = "portable" (the same bits on any x86-64 CPU: README,
+# "Reproducible on any x86-64 CPU"), so that the cost of portability shows beside the comparison.
 #
 # nanoGPT runs with --always_save_checkpoint=True (its checkpoint after the last evaluation, so
 # both final models can be compared) and, at world size W > 1, under torchrun with
@@ -74,14 +74,11 @@ for w in $WORLDS; do
     nano_val=$(grep -o "step $ITERS: train loss [0-9.]*, val loss [0-9.]*" "$work/nanogpt-w$w.log" | grep -o "[0-9.]*$")
     echo "world size $w ($threads thread(s) per rank, $(( 12 * 64 * w )) tokens per step):"
     printf "  nanoGPT            wall %6.1f s  %6.0f tokens/s  val loss %s (20 random batches)\n" "$nano_s" "$(echo "$tokens / $nano_s" | bc -l)" "$nano_val"
-    # the runner as it ships (MKL_CBWR=COMPATIBLE: the same bits on any x86-64 CPU), then with
-    # MKL's kernels for this CPU (MKL_CBWR empty), as nanoGPT computes
-    for variant in portable native; do
+    # the runner with MKL's kernels for this CPU (the pipeline's run.numerics), then portable
+    for variant in native portable; do
         out="$work/runner-$variant-w$w"
-        cbwr=()
-        [ "$variant" = native ] && cbwr=(MKL_CBWR=)
         start=$(date +%s.%N)
-        env -u MKL_CBWR "${cbwr[@]}" "$RUNNER" run pipelines/shakespeare_char.toml --out "$out" --set run.world_size="$w" \
+        env -u MKL_CBWR "$RUNNER" run pipelines/shakespeare_char.toml --out "$out" --set run.numerics="\"$variant\"" --set run.world_size="$w" \
             --set run.threads_per_rank="$threads" --set train.steps="$ITERS" --set train.schedule.decay_end="$ITERS" \
             --set validate.every_steps="$every" --set train.schedule.warmup_steps="$warmup" > "$out.log" 2>&1
         runner_s=$(echo "$(date +%s.%N) - $start" | bc)

@@ -5,10 +5,10 @@
 //! the results (medians with min–max, ratios, fraction of the matmul peak, the targets) go to
 //! benches/RESULTS.md between markers, the notes around them are kept.
 //!
-//! The runner computes under `MKL_CBWR=COMPATIBLE` (crate::numerics: the same bits on any x86-64
-//! CPU); PyTorch runs as its users run it, with MKL choosing its kernels by the CPU. A third run
-//! in each repetition, the runner with MKL's own choice too (`MKL_CBWR` empty), prices that
-//! setting: the cost of reproducible numerics, in the report's own table.
+//! The runner computes as it does by default, `run.numerics = "portable"` (crate::numerics: the
+//! same bits on any x86-64 CPU); PyTorch runs as its users run it, with MKL choosing its kernels by
+//! the CPU. A third run in each repetition, the runner with `run.numerics = "native"`, prices that
+//! default: the cost of reproducible numerics, in the report's own table.
 pub mod peak;
 mod report;
 pub mod workload;
@@ -156,13 +156,12 @@ fn reference_python(root: &Path) -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
-/// The runner's numerical path in a bench run.
+/// The runner's numerical path in a bench run (`run.numerics`).
 #[derive(Clone, Copy, PartialEq)]
 enum Numerics {
-    /// As it runs by default: `MKL_CBWR=COMPATIBLE`, the same bits on any x86-64 CPU.
+    /// "portable", the default: `MKL_CBWR=COMPATIBLE`, the same bits on any x86-64 CPU.
     Reproducible,
-    /// `MKL_CBWR` empty (MKL's conditional reproducibility off, as when unset; the runner keeps
-    /// a value the environment gives): MKL's fastest kernels for this CPU, as PyTorch runs.
+    /// "native": MKL's kernels for this CPU, as PyTorch runs.
     CpuKernels,
 }
 
@@ -185,7 +184,12 @@ fn run_runner(
         .arg(&out)
         // The bench owns its directories: another thread count is another run id, same place.
         .arg("--force")
-        .env("MKL_CBWR", if numerics == Numerics::CpuKernels { "" } else { crate::numerics::MKL_CBWR });
+        .args([
+            "--set",
+            if numerics == Numerics::CpuKernels { "run.numerics=\"native\"" } else { "run.numerics=\"portable\"" },
+        ])
+        // The key decides, not an MKL_CBWR the bench's caller set.
+        .env_remove("MKL_CBWR");
     if w.bf16 {
         cmd.args(["--set", "train.precision=\"bf16\""]);
     }

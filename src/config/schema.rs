@@ -69,6 +69,23 @@ pub struct Run {
     /// submitit uses USR2.
     #[serde(skip_serializing_if = "is_default")]
     pub preempt_signal: PreemptSignal,
+    /// The numerical path of libtorch's CPU matrix products: "portable" (the same bits on any
+    /// x86-64 CPU: MKL_CBWR=COMPATIBLE, about 2.4x slower on compute-bound runs) or "native" (MKL's
+    /// kernels for this CPU, as PyTorch runs: the same bits on the same CPU model). An MKL_CBWR
+    /// set in the environment wins.
+    #[serde(skip_serializing_if = "is_default")]
+    pub numerics: CpuNumerics,
+}
+
+/// `run.numerics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum CpuNumerics {
+    /// The same bits on any x86-64 CPU (MKL's conditional numerical reproducibility, COMPATIBLE).
+    #[default]
+    Portable,
+    /// MKL's kernels for this CPU: faster; the same bits on the same CPU model only.
+    Native,
 }
 
 /// A signal a job scheduler sends before it stops a job (`run.preempt_signal`).
@@ -115,6 +132,7 @@ impl Default for Run {
             step_timeout_s: None,
             memory_per_rank_mb: None,
             preempt_signal: PreemptSignal::Usr1,
+            numerics: CpuNumerics::Portable,
         }
     }
 }

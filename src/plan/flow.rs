@@ -270,6 +270,9 @@ impl Plan {
             Precision::Bf16 => "bf16 autocast, float32 weights and optimizer state".into(),
             Precision::Fp16 => "fp16".into(),
         });
+        if self.config.run.numerics == crate::config::schema::CpuNumerics::Native {
+            step.push("MKL's kernels for this CPU (run.numerics = \"native\")".into());
+        }
         rows.push(vec![
             "  step".into(),
             "gradients".into(),

@@ -20,15 +20,14 @@ pub const TIMING_COLUMNS: &[&str] = &["epoch_s", "samples_per_s", "comm_s", "com
 /// without them is compared on the others; one that has them is compared on them too.
 pub const LATER_COLUMNS: &[&str] = &["lr", "grad_norm_mean", "grad_norm_max"];
 
-/// Makes the reruns compute under the stored sweep's `MKL_CBWR` (its children inherit it); returns
-/// the stored and the current CPU and settings, as text.
+/// Makes the reruns compute under the stored sweep's `MKL_CBWR` (its children inherit it and keep
+/// it, whatever their run.numerics says); returns the stored and the current CPU and settings, as
+/// text.
 pub fn apply_stored_numerics(stored: Option<&Numerics>) -> (String, String) {
     let Some(stored) = stored else {
         return ("an unrecorded CPU (a sweep of an older runner)".into(), crate::numerics::current().to_string());
     };
-    if !stored.mkl_cbwr.is_empty() {
-        std::env::set_var("MKL_CBWR", &stored.mkl_cbwr);
-    }
+    std::env::set_var("MKL_CBWR", &stored.mkl_cbwr);
     (stored.to_string(), crate::numerics::current().to_string())
 }
 

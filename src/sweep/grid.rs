@@ -74,7 +74,8 @@ pub fn index(experiment: &Path, axes: &[Axis], points: &[Point]) -> Index {
                 values: p.values.iter().map(|(k, v)| (k.clone(), v.to_string())).collect(),
             })
             .collect(),
-        numerics: Some(crate::numerics::current()),
+        // What the points compute under (each `runner run` sets it from its plan).
+        numerics: points.first().map(|p| crate::numerics::of_plan(p.plan.config.run.numerics)),
     }
 }
 
