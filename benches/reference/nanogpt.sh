@@ -6,6 +6,7 @@
 #
 #   scripts/shakespeare.sh                                   # data/shakespeare_char
 #   benches/reference/nanogpt.sh NANOGPT_DIR [ITERS=2000] [WORLD_SIZES="1 2"]
+#   VARIANTS=native benches/reference/nanogpt.sh ...     # the runner's native run only
 #
 # nanoGPT's train.py runs from a copy made in the work folder with three lines changed, because
 # under DDP it assumes CUDA: `device = f'cuda:{ddp_local_rank}'` becomes `device = 'cpu'`,
@@ -75,7 +76,7 @@ for w in $WORLDS; do
     echo "world size $w ($threads thread(s) per rank, $(( 12 * 64 * w )) tokens per step):"
     printf "  nanoGPT            wall %6.1f s  %6.0f tokens/s  val loss %s (20 random batches)\n" "$nano_s" "$(echo "$tokens / $nano_s" | bc -l)" "$nano_val"
     # the runner with MKL's kernels for this CPU (the pipeline's run.numerics), then portable
-    for variant in native portable; do
+    for variant in ${VARIANTS:-native portable}; do
         out="$work/runner-$variant-w$w"
         start=$(date +%s.%N)
         env -u MKL_CBWR "$RUNNER" run pipelines/shakespeare_char.toml --out "$out" --set run.numerics="\"$variant\"" --set run.world_size="$w" \
