@@ -20,6 +20,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use tch::Kind;
 
+use crate::config::schema::CpuNumerics;
 use workload::Workload;
 
 pub struct Options {
@@ -108,9 +109,9 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
             let mut cell =
                 Cell { world_size: ws, threads, runner: Vec::new(), torch: Vec::new(), runner_cpu_kernels: Vec::new() };
             for rep in 1..=opts.repetitions {
-                let r = retried(|| run_runner(&files, &w, ws, threads, Numerics::Reproducible))?;
+                let r = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Portable))?;
                 let t = retried(|| run_torch(&torchrun, &script, &files, &w, ws, threads))?;
-                let k = retried(|| run_runner(&files, &w, ws, threads, Numerics::CpuKernels))?;
+                let k = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native))?;
                 crate::say!(
                     "  world size {ws}, run {rep}/{}: runner {:.2} s ({:.3} s/epoch), PyTorch {:.2} s ({:.3} s/epoch), \
                      runner with MKL's kernels for this CPU {:.2} s ({:.3} s/epoch)",
@@ -156,24 +157,15 @@ fn reference_python(root: &Path) -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
-/// The runner's numerical path in a bench run (`run.numerics`).
-#[derive(Clone, Copy, PartialEq)]
-enum Numerics {
-    /// "portable", the default: `MKL_CBWR=COMPATIBLE`, the same bits on any x86-64 CPU.
-    Reproducible,
-    /// "native": MKL's kernels for this CPU, as PyTorch runs.
-    CpuKernels,
-}
-
 fn run_runner(
     files: &workload::Files,
     w: &Workload,
     ws: usize,
     threads: usize,
-    numerics: Numerics,
+    numerics: CpuNumerics,
 ) -> anyhow::Result<Measure> {
     let tag = w.precision_tag();
-    let tag = if numerics == Numerics::CpuKernels { format!("{tag}-cpu-kernels") } else { tag.to_string() };
+    let tag = if numerics == CpuNumerics::Native { format!("{tag}-native") } else { tag.to_string() };
     let out = files.dir.join(format!("runner{tag}-ws{ws}"));
     let exe = std::env::current_exe().context("cannot find the runner binary")?;
     let mut cmd = Command::new(exe);
@@ -186,7 +178,7 @@ fn run_runner(
         .arg("--force")
         .args([
             "--set",
-            if numerics == Numerics::CpuKernels { "run.numerics=\"native\"" } else { "run.numerics=\"portable\"" },
+            if numerics == CpuNumerics::Native { "run.numerics=\"native\"" } else { "run.numerics=\"portable\"" },
         ])
         // The key decides, not an MKL_CBWR the bench's caller set.
         .env_remove("MKL_CBWR");
