@@ -534,7 +534,7 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
         match (&result, preempted) {
             (Ok(_), _) => {
                 manifest.end(Status::Complete, None);
-                manifest.stopped(&run_dir, plan.config.train.epochs);
+                manifest.stopped(&run_dir, &plan.config.train);
             }
             (Err(_), Some(p)) => {
                 manifest.end(Status::Preempted, None);
@@ -641,7 +641,7 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
     match &outcome.failure {
         None => {
             manifest.end(Status::Complete, None);
-            manifest.stopped(run_dir, plan.config.train.epochs);
+            manifest.stopped(run_dir, &plan.config.train);
             manifest.write(run_dir)?;
             crate::say!("  run directory: {}", run_dir.display());
             Ok(0)

@@ -186,6 +186,8 @@ fn the_shakespeare_pipeline_validates_trains_and_samples_deterministically_from_
     let short = [&short[..], &["--set", "train.schedule.warmup_steps=5", "--set", "validate.batches=2"]].concat();
     let o = run(&[&["run", "pipelines/shakespeare_char.toml", "--out", "lm"][..], &short[..]].concat(), p);
     assert_ok(&o);
+    let manifest = std::fs::read_to_string(p.join("lm/manifest.json")).unwrap();
+    assert!(manifest.contains("\"stopped\": \"completed train.steps = 20\""), "{manifest}");
 
     let sample = |seed: &str| {
         let args = ["predict", "lm", "--prompt", "ROMEO.\n", "--tokens", "60", "--temperature", "0.8"];

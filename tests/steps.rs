@@ -118,6 +118,22 @@ fn random_windows_resumed_from_a_mid_interval_checkpoint_end_bit_identical() {
 }
 
 #[test]
+fn thread_replicas_resumed_from_a_mid_interval_checkpoint_end_bit_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    corpus(dir.path());
+    write(dir.path(), "p.toml", LM);
+    // Two replicas of one thread on each of the 2 ranks (without dropout, which they refuse).
+    let replicas =
+        ["--set", "wrap.model.dropout=0.0", "--set", "run.threads_per_rank=2", "--set", "wrap.threads_per_replica=1"];
+    resumes_bit_identical(
+        dir.path(),
+        &replicas,
+        "step-00000025.json",
+        &["model.safetensors", "checkpoints/step-00000240.pt"],
+    );
+}
+
+#[test]
 fn an_epoch_run_resumed_from_a_mid_epoch_checkpoint_ends_bit_identical() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", EPOCHS);

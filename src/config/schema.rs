@@ -374,6 +374,14 @@ pub struct Wrap {
     /// batch norm on one rank or with strategy = "none".
     #[serde(skip_serializing_if = "is_false")]
     pub sync_batchnorm: bool,
+    /// Intra-op threads of each replica of the model a rank computes: with fewer than
+    /// run.threads_per_rank, the rank holds run.threads_per_rank / this replicas sharing its
+    /// weights, each computing its part of every batch at the same time on its own threads, their
+    /// gradients summed in a fixed order (the same bits as train.accumulate over those parts).
+    /// Default: all of the rank's threads in one replica. Small models on few cores gain most:
+    /// their matrix products are too short to keep several threads busy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub threads_per_replica: Option<usize>,
     #[serde(deserialize_with = "model_of_default_kind")]
     pub model: Model,
     /// strategy = "pipeline" only.
@@ -387,6 +395,7 @@ impl Default for Wrap {
             bucket_cap_mb: 25.0,
             init: None,
             sync_batchnorm: false,
+            threads_per_replica: None,
             model: Model::default(),
             pipeline: Pipeline::default(),
         }

@@ -139,6 +139,21 @@ impl Plan {
     fn wrap_op(&self) -> String {
         let c = &self.config;
         let (stages, copies) = (self.pipeline_ranks(), self.layout.world_size);
+        let replicas = self.thread_replicas();
+        if replicas > 1 {
+            let per = self.threads_per_rank / replicas;
+            let each = format!(
+                "{replicas} replicas per rank sharing its weights, {per} thread{} each, computing their parts of every batch at once, gradients summed in order",
+                if per == 1 { "" } else { "s" }
+            );
+            return match (c.wrap.strategy, self.world_size()) {
+                (WrapStrategy::Ddp, w) if w > 1 => {
+                    format!("{each}, then averaged across ranks in one all-reduce; weights broadcast from rank 0")
+                }
+                (WrapStrategy::None, w) if w > 1 => format!("{each}; no synchronisation between ranks"),
+                _ => each,
+            };
+        }
         match c.wrap.strategy {
             WrapStrategy::Ddp => {
                 format!("DDP (c10d Reducer, {} MiB buckets), weights broadcast from rank 0", c.wrap.bucket_cap_mb)

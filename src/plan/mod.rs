@@ -114,6 +114,9 @@ impl Plan {
         if let Some(stages) = &stages {
             stages::check_memory_limit(&c, stages, &layer_parameters, &mut bad);
         }
+        if let Some(l) = &layout {
+            thread_replicas(&c, l.split_batch.unwrap_or(c.train.batch_size), &mut bad);
+        }
         let memory = match (&data, &stages, &arch, &layout) {
             (Some(d), Some(stages), Some(arch), Some(l)) => {
                 Some(memory_estimate(&c, d, l, arch.as_ref(), stages, &layer_parameters, &mut bad))
@@ -127,10 +130,9 @@ impl Plan {
             return Err(ConfigError::new(format!("{}: {head}:\n  {}", file.display(), errors.join("\n  "))));
         }
         let (data, layout, stages) = (data.expect("checked"), layout.expect("checked"), stages.expect("checked"));
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         Ok(Plan {
             batch_per_rank: layout.split_batch.unwrap_or(c.train.batch_size),
-            threads_per_rank: c.run.threads_per_rank.unwrap_or((cores / c.run.world_size).max(1)),
+            threads_per_rank: threads_per_rank(&c),
             parameters: layer_parameters.iter().sum(),
             run_id: input::run_id(&c, &inputs),
             config: c,
@@ -218,6 +220,16 @@ impl Plan {
         c.wrap.sync_batchnorm && c.wrap.strategy == WrapStrategy::Ddp && self.world_size() > 1
     }
 
+    /// Replicas of the model each rank computes at once on its threads (`wrap.threads_per_replica`).
+    pub fn thread_replicas(&self) -> usize {
+        self.config.wrap.threads_per_replica.map_or(1, |t| (self.threads_per_rank / t.max(1)).max(1))
+    }
+
+    /// Intra-op threads of each of those replicas.
+    pub fn threads_per_replica(&self) -> usize {
+        (self.threads_per_rank / self.thread_replicas()).max(1)
+    }
+
     /// Which shard of the data `rank` walks: its own, or its pipeline's.
     pub fn replica(&self, rank: usize) -> usize {
         if self.is_pipeline() {
@@ -291,6 +303,56 @@ fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
     // This build and this machine against run.device / run.backend (see crate::device).
     for (key, msg) in crate::device::refusals(c.run.backend, c.run.device) {
         bad(key, msg);
+    }
+}
+
+/// `run.threads_per_rank`, or this machine's cores shared among the ranks.
+fn threads_per_rank(c: &Config) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    c.run.threads_per_rank.unwrap_or((cores / c.run.world_size.max(1)).max(1))
+}
+
+/// `wrap.threads_per_replica`: a divisor of the rank's threads, and, with several replicas per
+/// rank, a model whose replicas can compute at once: nothing drawn at random in the forward pass
+/// (two threads drawing from one generator would draw in a different order each run), no batch
+/// norm statistics (both replicas would update them), layers the runner builds, on the CPU.
+fn thread_replicas(c: &Config, batch: usize, bad: &mut impl FnMut(&str, String)) {
+    let Some(per) = c.wrap.threads_per_replica else { return };
+    let key = "wrap.threads_per_replica";
+    let threads = threads_per_rank(c);
+    if per == 0 {
+        return bad(key, "must be at least 1 (or absent: all of the rank's threads in one replica)".into());
+    }
+    if per > threads || threads % per != 0 {
+        let why = if c.run.threads_per_rank.is_some() { "run.threads_per_rank" } else { "cores / world_size" };
+        return bad(
+            key,
+            format!("{per} does not divide the rank's {threads} threads ({why}); use a divisor of {threads}"),
+        );
+    }
+    let replicas = threads / per;
+    if replicas == 1 {
+        return;
+    }
+    let each = format!("{replicas} replicas per rank ({threads} threads / {per})");
+    let dropout = match &c.wrap.model {
+        Model::Mlp(m) => m.dropout,
+        Model::Cnn(m) => m.conv.iter().map(|b| b.dropout).fold(m.dropout, f64::max),
+        Model::Transformer(m) => m.dropout,
+        Model::Torchscript(_) => 0.0,
+    };
+    if c.wrap.strategy == WrapStrategy::Pipeline {
+        bad(key, format!("{each} are for whole replicas (wrap.strategy = \"ddp\" or \"none\"), not a pipeline's stages; remove it"));
+    } else if c.run.device == crate::config::schema::Device::Cuda {
+        bad(key, format!("{each} are for the CPU's threads; on a GPU remove it"));
+    } else if matches!(c.wrap.model, Model::Torchscript(_)) {
+        bad(key, format!("{each} need layers the runner builds; a TorchScript module cannot be copied to share its weights. Remove it"));
+    } else if dropout > 0.0 {
+        bad(key, format!("{each} would draw dropout's masks from one generator on two threads, in a different order each run; set the model's dropout to 0 or remove it"));
+    } else if matches!(&c.wrap.model, Model::Cnn(m) if m.conv.iter().any(|b| b.batch_norm)) {
+        bad(key, format!("{each} would both update batch norm's running statistics; remove it (or batch_norm from the conv blocks)"));
+    } else if batch < replicas {
+        bad(key, format!("{each} need at least {replicas} rows per batch to split; the rank's batch has {batch}"));
     }
 }
 

@@ -89,11 +89,14 @@ impl Manifest {
     }
 
     /// Records why a complete run stopped: early stopping's reason (its rank 0 wrote it into the
-    /// run directory), or the end of its `epochs`.
-    pub fn stopped(&mut self, run_dir: &Path, epochs: usize) {
+    /// run directory), or the end of its budget: `train.steps` where it sets one, else `epochs`.
+    pub fn stopped(&mut self, run_dir: &Path, train: &crate::config::schema::Train) {
         self.stopped = Some(match std::fs::read_to_string(run_dir.join(super::STOPPED)) {
             Ok(why) => why,
-            Err(_) => format!("completed train.epochs = {epochs}"),
+            Err(_) => match train.steps {
+                Some(steps) => format!("completed train.steps = {steps}"),
+                None => format!("completed train.epochs = {}", train.epochs),
+            },
         });
     }
 

@@ -32,7 +32,10 @@ pub fn run(
 ) -> anyhow::Result<Vec<EpochRow>> {
     let c = &plan.config;
     let rank = pg.rank();
-    tch::set_num_threads(plan.threads_per_rank as i32);
+    // With thread replicas this thread is the first replica's: it computes on its share of the
+    // threads, the optimizer and validation too (a team of all the rank's threads here would spin
+    // on the cores the other replicas compute on).
+    tch::set_num_threads(plan.threads_per_replica() as i32);
     let position = Position::new(run_dir, rank);
 
     position.set("load", 0, 0);

@@ -10,6 +10,7 @@ use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::Optimizer;
 use crate::model::BuildContext;
 use crate::plan::Plan;
+use crate::strategy::threads::ThreadReplicas;
 use crate::strategy::Strategy;
 
 pub struct Wrapped<'pg> {
@@ -47,8 +48,15 @@ pub fn wrap<'pg>(
     }
     let params = crate::model::parameters_in_module_order(arch.as_ref(), layers.clone(), &vs);
     let vars = vs.variables();
-    let buffers: Vec<_> = arch.buffers(layers).iter().map(|(name, _)| vars[name].shallow_clone()).collect();
-    let strategy = Strategy::new(plan, pg, device, &params, &buffers, buckets, batch_norm)?;
+    let buffers: Vec<_> = arch.buffers(layers.clone()).iter().map(|(name, _)| vars[name].shallow_clone()).collect();
+    let replicas = plan.thread_replicas();
+    let threads = (replicas > 1)
+        .then(|| {
+            let (task, precision) = (plan.data.task, c.train.precision);
+            ThreadReplicas::new(arch.as_ref(), layers, &params, replicas, plan.threads_per_replica(), task, precision)
+        })
+        .transpose()?;
+    let strategy = Strategy::new(plan, pg, device, &params, &buffers, buckets, batch_norm, threads)?;
     let optimizer = Optimizer::new(&c.train, vs.trainable_variables());
     Ok(Wrapped { vs, model, strategy, optimizer })
 }

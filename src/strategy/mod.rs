@@ -4,6 +4,7 @@
 //! gathered to rank 0. Batch split (seed 002) is DDP over another shard layout (`data::shard`).
 pub mod pipeline;
 pub mod replica;
+pub mod threads;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,6 +31,21 @@ pub fn in_precision<T>(precision: crate::config::schema::Precision, f: impl FnOn
         // Refused on the plan.
         crate::config::schema::Precision::Fp16 => anyhow::bail!("train.precision = \"fp16\" is not built"),
     }
+}
+
+/// Averages `params`' gradients over `group`: one all-reduce of them all, flattened in the
+/// parameters' fixed order.
+fn average_gradients(group: &ProcessGroup, params: &[Tensor]) -> anyhow::Result<()> {
+    let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).collect();
+    let mut flat = Tensor::cat(&grads.iter().map(|g| g.view([-1])).collect::<Vec<_>>(), 0);
+    group.all_reduce(&mut flat, crate::dist::ReduceOp::Avg)?;
+    let mut offset = 0;
+    for mut g in grads {
+        let n = g.numel() as i64;
+        tch::no_grad(|| g.copy_(&flat.narrow(0, offset, n).view_as(&g)));
+        offset += n;
+    }
+    Ok(())
 }
 
 /// What one training step measured on this rank.
@@ -74,8 +90,9 @@ pub enum Strategy<'pg> {
 impl<'pg> Strategy<'pg> {
     /// This rank's part of the strategy, over `params` (this rank's, in module order). `buckets`:
     /// the DDP bucket layout a checkpoint recorded. `batch_norm`: the group the model's batch norm
-    /// layers synchronise over (a replica's, under `wrap.sync_batchnorm`). Every rank must call
-    /// this at the same point.
+    /// layers synchronise over (a replica's, under `wrap.sync_batchnorm`). `threads`: more
+    /// replicas on this rank's threads (`wrap.threads_per_replica`). Every rank must call this at
+    /// the same point.
     pub fn new(
         plan: &Plan,
         pg: &'pg ProcessGroup,
@@ -84,11 +101,12 @@ impl<'pg> Strategy<'pg> {
         buffers: &[Tensor],
         buckets: Option<&[Vec<usize>]>,
         batch_norm: Option<Arc<StatsGroup<'pg>>>,
+        threads: Option<threads::ThreadReplicas>,
     ) -> anyhow::Result<Strategy<'pg>> {
         Ok(match plan.config.wrap.strategy {
-            WrapStrategy::Ddp | WrapStrategy::None => {
-                Strategy::Replica(replica::Replica::new(plan, pg, device, params, buffers, buckets, batch_norm)?)
-            }
+            WrapStrategy::Ddp | WrapStrategy::None => Strategy::Replica(replica::Replica::new(
+                plan, pg, device, params, buffers, buckets, batch_norm, threads,
+            )?),
             WrapStrategy::Pipeline => Strategy::Pipeline(pipeline::Stage::new(plan, pg, device)?),
         })
     }

@@ -104,15 +104,7 @@ impl<'pg> Stage<'pg> {
     pub fn average_gradients(&self, params: &[Tensor]) -> anyhow::Result<Duration> {
         let Some(group) = &self.replicas else { return Ok(Duration::ZERO) };
         let t = device::now(self.device);
-        let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).collect();
-        let mut flat = Tensor::cat(&grads.iter().map(|g| g.view([-1])).collect::<Vec<_>>(), 0);
-        group.all_reduce(&mut flat, crate::dist::ReduceOp::Avg)?;
-        let mut offset = 0;
-        for mut g in grads {
-            let n = g.numel() as i64;
-            tch::no_grad(|| g.copy_(&flat.narrow(0, offset, n).view_as(&g)));
-            offset += n;
-        }
+        super::average_gradients(group, params)?;
         Ok(device::elapsed(self.device, t))
     }
 

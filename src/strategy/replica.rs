@@ -10,6 +10,7 @@ use std::sync::Arc;
 use tch::nn::ModuleT;
 use tch::{Kind, Tensor};
 
+use super::threads::ThreadReplicas;
 use super::{Micro, StepOut};
 use crate::config::schema::{Precision, ValidateOn, WrapStrategy};
 use crate::data::normalize::Normalizer;
@@ -34,6 +35,12 @@ pub struct Replica<'pg> {
     batch_norm: Option<Arc<StatsGroup<'pg>>>,
     /// The model's buffers, broadcast from rank 0 (under DDP with more than one rank; else empty).
     buffers: Vec<Tensor>,
+    /// More replicas on this rank's threads (`wrap.threads_per_replica`), and this replica's
+    /// parameters in module order, whose gradients theirs are added to.
+    threads: Option<(ThreadReplicas, Vec<Tensor>)>,
+    /// Average the gradients across ranks after the backward passes, in one all-reduce: under
+    /// DDP with thread replicas, whose gradients c10d's Reducer would not wait for.
+    average_after: bool,
 }
 
 impl<'pg> Replica<'pg> {
@@ -45,12 +52,18 @@ impl<'pg> Replica<'pg> {
         buffers: &[Tensor],
         buckets: Option<&[Vec<usize>]>,
         batch_norm: Option<Arc<StatsGroup<'pg>>>,
+        threads: Option<ThreadReplicas>,
     ) -> anyhow::Result<Replica<'pg>> {
         let c = &plan.config;
+        let average_after = threads.is_some() && c.wrap.strategy == WrapStrategy::Ddp && pg.size() > 1;
+        if average_after {
+            // What the Reducer does when it is built: every rank starts from rank 0's weights.
+            broadcast_from_rank0(pg, params)?;
+        }
         let ddp = match c.wrap.strategy {
             // One rank has no gradients to average: the Reducer would only copy them into its
             // buckets and back.
-            WrapStrategy::Ddp if pg.size() > 1 => {
+            WrapStrategy::Ddp if pg.size() > 1 && !average_after => {
                 // The Reducer samples its timers on its first ten iterations and on the ones the
                 // step trace records (none after the tenth with step_every = 0).
                 let every = if c.trace.step_every > 0 { c.trace.step_every } else { usize::MAX / 2 };
@@ -60,7 +73,51 @@ impl<'pg> Replica<'pg> {
         };
         let buffers = if ddp.is_some() { buffers.iter().map(Tensor::shallow_clone).collect() } else { Vec::new() };
         let precision = c.train.precision;
-        Ok(Replica { pg, ddp, task: plan.data.task, device, precision, iteration: 0, batch_norm, buffers })
+        let threads = threads.map(|t| (t, params.iter().map(Tensor::shallow_clone).collect()));
+        Ok(Replica {
+            pg,
+            ddp,
+            task: plan.data.task,
+            device,
+            precision,
+            iteration: 0,
+            batch_norm,
+            buffers,
+            threads,
+            average_after,
+        })
+    }
+
+    /// [`Replica::step`] with thread replicas: this thread computes the batch's first part while
+    /// they compute theirs; the gradients are summed, then averaged across ranks under DDP.
+    fn step_threads(&mut self, model: &dyn ModuleT, x: &Tensor, y: &Tensor, micro: Micro) -> anyhow::Result<StepOut> {
+        let (task, precision, dev) = (self.task, self.precision, self.device);
+        let (threads, params) = self.threads.as_mut().expect("thread replicas");
+        let t0 = device::now(dev);
+        let mut forward = Default::default();
+        let part = threads.step(params, x, y, micro.scale, |x, y, scale| {
+            let (per_sample, correct) =
+                super::threads::forward_backward(model, task, precision, x, y, scale, &mut forward)?;
+            Ok(super::threads::Part { per_sample, correct })
+        })?;
+        let t1 = device::now(dev);
+        let comm = if self.average_after && micro.sync {
+            super::average_gradients(self.pg, params)?;
+            Some(device::elapsed(dev, t1))
+        } else {
+            None
+        };
+        Ok(StepOut {
+            correct: Some(part.correct),
+            per_sample: Some(part.per_sample),
+            forward,
+            loss: Default::default(),
+            // With the other replicas' backward passes, and the sum of their gradients.
+            backward: (t1 - t0).saturating_sub(forward),
+            comm,
+            overlap: Default::default(),
+            wait: Default::default(),
+        })
     }
 
     /// `sampled`: the step trace records this step (the Reducer has timed it). The gradients add
@@ -78,6 +135,9 @@ impl<'pg> Replica<'pg> {
         if micro.sync || self.ddp.is_none() {
             self.iteration += 1;
         }
+        if self.threads.is_some() {
+            return self.step_threads(model, x, y, micro);
+        }
         let dev = self.device;
         let t0 = device::now(dev);
         if let Some(ddp) = self.ddp.as_mut() {
@@ -85,7 +145,7 @@ impl<'pg> Replica<'pg> {
             ddp.prepare_forward()?;
         }
         if micro.sync {
-            broadcast_buffers(self.pg, &self.buffers)?;
+            broadcast_from_rank0(self.pg, &self.buffers)?;
         }
         let out = super::in_precision(self.precision, || model.forward_t(x, true))?;
         // SyncBatchNorm's statistics all-reduce failed (a peer left): nothing of this step counts.
@@ -128,7 +188,7 @@ impl<'pg> Replica<'pg> {
         data: &Dataset,
         normalizer: &Normalizer,
     ) -> anyhow::Result<Option<crate::data::Metrics>> {
-        broadcast_buffers(self.pg, &self.buffers)?;
+        broadcast_from_rank0(self.pg, &self.buffers)?;
         if self.pg.rank() != 0 && plan.config.validate.on != ValidateOn::All {
             return Ok(None);
         }
@@ -143,7 +203,7 @@ impl<'pg> Replica<'pg> {
 
 /// Copies rank 0's `buffers` into every rank's: one broadcast per element type (float statistics,
 /// integer counts) of the buffers flattened together, as torch's `_sync_module_buffers` coalesces.
-fn broadcast_buffers(pg: &ProcessGroup, buffers: &[Tensor]) -> anyhow::Result<()> {
+fn broadcast_from_rank0(pg: &ProcessGroup, buffers: &[Tensor]) -> anyhow::Result<()> {
     for floating in [true, false] {
         let group: Vec<&Tensor> = buffers.iter().filter(|b| b.is_floating_point() == floating).collect();
         if group.is_empty() {
