@@ -323,7 +323,7 @@ fn thread_replicas(c: &Config, batch: usize, bad: &mut impl FnMut(&str, String))
     if per == 0 {
         return bad(key, "must be at least 1 (or absent: all of the rank's threads in one replica)".into());
     }
-    if per > threads || threads % per != 0 {
+    if per > threads || !threads.is_multiple_of(per) {
         let why = if c.run.threads_per_rank.is_some() { "run.threads_per_rank" } else { "cores / world_size" };
         return bad(
             key,

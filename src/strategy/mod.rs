@@ -93,6 +93,7 @@ impl<'pg> Strategy<'pg> {
     /// layers synchronise over (a replica's, under `wrap.sync_batchnorm`). `threads`: more
     /// replicas on this rank's threads (`wrap.threads_per_replica`). Every rank must call this at
     /// the same point.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         plan: &Plan,
         pg: &'pg ProcessGroup,

@@ -44,6 +44,7 @@ pub struct Replica<'pg> {
 }
 
 impl<'pg> Replica<'pg> {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         plan: &Plan,
         pg: &'pg ProcessGroup,
