@@ -68,8 +68,12 @@ fn weights(dir: &Path) -> Vec<(String, Vec<u32>)> {
 }
 
 fn losses(dir: &Path) -> Vec<f64> {
+    column(dir, "global_train_loss")
+}
+
+fn column(dir: &Path, name: &str) -> Vec<f64> {
     let df = common::trace(dir);
-    df.column("global_train_loss").unwrap().f64().unwrap().into_no_null_iter().collect()
+    df.column(name).unwrap().f64().unwrap().iter().flatten().collect()
 }
 
 #[test]
@@ -98,6 +102,12 @@ fn two_replicas_of_one_thread_equal_gradient_accumulation_bit_for_bit_at_world_s
         assert_eq!(bits(&a), bits(&b), "world size {world}: the same losses, to the bit: {a:?} against {b:?}");
         assert_eq!(weights(&p.join(&split)), weights(&p.join(&acc)), "world size {world}: the same final weights");
         assert!(a[a.len() - 1] < a[0], "it learns: {a:?}");
+        // Validation's forward pass is split over the replicas too: the same rows, in parts.
+        let (va, vb) = (column(&p.join(&split), "val_loss"), column(&p.join(&acc), "val_loss"));
+        assert_eq!(va.len(), 3);
+        for (x, y) in va.iter().zip(&vb) {
+            assert!(((x - y) / y).abs() < 1e-6, "world size {world}: validation {va:?} against {vb:?}");
+        }
     }
     // The same model computed as one replica of two threads: equal up to rounding, not bitwise
     // (the products are summed in other orders).

@@ -193,7 +193,12 @@ impl<'pg> Replica<'pg> {
         if self.pg.rank() != 0 && plan.config.validate.on != ValidateOn::All {
             return Ok(None);
         }
-        let out = tch::no_grad(|| model.forward_t(&normalizer.apply(&data.val_x), false));
+        let x = normalizer.apply(&data.val_x);
+        let forward = |x: &Tensor| tch::no_grad(|| model.forward_t(x, false));
+        let out = match &self.threads {
+            Some((threads, _)) => threads.forward(&x, forward)?,
+            None => forward(&x),
+        };
         Ok(Some(data.metrics(&out, &data.val_y)))
     }
 

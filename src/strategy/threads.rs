@@ -4,6 +4,7 @@
 //! reach them) but keep their own gradients, and computes its part on a thread of its own.
 //! After the backward passes the other replicas' gradients are added to the first one's in
 //! replica order: the same sums, in the same order, as `train.accumulate` over the same parts.
+//! Validation's forward pass is split over the replicas the same way.
 //!
 //! Small models gain: a product of 768 rows by 128 columns is too short to keep two threads
 //! busy (they wait for each other at every operation), while two products of 384 rows on one
@@ -25,17 +26,23 @@ pub struct Part {
     pub correct: Tensor,
 }
 
-/// A part's rows, and its share of the step's mean loss.
-struct Job {
-    x: Tensor,
-    y: Tensor,
-    scale: f64,
+/// What a replica is asked to compute.
+enum Job {
+    /// A training step's part: its rows, and its share of the step's mean loss.
+    Step { x: Tensor, y: Tensor, scale: f64 },
+    /// A forward pass in evaluation mode, without gradients (validation's part).
+    Forward { x: Tensor },
+}
+
+enum Done {
+    Step(Part),
+    Forward(Tensor),
 }
 
 /// A replica computing on its own thread.
 struct Worker {
     jobs: Option<mpsc::Sender<Job>>,
-    done: mpsc::Receiver<Result<Part, String>>,
+    done: mpsc::Receiver<Result<Done, String>>,
     /// Its parameters in module order: the first replica's data, its own gradients.
     params: Vec<Tensor>,
     thread: Option<JoinHandle<()>>,
@@ -80,8 +87,8 @@ impl ThreadReplicas {
             let thread = std::thread::Builder::new().name(format!("replica-{k}")).spawn(move || {
                 tch::set_num_threads(threads as i32);
                 for job in inbox {
-                    let part = compute(model.as_ref(), task, precision, &job);
-                    if outbox.send(part).is_err() {
+                    let done = compute(model.as_ref(), task, precision, job);
+                    if outbox.send(done).is_err() {
                         break;
                     }
                 }
@@ -114,17 +121,19 @@ impl ThreadReplicas {
         let mut at = sizes[0];
         let busy = sizes.len() - 1;
         for (w, &rows) in self.workers.iter().zip(&sizes[1..]) {
-            let job = Job { x: x.narrow(0, at, rows), y: y.narrow(0, at, rows), scale: share(rows) };
+            w.send(Job::Step { x: x.narrow(0, at, rows), y: y.narrow(0, at, rows), scale: share(rows) })?;
             at += rows;
-            w.jobs.as_ref().expect("open until dropped").send(job).map_err(|_| stopped())?;
         }
         let mine = first(&x.narrow(0, 0, sizes[0]), &y.narrow(0, 0, sizes[0]), share(sizes[0]));
         // Every busy replica's answer is taken, even after a failure here, so none is left
         // computing into gradients the next step would read.
-        let theirs: Vec<_> = self.workers[..busy].iter().map(|w| w.done.recv().map_err(|_| stopped())).collect();
+        let theirs: Vec<_> = self.workers[..busy].iter().map(Worker::receive).collect();
         let mut parts = vec![mine?];
-        for part in theirs {
-            parts.push(part?.map_err(|e| anyhow::anyhow!("a thread replica's step failed: {e}"))?);
+        for done in theirs {
+            match done? {
+                Done::Step(part) => parts.push(part),
+                Done::Forward(_) => unreachable!("a step's answer"),
+            }
         }
         tch::no_grad(|| -> anyhow::Result<()> {
             for w in &self.workers[..busy] {
@@ -142,6 +151,39 @@ impl ThreadReplicas {
         })?;
         let cat = |f: fn(&Part) -> &Tensor| Tensor::cat(&parts.iter().map(f).collect::<Vec<_>>(), 0);
         Ok(Part { per_sample: cat(|p| &p.per_sample), correct: cat(|p| &p.correct) })
+    }
+}
+
+impl ThreadReplicas {
+    /// The model's output on `x` in evaluation mode, its rows split over the replicas as a
+    /// training batch's: `first` computes the first part on this thread.
+    pub fn forward(&self, x: &Tensor, first: impl FnOnce(&Tensor) -> Tensor) -> anyhow::Result<Tensor> {
+        let sizes = super::pipeline::micro_sizes(x.size()[0], self.count());
+        let mut at = sizes[0];
+        for (w, &rows) in self.workers.iter().zip(&sizes[1..]) {
+            w.send(Job::Forward { x: x.narrow(0, at, rows) })?;
+            at += rows;
+        }
+        let mine = first(&x.narrow(0, 0, sizes[0]));
+        let mut outs = vec![mine];
+        for w in &self.workers[..sizes.len() - 1] {
+            match w.receive()? {
+                Done::Forward(out) => outs.push(out),
+                Done::Step(_) => unreachable!("a forward pass's answer"),
+            }
+        }
+        Ok(Tensor::cat(&outs, 0))
+    }
+}
+
+impl Worker {
+    fn send(&self, job: Job) -> anyhow::Result<()> {
+        self.jobs.as_ref().expect("open until dropped").send(job).map_err(|_| stopped())
+    }
+
+    fn receive(&self) -> anyhow::Result<Done> {
+        let done = self.done.recv().map_err(|_| stopped())?;
+        done.map_err(|e| anyhow::anyhow!("a thread replica failed: {e}"))
     }
 }
 
@@ -182,8 +224,11 @@ pub fn forward_backward(
     Ok((per_sample.detach(), tch::no_grad(|| task.correct(&out, y))))
 }
 
-fn compute(model: &dyn ModuleT, task: Task, precision: Precision, job: &Job) -> Result<Part, String> {
-    forward_backward(model, task, precision, &job.x, &job.y, job.scale, &mut Default::default())
-        .map(|(per_sample, correct)| Part { per_sample, correct })
-        .map_err(|e| e.to_string())
+fn compute(model: &dyn ModuleT, task: Task, precision: Precision, job: Job) -> Result<Done, String> {
+    match job {
+        Job::Step { x, y, scale } => forward_backward(model, task, precision, &x, &y, scale, &mut Default::default())
+            .map(|(per_sample, correct)| Done::Step(Part { per_sample, correct }))
+            .map_err(|e| e.to_string()),
+        Job::Forward { x } => Ok(Done::Forward(tch::no_grad(|| model.forward_t(&x, false)))),
+    }
 }
