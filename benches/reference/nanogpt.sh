@@ -5,7 +5,7 @@
 # outside this repository (git clone https://github.com/karpathy/nanoGPT), run as it is.
 #
 #   scripts/shakespeare.sh                                   # data/shakespeare_char
-#   benches/reference/nanogpt.sh NANOGPT_DIR [ITERS=2000] [WORLD_SIZES="1 2"]
+#   benches/reference/nanogpt.sh NANOGPT_DIR [ITERS=2000] [WORLD_SIZES="1 2"]   # "1 1 2": world size 1 twice
 #   VARIANTS=native benches/reference/nanogpt.sh ...     # the runner's native run only
 #
 # nanoGPT's train.py runs from a copy made in the work folder with three lines changed, because
@@ -58,26 +58,29 @@ warmup=$(( ITERS < 1000 ? ITERS / 10 : 100 ))
 recipe="--eval_interval=$every --warmup_iters=$warmup --device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4
  --n_head=4 --n_embd=128 --max_iters=$ITERS --lr_decay_iters=$ITERS --dropout=0.0 --always_save_checkpoint=True"
 
+n=0
 for w in $WORLDS; do
+    # A world size may repeat ("1 1 2"): each run has its own folders.
+    n=$((n + 1))
     threads=$(( CORES / w > 0 ? CORES / w : 1 ))
     tokens=$(( ITERS * 12 * 64 * w ))
     # nanoGPT
     start=$(date +%s.%N)
     if [ "$w" = 1 ]; then
         (cd "$work" && env -u MKL_CBWR OMP_NUM_THREADS=$threads "$PY" train.py config/train_shakespeare_char.py $recipe \
-            --out_dir="$work/nanogpt-w$w") > "$work/nanogpt-w$w.log" 2>&1
+            --out_dir="$work/nanogpt-$n") > "$work/nanogpt-$n.log" 2>&1
     else
         (cd "$work" && env -u MKL_CBWR OMP_NUM_THREADS=$threads "$PY" -m torch.distributed.run --standalone --nproc_per_node="$w" \
             train.py config/train_shakespeare_char.py $recipe --backend=gloo \
-            --gradient_accumulation_steps="$w" --out_dir="$work/nanogpt-w$w") > "$work/nanogpt-w$w.log" 2>&1
+            --gradient_accumulation_steps="$w" --out_dir="$work/nanogpt-$n") > "$work/nanogpt-$n.log" 2>&1
     fi
     nano_s=$(echo "$(date +%s.%N) - $start" | bc)
-    nano_val=$(grep -o "step $ITERS: train loss [0-9.]*, val loss [0-9.]*" "$work/nanogpt-w$w.log" | grep -o "[0-9.]*$")
+    nano_val=$(grep -o "step $ITERS: train loss [0-9.]*, val loss [0-9.]*" "$work/nanogpt-$n.log" | grep -o "[0-9.]*$")
     echo "world size $w ($threads thread(s) per rank, $(( 12 * 64 * w )) tokens per step):"
     printf "  nanoGPT            wall %6.1f s  %6.0f tokens/s  val loss %s (20 random batches)\n" "$nano_s" "$(echo "$tokens / $nano_s" | bc -l)" "$nano_val"
     # the runner with MKL's kernels for this CPU (the pipeline's run.numerics), then portable
     for variant in ${VARIANTS:-native portable}; do
-        out="$work/runner-$variant-w$w"
+        out="$work/runner-$variant-$n"
         start=$(date +%s.%N)
         env -u MKL_CBWR "$RUNNER" run pipelines/shakespeare_char.toml --out "$out" --set run.numerics="\"$variant\"" --set run.world_size="$w" \
             --set run.threads_per_rank="$threads" --set train.steps="$ITERS" --set train.schedule.decay_end="$ITERS" \
@@ -87,7 +90,7 @@ for w in $WORLDS; do
             || grep -o "val loss [0-9.]*" "$out.log" | tail -1 | grep -o "[0-9.]*$")
         printf "  runner (%-8s)  wall %6.1f s  %6.0f tokens/s  val loss %s (20 fixed batches)\n" "$variant" "$runner_s" "$(echo "$tokens / $runner_s" | bc -l)" "$runner_val"
         printf "  runner (%s) / nanoGPT: %.2fx tokens/s, %.2fx wall time\n" "$variant" "$(echo "$nano_s / $runner_s" | bc -l)" "$(echo "$runner_s / $nano_s" | bc -l)"
-        "$PY" benches/reference/nanogpt_eval.py "$NANOGPT" "$DATA/val.bin" "$work/nanogpt-w$w/ckpt.pt" \
+        "$PY" benches/reference/nanogpt_eval.py "$NANOGPT" "$DATA/val.bin" "$work/nanogpt-$n/ckpt.pt" \
             "$out/model.safetensors" | grep -v "^number of parameters" | sed "s/^runner/runner ($variant)/; s/^/  same 200 batches: /"
     done
 done
