@@ -249,6 +249,10 @@ impl Plan {
             }
             (_, ValidateOn::All) => format!("{every}{fixed} on every rank"),
             (_, ValidateOn::Rank0) => format!("{every}{fixed} on rank 0"),
+            (_, ValidateOn::Split) if self.world_size() > 1 => {
+                format!("{every}{fixed}, each rank its share of the rows, measured on rank 0")
+            }
+            (_, ValidateOn::Split) => format!("{every}{fixed} on rank 0"),
         }
     }
 

@@ -197,6 +197,24 @@ pub fn recipe_values(c: &Config, validation_rows: Option<usize>, bad: &mut impl 
             bad("train.early_stop.min_delta", format!("must be 0 or more, got {}", e.min_delta));
         }
     }
+    split_validation(c, validation_rows, bad);
+}
+
+/// `validate.on = "split"` needs a row for every rank.
+fn split_validation(c: &Config, validation_rows: Option<usize>, bad: &mut impl FnMut(&str, String)) {
+    let w = c.run.world_size;
+    if c.validate.on != ValidateOn::Split || c.validate.every == 0 || w < 2 {
+        return;
+    }
+    if let Some(rows) = validation_rows.filter(|&rows| rows < w) {
+        bad(
+            "validate.on",
+            format!(
+                "\"split\" shares the {rows} validation row(s) among {w} ranks, so some would have none; use \"rank0\", \
+                 or hold out at least {w} rows"
+            ),
+        );
+    }
 }
 
 /// The recipe's checks against the run's length: `batches` per epoch on a rank, `total`

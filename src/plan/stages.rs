@@ -84,6 +84,14 @@ fn pipeline_stages(
             ),
         );
     }
+    if c.validate.on == ValidateOn::Split {
+        bad(
+            "validate.on",
+            "\"split\" shares the rows among replicas, but a pipeline is one model: its validation runs \
+             through every rank already; use \"rank0\""
+                .into(),
+        );
+    }
     if c.validate.on == ValidateOn::All {
         bad(
             "validate.on",

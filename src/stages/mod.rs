@@ -36,6 +36,7 @@ pub fn run(
     // threads, the optimizer and validation too (a team of all the rank's threads here would spin
     // on the cores the other replicas compute on).
     tch::set_num_threads(plan.threads_per_replica() as i32);
+    crate::dist::keep_freed_memory();
     let position = Position::new(run_dir, rank);
 
     position.set("load", 0, 0);

@@ -190,21 +190,54 @@ impl<'pg> Replica<'pg> {
         normalizer: &Normalizer,
     ) -> anyhow::Result<Option<crate::data::Metrics>> {
         broadcast_from_rank0(self.pg, &self.buffers)?;
-        if self.pg.rank() != 0 && plan.config.validate.on != ValidateOn::All {
+        let on = plan.config.validate.on;
+        let rank = self.pg.rank();
+        if rank != 0 && on == ValidateOn::Rank0 {
             return Ok(None);
         }
         let x = normalizer.apply(&data.val_x);
-        let forward = |x: &Tensor| tch::no_grad(|| model.forward_t(x, false));
-        let out = match &self.threads {
-            Some((threads, _)) => threads.forward(&x, forward)?,
-            None => forward(&x),
+        let forward = |x: &Tensor| -> anyhow::Result<Tensor> {
+            let forward = |x: &Tensor| tch::no_grad(|| model.forward_t(x, false));
+            match &self.threads {
+                Some((threads, _)) => threads.forward(x, forward),
+                None => Ok(forward(x)),
+            }
         };
+        let out = match on {
+            ValidateOn::Split if self.pg.size() > 1 => split_forward(self.pg, &x, forward)?,
+            _ => forward(&x)?,
+        };
+        if rank != 0 && on == ValidateOn::Split {
+            return Ok(None);
+        }
         Ok(Some(data.metrics(&out, &data.val_y)))
     }
 
     pub fn bucket_layout(&self) -> anyhow::Result<Option<Vec<Vec<usize>>>> {
         Ok(self.ddp.as_ref().map(Ddp::bucket_layout).transpose()?)
     }
+}
+
+/// `validate.on = "split"`: `forward` over this rank's share of `x`'s rows (contiguous and
+/// balanced, rank 0's first), then every rank's outputs all-gathered in row order. The plan
+/// gives every rank at least one row.
+fn split_forward(
+    pg: &ProcessGroup,
+    x: &Tensor,
+    forward: impl FnOnce(&Tensor) -> anyhow::Result<Tensor>,
+) -> anyhow::Result<Tensor> {
+    let (rank, n) = (pg.rank(), x.size()[0]);
+    let sizes = super::pipeline::micro_sizes(n, pg.size());
+    anyhow::ensure!(sizes.len() == pg.size(), "{n} validation rows cannot be split among {} ranks", pg.size());
+    let at: i64 = sizes[..rank].iter().sum();
+    let out = forward(&x.narrow(0, at, sizes[rank]))?;
+    // An all-gather takes the same shape from every rank: the shorter shares are padded to the
+    // first (the longest), and the padding dropped after.
+    let mut shape = out.size();
+    shape[0] = sizes[0] - sizes[rank];
+    let out = Tensor::cat(&[out.shallow_clone(), Tensor::zeros(shape.as_slice(), (out.kind(), out.device()))], 0);
+    let parts = pg.all_gather(&out)?;
+    Ok(Tensor::cat(&parts.iter().zip(&sizes).map(|(p, &k)| p.narrow(0, 0, k)).collect::<Vec<_>>(), 0))
 }
 
 /// Copies rank 0's `buffers` into every rank's: one broadcast per element type (float statistics,
