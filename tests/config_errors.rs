@@ -49,7 +49,7 @@ const CASES: &[Case] = &[
         file: "[validate]\non = \"rank1\"\n",
         args: &[],
         env: &[],
-        expected: "error: p.toml:21:6: `validate.on` cannot be \"rank1\"; did you mean \"rank0\"? (one of: \"rank0\", \"all\")\n  21 | on = \"rank1\"",
+        expected: "error: p.toml:21:6: `validate.on` cannot be \"rank1\"; did you mean \"rank0\"? (one of: \"rank0\", \"all\", \"split\")\n  21 | on = \"rank1\"",
     },
     Case {
         name: "duplicate key",

@@ -28,7 +28,10 @@ fn split_equals_rank0(p: &Path, pipeline: &str, extra: &[&str], metrics: &[&str]
     let out = |on: &str| format!("{}-{on}", pipeline.trim_end_matches(".toml"));
     for on in ["rank0", "split"] {
         let set = format!("validate.on=\"{on}\"");
-        let o = run(&[&["run", pipeline, "--out", &out(on), "--set", "run.world_size=2", "--set", &set][..], extra].concat(), p);
+        let o = run(
+            &[&["run", pipeline, "--out", &out(on), "--set", "run.world_size=2", "--set", &set][..], extra].concat(),
+            p,
+        );
         assert_ok(&o);
         let (plan, _) = text(&o);
         if on == "split" {
