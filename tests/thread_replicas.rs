@@ -5,51 +5,11 @@ mod common;
 
 use std::path::Path;
 
-use common::{assert_ok, run, text, write};
-
-const PIPELINE: &str = r#"
-[run]
-name = "threads"
-seed = 5
-timeout_s = 60
-threads_per_rank = 2
-
-[load]
-source = "text"
-path = "book.txt"
-rows = 40
-
-[normalize]
-method = "none"
-
-[wrap]
-threads_per_replica = 1
-
-[wrap.model]
-kind = "transformer"
-vocab = 256
-d_model = 32
-heads = 4
-layers = 2
-seq_len = 16
-tied = true
-bias = false
-
-[train]
-epochs = 3
-batch_size = 8
-optimizer = "adamw"
-lr = 0.002
-clip_grad_norm = 1.0
-
-[validate]
-rows = 8
-"#;
+use common::{assert_ok, run, text, write, SMALL_LM as PIPELINE};
 
 fn setup() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    let text: String = (0..400).map(|i| format!("{i}: to be, or not to be, that is the question. ")).collect();
-    write(dir.path(), "book.txt", &text);
+    write(dir.path(), "book.txt", &common::book());
     write(dir.path(), "threads.toml", PIPELINE);
     // The same pipeline with all of a rank's threads in one replica (the key's default).
     write(dir.path(), "one.toml", &PIPELINE.replace("threads_per_replica = 1\n", ""));

@@ -24,14 +24,11 @@ fn assert_close(a: &[f64], b: &[f64], what: &str) {
 }
 
 /// Runs `pipeline` twice at world size 2, validated on rank 0 alone and split, and compares.
-fn split_equals_rank0(p: &Path, pipeline: &str, extra: &[&str], metrics: &[&str]) {
+fn split_equals_rank0(p: &Path, pipeline: &str, metrics: &[&str]) {
     let out = |on: &str| format!("{}-{on}", pipeline.trim_end_matches(".toml"));
     for on in ["rank0", "split"] {
         let set = format!("validate.on=\"{on}\"");
-        let o = run(
-            &[&["run", pipeline, "--out", &out(on), "--set", "run.world_size=2", "--set", &set][..], extra].concat(),
-            p,
-        );
+        let o = run(&["run", pipeline, "--out", &out(on), "--set", "run.world_size=2", "--set", &set], p);
         assert_ok(&o);
         let (plan, _) = text(&o);
         if on == "split" {
@@ -56,54 +53,13 @@ fn split_validation_measures_what_rank_0_alone_measures() {
     let p = dir.path();
     // Classification: loss, accuracy and macro-F1 from 101 rows, shared 51 + 50.
     write(p, "tiny.toml", &TINY.replace("validation_rows = 100", "validation_rows = 101"));
-    split_equals_rank0(p, "tiny.toml", &[], &["val_loss", "val_acc", "val_f1"]);
+    split_equals_rank0(p, "tiny.toml", &["val_loss", "val_acc", "val_f1"]);
 
     // A language model whose ranks each compute as two thread replicas: 9 windows, 5 + 4, then
     // split again over the replicas.
-    let text: String = (0..300).map(|i| format!("{i}: now is the winter of our discontent. ")).collect();
-    write(p, "book.txt", &text);
-    write(
-        p,
-        "lm.toml",
-        r#"
-[run]
-name = "lm"
-seed = 7
-timeout_s = 60
-threads_per_rank = 2
-
-[load]
-source = "text"
-path = "book.txt"
-rows = 40
-
-[normalize]
-method = "none"
-
-[wrap]
-threads_per_replica = 1
-
-[wrap.model]
-kind = "transformer"
-vocab = 256
-d_model = 32
-heads = 4
-layers = 2
-seq_len = 16
-tied = true
-bias = false
-
-[train]
-epochs = 2
-batch_size = 8
-optimizer = "adamw"
-lr = 0.002
-
-[validate]
-rows = 9
-"#,
-    );
-    split_equals_rank0(p, "lm.toml", &[], &["val_loss", "val_acc"]);
+    write(p, "book.txt", &common::book());
+    write(p, "lm.toml", &common::SMALL_LM.replace("[validate]\nrows = 8", "[validate]\nrows = 9"));
+    split_equals_rank0(p, "lm.toml", &["val_loss", "val_acc"]);
 }
 
 #[test]

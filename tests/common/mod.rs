@@ -55,6 +55,52 @@ epochs = 2
 batch_size = 16
 "#;
 
+/// A small language model on `book.txt` ([`book`]): each rank's 2 threads as two thread replicas
+/// of one thread; 40 windows of 16 characters, 8 of them held out for validation.
+pub const SMALL_LM: &str = r#"
+[run]
+name = "threads"
+seed = 5
+timeout_s = 60
+threads_per_rank = 2
+
+[load]
+source = "text"
+path = "book.txt"
+rows = 40
+
+[normalize]
+method = "none"
+
+[wrap]
+threads_per_replica = 1
+
+[wrap.model]
+kind = "transformer"
+vocab = 256
+d_model = 32
+heads = 4
+layers = 2
+seq_len = 16
+tied = true
+bias = false
+
+[train]
+epochs = 3
+batch_size = 8
+optimizer = "adamw"
+lr = 0.002
+clip_grad_norm = 1.0
+
+[validate]
+rows = 8
+"#;
+
+/// A text for [`SMALL_LM`]: 400 numbered lines of one sentence.
+pub fn book() -> String {
+    (0..400).map(|i| format!("{i}: to be, or not to be, that is the question. ")).collect()
+}
+
 pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();
