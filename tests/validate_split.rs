@@ -74,6 +74,11 @@ fn split_validation_is_refused_where_it_cannot_share_the_rows() {
             "\"split\" shares the 1 validation row(s) among 2 ranks, so some would have none; use \"rank0\", or hold out at least 2 rows",
         ),
         (
+            &["--set", "wrap.strategy=\"none\""][..],
+            "`validate.on` (--set validate.on=\"split\")",
+            "\"split\" measures one model from every rank's share of the rows, but with wrap.strategy = \"none\" each rank trains a model of its own; use \"rank0\" (rank 0's model) or \"all\" (each rank's)",
+        ),
+        (
             &["--set", "wrap.strategy=\"pipeline\""][..],
             "`validate.on` (--set validate.on=\"split\")",
             "\"split\" shares the rows among replicas, but a pipeline is one model: its validation runs through every rank already; use \"rank0\"",

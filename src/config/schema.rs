@@ -924,7 +924,8 @@ pub enum ValidateOn {
     All,
     /// Each rank validates its share of the rows at the same time (a contiguous, balanced
     /// split), their outputs all-gathered: rank 0 measures the same rows as with rank0, in about
-    /// 1 / world_size of the time. Not with a pipeline.
+    /// 1 / world_size of the time. For replicas of one model (DDP): not with a pipeline or
+    /// wrap.strategy = "none".
     Split,
 }
 

@@ -200,10 +200,20 @@ pub fn recipe_values(c: &Config, validation_rows: Option<usize>, bad: &mut impl 
     split_validation(c, validation_rows, bad);
 }
 
-/// `validate.on = "split"` needs a row for every rank.
+/// `validate.on = "split"` measures one model from every rank's share of the rows: the ranks must
+/// hold the same model (DDP), and each needs a row.
 fn split_validation(c: &Config, validation_rows: Option<usize>, bad: &mut impl FnMut(&str, String)) {
     let w = c.run.world_size;
     if c.validate.on != ValidateOn::Split || c.validate.every == 0 || w < 2 {
+        return;
+    }
+    if c.wrap.strategy == WrapStrategy::None {
+        bad(
+            "validate.on",
+            "\"split\" measures one model from every rank's share of the rows, but with wrap.strategy = \"none\" \
+             each rank trains a model of its own; use \"rank0\" (rank 0's model) or \"all\" (each rank's)"
+                .into(),
+        );
         return;
     }
     if let Some(rows) = validation_rows.filter(|&rows| rows < w) {
