@@ -41,10 +41,10 @@ pub use store::Store;
 /// allocates and frees the same activations every time; glibc by default hands blocks of more
 /// than 128 KiB back to the kernel on free (`munmap`, or trimming the heap), so every step
 /// faults the same pages in again and the kernel zeroes them (about a thousand page faults per
-/// step of the baby GPT, 2% of its samples under perf). Up to 32 MiB (glibc's largest mmap threshold) blocks now come
-/// from the heap, and the heap is trimmed only past 1 GiB free: a rank's resident size stays at
-/// its peak instead of falling between steps, as with jemalloc or tcmalloc, which PyTorch's CPU
-/// tuning guides recommend for the same reason.
+/// step of the baby GPT, 2% of its samples under perf). Blocks up to 32 MiB (glibc's largest mmap
+/// threshold) now come from the heap, and the heap is trimmed only past 1 GiB free: a rank's
+/// resident size stays at its peak instead of falling between steps, as with jemalloc or
+/// tcmalloc, which PyTorch's CPU tuning guides recommend for the same reason.
 pub fn keep_freed_memory() {
     // SAFETY: mallopt only sets glibc's allocator parameters, under the allocator's own lock;
     // the values are in the ranges glibc documents (a rejected value leaves the default).

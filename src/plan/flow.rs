@@ -248,11 +248,10 @@ impl Plan {
                 format!("{every}{fixed}, forward through ranks 0-{}, measured on rank {}", stages - 1, stages - 1)
             }
             (_, ValidateOn::All) => format!("{every}{fixed} on every rank"),
-            (_, ValidateOn::Rank0) => format!("{every}{fixed} on rank 0"),
             (_, ValidateOn::Split) if self.world_size() > 1 => {
                 format!("{every}{fixed}, each rank its share of the rows, measured on rank 0")
             }
-            (_, ValidateOn::Split) => format!("{every}{fixed} on rank 0"),
+            (_, ValidateOn::Rank0 | ValidateOn::Split) => format!("{every}{fixed} on rank 0"),
         }
     }
 

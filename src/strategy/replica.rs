@@ -235,7 +235,7 @@ fn split_forward(
     // first (the longest), and the padding dropped after.
     let mut shape = out.size();
     shape[0] = sizes[0] - sizes[rank];
-    let out = Tensor::cat(&[out.shallow_clone(), Tensor::zeros(shape.as_slice(), (out.kind(), out.device()))], 0);
+    let out = Tensor::cat(&[&out, &Tensor::zeros(shape.as_slice(), (out.kind(), out.device()))], 0);
     let parts = pg.all_gather(&out)?;
     Ok(Tensor::cat(&parts.iter().zip(&sizes).map(|(p, &k)| p.narrow(0, 0, k)).collect::<Vec<_>>(), 0))
 }
