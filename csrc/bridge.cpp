@@ -1,5 +1,6 @@
 // The C++ half of runner's bridge to c10d; see bridge.h for the contract.
 #include "bridge.h"
+#include "internal.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -34,20 +35,17 @@ struct rn_store {
   c10::intrusive_ptr<c10d::TCPStore> store;
 };
 
-struct rn_pg {
-  c10::intrusive_ptr<c10d::ProcessGroup> pg;
-  c10::intrusive_ptr<c10d::Backend> backend;
-  // NCCL: point-to-point pairs are posted as one group (ncclGroupStart/End), as torch's
-  // batch_isend_irecv does; gloo has no such grouping and needs none.
-  bool coalesce_p2p = false;
-};
-
 struct rn_ddp {
   std::shared_ptr<c10d::Reducer> reducer;
   std::shared_ptr<c10d::Logger> logger;
   // The parameters in the order given, to name the Reducer's buckets by index.
   std::vector<at::Tensor> params;
 };
+
+using rn::copy_message;
+using rn::protect;
+using rn::tensor;
+using rn::tensors;
 
 namespace {
 
@@ -58,37 +56,6 @@ const bool no_cpp_backtraces = [] {
   c10::SetStackTraceFetcher([]() -> std::string { return ""; });
   return true;
 }();
-
-char* copy_message(const char* msg) {
-  size_t n = std::strlen(msg);
-  char* out = static_cast<char*>(std::malloc(n + 1));
-  if (out != nullptr) std::memcpy(out, msg, n + 1);
-  return out;
-}
-
-// Runs `body`; turns any exception into a malloc'd message. Nothing unwinds past this.
-template <typename F>
-char* protect(F&& body) noexcept {
-  try {
-    body();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return copy_message(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return copy_message(e.what());
-  } catch (...) {
-    return copy_message("unknown C++ exception");
-  }
-}
-
-at::Tensor& tensor(void* t) { return *static_cast<at::Tensor*>(t); }
-
-std::vector<at::Tensor> tensors(void** ts, size_t n) {
-  std::vector<at::Tensor> out;
-  out.reserve(n);
-  for (size_t i = 0; i < n; ++i) out.push_back(tensor(ts[i]));
-  return out;
-}
 
 c10d::ReduceOp reduce_op(int op) {
   switch (op) {

@@ -132,6 +132,62 @@ char* rn_script_train(rn_script* m, int training);
 // module.forward(input), which must return a tensor (*out, owned by the caller).
 char* rn_script_forward(rn_script* m, void* input, void** out);
 
+// Sharded data parallelism (csrc/fsdp.cpp), FSDP2's design over a process group: every rank keeps
+// a dim-0 shard of each parameter (rows padded to a multiple of the world size, as FSDP2 pads),
+// gathered into the parameter's own storage just before a layer's forward and again before its
+// backward, and freed after (the storage resized to 0, so autograd's saved views of the parameter
+// are freed with it). Each unit's gradients are reduce-scattered, averaged, as soon as the
+// backward pass has accumulated all of them, while the backward of the layers before it goes on.
+typedef struct rn_fsdp rn_fsdp;
+
+typedef struct rn_fsdp_stats {
+  // Bytes: this rank's shards of every parameter (padding included); of their gradients now; the
+  // most of gathered parameters and of gradient buffers (reduce-scatter input and output) held
+  // at once since the last reset.
+  int64_t shard_bytes;
+  int64_t shard_grad_bytes;
+  int64_t peak_gathered_bytes;
+  int64_t peak_reduce_bytes;
+  // Since the last reset: nanoseconds blocked waiting for all-gathers and for reduce-scatters,
+  // spent copying gradients in and parameters out, and how many of each collective ran.
+  int64_t gather_wait_ns;
+  int64_t reduce_wait_ns;
+  int64_t copy_ns;
+  int64_t gathers;
+  int64_t reduces;
+} rn_fsdp_stats;
+
+// params: the model's parameters in module order, unit_sizes[u] of them forming unit u (every
+// parameter in exactly one unit). layer_units: for each layer (module) in forward order, the units
+// its forward reads (layer_counts[l] of them, flattened): a layer reads its own unit, and a layer
+// sharing another unit's parameter (a tied output head) that unit too. zero3 = 1 frees a unit after
+// the forward of the last layer reading it (except the model's last layer, whose backward comes at
+// once) and gathers it again before that layer's backward; zero3 = 0 keeps it from its forward to
+// the end of its backward. Copies this rank's rows of every parameter into its shard and frees the
+// parameters' storage; every rank must call it with the same shapes.
+char* rn_fsdp_new(rn_pg* pg, void** params, size_t n_params, const size_t* unit_sizes, size_t n_units,
+                  const size_t* layer_units, const size_t* layer_counts, size_t n_layers, int zero3,
+                  rn_fsdp** out);
+void rn_fsdp_free(rn_fsdp* f);
+// This rank's shard of parameter i (module order), rows [rank·k, rank·k + k) of the parameter
+// padded to world_size·k rows: a new handle on the leaf tensor the optimizer updates in place,
+// whose gradient rn_fsdp_finish_backward sets.
+char* rn_fsdp_shard(rn_fsdp* f, size_t i, void** out);
+// Before layer l's forward: its units gathered.
+char* rn_fsdp_pre_forward(rn_fsdp* f, size_t layer);
+// After layer l's forward, with its output: where autograd records (grad mode, an output that
+// requires grad) a hook on the output gathers the layer's units again before its backward; units
+// read for the last time are freed as zero3 says (always when autograd does not record).
+char* rn_fsdp_post_forward(rn_fsdp* f, size_t layer, void* output);
+// After a backward pass: reduce-scatters the units the hooks did not (parameters without a
+// gradient count as zeros), waits for every reduce-scatter, adds the averaged gradients to the
+// shards' .grad, and frees every unit still gathered.
+char* rn_fsdp_finish_backward(rn_fsdp* f);
+// Parameter i whole, on every rank (all-gathered from the shards): a new tensor.
+char* rn_fsdp_full(rn_fsdp* f, size_t i, void** out);
+// The counters; reset = 1 restarts the peaks (from what is held now) and the times.
+char* rn_fsdp_read_stats(rn_fsdp* f, int reset, rn_fsdp_stats* out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,8 +2,9 @@
 //! an out-of-memory kill: timeouts within a sane range, sizes within what the arithmetic and
 //! libtorch take, and a memory estimate of the whole run checked against the memory this
 //! machine has available (`RUNNER_NO_MEMORY_CHECK=1` skips that last one).
-use crate::config::schema::{Config, Optimizer};
+use crate::config::schema::Config;
 use crate::data::DataSpec;
+use crate::plan::memory::size;
 
 /// `run.timeout_s` range: a collective needs some time; a week is beyond any real run.
 pub const TIMEOUT_S: (f64, f64) = (0.1, 7.0 * 86400.0);
@@ -69,7 +70,7 @@ pub fn sizes(c: &Config, d: &DataSpec, bad: &mut impl FnMut(&str, String)) -> bo
 /// Bytes one rank needs, by part: an estimate, not a measurement.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Estimate {
-    /// Parameters, gradients, optimizer state and DDP's gradient buckets.
+    /// The training state: parameters, gradients and optimizer state as the strategy holds them.
     pub model: f64,
     pub activations: f64,
     pub data: f64,
@@ -83,27 +84,21 @@ impl Estimate {
     }
 }
 
-/// What one rank holds: `parameters` of the model (its heaviest rank's share), a batch of
-/// `batch` rows whose activations hold `values_per_sample` values (the input and every layer's
-/// output) and `held_per_sample` more inside the layers for the backward pass, and the whole data
-/// set (every rank loads it, then shards).
+/// What one rank holds: `state` bytes of training state (parameters, gradients and optimizer
+/// state under its strategy: `plan::memory`), a batch of `batch` rows whose activations hold
+/// `values_per_sample` values (the input and every layer's output) and `held_per_sample` more
+/// inside the layers for the backward pass, and the whole data set (every rank loads it, then
+/// shards).
 pub fn estimate(
     c: &Config,
     d: &DataSpec,
-    parameters: usize,
+    state: f64,
     values_per_sample: usize,
     held_per_sample: usize,
     batch: usize,
 ) -> Estimate {
     const F: f64 = 4.0; // float32
-    let p = parameters as f64;
-    let optimizer = match c.train.optimizer {
-        Optimizer::Adam | Optimizer::Adamw => 2.0,
-        Optimizer::Sgd if c.train.momentum != 0.0 => 1.0,
-        Optimizer::Sgd => 0.0,
-    };
-    // Parameters, gradients, DDP's buckets (a copy of the gradients), optimizer state.
-    let model = p * F * (3.0 + optimizer);
+    let model = state;
     let widths = values_per_sample as f64;
     // Each layer's output, its pre-activation and its gradient, for a training batch and for
     // the validation rows evaluated at once; in training, what the layers keep inside them and
@@ -132,25 +127,13 @@ impl std::fmt::Display for Estimate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} per rank (model, gradients and optimizer state {}, activations {}, data {}, libtorch {})",
+            "{} per rank (parameters, gradients and optimizer state {}, activations {}, data {}, libtorch {})",
             size(self.per_rank()),
             size(self.model),
             size(self.activations),
             size(self.data),
             size(self.base)
         )
-    }
-}
-
-/// Bytes in GiB from 1 GiB up, in MiB below.
-fn size(bytes: f64) -> String {
-    let mib = bytes / (1u64 << 20) as f64;
-    if mib >= 1024.0 {
-        format!("{:.2} GiB", mib / 1024.0)
-    } else if mib >= 10.0 {
-        format!("{mib:.0} MiB")
-    } else {
-        format!("{mib:.1} MiB")
     }
 }
 

@@ -386,6 +386,9 @@ pub struct Wrap {
     pub model: Model,
     /// strategy = "pipeline" only.
     pub pipeline: Pipeline,
+    /// strategy = "fsdp" only.
+    #[serde(skip_serializing_if = "Fsdp::is_default")]
+    pub fsdp: Fsdp,
 }
 
 impl Default for Wrap {
@@ -398,6 +401,7 @@ impl Default for Wrap {
             threads_per_replica: None,
             model: Model::default(),
             pipeline: Pipeline::default(),
+            fsdp: Fsdp::default(),
         }
     }
 }
@@ -411,6 +415,37 @@ pub enum WrapStrategy {
     None,
     /// Model parallelism: the layers partitioned across the ranks, micro-batches flowing through.
     Pipeline,
+    /// Sharded data parallelism (FSDP, ZeRO): every rank holds 1/world_size of each parameter,
+    /// of its gradient and of the optimizer's state, and gathers a layer's parameters just
+    /// before they are used; gradients and losses as DDP's.
+    Fsdp,
+    /// The plan picks: DDP where the whole training state fits run.memory_per_rank_mb (or this
+    /// machine's memory shared by its ranks), else FSDP keeping parameters gathered from forward
+    /// to backward (ZeRO-2), else FSDP gathering them again for the backward pass (ZeRO-3), else
+    /// the pipeline; it prints which and why.
+    Auto,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct Fsdp {
+    /// Free each layer's gathered parameters after its forward pass and gather them again for
+    /// its backward pass (ZeRO-3, FSDP2's default: the least memory); false keeps them from the
+    /// forward to the end of the backward (ZeRO-2: one all-gather per layer and step less, the
+    /// whole model gathered at the end of the forward pass).
+    pub reshard_after_forward: bool,
+}
+
+impl Default for Fsdp {
+    fn default() -> Self {
+        Fsdp { reshard_after_forward: true }
+    }
+}
+
+impl Fsdp {
+    fn is_default(&self) -> bool {
+        *self == Fsdp::default()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

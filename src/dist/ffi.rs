@@ -20,6 +20,25 @@ pub struct RnWork {
 }
 
 #[repr(C)]
+pub struct RnFsdp {
+    _private: [u8; 0],
+}
+
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RnFsdpStats {
+    pub shard_bytes: i64,
+    pub shard_grad_bytes: i64,
+    pub peak_gathered_bytes: i64,
+    pub peak_reduce_bytes: i64,
+    pub gather_wait_ns: i64,
+    pub reduce_wait_ns: i64,
+    pub copy_ns: i64,
+    pub gathers: i64,
+    pub reduces: i64,
+}
+
+#[repr(C)]
 pub struct RnScript {
     _private: [u8; 0],
 }
@@ -177,4 +196,25 @@ extern "C" {
     ) -> *mut c_char;
     pub fn rn_script_train(m: *mut RnScript, training: c_int) -> *mut c_char;
     pub fn rn_script_forward(m: *mut RnScript, input: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn rn_fsdp_new(
+        pg: *mut RnPg,
+        params: *const *mut c_void,
+        n_params: usize,
+        unit_sizes: *const usize,
+        n_units: usize,
+        layer_units: *const usize,
+        layer_counts: *const usize,
+        n_layers: usize,
+        zero3: c_int,
+        out: *mut *mut RnFsdp,
+    ) -> *mut c_char;
+    pub fn rn_fsdp_free(f: *mut RnFsdp);
+    pub fn rn_fsdp_shard(f: *mut RnFsdp, i: usize, out: *mut *mut c_void) -> *mut c_char;
+    pub fn rn_fsdp_pre_forward(f: *mut RnFsdp, layer: usize) -> *mut c_char;
+    pub fn rn_fsdp_post_forward(f: *mut RnFsdp, layer: usize, output: *mut c_void) -> *mut c_char;
+    pub fn rn_fsdp_finish_backward(f: *mut RnFsdp) -> *mut c_char;
+    pub fn rn_fsdp_full(f: *mut RnFsdp, i: usize, out: *mut *mut c_void) -> *mut c_char;
+    pub fn rn_fsdp_read_stats(f: *mut RnFsdp, reset: c_int, out: *mut RnFsdpStats) -> *mut c_char;
 }

@@ -3,6 +3,7 @@
 //! - [`Store`]: the TCPStore rendezvous (a server on a socket the caller bound, or a client);
 //! - [`ProcessGroup`]: Gloo (or NCCL) collectives on `tch` tensors, each bounded by a timeout;
 //! - [`Ddp`]: c10d's Reducer, DistributedDataParallel's bucketed gradient averaging;
+//! - [`Sharded`]: a model's parameters sharded across the ranks (FSDP2's design);
 //! - [`Script`]: a TorchScript module with its parameters and buffers (tch lists no buffers);
 //! - [`fused_adam`], [`sgd`], [`set_autocast_dtype`]: libtorch functions that tch does not expose;
 //! - [`keep_freed_memory`]: glibc's allocator set for a training loop.
@@ -25,6 +26,7 @@
 mod ddp;
 mod error;
 mod ffi;
+mod fsdp;
 mod kernels;
 mod process_group;
 mod script;
@@ -32,6 +34,7 @@ mod store;
 
 pub use ddp::{Ddp, ReducerTimes};
 pub use error::{Error, PeerExit, Result};
+pub use fsdp::{ShardStats, Sharded, Units};
 pub use kernels::{clear_grads, fused_adam, set_autocast_dtype, sgd, AdamConfig, AutocastBf16, SgdConfig};
 pub use process_group::{record_exit, Backend, Pending, ProcessGroup, ReduceOp};
 pub use script::Script;

@@ -81,6 +81,13 @@ pub trait Architecture {
     /// built layers may hold on to `ctx`'s group (batch norm), hence the lifetime.
     fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a>;
 
+    /// The layers whose parameters layer `layer`'s forward reads: its own, and another layer's
+    /// where it shares a parameter with it (a transformer's output head tied to the token
+    /// embedding reads layer 0's). Sharding gathers all of them around the layer.
+    fn reads(&self, layer: usize) -> Vec<usize> {
+        vec![layer]
+    }
+
     /// Why a pipeline cannot hold the model in `stages` (one range of layers per rank), when
     /// parameters are shared across layers that the stages separate.
     fn check_stages(&self, _stages: &[Range<usize>]) -> Result<(), String> {

@@ -200,8 +200,13 @@ impl Architecture for TransformerArch {
             } else if layer == self.head_layer() {
                 let (w, b) = init.norm(&(p / "ln_f"), t.d_model);
                 let head = if t.tied {
-                    // The plan refuses a pipeline whose head's stage lacks the embedding.
-                    stage.embed.as_ref().expect("a tied head is built with the embedding").0.shallow_clone()
+                    // The embedding built in this stage, or built before into the same variables
+                    // (sharding builds each layer on its own); the plan refuses a pipeline whose
+                    // head's stage lacks it.
+                    match &stage.embed {
+                        Some((tok, _)) => tok.shallow_clone(),
+                        None => (p / "tok").get("weight").expect("a tied head is built after the embedding"),
+                    }
                 } else {
                     (p / "head").var_copy("weight", &init.normal(&[t.vocab, t.d_model], 0.02))
                 };
@@ -220,6 +225,14 @@ impl Architecture for TransformerArch {
             }
         }
         Box::new(stage)
+    }
+
+    fn reads(&self, layer: usize) -> Vec<usize> {
+        if self.t.tied && layer == self.head_layer() {
+            vec![layer, 0]
+        } else {
+            vec![layer]
+        }
     }
 
     fn check_stages(&self, stages: &[Range<usize>]) -> Result<(), String> {

@@ -159,6 +159,7 @@ impl Plan {
                 format!("DDP (c10d Reducer, {} MiB buckets), weights broadcast from rank 0", c.wrap.bucket_cap_mb)
             }
             WrapStrategy::None => "no synchronisation: independent replicas".into(),
+            WrapStrategy::Fsdp | WrapStrategy::Auto => self.fsdp_op(),
             WrapStrategy::Pipeline => format!(
                 "pipeline over {stages} rank{}{}, layers {}; {}, {} micro-batch{} per batch",
                 if stages == 1 { "" } else { "s" },
@@ -180,8 +181,25 @@ impl Plan {
         match self.config.wrap.strategy {
             WrapStrategy::Pipeline if copies > 1 => format!("{stages} stages × {copies} copies"),
             WrapStrategy::Pipeline => format!("{w} stage{}", if w == 1 { "" } else { "s" }),
+            WrapStrategy::Fsdp => format!("1/{w} of the model on each rank"),
             _ => format!("{w} replica{}", if w == 1 { "" } else { "s" }),
         }
+    }
+
+    /// FSDP's wrap operation: how the model is cut and when its units are gathered.
+    fn fsdp_op(&self) -> String {
+        let c = &self.config;
+        let units = crate::strategy::fsdp::units(self.model().as_ref()).sizes.len();
+        let when = if c.wrap.fsdp.reshard_after_forward {
+            "all-gathered before its forward and again before its backward, freed after each (ZeRO-3)"
+        } else {
+            "all-gathered before its forward and kept until its backward ends (ZeRO-2)"
+        };
+        format!(
+            "FSDP: each rank holds 1/{} of every parameter, gradient and optimizer state (dim 0, padded); {units} \
+             units, one per layer, each {when}; its gradients reduce-scattered as its backward ends",
+            self.world_size()
+        )
     }
 
     /// The train stage: the run's length, the batches, the optimizer.

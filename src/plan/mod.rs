@@ -8,6 +8,7 @@ mod annotate;
 mod data;
 mod flow;
 mod input;
+pub mod memory;
 mod probe;
 mod recipe;
 mod resume;
@@ -62,6 +63,9 @@ pub struct Plan {
     /// id is the digest of that first configuration.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub started_with: saved::StartedWith,
+    /// With `wrap.strategy = "auto"`: the strategy the plan chose (config.wrap holds it) and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto: Option<String>,
 }
 
 /// The model's part of a plan: what the checks found.
@@ -74,7 +78,7 @@ struct ModelParts {
 impl Plan {
     /// Checks everything and reports every problem found, not just the first.
     pub fn new(resolved: Resolved) -> Result<Plan, ConfigError> {
-        let Resolved { config: c, sources, file, extends } = resolved;
+        let Resolved { config: mut c, sources, file, extends } = resolved;
         let mut errors = Vec::new();
         // Each problem names the key and where its value came from.
         let mut bad = |key: &str, msg: String| {
@@ -99,6 +103,26 @@ impl Plan {
 
         let arch = model.arch;
         let layer_parameters = arch.as_ref().map(|a| crate::model::layer_parameters(a.as_ref())).unwrap_or_default();
+        let planner = arch.as_ref().map(|a| memory::Planner {
+            shapes: memory::Shapes::of(a.as_ref()),
+            layer_parameters: &layer_parameters,
+            slots: memory::optimizer_slots(&c),
+            pipeline_possible: !matches!(c.wrap.model, Model::Torchscript(_)),
+        });
+        let mut auto = None;
+        if let (WrapStrategy::Auto, Some(planner), Some(d), Some(l)) = (c.wrap.strategy, &planner, &data, &layout) {
+            match choose_strategy(&c, planner, d, l) {
+                Ok((layout, why)) => {
+                    (c.wrap.strategy, c.wrap.fsdp.reshard_after_forward) = match layout {
+                        memory::Layout::Replica => (WrapStrategy::Ddp, true),
+                        memory::Layout::Fsdp { zero3 } => (WrapStrategy::Fsdp, zero3),
+                        memory::Layout::Pipeline => (WrapStrategy::Pipeline, true),
+                    };
+                    auto = Some(why);
+                }
+                Err(e) => bad("wrap.strategy", e),
+            }
+        }
         let stages = stages::of_ranks(&c, &sources, &layer_parameters, &mut bad);
         if let (Some(stages), Some(arch), WrapStrategy::Pipeline) = (&stages, &arch, c.wrap.strategy) {
             if let Err(e) = arch.check_stages(stages) {
@@ -111,18 +135,20 @@ impl Plan {
             let total = c.train.steps.unwrap_or(c.train.epochs * batches.div_ceil(c.train.accumulate));
             recipe::recipe_lengths(&c, batches, total, &mut bad);
         }
-        if let Some(stages) = &stages {
-            stages::check_memory_limit(&c, stages, &layer_parameters, &mut bad);
+        if let (Some(stages), Some(planner)) = (&stages, &planner) {
+            check_memory_limit(&c, planner, stages, &mut bad);
         }
         if let Some(l) = &layout {
             thread_replicas(&c, l.split_batch.unwrap_or(c.train.batch_size), &mut bad);
         }
-        let memory = match (&data, &stages, &arch, &layout) {
-            (Some(d), Some(stages), Some(arch), Some(l)) => {
-                Some(memory_estimate(&c, d, l, arch.as_ref(), stages, &layer_parameters, &mut bad))
+        let memory = match (&data, &stages, &arch, &layout, &planner) {
+            (Some(d), Some(stages), Some(arch), Some(l), Some(planner)) => {
+                let state = planner.state(memory::Layout::of(&c), c.run.world_size, Some(stages)).unwrap_or_default();
+                Some(memory_estimate(&c, d, l, arch.as_ref(), state.total(), &mut bad))
             }
             _ => None,
         };
+        drop(planner);
         if !errors.is_empty() {
             let n = errors.len();
             let head =
@@ -147,6 +173,7 @@ impl Plan {
             stages,
             memory,
             started_with: Default::default(),
+            auto,
         })
     }
 
@@ -213,11 +240,22 @@ impl Plan {
     }
 
     /// Whether batch norm layers normalise by the statistics of every rank's batch in training:
-    /// `wrap.sync_batchnorm` under DDP over more than one rank. With one rank, or ranks that train
-    /// alone (`wrap.strategy = "none"`), it is plain batch norm, as torch's SyncBatchNorm is then.
+    /// `wrap.sync_batchnorm` under DDP or FSDP over more than one rank. With one rank, or ranks
+    /// that train alone (`wrap.strategy = "none"`), it is plain batch norm, as torch's
+    /// SyncBatchNorm is then.
     pub fn syncs_batch_norm(&self) -> bool {
         let c = &self.config;
-        c.wrap.sync_batchnorm && c.wrap.strategy == WrapStrategy::Ddp && self.world_size() > 1
+        c.wrap.sync_batchnorm && self.is_data_parallel() && self.world_size() > 1
+    }
+
+    /// Whether the ranks train one model on their shards of the data, gradients averaged (DDP or
+    /// FSDP).
+    pub fn is_data_parallel(&self) -> bool {
+        matches!(self.config.wrap.strategy, WrapStrategy::Ddp | WrapStrategy::Fsdp)
+    }
+
+    pub fn is_sharded(&self) -> bool {
+        self.config.wrap.strategy == WrapStrategy::Fsdp
     }
 
     /// Replicas of the model each rank computes at once on its threads (`wrap.threads_per_replica`).
@@ -343,6 +381,8 @@ fn thread_replicas(c: &Config, batch: usize, bad: &mut impl FnMut(&str, String))
     };
     if c.wrap.strategy == WrapStrategy::Pipeline {
         bad(key, format!("{each} are for whole replicas (wrap.strategy = \"ddp\" or \"none\"), not a pipeline's stages; remove it"));
+    } else if c.wrap.strategy == WrapStrategy::Fsdp {
+        bad(key, format!("{each} are for whole replicas (wrap.strategy = \"ddp\" or \"none\"), not a sharded model's layers (each replica would need the whole model gathered); remove it"));
     } else if c.run.device == crate::config::schema::Device::Cuda {
         bad(key, format!("{each} are for the CPU's threads; on a GPU remove it"));
     } else if matches!(c.wrap.model, Model::Torchscript(_)) {
@@ -466,26 +506,103 @@ fn sync_batchnorm(c: &Config, arch: &dyn Architecture, bad: &mut impl FnMut(&str
     }
 }
 
-/// What one rank needs in memory, checked against what this machine has.
+/// What one rank needs in memory, `state` bytes of training state among it, checked against what
+/// this machine has.
 fn memory_estimate(
     c: &Config,
     d: &DataSpec,
     layout: &ShardLayout,
     arch: &dyn Architecture,
-    stages: &[Range<usize>],
-    layer_parameters: &[usize],
+    state: f64,
     bad: &mut impl FnMut(&str, String),
 ) -> crate::limits::Estimate {
-    let heaviest = stages.iter().map(|r| layer_parameters[r.clone()].iter().sum()).max().unwrap_or(0);
     let batch = layout.split_batch.unwrap_or(c.train.batch_size);
     let layers = arch.layers();
     let outputs = layers.iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
     let held = layers.iter().map(|l| l.held).sum::<usize>();
-    let estimate = crate::limits::estimate(c, d, heaviest, d.input_size() + outputs, held, batch);
+    let estimate = crate::limits::estimate(c, d, state, d.input_size() + outputs, held, batch);
     let model_key = match c.wrap.model {
         Model::Transformer(_) => "wrap.model.d_model",
         _ => "wrap.model.hidden",
     };
     crate::limits::check_memory(&estimate, c.run.world_size, model_key, bad);
     estimate
+}
+
+/// `run.memory_per_rank_mb` against the training state the heaviest rank holds under the
+/// configured strategy; the refusal names the strategies and world sizes that fit.
+// `!(x > 0.0)` is meant: it also rejects NaN, which `x <= 0.0` would let through.
+#[allow(clippy::neg_cmp_op_on_partial_ord)]
+fn check_memory_limit(
+    c: &Config,
+    planner: &memory::Planner,
+    stages: &[Range<usize>],
+    bad: &mut impl FnMut(&str, String),
+) {
+    let Some(limit) = c.run.memory_per_rank_mb else { return };
+    if !(limit > 0.0) {
+        return bad("run.memory_per_rank_mb", format!("must be positive MiB, got {limit}"));
+    }
+    let (bytes, w) = (limit * 1048576.0, c.run.world_size);
+    let layout = memory::Layout::of(c);
+    let Some(state) = planner.state(layout, w, Some(stages)) else { return };
+    if state.total() <= bytes {
+        return;
+    }
+    let who = match layout {
+        memory::Layout::Pipeline => {
+            let params = |r: &Range<usize>| planner.layer_parameters[r.clone()].iter().sum::<usize>();
+            let (rank, heaviest) = stages.iter().enumerate().rev().max_by_key(|(_, r)| params(r)).expect("stages");
+            format!("rank {rank} ({}) would hold", crate::model::layers_text(heaviest))
+        }
+        _ => "each rank would hold".to_string(),
+    };
+    let advice = match (layout, &c.wrap.pipeline.stages) {
+        (memory::Layout::Pipeline, Some(_)) if planner.state(layout, w, None).is_some_and(|s| s.total() <= bytes) => {
+            "leave wrap.pipeline.stages out: the split balanced by parameters fits".to_string()
+        }
+        _ => planner.advice(layout, w, bytes),
+    };
+    bad(
+        "run.memory_per_rank_mb",
+        format!(
+            "{who} {state} of training state under {layout} at world size {w}, more than the {limit} MiB a rank may \
+             hold; {advice}"
+        ),
+    );
+}
+
+/// `wrap.strategy = "auto"`: the first strategy whose training state fits
+/// `run.memory_per_rank_mb`, or else this machine's available memory shared by the ranks (less
+/// what a rank needs besides: activations, data, libtorch).
+fn choose_strategy(
+    c: &Config,
+    planner: &memory::Planner,
+    d: &DataSpec,
+    layout: &ShardLayout,
+) -> Result<(memory::Layout, String), String> {
+    let w = c.run.world_size;
+    if let Some(limit) = c.run.memory_per_rank_mb {
+        return planner.choose(w, limit * 1048576.0, &format!("run.memory_per_rank_mb = {limit}"));
+    }
+    let Some(available) = crate::limits::available_memory() else {
+        return Ok((memory::Layout::Replica, "auto chose DDP: this machine's memory cannot be read".into()));
+    };
+    let batch = layout.split_batch.unwrap_or(c.train.batch_size);
+    let arch = crate::model::architecture(&c.wrap.model, &d.input, d.task.outputs());
+    let layers = arch.layers();
+    let outputs = layers.iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
+    let held = layers.iter().map(|l| l.held).sum::<usize>();
+    let besides = crate::limits::estimate(c, d, 0.0, d.input_size() + outputs, held, batch).per_rank();
+    let share = available / w as f64 - besides;
+    planner.choose(
+        w,
+        share,
+        &format!(
+            "this machine's {} available over {w} rank{} (less {} a rank for activations, data and libtorch)",
+            memory::size(available),
+            if w == 1 { "" } else { "s" },
+            memory::size(besides)
+        ),
+    )
 }

@@ -44,7 +44,9 @@ pub fn batch_norm(
     let Some(per_sample) = arch.batch_norm_values() else { return };
     let (batch, smallest) = batch_rows(c, d, l);
     // SyncBatchNorm normalises by every rank's batch at once.
-    let synced = c.wrap.sync_batchnorm && c.wrap.strategy == WrapStrategy::Ddp && c.run.world_size > 1;
+    let synced = c.wrap.sync_batchnorm
+        && matches!(c.wrap.strategy, WrapStrategy::Ddp | WrapStrategy::Fsdp)
+        && c.run.world_size > 1;
     let ranks = if synced { c.run.world_size } else { 1 };
     if smallest * ranks * per_sample > 1 {
         return;

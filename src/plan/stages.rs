@@ -1,12 +1,9 @@
 //! Which layers each rank holds: all of them, or a pipeline's stages (balanced by parameters or
-//! given), and the check of the heaviest rank's parameters against `run.memory_per_rank_mb`.
-// `!(x > 0.0)` is meant: it also rejects NaN, which `x <= 0.0` would let through.
-#![allow(clippy::neg_cmp_op_on_partial_ord)]
+//! given).
 use std::collections::BTreeMap;
 use std::ops::Range;
 
 use crate::config::schema::*;
-use crate::model::{layers_text, parameter_mib};
 
 /// The layers of every rank, when the strategy's keys are valid.
 pub fn of_ranks(
@@ -142,65 +139,4 @@ fn pipeline_stages(
         None => crate::model::partition::balanced(layer_parameters, w),
     }?;
     Some((0..c.run.world_size).map(|r| stages[r % w].clone()).collect())
-}
-
-/// `run.memory_per_rank_mb` against the heaviest rank's parameters.
-pub fn check_memory_limit(
-    c: &Config,
-    stages: &[Range<usize>],
-    layer_parameters: &[usize],
-    bad: &mut impl FnMut(&str, String),
-) {
-    let Some(limit) = c.run.memory_per_rank_mb else { return };
-    if !(limit > 0.0) {
-        bad("run.memory_per_rank_mb", format!("must be positive MiB, got {limit}"));
-    } else if !layer_parameters.is_empty() {
-        let pipeline = c.wrap.strategy == WrapStrategy::Pipeline;
-        if let Some(msg) = memory_check(limit, stages, layer_parameters, pipeline) {
-            bad("run.memory_per_rank_mb", msg);
-        }
-    }
-}
-
-/// Why the heaviest rank's parameters (float32) exceed `limit` MiB, and what would fit.
-fn memory_check(limit: f64, stages: &[Range<usize>], layer_parameters: &[usize], pipeline: bool) -> Option<String> {
-    let params = |r: &Range<usize>| layer_parameters[r.clone()].iter().sum::<usize>();
-    let (rank, heaviest) = stages.iter().enumerate().rev().max_by_key(|(_, r)| params(r))?;
-    let mib = parameter_mib;
-    if mib(params(heaviest)) <= limit {
-        return None;
-    }
-    let what = if heaviest.len() == layer_parameters.len() {
-        format!("the whole model, {}", layers_text(heaviest))
-    } else {
-        layers_text(heaviest)
-    };
-    let fits = (1..=layer_parameters.len()).find(|&n| {
-        crate::model::partition::balanced(layer_parameters, n)
-            .is_some_and(|split| split.iter().all(|r| mib(params(r)) <= limit))
-    });
-    let advice = match fits {
-        // Only explicit stages can be over the limit where a balanced split of as many fits.
-        Some(n) if pipeline && n <= stages.len() => format!(
-            "give rank {rank} fewer layers in wrap.pipeline.stages, or leave them out: the split balanced by \
-             parameters fits"
-        ),
-        Some(n) if pipeline => {
-            format!("split the model over at least {n} ranks (run.world_size = {n}), or use a smaller model")
-        }
-        Some(n) => format!(
-            "split the model with wrap.strategy = \"pipeline\" over at least {n} ranks (run.world_size = {n}), \
-             or use a smaller model"
-        ),
-        None => {
-            let (i, p) = layer_parameters.iter().enumerate().rev().max_by_key(|(_, p)| **p).expect("layers");
-            format!("even layer {i} alone holds {:.3} MiB: use a smaller model", mib(*p))
-        }
-    };
-    Some(format!(
-        "rank {rank} would hold {what} ({} parameters, {:.3} MiB as float32), more than the {limit} MiB a rank may \
-         hold; {advice}",
-        params(heaviest),
-        mib(params(heaviest))
-    ))
 }

@@ -359,7 +359,8 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                     // A loss that is no longer finite stops the run here, not at the interval's end.
                     let (from, to) = (iv.checked as i64, iv.filled as i64);
                     check_finite(&iv.buffers.losses.narrow(0, from, to - from), rank, epoch, step + 1)?;
-                    check_variables(&self.wrapped.vs, rank, epoch, step + 1)?;
+                    let held = self.wrapped.strategy.held(self.plan, &self.wrapped.vs);
+                    check_variables(held, rank, epoch, step + 1)?;
                     iv.checked = iv.filled;
                     if rank == 0 {
                         let loss = s.per_sample.as_ref().map(|p| p.mean(Kind::Double).double_value(&[]));
@@ -495,12 +496,11 @@ fn check_finite(losses: &Tensor, rank: usize, epoch: usize, step: usize) -> anyh
     Ok(())
 }
 
-/// Fails, naming the first, when a parameter or buffer (batch norm's running statistics) holds
-/// a NaN or an infinity after optimizer step `step`: the model written would be worthless.
-fn check_variables(vs: &tch::nn::VarStore, rank: usize, epoch: usize, step: usize) -> anyhow::Result<()> {
-    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    for (name, t) in vars {
+/// Fails, naming the first, when a parameter or buffer (batch norm's running statistics) of
+/// those the rank holds (`held`, sorted by name) has a NaN or an infinity after optimizer step
+/// `step`: the model written would be worthless.
+fn check_variables(held: Vec<(String, Tensor)>, rank: usize, epoch: usize, step: usize) -> anyhow::Result<()> {
+    for (name, t) in held {
         if tch::no_grad(|| t.isfinite().all().int64_value(&[])) == 0 {
             anyhow::bail!(
                 "`{name}` became NaN or infinite on rank {rank} in epoch {epoch}, by optimizer step {step}: lower \

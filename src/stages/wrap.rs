@@ -1,15 +1,19 @@
 //! Stage 4, wrap: the model from `[wrap.model]` (the layers this rank holds, each seeded from
 //! (seed, layer) alone, so every rank and every strategy starts from the same weights, or read
 //! from `wrap.init`, which holds every parameter and buffer under the names `model.safetensors`
-//! uses), its strategy (DDP, a pipeline stage, or none; DDP broadcasts the buffers) and its
-//! optimizer, over the parameters this rank holds.
+//! uses), its strategy (DDP, FSDP, a pipeline stage, or none; DDP and FSDP broadcast the
+//! buffers) and its optimizer, over the parameters this rank holds (under FSDP, its shards).
+use std::sync::Arc;
+
 use tch::nn::{self, ModuleT};
 
-use crate::dist::ProcessGroup;
+use crate::config::schema::WrapStrategy;
+use crate::dist::{ProcessGroup, Sharded};
 use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::Optimizer;
 use crate::model::BuildContext;
 use crate::plan::Plan;
+use crate::strategy::fsdp::{Fsdp, ShardedModel};
 use crate::strategy::threads::ThreadReplicas;
 use crate::strategy::Strategy;
 
@@ -33,11 +37,18 @@ pub fn wrap<'pg>(
     let vs = nn::VarStore::new(device);
     let arch = plan.model();
     let layers = plan.stages[pg.rank()].clone();
-    // With wrap.sync_batchnorm under DDP, batch norm's statistics cover the data-parallel group:
-    // every rank of the job, each a whole replica. The replica's step reports a failed collective.
+    // With wrap.sync_batchnorm under DDP or FSDP, batch norm's statistics cover the data-parallel
+    // group: every rank of the job. The step reports a failed collective.
     let batch_norm = plan.syncs_batch_norm().then(|| StatsGroup::new(pg));
     let ctx = BuildContext { seed: c.run.seed, batch_norm: batch_norm.clone() };
-    let model = arch.build(&vs.root(), layers.clone(), &ctx);
+    let sharded = c.wrap.strategy == WrapStrategy::Fsdp;
+    // Sharding gathers each layer's parameters around that layer alone: the layers are built one
+    // by one (into the same variables, under the whole model's names).
+    let modules: Vec<Box<dyn ModuleT + 'pg>> = if sharded {
+        layers.clone().map(|l| arch.build(&vs.root(), l..l + 1, &ctx)).collect()
+    } else {
+        vec![arch.build(&vs.root(), layers.clone(), &ctx)]
+    };
     if let Some(path) = &plan.init_weights {
         // The file holds the whole model; a pipeline stage takes its own layers from it.
         let weights = crate::model::read_weights(path, &crate::model::sorted_parameters(arch.as_ref()))
@@ -49,6 +60,18 @@ pub fn wrap<'pg>(
     let params = crate::model::parameters_in_module_order(arch.as_ref(), layers.clone(), &vs);
     let vars = vs.variables();
     let buffers: Vec<_> = arch.buffers(layers.clone()).iter().map(|(name, _)| vars[name].shallow_clone()).collect();
+    if sharded {
+        let names: Vec<String> = arch.parameters(layers).into_iter().map(|(name, _)| name).collect();
+        let units = crate::strategy::fsdp::units(arch.as_ref());
+        let zero3 = c.wrap.fsdp.reshard_after_forward;
+        let sharded = Arc::new(Sharded::new(pg, &params, &units, zero3)?);
+        let model: Box<dyn ModuleT + 'pg> = Box::new(ShardedModel::new(modules, sharded.clone()));
+        let strategy = Fsdp::new(plan, pg, device, sharded, names, &buffers, batch_norm)?;
+        // The optimizer steps on the shards alone.
+        let optimizer = Optimizer::new(&c.train, strategy.shards().into_iter().map(|(_, t)| t).collect());
+        return Ok(Wrapped { vs, model, strategy: Strategy::Fsdp(strategy), optimizer });
+    }
+    let model = modules.into_iter().next().expect("one module");
     let replicas = plan.thread_replicas();
     let threads = (replicas > 1)
         .then(|| {

@@ -1,7 +1,9 @@
 //! How the ranks share the work on one model, one module per `wrap.strategy`: [`replica`] (every
-//! rank a whole replica, gradients averaged by DDP, or not at all) and [`pipeline`] (the layers
-//! split across ranks). Each owns its training step, its validation and how the final model is
-//! gathered to rank 0. Batch split (seed 002) is DDP over another shard layout (`data::shard`).
+//! rank a whole replica, gradients averaged by DDP, or not at all), [`fsdp`] (every rank a shard
+//! of each parameter, gathered layer by layer) and [`pipeline`] (the layers split across ranks).
+//! Each owns its training step, its validation and how the final model is gathered to rank 0.
+//! Batch split (seed 002) is DDP over another shard layout (`data::shard`).
+pub mod fsdp;
 pub mod pipeline;
 pub mod replica;
 pub mod threads;
@@ -84,7 +86,23 @@ impl Default for Micro {
 
 pub enum Strategy<'pg> {
     Replica(replica::Replica<'pg>),
+    Fsdp(fsdp::Fsdp<'pg>),
     Pipeline(pipeline::Stage<'pg>),
+}
+
+/// Bytes of the training state one rank holds: its parameters, their gradients and the
+/// optimizer's state (the trace's memory columns). Under FSDP, the parameters count its shards
+/// and the most gathered at once, the gradients its shards' and the most reduce-scatter buffers
+/// held at once, since the counters were last reset.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StateBytes {
+    pub parameters: u64,
+    pub gradients: u64,
+    pub optimizer: u64,
+}
+
+fn bytes_of(ts: impl IntoIterator<Item = Tensor>) -> u64 {
+    ts.into_iter().filter(Tensor::defined).map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum()
 }
 
 impl<'pg> Strategy<'pg> {
@@ -109,6 +127,11 @@ impl<'pg> Strategy<'pg> {
                 plan, pg, device, params, buffers, buckets, batch_norm, threads,
             )?),
             WrapStrategy::Pipeline => Strategy::Pipeline(pipeline::Stage::new(plan, pg, device)?),
+            // The wrap stage builds a sharded model layer by layer (stages::wrap), and the plan
+            // resolves "auto" to a strategy before any rank starts.
+            WrapStrategy::Fsdp | WrapStrategy::Auto => {
+                anyhow::bail!("wrap.strategy = {:?} is not a replica or pipeline strategy", plan.config.wrap.strategy)
+            }
         })
     }
 
@@ -126,6 +149,7 @@ impl<'pg> Strategy<'pg> {
     ) -> anyhow::Result<StepOut> {
         match self {
             Strategy::Replica(r) => r.step(model, optimizer, x, y, sampled, micro),
+            Strategy::Fsdp(f) => f.step(model, x, y, micro),
             Strategy::Pipeline(stage) => {
                 let mut out = stage.train_step(model, x, y, y.size()[0], micro.scale)?;
                 if micro.sync {
@@ -141,6 +165,8 @@ impl<'pg> Strategy<'pg> {
     pub fn norm_group(&self) -> Option<usize> {
         match self {
             Strategy::Replica(_) => None,
+            // Each rank holds other rows of every gradient: their squares add up, once each.
+            Strategy::Fsdp(_) => Some(1),
             Strategy::Pipeline(stage) => Some(stage.copies()),
         }
     }
@@ -158,6 +184,7 @@ impl<'pg> Strategy<'pg> {
         }
         match self {
             Strategy::Replica(r) => r.validate(plan, model, data, normalizer),
+            Strategy::Fsdp(f) => f.validate(plan, model, data, normalizer),
             Strategy::Pipeline(stage) => stage.validate(plan, model, data, normalizer),
         }
     }
@@ -171,7 +198,7 @@ impl<'pg> Strategy<'pg> {
     pub fn bucket_layout(&self) -> anyhow::Result<Option<Vec<Vec<usize>>>> {
         match self {
             Strategy::Replica(r) => r.bucket_layout(),
-            Strategy::Pipeline(_) => Ok(None),
+            Strategy::Fsdp(_) | Strategy::Pipeline(_) => Ok(None),
         }
     }
 
@@ -183,13 +210,82 @@ impl<'pg> Strategy<'pg> {
         pg: &ProcessGroup,
         vs: &nn::VarStore,
     ) -> anyhow::Result<Option<Vec<(String, Tensor)>>> {
+        if let Strategy::Fsdp(f) = self {
+            return f.gather_model(buffers(plan, vs));
+        }
         // On the CPU, whatever device trained them (as checkpoints).
         let mut named: Vec<(String, Tensor)> =
             vs.variables().into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu))).collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         match self {
-            Strategy::Replica(_) => Ok((pg.rank() == 0).then_some(named)),
             Strategy::Pipeline(stage) => stage.gather_model(plan, named),
+            _ => Ok((pg.rank() == 0).then_some(named)),
         }
     }
+
+    /// The tensors this rank holds whose values must stay finite, by name: the model's
+    /// variables, or under FSDP the shards of its parameters and its buffers (the parameters
+    /// themselves hold no memory between steps).
+    pub fn held(&self, plan: &Plan, vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+        let mut held: Vec<(String, Tensor)> = match self {
+            Strategy::Fsdp(f) => f.shards().into_iter().chain(buffers(plan, vs)).collect(),
+            _ => vs.variables().into_iter().collect(),
+        };
+        held.sort_by(|a, b| a.0.cmp(&b.0));
+        held
+    }
+
+    /// What this rank holds of the training state now (see [`StateBytes`]); `reset` restarts
+    /// FSDP's peaks from what is held now.
+    pub fn state_bytes(&self, vs: &nn::VarStore, optimizer: &Optimizer, reset: bool) -> anyhow::Result<StateBytes> {
+        let optimizer = bytes_of(optimizer.state().into_iter().map(|(_, t)| t));
+        Ok(match self {
+            Strategy::Fsdp(f) => {
+                let s = f.sharded().stats(reset)?;
+                StateBytes {
+                    parameters: s.shard_bytes + s.peak_gathered_bytes,
+                    gradients: s.shard_grad_bytes + s.peak_reduce_bytes,
+                    optimizer,
+                }
+            }
+            _ => {
+                let params = vs.trainable_variables();
+                StateBytes {
+                    parameters: bytes_of(params.iter().map(Tensor::shallow_clone)),
+                    gradients: bytes_of(params.iter().map(Tensor::grad)),
+                    optimizer,
+                }
+            }
+        })
+    }
+}
+
+/// The model's buffers (batch norm's running statistics, a TorchScript module's buffers), by name.
+fn buffers(plan: &Plan, vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let arch = plan.model();
+    let vars = vs.variables();
+    arch.buffers(0..arch.layers().len())
+        .into_iter()
+        .map(|(name, _)| (name.clone(), vars[&name].shallow_clone()))
+        .collect()
+}
+
+/// Copies rank 0's `buffers` into every rank's: one broadcast per element type (float statistics,
+/// integer counts) of the buffers flattened together, as torch's `_sync_module_buffers` coalesces.
+pub(super) fn broadcast_from_rank0(pg: &ProcessGroup, buffers: &[Tensor]) -> anyhow::Result<()> {
+    for floating in [true, false] {
+        let group: Vec<&Tensor> = buffers.iter().filter(|b| b.is_floating_point() == floating).collect();
+        if group.is_empty() {
+            continue;
+        }
+        let mut flat = Tensor::cat(&group.iter().map(|b| b.detach().reshape([-1])).collect::<Vec<_>>(), 0);
+        pg.broadcast(&mut flat, 0)?;
+        let mut at = 0;
+        for b in group {
+            let n = b.numel() as i64;
+            tch::no_grad(|| b.detach().copy_(&flat.narrow(0, at, n).view_as(b)));
+            at += n;
+        }
+    }
+    Ok(())
 }

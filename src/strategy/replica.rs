@@ -59,7 +59,7 @@ impl<'pg> Replica<'pg> {
         let average_after = threads.is_some() && c.wrap.strategy == WrapStrategy::Ddp && pg.size() > 1;
         if average_after {
             // What the Reducer does when it is built: every rank starts from rank 0's weights.
-            broadcast_from_rank0(pg, params)?;
+            super::broadcast_from_rank0(pg, params)?;
         }
         let ddp = match c.wrap.strategy {
             // One rank has no gradients to average: the Reducer would only copy them into its
@@ -146,7 +146,7 @@ impl<'pg> Replica<'pg> {
             ddp.prepare_forward()?;
         }
         if micro.sync {
-            broadcast_from_rank0(self.pg, &self.buffers)?;
+            super::broadcast_from_rank0(self.pg, &self.buffers)?;
         }
         let out = super::in_precision(self.precision, || model.forward_t(x, true))?;
         // SyncBatchNorm's statistics all-reduce failed (a peer left): nothing of this step counts.
@@ -189,7 +189,7 @@ impl<'pg> Replica<'pg> {
         data: &Dataset,
         normalizer: &Normalizer,
     ) -> anyhow::Result<Option<crate::data::Metrics>> {
-        broadcast_from_rank0(self.pg, &self.buffers)?;
+        super::broadcast_from_rank0(self.pg, &self.buffers)?;
         let on = plan.config.validate.on;
         let rank = self.pg.rank();
         if rank != 0 && on == ValidateOn::Rank0 {
@@ -221,7 +221,7 @@ impl<'pg> Replica<'pg> {
 /// `validate.on = "split"`: `forward` over this rank's share of `x`'s rows (contiguous and
 /// balanced, rank 0's first), then every rank's outputs all-gathered in row order. The plan
 /// gives every rank at least one row.
-fn split_forward(
+pub(super) fn split_forward(
     pg: &ProcessGroup,
     x: &Tensor,
     forward: impl FnOnce(&Tensor) -> anyhow::Result<Tensor>,
@@ -238,24 +238,4 @@ fn split_forward(
     let out = Tensor::cat(&[&out, &Tensor::zeros(shape.as_slice(), (out.kind(), out.device()))], 0);
     let parts = pg.all_gather(&out)?;
     Ok(Tensor::cat(&parts.iter().zip(&sizes).map(|(p, &k)| p.narrow(0, 0, k)).collect::<Vec<_>>(), 0))
-}
-
-/// Copies rank 0's `buffers` into every rank's: one broadcast per element type (float statistics,
-/// integer counts) of the buffers flattened together, as torch's `_sync_module_buffers` coalesces.
-fn broadcast_from_rank0(pg: &ProcessGroup, buffers: &[Tensor]) -> anyhow::Result<()> {
-    for floating in [true, false] {
-        let group: Vec<&Tensor> = buffers.iter().filter(|b| b.is_floating_point() == floating).collect();
-        if group.is_empty() {
-            continue;
-        }
-        let mut flat = Tensor::cat(&group.iter().map(|b| b.detach().reshape([-1])).collect::<Vec<_>>(), 0);
-        pg.broadcast(&mut flat, 0)?;
-        let mut at = 0;
-        for b in group {
-            let n = b.numel() as i64;
-            tch::no_grad(|| b.detach().copy_(&flat.narrow(0, at, n).view_as(b)));
-            at += n;
-        }
-    }
-    Ok(())
 }

@@ -1,0 +1,471 @@
+// Sharded data parallelism: FSDP2's design (torch/distributed/fsdp/_fully_shard/) over c10d, for
+// the runner's layers. See bridge.h for the contract.
+//
+// A unit's state machine: sharded (its parameters' storage resized to 0 bytes; the rank holds
+// only `flat`, its rows of every parameter) -> gathered (one all-gather of `flat` into a buffer
+// of world × flat, copied out into each parameter's own padded storage) -> sharded again. The
+// parameters keep their full shapes and stay leaves: the layers compute with them unchanged, and
+// autograd's AccumulateGrad gives each its whole gradient, which a hook copies into the unit's
+// reduce-scatter input at once and frees.
+#include "bridge.h"
+#include "internal.hpp"
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/native/Resize.h>
+#include <ATen/ops/split_with_sizes_copy.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
+#ifdef RUNNER_NCCL
+#include <ATen/native/cuda/Resize.h>
+#endif
+
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+struct Param {
+  // The module's own tensor: its full shape always; its storage holds world × shard_rows rows
+  // while its unit is gathered (the first `rows` are the parameter), 0 bytes while sharded.
+  at::Tensor param;
+  // This rank's rows, a leaf tensor over part of the unit's `flat` storage.
+  at::Tensor shard;
+  int64_t rows = 0, shard_rows = 0, row_numel = 1;
+  // Where its shard starts in the unit's flat shard.
+  int64_t offset = 0;
+
+  int64_t shard_numel() const { return shard_rows * row_numel; }
+};
+
+struct Unit {
+  std::vector<Param> params;
+  // This rank's shards of the unit's parameters, one after another: the all-gather's input.
+  at::Tensor flat;
+  bool gathered = false;
+  // The layer after whose forward it is freed (ZeRO-3), or -1: kept until its backward ends.
+  int64_t free_after = -1;
+  // The last layer that reads it (the forward's end, without autograd).
+  int64_t last_read = -1;
+  // This backward pass: parameters whose gradient was accumulated, and whether its reduce-scatter
+  // started (`reduce_out` receives this rank's averaged rows).
+  size_t grads_ready = 0;
+  bool reduced = false;
+  at::Tensor reduce_in, reduce_out;
+  c10::intrusive_ptr<c10d::Work> reduce_work;
+
+  int64_t chunk() const { return flat.numel(); }
+};
+
+}  // namespace
+
+struct rn_fsdp {
+  rn_pg* pg = nullptr;
+  int64_t world = 1, rank = 0;
+  std::vector<Unit> units;
+  // For each layer in forward order, the units its forward reads.
+  std::vector<std::vector<size_t>> layers;
+  // Units whose reduce-scatter is in flight, in the order started (the same on every rank).
+  std::vector<size_t> in_flight;
+  int64_t gathered_bytes = 0, reduce_bytes = 0;
+  rn_fsdp_stats stats{};
+
+  ~rn_fsdp();
+
+  int64_t elt() const { return units.empty() ? 4 : units[0].flat.element_size(); }
+
+  void note_gathered(int64_t delta) {
+    gathered_bytes += delta;
+    stats.peak_gathered_bytes = std::max(stats.peak_gathered_bytes, gathered_bytes);
+  }
+
+  void note_reduce(int64_t delta) {
+    reduce_bytes += delta;
+    stats.peak_reduce_bytes = std::max(stats.peak_reduce_bytes, reduce_bytes);
+  }
+
+  void gather(Unit& u);
+  void free(Unit& u);
+  void pre_backward(size_t layer);
+  void grad_ready(size_t unit, size_t param);
+  void reduce_input(Unit& u);
+  void take_grad(Unit& u, Param& p);
+  void start_reduce(size_t unit);
+  void finish_reduce(size_t unit);
+  void finish_backward();
+};
+
+namespace {
+
+// Gives `t`'s storage `bytes` bytes (its contents are not kept): how FSDP2 frees a gathered
+// parameter (storage.resize_(0)), so every view of it, autograd's saved ones included, lets the
+// memory go, and gets it back in place before the next use.
+void resize_storage(const at::Tensor& t, size_t bytes) {
+  auto* storage = t.storage().unsafeGetStorageImpl();
+  if (t.is_cpu()) {
+    at::native::resize_bytes_cpu(storage, bytes);
+    return;
+  }
+#ifdef RUNNER_NCCL
+  if (t.is_cuda()) {
+    at::native::resize_bytes_cuda(storage, bytes);
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "sharding is not built for tensors on ", t.device());
+}
+
+// A tensor of `sizes` over `storage` from element `offset`: an alias with its own version
+// counter, so writing through it is invisible to autograd's checks on the parameter.
+at::Tensor alias(const at::Tensor& of, int64_t offset, at::IntArrayRef sizes) {
+  at::NoGradGuard no_grad;
+  auto strides = c10::contiguous_strides(sizes);
+  return at::empty({0}, of.options().requires_grad(false)).set_(of.storage(), offset, sizes, strides);
+}
+
+int64_t padded_bytes(const Param& p, int64_t world) { return world * p.shard_numel() * p.param.element_size(); }
+
+// After AccumulateGrad stored a parameter's gradient: hands it to its unit.
+struct GradReady : public torch::autograd::PostAccumulateGradHook {
+  rn_fsdp* fsdp;
+  size_t unit, param;
+  GradReady(rn_fsdp* f, size_t u, size_t p) : fsdp(f), unit(u), param(p) {}
+  void operator()(const torch::autograd::Variable&) override { fsdp->grad_ready(unit, param); }
+};
+
+}  // namespace
+
+rn_fsdp::~rn_fsdp() {
+  for (auto& u : units) {
+    for (auto& p : u.params) torch::autograd::impl::set_post_acc_grad_hooks(p.param, nullptr);
+  }
+  // Work in flight writes into buffers we hold: let it end first.
+  for (size_t u : in_flight) {
+    try {
+      units[u].reduce_work->wait();
+    } catch (...) {
+    }
+  }
+}
+
+void rn_fsdp::gather(Unit& u) {
+  if (u.gathered) return;
+  at::NoGradGuard no_grad;
+  const int64_t bytes = world * u.chunk() * elt();
+  auto out = at::empty({world * u.chunk()}, u.flat.options().requires_grad(false));
+  note_gathered(bytes);
+  int64_t t0 = now_ns();
+  if (world == 1) {
+    out.copy_(u.flat);
+  } else {
+    pg->backend->_allgather_base(out, u.flat)->wait();
+  }
+  int64_t t1 = now_ns();
+  stats.gather_wait_ns += t1 - t0;
+  stats.gathers += 1;
+  std::vector<at::Tensor> targets;
+  std::vector<int64_t> sizes;
+  for (auto& p : u.params) {
+    resize_storage(p.param, padded_bytes(p, world));
+    note_gathered(padded_bytes(p, world));
+    targets.push_back(alias(p.param, 0, {world, p.shard_numel()}));
+    sizes.push_back(p.shard_numel());
+  }
+  // Rank r's rows of parameter p sit at [r][offset_p, offset_p + numel_p) of the gathered
+  // buffer; the padded storage of p wants them at [r][0, numel_p): one copy of the whole unit.
+  at::split_with_sizes_copy_out(targets, out.view({world, u.chunk()}), sizes, 1);
+  stats.copy_ns += now_ns() - t1;
+  out = at::Tensor();
+  note_gathered(-bytes);
+  u.gathered = true;
+}
+
+void rn_fsdp::free(Unit& u) {
+  if (!u.gathered) return;
+  for (auto& p : u.params) {
+    resize_storage(p.param, 0);
+    note_gathered(-padded_bytes(p, world));
+  }
+  u.gathered = false;
+}
+
+void rn_fsdp::pre_backward(size_t layer) {
+  for (size_t u : layers.at(layer)) gather(units[u]);
+}
+
+void rn_fsdp::grad_ready(size_t index, size_t param) {
+  Unit& u = units.at(index);
+  take_grad(u, u.params.at(param));
+  u.grads_ready += 1;
+  if (u.grads_ready == u.params.size() && !u.reduced) start_reduce(index);
+}
+
+// The unit's reduce-scatter input, zeros until its gradients are copied in.
+void rn_fsdp::reduce_input(Unit& u) {
+  if (u.reduce_in.defined()) return;
+  u.reduce_in = at::zeros({world * u.chunk()}, u.flat.options().requires_grad(false));
+  note_reduce(world * u.chunk() * elt());
+}
+
+// Copies a parameter's whole gradient into its unit's reduce-scatter input and frees it: rank r's
+// rows go to chunk r at the parameter's offset, as the shards lie in `flat` (zeros pad them).
+void rn_fsdp::take_grad(Unit& u, Param& p) {
+  at::NoGradGuard no_grad;
+  int64_t t0 = now_ns();
+  const int64_t chunk = u.chunk();
+  reduce_input(u);
+  at::Tensor grad = p.param.grad();
+  if (grad.defined()) {
+    auto in = u.reduce_in.view({world, chunk});
+    auto flat_grad = grad.reshape({-1});
+    for (int64_t r = 0; r < world; ++r) {
+      int64_t valid = std::clamp<int64_t>(p.rows - r * p.shard_rows, 0, p.shard_rows) * p.row_numel;
+      if (valid == 0) break;
+      in[r].narrow(0, p.offset, valid).copy_(flat_grad.narrow(0, r * p.shard_numel(), valid));
+    }
+  }
+  p.param.mutable_grad().reset();
+  stats.copy_ns += now_ns() - t0;
+}
+
+// Averages the unit's gradients (each scaled by 1/world, as DDP's Reducer scales them, then
+// summed), frees its gathered parameters, and starts the reduce-scatter.
+void rn_fsdp::start_reduce(size_t index) {
+  Unit& u = units[index];
+  at::NoGradGuard no_grad;
+  // Gradients the hooks did not hand over (a parameter without one this pass counts as zeros).
+  for (auto& p : u.params) {
+    if (p.param.grad().defined()) take_grad(u, p);
+  }
+  reduce_input(u);
+  const int64_t chunk = u.chunk();
+  u.reduce_out = at::empty({chunk}, u.flat.options().requires_grad(false));
+  note_reduce(chunk * elt());
+  if (world > 1) u.reduce_in.mul_(1.0 / static_cast<double>(world));
+  free(u);
+  if (world == 1) {
+    u.reduce_out.copy_(u.reduce_in);
+    u.reduce_work.reset();
+  } else {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    u.reduce_work = pg->backend->_reduce_scatter_base(u.reduce_out, u.reduce_in, opts);
+  }
+  u.reduced = true;
+  in_flight.push_back(index);
+  stats.reduces += 1;
+  // The one started before has had this unit's backward to run in: its buffers go now, so a
+  // rank holds the reduce-scatter buffers of at most two units, not of the whole model.
+  while (in_flight.size() > 1) {
+    size_t oldest = in_flight.front();
+    in_flight.erase(in_flight.begin());
+    finish_reduce(oldest);
+  }
+}
+
+// Waits for the unit's reduce-scatter and adds its averaged rows to the shards' gradients.
+void rn_fsdp::finish_reduce(size_t index) {
+  Unit& u = units[index];
+  at::NoGradGuard no_grad;
+  int64_t t0 = now_ns();
+  if (u.reduce_work) u.reduce_work->wait();
+  stats.reduce_wait_ns += now_ns() - t0;
+  for (auto& p : u.params) {
+    auto g = u.reduce_out.narrow(0, p.offset, p.shard_numel()).view(p.shard.sizes());
+    at::Tensor& grad = p.shard.mutable_grad();
+    if (grad.defined()) {
+      grad.add_(g);
+    } else {
+      grad = g;
+    }
+  }
+  note_reduce(-(world + 1) * u.chunk() * elt());
+  u.reduce_in = at::Tensor();
+  u.reduce_out = at::Tensor();
+  u.reduce_work.reset();
+}
+
+void rn_fsdp::finish_backward() {
+  // Units the hooks did not start (a parameter that got no gradient counts as zeros), in unit
+  // order: every rank reduce-scatters the same units in the same order.
+  for (size_t i = 0; i < units.size(); ++i) {
+    if (!units[i].reduced) start_reduce(i);
+  }
+  std::vector<size_t> started;
+  started.swap(in_flight);
+  for (size_t index : started) finish_reduce(index);
+  for (auto& u : units) {
+    free(u);
+    u.reduced = false;
+    u.grads_ready = 0;
+  }
+}
+
+extern "C" {
+
+char* rn_fsdp_new(rn_pg* pg, void** params_ptr, size_t n_params, const size_t* unit_sizes, size_t n_units,
+                  const size_t* layer_units, const size_t* layer_counts, size_t n_layers, int zero3,
+                  rn_fsdp** out) {
+  return rn::protect([&] {
+    auto f = std::make_unique<rn_fsdp>();
+    f->pg = pg;
+    f->world = pg->pg->getSize();
+    f->rank = pg->pg->getRank();
+    auto params = rn::tensors(params_ptr, n_params);
+    at::NoGradGuard no_grad;
+    size_t at = 0;
+    for (size_t u = 0; u < n_units; ++u) {
+      Unit unit;
+      int64_t offset = 0;
+      for (size_t k = 0; k < unit_sizes[u]; ++k, ++at) {
+        TORCH_CHECK(at < n_params, "the units hold more than the ", n_params, " parameters");
+        Param p;
+        p.param = params[at];
+        TORCH_CHECK(p.param.dim() >= 1, "parameter ", at, " is a scalar: sharding needs a first dimension");
+        TORCH_CHECK(p.param.requires_grad() && p.param.is_leaf(), "parameter ", at, " is not a trainable leaf");
+        p.rows = p.param.size(0);
+        p.row_numel = p.rows == 0 ? 0 : p.param.numel() / p.rows;
+        p.shard_rows = (p.rows + f->world - 1) / f->world;
+        p.offset = offset;
+        offset += p.shard_numel();
+        unit.params.push_back(std::move(p));
+      }
+      TORCH_CHECK(!unit.params.empty(), "unit ", u, " holds no parameter");
+      unit.flat = at::zeros({offset}, unit.params[0].param.options().requires_grad(false));
+      f->units.push_back(std::move(unit));
+    }
+    TORCH_CHECK(at == n_params, "the units hold ", at, " of the ", n_params, " parameters");
+    size_t read = 0;
+    for (size_t l = 0; l < n_layers; ++l) {
+      std::vector<size_t> reads(layer_units + read, layer_units + read + layer_counts[l]);
+      read += layer_counts[l];
+      for (size_t u : reads) {
+        TORCH_CHECK(u < n_units, "layer ", l, " reads unit ", u, " of ", n_units);
+        f->units[u].last_read = static_cast<int64_t>(l);
+      }
+      f->layers.push_back(std::move(reads));
+    }
+    for (auto& unit : f->units) {
+      TORCH_CHECK(unit.last_read >= 0, "a unit no layer reads");
+      // The last layer's backward follows its forward at once: freeing it in between would only
+      // gather it again (torchtitan does not reshard the last block either).
+      bool last = unit.last_read + 1 == static_cast<int64_t>(n_layers);
+      unit.free_after = zero3 && !last ? unit.last_read : -1;
+    }
+    for (size_t u = 0; u < f->units.size(); ++u) {
+      Unit& unit = f->units[u];
+      for (auto& p : unit.params) {
+        // Each parameter gets storage of its own, padded: the gathered rows of every rank land in
+        // it in one copy, and it can be freed and regrown without touching any other tensor.
+        int64_t padded = f->world * p.shard_numel();
+        auto storage = at::zeros({padded}, p.param.options().requires_grad(false));
+        storage.narrow(0, 0, p.param.numel()).copy_(p.param.reshape({-1}));
+        unit.flat.narrow(0, p.offset, p.shard_numel()).copy_(storage.narrow(0, f->rank * p.shard_numel(), p.shard_numel()));
+        p.param.set_data(storage.narrow(0, 0, p.param.numel()).view(p.param.sizes()));
+        std::vector<int64_t> shape = p.param.sizes().vec();
+        shape[0] = p.shard_rows;
+        p.shard = alias(unit.flat, p.offset, shape).set_requires_grad(true);
+        resize_storage(p.param, 0);
+        size_t k = &p - unit.params.data();
+        torch::autograd::impl::set_post_acc_grad_hooks(p.param, std::make_unique<GradReady>(f.get(), u, k));
+        f->stats.shard_bytes += p.shard_numel() * p.param.element_size();
+      }
+    }
+    *out = f.release();
+  });
+}
+
+void rn_fsdp_free(rn_fsdp* f) {
+  (void)rn::protect([&] { delete f; });
+}
+
+char* rn_fsdp_shard(rn_fsdp* f, size_t i, void** out) {
+  return rn::protect([&] {
+    for (auto& u : f->units) {
+      if (i < u.params.size()) {
+        *out = new at::Tensor(u.params[i].shard);
+        return;
+      }
+      i -= u.params.size();
+    }
+    TORCH_CHECK(false, "no parameter ", i);
+  });
+}
+
+char* rn_fsdp_pre_forward(rn_fsdp* f, size_t layer) {
+  return rn::protect([&] {
+    TORCH_CHECK(layer < f->layers.size(), "no layer ", layer);
+    for (size_t u : f->layers[layer]) f->gather(f->units[u]);
+  });
+}
+
+char* rn_fsdp_post_forward(rn_fsdp* f, size_t layer, void* output) {
+  return rn::protect([&] {
+    TORCH_CHECK(layer < f->layers.size(), "no layer ", layer);
+    at::Tensor& out = rn::tensor(output);
+    bool recorded = c10::GradMode::is_enabled() && out.requires_grad();
+    if (recorded) {
+      out.register_hook([f, layer](const at::TensorBase&) { f->pre_backward(layer); });
+    }
+    for (size_t u : f->layers[layer]) {
+      Unit& unit = f->units[u];
+      int64_t after = recorded ? unit.free_after : unit.last_read;
+      if (after == static_cast<int64_t>(layer)) f->free(unit);
+    }
+  });
+}
+
+char* rn_fsdp_finish_backward(rn_fsdp* f) {
+  return rn::protect([&] { f->finish_backward(); });
+}
+
+char* rn_fsdp_full(rn_fsdp* f, size_t i, void** out) {
+  return rn::protect([&] {
+    for (auto& u : f->units) {
+      if (i >= u.params.size()) {
+        i -= u.params.size();
+        continue;
+      }
+      at::NoGradGuard no_grad;
+      Param& p = u.params[i];
+      auto whole = at::empty({f->world * p.shard_numel()}, p.shard.options().requires_grad(false));
+      auto shard = p.shard.detach().reshape({-1});
+      if (f->world == 1) {
+        whole.copy_(shard);
+      } else {
+        f->pg->backend->_allgather_base(whole, shard)->wait();
+      }
+      *out = new at::Tensor(whole.narrow(0, 0, p.param.numel()).view(p.param.sizes()).clone());
+      return;
+    }
+    TORCH_CHECK(false, "no parameter ", i);
+  });
+}
+
+char* rn_fsdp_read_stats(rn_fsdp* f, int reset, rn_fsdp_stats* out) {
+  return rn::protect([&] {
+    f->stats.shard_grad_bytes = 0;
+    for (auto& u : f->units) {
+      for (auto& p : u.params) {
+        if (p.shard.grad().defined()) f->stats.shard_grad_bytes += p.shard.grad().numel() * p.shard.element_size();
+      }
+    }
+    *out = f->stats;
+    if (reset) {
+      int64_t shard_bytes = f->stats.shard_bytes;
+      f->stats = rn_fsdp_stats{};
+      f->stats.shard_bytes = shard_bytes;
+      f->stats.peak_gathered_bytes = f->gathered_bytes;
+      f->stats.peak_reduce_bytes = f->reduce_bytes;
+    }
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,342 @@
+//! The training state one rank holds under each strategy, from the model's shapes: parameters,
+//! gradients and the optimizer's state, at the rank's peak. `run.memory_per_rank_mb` limits it,
+//! `wrap.strategy = "auto"` chooses by it, `runner validate` prints it, and the trace's memory
+//! columns measure the same three parts on every rank.
+//!
+//! - DDP (and "none"): the whole model, its gradients and the optimizer's state on every rank.
+//! - FSDP: 1/world_size of each (every parameter's rows padded to a multiple of the world size),
+//!   plus what is gathered at once: the layer being computed (its parameters and, while they
+//!   arrive, the all-gather's buffer of the same size; with ZeRO-2 every layer at the end of the
+//!   forward pass), and in the backward pass its whole gradients in the reduce-scatter's buffer
+//!   and the buffers of the reduce-scatter still in flight.
+//! - A pipeline: the heaviest stage's parameters, gradients and optimizer state (and with copies,
+//!   the flat copy of its gradients that is averaged over them).
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::schema::{Config, Optimizer, WrapStrategy};
+use crate::model::Architecture;
+
+/// Bytes of one float32 value.
+const F: f64 = 4.0;
+
+/// How a strategy lays the model out over the ranks, for the estimate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Whole replicas; `ddp`: under DDP over more than one rank.
+    Replica,
+    Fsdp {
+        zero3: bool,
+    },
+    Pipeline,
+}
+
+impl Layout {
+    /// The layout `c` asks for ("auto" is resolved before any estimate is made).
+    pub fn of(c: &Config) -> Layout {
+        match c.wrap.strategy {
+            WrapStrategy::Fsdp => Layout::Fsdp { zero3: c.wrap.fsdp.reshard_after_forward },
+            WrapStrategy::Pipeline => Layout::Pipeline,
+            WrapStrategy::Ddp | WrapStrategy::None | WrapStrategy::Auto => Layout::Replica,
+        }
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Layout::Replica => "DDP",
+            Layout::Fsdp { zero3: false } => "FSDP (ZeRO-2)",
+            Layout::Fsdp { zero3: true } => "FSDP (ZeRO-3)",
+            Layout::Pipeline => "the pipeline",
+        })
+    }
+}
+
+/// Bytes of training state on one rank at its peak.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    pub parameters: f64,
+    pub gradients: f64,
+    pub optimizer: f64,
+}
+
+impl State {
+    pub fn total(&self) -> f64 {
+        self.parameters + self.gradients + self.optimizer
+    }
+}
+
+impl fmt::Display for State {
+    /// "1.49 GiB (parameters 381 MiB, gradients 381 MiB, optimizer 763 MiB)".
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} (parameters {}, gradients {}, optimizer {})",
+            size(self.total()),
+            size(self.parameters),
+            size(self.gradients),
+            size(self.optimizer)
+        )
+    }
+}
+
+/// The model's shapes as the estimate needs them: each layer's parameters (dim 0 rows, values
+/// per row), and the layers each layer's forward reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shapes {
+    pub layers: Vec<Vec<(i64, i64)>>,
+    pub reads: Vec<Vec<usize>>,
+}
+
+impl Shapes {
+    pub fn of(arch: &dyn Architecture) -> Shapes {
+        let n = arch.layers().len();
+        let layers = (0..n)
+            .map(|l| {
+                arch.parameters(l..l + 1)
+                    .into_iter()
+                    .map(|(_, s)| {
+                        let rows = s.first().copied().unwrap_or(1);
+                        (rows, s.iter().skip(1).product::<i64>())
+                    })
+                    .collect()
+            })
+            .collect();
+        Shapes { layers, reads: (0..n).map(|l| arch.reads(l)).collect() }
+    }
+
+    fn values(&self, layer: usize) -> f64 {
+        self.layers[layer].iter().map(|&(r, v)| (r * v) as f64).sum()
+    }
+
+    /// Values of layer `layer`'s shard on one of `world` ranks, and of its padded whole.
+    fn shard(&self, layer: usize, world: usize) -> (f64, f64) {
+        let w = world as i64;
+        let shard: f64 = self.layers[layer].iter().map(|&(r, v)| ((r + w - 1) / w * v) as f64).sum();
+        (shard, shard * world as f64)
+    }
+}
+
+/// Optimizer state values per parameter value: SGD's momentum, Adam's two moments.
+pub fn optimizer_slots(c: &Config) -> f64 {
+    match c.train.optimizer {
+        Optimizer::Adam | Optimizer::Adamw => 2.0,
+        Optimizer::Sgd if c.train.momentum != 0.0 => 1.0,
+        Optimizer::Sgd => 0.0,
+    }
+}
+
+/// The training state one of `world` ranks holds under `layout`. `heaviest`: the most
+/// parameters a pipeline stage holds at this world size (`None`: no pipeline can be cut).
+pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest: Option<usize>) -> State {
+    let layers = shapes.layers.len();
+    let all: f64 = (0..layers).map(|l| shapes.values(l)).sum();
+    match layout {
+        Layout::Replica => State { parameters: F * all, gradients: F * all, optimizer: F * slots * all },
+        Layout::Pipeline => {
+            let p = heaviest.unwrap_or(usize::MAX) as f64;
+            let copies = if world > 1 { 1.0 } else { 0.0 };
+            State { parameters: F * p, gradients: F * p * (1.0 + copies), optimizer: F * slots * p }
+        }
+        Layout::Fsdp { zero3 } => {
+            let shards: f64 = (0..layers).map(|l| shapes.shard(l, world).0).sum();
+            let padded = |l: usize| shapes.shard(l, world).1;
+            // What is gathered while layer l computes: the units it reads (and, under ZeRO-2,
+            // every layer before it still waiting for its backward), plus the all-gather buffer
+            // of the largest of them.
+            let gathered = (0..layers)
+                .map(|l| {
+                    let reads = &shapes.reads[l];
+                    let held: f64 = if zero3 {
+                        // A unit another layer reads later (a tied embedding) stays gathered.
+                        let kept: f64 = (0..l)
+                            .filter(|u| !reads.contains(u) && shapes.reads[l..].iter().any(|r| r.contains(u)))
+                            .map(padded)
+                            .sum();
+                        reads.iter().map(|&u| padded(u)).sum::<f64>() + kept
+                    } else {
+                        (0..=l).map(padded).sum()
+                    };
+                    held + reads.iter().map(|&u| padded(u)).fold(0.0, f64::max)
+                })
+                .fold(0.0, f64::max);
+            // In the backward pass: a unit's reduce-scatter input (its padded whole) and output
+            // (its shard), the one before it still in flight, and one whole gradient arriving.
+            let reduce = (0..layers)
+                .map(|l| {
+                    let next = if l + 1 < layers { padded(l + 1) * (1.0 + 1.0 / world as f64) } else { 0.0 };
+                    let arriving = shapes.layers[l].iter().map(|&(r, v)| (r * v) as f64).fold(0.0, f64::max);
+                    padded(l) * (1.0 + 1.0 / world as f64) + next + arriving
+                })
+                .fold(0.0, f64::max);
+            State {
+                parameters: F * (shards + gathered),
+                gradients: F * (shards + reduce),
+                optimizer: F * slots * shards,
+            }
+        }
+    }
+}
+
+/// The most ranks the searches below try.
+const MAX_SEARCH: usize = 4096;
+
+/// A model's training state at any world size and layout.
+pub struct Planner<'a> {
+    pub shapes: Shapes,
+    pub layer_parameters: &'a [usize],
+    pub slots: f64,
+    /// Whether the model can be cut into pipeline stages at all (not one opaque module).
+    pub pipeline_possible: bool,
+}
+
+impl Planner<'_> {
+    /// The state of a rank under `layout` at `world` ranks; `None` where the layout cannot run
+    /// there (a pipeline needs 2 to `layers` ranks). A pipeline's stages are balanced by
+    /// parameters, or `stages` where given.
+    pub fn state(&self, layout: Layout, world: usize, stages: Option<&[std::ops::Range<usize>]>) -> Option<State> {
+        let heaviest = match layout {
+            Layout::Pipeline => {
+                if !self.pipeline_possible || world < 2 || world > self.layer_parameters.len() {
+                    return None;
+                }
+                let balanced;
+                let stages = match stages {
+                    Some(s) => s,
+                    None => {
+                        balanced = crate::model::partition::balanced(self.layer_parameters, world)?;
+                        &balanced
+                    }
+                };
+                stages.iter().map(|r| self.layer_parameters[r.clone()].iter().sum::<usize>()).max()
+            }
+            _ => None,
+        };
+        Some(state(&self.shapes, layout, world, self.slots, heaviest))
+    }
+
+    /// The smallest world size from `from` at which `layout` holds at most `limit` bytes a rank.
+    pub fn fits_from(&self, layout: Layout, limit: f64, from: usize) -> Option<(usize, State)> {
+        (from.max(1)..=MAX_SEARCH)
+            .find_map(|w| self.state(layout, w, None).filter(|s| s.total() <= limit).map(|s| (w, s)))
+    }
+
+    /// What to do when `layout` at `world` ranks holds more than `limit` bytes a rank: the
+    /// strategies that fit, and from which world size.
+    pub fn advice(&self, layout: Layout, world: usize, limit: f64) -> String {
+        let mut ways = Vec::new();
+        let fsdp = Layout::Fsdp { zero3: true };
+        if layout != fsdp {
+            match self.fits_from(fsdp, limit, world) {
+                Some((w, s)) if w == world => {
+                    ways.push(format!("wrap.strategy = \"fsdp\" fits at this world size ({} a rank)", size(s.total())))
+                }
+                Some((w, s)) => ways.push(format!(
+                    "wrap.strategy = \"fsdp\" fits from run.world_size = {w} ({} a rank)",
+                    size(s.total())
+                )),
+                None => {}
+            }
+        } else if let Some((w, s)) = self.fits_from(fsdp, limit, world + 1) {
+            ways.push(format!("it fits from run.world_size = {w} ({} a rank)", size(s.total())));
+        }
+        if layout != Layout::Pipeline {
+            if let Some((w, s)) = self.fits_from(Layout::Pipeline, limit, world.max(2)) {
+                ways.push(format!(
+                    "wrap.strategy = \"pipeline\" from run.world_size = {w} ({} on its heaviest rank)",
+                    size(s.total())
+                ));
+            }
+        }
+        if ways.is_empty() {
+            return format!(
+                "no strategy fits it on up to {MAX_SEARCH} ranks: use a smaller model, or a higher \
+                 run.memory_per_rank_mb"
+            );
+        }
+        format!("{}; wrap.strategy = \"auto\" picks the first strategy that fits", ways.join(", or "))
+    }
+
+    /// `wrap.strategy = "auto"` at `world` ranks with `limit` bytes of training state a rank:
+    /// the first of DDP, FSDP (ZeRO-2), FSDP (ZeRO-3) and the pipeline that fits, and why; or
+    /// why none does.
+    pub fn choose(&self, world: usize, limit: f64, limit_text: &str) -> Result<(Layout, String), String> {
+        let order = [Layout::Replica, Layout::Fsdp { zero3: false }, Layout::Fsdp { zero3: true }, Layout::Pipeline];
+        let mut tried = Vec::new();
+        for layout in order {
+            let Some(s) = self.state(layout, world, None) else { continue };
+            if s.total() <= limit {
+                let before = if tried.is_empty() { String::new() } else { format!(", while {}", tried.join(", ")) };
+                return Ok((layout, format!("auto chose {layout}: it holds {s} a rank, within {limit_text}{before}")));
+            }
+            tried.push(format!("{layout} would hold {}", size(s.total())));
+        }
+        Err(format!(
+            "no strategy fits {limit_text} at world size {world}: {}; {}",
+            tried.join(", "),
+            self.advice(Layout::Fsdp { zero3: true }, world, limit)
+        ))
+    }
+}
+
+/// Bytes in GiB from 1 GiB up, in MiB below.
+pub fn size(bytes: f64) -> String {
+    let mib = bytes / (1u64 << 20) as f64;
+    if mib >= 1024.0 {
+        format!("{:.2} GiB", mib / 1024.0)
+    } else if mib >= 10.0 {
+        format!("{mib:.0} MiB")
+    } else {
+        format!("{mib:.1} MiB")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mlp() -> Shapes {
+        // Three linear layers: 10 → 64 → 64 → 4 (weights, then biases).
+        Shapes {
+            layers: vec![vec![(64, 10), (64, 1)], vec![(64, 64), (64, 1)], vec![(4, 64), (4, 1)]],
+            reads: vec![vec![0], vec![1], vec![2]],
+        }
+    }
+
+    #[test]
+    fn ddp_holds_everything_and_fsdp_a_share_plus_what_is_gathered() {
+        let s = mlp();
+        let all = (64 * 10 + 64 + 64 * 64 + 64 + 4 * 64 + 4) as f64;
+        let ddp = state(&s, Layout::Replica, 4, 2.0, None);
+        assert_eq!(ddp, State { parameters: 4.0 * all, gradients: 4.0 * all, optimizer: 8.0 * all });
+        let fsdp = state(&s, Layout::Fsdp { zero3: true }, 4, 2.0, None);
+        // No row count here is uneven over 4 ranks: the shards are exactly a quarter.
+        assert_eq!(fsdp.optimizer, ddp.optimizer / 4.0);
+        // The largest layer (64 × 64 + 64) gathered, with its all-gather buffer.
+        assert_eq!(fsdp.parameters, 4.0 * (all / 4.0 + 2.0 * (64.0 * 64.0 + 64.0)));
+        let zero2 = state(&s, Layout::Fsdp { zero3: false }, 4, 2.0, None);
+        assert!(zero2.parameters > fsdp.parameters && zero2.parameters < ddp.parameters * 1.5);
+    }
+
+    #[test]
+    fn uneven_rows_are_padded_per_parameter() {
+        let s = Shapes { layers: vec![vec![(5, 3)]], reads: vec![vec![0]] };
+        // 5 rows over 4 ranks: 2 rows each, 8 padded.
+        assert_eq!(s.shard(0, 4), (6.0, 24.0));
+    }
+
+    #[test]
+    fn a_tied_unit_stays_gathered_until_the_layer_that_shares_it() {
+        let s = Shapes {
+            layers: vec![vec![(100, 8)], vec![(8, 8)], vec![(8, 1)]],
+            reads: vec![vec![0], vec![1], vec![2, 0]],
+        };
+        let fsdp = state(&s, Layout::Fsdp { zero3: true }, 2, 0.0, None);
+        // At layer 1 the embedding (800 values) is still held, besides layer 1 and its buffer.
+        let at_layer1 = 800.0 + 64.0 + 64.0;
+        let shards = 400.0 + 32.0 + 4.0;
+        assert!(fsdp.parameters >= 4.0 * (shards + at_layer1));
+    }
+}

