@@ -142,12 +142,12 @@ typedef struct rn_fsdp rn_fsdp;
 
 typedef struct rn_fsdp_stats {
   // Bytes: this rank's shards of every parameter (padding included); of their gradients now; the
-  // most of gathered parameters and of gradient buffers (reduce-scatter input and output) held
-  // at once since the last reset.
+  // most held at once since the last reset of gathered parameters (with the all-gather's buffer)
+  // and of gradients (the shards', the reduce-scatter buffers, a whole gradient being copied in).
   int64_t shard_bytes;
   int64_t shard_grad_bytes;
   int64_t peak_gathered_bytes;
-  int64_t peak_reduce_bytes;
+  int64_t peak_grad_bytes;
   // Since the last reset: nanoseconds blocked waiting for all-gathers and for reduce-scatters,
   // spent copying gradients in and parameters out, and how many of each collective ran.
   int64_t gather_wait_ns;

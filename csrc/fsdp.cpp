@@ -72,9 +72,10 @@ struct rn_fsdp {
   std::vector<Unit> units;
   // For each layer in forward order, the units its forward reads.
   std::vector<std::vector<size_t>> layers;
-  // Units whose reduce-scatter is in flight, in the order started (the same on every rank).
+  // Units whose reduce-scatter is in flight (one at most), in the order started (the same on
+  // every rank).
   std::vector<size_t> in_flight;
-  int64_t gathered_bytes = 0, reduce_bytes = 0;
+  int64_t gathered_bytes = 0;
   rn_fsdp_stats stats{};
 
   ~rn_fsdp();
@@ -86,9 +87,24 @@ struct rn_fsdp {
     stats.peak_gathered_bytes = std::max(stats.peak_gathered_bytes, gathered_bytes);
   }
 
-  void note_reduce(int64_t delta) {
-    reduce_bytes += delta;
-    stats.peak_reduce_bytes = std::max(stats.peak_reduce_bytes, reduce_bytes);
+  // The gradient bytes held now: the shards' gradients, the reduce-scatter buffers, and
+  // `arriving` (a parameter's whole gradient, before it is copied into its unit's buffer).
+  int64_t grad_bytes(int64_t arriving = 0) const {
+    int64_t bytes = arriving;
+    for (const auto& u : units) {
+      if (u.reduce_in.defined()) bytes += u.reduce_in.numel() * elt();
+      if (u.reduce_out.defined()) bytes += u.reduce_out.numel() * elt();
+      for (const auto& p : u.params) {
+        const auto& g = p.shard.grad();
+        // A gradient of the reduce-scatter's output in flight is counted there.
+        if (g.defined() && !(u.reduce_out.defined() && g.is_alias_of(u.reduce_out))) bytes += g.numel() * elt();
+      }
+    }
+    return bytes;
+  }
+
+  void note_grads(int64_t arriving = 0) {
+    stats.peak_grad_bytes = std::max(stats.peak_grad_bytes, grad_bytes(arriving));
   }
 
   void gather(Unit& u);
@@ -99,6 +115,7 @@ struct rn_fsdp {
   void take_grad(Unit& u, Param& p);
   void start_reduce(size_t unit);
   void finish_reduce(size_t unit);
+  void finish_in_flight();
   void finish_backward();
 };
 
@@ -210,8 +227,10 @@ void rn_fsdp::grad_ready(size_t index, size_t param) {
 // The unit's reduce-scatter input, zeros until its gradients are copied in.
 void rn_fsdp::reduce_input(Unit& u) {
   if (u.reduce_in.defined()) return;
+  // The reduce-scatter started before has had this unit's backward so far to run in: it ends
+  // here, so that a rank holds one unit's gradient buffers at a time, not two.
+  finish_in_flight();
   u.reduce_in = at::zeros({world * u.chunk()}, u.flat.options().requires_grad(false));
-  note_reduce(world * u.chunk() * elt());
 }
 
 // Copies a parameter's whole gradient into its unit's reduce-scatter input and frees it: rank r's
@@ -222,6 +241,7 @@ void rn_fsdp::take_grad(Unit& u, Param& p) {
   const int64_t chunk = u.chunk();
   reduce_input(u);
   at::Tensor grad = p.param.grad();
+  note_grads(grad.defined() ? grad.numel() * grad.element_size() : 0);
   if (grad.defined()) {
     auto in = u.reduce_in.view({world, chunk});
     auto flat_grad = grad.reshape({-1});
@@ -247,7 +267,7 @@ void rn_fsdp::start_reduce(size_t index) {
   reduce_input(u);
   const int64_t chunk = u.chunk();
   u.reduce_out = at::empty({chunk}, u.flat.options().requires_grad(false));
-  note_reduce(chunk * elt());
+  note_grads();
   if (world > 1) u.reduce_in.mul_(1.0 / static_cast<double>(world));
   free(u);
   if (world == 1) {
@@ -261,13 +281,12 @@ void rn_fsdp::start_reduce(size_t index) {
   u.reduced = true;
   in_flight.push_back(index);
   stats.reduces += 1;
-  // The one started before has had this unit's backward to run in: its buffers go now, so a
-  // rank holds the reduce-scatter buffers of at most two units, not of the whole model.
-  while (in_flight.size() > 1) {
-    size_t oldest = in_flight.front();
-    in_flight.erase(in_flight.begin());
-    finish_reduce(oldest);
-  }
+}
+
+void rn_fsdp::finish_in_flight() {
+  std::vector<size_t> started;
+  started.swap(in_flight);
+  for (size_t index : started) finish_reduce(index);
 }
 
 // Waits for the unit's reduce-scatter and adds its averaged rows to the shards' gradients.
@@ -286,7 +305,6 @@ void rn_fsdp::finish_reduce(size_t index) {
       grad = g;
     }
   }
-  note_reduce(-(world + 1) * u.chunk() * elt());
   u.reduce_in = at::Tensor();
   u.reduce_out = at::Tensor();
   u.reduce_work.reset();
@@ -298,9 +316,7 @@ void rn_fsdp::finish_backward() {
   for (size_t i = 0; i < units.size(); ++i) {
     if (!units[i].reduced) start_reduce(i);
   }
-  std::vector<size_t> started;
-  started.swap(in_flight);
-  for (size_t index : started) finish_reduce(index);
+  finish_in_flight();
   for (auto& u : units) {
     free(u);
     u.reduced = false;
@@ -463,7 +479,7 @@ char* rn_fsdp_read_stats(rn_fsdp* f, int reset, rn_fsdp_stats* out) {
       f->stats = rn_fsdp_stats{};
       f->stats.shard_bytes = shard_bytes;
       f->stats.peak_gathered_bytes = f->gathered_bytes;
-      f->stats.peak_reduce_bytes = f->reduce_bytes;
+      f->stats.peak_grad_bytes = f->grad_bytes();
     }
   });
 }

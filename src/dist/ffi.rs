@@ -30,7 +30,7 @@ pub struct RnFsdpStats {
     pub shard_bytes: i64,
     pub shard_grad_bytes: i64,
     pub peak_gathered_bytes: i64,
-    pub peak_reduce_bytes: i64,
+    pub peak_grad_bytes: i64,
     pub gather_wait_ns: i64,
     pub reduce_wait_ns: i64,
     pub copy_ns: i64,

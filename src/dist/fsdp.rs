@@ -29,8 +29,9 @@ pub struct ShardStats {
     pub shard_grad_bytes: u64,
     /// The most bytes of gathered parameters (and their all-gather buffer) held at once.
     pub peak_gathered_bytes: u64,
-    /// The most bytes of gradient reduce-scatter buffers held at once.
-    pub peak_reduce_bytes: u64,
+    /// The most bytes of gradients held at once: the shards', the reduce-scatter buffers, and a
+    /// parameter's whole gradient while it is copied in.
+    pub peak_grad_bytes: u64,
     /// Time blocked waiting for all-gathers and for reduce-scatters, and spent copying.
     pub gather_wait: Duration,
     pub reduce_wait: Duration,
@@ -140,7 +141,7 @@ impl<'pg> Sharded<'pg> {
             shard_bytes: bytes(s.shard_bytes),
             shard_grad_bytes: bytes(s.shard_grad_bytes),
             peak_gathered_bytes: bytes(s.peak_gathered_bytes),
-            peak_reduce_bytes: bytes(s.peak_reduce_bytes),
+            peak_grad_bytes: bytes(s.peak_grad_bytes),
             gather_wait: time(s.gather_wait_ns),
             reduce_wait: time(s.reduce_wait_ns),
             copy: time(s.copy_ns),

@@ -58,6 +58,21 @@ pub fn keep_freed_memory() {
     }
 }
 
+/// This process's peak resident memory so far, in bytes (getrusage's ru_maxrss; 0 where it
+/// cannot be read).
+pub fn peak_resident_bytes() -> u64 {
+    let mut usage = std::mem::MaybeUninit::<nix::libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a whole rusage into the pointer given, which has room for one.
+    let ok = unsafe { nix::libc::getrusage(nix::libc::RUSAGE_SELF, usage.as_mut_ptr()) } == 0;
+    if !ok {
+        return 0;
+    }
+    // SAFETY: initialised by the successful call above (and zeroed before it).
+    let usage = unsafe { usage.assume_init() };
+    // Linux counts it in KiB.
+    usage.ru_maxrss.max(0) as u64 * 1024
+}
+
 /// Ends the process with `code` once stdout and stderr are flushed, skipping static destructors:
 /// libtorch's deregister every operator one by one, about 0.1 s per process spent on nothing.
 /// Call it only when everything the process writes is written (files are closed by then).

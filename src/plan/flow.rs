@@ -33,6 +33,9 @@ impl Plan {
         if self.is_pipeline() {
             rows.extend(self.stage_rows());
         }
+        if self.is_sharded() {
+            rows.extend(self.unit_rows());
+        }
         rows.push(self.train_row());
         rows.extend(self.recipe_rows());
         rows.push(vec![
@@ -188,16 +191,14 @@ impl Plan {
 
     /// FSDP's wrap operation: how the model is cut and when its units are gathered.
     fn fsdp_op(&self) -> String {
-        let c = &self.config;
-        let units = crate::strategy::fsdp::units(self.model().as_ref()).sizes.len();
-        let when = if c.wrap.fsdp.reshard_after_forward {
-            "all-gathered before its forward and again before its backward, freed after each (ZeRO-3)"
+        let (zero, when) = if self.config.wrap.fsdp.reshard_after_forward {
+            ("ZeRO-3", "gathered for its forward and again for its backward")
         } else {
-            "all-gathered before its forward and kept until its backward ends (ZeRO-2)"
+            ("ZeRO-2", "gathered from its forward to its backward")
         };
         format!(
-            "FSDP: each rank holds 1/{} of every parameter, gradient and optimizer state (dim 0, padded); {units} \
-             units, one per layer, each {when}; its gradients reduce-scattered as its backward ends",
+            "FSDP ({zero}): each rank holds 1/{} of every parameter, gradient and optimizer state; each unit {when}, \
+             its gradients reduce-scattered as its backward ends",
             self.world_size()
         )
     }
@@ -269,6 +270,10 @@ impl Plan {
             (_, ValidateOn::Split) if self.world_size() > 1 => {
                 format!("{every}{fixed}, each rank its share of the rows, measured on rank 0")
             }
+            (_, ValidateOn::Rank0) if self.is_sharded() && self.world_size() > 1 => format!(
+                "{every}{fixed}, measured on rank 0 (every rank runs all the rows through the layers, whose gathers \
+                 are collectives; \"split\" shares them instead)"
+            ),
             (_, ValidateOn::Rank0 | ValidateOn::Split) => format!("{every}{fixed} on rank 0"),
         }
     }
@@ -352,6 +357,34 @@ impl Plan {
         rows
     }
 
+    /// One row per FSDP unit: its layer, what each rank holds of it, when it is gathered.
+    fn unit_rows(&self) -> Vec<Vec<String>> {
+        let arch = self.model();
+        let layers = arch.layers();
+        let units = crate::strategy::fsdp::units(arch.as_ref());
+        let shapes = super::memory::Shapes::of(arch.as_ref());
+        let w = self.world_size() as i64;
+        let mut unit = 0;
+        let mut rows = Vec::new();
+        for (l, layer) in layers.iter().enumerate() {
+            if layer.parameters == 0 {
+                continue;
+            }
+            let shard: i64 = shapes.layers[l].iter().map(|&(r, v)| (r + w - 1) / w * v).sum();
+            let pad = shard * w - layer.parameters as i64;
+            let padding = if pad > 0 { format!(" ({pad} padding)") } else { String::new() };
+            let shared = units.layers[l].iter().filter(|&&u| u != unit).map(|u| format!(" with unit {u} (a shared parameter)"));
+            rows.push(vec![
+                format!("  unit {unit}"),
+                format!("{}: {} parameters", layer.name, layer.parameters),
+                format!("{shard} on each rank{padding}, {} MiB", fmt_mib(shard as f64 * 4.0)),
+                format!("gathered for layer {l}{}", shared.collect::<String>()),
+            ]);
+            unit += 1;
+        }
+        rows
+    }
+
     /// One row per pipeline stage: the ranks holding it, what flows in, its layers, what flows out.
     fn stage_rows(&self) -> Vec<Vec<String>> {
         let c = &self.config;
@@ -399,10 +432,19 @@ impl Plan {
 
     /// Under the table: the memory estimate the plan checked.
     fn memory_note(&self) -> String {
-        match &self.memory {
-            Some(e) => format!("\n  memory: about {e}, estimated\n"),
-            None => String::new(),
+        let mut note = String::new();
+        if let Some(e) = &self.memory {
+            note += &format!("\n  memory: about {e}, estimated\n");
         }
+        if let Some((state, ddp)) = &self.state {
+            let layout = super::memory::Layout::of(&self.config);
+            let versus = ddp.map(|d| format!("; DDP would hold {}", super::memory::size(d.total()))).unwrap_or_default();
+            note += &format!("  training state under {layout}: {state} per rank{versus}\n");
+        }
+        if let Some(why) = &self.auto {
+            note += &format!("  wrap.strategy = \"auto\": {why}\n");
+        }
+        note
     }
 
     /// Under a pipeline's table: the idle share its schedule implies.
@@ -467,4 +509,9 @@ fn optimizer_text(t: &Train) -> String {
     } else {
         format!("{name} ({})", values.join("; "))
     }
+}
+
+/// Bytes as MiB with three decimals.
+fn fmt_mib(bytes: f64) -> String {
+    format!("{:.3}", bytes / 1048576.0)
 }

@@ -7,10 +7,10 @@
 //! - FSDP: 1/world_size of each (every parameter's rows padded to a multiple of the world size),
 //!   plus what is gathered at once: the layer being computed (its parameters and, while they
 //!   arrive, the all-gather's buffer of the same size; with ZeRO-2 every layer at the end of the
-//!   forward pass), and in the backward pass its whole gradients in the reduce-scatter's buffer
-//!   and the buffers of the reduce-scatter still in flight.
-//! - A pipeline: the heaviest stage's parameters, gradients and optimizer state (and with copies,
-//!   the flat copy of its gradients that is averaged over them).
+//!   forward pass), and in the backward pass one layer's whole gradients in the reduce-scatter's
+//!   buffer, and the whole gradient of one parameter on its way into it.
+//! - A pipeline: the heaviest stage's parameters, gradients and optimizer state (and with copies
+//!   of the pipeline, the flat copy of its gradients that is averaged over them).
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -137,8 +137,7 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
         Layout::Replica => State { parameters: F * all, gradients: F * all, optimizer: F * slots * all },
         Layout::Pipeline => {
             let p = heaviest.unwrap_or(usize::MAX) as f64;
-            let copies = if world > 1 { 1.0 } else { 0.0 };
-            State { parameters: F * p, gradients: F * p * (1.0 + copies), optimizer: F * slots * p }
+            State { parameters: F * p, gradients: F * p, optimizer: F * slots * p }
         }
         Layout::Fsdp { zero3 } => {
             let shards: f64 = (0..layers).map(|l| shapes.shard(l, world).0).sum();
@@ -162,18 +161,20 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
                     held + reads.iter().map(|&u| padded(u)).fold(0.0, f64::max)
                 })
                 .fold(0.0, f64::max);
-            // In the backward pass: a unit's reduce-scatter input (its padded whole) and output
-            // (its shard), the one before it still in flight, and one whole gradient arriving.
+            // In the backward pass, layers in reverse, one at a time: the shards' gradients of
+            // the layers after it, its reduce-scatter input (its padded whole), and either a
+            // whole gradient arriving into that input or the output its rows come back in.
+            let shard = |l: usize| shapes.shard(l, world).0;
             let reduce = (0..layers)
                 .map(|l| {
-                    let next = if l + 1 < layers { padded(l + 1) * (1.0 + 1.0 / world as f64) } else { 0.0 };
+                    let after: f64 = (l + 1..layers).map(shard).sum();
                     let arriving = shapes.layers[l].iter().map(|&(r, v)| (r * v) as f64).fold(0.0, f64::max);
-                    padded(l) * (1.0 + 1.0 / world as f64) + next + arriving
+                    after + padded(l) + arriving.max(shard(l))
                 })
-                .fold(0.0, f64::max);
+                .fold(shards, f64::max);
             State {
                 parameters: F * (shards + gathered),
-                gradients: F * (shards + reduce),
+                gradients: F * reduce,
                 optimizer: F * slots * shards,
             }
         }
@@ -190,6 +191,9 @@ pub struct Planner<'a> {
     pub slots: f64,
     /// Whether the model can be cut into pipeline stages at all (not one opaque module).
     pub pipeline_possible: bool,
+    /// Copies of a pipeline (`wrap.pipeline.replicas`): with more than one, each stage's
+    /// gradients are averaged over them through a flat copy.
+    pub pipeline_copies: usize,
 }
 
 impl Planner<'_> {
@@ -214,7 +218,11 @@ impl Planner<'_> {
             }
             _ => None,
         };
-        Some(state(&self.shapes, layout, world, self.slots, heaviest))
+        let mut s = state(&self.shapes, layout, world, self.slots, heaviest);
+        if layout == Layout::Pipeline && self.pipeline_copies > 1 {
+            s.gradients *= 2.0;
+        }
+        Some(s)
     }
 
     /// The smallest world size from `from` at which `layout` holds at most `limit` bytes a rank.

@@ -63,6 +63,10 @@ pub struct Plan {
     /// id is the digest of that first configuration.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub started_with: saved::StartedWith,
+    /// The training state one rank holds under the strategy, and under DDP for comparison (where
+    /// the strategy is another and DDP's could be sized).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<(memory::State, Option<memory::State>)>,
     /// With `wrap.strategy = "auto"`: the strategy the plan chose (config.wrap holds it) and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auto: Option<String>,
@@ -108,6 +112,7 @@ impl Plan {
             layer_parameters: &layer_parameters,
             slots: memory::optimizer_slots(&c),
             pipeline_possible: !matches!(c.wrap.model, Model::Torchscript(_)),
+            pipeline_copies: c.wrap.pipeline.replicas,
         });
         let mut auto = None;
         if let (WrapStrategy::Auto, Some(planner), Some(d), Some(l)) = (c.wrap.strategy, &planner, &data, &layout) {
@@ -141,9 +146,20 @@ impl Plan {
         if let Some(l) = &layout {
             thread_replicas(&c, l.split_batch.unwrap_or(c.train.batch_size), &mut bad);
         }
-        let memory = match (&data, &stages, &arch, &layout, &planner) {
-            (Some(d), Some(stages), Some(arch), Some(l), Some(planner)) => {
-                let state = planner.state(memory::Layout::of(&c), c.run.world_size, Some(stages)).unwrap_or_default();
+        let state = match (&stages, &planner) {
+            (Some(stages), Some(planner)) => {
+                let layout = memory::Layout::of(&c);
+                planner.state(layout, c.run.world_size, Some(stages)).map(|s| {
+                    let ddp = (layout != memory::Layout::Replica)
+                        .then(|| planner.state(memory::Layout::Replica, c.run.world_size, None))
+                        .flatten();
+                    (s, ddp)
+                })
+            }
+            _ => None,
+        };
+        let memory = match (&data, &arch, &layout, &state) {
+            (Some(d), Some(arch), Some(l), Some((state, _))) => {
                 Some(memory_estimate(&c, d, l, arch.as_ref(), state.total(), &mut bad))
             }
             _ => None,
@@ -173,6 +189,7 @@ impl Plan {
             stages,
             memory,
             started_with: Default::default(),
+            state,
             auto,
         })
     }
@@ -586,7 +603,7 @@ fn choose_strategy(
         return planner.choose(w, limit * 1048576.0, &format!("run.memory_per_rank_mb = {limit}"));
     }
     let Some(available) = crate::limits::available_memory() else {
-        return Ok((memory::Layout::Replica, "auto chose DDP: this machine's memory cannot be read".into()));
+        return Ok((memory::Layout::Replica, "chose DDP: this machine's memory cannot be read".into()));
     };
     let batch = layout.split_batch.unwrap_or(c.train.batch_size);
     let arch = crate::model::architecture(&c.wrap.model, &d.input, d.task.outputs());

@@ -427,6 +427,12 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                 (mine.val_rmse, mine.val_mae, mine.val_r2) = (m.rmse, m.mae, m.r2);
             }
         }
+        let w = &self.wrapped;
+        let state = w.strategy.state_bytes(&w.vs, &w.optimizer, true)?;
+        mine.param_bytes = state.parameters as f64;
+        mine.grad_bytes = state.gradients as f64;
+        mine.optim_bytes = state.optimizer as f64;
+        mine.peak_rss_bytes = crate::dist::peak_resident_bytes() as f64;
         let stages = self.wrapped.strategy.pipeline_ranks(self.plan);
         let train_s = iv.train_s.as_secs_f64();
         mine.bubble = if stages.is_some() { iv.wait.as_secs_f64() / train_s } else { f64::NAN };
@@ -535,10 +541,18 @@ struct RankEpoch {
     val_rmse: f64,
     val_mae: f64,
     val_r2: f64,
+    /// The training state's bytes (see `strategy::StateBytes`) and the process's peak resident
+    /// memory.
+    param_bytes: f64,
+    grad_bytes: f64,
+    optim_bytes: f64,
+    peak_rss_bytes: f64,
 }
 
 impl RankEpoch {
-    fn to_array(self) -> [f64; 17] {
+    const FIELDS: usize = 21;
+
+    fn to_array(self) -> [f64; Self::FIELDS] {
         let RankEpoch {
             loss_sum,
             correct,
@@ -557,6 +571,10 @@ impl RankEpoch {
             val_rmse,
             val_mae,
             val_r2,
+            param_bytes,
+            grad_bytes,
+            optim_bytes,
+            peak_rss_bytes,
         } = self;
         [
             loss_sum,
@@ -576,12 +594,16 @@ impl RankEpoch {
             val_rmse,
             val_mae,
             val_r2,
+            param_bytes,
+            grad_bytes,
+            optim_bytes,
+            peak_rss_bytes,
         ]
     }
 
     fn from_slice(v: &[f64]) -> RankEpoch {
-        let [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble, lr, grad_norm_mean, grad_norm_max, val_f1, val_rmse, val_mae, val_r2] =
-            v.try_into().expect("17 values per rank");
+        let [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble, lr, grad_norm_mean, grad_norm_max, val_f1, val_rmse, val_mae, val_r2, param_bytes, grad_bytes, optim_bytes, peak_rss_bytes] =
+            v.try_into().expect("21 values per rank");
         RankEpoch {
             loss_sum,
             correct,
@@ -600,6 +622,10 @@ impl RankEpoch {
             val_rmse,
             val_mae,
             val_r2,
+            param_bytes,
+            grad_bytes,
+            optim_bytes,
+            peak_rss_bytes,
         }
     }
 }
@@ -693,6 +719,10 @@ fn gather_epoch_rows(
                 lr: f.lr,
                 grad_norm_mean: opt(f.grad_norm_mean),
                 grad_norm_max: opt(f.grad_norm_max),
+                param_bytes: f.param_bytes as u64,
+                grad_bytes: f.grad_bytes as u64,
+                optim_bytes: f.optim_bytes as u64,
+                peak_rss_bytes: f.peak_rss_bytes as u64,
             }
         })
         .collect())

@@ -92,8 +92,8 @@ pub enum Strategy<'pg> {
 
 /// Bytes of the training state one rank holds: its parameters, their gradients and the
 /// optimizer's state (the trace's memory columns). Under FSDP, the parameters count its shards
-/// and the most gathered at once, the gradients its shards' and the most reduce-scatter buffers
-/// held at once, since the counters were last reset.
+/// and the most gathered at once, the gradients the most held at once (its shards', the
+/// reduce-scatter buffers, a whole gradient being copied in), since the counters were last reset.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StateBytes {
     pub parameters: u64,
@@ -244,7 +244,7 @@ impl<'pg> Strategy<'pg> {
                 let s = f.sharded().stats(reset)?;
                 StateBytes {
                     parameters: s.shard_bytes + s.peak_gathered_bytes,
-                    gradients: s.shard_grad_bytes + s.peak_reduce_bytes,
+                    gradients: s.shard_grad_bytes.max(s.peak_grad_bytes),
                     optimizer,
                 }
             }

@@ -13,12 +13,16 @@ use crate::numerics::Numerics;
 use crate::rundir::manifest::{Manifest, Status};
 use crate::trace;
 
-/// Columns of trace.parquet that measure time: they differ from run to run by nature.
-pub const TIMING_COLUMNS: &[&str] = &["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "tokens_per_s"];
+/// Columns of trace.parquet that measure time (and the process's resident memory, which
+/// depends on the allocator's history): they differ from run to run by nature.
+pub const TIMING_COLUMNS: &[&str] =
+    &["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "tokens_per_s", "peak_rss_bytes"];
 
-/// Columns added to trace.parquet after traces were committed (issue 14's recipe): a stored trace
-/// without them is compared on the others; one that has them is compared on them too.
-pub const LATER_COLUMNS: &[&str] = &["lr", "grad_norm_mean", "grad_norm_max"];
+/// Columns added to trace.parquet after traces were committed (the training recipe's, the memory
+/// columns): a stored trace without them is compared on the others; one that has them is
+/// compared on them too.
+pub const LATER_COLUMNS: &[&str] =
+    &["lr", "grad_norm_mean", "grad_norm_max", "param_bytes", "grad_bytes", "optim_bytes", "peak_rss_bytes"];
 
 /// Makes the reruns compute under the stored sweep's `MKL_CBWR` (its children inherit it and keep
 /// it, whatever their run.numerics says); returns the stored and the current CPU and settings, as
@@ -246,6 +250,10 @@ mod tests {
             lr: 0.1,
             grad_norm_mean: None,
             grad_norm_max: None,
+            param_bytes: 0,
+            grad_bytes: 0,
+            optim_bytes: 0,
+            peak_rss_bytes: 0,
         }
     }
 

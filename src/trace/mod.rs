@@ -69,6 +69,18 @@ pub struct EpochRow {
     pub grad_norm_mean: Option<f64>,
     #[serde(default)]
     pub grad_norm_max: Option<f64>,
+    /// Bytes of the training state the rank holds: its parameters, their gradients and the
+    /// optimizer's state (under FSDP its shards, plus the most gathered at once over the row's
+    /// steps: `plan::memory` says what each part counts).
+    #[serde(default)]
+    pub param_bytes: u64,
+    #[serde(default)]
+    pub grad_bytes: u64,
+    #[serde(default)]
+    pub optim_bytes: u64,
+    /// The rank process's peak resident memory so far (getrusage's ru_maxrss), in bytes.
+    #[serde(default)]
+    pub peak_rss_bytes: u64,
 }
 
 impl EpochRow {
@@ -127,6 +139,10 @@ pub const EPOCH_COLUMNS: &[&str] = &[
     "lr",
     "grad_norm_mean",
     "grad_norm_max",
+    "param_bytes",
+    "grad_bytes",
+    "optim_bytes",
+    "peak_rss_bytes",
 ];
 
 pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsResult<DataFrame> {
@@ -161,6 +177,10 @@ pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsR
         f(|r| r.lr).with_name("lr".into()),
         Column::new("grad_norm_mean".into(), rows.iter().map(|r| r.grad_norm_mean).collect::<Vec<_>>()),
         Column::new("grad_norm_max".into(), rows.iter().map(|r| r.grad_norm_max).collect::<Vec<_>>()),
+        Column::new("param_bytes".into(), rows.iter().map(|r| r.param_bytes).collect::<Vec<_>>()),
+        Column::new("grad_bytes".into(), rows.iter().map(|r| r.grad_bytes).collect::<Vec<_>>()),
+        Column::new("optim_bytes".into(), rows.iter().map(|r| r.optim_bytes).collect::<Vec<_>>()),
+        Column::new("peak_rss_bytes".into(), rows.iter().map(|r| r.peak_rss_bytes).collect::<Vec<_>>()),
     ];
     DataFrame::new(n, cols)
 }

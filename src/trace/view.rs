@@ -127,6 +127,10 @@ mod tests {
             lr: 0.1,
             grad_norm_mean: None,
             grad_norm_max: None,
+            param_bytes: 0,
+            grad_bytes: 0,
+            optim_bytes: 0,
+            peak_rss_bytes: 0,
         };
         let rows = [
             row(1, 0, 1.0, Some(0.2)),
