@@ -24,9 +24,9 @@ runner's `train.steps` does. The model is transformer_torch.py's (the twin check
 runner's on its own), its initial weights read from INIT (.npz or .safetensors under the runner's
 names: the file the runner reads as `wrap.init`) or drawn from torch.manual_seed(seed) and written
 to INIT.npz by rank 0. The optimizer recipe is the runner's: torch.optim.AdamW / Adam (fused,
-as the runner's) or SGD, weight decay on every parameter or only on matrices (a second param group, as nanoGPT), the
-gradients clipped to a global L2 norm, and the learning rate of step s (0-based) set before it
-from the runner's schedule (src/plan/schedule.rs).
+as the runner's) or SGD, weight decay on every parameter or only on matrices (a second param
+group, as nanoGPT), the gradients clipped to a global L2 norm, and the learning rate of step s
+(0-based) set before it from the runner's schedule (src/plan/schedule.rs).
 
 Sharding is what torchtitan's apply_fsdp does: `fully_shard` on each block, then on the root,
 whose unit holds the token and position embeddings, the final norm and the head (one unit, as
@@ -41,7 +41,7 @@ in float32; the loss in float32. On CPU the collectives are gloo's: its reduce-s
 all-reduce followed by a slice.
 
 A row ends every K optimizer steps (default: every epoch) and after the last, as the runner's
-trace rows: `row R step S epoch E loss L tokens/s T s S` with the mean per-window training loss
+trace rows: `row R step S epoch E loss L tokens/s T s SECONDS` with the mean per-window training loss
 over every rank's real (not padding) windows of the interval, and tokens per second of all
 ranks over the slowest rank's interval time. At the end each rank's peak resident memory
 (VmHWM) is printed as `rank R peak resident MiB M`. RESULT.json holds the same: the rows (with
@@ -120,7 +120,9 @@ def peak_resident_bytes():
 def shard(model, reshard_after_forward, bf16):
     """torchtitan's apply_fsdp: one unit per block, then the root (embeddings, final norm, head)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy()
+    if bf16:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     last = len(model.blocks) - 1
     for i, block in enumerate(model.blocks):
         # The last block's backward comes at once: torchtitan keeps it gathered.

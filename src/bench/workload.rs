@@ -264,10 +264,10 @@ pub fn all() -> Vec<Workload> {
             bf16: false,
             peer: Peer::TorchDdp,
         },
-        // A GPT of about 5 million parameters (6 blocks of width 256, about 260 MFLOP per window
+        // A GPT of about 5 million parameters (6 blocks of width 256, about 640 MFLOP per window
         // of 64 tokens forward) against PyTorch FSDP2: the state that sharding divides (about
         // 80 MB per rank under DDP) shows in a rank's resident memory, and a run takes about half
-        // a minute.
+        // a minute on a quiet machine.
         Workload {
             name: "fsdp",
             kind: Kind::Transformer(schema::Transformer {
