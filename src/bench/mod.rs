@@ -77,8 +77,11 @@ pub struct WorkloadResult {
 
 pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     let root = std::env::current_dir()?;
-    let scripts = [root.join("benches/reference/ddp_torch.py"), root.join("benches/reference/fsdp2_torch.py")];
-    if let Some(missing) = scripts.iter().find(|s| !s.is_file()) {
+    let chosen: Vec<Workload> = workload::all()
+        .into_iter()
+        .filter(|w| opts.workloads.is_empty() || opts.workloads.iter().any(|n| n == w.name))
+        .collect();
+    if let Some(missing) = chosen.iter().map(|w| root.join(w.peer.script())).find(|s| !s.is_file()) {
         bail!("{} not found: run `runner bench` from the repository's root", missing.display());
     }
     let python = reference_python(&root)?;
@@ -104,13 +107,11 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     };
 
     let mut results = Vec::new();
-    let chosen =
-        workload::all().into_iter().filter(|w| opts.workloads.is_empty() || opts.workloads.iter().any(|n| n == w.name));
     let in_precisions = |w: Workload| {
         let precisions = opts.precisions.iter().filter(|p| *p != "bf16" || w.compute_bound);
         precisions.map(|p| w.clone().in_precision(p == "bf16")).collect::<Vec<_>>()
     };
-    for w in chosen.flat_map(in_precisions) {
+    for w in chosen.into_iter().flat_map(in_precisions) {
         measure_peak(&format!("before {}", w.name));
         crate::say!("\n{}: {}", w.name, w.describe());
         let files = workload::prepare(&w, &work.join(w.name))?;
@@ -131,7 +132,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
             };
             for rep in 1..=opts.repetitions {
                 let r = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Portable, None))?;
-                let t = retried(|| run_torch(&torchrun, &scripts, &files, &w, ws, threads))?;
+                let t = retried(|| run_torch(&torchrun, &root.join(w.peer.script()), &files, &w, ws, threads))?;
                 let (k, third) = match w.peer {
                     Peer::TorchDdp => (
                         retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native, None))?,
@@ -249,18 +250,18 @@ fn run_runner(
     Ok(Measure { wall_s, epoch_s: report::median(&slowest), samples: per_epoch_samples[0], losses, peak_rss })
 }
 
-/// The workload's peer: PyTorch DDP or FSDP2 (`scripts`: their two scripts, in that order).
+/// The workload's peer, PyTorch DDP or FSDP2, running `script`.
 fn run_torch(
     torchrun: &Path,
-    scripts: &[PathBuf; 2],
+    script: &Path,
     files: &workload::Files,
     w: &Workload,
     ws: usize,
     threads: usize,
 ) -> anyhow::Result<Measure> {
     match w.peer {
-        Peer::TorchDdp => run_torch_ddp(torchrun, &scripts[0], files, w, ws, threads),
-        Peer::TorchFsdp2 { .. } => run_torch_fsdp2(torchrun, &scripts[1], files, w, ws, threads),
+        Peer::TorchDdp => run_torch_ddp(torchrun, script, files, w, ws, threads),
+        Peer::TorchFsdp2 { .. } => run_torch_fsdp2(torchrun, script, files, w, ws, threads),
     }
 }
 

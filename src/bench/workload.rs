@@ -48,6 +48,16 @@ pub enum Peer {
     },
 }
 
+impl Peer {
+    /// Its script, relative to the repository's root.
+    pub fn script(&self) -> &'static str {
+        match self {
+            Peer::TorchDdp => "benches/reference/ddp_torch.py",
+            Peer::TorchFsdp2 { .. } => "benches/reference/fsdp2_torch.py",
+        }
+    }
+}
+
 /// Where the runner's sharded step is priced against its DDP step.
 pub const DDP_STEP_WORLD_SIZE: usize = 2;
 
