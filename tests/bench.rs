@@ -69,3 +69,25 @@ fn the_cnn_and_transformer_workloads_train_from_the_shared_initial_weights() {
         assert_eq!(losses(&out), fp32, "{name}");
     }
 }
+
+/// The FSDP2 workload's runner side: its pipeline (a token file, every window trained) under the
+/// strategy it names (`workload::FSDP_STRATEGY`) gives the losses of the runner's own DDP at world
+/// size 2, within 1e-5, as `runner bench --workload fsdp` runs them.
+#[test]
+fn the_fsdp_workload_trains_under_its_strategy_as_under_ddp() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = tiny("fsdp");
+    let files = workload::prepare(&w, dir.path()).unwrap();
+    let pipeline = files.pipeline.to_str().unwrap();
+    let go = |out: &str, extra: &[&str]| {
+        let args = ["run", pipeline, "--set", "run.world_size=2", "--set", "run.threads_per_rank=1", "--out", out];
+        assert_ok(&run(&[&args[..], extra].concat(), dir.path()));
+        losses(&dir.path().join(out))
+    };
+    let sharded = go("sharded", &[]);
+    let ddp = go("ddp", &["--set", "wrap.strategy=\"ddp\""]);
+    assert_eq!(sharded.len(), 2);
+    for (e, (a, b)) in sharded.iter().zip(&ddp).enumerate() {
+        assert!(((a - b) / b).abs() < 1e-5, "epoch {}: {} {a}, ddp {b}", e + 1, workload::FSDP_STRATEGY);
+    }
+}

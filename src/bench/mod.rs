@@ -9,6 +9,12 @@
 //! same bits on any x86-64 CPU); PyTorch runs as its users run it, with MKL choosing its kernels by
 //! the CPU. A third run in each repetition, the runner with `run.numerics = "native"`, prices that
 //! default: the cost of reproducible numerics, in the report's own table.
+//!
+//! The `fsdp` workload measures sharded data parallelism instead: the runner's
+//! [`workload::FSDP_STRATEGY`] against PyTorch FSDP2 (benches/reference/fsdp2_torch.py), and as
+//! its third run the runner's own DDP step. Every run's per-rank peak resident memory is measured
+//! from outside ([`memory`]), the same way for both sides.
+pub mod memory;
 pub mod peak;
 mod report;
 pub mod workload;
@@ -21,7 +27,7 @@ use anyhow::{bail, Context};
 use tch::Kind;
 
 use crate::config::schema::CpuNumerics;
-use workload::Workload;
+use workload::{Peer, Workload};
 
 pub struct Options {
     /// One repetition, results printed but not written.
@@ -46,6 +52,8 @@ pub struct Measure {
     pub samples: f64,
     /// Global training loss per epoch.
     pub losses: Vec<f64>,
+    /// Each rank's peak resident memory, bytes (rank 0 first).
+    pub peak_rss: Vec<u64>,
 }
 
 /// Every run of one workload at one world size.
@@ -55,8 +63,11 @@ pub struct Cell {
     pub threads: usize,
     pub runner: Vec<Measure>,
     pub torch: Vec<Measure>,
-    /// The runner with MKL choosing its kernels by the CPU (no `MKL_CBWR=COMPATIBLE`).
+    /// The runner with MKL choosing its kernels by the CPU (no `MKL_CBWR=COMPATIBLE`), against
+    /// PyTorch DDP.
     pub runner_cpu_kernels: Vec<Measure>,
+    /// The runner with `wrap.strategy = "ddp"`, against PyTorch FSDP2.
+    pub runner_ddp: Vec<Measure>,
 }
 
 pub struct WorkloadResult {
@@ -66,9 +77,12 @@ pub struct WorkloadResult {
 
 pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     let root = std::env::current_dir()?;
-    let script = root.join("benches/reference/ddp_torch.py");
-    if !script.is_file() {
-        bail!("{} not found: run `runner bench` from the repository's root", script.display());
+    let chosen: Vec<Workload> = workload::all()
+        .into_iter()
+        .filter(|w| opts.workloads.is_empty() || opts.workloads.iter().any(|n| n == w.name))
+        .collect();
+    if let Some(missing) = chosen.iter().map(|w| root.join(w.peer.script())).find(|s| !s.is_file()) {
+        bail!("{} not found: run `runner bench` from the repository's root", missing.display());
     }
     let python = reference_python(&root)?;
     let torchrun = python.with_file_name("torchrun");
@@ -93,39 +107,55 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     };
 
     let mut results = Vec::new();
-    let chosen =
-        workload::all().into_iter().filter(|w| opts.workloads.is_empty() || opts.workloads.iter().any(|n| n == w.name));
     let in_precisions = |w: Workload| {
         let precisions = opts.precisions.iter().filter(|p| *p != "bf16" || w.compute_bound);
         precisions.map(|p| w.clone().in_precision(p == "bf16")).collect::<Vec<_>>()
     };
-    for w in chosen.flat_map(in_precisions) {
+    for w in chosen.into_iter().flat_map(in_precisions) {
         measure_peak(&format!("before {}", w.name));
         crate::say!("\n{}: {}", w.name, w.describe());
         let files = workload::prepare(&w, &work.join(w.name))?;
         let mut cells = Vec::new();
         for &ws in &opts.world_sizes {
+            if matches!(w.peer, Peer::TorchFsdp2 { .. }) && ws < 2 {
+                crate::say!("  world size {ws}: skipped (sharding needs at least 2 ranks)");
+                continue;
+            }
             let threads = (cores / ws).max(1);
-            let mut cell =
-                Cell { world_size: ws, threads, runner: Vec::new(), torch: Vec::new(), runner_cpu_kernels: Vec::new() };
+            let mut cell = Cell {
+                world_size: ws,
+                threads,
+                runner: Vec::new(),
+                torch: Vec::new(),
+                runner_cpu_kernels: Vec::new(),
+                runner_ddp: Vec::new(),
+            };
             for rep in 1..=opts.repetitions {
-                let r = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Portable))?;
-                let t = retried(|| run_torch(&torchrun, &script, &files, &w, ws, threads))?;
-                let k = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native))?;
+                let r = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Portable, None))?;
+                let t = retried(|| run_torch(&torchrun, &root.join(w.peer.script()), &files, &w, ws, threads))?;
+                let (k, third) = match w.peer {
+                    Peer::TorchDdp => (
+                        retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native, None))?,
+                        "runner with MKL's kernels for this CPU",
+                    ),
+                    Peer::TorchFsdp2 { .. } => (
+                        retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Portable, Some("ddp")))?,
+                        "runner with DDP",
+                    ),
+                };
                 crate::say!(
-                    "  world size {ws}, run {rep}/{}: runner {:.2} s ({:.3} s/epoch), PyTorch {:.2} s ({:.3} s/epoch), \
-                     runner with MKL's kernels for this CPU {:.2} s ({:.3} s/epoch)",
+                    "  world size {ws}, run {rep}/{}: runner {}, PyTorch {}, {third} {}",
                     opts.repetitions,
-                    r.wall_s,
-                    r.epoch_s,
-                    t.wall_s,
-                    t.epoch_s,
-                    k.wall_s,
-                    k.epoch_s
+                    summary(&r),
+                    summary(&t),
+                    summary(&k)
                 );
                 cell.runner.push(r);
                 cell.torch.push(t);
-                cell.runner_cpu_kernels.push(k);
+                match w.peer {
+                    Peer::TorchDdp => cell.runner_cpu_kernels.push(k),
+                    Peer::TorchFsdp2 { .. } => cell.runner_ddp.push(k),
+                }
             }
             cells.push(cell);
         }
@@ -145,6 +175,12 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     Ok(0)
 }
 
+/// "12.34 s (0.567 s/epoch, peak MiB per rank 512 / 498)".
+fn summary(m: &Measure) -> String {
+    let peaks: Vec<String> = m.peak_rss.iter().map(|b| format!("{:.0}", *b as f64 / (1u64 << 20) as f64)).collect();
+    format!("{:.2} s ({:.3} s/epoch, peak MiB per rank {})", m.wall_s, m.epoch_s, peaks.join(" / "))
+}
+
 /// The reference's Python, installed on first use by benches/reference/setup.sh.
 fn reference_python(root: &Path) -> anyhow::Result<PathBuf> {
     let out = Command::new(root.join("benches/reference/setup.sh"))
@@ -157,15 +193,22 @@ fn reference_python(root: &Path) -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
+/// The runner on the workload's pipeline; `strategy`: another `wrap.strategy` than the pipeline's.
 fn run_runner(
     files: &workload::Files,
     w: &Workload,
     ws: usize,
     threads: usize,
     numerics: CpuNumerics,
+    strategy: Option<&str>,
 ) -> anyhow::Result<Measure> {
-    let tag = w.precision_tag();
-    let tag = if numerics == CpuNumerics::Native { format!("{tag}-native") } else { tag.to_string() };
+    let mut tag = w.precision_tag().to_string();
+    if numerics == CpuNumerics::Native {
+        tag += "-native";
+    }
+    if let Some(s) = strategy {
+        tag += &format!("-{s}");
+    }
     let out = files.dir.join(format!("runner{tag}-ws{ws}"));
     let exe = std::env::current_exe().context("cannot find the runner binary")?;
     let mut cmd = Command::new(exe);
@@ -185,7 +228,10 @@ fn run_runner(
     if w.bf16 {
         cmd.args(["--set", "train.precision=\"bf16\""]);
     }
-    let wall_s = timed(cmd, &files.dir.join(format!("runner{tag}-ws{ws}.log")))?;
+    if let Some(s) = strategy {
+        cmd.args(["--set", &format!("wrap.strategy=\"{s}\"")]);
+    }
+    let (wall_s, peak_rss) = timed(cmd, ws, &files.dir.join(format!("runner{tag}-ws{ws}.log")))?;
     let df = crate::trace::read_parquet(&out.join(crate::rundir::TRACE))?;
     let col = |c: &str| -> anyhow::Result<Vec<f64>> {
         Ok(df.column(c)?.cast(&polars::prelude::DataType::Float64)?.f64()?.into_no_null_iter().collect())
@@ -201,10 +247,25 @@ fn run_runner(
         losses[e] = loss[i];
         per_epoch_samples[e] += samples[i];
     }
-    Ok(Measure { wall_s, epoch_s: report::median(&slowest), samples: per_epoch_samples[0], losses })
+    Ok(Measure { wall_s, epoch_s: report::median(&slowest), samples: per_epoch_samples[0], losses, peak_rss })
 }
 
+/// The workload's peer, PyTorch DDP or FSDP2, running `script`.
 fn run_torch(
+    torchrun: &Path,
+    script: &Path,
+    files: &workload::Files,
+    w: &Workload,
+    ws: usize,
+    threads: usize,
+) -> anyhow::Result<Measure> {
+    match w.peer {
+        Peer::TorchDdp => run_torch_ddp(torchrun, script, files, w, ws, threads),
+        Peer::TorchFsdp2 { .. } => run_torch_fsdp2(torchrun, script, files, w, ws, threads),
+    }
+}
+
+fn run_torch_ddp(
     torchrun: &Path,
     script: &Path,
     files: &workload::Files,
@@ -235,7 +296,7 @@ fn run_torch(
     if w.bf16 {
         cmd.args(["--precision", "bf16"]);
     }
-    let wall_s = timed(cmd, &files.dir.join(format!("torch{tag}-ws{ws}.log")))?;
+    let (wall_s, peak_rss) = timed(cmd, ws, &files.dir.join(format!("torch{tag}-ws{ws}.log")))?;
     let text =
         std::fs::read_to_string(&result).with_context(|| format!("the reference wrote no {}", result.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text)?;
@@ -245,7 +306,60 @@ fn run_torch(
     let epoch_s: Vec<f64> = epochs.iter().map(|e| get(e, "epoch_s")).collect::<anyhow::Result<_>>()?;
     let losses: Vec<f64> = epochs.iter().map(|e| get(e, "loss")).collect::<anyhow::Result<_>>()?;
     let samples = get(&epochs[0], "samples")?;
-    Ok(Measure { wall_s, epoch_s: report::median(&epoch_s), samples, losses })
+    Ok(Measure { wall_s, epoch_s: report::median(&epoch_s), samples, losses, peak_rss })
+}
+
+/// PyTorch FSDP2 on the workload's token file, from the same initial weights, a row per epoch.
+fn run_torch_fsdp2(
+    torchrun: &Path,
+    script: &Path,
+    files: &workload::Files,
+    w: &Workload,
+    ws: usize,
+    threads: usize,
+) -> anyhow::Result<Measure> {
+    let workload::Kind::Transformer(t) = &w.kind else {
+        bail!("the {} workload: FSDP2's twin is a language model", w.name)
+    };
+    let tag = w.precision_tag();
+    let result = files.dir.join(format!("fsdp2{tag}-ws{ws}.json"));
+    let _ = std::fs::remove_file(&result);
+    let mut cmd = Command::new(torchrun);
+    cmd.args(["--standalone", &format!("--nproc_per_node={ws}")])
+        .arg(script)
+        .arg(&files.data)
+        .args(["--rows", &w.rows.to_string(), "--vocab", &t.vocab.to_string()])
+        .args(["--d-model", &t.d_model.to_string(), "--heads", &t.heads.to_string()])
+        .args(["--layers", &t.layers.to_string(), "--seq-len", &t.seq_len.to_string()])
+        .args(["--batch", &w.batch.to_string(), "--epochs", &w.epochs.to_string()])
+        .args(["--optimizer", &w.optimizer_name(), "--lr", &w.lr.to_string()])
+        .args(["--weight-decay", &w.weight_decay.to_string()])
+        .args(["--seed", &workload::SEED.to_string(), "--threads", &threads.to_string()])
+        .arg("--init")
+        .arg(&files.init)
+        .arg("--out")
+        .arg(&result)
+        .env("OMP_NUM_THREADS", threads.to_string())
+        .env_remove("MKL_CBWR");
+    if t.tied {
+        cmd.arg("--tied");
+    }
+    if !t.bias {
+        cmd.arg("--no-bias");
+    }
+    if w.bf16 {
+        cmd.args(["--precision", "bf16"]);
+    }
+    let (wall_s, peak_rss) = timed(cmd, ws, &files.dir.join(format!("fsdp2{tag}-ws{ws}.log")))?;
+    let text =
+        std::fs::read_to_string(&result).with_context(|| format!("the reference wrote no {}", result.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let rows = v["rows"].as_array().context("no rows in FSDP2's result")?;
+    let get = |e: &serde_json::Value, k: &str| e[k].as_f64().with_context(|| format!("no {k} in FSDP2's result"));
+    let epoch_s: Vec<f64> = rows.iter().map(|e| get(e, "seconds")).collect::<anyhow::Result<_>>()?;
+    let losses: Vec<f64> = rows.iter().map(|e| get(e, "loss")).collect::<anyhow::Result<_>>()?;
+    let samples = get(rows.first().context("no rows in FSDP2's result")?, "samples")?;
+    Ok(Measure { wall_s, epoch_s: report::median(&epoch_s), samples, losses, peak_rss })
 }
 
 /// One more try after a failed run: PyTorch's gloo teardown now and then aborts a rank at exit
@@ -257,16 +371,18 @@ fn retried(run: impl Fn() -> anyhow::Result<Measure>) -> anyhow::Result<Measure>
     })
 }
 
-/// Runs `cmd` with its output in `log`, and returns its wall time; fails naming the log.
-fn timed(mut cmd: Command, log: &Path) -> anyhow::Result<f64> {
+/// Runs `cmd` (a launcher of `ranks` ranks) with its output in `log`, and returns its wall time
+/// and each rank's peak resident memory; fails naming the log.
+fn timed(mut cmd: Command, ranks: usize, log: &Path) -> anyhow::Result<(f64, Vec<u64>)> {
     let file = std::fs::File::create(log).with_context(|| format!("cannot write {}", log.display()))?;
     let start = Instant::now();
-    let status = cmd.stdin(Stdio::null()).stdout(file.try_clone()?).stderr(file).status()?;
+    let mut child = cmd.stdin(Stdio::null()).stdout(file.try_clone()?).stderr(file).spawn()?;
+    let (status, peaks) = memory::wait_measuring(&mut child, ranks)?;
     let wall_s = start.elapsed().as_secs_f64();
     if !status.success() {
         bail!("{:?} {status}; see {}", cmd.get_program(), log.display());
     }
-    Ok(wall_s)
+    Ok((wall_s, peaks))
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
+use super::workload::Peer;
 use super::{Measure, WorkloadResult};
 
 const BEGIN: &str = "<!-- runner bench: begin (this part is rewritten by `runner bench`) -->";
@@ -130,98 +131,10 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
     );
     let mut targets = Vec::new();
     for r in results {
-        let w = &r.workload;
-        let units = w.kind.throughput_units();
-        let _ = writeln!(s, "### {}: {}\n", w.name, w.describe());
-        let mut head = "| world size | threads per rank | wall s runner | wall s PyTorch | wall ratio | epoch s runner | epoch s PyTorch |".to_string();
-        let mut rule = "|---:|---:|---:|---:|---:|---:|---:|".to_string();
-        for (unit, _) in &units {
-            let _ = write!(head, " {unit} runner | {unit} PyTorch |");
-            rule.push_str("---:|---:|");
+        match r.workload.peer {
+            Peer::TorchDdp => ddp_section(&mut s, machine, r, &mut targets),
+            Peer::TorchFsdp2 { memory, ddp_step } => fsdp_section(&mut s, r, memory, ddp_step, &mut targets),
         }
-        head.push_str(" throughput ratio |");
-        rule.push_str("---:|");
-        if w.compute_bound {
-            head.push_str(" peak runner | peak PyTorch |");
-            rule.push_str("---:|---:|");
-        }
-        head.push_str(" loss rel. difference |");
-        rule.push_str("---:|");
-        let _ = writeln!(s, "{head}\n{rule}");
-        for c in &r.cells {
-            let wall_ratio = median(&wall(&c.runner)) / median(&wall(&c.torch));
-            let tp_ratio = median(&throughput(&c.runner)) / median(&throughput(&c.torch));
-            let _ = write!(
-                s,
-                "| {} | {} | {} | {} | {wall_ratio:.3} | {} | {} |",
-                c.world_size,
-                c.threads,
-                spread(&wall(&c.runner), 2),
-                spread(&wall(&c.torch), 2),
-                spread(&epoch(&c.runner), 3),
-                spread(&epoch(&c.torch), 3),
-            );
-            for (_, per_sample) in &units {
-                let _ = write!(
-                    s,
-                    " {} | {} |",
-                    spread(&scaled(throughput(&c.runner), *per_sample), 0),
-                    spread(&scaled(throughput(&c.torch), *per_sample), 0)
-                );
-            }
-            let _ = write!(s, " {tp_ratio:.2} |");
-            let flops = w.train_flops_per_sample();
-            let fraction = |m: &[Measure]| -> Vec<f64> {
-                m.iter().map(|m| 100.0 * peak_fraction(m, flops, machine.peak(w.bf16))).collect()
-            };
-            if w.compute_bound {
-                let _ = write!(s, " {}% | {}% |", spread(&fraction(&c.runner), 1), spread(&fraction(&c.torch), 1));
-            }
-            let diff = loss_difference(&c.runner, &c.torch);
-            let _ = writeln!(s, " {diff:.1e} |");
-
-            let ws = c.world_size;
-            let t = &w.targets;
-            if t.world_sizes.is_none_or(|up_to| ws <= up_to) {
-                targets.push(Target {
-                    what: format!(
-                        "{} ws {ws}: throughput {tp_ratio:.2}× PyTorch's (target ≥ {}×)",
-                        w.label(),
-                        t.throughput
-                    ),
-                    met: tp_ratio >= t.throughput,
-                });
-                if let Some(wall) = t.wall {
-                    targets.push(Target {
-                        what: format!(
-                            "{} ws {ws}: end-to-end wall time {wall_ratio:.3}× torchrun's (target ≤ {wall}×)",
-                            w.label()
-                        ),
-                        met: wall_ratio <= wall,
-                    });
-                }
-            }
-            if let (Some(peak), 1) = (t.peak, ws) {
-                let f = median(&fraction(&c.runner));
-                targets.push(Target {
-                    what: format!(
-                        "{} ws 1: {f:.1}% of the matmul peak (target ≥ {peak}%; PyTorch: {:.1}%)",
-                        w.label(),
-                        median(&fraction(&c.torch))
-                    ),
-                    met: f >= peak,
-                });
-            }
-            targets.push(Target {
-                what: format!(
-                    "{} ws {ws}: per-epoch losses within {diff:.1e} relative of PyTorch's (target ≤ {:.0e})",
-                    w.label(),
-                    t.loss
-                ),
-                met: diff <= t.loss,
-            });
-        }
-        let _ = writeln!(s);
     }
     numerics_cost(&mut s, results);
     precision_comparison(&mut s, results, &mut targets);
@@ -233,9 +146,206 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
     s
 }
 
+/// A workload against PyTorch DDP: wall and epoch times, throughput, the matmul peak's share and
+/// the losses, per world size.
+fn ddp_section(s: &mut String, machine: &Machine, r: &WorkloadResult, targets: &mut Vec<Target>) {
+    let w = &r.workload;
+    let units = w.kind.throughput_units();
+    let _ = writeln!(s, "### {}: {}\n", w.name, w.describe());
+    let mut head = "| world size | threads per rank | wall s runner | wall s PyTorch | wall ratio | epoch s runner | epoch s PyTorch |".to_string();
+    let mut rule = "|---:|---:|---:|---:|---:|---:|---:|".to_string();
+    for (unit, _) in &units {
+        let _ = write!(head, " {unit} runner | {unit} PyTorch |");
+        rule.push_str("---:|---:|");
+    }
+    head.push_str(" throughput ratio |");
+    rule.push_str("---:|");
+    if w.compute_bound {
+        head.push_str(" peak runner | peak PyTorch |");
+        rule.push_str("---:|---:|");
+    }
+    head.push_str(" loss rel. difference |");
+    rule.push_str("---:|");
+    let _ = writeln!(s, "{head}\n{rule}");
+    for c in &r.cells {
+        let wall_ratio = median(&wall(&c.runner)) / median(&wall(&c.torch));
+        let tp_ratio = median(&throughput(&c.runner)) / median(&throughput(&c.torch));
+        let _ = write!(
+            s,
+            "| {} | {} | {} | {} | {wall_ratio:.3} | {} | {} |",
+            c.world_size,
+            c.threads,
+            spread(&wall(&c.runner), 2),
+            spread(&wall(&c.torch), 2),
+            spread(&epoch(&c.runner), 3),
+            spread(&epoch(&c.torch), 3),
+        );
+        for (_, per_sample) in &units {
+            let _ = write!(
+                s,
+                " {} | {} |",
+                spread(&scaled(throughput(&c.runner), *per_sample), 0),
+                spread(&scaled(throughput(&c.torch), *per_sample), 0)
+            );
+        }
+        let _ = write!(s, " {tp_ratio:.2} |");
+        let flops = w.train_flops_per_sample();
+        let fraction = |m: &[Measure]| -> Vec<f64> {
+            m.iter().map(|m| 100.0 * peak_fraction(m, flops, machine.peak(w.bf16))).collect()
+        };
+        if w.compute_bound {
+            let _ = write!(s, " {}% | {}% |", spread(&fraction(&c.runner), 1), spread(&fraction(&c.torch), 1));
+        }
+        let diff = loss_difference(&c.runner, &c.torch);
+        let _ = writeln!(s, " {diff:.1e} |");
+
+        let ws = c.world_size;
+        let t = &w.targets;
+        if t.world_sizes.is_none_or(|up_to| ws <= up_to) {
+            targets.push(Target {
+                what: format!(
+                    "{} ws {ws}: throughput {tp_ratio:.2}× PyTorch's (target ≥ {}×)",
+                    w.label(),
+                    t.throughput
+                ),
+                met: tp_ratio >= t.throughput,
+            });
+            if let Some(wall) = t.wall {
+                targets.push(Target {
+                    what: format!(
+                        "{} ws {ws}: end-to-end wall time {wall_ratio:.3}× torchrun's (target ≤ {wall}×)",
+                        w.label()
+                    ),
+                    met: wall_ratio <= wall,
+                });
+            }
+        }
+        if let (Some(peak), 1) = (t.peak, ws) {
+            let f = median(&fraction(&c.runner));
+            targets.push(Target {
+                what: format!(
+                    "{} ws 1: {f:.1}% of the matmul peak (target ≥ {peak}%; PyTorch: {:.1}%)",
+                    w.label(),
+                    median(&fraction(&c.torch))
+                ),
+                met: f >= peak,
+            });
+        }
+        targets.push(Target {
+            what: format!(
+                "{} ws {ws}: per-epoch losses within {diff:.1e} relative of PyTorch's (target ≤ {:.0e})",
+                w.label(),
+                t.loss
+            ),
+            met: diff <= t.loss,
+        });
+    }
+    let _ = writeln!(s);
+}
+
+/// A workload against PyTorch FSDP2: tokens/s, each rank's peak resident memory, the step against
+/// the runner's own DDP step, and the losses, per world size.
+fn fsdp_section(s: &mut String, r: &WorkloadResult, memory: f64, ddp_step: f64, targets: &mut Vec<Target>) {
+    let w = &r.workload;
+    let per_token = w.kind.throughput_units().last().map_or(1.0, |u| u.1);
+    let _ = writeln!(
+        s,
+        "### {}: {}\n\n\
+         The runner with `wrap.strategy = \"{}\"` against PyTorch FSDP2 (benches/reference/fsdp2_torch.py: \
+         `fully_shard` on each block, then on the root, as torchtitan), both reading the same token file from the \
+         same initial weights in the same order. Tokens/s: all ranks' tokens over the slowest rank's epoch time. \
+         Peak MiB: each rank's peak resident memory (VmHWM, sampled every {} ms from outside, the same way for \
+         both), median over the repetitions; memory ratio: the largest rank's, runner / FSDP2. Step: epoch time \
+         over the steps of an epoch; beside it the runner's own DDP step on the same pipeline.\n",
+        w.name,
+        w.describe(),
+        super::workload::FSDP_STRATEGY,
+        super::memory::EVERY.as_millis()
+    );
+    let _ = writeln!(
+        s,
+        "| world size | threads per rank | tokens/s runner | tokens/s FSDP2 | throughput ratio | peak MiB per rank \
+         runner | peak MiB per rank FSDP2 | memory ratio | step ms runner | step ms runner DDP | step ratio to DDP | \
+         loss rel. difference to FSDP2 | loss rel. difference to DDP |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for c in &r.cells {
+        let ws = c.world_size;
+        let tp_ratio = median(&throughput(&c.runner)) / median(&throughput(&c.torch));
+        let mem_ratio = median(&largest_peak(&c.runner)) / median(&largest_peak(&c.torch));
+        let steps = w.steps_per_epoch(ws) as f64;
+        let step_ms = |m: &[Measure]| scaled(epoch(m), 1e3 / steps);
+        let step_ratio = median(&epoch(&c.runner)) / median(&epoch(&c.runner_ddp));
+        let (diff, diff_ddp) = (loss_difference(&c.runner, &c.torch), loss_difference(&c.runner, &c.runner_ddp));
+        let _ = writeln!(
+            s,
+            "| {ws} | {} | {} | {} | {tp_ratio:.2} | {} | {} | {mem_ratio:.2} | {} | {} | {step_ratio:.2} | {diff:.1e} | \
+             {diff_ddp:.1e} |",
+            c.threads,
+            spread(&scaled(throughput(&c.runner), per_token), 0),
+            spread(&scaled(throughput(&c.torch), per_token), 0),
+            peaks_per_rank(&c.runner),
+            peaks_per_rank(&c.torch),
+            spread(&step_ms(&c.runner), 1),
+            spread(&step_ms(&c.runner_ddp), 1),
+        );
+        let t = &w.targets;
+        let label = w.label();
+        targets.push(Target {
+            what: format!("{label} ws {ws}: throughput {tp_ratio:.2}× FSDP2's (target ≥ {}×)", t.throughput),
+            met: tp_ratio >= t.throughput,
+        });
+        targets.push(Target {
+            what: format!("{label} ws {ws}: largest per-rank peak memory {mem_ratio:.2}× FSDP2's (target ≤ {memory}×)"),
+            met: mem_ratio <= memory,
+        });
+        if ws == super::workload::DDP_STEP_WORLD_SIZE {
+            targets.push(Target {
+                what: format!(
+                    "{label} ws {ws}: step {step_ratio:.2}× the runner's own DDP step (target ≤ {ddp_step}×)"
+                ),
+                met: step_ratio <= ddp_step,
+            });
+        }
+        targets.push(Target {
+            what: format!(
+                "{label} ws {ws}: per-epoch losses within {diff:.1e} relative of FSDP2's (target ≤ {:.0e})",
+                t.loss
+            ),
+            met: diff <= t.loss,
+        });
+        targets.push(Target {
+            what: format!(
+                "{label} ws {ws}: per-epoch losses within {diff_ddp:.1e} relative of the runner's DDP (target ≤ {:.0e})",
+                t.loss
+            ),
+            met: diff_ddp <= t.loss,
+        });
+    }
+    let _ = writeln!(s);
+}
+
+/// Each run's largest per-rank peak resident memory, MiB.
+fn largest_peak(m: &[Measure]) -> Vec<f64> {
+    m.iter().map(|m| m.peak_rss.iter().copied().max().unwrap_or(0) as f64 / MIB).collect()
+}
+
+/// "712 / 705": each rank's peak resident memory in MiB, median over the runs.
+fn peaks_per_rank(m: &[Measure]) -> String {
+    let ranks = m.iter().map(|m| m.peak_rss.len()).max().unwrap_or(0);
+    let rank =
+        |r: usize| median(&m.iter().filter_map(|m| m.peak_rss.get(r)).map(|b| *b as f64 / MIB).collect::<Vec<_>>());
+    (0..ranks).map(|r| format!("{:.0}", rank(r))).collect::<Vec<_>>().join(" / ")
+}
+
+const MIB: f64 = (1u64 << 20) as f64;
+
 /// What the same bits on every CPU cost: the runner as it runs (`MKL_CBWR=COMPATIBLE`) against
 /// the runner with MKL's kernels for this CPU, in epoch time, and how far apart their losses end.
 fn numerics_cost(s: &mut String, results: &[WorkloadResult]) {
+    if results.iter().all(|r| r.cells.iter().all(|c| c.runner_cpu_kernels.is_empty())) {
+        return;
+    }
     let _ = writeln!(
         s,
         "### The cost of reproducible numerics\n\n\
@@ -354,13 +464,14 @@ mod tests {
 
     #[test]
     fn the_tables_have_the_kinds_columns_and_targets() {
-        let m = |epoch_s, losses: Vec<f64>| Measure { wall_s: 2.0, epoch_s, samples: 1024.0, losses };
+        let m = |epoch_s, losses: Vec<f64>| Measure { wall_s: 2.0, epoch_s, samples: 1024.0, losses, peak_rss: vec![] };
         let cell = |ws| Cell {
             world_size: ws,
             threads: 2 / ws,
             runner: vec![m(1.0, vec![2.0, 1.0])],
             torch: vec![m(2.0, vec![2.0, 1.00001])],
             runner_cpu_kernels: vec![m(0.8, vec![2.0, 1.000001])],
+            runner_ddp: Vec::new(),
         };
         let results: Vec<WorkloadResult> = super::super::workload::all()
             .into_iter()
@@ -394,13 +505,20 @@ mod tests {
     /// losses, against their targets; the bf16 rows' peak fraction is over the bfloat16 peak.
     #[test]
     fn bf16_is_compared_with_fp32_where_both_ran() {
-        let m = |epoch_s, last| Measure { wall_s: 2.0, epoch_s, samples: 1024.0, losses: vec![2.0, last] };
+        let m = |epoch_s, last| Measure {
+            wall_s: 2.0,
+            epoch_s,
+            samples: 1024.0,
+            losses: vec![2.0, last],
+            peak_rss: vec![],
+        };
         let cell = |runner: f64, torch: f64, last| Cell {
             world_size: 1,
             threads: 2,
             runner: vec![m(runner, last)],
             torch: vec![m(torch, last)],
             runner_cpu_kernels: Vec::new(),
+            runner_ddp: Vec::new(),
         };
         let w = super::super::workload::all().into_iter().find(|w| w.name == "compute-bound").unwrap();
         let results = vec![
@@ -418,9 +536,51 @@ mod tests {
         assert!(text.contains("0.50× float32: the most bf16 can gain here"), "{text}");
     }
 
+    /// The FSDP2 workload's table: tokens/s, each rank's peak memory, the step against the
+    /// runner's own DDP step (a target at world size 2 only), and no numerics section.
+    #[test]
+    fn the_fsdp_workload_has_memory_and_the_ddp_step() {
+        let mib = 1u64 << 20;
+        let m = |epoch_s, peaks: [u64; 2], last| Measure {
+            wall_s: 3.0,
+            epoch_s,
+            samples: 256.0,
+            losses: vec![5.0, last],
+            peak_rss: peaks.iter().map(|p| p * mib).collect(),
+        };
+        let cell = |ws| Cell {
+            world_size: ws,
+            threads: 1,
+            runner: vec![m(1.0, [300, 310], 4.0), m(1.2, [302, 308], 4.0)],
+            torch: vec![m(2.0, [700, 690], 4.00001), m(2.2, [700, 690], 4.00001)],
+            runner_cpu_kernels: Vec::new(),
+            runner_ddp: vec![m(0.8, [340, 350], 4.0), m(1.0, [340, 350], 4.0)],
+        };
+        let w = super::super::workload::all().into_iter().find(|w| w.name == "fsdp").unwrap();
+        let results = vec![WorkloadResult { workload: w, cells: vec![cell(2), cell(4)] }];
+        let machine = Machine { cpu: "test".into(), cores: 2, peak_flops: 1e12, peak_flops_bf16: f64::NAN };
+        let text = markdown(&machine, 2, &results);
+        // 256 windows of 64 tokens per epoch: 16384 tokens in 1.1 s (median); 16 steps of 8 at 2 ranks.
+        assert!(
+            text.contains(
+                "| 2 | 1 | 15019 (13653–16384) | 7820 (7447–8192) | 1.92 | 301 / 309 | 700 / 690 | 0.44 | \
+                 68.8 (62.5–75.0) | 56.2 (50.0–62.5) | 1.22 | 2.5e-6 | 0.0e0 |"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("| 4 | 1 | 15019 (13653–16384) |"), "{text}");
+        assert!(text.contains("- ✓ fsdp ws 2: throughput 1.92× FSDP2's (target ≥ 1.2×)"), "{text}");
+        assert!(text.contains("- ✓ fsdp ws 4: largest per-rank peak memory 0.44× FSDP2's (target ≤ 1×)"), "{text}");
+        assert!(text.contains("- ✓ fsdp ws 2: step 1.22× the runner's own DDP step (target ≤ 1.3×)"), "{text}");
+        assert!(!text.contains("fsdp ws 4: step"), "the DDP step's target is at world size 2: {text}");
+        assert!(text.contains("- ✓ fsdp ws 4: per-epoch losses within 2.5e-6 relative of FSDP2's"), "{text}");
+        assert!(text.contains("### Targets: 9 of 9 met"), "{text}");
+        assert!(!text.contains("The cost of reproducible numerics"), "{text}");
+    }
+
     #[test]
     fn loss_difference_is_relative_and_catches_missing_epochs() {
-        let m = |losses: Vec<f64>| Measure { wall_s: 1.0, epoch_s: 1.0, samples: 1.0, losses };
+        let m = |losses: Vec<f64>| Measure { wall_s: 1.0, epoch_s: 1.0, samples: 1.0, losses, peak_rss: vec![] };
         assert!((loss_difference(&[m(vec![1.0, 0.5])], &[m(vec![1.0, 0.5001])]) - 1e-4 / 0.5001).abs() < 1e-12);
         assert_eq!(loss_difference(&[m(vec![1.0])], &[m(vec![1.0, 0.5])]), f64::INFINITY);
     }

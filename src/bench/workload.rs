@@ -2,9 +2,11 @@
 //! the PyTorch reference the same training rows, the runner's per-epoch permutations, the model
 //! (`model.json`: the same `[wrap.model]` table) and one initial-weights file that both load.
 //!
-//! A workload is one [`Kind`] (the model with its data) and its training; everything else (the
-//! pipeline, the data and weights files, the reference's model, the FLOP count, the report's
-//! columns) follows from the kind, the same way for every kind.
+//! A workload is one [`Kind`] (the model with its data), its training and its [`Peer`];
+//! everything else (the pipeline, the data and weights files, the reference's model, the FLOP
+//! count, the report's columns) follows from the kind and the peer, the same way for every kind.
+//! Against PyTorch FSDP2 the data is a token file (`tokens.bin`, nanoGPT's uint16 ids) that both
+//! sides read where it lies, and the twin derives the order of its windows itself.
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -19,7 +21,45 @@ use crate::model::{self, Architecture};
 use crate::plan::Plan;
 
 /// Every workload's run.seed: the runner's initialisation, data and shuffles follow from it.
-const SEED: u64 = 0;
+pub const SEED: u64 = 0;
+
+/// The runner's `wrap.strategy` against PyTorch FSDP2: its sharded data parallelism.
+pub const FSDP_STRATEGY: &str = "fsdp";
+
+/// Synthetic tokens: the chance of a random next token instead of one of the current token's
+/// four successors.
+const TOKEN_NOISE: f64 = 0.5;
+
+/// What the runner is measured against, in the same run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Peer {
+    /// PyTorch DDP: benches/reference/ddp_torch.py under torchrun, from data.npz. The runner runs
+    /// DDP, and a second time with MKL's kernels for this CPU (the price of portable numerics).
+    TorchDdp,
+    /// PyTorch FSDP2: benches/reference/fsdp2_torch.py under torchrun (a language model), from
+    /// tokens.bin, at world sizes of 2 and more. The runner runs [`FSDP_STRATEGY`], and a second
+    /// time with DDP: its own step, against which sharding is priced.
+    TorchFsdp2 {
+        /// Target: the runner's largest per-rank peak resident memory at most this × FSDP2's.
+        memory: f64,
+        /// Target: the runner's step at most this × its own DDP step, at world size
+        /// [`DDP_STEP_WORLD_SIZE`].
+        ddp_step: f64,
+    },
+}
+
+impl Peer {
+    /// Its script, relative to the repository's root.
+    pub fn script(&self) -> &'static str {
+        match self {
+            Peer::TorchDdp => "benches/reference/ddp_torch.py",
+            Peer::TorchFsdp2 { .. } => "benches/reference/fsdp2_torch.py",
+        }
+    }
+}
+
+/// Where the runner's sharded step is priced against its DDP step.
+pub const DDP_STEP_WORLD_SIZE: usize = 2;
 
 /// What a workload trains: the model kind with the synthetic data it learns from.
 #[derive(Debug, Clone)]
@@ -95,8 +135,7 @@ impl Kind {
             Kind::Cnn { image: [c, h, w], classes, .. } => {
                 format!("image = [{c}, {h}, {w}]\nclasses = {classes}\nnoise = 12.0\n")
             }
-            // The chance of a random next token instead of one of the current token's four successors.
-            Kind::Transformer(_) => "noise = 0.5\n".into(),
+            Kind::Transformer(_) => format!("noise = {TOKEN_NOISE}\n"),
         }
     }
 
@@ -146,6 +185,7 @@ pub struct Workload {
     pub targets: Targets,
     /// Both sides autocast the forward pass to bfloat16 (`--precision bf16`).
     pub bf16: bool,
+    pub peer: Peer,
 }
 
 pub fn all() -> Vec<Workload> {
@@ -169,6 +209,7 @@ pub fn all() -> Vec<Workload> {
             compute_bound: false,
             targets: Targets { throughput: 3.0, wall: Some(0.2), peak: None, world_sizes: Some(2), loss: 1e-4 },
             bf16: false,
+            peer: Peer::TorchDdp,
         },
         Workload {
             name: "compute-bound",
@@ -182,6 +223,7 @@ pub fn all() -> Vec<Workload> {
             compute_bound: true,
             targets: Targets { throughput: 1.05, wall: None, peak: Some(80.0), world_sizes: None, loss: 1e-4 },
             bf16: false,
+            peer: Peer::TorchDdp,
         },
         // Three convolution blocks with batch norm and max pooling (32×32 → 16 → 8 → 4), then a
         // hidden linear layer: about 6 MFLOP per image forward, mostly in the convolutions.
@@ -206,6 +248,7 @@ pub fn all() -> Vec<Workload> {
             compute_bound: true,
             targets: Targets { throughput: 1.1, wall: None, peak: None, world_sizes: Some(2), loss: 1e-5 },
             bf16: false,
+            peer: Peer::TorchDdp,
         },
         // A small GPT over bytes: about 59 MFLOP per window of 64 tokens forward.
         Workload {
@@ -229,6 +272,34 @@ pub fn all() -> Vec<Workload> {
             compute_bound: true,
             targets: Targets { throughput: 1.1, wall: None, peak: None, world_sizes: Some(2), loss: 1e-5 },
             bf16: false,
+            peer: Peer::TorchDdp,
+        },
+        // A GPT of about 5 million parameters (6 blocks of width 256, about 640 MFLOP per window
+        // of 64 tokens forward) against PyTorch FSDP2: the state that sharding divides (about
+        // 80 MB per rank under DDP) shows in a rank's resident memory, and a run takes about half
+        // a minute on a quiet machine.
+        Workload {
+            name: "fsdp",
+            kind: Kind::Transformer(schema::Transformer {
+                vocab: 256,
+                d_model: 256,
+                heads: 8,
+                layers: 6,
+                seq_len: 64,
+                dropout: 0.0,
+                tied: false,
+                bias: true,
+            }),
+            rows: 256,
+            batch: 8,
+            epochs: 3,
+            optimizer: Optimizer::Adamw,
+            lr: 0.001,
+            weight_decay: 0.01,
+            compute_bound: true,
+            targets: Targets { throughput: 1.2, wall: None, peak: None, world_sizes: None, loss: 1e-5 },
+            bf16: false,
+            peer: Peer::TorchFsdp2 { memory: 1.0, ddp_step: 1.3 },
         },
     ]
 }
@@ -236,6 +307,12 @@ pub fn all() -> Vec<Workload> {
 impl Workload {
     pub fn parameters(&self) -> usize {
         model::layer_parameters(self.kind.arch().as_ref()).iter().sum()
+    }
+
+    /// Optimizer steps in an epoch at world size `ws`: each rank's share of the rows (padded,
+    /// as DistributedSampler) in batches, the last one short.
+    pub fn steps_per_epoch(&self, ws: usize) -> usize {
+        self.rows.div_ceil(ws).div_ceil(self.batch)
     }
 
     /// FLOPs of training one sample: 3 × its forward pass ([`Architecture::forward_flops`]).
@@ -301,20 +378,32 @@ impl Workload {
     fn pipeline(&self) -> anyhow::Result<String> {
         let model = toml::Table::try_from(self.kind.model()).context("the model as TOML")?;
         let model: String = model.iter().map(|(k, v)| format!("{k} = {v}\n")).collect();
+        // Against FSDP2: every window of the token file trains (none held out), and the
+        // strategy's own keys keep their defaults.
+        let (load, wrap, validate) = match self.peer {
+            Peer::TorchDdp => (
+                format!("source = \"synthetic\"\nrows = {}\nvalidation_rows = 0\n{}", self.rows, self.kind.load()),
+                "strategy = \"ddp\"\nbucket_cap_mb = 25\n".to_string(),
+                "every = 0\n",
+            ),
+            Peer::TorchFsdp2 { .. } => (
+                format!("source = \"tokens\"\npath = \"{TOKENS}\"\n"),
+                format!("strategy = \"{FSDP_STRATEGY}\"\n"),
+                "every = 0\nrows = 0\n",
+            ),
+        };
         Ok(format!(
             "# Written by `runner bench` for the {name} workload; world size and threads come with --set.\n\
              [run]\nname = \"bench-{name}\"\nseed = {SEED}\nworld_size = 1\ntimeout_s = 300\n\n\
-             [load]\nsource = \"synthetic\"\nrows = {rows}\nvalidation_rows = 0\n{load}\n\
+             [load]\n{load}\n\
              [shard]\nstrategy = \"dataset\"\nshuffle = true\ndrop_last = false\n\n\
              [normalize]\nmethod = \"{normalize}\"\nscope = \"rank\"\n\n\
-             [wrap]\nstrategy = \"ddp\"\nbucket_cap_mb = 25\ninit = \"init.npz\"\n\n\
+             [wrap]\n{wrap}init = \"init.npz\"\n\n\
              [wrap.model]\n{model}\n\
              [train]\nepochs = {epochs}\nbatch_size = {batch}\noptimizer = \"{optimizer}\"\nlr = {lr}\n\
              weight_decay = {weight_decay:?}\n\n\
-             [validate]\nevery = 0\n",
+             [validate]\n{validate}",
             name = self.name,
-            rows = self.rows,
-            load = self.kind.load(),
             normalize = self.kind.normalize(),
             epochs = self.epochs,
             batch = self.batch,
@@ -340,19 +429,28 @@ impl Workload {
 pub struct Files {
     pub dir: PathBuf,
     pub pipeline: PathBuf,
+    /// What the reference trains on: data.npz (the rows and the runner's permutations) for
+    /// PyTorch DDP, the token file for PyTorch FSDP2.
     pub data: PathBuf,
     pub init: PathBuf,
     pub model: PathBuf,
 }
 
+/// The token file against PyTorch FSDP2, beside the pipeline (nanoGPT's format: uint16 ids).
+const TOKENS: &str = "tokens.bin";
+
 /// Writes the workload's pipeline, initial weights (the runner's own initialisation for
-/// run.seed) and, for the reference, the model, the training rows and the runner's permutations.
+/// run.seed) and, for the reference, the model and the data: the training rows and the runner's
+/// permutations (PyTorch DDP), or the token file both sides read (PyTorch FSDP2).
 pub fn prepare(w: &Workload, dir: &Path) -> anyhow::Result<Files> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let files = Files {
         dir: dir.to_owned(),
         pipeline: dir.join("pipeline.toml"),
-        data: dir.join("data.npz"),
+        data: dir.join(match w.peer {
+            Peer::TorchDdp => "data.npz",
+            Peer::TorchFsdp2 { .. } => TOKENS,
+        }),
         init: dir.join("init.npz"),
         model: dir.join("model.json"),
     };
@@ -361,9 +459,29 @@ pub fn prepare(w: &Workload, dir: &Path) -> anyhow::Result<Files> {
     crate::rundir::atomic_write(&files.model, model.as_bytes())?;
     // Before the plan, which reads wrap.init.
     write_init(w.kind.arch().as_ref(), SEED, &files.init)?;
-    let plan = Plan::new(config::resolve(&files.pipeline, &[])?)?;
-    write_data(&plan, &files.data)?;
+    match (w.peer, &w.kind) {
+        (Peer::TorchDdp, _) => {
+            let plan = Plan::new(config::resolve(&files.pipeline, &[])?)?;
+            write_data(&plan, &files.data)?;
+        }
+        (Peer::TorchFsdp2 { .. }, Kind::Transformer(t)) => write_tokens(t, w.rows, &files.data)?,
+        (Peer::TorchFsdp2 { .. }, _) => {
+            anyhow::bail!("the {} workload: PyTorch FSDP2's twin is a language model", w.name)
+        }
+    }
     Ok(files)
+}
+
+/// `windows` windows of synthetic tokens (the synthetic source's Markov chain) as one stream of
+/// windows × seq_len + 1 little-endian uint16 ids.
+fn write_tokens(t: &schema::Transformer, windows: usize, path: &Path) -> anyhow::Result<()> {
+    anyhow::ensure!(t.vocab <= 1 << 16, "a vocabulary of {} does not fit uint16 token ids", t.vocab);
+    let (x, y) = data::tokens::synthetic_windows(t.vocab, TOKEN_NOISE, t.seq_len, windows, SEED);
+    let mut ids = Vec::<i64>::try_from(x.reshape([-1]))?;
+    // Windows overlap by one token: the stream ends with the last window's last target.
+    ids.push(y.int64_value(&[windows as i64 - 1, t.seq_len as i64 - 1]));
+    let bytes: Vec<u8> = ids.iter().flat_map(|&id| (id as u16).to_le_bytes()).collect();
+    crate::rundir::atomic_write(path, &bytes)
 }
 
 /// The runner's own initialisation of `arch` for `seed`: every parameter and buffer.
@@ -407,7 +525,12 @@ mod tests {
         for w in all() {
             let w = Workload { rows: 64, batch: 16, epochs: 2, ..w };
             let files = prepare(&w, &dir.path().join(w.name)).unwrap();
-            let plan = Plan::new(config::resolve(&files.pipeline, &[]).unwrap()).unwrap();
+            // The data and the model, under DDP: the strategy is the runner's to check when it runs.
+            let text = std::fs::read_to_string(&files.pipeline).unwrap();
+            let ddp = files.dir.join("ddp.toml");
+            std::fs::write(&ddp, text.replace(&format!("strategy = \"{FSDP_STRATEGY}\""), "strategy = \"ddp\""))
+                .unwrap();
+            let plan = Plan::new(config::resolve(&ddp, &[]).unwrap()).unwrap();
             assert_eq!(plan.config.wrap.model, w.kind.model(), "{}", w.name);
             assert_eq!((plan.data.rows, plan.data.input.clone()), (64, w.kind.input()), "{}", w.name);
 
@@ -415,6 +538,27 @@ mod tests {
             let arch = w.kind.arch();
             let init = model::read_weights(&files.init, &model::sorted_parameters(arch.as_ref())).unwrap();
             assert_eq!(init.contains_key("bn0.running_var"), matches!(w.kind, Kind::Cnn { .. }), "{}", w.name);
+
+            // The reference's model: the same [wrap.model] table.
+            let spec: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&files.model).unwrap()).unwrap();
+            let model: schema::Model = serde_json::from_value(spec["model"].clone()).unwrap();
+            assert_eq!(model, w.kind.model(), "{}", w.name);
+            assert_eq!(spec["outputs"], w.kind.outputs(), "{}", w.name);
+
+            if let Peer::TorchFsdp2 { .. } = w.peer {
+                // Every window trains, read from the token file: 64 windows of seq_len + 1 ids.
+                assert!(text.contains(&format!("strategy = \"{FSDP_STRATEGY}\"\n")), "{text}");
+                assert_eq!(plan.data.validation_rows, 0, "{}", w.name);
+                let Kind::Transformer(t) = &w.kind else { panic!("{}: a language model", w.name) };
+                let bytes = std::fs::metadata(&files.data).unwrap().len() as usize;
+                assert_eq!(bytes, 2 * (64 * t.seq_len + 1), "{}", w.name);
+                // The runner reads from it the synthetic source's windows.
+                let read = data::load(&plan.data).unwrap().train.gather(&(0..64).collect::<Vec<i64>>()).unwrap();
+                let (x, y) = data::tokens::synthetic_windows(t.vocab, TOKEN_NOISE, t.seq_len, 64, SEED);
+                assert!(read.0.equal(&x) && read.1.equal(&y), "{}", w.name);
+                continue;
+            }
 
             // The training samples and the runner's shuffle of each epoch.
             let data: BTreeMap<String, Tensor> = Tensor::read_npz(&files.data).unwrap().into_iter().collect();
@@ -427,13 +571,6 @@ mod tests {
             let perms: Vec<i64> = Vec::try_from(data["permutations"].view([-1])).unwrap();
             let want: Vec<i64> = (1..=2).flat_map(|e| shard::permutation(SEED, e, 64, true)).collect();
             assert_eq!(perms, want, "{}", w.name);
-
-            // The reference's model: the same [wrap.model] table.
-            let spec: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(&files.model).unwrap()).unwrap();
-            let model: schema::Model = serde_json::from_value(spec["model"].clone()).unwrap();
-            assert_eq!(model, w.kind.model(), "{}", w.name);
-            assert_eq!(spec["outputs"], w.kind.outputs(), "{}", w.name);
         }
     }
 
@@ -441,6 +578,7 @@ mod tests {
     fn the_throughput_columns_follow_the_kind() {
         let units: Vec<Vec<&str>> =
             all().iter().map(|w| w.kind.throughput_units().iter().map(|u| u.0).collect()).collect();
-        assert_eq!(units, [vec!["samples/s"], vec!["samples/s"], vec!["images/s"], vec!["samples/s", "tokens/s"]]);
+        let lm = vec!["samples/s", "tokens/s"];
+        assert_eq!(units, [vec!["samples/s"], vec!["samples/s"], vec!["images/s"], lm.clone(), lm]);
     }
 }
