@@ -98,7 +98,7 @@ fn fsdp_gives_ddps_losses_and_model_at_two_and_four_ranks() {
         );
         assert_ok(&o);
         let (stdout, _) = text(&o);
-        assert!(stdout.contains(&format!("FSDP: each rank holds 1/{w} of every parameter")), "{stdout}");
+        assert!(stdout.contains(&format!("FSDP (ZeRO-3): each rank holds 1/{w} of every parameter")), "{stdout}");
         let (a, b) = (dir.path().join(format!("ddp{w}")), dir.path().join(format!("fsdp{w}")));
         assert_losses_close(&a, &b, 1e-5, &format!("MLP at world size {w}"));
         assert_models_close(&a, &b, 1e-5, &format!("MLP at world size {w}"));
@@ -117,5 +117,120 @@ fn zero2_and_zero3_agree_bit_for_bit() {
     assert_eq!(rank0(&a, "val_loss"), rank0(&b, "val_loss"));
     for (name, t) in model(&a) {
         assert!(t.equal(&model(&b)[&name]), "{name}");
+    }
+}
+
+/// A small language model on synthetic tokens, 30 steps with a row after each.
+const LM: &str = r#"
+[run]
+name = "lm"
+seed = 5
+world_size = 2
+timeout_s = 60
+
+[load]
+rows = 128
+validation_rows = 16
+
+[normalize]
+method = "none"
+
+[wrap.model]
+kind = "transformer"
+vocab = 33
+d_model = 16
+heads = 2
+layers = 3
+seq_len = 8
+tied = true
+bias = false
+
+[train]
+steps = 30
+batch_size = 4
+optimizer = "adamw"
+lr = 0.01
+clip_grad_norm = 1.0
+
+[validate]
+every_steps = 1
+"#;
+
+#[test]
+fn transformers_tied_untied_with_and_without_bias_give_ddps_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", LM);
+    let fsdp = "wrap.strategy=\"fsdp\"";
+    // Tied head (it reads the embedding's unit), no biases, vocab 33 (odd rows), AdamW.
+    for w in ["2", "4"] {
+        let ws = format!("run.world_size={w}");
+        train(dir.path(), &format!("ddp{w}"), &[&ws]);
+        train(dir.path(), &format!("fsdp{w}"), &[&ws, fsdp]);
+        let (a, b) = (dir.path().join(format!("ddp{w}")), dir.path().join(format!("fsdp{w}")));
+        assert_losses_close(&a, &b, 1e-5, &format!("tied transformer at world size {w}"));
+        assert_models_close(&a, &b, 1e-4, &format!("tied transformer at world size {w}"));
+    }
+    // Untied, with biases. SGD with momentum: a key's bias has a gradient of zero in exact
+    // arithmetic (softmax ignores a shift shared by all keys), which Adam would scale from
+    // rounding noise up to lr-sized steps, differently under any change of summation order.
+    let untied = ["wrap.model.tied=false", "wrap.model.bias=true", "train.optimizer=\"sgd\"", "train.momentum=0.9"];
+    train(dir.path(), "ddp-bias", &untied);
+    train(dir.path(), "fsdp-bias", &[untied.as_slice(), &[fsdp]].concat());
+    let (a, b) = (dir.path().join("ddp-bias"), dir.path().join("fsdp-bias"));
+    assert_losses_close(&a, &b, 1e-5, "untied transformer with biases");
+    assert_models_close(&a, &b, 1e-5, "untied transformer with biases");
+}
+
+/// A CNN with batch norm: its running statistics are rank 0's under FSDP as under DDP (broadcast
+/// before each synchronised forward pass), and SyncBatchNorm works across the shards' ranks.
+#[test]
+fn a_cnn_with_batch_norm_gives_ddps_losses_and_statistics() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        dir.path(),
+        "p.toml",
+        r#"
+[run]
+name = "cnn"
+seed = 0
+world_size = 2
+timeout_s = 60
+
+[load]
+image = [1, 12, 12]
+classes = 5
+rows = 400
+validation_rows = 40
+noise = 2.0
+
+[normalize]
+method = "standard"
+
+[wrap.model]
+kind = "cnn"
+conv = [
+  { channels = 6, kernel = 3, padding = 1, batch_norm = true, pool = "max", pool_size = 2 },
+  { channels = 5, kernel = 3, padding = 1, batch_norm = true, pool = "max", pool_size = 2 },
+]
+hidden = [13]
+
+[train]
+steps = 30
+batch_size = 8
+optimizer = "adam"
+lr = 0.003
+
+[validate]
+every_steps = 1
+"#,
+    );
+    let fsdp = "wrap.strategy=\"fsdp\"";
+    for sync in ["false", "true"] {
+        let s = format!("wrap.sync_batchnorm={sync}");
+        train(dir.path(), &format!("ddp-{sync}"), &[&s]);
+        train(dir.path(), &format!("fsdp-{sync}"), &[&s, fsdp]);
+        let (a, b) = (dir.path().join(format!("ddp-{sync}")), dir.path().join(format!("fsdp-{sync}")));
+        assert_losses_close(&a, &b, 1e-5, &format!("CNN, sync_batchnorm = {sync}"));
+        assert_models_close(&a, &b, 1e-5, &format!("CNN, sync_batchnorm = {sync}"));
     }
 }

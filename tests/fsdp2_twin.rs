@@ -15,7 +15,7 @@ use polars::prelude::ChunkCompareEq;
 
 /// The runner's `wrap.strategy`. Sharding must give DDP's losses (within 1e-5), so DDP meets the
 /// same bar; "fsdp" once the runner's sharded data parallelism is in.
-const STRATEGY: &str = "ddp";
+const STRATEGY: &str = "fsdp";
 const WORLD: usize = 2;
 const STEPS: usize = 20;
 /// Training windows: 11 per rank, one of them padding; batches of 4, 4 and 3 in each epoch.

@@ -268,7 +268,7 @@ fn resumes_bit_identical(extra: &[&str], files: &[&str]) {
     let (a, b) = (trace(&dir.path().join("whole")), trace(&dir.path().join("cut")));
     assert_eq!(a.height(), 5 * 2);
     for name in a.get_column_names() {
-        if ["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble"].contains(&name.as_str()) {
+        if common::measured(name) {
             continue;
         }
         assert_eq!(a.column(name).unwrap(), b.column(name).unwrap(), "column {name} differs after resume");

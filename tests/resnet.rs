@@ -57,7 +57,7 @@ fn python(args: &[&str]) -> String {
 fn assert_same_trace(a: &DataFrame, b: &DataFrame) {
     assert_eq!(a.height(), b.height());
     for name in a.get_column_names() {
-        if ["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "run_id"].contains(&name.as_str()) {
+        if name == "run_id" || common::measured(name) {
             continue;
         }
         assert_eq!(a.column(name).unwrap(), b.column(name).unwrap(), "column {name} differs after resume");
@@ -119,4 +119,43 @@ fn resnet18_state_is_whole_broadcast_resumed_exactly_and_loads_into_torchvision(
     let py_loss = got["val_loss"].as_f64().unwrap();
     assert!(((py_loss - loss) / loss).abs() < 1e-5, "validation loss: runner {loss}, torchvision {py_loss}");
     assert_eq!(got["val_acc"].as_f64().unwrap(), acc, "validation accuracy");
+}
+
+/// The same module sharded (`wrap.strategy = "fsdp"`, one unit: the runner cannot see inside
+/// it): every step's loss and the final model as DDP's, and model.safetensors still loads into
+/// torchvision's own class.
+#[test]
+fn resnet18_under_fsdp_gives_ddps_losses_and_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    python(&[d.to_str().unwrap()]);
+    write(d, "p.toml", &RESNET.replace("epochs = 2", "steps = 20"));
+    let steps = ["--set", "validate.every_steps=1", "--set", "checkpoint.every=0"];
+    assert_ok(&run(&[&["run", "p.toml", "--out", "ddp"], steps.as_slice()].concat(), d));
+    let o =
+        run(&[&["run", "p.toml", "--out", "fsdp", "--set", "wrap.strategy=\"fsdp\""], steps.as_slice()].concat(), d);
+    assert_ok(&o);
+    assert!(
+        text(&o).0.contains("TorchScript module, 62 parameters, 60 buffers: 11181642 parameters"),
+        "{}",
+        text(&o).0
+    );
+    let (a, b) = (trace(&d.join("ddp")), trace(&d.join("fsdp")));
+    let (x, y) = (column(&a, "global_train_loss"), column(&b, "global_train_loss"));
+    assert_eq!(x.len(), 2 * 20);
+    for (i, (p, q)) in x.iter().zip(&y).enumerate() {
+        assert!((p - q).abs() <= 1e-5 * p.abs(), "row {i}: {q} against DDP's {p}");
+    }
+    let model = |run: &str| -> std::collections::BTreeMap<String, tch::Tensor> {
+        tch::Tensor::read_safetensors(d.join(run).join("model.safetensors")).unwrap().into_iter().collect()
+    };
+    let (ma, mb) = (model("ddp"), model("fsdp"));
+    assert_eq!(ma.keys().collect::<Vec<_>>(), mb.keys().collect::<Vec<_>>());
+    for (name, t) in &ma {
+        let diff = (&mb[name] - t).abs().max().double_value(&[]);
+        assert!(diff <= 1e-5 * t.abs().max().double_value(&[]).max(1e-6), "{name} differs by {diff:e}");
+    }
+    let out = python(&["check", d.join("fsdp").to_str().unwrap(), d.to_str().unwrap()]);
+    let got: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(got["names"].as_array().unwrap().len(), 62 + 60);
 }

@@ -41,6 +41,10 @@ const SCHEMA: &[(&str, DataType)] = &[
     ("lr", DataType::Float64),
     ("grad_norm_mean", DataType::Float64),
     ("grad_norm_max", DataType::Float64),
+    ("param_bytes", DataType::UInt64),
+    ("grad_bytes", DataType::UInt64),
+    ("optim_bytes", DataType::UInt64),
+    ("peak_rss_bytes", DataType::UInt64),
 ];
 
 fn f64s(df: &DataFrame, col: &str) -> Vec<Option<f64>> {
@@ -103,9 +107,8 @@ fn a_rerun_reproduces_every_value_but_the_timings() {
     assert_ok(&run(&["run", "p.toml", "--out", "a"], dir.path()));
     assert_ok(&run(&["run", "p.toml", "--out", "b"], dir.path()));
     let (a, b) = (trace(&dir.path().join("a")), trace(&dir.path().join("b")));
-    let timing = ["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "tokens_per_s"];
     for name in a.get_column_names() {
-        if timing.contains(&name.as_str()) {
+        if common::measured(name) {
             continue;
         }
         assert_eq!(a.column(name).unwrap(), b.column(name).unwrap(), "column {name} differs between reruns");

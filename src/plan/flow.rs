@@ -373,7 +373,8 @@ impl Plan {
             let shard: i64 = shapes.layers[l].iter().map(|&(r, v)| (r + w - 1) / w * v).sum();
             let pad = shard * w - layer.parameters as i64;
             let padding = if pad > 0 { format!(" ({pad} padding)") } else { String::new() };
-            let shared = units.layers[l].iter().filter(|&&u| u != unit).map(|u| format!(" with unit {u} (a shared parameter)"));
+            let shared =
+                units.layers[l].iter().filter(|&&u| u != unit).map(|u| format!(" with unit {u} (a shared parameter)"));
             rows.push(vec![
                 format!("  unit {unit}"),
                 format!("{}: {} parameters", layer.name, layer.parameters),
@@ -438,7 +439,8 @@ impl Plan {
         }
         if let Some((state, ddp)) = &self.state {
             let layout = super::memory::Layout::of(&self.config);
-            let versus = ddp.map(|d| format!("; DDP would hold {}", super::memory::size(d.total()))).unwrap_or_default();
+            let versus =
+                ddp.map(|d| format!("; DDP would hold {}", super::memory::size(d.total()))).unwrap_or_default();
             note += &format!("  training state under {layout}: {state} per rank{versus}\n");
         }
         if let Some(why) = &self.auto {

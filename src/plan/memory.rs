@@ -172,11 +172,7 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
                     after + padded(l) + arriving.max(shard(l))
                 })
                 .fold(shards, f64::max);
-            State {
-                parameters: F * (shards + gathered),
-                gradients: F * reduce,
-                optimizer: F * slots * shards,
-            }
+            State { parameters: F * (shards + gathered), gradients: F * reduce, optimizer: F * slots * shards }
         }
     }
 }

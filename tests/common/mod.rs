@@ -175,14 +175,18 @@ pub fn run_and_kill_at(dir: &Path, out: &str, extra: &[&str], victim: usize, mar
     err
 }
 
+/// Whether a trace column measures time or the process's resident memory: what differs between
+/// two runs of the same configuration by nature.
+pub fn measured(column: &str) -> bool {
+    runner::sweep::check::TIMING_COLUMNS.contains(&column)
+}
+
 /// Asserts that two run directories' traces agree in every column but the timings.
 pub fn assert_same_trace(a: &Path, b: &Path) {
     let (a, b) = (trace(a), trace(b));
     assert_eq!(a.height(), b.height(), "trace rows");
     for name in a.get_column_names() {
-        if ["run_id", "epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "tokens_per_s"]
-            .contains(&name.as_str())
-        {
+        if name == "run_id" || measured(name) {
             continue;
         }
         assert_eq!(a.column(name).unwrap(), b.column(name).unwrap(), "column {name} differs");
