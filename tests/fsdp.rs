@@ -234,3 +234,200 @@ every_steps = 1
         assert_models_close(&a, &b, 1e-5, &format!("CNN, sync_batchnorm = {sync}"));
     }
 }
+
+/// A transformer of 8 blocks (each 1/8 of the model) whose vocabulary of 66 rows 4 ranks do not
+/// divide: the memory checks' model.
+const MEM: &str = r#"
+[run]
+name = "mem"
+seed = 2
+world_size = 2
+timeout_s = 60
+
+[load]
+rows = 64
+validation_rows = 8
+
+[normalize]
+method = "none"
+
+[wrap.model]
+kind = "transformer"
+vocab = 66
+d_model = 64
+heads = 4
+layers = 8
+seq_len = 16
+tied = false
+
+[train]
+steps = 4
+batch_size = 4
+optimizer = "adamw"
+
+[validate]
+every_steps = 2
+"#;
+
+/// Every rank's training-state bytes (parameters + gradients + optimizer) of each row.
+fn state_bytes(dir: &Path) -> Vec<u64> {
+    let df = trace(dir);
+    let col = |c: &str| -> Vec<u64> { df.column(c).unwrap().u64().unwrap().into_no_null_iter().collect() };
+    let (p, g, o) = (col("param_bytes"), col("grad_bytes"), col("optim_bytes"));
+    (0..p.len()).map(|i| p[i] + g[i] + o[i]).collect()
+}
+
+/// At N ranks a rank holds DDP's training state ÷ N, plus the padding of its shards (rows of
+/// every parameter rounded up to a multiple of N, in the parameter, its gradient and Adam's two
+/// moments), plus what is gathered at once: the largest layer's parameters with the all-gather
+/// buffer they arrive in, and in the backward pass its gradients in the reduce-scatter's buffer.
+#[test]
+fn a_ranks_measured_state_is_ddps_over_n_plus_padding_and_one_gathered_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", MEM);
+    let (d, v, s) = (64i64, 66i64, 16i64);
+    // Every parameter: (rows, values per row).
+    let mut shapes = vec![(v, d), (s, d), (d, 1), (d, 1), (v, d)];
+    let block = [
+        (d, 1),
+        (d, 1),
+        (3 * d, d),
+        (3 * d, 1),
+        (d, d),
+        (d, 1),
+        (d, 1),
+        (d, 1),
+        (4 * d, d),
+        (4 * d, 1),
+        (d, 4 * d),
+        (d, 1),
+    ];
+    for _ in 0..8 {
+        shapes.extend(block);
+    }
+    let params: i64 = shapes.iter().map(|(r, c)| r * c).sum();
+    let block_values: i64 = block.iter().map(|(r, c)| r * c).sum();
+    for n in [2i64, 4] {
+        let ws = format!("run.world_size={n}");
+        train(dir.path(), &format!("ddp{n}"), &[&ws]);
+        train(dir.path(), &format!("fsdp{n}"), &[&ws, "wrap.strategy=\"fsdp\""]);
+        let ddp = state_bytes(&dir.path().join(format!("ddp{n}")));
+        // Parameters, gradients, Adam's two moments (and its step count), 4 bytes each.
+        assert!(ddp.iter().all(|&b| b as i64 == 16 * params + 8), "{ddp:?}");
+        let padding: i64 = shapes.iter().map(|(r, c)| ((r + n - 1) / n * n - r) * c).sum();
+        let expected = ((16 * params + 8) / n + 16 * padding / n + 4 * 3 * block_values) as f64;
+        for got in state_bytes(&dir.path().join(format!("fsdp{n}"))) {
+            let off = (got as f64 - expected).abs() / expected;
+            assert!(off <= 0.05, "{n} ranks: {got} bytes, {expected} expected ({:.1}% off)", 100.0 * off);
+        }
+    }
+}
+
+#[test]
+fn auto_picks_ddp_zero2_zero3_or_the_pipeline_by_the_memory_limit_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", MEM);
+    let validate = |limit: &str| {
+        let args = [
+            "validate",
+            "p.toml",
+            "--set",
+            "wrap.strategy=\"auto\"",
+            "--set",
+            &format!("run.memory_per_rank_mb={limit}"),
+        ];
+        run(&args, dir.path())
+    };
+    for (limit, chose) in [
+        ("7", "chose DDP: it holds 6.2 MiB"),
+        ("5.5", "chose FSDP (ZeRO-2): it holds 5.0 MiB"),
+        ("4", "chose FSDP (ZeRO-3): it holds 3.7 MiB"),
+        ("3.2", "chose the pipeline: it holds 3.1 MiB"),
+    ] {
+        let o = validate(limit);
+        assert_ok(&o);
+        let (stdout, _) = text(&o);
+        assert!(stdout.contains(&format!("wrap.strategy = \"auto\": {chose}")), "{limit}: {stdout}");
+        assert!(stdout.contains(&format!("within run.memory_per_rank_mb = {limit}")), "{limit}: {stdout}");
+    }
+    let o = validate("4");
+    assert!(text(&o).0.contains(", while DDP would hold 6.2 MiB, FSDP (ZeRO-2) would hold 5.0 MiB"), "{}", text(&o).0);
+    // And the chosen strategy is the one that runs.
+    let o = run(
+        &["run", "p.toml", "--out", "auto", "--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=4"],
+        dir.path(),
+    );
+    assert_ok(&o);
+    assert!(text(&o).0.contains("FSDP (ZeRO-3): each rank holds 1/2 of every parameter"), "{}", text(&o).0);
+
+    let o = validate("2.5");
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        text(&o).1.trim(),
+        "error: p.toml: invalid configuration:\n  `wrap.strategy` (--set wrap.strategy=\"auto\"): no strategy fits \
+         run.memory_per_rank_mb = 2.5 at world size 2: DDP would hold 6.2 MiB, FSDP (ZeRO-2) would hold 5.0 MiB, FSDP \
+         (ZeRO-3) would hold 3.7 MiB, the pipeline would hold 3.1 MiB; FSDP (ZeRO-3) fits from run.world_size = 4 \
+         (2.1 MiB a rank), the pipeline fits from run.world_size = 3 (2.4 MiB a rank): raise run.world_size, or use a \
+         smaller model"
+    );
+}
+
+#[test]
+fn a_memory_limit_ddp_cannot_meet_names_where_fsdp_and_the_pipeline_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", MEM);
+    let o = run(&["validate", "p.toml", "--set", "run.memory_per_rank_mb=2.5"], dir.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        text(&o).1.trim(),
+        "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=2.5): each rank \
+         would hold 6.2 MiB (parameters 1.6 MiB, gradients 1.6 MiB, optimizer 3.1 MiB) of training state under DDP at \
+         world size 2, more than the 2.5 MiB a rank may hold; wrap.strategy = \"fsdp\" fits from run.world_size = 4 \
+         (2.1 MiB a rank), or wrap.strategy = \"pipeline\" from run.world_size = 3 (2.4 MiB on its heaviest rank); \
+         wrap.strategy = \"auto\" picks the first strategy that fits"
+    );
+    // Under FSDP at 4 ranks it fits, and the plan says what a rank holds.
+    let o = run(
+        &[
+            "validate",
+            "p.toml",
+            "--set",
+            "run.memory_per_rank_mb=2.5",
+            "--set",
+            "run.world_size=4",
+            "--set",
+            "wrap.strategy=\"fsdp\"",
+        ],
+        dir.path(),
+    );
+    assert_ok(&o);
+    assert!(text(&o).0.contains("training state under FSDP (ZeRO-3): 2.1 MiB"), "{}", text(&o).0);
+}
+
+#[test]
+fn keys_of_other_strategies_are_refused_under_fsdp_and_fsdps_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", MLP);
+    let refused = |sets: &[&str], want: &str| {
+        let mut args = vec!["validate", "p.toml"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let o = run(&args, dir.path());
+        assert_eq!(o.status.code(), Some(2), "{sets:?}");
+        let (_, stderr) = text(&o);
+        assert!(stderr.contains(want), "{sets:?}: {stderr}");
+    };
+    let fsdp = "wrap.strategy=\"fsdp\"";
+    refused(&[fsdp, "wrap.pipeline.micro_batches=2"], "`wrap.pipeline.micro_batches` (--set wrap.pipeline.micro_batches=2): is only read by wrap.strategy = \"pipeline\"");
+    refused(&[fsdp, "wrap.bucket_cap_mb=5"], "`wrap.bucket_cap_mb` (--set wrap.bucket_cap_mb=5): is only read by wrap.strategy = \"ddp\": FSDP reduce-scatters each layer's gradients as one bucket");
+    refused(&["wrap.fsdp.reshard_after_forward=false"], "`wrap.fsdp.reshard_after_forward` (--set wrap.fsdp.reshard_after_forward=false): is only read by wrap.strategy = \"fsdp\"");
+    refused(
+        &["wrap.strategy=\"auto\"", "wrap.fsdp.reshard_after_forward=false"],
+        "is chosen by wrap.strategy = \"auto\" itself (ZeRO-2 where it fits, else ZeRO-3)",
+    );
+    refused(
+        &[fsdp, "run.threads_per_rank=2", "wrap.threads_per_replica=1"],
+        "are for whole replicas (wrap.strategy = \"ddp\" or \"none\"), not a sharded model's layers",
+    );
+}

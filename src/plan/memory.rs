@@ -273,15 +273,22 @@ impl Planner<'_> {
             let Some(s) = self.state(layout, world, None) else { continue };
             if s.total() <= limit {
                 let before = if tried.is_empty() { String::new() } else { format!(", while {}", tried.join(", ")) };
-                return Ok((layout, format!("auto chose {layout}: it holds {s} a rank, within {limit_text}{before}")));
+                return Ok((layout, format!("chose {layout}: it holds {s} a rank, within {limit_text}{before}")));
             }
             tried.push(format!("{layout} would hold {}", size(s.total())));
         }
-        Err(format!(
-            "no strategy fits {limit_text} at world size {world}: {}; {}",
-            tried.join(", "),
-            self.advice(Layout::Fsdp { zero3: true }, world, limit)
-        ))
+        let more: Vec<String> = [Layout::Fsdp { zero3: true }, Layout::Pipeline]
+            .into_iter()
+            .filter_map(|layout| {
+                let (w, s) = self.fits_from(layout, limit, world + 1)?;
+                Some(format!("{layout} fits from run.world_size = {w} ({} a rank)", size(s.total())))
+            })
+            .collect();
+        let advice = match more.is_empty() {
+            true => format!("none fits on up to {MAX_SEARCH} ranks: use a smaller model"),
+            false => format!("{}: raise run.world_size, or use a smaller model", more.join(", ")),
+        };
+        Err(format!("no strategy fits {limit_text} at world size {world}: {}; {advice}", tried.join(", ")))
     }
 }
 

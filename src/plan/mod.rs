@@ -114,6 +114,7 @@ impl Plan {
             pipeline_possible: !matches!(c.wrap.model, Model::Torchscript(_)),
             pipeline_copies: c.wrap.pipeline.replicas,
         });
+        strategy_keys(&c, &mut bad);
         let mut auto = None;
         if let (WrapStrategy::Auto, Some(planner), Some(d), Some(l)) = (c.wrap.strategy, &planner, &data, &layout) {
             match choose_strategy(&c, planner, d, l) {
@@ -140,7 +141,8 @@ impl Plan {
             let total = c.train.steps.unwrap_or(c.train.epochs * batches.div_ceil(c.train.accumulate));
             recipe::recipe_lengths(&c, batches, total, &mut bad);
         }
-        if let (Some(stages), Some(planner)) = (&stages, &planner) {
+        // An "auto" still unresolved has been refused with the numbers already.
+        if let (Some(stages), Some(planner), false) = (&stages, &planner, c.wrap.strategy == WrapStrategy::Auto) {
             check_memory_limit(&c, planner, stages, &mut bad);
         }
         if let Some(l) = &layout {
@@ -544,6 +546,28 @@ fn memory_estimate(
     };
     crate::limits::check_memory(&estimate, c.run.world_size, model_key, bad);
     estimate
+}
+
+/// Keys only one strategy reads, set under another (the pipeline's are checked with its stages).
+fn strategy_keys(c: &Config, bad: &mut impl FnMut(&str, String)) {
+    // Compared with the defaults, not by source: a run's saved config.toml sets every key.
+    let (fsdp, ddp) = (c.wrap.fsdp != Fsdp::default(), c.wrap.bucket_cap_mb != Wrap::default().bucket_cap_mb);
+    match c.wrap.strategy {
+        WrapStrategy::Auto if fsdp => bad(
+            "wrap.fsdp.reshard_after_forward",
+            "is chosen by wrap.strategy = \"auto\" itself (ZeRO-2 where it fits, else ZeRO-3); remove it, or set \
+             wrap.strategy = \"fsdp\""
+                .into(),
+        ),
+        WrapStrategy::Ddp | WrapStrategy::None | WrapStrategy::Pipeline if fsdp => {
+            bad("wrap.fsdp.reshard_after_forward", "is only read by wrap.strategy = \"fsdp\"".into())
+        }
+        WrapStrategy::Fsdp if ddp => bad(
+            "wrap.bucket_cap_mb",
+            "is only read by wrap.strategy = \"ddp\": FSDP reduce-scatters each layer's gradients as one bucket".into(),
+        ),
+        _ => {}
+    }
 }
 
 /// `run.memory_per_rank_mb` against the training state the heaviest rank holds under the
