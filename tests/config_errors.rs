@@ -205,7 +205,7 @@ const CASES: &[Case] = &[
         args: &["--set", "wrap.strategy=\"pipe\""],
         env: &[],
         expected: "error: --set wrap.strategy=\"pipe\": `wrap.strategy` cannot be \"pipe\"; did you mean \"pipeline\"? \
-                   (one of: \"ddp\", \"none\", \"pipeline\")",
+                   (one of: \"ddp\", \"none\", \"pipeline\", \"fsdp\", \"auto\")",
     },
     Case {
         name: "pipeline stages out of order",
@@ -269,39 +269,43 @@ const CASES: &[Case] = &[
     Case {
         name: "a model 4× larger than one rank may hold, on one rank",
         file: "",
-        args: &["--set", "run.world_size=1", "--set", "wrap.strategy=\"none\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=0.251"],
+        args: &["--set", "run.world_size=1", "--set", "wrap.strategy=\"none\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=0.502"],
         env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.251): rank 0 would \
-                   hold the whole model, layers 0-3 (263168 parameters, 1.004 MiB as float32), more than the 0.251 MiB a rank may \
-                   hold; split the model with wrap.strategy = \"pipeline\" over at least 4 ranks (run.world_size = 4), or use a \
-                   smaller model",
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.502): each rank would \
+                   hold 2.0 MiB (parameters 1.0 MiB, gradients 1.0 MiB, optimizer 0.0 MiB) of training state under \
+                   wrap.strategy = \"none\" at world size 1, more than the 0.502 MiB a rank may hold; wrap.strategy = \
+                   \"pipeline\" fits from run.world_size = 4 (0.5 MiB on its heaviest rank); wrap.strategy = \"auto\" picks \
+                   the first strategy that fits",
     },
     Case {
         name: "the same model in a pipeline of one stage",
         file: "",
-        args: &["--set", "run.world_size=1", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=0.251"],
+        args: &["--set", "run.world_size=1", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=0.502"],
         env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.251): rank 0 would \
-                   hold the whole model, layers 0-3 (263168 parameters, 1.004 MiB as float32), more than the 0.251 MiB a rank may \
-                   hold; split the model over at least 4 ranks (run.world_size = 4), or use a smaller model",
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.502): rank 0 (layers 0-3) \
+                   would hold 2.0 MiB (parameters 1.0 MiB, gradients 1.0 MiB, optimizer 0.0 MiB) of training state under the \
+                   pipeline at world size 1, more than the 0.502 MiB a rank may hold; it fits from run.world_size = 4 (0.5 MiB \
+                   on its heaviest rank); wrap.strategy = \"auto\" picks the first strategy that fits",
     },
     Case {
         name: "a layer larger than one rank may hold",
         file: "",
-        args: &["--set", "run.world_size=4", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=0.2"],
+        args: &["--set", "run.world_size=4", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=0.4"],
         env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.2): rank 0 would \
-                   hold layer 0 (65792 parameters, 0.251 MiB as float32), more than the 0.2 MiB a rank may hold; even layer 0 \
-                   alone holds 0.251 MiB: use a smaller model",
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.4): rank 0 (layer 0) would \
+                   hold 0.5 MiB (parameters 0.3 MiB, gradients 0.3 MiB, optimizer 0.0 MiB) of training state under the \
+                   pipeline at world size 4, more than the 0.4 MiB a rank may hold; no strategy fits it on up to 4096 ranks: \
+                   use a smaller model, or a higher run.memory_per_rank_mb",
     },
     Case {
         name: "explicit stages that overload a rank",
         file: "",
-        args: &["--set", "run.world_size=2", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "wrap.pipeline.stages=[[0], [1, 2, 3]]", "--set", "run.memory_per_rank_mb=0.6"],
+        args: &["--set", "run.world_size=2", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "wrap.pipeline.stages=[[0], [1, 2, 3]]", "--set", "run.memory_per_rank_mb=1.2"],
         env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.6): rank 1 would \
-                   hold layers 1-3 (197376 parameters, 0.753 MiB as float32), more than the 0.6 MiB a rank may hold; give \
-                   rank 1 fewer layers in wrap.pipeline.stages, or leave them out: the split balanced by parameters fits",
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=1.2): rank 1 (layers 1-3) \
+                   would hold 1.5 MiB (parameters 0.8 MiB, gradients 0.8 MiB, optimizer 0.0 MiB) of training state under the \
+                   pipeline at world size 2, more than the 1.2 MiB a rank may hold; leave wrap.pipeline.stages out: the \
+                   split balanced by parameters fits",
     },
     Case {
         name: "copies of a pipeline that do not split the ranks",

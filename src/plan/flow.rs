@@ -416,14 +416,16 @@ impl Plan {
                     )
                     .collect();
                 let p = self.rank_parameters(r);
+                // Parameters, gradients and optimizer state (the limit is on all three).
+                let state = p as f64 * 4.0 * (2.0 + super::memory::optimizer_slots(c));
                 vec![
                     label,
                     format!("{mb} × {} {from}", dims(&input)),
                     format!(
-                        "{} ({}): {p} parameters, {:.3} MiB{limit}",
+                        "{} ({}): {p} parameters, {} MiB of training state{limit}",
                         crate::model::layers_text(s),
                         layer_widths.join("-"),
-                        crate::model::parameter_mib(p)
+                        fmt_mib(state)
                     ),
                     format!("{mb} × {} {to}", dims(&output)),
                 ]

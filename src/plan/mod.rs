@@ -604,10 +604,14 @@ fn check_memory_limit(
         }
         _ => planner.advice(layout, w, bytes),
     };
+    let under = match c.wrap.strategy {
+        WrapStrategy::None => "wrap.strategy = \"none\"".to_string(),
+        _ => layout.to_string(),
+    };
     bad(
         "run.memory_per_rank_mb",
         format!(
-            "{who} {state} of training state under {layout} at world size {w}, more than the {limit} MiB a rank may \
+            "{who} {state} of training state under {under} at world size {w}, more than the {limit} MiB a rank may \
              hold; {advice}"
         ),
     );
