@@ -64,6 +64,9 @@ pub enum PrepareCommand {
         /// The folder the three files go to (created if missing).
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
+        /// Replace train.bin, val.bin or meta.json already in DIR.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -153,12 +156,14 @@ pub struct RunArgs {
     /// results (the runner still only replaces its own files there).
     #[arg(long, conflicts_with = "resume")]
     pub force: bool,
-    /// Number of nodes, one `runner run` on each (as torchrun's --nnodes).
-    #[arg(long, default_value_t = 1, env = "SLURM_NNODES")]
-    pub nnodes: usize,
-    /// This node's index, 0 to nnodes - 1; node 0 hosts the rendezvous store.
-    #[arg(long, default_value_t = 0, env = "SLURM_NODEID")]
-    pub node_rank: usize,
+    /// Number of nodes, one `runner run` on each (as torchrun's --nnodes) [default: SLURM_NNODES,
+    /// else 1]
+    #[arg(long)]
+    pub nnodes: Option<usize>,
+    /// This node's index, 0 to nnodes - 1; node 0 hosts the rendezvous store [default:
+    /// SLURM_NODEID, else 0]
+    #[arg(long)]
+    pub node_rank: Option<usize>,
     /// Node 0's address, reachable from every node (needed with --nnodes > 1).
     #[arg(long, value_name = "HOST")]
     pub master_addr: Option<String>,
@@ -168,31 +173,52 @@ pub struct RunArgs {
     pub master_port: Option<u16>,
 }
 
+/// A count given as a flag, or else by a Slurm variable: its value and how to name it.
+fn flag_or_slurm(flag: Option<usize>, name: &str, var: &str, default: usize) -> Result<(usize, String), ConfigError> {
+    if let Some(n) = flag {
+        return Ok((n, format!("{name} {n}")));
+    }
+    match std::env::var(var).ok().filter(|v| !v.trim().is_empty()) {
+        Some(v) => match v.trim().parse::<usize>() {
+            Ok(n) => Ok((n, format!("{var}={n}"))),
+            Err(_) => Err(ConfigError::new(format!("{var}={v:?} is not a number (it gives {name} under Slurm)"))),
+        },
+        None => Ok((default, format!("{name} {default}"))),
+    }
+}
+
 impl RunArgs {
     fn topology(&self, world_size: usize) -> Result<Topology, ConfigError> {
-        if self.nnodes <= 1 {
+        let (nnodes, nnodes_from) = flag_or_slurm(self.nnodes, "--nnodes", "SLURM_NNODES", 1)?;
+        if nnodes <= 1 {
             return Ok(Topology::single());
         }
+        let (node_rank, node_from) = flag_or_slurm(self.node_rank, "--node-rank", "SLURM_NODEID", 0)?;
         let fail = |m: String| Err(ConfigError::new(m));
-        if self.node_rank >= self.nnodes {
-            return fail(format!("--node-rank {} must be below --nnodes {}", self.node_rank, self.nnodes));
+        if node_rank >= nnodes {
+            return fail(format!("{node_from} must be below {nnodes_from}"));
         }
-        if !world_size.is_multiple_of(self.nnodes) {
-            return fail(format!(
-                "run.world_size ({world_size}) must divide evenly over --nnodes {} (ranks per node)",
-                self.nnodes
-            ));
+        if !world_size.is_multiple_of(nnodes) {
+            return fail(format!("run.world_size ({world_size}) must divide evenly over {nnodes_from} (ranks per node)"));
         }
         // Under Slurm, node 0 is the job's first host.
-        let Some(addr) = self.master_addr.clone().or_else(slurm::first_host) else {
-            return fail("--nnodes > 1 needs --master-addr, the address of node 0 that every node can reach".into());
+        let addr = match (&self.master_addr, std::env::var("SLURM_JOB_NODELIST")) {
+            (Some(addr), _) => addr.clone(),
+            (None, Ok(list)) => slurm::expand_nodelist(&list)
+                .map(|hosts| hosts[0].clone())
+                .map_err(|e| ConfigError::new(format!("SLURM_JOB_NODELIST={list:?}: {e:#}; pass --master-addr HOST")))?,
+            (None, Err(_)) => {
+                return fail(format!(
+                    "{nnodes_from} needs --master-addr, the address of node 0 that every node can reach"
+                ))
+            }
         };
         let port = match (self.master_port, std::env::var("SLURM_JOB_ID")) {
             (Some(port), _) => port,
             (None, Ok(job)) => slurm::master_port(&job).map_err(|e| ConfigError::new(format!("{e:#}")))?,
             (None, Err(_)) => 29500,
         };
-        Ok(Topology { nnodes: self.nnodes, node_rank: self.node_rank, master: Some((addr, port)) })
+        Ok(Topology { nnodes, node_rank, master: Some((addr, port)) })
     }
 }
 
@@ -253,6 +279,17 @@ pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
     }
 }
 
+/// What the process is, for its signals ([`crate::signals`]): `runner run` is a rank when its
+/// launcher (runner's own, torchrun or srun) says so, else a launcher.
+pub fn signal_role(cli: &Cli) -> crate::signals::Role {
+    use crate::signals::Role;
+    match &cli.command {
+        Command::Run(args) if args.plan.is_some() || !matches!(RankEnv::from_env(), Ok(None)) => Role::Rank,
+        Command::Run(_) => Role::Launcher,
+        _ => Role::Other,
+    }
+}
+
 pub fn main(cli: Cli) -> u8 {
     let result = match cli.command {
         Command::Validate(args) => validate(&args),
@@ -290,7 +327,7 @@ pub fn main(cli: Cli) -> u8 {
             (None, Some(data)) => crate::predict::predict(&args.run_dir, data, args.out.as_deref()),
             (None, None) => unreachable!("clap requires DATA or --prompt"),
         },
-        Command::Prepare(PrepareCommand::Text { file, out }) => crate::prepare::text(&file, &out),
+        Command::Prepare(PrepareCommand::Text { file, out, force }) => crate::prepare::text(&file, &out, force),
         Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
             quick: args.quick,
             repetitions: if args.quick { 1 } else { args.repetitions as usize },
@@ -349,6 +386,7 @@ fn overrides(set: &[String], set_as: &[String]) -> Vec<Override> {
 }
 
 pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
+    crate::numerics::check_environment().map_err(ConfigError::new)?;
     Plan::new(config::resolve(&args.file, &overrides(&args.set, &args.set_as))?)
 }
 
@@ -421,6 +459,11 @@ fn preempted_plan(dir: &Path, asked: &Plan, claim: Claim) -> anyhow::Result<Opti
         return Ok(None);
     }
     match Manifest::read_raw(dir) {
+        // Preempted before its first checkpoint: the run starts over.
+        Ok(Some(m)) if m.status == Status::Preempted && m.run_id == asked.run_id && m.preempted_at_step.is_none() => {
+            crate::say!("run {} was preempted before its first checkpoint: it starts over", m.run_id);
+            Ok(None)
+        }
         Ok(Some(m)) if m.status == Status::Preempted && m.run_id == asked.run_id => Ok(Some(resumed_plan(dir, asked)?)),
         _ => Ok(None),
     }
@@ -497,7 +540,10 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     if let Some(pid) = env.launcher_pid {
         rank::die_with_launcher(pid);
     }
-    preempt::watch(plan.config.run.preempt_signal)?;
+    preempt::watch(plan.config.run.preempt_signal);
+    // Before the rendezvous: a rank that would be refused says why at once, not after waiting
+    // for ranks that were never started.
+    rank::check_world_size(&plan, env)?;
     let timeout = std::time::Duration::from_secs_f64(plan.config.run.timeout_s);
     let store = std::sync::Arc::new(rank::open_store(env, timeout)?);
     let (agreed, owned) = if env.launcher == Launcher::Runner {
@@ -548,7 +594,7 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
         // Under srun rank 0 owns the run, and requeues the job once; under runner's launcher,
         // the launcher does.
         if manifest.is_some() {
-            slurm::requeue(p.step, &run_dir);
+            slurm::requeue(&format!("preempted at step {}: checkpoint written", p.step), &run_dir);
         }
         return Ok(128 + plan.config.run.preempt_signal.number() as u8);
     }
@@ -618,24 +664,32 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
         }
     };
     if outcome.preempted {
-        let found = checkpoint::latest(run_dir, plan).ok().flatten();
-        let step = found.and_then(|f| f.meta.step).unwrap_or_default();
+        // The newest checkpoint: the one the ranks just wrote, or, when the signal came before
+        // any rank started, the one a resumed run started from (none: the run starts over).
+        let step = checkpoint::latest(run_dir, plan).ok().flatten().and_then(|f| f.meta.step);
         manifest.end(Status::Preempted, None);
-        manifest.preempted_at_step = Some(step);
+        manifest.preempted_at_step = step;
         manifest.write(run_dir)?;
+        let said = match (outcome.started, step) {
+            (true, Some(step)) => format!("preempted at step {step}: checkpoint written"),
+            (false, Some(step)) => format!("preempted before any rank started: it resumes from step {step}"),
+            (_, None) => "preempted before its first checkpoint: it starts over".to_owned(),
+        };
         // One requeue per job: node 0's launcher asks for it.
         if topology.node_rank == 0 {
-            slurm::requeue(step, run_dir);
+            slurm::requeue(&said, run_dir);
         }
         return Ok(128 + plan.config.run.preempt_signal.number() as u8);
     }
     if let Some(sig) = outcome.interrupted {
         manifest.end(Status::Interrupted, None);
         manifest.write(run_dir)?;
-        crate::say_err!(
-            "\ninterrupted: every rank was stopped; the trace keeps every finished epoch in {}",
-            run_dir.display()
-        );
+        let what = if outcome.started {
+            "every rank was stopped; the trace keeps every finished epoch"
+        } else {
+            "no rank had started; nothing was written but the run's configuration"
+        };
+        crate::say_err!("\ninterrupted by {}: {what} in {}", crate::signals::name(sig), run_dir.display());
         return Ok(128 + sig as u8);
     }
     match &outcome.failure {

@@ -25,6 +25,7 @@ pub mod report;
 pub mod rng;
 pub mod rundir;
 pub mod sample;
+pub mod signals;
 pub mod stages;
 pub mod strategy;
 pub mod sweep;

@@ -44,6 +44,28 @@ pub struct Preprocessing {
     pub validation_rank: usize,
 }
 
+/// The run's model.safetensors. A run without one is refused saying how the run ended, from its
+/// manifest.
+pub fn trained_model(run_dir: &Path) -> anyhow::Result<std::path::PathBuf> {
+    use crate::rundir::manifest::{Manifest, Status};
+    let path = run_dir.join(crate::rundir::MODEL);
+    if path.exists() {
+        return Ok(path);
+    }
+    let why = match Manifest::read(run_dir) {
+        Ok(m) if m.status == Status::Complete => "its manifest says complete, but the file is gone".to_owned(),
+        Ok(m) => format!(
+            "the run did not finish (its manifest says {}{}); runner run --resume {} continues it from its newest \
+             checkpoint",
+            format!("{:?}", m.status).to_lowercase(),
+            m.failure.map(|f| format!(": {f}")).unwrap_or_default(),
+            run_dir.display()
+        ),
+        Err(_) => "it is not a run directory (no readable manifest.json)".to_owned(),
+    };
+    anyhow::bail!("{} has no {}: {why}", run_dir.display(), crate::rundir::MODEL)
+}
+
 /// Rank 0 writes `preprocessing.json` with every rank's statistics; every rank takes part.
 pub fn save(plan: &Plan, pg: &ProcessGroup, normalizer: &Normalizer, run_dir: &Path) -> anyhow::Result<()> {
     let (offset, scale) = normalizer.parts();
@@ -174,7 +196,7 @@ pub fn predict(run_dir: &Path, data: &Path, out: Option<&Path>) -> anyhow::Resul
     let arch = plan.model();
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let model = arch.build(&vs.root(), 0..arch.layers().len(), &crate::model::BuildContext::new(plan.config.run.seed));
-    let model_path = run_dir.join(crate::rundir::MODEL);
+    let model_path = trained_model(run_dir)?;
     let weights = crate::model::read_weights(&model_path, &crate::model::sorted_parameters(arch.as_ref()))
         .map_err(anyhow::Error::msg)?;
     for (name, mut var) in vs.variables() {

@@ -73,7 +73,15 @@ pub fn parse_layers<T: DeserializeOwned>(layers: &Layers) -> Result<T, ConfigErr
     let de = toml::Deserializer::parse(&text).map_err(|e| ConfigError::new(e.to_string()))?;
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
-        let mut key = path.as_str();
+        // An unknown key is named by the message, below the path: the file that sets it is the
+        // one to name (a base's typo is the base's, at its line, not at the child's table header).
+        let unknown = e.inner().message().strip_prefix("unknown field `").and_then(|m| m.split('`').next());
+        let full = match (unknown, path.as_str()) {
+            (Some(field), ".") => field.to_owned(),
+            (Some(field), p) if !p.ends_with(field) => format!("{p}.{field}"),
+            _ => path.clone(),
+        };
+        let mut key = full.as_str();
         let at = loop {
             match layers.origin(key) {
                 Some((f, Some(line))) => break format!("{}:{line}", f.display()),
@@ -185,7 +193,7 @@ fn figment_error(e: figment::Error, layers: &Layers) -> ConfigError {
                 kind => kind.to_string(),
             };
             let origin = if name.contains("environment") {
-                format!("environment variable RUNNER_{}", path.join("__").to_uppercase())
+                format!("environment variable {}", env_vars_under(&path).join(", "))
             } else if name.contains("TOML") {
                 match layers.origin(&path.join(".")) {
                     Some((file, Some(line))) => format!("{}:{line}", file.display()),
@@ -200,6 +208,25 @@ fn figment_error(e: figment::Error, layers: &Layers) -> ConfigError {
         })
         .collect();
     ConfigError::new(messages.join("\n"))
+}
+
+/// The `RUNNER_..__..` variables that set `path` or a key below it (`RUNNER_FOO__BAR` for an
+/// unknown section `foo`), as the environment spells them.
+fn env_vars_under(path: &[String]) -> Vec<String> {
+    let mut names: Vec<String> = std::env::vars_os()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .filter(|k| {
+            let lower = k.to_ascii_lowercase();
+            let Some(rest) = lower.strip_prefix("runner_").filter(|r| r.contains("__")) else { return false };
+            let parts: Vec<&str> = rest.split("__").collect();
+            parts.len() >= path.len() && parts.iter().zip(path).all(|(a, b)| *a == b.to_lowercase())
+        })
+        .collect();
+    names.sort();
+    if names.is_empty() {
+        names.push(format!("RUNNER_{}", path.join("__").to_uppercase()));
+    }
+    names
 }
 
 /// Where each leaf value of `config` came from.

@@ -15,6 +15,11 @@ use crate::config::ConfigError;
 /// already taken followed the old length's curve.
 pub const EXTENDS_A_RUN: &[&str] = &["train.epochs", "train.steps"];
 
+/// `[trace]`'s keys that are tracking, taken on resume as asked ([`Config::without_tracking`]).
+///
+/// [`Config::without_tracking`]: crate::config::Config::without_tracking
+const TRACE_TRACKING: &[&str] = &["trace.tensorboard", "trace.log_every_steps"];
+
 /// The keys compared on resume: tracking (TensorBoard, MLflow) is taken from `asked` as it is.
 fn leaves(plan: &Plan) -> BTreeMap<String, toml::Value> {
     let mut out = Vec::new();
@@ -103,6 +108,10 @@ impl Plan {
         (plan.config.trace.tensorboard, plan.config.trace.log_every_steps) =
             (asked.config.trace.tensorboard, asked.config.trace.log_every_steps);
         plan.config.track = asked.config.track.clone();
+        // Tracking is the resume's, and so is where its values came from.
+        let tracking = |key: &str| key.starts_with("track.") || TRACE_TRACKING.contains(&key);
+        plan.sources.retain(|key, _| !tracking(key));
+        plan.sources.extend(asked.sources.iter().filter(|(k, _)| tracking(k)).map(|(k, v)| (k.clone(), v.clone())));
         Ok(plan)
     }
 }
