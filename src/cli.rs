@@ -594,7 +594,7 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
         // Under srun rank 0 owns the run, and requeues the job once; under runner's launcher,
         // the launcher does.
         if manifest.is_some() {
-            slurm::requeue(&format!("preempted at step {}: checkpoint written", p.step), &run_dir);
+            slurm::requeue(&format!("preempted at step {}: checkpoint written", p.step), true, &run_dir);
         }
         return Ok(128 + plan.config.run.preempt_signal.number() as u8);
     }
@@ -673,11 +673,12 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
         let said = match (outcome.started, step) {
             (true, Some(step)) => format!("preempted at step {step}: checkpoint written"),
             (false, Some(step)) => format!("preempted before any rank started: it resumes from step {step}"),
-            (_, None) => "preempted before its first checkpoint: it starts over".to_owned(),
+            (_, None) => "preempted before its first checkpoint".to_owned(),
         };
         // One requeue per job: node 0's launcher asks for it.
-        if topology.node_rank == 0 {
-            slurm::requeue(&said, run_dir);
+        match topology.node_rank {
+            0 => slurm::requeue(&said, step.is_some(), run_dir),
+            _ => crate::say_err!("{said}; node 0 says how the run goes on"),
         }
         return Ok(128 + plan.config.run.preempt_signal.number() as u8);
     }

@@ -150,9 +150,8 @@ fn check_outputs(file: &Path, out: &Path, outputs: &[PathBuf], force: bool) -> a
     if !existing.is_empty() && !force {
         let names: Vec<String> = existing.iter().map(|p| p.display().to_string()).collect();
         return Err(ConfigError::new(format!(
-            "{} already hold{} {}: pass --force to replace {}, or choose another --out",
+            "{} already holds {}: pass --force to replace {}, or choose another --out",
             out.display(),
-            if existing.len() == 1 { "s" } else { "" },
             names.join(", "),
             if existing.len() == 1 { "it" } else { "them" }
         ))

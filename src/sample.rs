@@ -124,7 +124,7 @@ pub fn sample(run_dir: &Path, o: &Options) -> anyhow::Result<u8> {
     anyhow::ensure!(
         o.temperature > 0.0 && o.temperature.is_finite(),
         "--temperature must be a finite number above 0, got {}",
-        o.temperature
+        show(o.temperature)
     );
     anyhow::ensure!(o.top_k >= 1, "--top-k must be at least 1");
     let vocab = Vocabulary::of(&plan, t.vocab)?;
@@ -148,11 +148,11 @@ pub fn sample(run_dir: &Path, o: &Options) -> anyhow::Result<u8> {
         tch::no_grad(|| var.copy_(&weights[&name]));
     }
     let mut out = Writer::new();
-    if out.write(&o.prompt).is_err() {
-        return Ok(0);
-    }
     let mut rng = Rng::new(o.seed, SAMPLE_STREAM);
     let mut pending = Vec::new();
+    // The prompt goes out with the first token: a temperature that leaves nothing to draw from
+    // is said before anything is printed.
+    let mut prompt = Some(o.prompt.as_str());
     for _ in 0..o.tokens {
         let context = &ids[ids.len().saturating_sub(t.seq_len)..];
         let x = Tensor::from_slice(context).view([1, context.len() as i64]);
@@ -160,13 +160,14 @@ pub fn sample(run_dir: &Path, o: &Options) -> anyhow::Result<u8> {
         let logits: Vec<f64> = Vec::try_from(logits.narrow(0, 0, drawable as i64).to_kind(Kind::Double))?;
         let id = draw(&logits, o.temperature, o.top_k, &mut rng)? as i64;
         ids.push(id);
+        let text = prompt.take().unwrap_or_default().to_owned() + &vocab.decode_next(id, &mut pending)?;
         // The reader went away (`| head -c 100`): nothing more is wanted.
-        if out.write(&vocab.decode_next(id, &mut pending)?).is_err() {
+        if out.write(&text).is_err() {
             return Ok(0);
         }
     }
     let rest = String::from_utf8_lossy(&pending).into_owned();
-    let _ = out.write(&(rest + "\n"));
+    let _ = out.write(&(prompt.unwrap_or_default().to_owned() + &rest + "\n"));
     Ok(0)
 }
 
@@ -205,6 +206,15 @@ fn escape_controls(text: &str) -> String {
     out
 }
 
+/// `x` as a person would write it: `0.8`, `1e-320`.
+fn show(x: f64) -> String {
+    if x != 0.0 && x.is_finite() && !(1e-4..1e6).contains(&x.abs()) {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
+    }
+}
+
 /// Separates the sampler's draws from other uses of a seed.
 const SAMPLE_STREAM: u64 = 0x5A4D_504C;
 
@@ -217,8 +227,9 @@ fn draw(logits: &[f64], temperature: f64, top_k: usize, rng: &mut Rng) -> anyhow
     if scaled.iter().any(|l| !l.is_finite()) {
         let largest = logits.iter().fold(0.0f64, |m, l| m.max(l.abs()));
         anyhow::bail!(
-            "--temperature {temperature} divides the logits (up to {largest:.3} in size) past the largest float; give \
-             a larger temperature"
+            "--temperature {} divides the logits (up to {largest:.3} in size) past the largest float; give a larger \
+             temperature",
+            show(temperature)
         );
     }
     let mut sorted = scaled.clone();

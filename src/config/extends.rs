@@ -266,6 +266,10 @@ pub fn key_line(text: &str, dotted: &str) -> Option<usize> {
         let line = line.trim();
         if let Some(header) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
             current = unquote(header.trim_start_matches('['));
+            // A table is set where its header is (`[trian]`, a misspelt section).
+            if current == dotted {
+                return Some(i + 1);
+            }
         } else if let Some((key, _)) = line.split_once('=').filter(|_| !line.starts_with('#')) {
             let key = unquote(key);
             let full = if current.is_empty() { key } else { format!("{current}.{key}") };
@@ -327,6 +331,7 @@ mod tests {
         assert_eq!(key_line(text, "sweep.run.seed"), Some(5));
         assert_eq!(key_line(text, "sweep.run.world_size"), Some(7));
         assert_eq!(key_line(text, "sweep.train.lr"), None);
+        assert_eq!(key_line(text, "sweep.run"), Some(6), "a table, at its header");
     }
 
     #[test]

@@ -232,7 +232,9 @@ fn env_vars_under(path: &[String]) -> Vec<String> {
 /// Where each leaf value of `config` came from.
 fn sources(figment: &Figment, config: &Config, layers: &Layers) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
-    let value = toml::Value::try_from(config).expect("a Config serializes");
+    // Every key, those that hold their default included: one given as its default value still
+    // came from where it was given.
+    let value = super::schema::with_every_key(|| toml::Value::try_from(config)).expect("a Config serializes");
     let mut leaves = Vec::new();
     flatten("", &value, &mut leaves);
     for (key, _) in leaves {
@@ -264,6 +266,29 @@ pub fn flatten(prefix: &str, v: &toml::Value, out: &mut Vec<(String, toml::Value
     }
 }
 
+/// `text` with the password of every URL's credentials (`http://user:password@host`) replaced by
+/// `***`: what names a value's source (`--set track.mlflow=...`) never shows one.
+pub fn redact_credentials(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (head, tail) = rest.split_at(at + 3);
+        out += head;
+        let end = tail.find(|c: char| "/?#\"' ".contains(c)).unwrap_or(tail.len());
+        let authority = &tail[..end];
+        match authority.rsplit_once('@') {
+            Some((user, host)) => {
+                out += user.split(':').next().unwrap_or_default();
+                out += ":***@";
+                out += host;
+            }
+            None => out += authority,
+        }
+        rest = &tail[end..];
+    }
+    out + rest
+}
+
 /// A `--set key=value` as a figment provider; the value is read as TOML (so `0.05`, `[64, 64]`
 /// and `true` keep their types), or taken as a string when it is not valid TOML.
 struct SetArg {
@@ -273,7 +298,7 @@ struct SetArg {
 
 impl SetArg {
     fn parse(o: &Override) -> Result<SetArg, ConfigError> {
-        let label = format!("{} {}", o.label, o.text);
+        let label = redact_credentials(&format!("{} {}", o.label, o.text));
         let (key, raw) = o
             .text
             .split_once('=')
@@ -303,5 +328,20 @@ impl Provider for SetArg {
 
     fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
         Ok(Profile::Default.collect(self.dict.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_in_urls_are_redacted_and_the_rest_kept() {
+        assert_eq!(
+            redact_credentials("--set track.mlflow=\"http://me:s3cret@h:5000/x\""),
+            "--set track.mlflow=\"http://me:***@h:5000/x\""
+        );
+        assert_eq!(redact_credentials("a http://h:1 b https://u:p@q c"), "a http://h:1 b https://u:***@q c");
+        assert_eq!(redact_credentials("no url"), "no url");
     }
 }

@@ -130,9 +130,13 @@ pub fn master_port(job_id: &str) -> anyhow::Result<u16> {
 /// says `preempted`. Under Slurm (SLURM_JOB_ID set), the job is requeued (`scontrol requeue`),
 /// which ends it: Slurm reruns its script, and the same `runner run` resumes from the newest
 /// checkpoint. Elsewhere, says how to resume.
-pub fn requeue(said: &str, run_dir: &std::path::Path) {
+/// `resumable`: a checkpoint is there to continue from (else the same command starts over).
+pub fn requeue(said: &str, resumable: bool, run_dir: &std::path::Path) {
     let Some(job) = var("SLURM_JOB_ID").ok().flatten() else {
-        crate::say_err!("{said}; the same command, or runner run --resume {}, continues it", run_dir.display());
+        match resumable {
+            true => crate::say_err!("{said}; the same command, or runner run --resume {}, continues it", run_dir.display()),
+            false => crate::say_err!("{said}; the same command starts it over"),
+        }
         return;
     };
     // Said first: the requeue ends this job, and this process with it.

@@ -74,7 +74,7 @@ impl Schedule {
         let limit = f32::MAX as f64;
         if self.warmup > 0 && !(self.lr * self.warmup as f64).is_finite() {
             return Some(format!(
-                "{} × {} warmup steps overflows: the warmup's rates would be infinite; give a rate below {limit:.1e}",
+                "{:e} × {} warmup steps overflows: the warmup's rates would be infinite; give a rate below {limit:.1e}",
                 self.lr, self.warmup
             ));
         }

@@ -326,32 +326,20 @@ pub fn check_url(url: &str) -> Result<(), String> {
             "\"{}\" holds credentials, which would be written into config.toml, plan.json and the TensorBoard \
              events: give the URL without them, and the credentials in MLFLOW_TRACKING_USERNAME and \
              MLFLOW_TRACKING_PASSWORD (or a token in MLFLOW_TRACKING_TOKEN)",
-            redacted(url)
+            crate::config::resolve::redact_credentials(url)
         ));
     }
     let uri: ureq::http::Uri = url.parse().map_err(|e| format!("\"{url}\" is not a URL ({e}); {example}"))?;
     if uri.host().is_none_or(str::is_empty) {
         return Err(format!("\"{url}\" names no host; {example}"));
     }
-    if let Some(port) = uri.port() {
-        if !port.as_str().parse::<u16>().is_ok_and(|p| p > 0) {
-            return Err(format!("\"{url}\": port {} is not between 1 and 65535", port.as_str()));
+    // The port as written (the parsed URI drops one that does not fit 16 bits).
+    if let Some((_, port)) = authority.rsplit_once(':').filter(|_| !authority.ends_with(']')) {
+        if !port.parse::<u16>().is_ok_and(|p| p > 0) {
+            return Err(format!("\"{url}\": port {port} is not between 1 and 65535"));
         }
     }
     Ok(())
-}
-
-/// `url` with the password of its credentials, if any, replaced by `***`.
-fn redacted(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    match rest[..end].rsplit_once('@') {
-        Some((user, host)) => {
-            let user = user.split(':').next().unwrap_or_default();
-            format!("{scheme}://{user}:***@{host}{}", &rest[end..])
-        }
-        None => url.to_owned(),
-    }
 }
 
 /// One line for the plan: whether the server answers, checked once with a short timeout.
