@@ -199,14 +199,16 @@ impl RunArgs {
             return fail(format!("{node_from} must be below {nnodes_from}"));
         }
         if !world_size.is_multiple_of(nnodes) {
-            return fail(format!("run.world_size ({world_size}) must divide evenly over {nnodes_from} (ranks per node)"));
+            return fail(format!(
+                "run.world_size ({world_size}) must divide evenly over {nnodes_from} (ranks per node)"
+            ));
         }
         // Under Slurm, node 0 is the job's first host.
         let addr = match (&self.master_addr, std::env::var("SLURM_JOB_NODELIST")) {
             (Some(addr), _) => addr.clone(),
-            (None, Ok(list)) => slurm::expand_nodelist(&list)
-                .map(|hosts| hosts[0].clone())
-                .map_err(|e| ConfigError::new(format!("SLURM_JOB_NODELIST={list:?}: {e:#}; pass --master-addr HOST")))?,
+            (None, Ok(list)) => slurm::expand_nodelist(&list).map(|hosts| hosts[0].clone()).map_err(|e| {
+                ConfigError::new(format!("SLURM_JOB_NODELIST={list:?}: {e:#}; pass --master-addr HOST"))
+            })?,
             (None, Err(_)) => {
                 return fail(format!(
                     "{nnodes_from} needs --master-addr, the address of node 0 that every node can reach"

@@ -55,8 +55,20 @@ pub fn fix(mode: CpuNumerics) {
 
 /// The code paths `MKL_CBWR` may name (MKL's documentation), each optionally followed by
 /// `,STRICT`.
-const MKL_BRANCHES: &[&str] =
-    &["AUTO", "COMPATIBLE", "SSE2", "SSSE3", "SSE4_1", "SSE4_2", "AVX", "AVX2", "AVX512", "AVX512_E1", "AVX512_MIC", "AVX512_MIC_E1"];
+const MKL_BRANCHES: &[&str] = &[
+    "AUTO",
+    "COMPATIBLE",
+    "SSE2",
+    "SSSE3",
+    "SSE4_1",
+    "SSE4_2",
+    "AVX",
+    "AVX2",
+    "AVX512",
+    "AVX512_E1",
+    "AVX512_MIC",
+    "AVX512_MIC_E1",
+];
 
 /// Refuses an `MKL_CBWR` in the environment that MKL does not know: MKL would ignore it and choose
 /// by the CPU (its verbose log says `CNR:AUTO`), while the run recorded the value as its numerics.

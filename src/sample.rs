@@ -272,8 +272,7 @@ mod tests {
         assert_eq!(escape_controls("a\x1b[2Jb\n\tc\u{85}é"), "a\\x1b[2Jb\n\tc\\u{85}é");
         let mut pending = Vec::new();
         let v = Vocabulary::Bytes;
-        let parts: Vec<String> =
-            "é!".bytes().map(|b| v.decode_next(b as i64, &mut pending).unwrap()).collect();
+        let parts: Vec<String> = "é!".bytes().map(|b| v.decode_next(b as i64, &mut pending).unwrap()).collect();
         assert_eq!(parts, ["", "é", "!"]);
         assert_eq!(v.decode_next(0xff, &mut pending).unwrap(), "\u{fffd}");
     }

@@ -93,7 +93,8 @@ fn cmd(dir: &Path, args: &[&str]) -> Command {
 /// Nothing of libtorch's own reached the terminal, and the process was not a panic.
 fn clean(e: &Ended) {
     for text in [&e.out, &e.err] {
-        for bad in ["Exception raised from", "(most recent call first)", "[c10d]", "frame #", "panicked", "RUST_BACKTRACE"]
+        for bad in
+            ["Exception raised from", "(most recent call first)", "[c10d]", "frame #", "panicked", "RUST_BACKTRACE"]
         {
             assert!(!text.contains(bad), "{bad:?} reached the terminal:\n{text}");
         }
@@ -151,7 +152,10 @@ fn connected(listener: &Silent) {
 
 /// The torchrun variables of rank `rank` of 2 against 127.0.0.1:`port`.
 fn torchrun_rank(c: &mut Command, rank: usize, port: u16) -> &mut Command {
-    c.env("RANK", rank.to_string()).env("WORLD_SIZE", "2").env("MASTER_ADDR", "127.0.0.1").env("MASTER_PORT", port.to_string())
+    c.env("RANK", rank.to_string())
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -213,7 +217,10 @@ fn a_torchrun_rank_facing_a_store_that_never_answers_fails_within_its_bound_and_
     let d = dir.path();
     write(d, "p.toml", TINY);
     let store = silent();
-    let e = ended(torchrun_rank(&mut cmd(d, &["run", "p.toml", "--set", "run.timeout_s=2"]), 1, store.port), Duration::from_secs(30));
+    let e = ended(
+        torchrun_rank(&mut cmd(d, &["run", "p.toml", "--set", "run.timeout_s=2"]), 1, store.port),
+        Duration::from_secs(30),
+    );
     refused(
         &e,
         1,
@@ -225,7 +232,8 @@ fn a_torchrun_rank_facing_a_store_that_never_answers_fails_within_its_bound_and_
         ),
     );
     // A rank keeps SIGTERM's default action: in the middle of the wait, it ends at once.
-    let running = Running::start(torchrun_rank(&mut cmd(d, &["run", "p.toml", "--set", "run.timeout_s=60"]), 1, store.port));
+    let running =
+        Running::start(torchrun_rank(&mut cmd(d, &["run", "p.toml", "--set", "run.timeout_s=60"]), 1, store.port));
     connected(&store);
     std::thread::sleep(Duration::from_millis(200));
     kill(running.pid(), Signal::SIGTERM).unwrap();
@@ -242,7 +250,10 @@ fn a_lone_torchrun_rank_0_names_the_rank_that_never_joined() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     write(d, "p.toml", TINY);
-    let e = ended(torchrun_rank(&mut cmd(d, &["run", "p.toml", "--set", "run.timeout_s=2"]), 0, free_port()), Duration::from_secs(30));
+    let e = ended(
+        torchrun_rank(&mut cmd(d, &["run", "p.toml", "--set", "run.timeout_s=2"]), 0, free_port()),
+        Duration::from_secs(30),
+    );
     refused(
         &e,
         1,
@@ -288,7 +299,12 @@ fn slurm_and_runner_variables_are_named_as_the_variables_they_are() {
     };
     let e = slurm(&[("SLURM_NNODES", "2"), ("SLURM_NODEID", "5")]);
     refused(&e, 2, "error: SLURM_NODEID=5 must be below SLURM_NNODES=2");
-    let e = slurm(&[("SLURM_NNODES", "2"), ("SLURM_NODEID", "1"), ("SLURM_JOB_NODELIST", "node[01-"), ("SLURM_JOB_ID", "7")]);
+    let e = slurm(&[
+        ("SLURM_NNODES", "2"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_JOB_NODELIST", "node[01-"),
+        ("SLURM_JOB_ID", "7"),
+    ]);
     refused(&e, 2, "error: SLURM_JOB_NODELIST=\"node[01-\": unbalanced brackets in the Slurm host list \"node[01-\"; pass --master-addr HOST");
     let e = slurm(&[("SLURM_NNODES", "two")]);
     refused(&e, 2, "error: SLURM_NNODES=\"two\" is not a number (it gives --nnodes under Slurm)");
@@ -329,8 +345,12 @@ fn set_up(pid: Pid) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { return };
-        let blocked = status.lines().find_map(|l| l.strip_prefix("SigBlk:")).map(str::trim);
-        if blocked.is_some_and(|b| b.chars().any(|c| c != '0')) {
+        // Signals blocked (the hook ran), or handlers installed (after it: Rust's runtime, then
+        // the runner's own setup).
+        let set = |field: &str| {
+            status.lines().find_map(|l| l.strip_prefix(field)).is_some_and(|v| v.trim().chars().any(|c| c != '0'))
+        };
+        if set("SigBlk:") || set("SigCgt:") {
             return;
         }
         assert!(Instant::now() < deadline, "the runner never started");
@@ -660,7 +680,8 @@ fn validation(run_dir: &Path) -> Vec<(f64, f64)> {
     let t = common::trace(run_dir);
     let rank = t.column("rank").unwrap().cast(&polars::prelude::DataType::Int64).unwrap();
     let rank = rank.i64().unwrap();
-    let (loss, acc) = (t.column("val_loss").unwrap().f64().unwrap().clone(), t.column("val_acc").unwrap().f64().unwrap().clone());
+    let (loss, acc) =
+        (t.column("val_loss").unwrap().f64().unwrap().clone(), t.column("val_acc").unwrap().f64().unwrap().clone());
     (0..t.height()).filter(|&i| rank.get(i) == Some(0)).map(|i| (loss.get(i).unwrap(), acc.get(i).unwrap())).collect()
 }
 
@@ -756,9 +777,15 @@ fn config_toml_says_where_each_value_came_from_after_a_resume_with_set() {
     let d = dir.path();
     write(d, "p.toml", &format!("{TINY}\n[checkpoint]\nevery = 1\n"));
     let bound = Duration::from_secs(120);
-    let e = ended(&mut cmd(d, &["run", "p.toml", "--out", "o", "--set", "trace.tensorboard=false", "--set", "train.lr=0.1"]), bound);
+    let e = ended(
+        &mut cmd(d, &["run", "p.toml", "--out", "o", "--set", "trace.tensorboard=false", "--set", "train.lr=0.1"]),
+        bound,
+    );
     assert_eq!(e.code(), Some(0), "{}", e.err);
-    let e = ended(&mut cmd(d, &["run", "--resume", "o", "--set", "train.epochs=3", "--set", "trace.tensorboard=true"]), bound);
+    let e = ended(
+        &mut cmd(d, &["run", "--resume", "o", "--set", "train.epochs=3", "--set", "trace.tensorboard=true"]),
+        bound,
+    );
     assert_eq!(e.code(), Some(0), "{}", e.err);
     clean(&e);
     let config = std::fs::read_to_string(d.join("o/config.toml")).unwrap();

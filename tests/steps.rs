@@ -288,7 +288,7 @@ fn keys_a_source_cannot_use_and_run_lengths_that_conflict_are_refused_by_name() 
         (
             "lm.toml",
             &["--set", "train.epochs=3"],
-            "`train.steps` (file lm.toml:27): and train.epochs = 3 both set the run's length: keep one",
+            "`train.steps` (file lm.toml:27): and train.epochs = 3 (--set train.epochs=3) both set the run's length: keep one",
         ),
         (
             "mlp.toml",

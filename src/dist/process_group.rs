@@ -113,7 +113,14 @@ impl ProcessGroup {
                     // SAFETY: the store is live for the call (this thread holds its Arc); `raw` is
                     // written only on success.
                     let err = unsafe {
-                        ffi::rn_pg_new_gloo(call_store.raw(), rank as i32, size as i32, host.as_ptr(), timeout_ms, &mut raw)
+                        ffi::rn_pg_new_gloo(
+                            call_store.raw(),
+                            rank as i32,
+                            size as i32,
+                            host.as_ptr(),
+                            timeout_ms,
+                            &mut raw,
+                        )
                     };
                     check(&call_op, err)?;
                     // An address, to cross threads; owned by the group made of it below.

@@ -78,8 +78,13 @@ fn agree<T>(
     store.set(&key(parties.me), serde_json::to_string(&mine)?.as_bytes())?;
     if parties.me != 0 {
         let verdict = store.get(VERDICT).map_err(|e| {
-            never(e, store, &format!("{} 0 gave no verdict on the configurations", parties.label), "it waits for every \
-                 participant, so one may never have started, or it stopped (see its output)")
+            never(
+                e,
+                store,
+                &format!("{} 0 gave no verdict on the configurations", parties.label),
+                "it waits for every \
+                 participant, so one may never have started, or it stopped (see its output)",
+            )
         })?;
         let verdict = String::from_utf8_lossy(&verdict).into_owned();
         store.add(READ, 1)?;

@@ -134,7 +134,9 @@ pub fn master_port(job_id: &str) -> anyhow::Result<u16> {
 pub fn requeue(said: &str, resumable: bool, run_dir: &std::path::Path) {
     let Some(job) = var("SLURM_JOB_ID").ok().flatten() else {
         match resumable {
-            true => crate::say_err!("{said}; the same command, or runner run --resume {}, continues it", run_dir.display()),
+            true => {
+                crate::say_err!("{said}; the same command, or runner run --resume {}, continues it", run_dir.display())
+            }
             false => crate::say_err!("{said}; the same command starts it over"),
         }
         return;

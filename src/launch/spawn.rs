@@ -301,7 +301,8 @@ fn rendezvous(topology: &Topology, world: usize, timeout: Duration) -> anyhow::R
             (Store::serve(listener, world, timeout)?, addr.clone(), *port)
         }
         Some((addr, port)) => {
-            let store = Store::connect(addr, *port, timeout).map_err(|e| super::rank::unreachable(e, "node 0's", addr, *port, timeout))?;
+            let store = Store::connect(addr, *port, timeout)
+                .map_err(|e| super::rank::unreachable(e, "node 0's", addr, *port, timeout))?;
             (store, addr.clone(), *port)
         }
     })

@@ -61,4 +61,3 @@ pub fn spec(c: &Config, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opti
     }
     d
 }
-

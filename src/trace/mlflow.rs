@@ -39,7 +39,7 @@ pub struct Mlflow {
     report: Receiver<String>,
     url: String,
     dropped: usize,
-    /// Whether the first request has come back (answered, or failed at once).
+    /// Whether the server has answered any request yet.
     answered: Arc<AtomicBool>,
     started: Instant,
 }
@@ -56,7 +56,7 @@ impl Mlflow {
         let answered = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&answered);
         std::thread::spawn(move || {
-            let _ = report_tx.send(serve(&target, rx, &flag));
+            let _ = report_tx.send(serve(&target, rx, flag));
         });
         Mlflow { tx, report, url, dropped: 0, answered, started: Instant::now() }
     }
@@ -110,11 +110,10 @@ impl Mlflow {
 }
 
 /// The sending thread: creates the run, then sends each message in order until the queue closes.
-fn serve(t: &Target, rx: Receiver<Message>, answered: &AtomicBool) -> String {
+fn serve(t: &Target, rx: Receiver<Message>, answered: Arc<AtomicBool>) -> String {
     // In the background: a slow server delays nothing but the end's wait.
-    let api = Api::new(&t.url, Duration::from_secs(30));
+    let api = Api { answered, ..Api::new(&t.url, Duration::from_secs(30)) };
     let run = api.start_run(t);
-    answered.store(true, Ordering::SeqCst);
     let (mut sent, mut unsent, mut artifacts) = (0usize, 0usize, 0usize);
     let mut failure = None;
     let run = match run {
@@ -167,6 +166,8 @@ pub struct Api {
     /// The `Authorization` header MLflow's own variables give: MLFLOW_TRACKING_TOKEN (a bearer
     /// token), or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (basic).
     auth: Option<String>,
+    /// Set once the server answers a request (with any status).
+    answered: Arc<AtomicBool>,
 }
 
 /// The `Authorization` header from MLflow's variables, as its client reads them.
@@ -189,11 +190,12 @@ impl Api {
             .http_status_as_error(false)
             .build()
             .into();
-        Api { agent, base: url.trim_end_matches('/').to_owned(), auth: auth_header() }
+        Api { agent, base: url.trim_end_matches('/').to_owned(), auth: auth_header(), answered: Default::default() }
     }
 
     fn answer(&self, r: Result<ureq::http::Response<ureq::Body>, ureq::Error>, what: &str) -> Result<Value, String> {
         let mut r = r.map_err(|e| format!("{what}: {e}"))?;
+        self.answered.store(true, Ordering::SeqCst);
         let status = r.status().as_u16();
         let text = r.body_mut().read_to_string().map_err(|e| format!("{what}: {e}"))?;
         if !(200..300).contains(&status) {
@@ -230,6 +232,7 @@ impl Api {
     pub fn experiment_id(&self, name: &str) -> Result<Option<String>, String> {
         let r = self.request(self.agent.get(format!("{}/api/2.0/mlflow/experiments/get-by-name", self.base)));
         let mut r = r.query("experiment_name", name).call().map_err(|e| e.to_string())?;
+        self.answered.store(true, Ordering::SeqCst);
         let text = r.body_mut().read_to_string().map_err(|e| e.to_string())?;
         let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
         match r.status().as_u16() {
@@ -285,7 +288,10 @@ impl Api {
                 let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
                 let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
                 let url = format!("{}/api/2.0/mlflow-artifacts/artifacts/{dir}/{name}", self.base);
-                let r = self.request(self.agent.put(url)).header("Content-Type", "application/octet-stream").send(&bytes[..]);
+                let r = self
+                    .request(self.agent.put(url))
+                    .header("Content-Type", "application/octet-stream")
+                    .send(&bytes[..]);
                 self.answer(r, &format!("artifact {name}")).map(|_| ())
             }
             Message::End { succeeded } => {
