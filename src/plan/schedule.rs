@@ -80,7 +80,8 @@ impl Schedule {
         }
         // Every schedule peaks at its first step after the warmup (or at its last warmup step).
         let peak = self.lr(self.warmup.min(self.total.saturating_sub(1)));
-        (!(peak <= limit)).then(|| {
+        // NaN too.
+        (peak.is_nan() || peak > limit).then(|| {
             format!(
                 "the schedule reaches {peak:e}, beyond float32's largest value ({limit:.1e}), in which the parameters \
                  are updated; give a rate below it"
