@@ -335,8 +335,11 @@ pub fn check_url(url: &str) -> Result<(), String> {
             crate::config::resolve::redact_credentials(url)
         ));
     }
-    let uri: ureq::http::Uri = url.parse().map_err(|e| format!("\"{url}\" is not a URL ({e}); {example}"))?;
-    if uri.host().is_none_or(str::is_empty) {
+    let uri: Option<ureq::http::Uri> = (!authority.is_empty())
+        .then(|| url.parse())
+        .transpose()
+        .map_err(|e: ureq::http::uri::InvalidUri| format!("\"{url}\" is not a URL ({e}); {example}"))?;
+    if uri.as_ref().and_then(|u| u.host()).is_none_or(str::is_empty) {
         return Err(format!("\"{url}\" names no host; {example}"));
     }
     // The port as written (the parsed URI drops one that does not fit 16 bits).
