@@ -462,7 +462,8 @@ fn resumed_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Plan> {
     let record = found.record();
     if record.global_batch != plan.global_batch() {
         return Err(ConfigError::new(format!(
-            "checkpoint {} was written with a global batch of {} samples per step, this run's is {}: it belongs to              another run; move it out of {} to resume from the one before, or start a new run",
+            "checkpoint {} was written with a global batch of {} samples per step, this run's is {}: it belongs to \
+             another run; move it out of {} to resume from the one before, or start a new run",
             found.dir.display(),
             record.global_batch,
             plan.global_batch(),

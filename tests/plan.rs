@@ -176,11 +176,11 @@ fn ddp_checkpoints_record_the_bucket_layout_the_reducer_rebuilt() {
     write(dir.path(), "p.toml", SMALL);
     assert_ok(&run(&["run", "p.toml", "--out", "r", "--set", "wrap.bucket_cap_mb=0.0001"], dir.path()));
     let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("r/checkpoints/epoch-0002.json")).unwrap())
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("r/checkpoints/epoch-0002/index.json")).unwrap())
             .unwrap();
     // 4 parameters (two linear layers); buckets rebuilt in the order gradients became ready:
     // the last layer's first, with a cap this small each parameter alone.
-    let buckets: Vec<Vec<u64>> = serde_json::from_value(meta["buckets"].clone()).unwrap();
+    let buckets: Vec<Vec<u64>> = serde_json::from_value(meta["record"]["buckets"].clone()).unwrap();
     let mut all: Vec<u64> = buckets.iter().flatten().copied().collect();
     assert_eq!(buckets.first().and_then(|b| b.first()), Some(&3), "{buckets:?}");
     all.sort();

@@ -110,11 +110,12 @@ pub fn piece_shape(shape: &[i64], rows: i64) -> Vec<i64> {
 }
 
 impl TensorEntry {
-    /// Its pieces tile rows 0..rows exactly once (sorted by offset, none empty).
+    /// Its pieces tile rows 0..rows exactly once (sorted by offset; an empty piece, such as a
+    /// rank's share of a tensor shorter than the ranks, holds nothing).
     pub fn check_tiling(&self, name: &str) -> Result<(), String> {
         let mut at = 0;
-        for p in &self.pieces {
-            if p.offset != at || p.rows <= 0 {
+        for p in self.pieces.iter().filter(|p| p.rows != 0) {
+            if p.offset != at || p.rows < 0 {
                 return Err(format!(
                     "the pieces of `{name}` do not cover its {} rows once (a piece at row {} of {} rows, row {at} \
                      expected)",

@@ -72,7 +72,13 @@ fn write_and_commit(
     let (rank, name, ck) = (pg.rank(), stem(plan, record.step), dir(run_dir));
     // The tensors' bytes, and room for the headers and the index with its trace rows.
     let need = total + 64 * 1024 * pg.size() as u64 + 1024 * (record.rows.len() + record.steps.len()) as u64;
-    check_space(run_dir, plan, &ck, record.step, need)?;
+    // Rank 0 looks, before any rank writes (a rank looking later would see the others' files):
+    // every rank then fails with its verdict.
+    let verdict = if rank == 0 { check_space(run_dir, plan, &ck, record.step, need) } else { Ok(()) };
+    let verdicts: Vec<Result<(), String>> = all_gather_json(pg, &verdict.map_err(|e| format!("{e:#}")))?;
+    if let Some(Err(e)) = verdicts.into_iter().find(Result::is_err) {
+        anyhow::bail!(e);
+    }
 
     let file = format!("rank-{rank}.safetensors");
     let written = if pieces.is_empty() {
@@ -81,6 +87,7 @@ fn write_and_commit(
         write_pieces(&staging.join(&file), &file, &pieces).map_err(|e| format!("{e:#}"))
     };
     drop(pieces);
+    stall_if_asked(rank, record.step);
     // Every rank learns whether every rank wrote its file: all fail together, naming the first.
     let results: Vec<Result<Written, String>> = all_gather_json(pg, &written)?;
     for (r, result) in results.iter().enumerate() {
@@ -104,6 +111,17 @@ fn write_and_commit(
     std::fs::File::open(&ck).and_then(|d| d.sync_all()).with_context(|| format!("cannot sync {}", ck.display()))?;
     prune(run_dir, plan, keep);
     Ok(())
+}
+
+/// A test hook: with `RUNNER_TEST_STALL_CHECKPOINT=R:STEP` in its environment, rank R stops for
+/// good once its file of the checkpoint of step STEP is written, before the checkpoint is
+/// committed, so that a test can kill the run in the middle of a checkpoint.
+fn stall_if_asked(rank: usize, step: usize) {
+    if std::env::var("RUNNER_TEST_STALL_CHECKPOINT").is_ok_and(|v| v == format!("{rank}:{step}")) {
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
 }
 
 /// Fails, naming the space and the last good checkpoint, when `need` bytes are not free.

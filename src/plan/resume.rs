@@ -221,7 +221,12 @@ impl Plan {
         let mut s = match c.train.global_batch_size {
             Some(g) if self.layout.split_batch.is_some() => format!("train.global_batch_size {g}"),
             _ => {
-                let unit = if self.is_pipeline() { "pipeline copies" } else { "ranks" };
+                let unit = match (self.is_pipeline(), copies) {
+                    (true, 1) => "pipeline copy",
+                    (true, _) => "pipeline copies",
+                    (false, 1) => "rank",
+                    (false, _) => "ranks",
+                };
                 format!("train.batch_size {} × {copies} {unit}", c.train.batch_size)
             }
         };
@@ -271,12 +276,15 @@ impl Plan {
         if g != g_new || w == 0 || g % w == 0 || asked.shard.strategy != self.config.shard.strategy {
             return Ok(());
         }
-        let fits: Vec<String> = (1..=g).filter(|d| g % d == 0).take(8).map(|d| d.to_string()).collect();
+        let mut fits: Vec<String> = (1..=g).filter(|d| g % d == 0).take(9).map(|d| d.to_string()).collect();
+        if fits.len() == 9 {
+            fits[8] = "...".into();
+        }
         Err(ConfigError::new(format!(
-            "run {} cannot resume at world size {w}: its train.global_batch_size = {g} fixes the samples of every              optimizer step, and {w} ranks do not split {g} evenly; resume at a world size that divides it ({}{})",
+            "run {} cannot resume at world size {w}: its train.global_batch_size = {g} fixes the samples of every \
+             optimizer step, and {w} ranks do not split {g} evenly; resume at a world size that divides it ({})",
             self.run_id,
-            fits.join(", "),
-            if fits.len() == 8 { ", ..." } else { "" }
+            fits.join(", ")
         )))
     }
 }

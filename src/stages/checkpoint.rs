@@ -60,7 +60,8 @@ pub fn save(
     };
     let w = &trainer.wrapped;
     let mut pieces = w.strategy.state_pieces(plan, pg, &w.vs, &w.optimizer)?;
-    for (r, p) in partial.iter().flatten().enumerate() {
+    // Every rank holds every rank's buffers: rank 0 writes them.
+    for (r, p) in partial.iter().flatten().enumerate().filter(|_| pg.rank() == 0) {
         let name = |what: &str| format!("trace.partial.{r}.{what}");
         pieces.push(Piece::whole(name("losses"), &Tensor::from_slice(&p.losses)));
         pieces.push(Piece::whole(name("correct"), &Tensor::from_slice(&p.correct)));
@@ -71,17 +72,25 @@ pub fn save(
 }
 
 /// Every rank's buffers of the unfinished interval, gathered to every rank (rank 0 writes them).
+/// After a resume under another layout, ranks may hold more rows than others: each sends its
+/// counts first, and its values padded to the longest.
 fn gather_partials(pg: &ProcessGroup, mine: Partial) -> anyhow::Result<Vec<Partial>> {
-    let flat: Vec<f64> = [&mine.losses, &mine.correct, &mine.weights]
+    let (rows, norms) = (mine.losses.len(), mine.norms.len());
+    let counts = pg.all_gather(&Tensor::from_slice(&[rows as i64, norms as i64]))?;
+    let counts: Vec<(usize, usize)> =
+        counts.iter().map(|t| (t.int64_value(&[0]) as usize, t.int64_value(&[1]) as usize)).collect();
+    let longest = counts.iter().map(|(r, n)| 3 * r + n).max().unwrap_or(0);
+    let mut flat: Vec<f64> = [&mine.losses, &mine.correct, &mine.weights]
         .iter()
         .flat_map(|v| v.iter().map(|&x| x as f64))
         .chain(mine.norms.iter().copied())
         .collect();
-    let (rows, norms) = (mine.losses.len(), mine.norms.len());
+    flat.resize(longest, 0.0);
     let all = pg.all_gather(&Tensor::from_slice(&flat))?;
     Ok(all
         .iter()
-        .map(|t| {
+        .zip(counts)
+        .map(|(t, (rows, norms))| {
             let v = Vec::<f64>::try_from(t).expect("float64 values");
             let part = |k: usize| v[k * rows..(k + 1) * rows].iter().map(|&x| x as f32).collect();
             Partial {
@@ -116,8 +125,25 @@ pub fn resume(found: &Found, plan: &Plan, rank: usize, wrapped: &mut super::wrap
     let reader = Reader::new(found);
     wrapped.strategy.load_state(&reader, &wrapped.vs, &mut wrapped.optimizer)?;
     let partial = partial_for(&reader, plan, rank)?;
+    if let Ok(dir) = std::env::var("RUNNER_TEST_DUMP_LOADED") {
+        dump_loaded(Path::new(&dir), rank, wrapped)?;
+    }
     let r = reader.record();
     Ok(Resumed { rows: r.rows.clone(), steps: r.steps.clone(), done: r.step, partial })
+}
+
+/// A test hook: with `RUNNER_TEST_DUMP_LOADED=DIR` in its environment, each rank of a resumed run
+/// writes what it loaded (its variables, its optimizer's state and step count, whole, under their
+/// checkpoint names) to `DIR/rank-R.safetensors`, so that a test can compare it with what was
+/// saved.
+fn dump_loaded(dir: &Path, rank: usize, wrapped: &super::wrap::Wrapped) -> anyhow::Result<()> {
+    let steps = Tensor::from(wrapped.optimizer.steps() as i64);
+    let state = wrapped.optimizer.state();
+    let vars = wrapped.vs.variables();
+    let mut entries: Vec<Entry> = vars.iter().map(|(n, t)| Entry::of(n.clone(), t)).collect();
+    entries.extend(state.iter().map(|s| Entry::of(s.name.clone(), &s.tensor)));
+    entries.push(Entry::of(crate::model::optim::STEPS.to_owned(), &steps));
+    tensorfile::write(&dir.join(format!("rank-{rank}.safetensors")), None, entries)
 }
 
 /// `rank`'s buffers of the interval a checkpoint interrupted (`None` at an interval's end): its
