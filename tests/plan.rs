@@ -85,7 +85,6 @@ fn resuming_with_another_configuration_is_refused_naming_the_keys() {
     for (args, expected) in [
         (&["--set", "run.seed=5"][..], "`run.seed`: 4 in the run, 5 now (--set run.seed=5)"),
         (&["--set", "train.optimizer=\"sgd\""][..], "`train.optimizer`: \"adam\" in the run, \"sgd\" now"),
-        (&["--set", "wrap.strategy=\"none\""][..], "`wrap.strategy`: \"ddp\" in the run, \"none\" now"),
         (
             &["--set", "wrap.model.activation=\"tanh\"", "--set", "train.epochs=4"][..],
             "`wrap.model.activation`: \"relu\" in the run, \"tanh\" now",
@@ -94,8 +93,24 @@ fn resuming_with_another_configuration_is_refused_naming_the_keys() {
         let (code, err) = stderr_of(&[&["run", "--resume", "r"][..], args].concat(), dir.path());
         assert_eq!(code, Some(2), "{err}");
         assert!(err.contains("cannot resume with another configuration") && err.contains(expected), "{err}");
-        assert!(err.contains("Only train.epochs, train.steps may change when resuming"), "{err}");
+        assert!(
+            err.contains(
+                "Only train.epochs, train.steps (to train longer) and run.world_size, run.threads_per_rank, \
+                          wrap.strategy,"
+            ) && err.contains("(keeping the global batch) may change when resuming"),
+            "{err}"
+        );
     }
+    // The strategy may change, but not to one whose ranks train alone.
+    let (code, err) = stderr_of(&["run", "--resume", "r", "--set", "wrap.strategy=\"none\""], dir.path());
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains(
+            "cannot resume at world size 2, none from world size 2, ddp: wrap.strategy = \"none\" trains each rank's \
+             replica alone, so its checkpoint (rank 0's replica) stands for no other layout"
+        ),
+        "{err}"
+    );
     // Editing the run's config.toml is a change too.
     let config = dir.path().join("r/config.toml");
     let text = std::fs::read_to_string(&config).unwrap();

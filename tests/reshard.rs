@@ -9,6 +9,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use common::{assert_ok, reference_python, run, runner, text, trace, write};
@@ -45,11 +46,12 @@ every_steps = 30
 keep = 2
 "#;
 
-/// Runs `runner run p.toml --out OUT EXTRA...` with rank `stall` stopping in the middle of the
+/// Starts `runner run p.toml --out OUT EXTRA...` with rank `stall` stopping in the middle of the
 /// checkpoint of step `step` (after writing its own file, before the checkpoint is committed),
-/// then kills rank `victim` with SIGKILL there. Returns the launcher's stderr; the run fails.
-fn kill_mid_checkpoint(dir: &Path, out: &str, extra: &[&str], stall: usize, step: usize, victim: usize) -> String {
-    let mut launcher = runner()
+/// and returns once that checkpoint is being written: the launcher, and the directory it is
+/// written in.
+fn stall_mid_checkpoint(dir: &Path, out: &str, extra: &[&str], stall: usize, step: usize) -> (Child, PathBuf) {
+    let launcher = runner()
         .args([&["run", "p.toml", "--out", out][..], extra].concat())
         .env("RUNNER_TEST_STALL_CHECKPOINT", format!("{stall}:{step}"))
         .current_dir(dir)
@@ -59,27 +61,47 @@ fn kill_mid_checkpoint(dir: &Path, out: &str, extra: &[&str], stall: usize, step
         .unwrap();
     let ck = dir.join(out).join("checkpoints");
     let prefix = format!(".step-{step:08}.tmp-");
-    let writing = |ck: &Path| -> Option<PathBuf> {
-        let staging = std::fs::read_dir(ck)
-            .ok()?
-            .filter_map(|e| e.ok())
-            .map(|e| e.path())
-            .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&prefix)))?;
-        // Written up to the stall: every file but none or some of the others', no index.
-        let files = std::fs::read_dir(&staging).ok()?.count();
-        (files > 0 || stall != 0).then_some(staging)
-    };
     let deadline = Instant::now() + Duration::from_secs(120);
     let staging = loop {
-        if let Some(s) = writing(&ck) {
+        let found = std::fs::read_dir(&ck)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&prefix)));
+        if let Some(s) = found {
             break s;
         }
         assert!(Instant::now() < deadline, "no checkpoint of step {step} being written");
         std::thread::sleep(Duration::from_millis(5));
     };
-    // The stalled rank has written its file (if it holds pieces) and waits: give it the time.
-    std::thread::sleep(Duration::from_millis(300));
+    // The stalled rank writes its file (if it holds pieces) and waits; the others wait for it.
+    std::thread::sleep(Duration::from_millis(500));
     assert!(!staging.join("index.json").exists(), "the checkpoint was committed: the stall did not hold");
+    (launcher, ck)
+}
+
+/// Waits for `launcher`: its exit code and stderr.
+fn ended(mut launcher: Child) -> (Option<i32>, String) {
+    let status = launcher.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(launcher.stderr.as_mut().unwrap(), &mut err).unwrap();
+    (status.code(), err)
+}
+
+/// The entries of `dir` and of `dir/checkpoints` whose names say a write was cut short.
+fn unfinished(run_dir: &Path) -> Vec<String> {
+    [run_dir.to_path_buf(), run_dir.join("checkpoints")]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()))
+        .filter(|n| n.contains(".tmp"))
+        .collect()
+}
+
+/// Kills rank `victim` (SIGKILL) in the middle of the checkpoint of step `step`, which rank
+/// `stall` holds up: the run fails, and its launcher removes the unfinished checkpoint.
+fn kill_mid_checkpoint(dir: &Path, out: &str, extra: &[&str], stall: usize, step: usize, victim: usize) -> String {
+    let (launcher, ck) = stall_mid_checkpoint(dir, out, extra, stall, step);
     let pid = common::children(launcher.id())
         .into_iter()
         .find(|p| {
@@ -88,14 +110,10 @@ fn kill_mid_checkpoint(dir: &Path, out: &str, extra: &[&str], stall: usize, step
         })
         .expect("the rank process");
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let status = launcher.wait().unwrap();
-    let mut err = String::new();
-    std::io::Read::read_to_string(launcher.stderr.as_mut().unwrap(), &mut err).unwrap();
-    assert_eq!(status.code(), Some(1), "{err}");
-    // The launcher removed what the kill left unfinished.
-    let left: Vec<String> =
-        std::fs::read_dir(&ck).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-    assert!(left.iter().all(|n| !n.contains("tmp") && n != &format!("step-{step:08}")), "{left:?}");
+    let (code, err) = ended(launcher);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(unfinished(&dir.join(out)).is_empty(), "{:?}", unfinished(&dir.join(out)));
+    assert!(!ck.join(format!("step-{step:08}")).exists());
     err
 }
 
@@ -355,4 +373,31 @@ fn the_documented_python_loads_a_checkpoint_of_several_files_as_model_safetensor
         .unwrap();
     let (out, err) = text(&o);
     assert!(o.status.success() && out.contains("ok 6"), "{out}\n{err}");
+}
+
+#[test]
+fn a_sigterm_in_the_middle_of_a_checkpoint_leaves_nothing_unfinished_and_the_one_before_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "p.toml", &RESHARD.replace("epochs = 3", "epochs = 1"));
+    let pipeline = ["--set", "wrap.strategy=\"pipeline\"", "--set", "train.batch_size=32"];
+    assert_ok(&run(&[&["run", "p.toml", "--out", "whole"][..], &pipeline].concat(), d));
+    // Stage 1 has written its file of step 60 and waits; stage 0 waits for it.
+    let (launcher, ck) = stall_mid_checkpoint(d, "cut", &pipeline, 1, 60);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(launcher.id() as i32), nix::sys::signal::Signal::SIGTERM)
+        .unwrap();
+    let (code, err) = ended(launcher);
+    assert_eq!(code, Some(143), "{err}");
+    assert!(unfinished(&d.join("cut")).is_empty(), "{:?}", unfinished(&d.join("cut")));
+    let left: Vec<String> =
+        std::fs::read_dir(&ck).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(left, ["step-00000030"]);
+    assert_ok(&run(&["run", "--resume", "cut"], d));
+    common::assert_same_trace(&d.join("whole"), &d.join("cut"));
+    for f in
+        ["model.safetensors", "checkpoints/epoch-0001/rank-0.safetensors", "checkpoints/epoch-0001/rank-1.safetensors"]
+    {
+        let read = |r: &str| std::fs::read(d.join(r).join(f)).unwrap();
+        assert!(read("whole") == read("cut"), "{f} differs after resume");
+    }
 }

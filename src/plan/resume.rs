@@ -163,7 +163,7 @@ impl Plan {
             plan.batch_per_rank = asked.batch_per_rank;
             plan.threads_per_rank = asked.threads_per_rank;
             plan.stages = asked.stages.clone();
-            plan.memory = asked.memory.clone();
+            plan.memory = asked.memory;
         }
         Ok(plan)
     }
@@ -242,7 +242,7 @@ impl Plan {
         let a = c.train.accumulate;
         if self.layout.split_batch.is_some() {
             let w = self.world_size();
-            return if g % a == 0 && (g / a) % w == 0 {
+            return if g.is_multiple_of(a) && (g / a).is_multiple_of(w) {
                 format!("set train.global_batch_size = {}", g / a)
             } else {
                 format!(
@@ -254,10 +254,10 @@ impl Plan {
             };
         }
         let copies = self.layout.world_size;
-        if g % (copies * a) == 0 {
+        if g.is_multiple_of(copies * a) {
             return format!("set train.batch_size = {}", g / (copies * a));
         }
-        if g % (copies * c.train.batch_size) == 0 {
+        if g.is_multiple_of(copies * c.train.batch_size) {
             return format!("set train.accumulate = {}", g / (copies * c.train.batch_size));
         }
         format!("no batch size gives {g} over {copies} data-parallel copies: choose a world size that divides {g}")
@@ -273,7 +273,7 @@ impl Plan {
             return Ok(());
         };
         let w = asked.run.world_size;
-        if g != g_new || w == 0 || g % w == 0 || asked.shard.strategy != self.config.shard.strategy {
+        if g != g_new || w == 0 || g.is_multiple_of(w) || asked.shard.strategy != self.config.shard.strategy {
             return Ok(());
         }
         let mut fits: Vec<String> = (1..=g).filter(|d| g % d == 0).take(9).map(|d| d.to_string()).collect();
