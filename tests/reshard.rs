@@ -229,7 +229,8 @@ fn reshard_and_compare(dir: &Path, base: &[&str], resume: &[&str], ranks: usize,
 fn ddp_at_2_ranks_resumed_at_4_with_half_the_batch_ends_as_the_uninterrupted_run() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", RESHARD);
-    let wider = ["--set", "run.world_size=4", "--set", "train.batch_size=8"];
+    // With a tracking key given too: taken as asked, with where it came from.
+    let wider = ["--set", "run.world_size=4", "--set", "train.batch_size=8", "--set", "trace.log_every_steps=7"];
     reshard_and_compare(dir.path(), &[], &wider, 4, 1);
     let manifest: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("cut/manifest.json")).unwrap()).unwrap();
@@ -244,6 +245,14 @@ fn ddp_at_2_ranks_resumed_at_4_with_half_the_batch_ends_as_the_uninterrupted_run
     let config = std::fs::read_to_string(dir.path().join("cut/config.toml")).unwrap();
     assert!(config.contains("world_size = 4  # --set run.world_size=4 (on resume)"), "{config}");
     assert!(config.contains("batch_size = 8  # --set train.batch_size=8 (on resume)"), "{config}");
+    assert!(config.contains("log_every_steps = 7  # --set trace.log_every_steps=7\n"), "{config}");
+    // The run keeps its id: the first configuration's digest.
+    let id = |d: &str| {
+        let m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.path().join(d).join("manifest.json")).unwrap()).unwrap();
+        m["run_id"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(id("cut"), id("whole"));
 }
 
 #[test]

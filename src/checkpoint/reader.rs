@@ -42,6 +42,7 @@ pub fn verify(dir: &Path, step: usize, plan: &Plan, checksums: bool) -> Result<I
             _ => return Err(format!("its index lacks the model's `{name}` of shape {shape:?}")),
         }
     }
+    check_buckets(r.buckets.as_deref(), plan)?;
     let mut files = HashMap::new();
     for (file, bytes) in &index.files {
         let p = dir.join(file);
@@ -73,6 +74,24 @@ pub fn verify(dir: &Path, step: usize, plan: &Plan, checksums: bool) -> Result<I
         }
     }
     Ok(index)
+}
+
+/// A record's DDP buckets name every trainable parameter (by its index in module order) exactly
+/// once: the Reducer is handed them as they are.
+fn check_buckets(buckets: Option<&[Vec<usize>]>, plan: &Plan) -> Result<(), String> {
+    let Some(buckets) = buckets else { return Ok(()) };
+    let arch = plan.model();
+    let n = arch.parameters(0..arch.layers().len()).len();
+    let mut seen = vec![false; n];
+    for &i in buckets.iter().flatten() {
+        if i >= n || std::mem::replace(&mut seen[i], true) {
+            return Err(format!("its DDP buckets name parameter {i} twice or past the model's {n}"));
+        }
+    }
+    if seen.contains(&false) || buckets.iter().any(Vec::is_empty) {
+        return Err(format!("its DDP buckets do not hold each of the model's {n} parameters"));
+    }
+    Ok(())
 }
 
 /// A piece's entry in its file's header is the one the index describes.
