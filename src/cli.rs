@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
+use crate::checkpoint;
 use crate::config::{self, ConfigError, Override};
 use crate::launch::agree;
 use crate::launch::env::{Launcher, RankEnv};
@@ -14,8 +15,9 @@ use crate::launch::spawn::{self, Topology};
 use crate::plan::Plan;
 use crate::rundir;
 use crate::rundir::lock::{self, RunLock};
+use crate::rundir::manifest::Reshard;
 use crate::rundir::manifest::{Manifest, Status};
-use crate::stages::{checkpoint, preempt};
+use crate::stages::preempt;
 use crate::trace::view;
 
 #[derive(Debug, Parser)]
@@ -425,7 +427,11 @@ fn run(args: &RunArgs) -> anyhow::Result<u8> {
         (None, None) => unreachable!("clap requires FILE without --resume"),
     };
     let config = ConfigArgs { file, set: args.set.clone(), set_as: args.set_as.clone() };
-    let asked = plan(&config)?;
+    let resolved = config::resolve(&config.file, &overrides(&config.set, &config.set_as))?;
+    if let Some(saved) = args.resume.as_ref().and_then(|dir| Plan::load(&dir.join(rundir::PLAN)).ok()) {
+        saved.check_resumable_world_size(&resolved.config)?;
+    }
+    let asked = Plan::new(resolved)?;
     let plan = match &args.resume {
         Some(dir) => resumed_plan(dir, &asked)?,
         None => asked,
@@ -483,15 +489,10 @@ fn say_resuming(dir: &Path) {
 }
 
 /// The plan of the run in `dir`, continued under the configuration the user resumes with
-/// (`asked`); refused, before any rank starts, when its checkpoint does not fit or a key other
-/// than those that extend a run changed.
+/// (`asked`); refused, before any rank starts, when a key other than those that extend a run or
+/// spread it another way changed, or its newest checkpoint does not verify. A resume under
+/// another world size or strategy is recorded in the plan (and so in the manifest).
 fn resumed_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Plan> {
-    let found = checkpoint::latest(dir, asked).map_err(ConfigError::new)?.ok_or_else(|| {
-        ConfigError::new(format!(
-            "{} holds no checkpoint to resume from (set checkpoint.every)",
-            checkpoint::dir(dir).display()
-        ))
-    })?;
     let saved_path = dir.join(rundir::PLAN);
     if !saved_path.is_file() {
         return Err(ConfigError::new(format!(
@@ -501,8 +502,35 @@ fn resumed_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Plan> {
         ))
         .into());
     }
-    let plan = Plan::load(&saved_path)?.resumed(asked)?;
-    let done = found.meta.step.unwrap_or_default();
+    let mut plan = Plan::load(&saved_path)?.resumed(asked)?;
+    let found = checkpoint::latest(dir, &plan).map_err(ConfigError::new)?.ok_or_else(|| no_checkpoint(dir, &plan))?;
+    let record = found.record();
+    if record.global_batch != plan.global_batch() {
+        return Err(ConfigError::new(format!(
+            "checkpoint {} was written with a global batch of {} samples per step, this run's is {}: it belongs to \
+             another run; move it out of {} to resume from the one before, or start a new run",
+            found.dir.display(),
+            record.global_batch,
+            plan.global_batch(),
+            checkpoint::dir(dir).display()
+        ))
+        .into());
+    }
+    if record.layout != plan.layout() {
+        let reshard = Reshard { step: record.step, from: record.layout, to: plan.layout() };
+        // A resume of the same checkpoint again (the last one stopped before its first) replaces it.
+        if plan.reshards.last().is_some_and(|r| r.step == reshard.step && r.from == reshard.from) {
+            plan.reshards.pop();
+        }
+        crate::say!(
+            "resuming at step {} with {} (the checkpoint was written with {})",
+            record.step,
+            reshard.to,
+            reshard.from
+        );
+        plan.reshards.push(reshard);
+    }
+    let done = found.record().step;
     if let (Some(steps), true) = (plan.config.train.steps, done >= plan.total_steps()) {
         let source = plan.sources.get("train.steps").map(String::as_str).unwrap_or("default");
         return Err(ConfigError::new(format!(
@@ -519,12 +547,45 @@ fn resumed_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Plan> {
             "`train.epochs` ({source}) is {epochs} but the newest checkpoint of {} is at epoch {}: nothing is left to \
              run; pass --set train.epochs=N with N > {} to train further",
             dir.display(),
-            found.meta.epoch,
-            found.meta.epoch
+            found.record().epoch,
+            found.record().epoch
         ))
         .into());
     }
     Ok(plan)
+}
+
+/// Why `dir` holds no checkpoint to resume from, and what to do.
+fn no_checkpoint(dir: &Path, plan: &Plan) -> anyhow::Error {
+    let ck = checkpoint::dir(dir);
+    let old: Vec<String> = std::fs::read_dir(&ck)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".pt"))
+        .collect();
+    let k = &plan.config.checkpoint;
+    let why = if let Some(name) = old.first() {
+        format!(
+            "its checkpoints ({name}{}) are of an older runner's format, which this one cannot resume: start a new run",
+            if old.len() > 1 { format!(" and {} more", old.len() - 1) } else { String::new() }
+        )
+    } else {
+        match (k.every, k.every_steps) {
+            (0, None) => "the run writes none: set checkpoint.every (epochs) or checkpoint.every_steps (optimizer \
+                          steps) and start a new run"
+                .to_owned(),
+            (_, Some(n)) => format!(
+                "the run stopped before its first checkpoint (checkpoint.every_steps = {n}): start it again without \
+                 --resume"
+            ),
+            (e, None) => format!(
+                "the run stopped before its first checkpoint (checkpoint.every = {e} epochs): start it again without \
+                 --resume"
+            ),
+        }
+    };
+    ConfigError::new(format!("{} holds no checkpoint to resume from: {why}", ck.display())).into()
 }
 
 /// How a run takes its directory.
@@ -657,6 +718,9 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
     let launched =
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| spawn::launch(plan, topology, run_dir, &child_args)))
             .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", panic_text(&panic))));
+    // Every rank has ended: what a write cut short left (a checkpoint being written when a signal
+    // came, a temporary file) goes now, not at the next start.
+    rundir::remove_unfinished(run_dir);
     let outcome = match launched {
         Ok(outcome) => outcome,
         Err(e) => {
@@ -668,7 +732,7 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
     if outcome.preempted {
         // The newest checkpoint: the one the ranks just wrote, or, when the signal came before
         // any rank started, the one a resumed run started from (none: the run starts over).
-        let step = checkpoint::latest(run_dir, plan).ok().flatten().and_then(|f| f.meta.step);
+        let step = checkpoint::newest_unread(run_dir, plan).ok().flatten().map(|f| f.record().step);
         manifest.end(Status::Preempted, None);
         manifest.preempted_at_step = step;
         manifest.write(run_dir)?;

@@ -8,6 +8,7 @@
 pub mod say;
 pub mod bench;
 pub mod checked;
+pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
@@ -29,4 +30,5 @@ pub mod signals;
 pub mod stages;
 pub mod strategy;
 pub mod sweep;
+pub mod tensorfile;
 pub mod trace;

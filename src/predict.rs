@@ -121,42 +121,6 @@ pub fn save(plan: &Plan, pg: &ProcessGroup, normalizer: &Normalizer, run_dir: &P
     Ok(())
 }
 
-/// Writes float32 tensors as safetensors with `metadata` (string → string) in its header.
-pub fn write_safetensors(named: &[(String, Tensor)], metadata: &[(&str, String)], path: &Path) -> anyhow::Result<()> {
-    let mut header = serde_json::Map::new();
-    let meta: serde_json::Map<String, serde_json::Value> =
-        metadata.iter().map(|(k, v)| (k.to_string(), serde_json::Value::String(v.clone()))).collect();
-    if !meta.is_empty() {
-        header.insert("__metadata__".into(), meta.into());
-    }
-    let mut data: Vec<u8> = Vec::new();
-    for (name, t) in named {
-        let start = data.len();
-        // Integer buffers (batch norm's num_batches_tracked) stay int64, as PyTorch keeps them.
-        let dtype = if t.is_floating_point() {
-            let v = Vec::<f32>::try_from(t.to_kind(Kind::Float).contiguous().view(-1))?;
-            data.extend(v.iter().flat_map(|x| x.to_le_bytes()));
-            "F32"
-        } else {
-            let v = Vec::<i64>::try_from(t.to_kind(Kind::Int64).contiguous().view(-1))?;
-            data.extend(v.iter().flat_map(|x| x.to_le_bytes()));
-            "I64"
-        };
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": dtype, "shape": t.size(), "data_offsets": [start, data.len()]}),
-        );
-    }
-    let mut h = serde_json::to_string(&header)?.into_bytes();
-    while h.len() % 8 != 0 {
-        h.push(b' ');
-    }
-    let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
-    bytes.extend(h);
-    bytes.extend(data);
-    std::fs::write(path, bytes).with_context(|| format!("cannot write {}", path.display()))
-}
-
 /// `runner predict`: predictions for every row of `data` (parquet at `out`), and the metrics
 /// when the file holds the target.
 pub fn predict(run_dir: &Path, data: &Path, out: Option<&Path>) -> anyhow::Result<u8> {

@@ -66,6 +66,9 @@ pub struct Plan {
     /// with: recorded to tell it from another file, and left out of the run id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vocabulary: Option<InputFile>,
+    /// Each resume that changed the world size or the strategy (into the manifest).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reshards: Vec<crate::rundir::manifest::Reshard>,
 }
 
 /// The model's part of a plan: what the checks found.
@@ -152,6 +155,7 @@ impl Plan {
             stages,
             memory,
             started_with: Default::default(),
+            reshards: Vec::new(),
         })
     }
 
@@ -168,13 +172,29 @@ impl Plan {
     /// The manifest of this plan's run, starting now.
     pub fn manifest(&self) -> crate::rundir::manifest::Manifest {
         let c = &self.config;
-        crate::rundir::manifest::Manifest::start(
+        let mut m = crate::rundir::manifest::Manifest::start(
             &self.run_id,
             &c.run.name,
             &self.pipeline_file,
             c.run.world_size,
             self.threads_per_rank,
-        )
+        );
+        m.reshards = self.reshards.clone();
+        m
+    }
+
+    /// How the work is spread over the ranks (what a checkpoint records of who wrote it).
+    pub fn layout(&self) -> crate::rundir::manifest::Layout {
+        crate::rundir::manifest::Layout {
+            world_size: self.world_size(),
+            strategy: self.config.wrap.strategy,
+            ranks_per_copy: self.pipeline_ranks(),
+        }
+    }
+
+    /// Samples per optimizer step over all ranks: each copy's batch × the copies × train.accumulate.
+    pub fn global_batch(&self) -> usize {
+        self.batch_per_rank * self.layout.world_size * self.config.train.accumulate
     }
 
     /// The model's architecture over this plan's data.
