@@ -271,8 +271,8 @@ impl Plan {
                 format!("{every}{fixed}, each rank its share of the rows, measured on rank 0")
             }
             (_, ValidateOn::Rank0) if self.is_sharded() && self.world_size() > 1 => format!(
-                "{every}{fixed}, measured on rank 0 (every rank runs all the rows through the layers, whose gathers \
-                 are collectives; \"split\" shares them instead)"
+                "{every}{fixed}, measured on rank 0 (each rank runs its share of the rows through the layers, whose \
+                 gathers are collectives, scaled as rank 0 scales them)"
             ),
             (_, ValidateOn::Rank0 | ValidateOn::Split) => format!("{every}{fixed} on rank 0"),
         }

@@ -317,7 +317,7 @@ mod tests {
         assert_eq!(fsdp.parameters, 4.0 * (all / 4.0 + 2.0 * (64.0 * 64.0 + 64.0)));
         // ZeRO-2: the layers so far all gathered; the most while the largest (layer 1) arrives.
         let zero2 = state(&s, Layout::Fsdp { zero3: false }, 4, 2.0, None);
-        let (l0, l1, l2) = (64.0 * 10.0 + 64.0, 64.0 * 64.0 + 64.0, 4.0 * 64.0 + 4.0);
+        let (l0, l1, l2): (f64, f64, f64) = (64.0 * 10.0 + 64.0, 64.0 * 64.0 + 64.0, 4.0 * 64.0 + 4.0);
         assert_eq!(zero2.parameters, 4.0 * (all / 4.0 + (l0 + l1 + l1).max(l0 + l1 + l2 + l2)));
     }
 

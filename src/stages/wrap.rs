@@ -61,14 +61,14 @@ pub fn wrap<'pg>(
     let vars = vs.variables();
     let buffers: Vec<_> = arch.buffers(layers.clone()).iter().map(|(name, _)| vars[name].shallow_clone()).collect();
     if sharded {
-        let names: Vec<String> = arch.parameters(layers).into_iter().map(|(name, _)| name).collect();
+        let (names, shapes): (Vec<String>, Vec<Vec<i64>>) = arch.parameters(layers).into_iter().unzip();
         let units = crate::strategy::fsdp::units(arch.as_ref());
         let zero3 = c.wrap.fsdp.reshard_after_forward;
         let sharded = Arc::new(Sharded::new(pg, &params, &units, zero3)?);
         let model: Box<dyn ModuleT + 'pg> = Box::new(ShardedModel::new(modules, sharded.clone()));
-        let strategy = Fsdp::new(plan, pg, device, sharded, names, &buffers, batch_norm)?;
+        let strategy = Fsdp::new(plan, pg, device, sharded, names, shapes, &buffers, batch_norm)?;
         // The optimizer steps on the shards alone.
-        let optimizer = Optimizer::new(&c.train, strategy.shards().into_iter().map(|(_, t)| t).collect());
+        let optimizer = Optimizer::new(&c.train, strategy.shards());
         return Ok(Wrapped { vs, model, strategy: Strategy::Fsdp(strategy), optimizer });
     }
     let model = modules.into_iter().next().expect("one module");
@@ -80,6 +80,6 @@ pub fn wrap<'pg>(
         })
         .transpose()?;
     let strategy = Strategy::new(plan, pg, device, &params, &buffers, buckets, batch_norm, threads)?;
-    let optimizer = Optimizer::new(&c.train, vs.trainable_variables());
+    let optimizer = Optimizer::new(&c.train, crate::model::named_trainable(&vs));
     Ok(Wrapped { vs, model, strategy, optimizer })
 }

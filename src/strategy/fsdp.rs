@@ -11,6 +11,7 @@
 //!
 //! The collectives live in [`crate::dist::Sharded`]; this module only runs the layers in order
 //! around them, so every model kind (a TorchScript module too, as one layer) is sharded unchanged.
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,12 +19,14 @@ use tch::nn::ModuleT;
 use tch::{Kind, Tensor};
 
 use super::{Micro, StepOut};
+use crate::checkpoint::{Piece, Reader};
 use crate::config::schema::{Precision, ValidateOn};
 use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Task};
 use crate::device;
 use crate::dist::{ProcessGroup, ShardStats, Sharded, Units};
 use crate::model::batchnorm::StatsGroup;
+use crate::model::optim::{self, Optimizer};
 use crate::model::Architecture;
 use crate::plan::Plan;
 
@@ -82,9 +85,10 @@ impl ModuleT for ShardedModel<'_> {
 pub struct Fsdp<'pg> {
     pg: &'pg ProcessGroup,
     sharded: Arc<Sharded<'pg>>,
-    /// The parameters' names in module order, and this rank's shard of each (what the optimizer
-    /// updates).
+    /// The parameters' names in module order, their whole shapes, and this rank's shard of each
+    /// (what the optimizer updates).
     names: Vec<String>,
+    shapes: Vec<Vec<i64>>,
     shards: Vec<Tensor>,
     task: Task,
     device: tch::Device,
@@ -97,13 +101,15 @@ pub struct Fsdp<'pg> {
 }
 
 impl<'pg> Fsdp<'pg> {
-    /// `names`: the parameters' names in module order, as `sharded` holds them.
+    /// `names` and `shapes`: the parameters' in module order, as `sharded` holds them.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         plan: &Plan,
         pg: &'pg ProcessGroup,
         device: tch::Device,
         sharded: Arc<Sharded<'pg>>,
         names: Vec<String>,
+        shapes: Vec<Vec<i64>>,
         buffers: &[Tensor],
         batch_norm: Option<Arc<StatsGroup<'pg>>>,
     ) -> anyhow::Result<Fsdp<'pg>> {
@@ -116,6 +122,7 @@ impl<'pg> Fsdp<'pg> {
             pg,
             sharded,
             names,
+            shapes,
             shards,
             task: plan.data.task,
             device,
@@ -173,9 +180,10 @@ impl<'pg> Fsdp<'pg> {
         })
     }
 
-    /// Every rank runs the layers (their gathers are collectives): over its share of the rows
-    /// with `validate.on = "split"`, else over all of them; rank 0 (every rank with "all")
-    /// measures.
+    /// Every rank runs the layers (their gathers are collectives), so every rank validates its
+    /// share of the rows, scaled as rank 0 scales them, and rank 0 measures them all: rank 0's
+    /// metrics, whether `validate.on` is "rank0" or "split". With "all", every rank validates
+    /// every row with its own scaling, and measures.
     pub fn validate(
         &self,
         plan: &Plan,
@@ -184,35 +192,140 @@ impl<'pg> Fsdp<'pg> {
         normalizer: &Normalizer,
     ) -> anyhow::Result<Option<crate::data::Metrics>> {
         super::broadcast_from_rank0(self.pg, &self.buffers)?;
-        let on = plan.config.validate.on;
-        let x = normalizer.apply(&data.val_x);
         let forward = |x: &Tensor| Ok(tch::no_grad(|| model.forward_t(x, false)));
-        let out = match on {
-            ValidateOn::Split if self.pg.size() > 1 => super::replica::split_forward(self.pg, &x, forward)?,
-            _ => forward(&x)?,
+        let shared = plan.config.validate.on != ValidateOn::All && self.pg.size() > 1;
+        let out = if shared {
+            let x = normalizer.of_rank(self.pg, 0)?.apply(&data.val_x);
+            super::replica::split_forward(self.pg, &x, forward)?
+        } else {
+            forward(&normalizer.apply(&data.val_x))?
         };
-        if self.pg.rank() != 0 && on != ValidateOn::All {
+        if shared && self.pg.rank() != 0 {
             return Ok(None);
         }
         Ok(Some(data.metrics(&out, &data.val_y)))
     }
 
-    /// The whole model's parameters on rank 0, one all-gather per parameter (no rank holds more
-    /// than its shards and one whole parameter at a time besides what it returns), with rank 0's
-    /// buffers; `None` on the other ranks.
-    pub fn gather_model(&self, buffers: Vec<(String, Tensor)>) -> anyhow::Result<Option<Vec<(String, Tensor)>>> {
-        let mut named = Vec::new();
-        for (i, name) in self.names.iter().enumerate() {
-            let whole = self.sharded.full(i)?;
-            if self.pg.rank() == 0 {
-                named.push((name.clone(), whole.to_device(tch::Device::Cpu)));
+    /// The rows of parameter `i` this rank's shard holds, of its whole (unpadded) rows: rank r's
+    /// `r·k .. min(d0, (r+1)·k)`, possibly none on the last ranks.
+    fn rows(&self, i: usize) -> Range<i64> {
+        let (k, d0, r) = (self.shards[i].size()[0], self.shapes[i][0], self.pg.rank() as i64);
+        (r * k).min(d0)..((r + 1) * k).min(d0)
+    }
+
+    /// This rank's share of the training state as checkpoint pieces: its rows of every parameter
+    /// and of the optimizer's state of each (the padding left out); rank 0 adds the buffers and
+    /// the step count, whole. Every rank writes its own at once.
+    pub fn state_pieces(&self, buffers: &[(String, Tensor)], optimizer: &Optimizer) -> anyhow::Result<Vec<Piece>> {
+        let piece = |name: String, i: usize, held: &Tensor| {
+            let rows = self.rows(i);
+            let tensor = held.detach().narrow(0, 0, rows.end - rows.start).to_device(tch::Device::Cpu).copy();
+            Piece { name, shape: self.shapes[i].clone(), offset: rows.start, tensor }
+        };
+        let mut pieces: Vec<Piece> =
+            (0..self.names.len()).map(|i| piece(self.names[i].clone(), i, &self.shards[i])).collect();
+        for s in optimizer.state() {
+            pieces.push(piece(s.name, self.index(&s.param)?, &s.tensor));
+        }
+        if self.pg.rank() == 0 {
+            pieces.extend(buffers.iter().map(|(name, t)| Piece::whole(name.clone(), t)));
+            pieces.push(Piece::whole(optim::STEPS.to_owned(), &Tensor::from(optimizer.steps() as i64)));
+        }
+        Ok(pieces)
+    }
+
+    /// Loads this rank's rows of every parameter and of its optimizer state from a checkpoint
+    /// written under any strategy and world size (the reader reads only the pieces holding them),
+    /// the buffers and the step count whole.
+    pub fn load_state(
+        &mut self,
+        reader: &Reader,
+        buffers: &[(String, Tensor)],
+        optimizer: &mut Optimizer,
+    ) -> anyhow::Result<()> {
+        // Rows `rows` of `name` into `held`, the padding rows after them zero.
+        let fill = |name: &str, rows: Range<i64>, held: &Tensor| -> anyhow::Result<Tensor> {
+            let saved = reader.rows(name, rows.clone())?;
+            let mut shape = held.size();
+            anyhow::ensure!(
+                saved.size()[1..] == shape[1..],
+                "the checkpoint's `{name}` is {:?} per row, this model's {:?}",
+                &saved.size()[1..],
+                &shape[1..]
+            );
+            shape[0] -= rows.end - rows.start;
+            let pad = Tensor::zeros(shape.as_slice(), (saved.kind(), saved.device()));
+            Ok(Tensor::cat(&[saved, pad], 0))
+        };
+        for i in 0..self.names.len() {
+            let loaded = fill(&self.names[i], self.rows(i), &self.shards[i])?;
+            let mut shard = self.shards[i].shallow_clone();
+            tch::no_grad(|| shard.f_copy_(&loaded)).map_err(|e| anyhow::anyhow!("`{}`: {e}", self.names[i]))?;
+        }
+        optimizer.load_state(|name, param, held| {
+            let i = self.index(param)?;
+            fill(name, self.rows(i), held)
+        })?;
+        for (name, t) in buffers {
+            let saved = reader.whole(name)?;
+            anyhow::ensure!(
+                saved.size() == t.size(),
+                "the checkpoint's `{name}` is {:?}, the model's {:?}",
+                saved.size(),
+                t.size()
+            );
+            let mut t = t.shallow_clone();
+            tch::no_grad(|| t.f_copy_(&saved)).map_err(|e| anyhow::anyhow!("`{name}`: {e}"))?;
+        }
+        let steps = reader.whole(optim::STEPS)?;
+        anyhow::ensure!(
+            steps.numel() == 1 && !steps.is_floating_point(),
+            "the checkpoint's `{}` is not one integer",
+            optim::STEPS
+        );
+        optimizer.set_steps(steps.int64_value(&[]).max(0) as usize);
+        Ok(())
+    }
+
+    /// `t` of the whole model on rank 0 (`None` elsewhere): a parameter all-gathered from every
+    /// rank's shard (a collective: every rank calls it for the same tensors in the same order),
+    /// a buffer from rank 0's own (`cpu`).
+    pub fn gather_tensor(
+        &self,
+        pg: &ProcessGroup,
+        t: &super::ModelTensor,
+        cpu: impl Fn(&str) -> anyhow::Result<Tensor>,
+    ) -> anyhow::Result<Option<Tensor>> {
+        match self.names.iter().position(|n| *n == t.name) {
+            Some(i) => {
+                let whole = self.sharded.full(i)?;
+                Ok((pg.rank() == 0).then(|| whole.to_device(tch::Device::Cpu)))
             }
+            None => (pg.rank() == 0).then(|| cpu(&t.name)).transpose(),
         }
-        if self.pg.rank() != 0 {
-            return Ok(None);
+    }
+
+    /// Every parameter and every optimizer state tensor whole (all-gathered from the shards, on
+    /// every rank: a collective), with the buffers: what the ranks hold together.
+    pub fn whole_state(
+        &self,
+        buffers: &[(String, Tensor)],
+        optimizer: &Optimizer,
+    ) -> anyhow::Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for (i, name) in self.names.iter().enumerate() {
+            out.push((name.clone(), self.sharded.full(i)?));
         }
-        named.extend(buffers.into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu))));
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(Some(named))
+        for s in optimizer.state() {
+            let d0 = self.shapes[self.index(&s.param)?][0];
+            let parts = self.pg.all_gather(&s.tensor.detach().contiguous())?;
+            out.push((s.name, Tensor::cat(&parts, 0).narrow(0, 0, d0)));
+        }
+        out.extend(buffers.iter().map(|(n, t)| (n.clone(), t.shallow_clone())));
+        Ok(out)
+    }
+
+    fn index(&self, param: &str) -> anyhow::Result<usize> {
+        self.names.iter().position(|n| n == param).ok_or_else(|| anyhow::anyhow!("no parameter `{param}` is sharded"))
     }
 }
