@@ -23,7 +23,10 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 #ifdef RUNNER_NCCL
-#include <ATen/native/cuda/Resize.h>
+// Declared here: ATen/native/cuda/Resize.h's inline code does not compile as C++17.
+namespace at::native {
+void resize_bytes_cuda(c10::StorageImpl* storage, size_t size_bytes);
+}
 #endif
 
 namespace {
