@@ -61,7 +61,11 @@ pub struct Run {
     /// the rank and the step; absent: 10 × the slowest step so far, and at least `timeout_s`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step_timeout_s: Option<f64>,
-    /// MiB of float32 parameters one rank may hold, checked on the plan; absent: unchecked.
+    /// MiB of training state one rank may hold (its parameters, their gradients and the
+    /// optimizer's state, as the strategy holds them: whole under DDP, a stage's under a pipeline,
+    /// shards plus the layers gathered at once under FSDP), checked on the plan, which names the
+    /// strategies and world sizes that fit; `wrap.strategy = "auto"` chooses by it. Absent:
+    /// unchecked (the plan still checks the whole estimate against this machine's memory).
     pub memory_per_rank_mb: Option<f64>,
     /// The signal that preempts the run: every rank finishes its step, a checkpoint is written
     /// at that step, the manifest says `preempted`, and under Slurm the job requeues itself and
