@@ -34,12 +34,16 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run a pipeline: world_size rank processes on this machine (or, under torchrun, this rank).
-    #[command(after_help = "Examples:\n  runner run pipelines/ddp.toml --set train.lr=0.01 --set run.world_size=2\n  \
+    #[command(
+        after_help = "Examples:\n  runner run pipelines/ddp.toml --set train.lr=0.01 --set run.world_size=2\n  \
                             runner run --resume results/ddp/<run-id>\n\n\
-                            Read: docs/guide/first-run.md, docs/guide/resume.md")]
+                            Read: docs/guide/first-run.md, docs/guide/resume.md"
+    )]
     Run(RunArgs),
     /// Run every point of an experiment's grid, then write its tables and plots.
-    #[command(after_help = "Example:\n  runner sweep experiments/world_size.toml --check\n\nRead: docs/guide/sweeps.md")]
+    #[command(
+        after_help = "Example:\n  runner sweep experiments/world_size.toml --check\n\nRead: docs/guide/sweeps.md"
+    )]
     Sweep(SweepArgs),
     /// Rebuild a sweep directory's tables and plots from its traces; run nothing.
     #[command(after_help = "Example:\n  runner report results/world_size\n\nRead: docs/guide/sweeps.md")]

@@ -81,7 +81,8 @@ keep = 2
 "#;
 
 fn corpus(dir: &Path) {
-    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/data/tempest.txt"), dir.join("corpus.txt")).unwrap();
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/data/tempest.txt"), dir.join("corpus.txt"))
+        .unwrap();
 }
 
 /// `whole` uninterrupted, `cut` killed once `marker` exists and resumed: the same trace and files.

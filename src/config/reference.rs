@@ -137,7 +137,8 @@ impl Walker {
             return (target, false);
         }
         if let Some(any) = v.get("anyOf").and_then(Value::as_array) {
-            let some: Vec<&Value> = any.iter().filter(|s| s.get("type").and_then(Value::as_str) != Some("null")).collect();
+            let some: Vec<&Value> =
+                any.iter().filter(|s| s.get("type").and_then(Value::as_str) != Some("null")).collect();
             if some.len() == 1 && any.len() == 2 {
                 return (self.resolve(some[0]).0, true);
             }
@@ -227,7 +228,8 @@ impl Walker {
         let path_of = |name: &str| if table.is_empty() { name.to_owned() } else { format!("{table}.{name}") };
         // In declaration order, whatever order the schema's map keeps (serde_json's depends on
         // its features), so that the page is the same from every build.
-        let mut properties: Vec<(&String, &Value)> = schema.get("properties").map(object).into_iter().flatten().collect();
+        let mut properties: Vec<(&String, &Value)> =
+            schema.get("properties").map(object).into_iter().flatten().collect();
         properties.sort_by_key(|(name, _)| {
             let path = path_of(name);
             (self.order.iter().position(|p| *p == path).unwrap_or(usize::MAX), path)
@@ -316,7 +318,10 @@ pub fn toml_value(v: &Value) -> String {
             // Sorted: serde_json's map keeps insertion order in some builds and not in others.
             let mut fields: Vec<(&String, &Value)> = o.iter().collect();
             fields.sort_by_key(|(k, _)| *k);
-            format!("{{ {} }}", fields.iter().map(|(k, v)| format!("{k} = {}", toml_value(v))).collect::<Vec<_>>().join(", "))
+            format!(
+                "{{ {} }}",
+                fields.iter().map(|(k, v)| format!("{k} = {}", toml_value(v))).collect::<Vec<_>>().join(", ")
+            )
         }
     }
 }
@@ -423,7 +428,10 @@ mod tests {
     fn every_key_has_a_doc_comment_and_a_type() {
         let undocumented: Vec<String> =
             keys().into_iter().filter(|k| k.doc.is_empty() || k.ty == "value").map(|k| key_heading(&k)).collect();
-        assert!(undocumented.is_empty(), "keys without a doc comment (or a type) in src/config/schema.rs: {undocumented:?}");
+        assert!(
+            undocumented.is_empty(),
+            "keys without a doc comment (or a type) in src/config/schema.rs: {undocumented:?}"
+        );
     }
 
     /// The keys and defaults of `Config::default()`, serialized with every key (what config.toml
