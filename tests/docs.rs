@@ -162,6 +162,10 @@ const SUBCOMMANDS: &[&str] = &["run", "validate", "sweep", "report", "bench", "p
 fn runner_commands(line: &str) -> Vec<Vec<String>> {
     let line = line.trim().trim_start_matches("$ ");
     let line = line.split(" #").next().unwrap_or_default();
+    // A line of output that quotes a command after `; ` is not a command line.
+    if runner_command(line.split(" && ").next().unwrap_or_default()).is_none() && !line.starts_with("./") {
+        return Vec::new();
+    }
     line.split(" && ").flat_map(|part| part.split("; ")).filter_map(runner_command).collect()
 }
 
@@ -175,6 +179,16 @@ fn runner_command(command: &str) -> Option<Vec<String>> {
     }
     let line = &command[..cut];
     let w = words(line);
+    // A command line starts with the command or a launcher of it; any other line of a block
+    // (a message, a log line) is output that may quote a command in passing.
+    let first = w.first()?;
+    let launcher = ["srun", "exec", "torchrun", "cargo", "time", "nohup", "env", "sudo"].contains(&first.as_str())
+        || first.split_once('=').is_some_and(|(k, _)| {
+            !k.is_empty() && k.chars().all(|c| c.is_ascii_uppercase() || c == '_' || c.is_ascii_digit())
+        });
+    if !(launcher || first == "runner" || first.ends_with("/runner")) {
+        return None;
+    }
     let at = w
         .iter()
         .position(|x| x == "runner" || x.ends_with("/runner") || x == "--" && w.iter().any(|y| y == "cargo"))?;
@@ -449,12 +463,12 @@ fn files_of(cli: &Cli, sandbox: &mut Sandbox) -> Vec<PathBuf> {
         Command::Sweep(a) => (vec![&a.file], a.out.iter().collect()),
         Command::Report(a) => (vec![&a.dir], vec![]),
         Command::Predict(a) => (std::iter::once(&a.run_dir).chain(&a.data).collect(), a.out.iter().collect()),
-        Command::Prepare(PrepareCommand::Text { file, out }) => (vec![file], vec![out]),
+        Command::Prepare(PrepareCommand::Text { file, out, .. }) => (vec![file], vec![out]),
         Command::Schema(_) | Command::Bench(_) => (vec![], vec![]),
     };
     let missing: Vec<PathBuf> = reads.into_iter().filter(|p| !placeholder(p) && !sandbox.exists(p)).cloned().collect();
     if missing.is_empty() {
-        if let Command::Prepare(PrepareCommand::Text { file, out }) = &cli.command {
+        if let Command::Prepare(PrepareCommand::Text { file, out, .. }) = &cli.command {
             // Run for real: a later pipeline of the page reads what it makes.
             let o = runner()
                 .args(["prepare", "text"])
