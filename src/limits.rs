@@ -4,7 +4,6 @@
 //! machine has available (`RUNNER_NO_MEMORY_CHECK=1` skips that last one).
 use crate::config::schema::Config;
 use crate::data::DataSpec;
-use crate::plan::memory::size;
 
 /// `run.timeout_s` range: a collective needs some time; a week is beyond any real run.
 pub const TIMEOUT_S: (f64, f64) = (0.1, 7.0 * 86400.0);
@@ -134,6 +133,18 @@ impl std::fmt::Display for Estimate {
             size(self.data),
             size(self.base)
         )
+    }
+}
+
+/// Bytes in GiB from 1 GiB up, in MiB below.
+pub fn size(bytes: f64) -> String {
+    let mib = bytes / (1u64 << 20) as f64;
+    if mib >= 1024.0 {
+        format!("{:.2} GiB", mib / 1024.0)
+    } else if mib >= 10.0 {
+        format!("{mib:.0} MiB")
+    } else {
+        format!("{mib:.1} MiB")
     }
 }
 

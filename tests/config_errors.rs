@@ -284,8 +284,8 @@ const CASES: &[Case] = &[
         env: &[],
         expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=0.502): rank 0 (layers 0-3) \
                    would hold 2.0 MiB (parameters 1.0 MiB, gradients 1.0 MiB, optimizer 0.0 MiB) of training state under the \
-                   pipeline at world size 1, more than the 0.502 MiB a rank may hold; it fits from run.world_size = 4 (0.5 MiB \
-                   on its heaviest rank); wrap.strategy = \"auto\" picks the first strategy that fits",
+                   pipeline at world size 1, more than the 0.502 MiB a rank may hold; the pipeline fits from run.world_size = 4 \
+                   (0.5 MiB on its heaviest rank); wrap.strategy = \"auto\" picks the first strategy that fits",
     },
     Case {
         name: "a layer larger than one rank may hold",

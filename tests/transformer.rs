@@ -261,7 +261,10 @@ fn the_large_model_holds_a_quarter_of_100_million_parameters_per_rank_and_one_ra
     assert_eq!(o.status.code(), Some(2));
     let (_, stderr) = text(&o);
     assert!(
-        stderr.contains("more than the 100 MiB a rank may hold; split the model over at least 4 ranks"),
+        stderr.contains(
+            "more than the 400 MiB a rank may hold; wrap.strategy = \"fsdp\" fits from run.world_size = 6 (382 MiB a \
+             rank), or the pipeline fits from run.world_size = 4 (385 MiB on its heaviest rank)"
+        ),
         "{stderr}"
     );
 }

@@ -191,6 +191,24 @@ pub fn check(model: &Model, bad: &mut impl FnMut(&str, String)) -> bool {
     }
 }
 
+/// How a model shards under FSDP (`strategy::fsdp`): one unit per layer that has parameters, each layer reading its
+/// own unit and those of the layers it shares parameters with ([`Architecture::reads`]).
+pub fn shard_units(arch: &dyn Architecture) -> crate::dist::Units {
+    let layers = arch.layers().len();
+    let counts: Vec<usize> = (0..layers).map(|l| arch.parameters(l..l + 1).len()).collect();
+    // The unit of each layer with parameters.
+    let mut unit_of = vec![None; layers];
+    let mut sizes = Vec::new();
+    for (l, &n) in counts.iter().enumerate() {
+        if n > 0 {
+            unit_of[l] = Some(sizes.len());
+            sizes.push(n);
+        }
+    }
+    let layers = (0..layers).map(|l| arch.reads(l).into_iter().filter_map(|r| unit_of[r]).collect()).collect();
+    crate::dist::Units { sizes, layers }
+}
+
 /// MiB of `parameters` float32 values.
 pub fn parameter_mib(parameters: usize) -> f64 {
     (parameters * 4) as f64 / (1024.0 * 1024.0)

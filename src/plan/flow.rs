@@ -361,7 +361,7 @@ impl Plan {
     fn unit_rows(&self) -> Vec<Vec<String>> {
         let arch = self.model();
         let layers = arch.layers();
-        let units = crate::strategy::fsdp::units(arch.as_ref());
+        let units = crate::model::shard_units(arch.as_ref());
         let shapes = super::memory::Shapes::of(arch.as_ref());
         let w = self.world_size() as i64;
         let mut unit = 0;
@@ -442,7 +442,7 @@ impl Plan {
         if let Some((state, ddp)) = &self.state {
             let layout = super::memory::Layout::of(&self.config);
             let versus =
-                ddp.map(|d| format!("; DDP would hold {}", super::memory::size(d.total()))).unwrap_or_default();
+                ddp.map(|d| format!("; DDP would hold {}", crate::limits::size(d.total()))).unwrap_or_default();
             note += &format!("  training state under {layout}: {state} per rank{versus}\n");
         }
         if let Some(why) = &self.auto {

@@ -16,6 +16,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::config::schema::{Config, Optimizer, WrapStrategy};
+use crate::limits::size;
 use crate::model::Architecture;
 
 /// Bytes of one float32 value.
@@ -246,7 +247,7 @@ impl Planner<'_> {
             let Some((w, s)) = self.fits_from(candidate, limit, from) else { continue };
             let (s, strategy) = (size(s.total()), format!("wrap.strategy = \"{name}\""));
             ways.push(match (candidate == layout, w == world) {
-                (true, _) => format!("it fits from run.world_size = {w} ({s} {what})"),
+                (true, _) => format!("{candidate} fits from run.world_size = {w} ({s} {what})"),
                 (false, true) => format!("{strategy} fits at this world size ({s} {what})"),
                 (false, false) => format!("{strategy} fits from run.world_size = {w} ({s} {what})"),
             });
@@ -289,18 +290,6 @@ impl Planner<'_> {
     }
 }
 
-/// Bytes in GiB from 1 GiB up, in MiB below.
-pub fn size(bytes: f64) -> String {
-    let mib = bytes / (1u64 << 20) as f64;
-    if mib >= 1024.0 {
-        format!("{:.2} GiB", mib / 1024.0)
-    } else if mib >= 10.0 {
-        format!("{mib:.0} MiB")
-    } else {
-        format!("{mib:.1} MiB")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -324,10 +313,11 @@ mod tests {
         assert_eq!(fsdp.optimizer, ddp.optimizer / 4.0);
         // The largest layer (64 × 64 + 64) gathered, with its all-gather buffer.
         assert_eq!(fsdp.parameters, 4.0 * (all / 4.0 + 2.0 * (64.0 * 64.0 + 64.0)));
-        // ZeRO-2: the layers so far all gathered; the most while the largest (layer 1) arrives.
+        // ZeRO-2: the layers so far all gathered; the most at the last layer, every layer
+        // gathered while the backward pass prefetches the largest (layer 1) into its buffer.
         let zero2 = state(&s, Layout::Fsdp { zero3: false }, 4, 2.0, None, true);
         let (l0, l1, l2): (f64, f64, f64) = (64.0 * 10.0 + 64.0, 64.0 * 64.0 + 64.0, 4.0 * 64.0 + 4.0);
-        assert_eq!(zero2.parameters, 4.0 * (all / 4.0 + (l0 + l1 + l1).max(l0 + l1 + l2 + l2)));
+        assert_eq!(zero2.parameters, 4.0 * (all / 4.0 + (l0 + l1 + l2) + l1));
     }
 
     #[test]

@@ -678,9 +678,9 @@ fn choose_strategy(
         share,
         &format!(
             "this machine's {} available over {w} rank{} (less {} a rank for activations, data and libtorch)",
-            memory::size(available),
+            crate::limits::size(available),
             if w == 1 { "" } else { "s" },
-            memory::size(besides)
+            crate::limits::size(besides)
         ),
     )
 }

@@ -62,7 +62,7 @@ pub fn wrap<'pg>(
     let buffers: Vec<_> = arch.buffers(layers.clone()).iter().map(|(name, _)| vars[name].shallow_clone()).collect();
     if sharded {
         let (names, shapes): (Vec<String>, Vec<Vec<i64>>) = arch.parameters(layers).into_iter().unzip();
-        let units = crate::strategy::fsdp::units(arch.as_ref());
+        let units = crate::model::shard_units(arch.as_ref());
         let zero3 = c.wrap.fsdp.reshard_after_forward;
         let sharded = Arc::new(Sharded::new(pg, &params, &units, zero3)?);
         let model: Box<dyn ModuleT + 'pg> = Box::new(ShardedModel::new(modules, sharded.clone()));

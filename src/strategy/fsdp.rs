@@ -24,29 +24,10 @@ use crate::config::schema::{Precision, ValidateOn};
 use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Task};
 use crate::device;
-use crate::dist::{ProcessGroup, Sharded, Units};
+use crate::dist::{ProcessGroup, Sharded};
 use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::{self, Optimizer};
-use crate::model::Architecture;
 use crate::plan::Plan;
-
-/// How the plan's model shards: one unit per layer that has parameters, each layer reading its
-/// own unit and those of the layers it shares parameters with ([`Architecture::reads`]).
-pub fn units(arch: &dyn Architecture) -> Units {
-    let layers = arch.layers().len();
-    let counts: Vec<usize> = (0..layers).map(|l| arch.parameters(l..l + 1).len()).collect();
-    // The unit of each layer with parameters.
-    let mut unit_of = vec![None; layers];
-    let mut sizes = Vec::new();
-    for (l, &n) in counts.iter().enumerate() {
-        if n > 0 {
-            unit_of[l] = Some(sizes.len());
-            sizes.push(n);
-        }
-    }
-    let layers = (0..layers).map(|l| arch.reads(l).into_iter().filter_map(|r| unit_of[r]).collect()).collect();
-    Units { sizes, layers }
-}
 
 /// The model under FSDP: its layers, each built on its own, run in order around the sharding's
 /// gathers and frees. What the rank's loop, validation and `predict` call as the model.
