@@ -276,42 +276,41 @@ fn group_lines(
 /// memory of a rank's process.
 fn memory_chart(area: &Area, rows: &[Row]) -> DrawResult {
     let (left, right) = area.split_horizontally(SIZE.0 / 2);
-    let panels: [(&Area, &str, &str, fn(&Row) -> Option<Spread>); 2] = [
-        (&left, "Training state per rank (MiB)", "state", |r| r.state_bytes),
-        (&right, "Peak resident memory per rank (MiB)", "peak RSS", |r| r.peak_rss_bytes),
-    ];
-    for (area, title, single, bytes) in panels {
-        let value = |r: &Row| bytes(r).map(|s| s.scaled(1.0 / MIB));
-        let max_world = rows.iter().map(|r| r.world_size).max().unwrap_or(1) as f64;
-        let ys = span(rows.iter().filter_map(value).map(|s| s.mean + s.std.unwrap_or(0.0)), true);
-        let mut chart = ChartBuilder::on(area)
-            .caption(title, ("sans-serif", 19))
-            .margin(14)
-            .x_label_area_size(44)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0.5..max_world + 0.5, ys)?;
-        chart
-            .configure_mesh()
-            .x_desc("world size (ranks)")
-            .y_desc("MiB")
-            .x_labels(max_world as usize + 2)
-            .x_label_formatter(&|x| {
-                if (x - x.round()).abs() < 1e-9 && *x >= 1.0 {
-                    format!("{x:.0}")
-                } else {
-                    String::new()
-                }
-            })
-            .label_style(("sans-serif", 14))
-            .draw()?;
-        group_lines(&mut chart, rows, single, value, false)?;
-        chart
-            .configure_series_labels()
-            .label_font(("sans-serif", 14))
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::LowerLeft)
-            .draw()?;
-    }
+    memory_panel(&left, "Training state per rank (MiB)", "state", rows, |r| r.state_bytes)?;
+    memory_panel(&right, "Peak resident memory per rank (MiB)", "peak RSS", rows, |r| r.peak_rss_bytes)
+}
+
+fn memory_panel(area: &Area, title: &str, single: &str, rows: &[Row], bytes: fn(&Row) -> Option<Spread>) -> DrawResult {
+    let value = |r: &Row| bytes(r).map(|s| s.scaled(1.0 / MIB));
+    let max_world = rows.iter().map(|r| r.world_size).max().unwrap_or(1) as f64;
+    let ys = span(rows.iter().filter_map(value).map(|s| s.mean + s.std.unwrap_or(0.0)), true);
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 19))
+        .margin(14)
+        .x_label_area_size(44)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.5..max_world + 0.5, ys)?;
+    chart
+        .configure_mesh()
+        .x_desc("world size (ranks)")
+        .y_desc("MiB")
+        .x_labels(max_world as usize + 2)
+        .x_label_formatter(&|x| {
+            if (x - x.round()).abs() < 1e-9 && *x >= 1.0 {
+                format!("{x:.0}")
+            } else {
+                String::new()
+            }
+        })
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    group_lines(&mut chart, rows, single, value, false)?;
+    chart
+        .configure_series_labels()
+        .label_font(("sans-serif", 14))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerLeft)
+        .draw()?;
     Ok(())
 }

@@ -82,8 +82,7 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
             format!("{:.2}", r.efficiency),
         ]);
         if memory {
-            let mib = |s: &Option<Spread>, d| opt(&s.map(|s| s.scaled(1.0 / MIB)), d);
-            cells.extend([mib(&r.state_bytes, 2), mib(&r.peak_rss_bytes, 0)]);
+            cells.extend([mib(&r.state_bytes), mib(&r.peak_rss_bytes)]);
         }
         out += &format!("| {} |\n", cells.join(" | "));
     }
@@ -116,6 +115,15 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
         }
     }
     out
+}
+
+/// Bytes in MiB, the mean to three significant digits (0.0528, 4.86, 230); "—" where absent.
+fn mib(bytes: &Option<Spread>) -> String {
+    bytes.map_or("—".to_owned(), |s| {
+        let s = s.scaled(1.0 / MIB);
+        let digits = if s.mean > 0.0 { (2 - s.mean.log10().floor() as i64).clamp(0, 6) as usize } else { 0 };
+        s.display(digits)
+    })
 }
 
 /// Whether any row has the per-rank memory columns (traces from before them have none).
