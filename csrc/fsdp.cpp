@@ -17,12 +17,16 @@
 
 #include <ATen/native/Resize.h>
 #include <ATen/ops/split_with_sizes_copy.h>
+#include <ATen/ops/sum.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 #ifdef RUNNER_NCCL
-#include <ATen/native/cuda/Resize.h>
+// Declared here: ATen/native/cuda/Resize.h's inline code does not compile as C++17.
+namespace at::native {
+void resize_bytes_cuda(c10::StorageImpl* storage, size_t size_bytes);
+}
 #endif
 
 namespace {
@@ -59,6 +63,8 @@ struct Unit {
   size_t grads_ready = 0;
   bool reduced = false;
   at::Tensor reduce_in, reduce_out;
+  // Over gloo: what the all-to-all brings, every rank's rows of this rank's chunk.
+  at::Tensor reduce_got;
   c10::intrusive_ptr<c10d::Work> reduce_work;
 
   int64_t chunk() const { return flat.numel(); }
@@ -69,6 +75,8 @@ struct Unit {
 struct rn_fsdp {
   rn_pg* pg = nullptr;
   int64_t world = 1, rank = 0;
+  // Whether the backend is gloo (its reduce-scatter is replaced, see start_reduce).
+  bool gloo = true;
   std::vector<Unit> units;
   // For each layer in forward order, the units its forward reads.
   std::vector<std::vector<size_t>> layers;
@@ -93,6 +101,7 @@ struct rn_fsdp {
     int64_t bytes = arriving;
     for (const auto& u : units) {
       if (u.reduce_in.defined()) bytes += u.reduce_in.numel() * elt();
+      if (u.reduce_got.defined()) bytes += u.reduce_got.numel() * elt();
       if (u.reduce_out.defined()) bytes += u.reduce_out.numel() * elt();
       for (const auto& p : u.params) {
         const auto& g = p.shard.grad();
@@ -273,6 +282,15 @@ void rn_fsdp::start_reduce(size_t index) {
   if (world == 1) {
     u.reduce_out.copy_(u.reduce_in);
     u.reduce_work.reset();
+  } else if (gloo) {
+    // gloo's reduce-scatter all-reduces the whole input and keeps a slice: twice the bytes of a
+    // ring. One all-to-all moves what a ring moves (each rank's chunk r to rank r), and the
+    // sum of the chunks that arrive is done when the unit's reduction is waited for.
+    // (benches/reference/reduce_scatter.py measures the three.)
+    u.reduce_got = at::empty_like(u.reduce_in);
+    std::vector<int64_t> even;
+    u.reduce_work = pg->backend->alltoall_base(u.reduce_got, u.reduce_in, even, even);
+    note_grads();
   } else {
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
@@ -296,6 +314,13 @@ void rn_fsdp::finish_reduce(size_t index) {
   int64_t t0 = now_ns();
   if (u.reduce_work) u.reduce_work->wait();
   stats.reduce_wait_ns += now_ns() - t0;
+  if (u.reduce_got.defined()) {
+    int64_t t1 = now_ns();
+    // Every rank's rows of this rank's chunk, summed in rank order.
+    at::sum_out(u.reduce_out, u.reduce_got.view({world, u.chunk()}), 0);
+    u.reduce_got = at::Tensor();
+    stats.copy_ns += now_ns() - t1;
+  }
   for (auto& p : u.params) {
     auto g = u.reduce_out.narrow(0, p.offset, p.shard_numel()).view(p.shard.sizes());
     at::Tensor& grad = p.shard.mutable_grad();
@@ -334,6 +359,7 @@ char* rn_fsdp_new(rn_pg* pg, void** params_ptr, size_t n_params, const size_t* u
     f->pg = pg;
     f->world = pg->pg->getSize();
     f->rank = pg->pg->getRank();
+    f->gloo = pg->backend->getBackendName() == "gloo";
     auto params = rn::tensors(params_ptr, n_params);
     at::NoGradGuard no_grad;
     size_t at = 0;

@@ -195,7 +195,7 @@ fi
 #                        and nccl.h.
 # Only headers are taken from the nvidia-* wheels, whose wheels are then deleted: the link does not
 # need CUDA's libraries (build.rs links with --allow-shlib-undefined). A machine that RUNS the CUDA
-# build needs them, as torch does: see "GPUs" in README.md.
+# build needs them, as torch does: see docs/gpus.md.
 cuda_headers=(
   "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-crt==13.0.88" "nvidia-cuda-cccl==13.0.85"
   "nvidia-cublas==13.1.1.3" "nvidia-cusparse==12.6.3.3" "nvidia-cusolver==12.0.4.66"

@@ -24,7 +24,9 @@ use crate::trace::view;
 #[command(
     name = "runner",
     version,
-    about = "Runs distributed data-parallel training experiments described by TOML files"
+    about = "Runs distributed data-parallel training experiments described by TOML files",
+    after_help = "Example:\n  runner run pipelines/ddp.toml --set train.lr=0.01\n\n\
+                  Read first: README.md; every page: docs/README.md"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -34,32 +36,60 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run a pipeline: world_size rank processes on this machine (or, under torchrun, this rank).
+    #[command(
+        after_help = "Examples:\n  runner run pipelines/ddp.toml --set train.lr=0.01 --set run.world_size=2\n  \
+                            runner run --resume results/ddp/<run-id>\n\n\
+                            Read: docs/guide/first-run.md, docs/guide/resume.md"
+    )]
     Run(RunArgs),
     /// Run every point of an experiment's grid, then write its tables and plots.
+    #[command(
+        after_help = "Example:\n  runner sweep experiments/world_size.toml --check\n\nRead: docs/guide/sweeps.md"
+    )]
     Sweep(SweepArgs),
     /// Rebuild a sweep directory's tables and plots from its traces; run nothing.
+    #[command(after_help = "Example:\n  runner report results/world_size\n\nRead: docs/guide/sweeps.md")]
     Report(ReportArgs),
     /// Check a pipeline and print its resolved plan (the data-flow table); run nothing.
+    #[command(after_help = "Example:\n  runner validate pipelines/ddp.toml --set run.world_size=2\n\n\
+                            Read: docs/guide/configuration.md, docs/reference/configuration.md")]
     Validate(ConfigArgs),
     /// Print the JSON Schema of pipeline files, for editors that complete and check keys as you
     /// type (taplo / Even Better TOML read a `#:schema PATH` first line).
-    Schema,
+    #[command(after_help = "Example:\n  runner schema > pipelines/schema.json\n\n\
+                            Read: docs/guide/configuration.md, docs/reference/configuration.md")]
+    Schema(SchemaArgs),
     /// Measure the runner against the same pipeline in PyTorch DDP under torchrun, side by side
     /// (installs the reference's PyTorch into .deps/reference on first use, about 5 GB).
+    #[command(after_help = "Example:\n  runner bench --quick --workload overhead-bound --world-sizes 1,2\n\n\
+                            Read: docs/benchmarks.md")]
     Bench(BenchArgs),
     /// Apply a finished run's preprocessing and model to a csv or parquet file: predictions as
     /// parquet, and the metrics when the file holds the target column. For a language model,
     /// --prompt prints text sampled after it instead.
+    #[command(after_help = "Examples:\n  runner predict results/cancer new_rows.csv --out predictions.parquet\n  \
+                            runner predict results/book --prompt \"PROSPERO:\" --tokens 200\n\n\
+                            Read: docs/guide/your-data.md, docs/guide/language-models.md")]
     Predict(PredictArgs),
     /// Make data files for the runner from other formats.
     #[command(subcommand)]
     Prepare(PrepareCommand),
 }
 
+#[derive(Debug, Args)]
+pub struct SchemaArgs {
+    /// Print the configuration reference instead, as Markdown: every key with its type, default
+    /// and doc comment (docs/reference/configuration.md is this output).
+    #[arg(long)]
+    pub markdown: bool,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum PrepareCommand {
     /// A UTF-8 text as nanoGPT's character-level prepare.py makes it: train.bin and val.bin
     /// (uint16 ids, the first 90% of the characters and the rest) and meta.json (the vocabulary).
+    #[command(after_help = "Example:\n  runner prepare text pipelines/data/tempest.txt --out data/book\n\n\
+                            Read: docs/guide/language-models.md")]
     Text {
         /// The text file.
         file: PathBuf,
@@ -279,7 +309,7 @@ pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
         },
         Command::Validate(args) => Some(resolved(&args.file, &args.set, &args.set_as)),
         Command::Predict(args) => Some(resolved(&args.run_dir.join(rundir::CONFIG), &[], &[])),
-        Command::Sweep(_) | Command::Bench(_) | Command::Schema | Command::Report(_) | Command::Prepare(_) => None,
+        Command::Sweep(_) | Command::Bench(_) | Command::Schema(_) | Command::Report(_) | Command::Prepare(_) => None,
     }
 }
 
@@ -297,8 +327,12 @@ pub fn signal_role(cli: &Cli) -> crate::signals::Role {
 pub fn main(cli: Cli) -> u8 {
     let result = match cli.command {
         Command::Validate(args) => validate(&args),
-        Command::Schema => {
-            crate::say!("{}", schema_json());
+        Command::Schema(args) => {
+            if args.markdown {
+                crate::say!("{}", crate::config::reference::markdown());
+            } else {
+                crate::say!("{}", schema_json());
+            }
             Ok(0)
         }
         Command::Run(args) => run(&args),
@@ -357,18 +391,7 @@ pub fn main(cli: Cli) -> u8 {
 
 /// The pipeline file's JSON Schema, generated from the serde types that read it.
 pub fn schema_json() -> String {
-    let mut schema = schemars::schema_for!(crate::config::Config);
-    schema.insert("title".into(), "runner pipeline file".into());
-    // Read by config::extends before the sections, so not a field of Config.
-    let extends = serde_json::json!({
-        "description": "A pipeline file this one builds on, relative to this file: its tables merge key by key \
-                        under this file's, arrays and other values are replaced.",
-        "type": "string"
-    });
-    if let Some(serde_json::Value::Object(properties)) = schema.get_mut("properties") {
-        properties.insert("extends".into(), extends);
-    }
-    serde_json::to_string_pretty(&schema).expect("a schema serializes")
+    serde_json::to_string_pretty(&crate::config::reference::json_schema(false)).expect("a schema serializes")
 }
 
 /// `train.precision = "bf16"` on a CPU whose bfloat16 matmuls are slower than its float32 ones:

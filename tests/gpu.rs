@@ -4,7 +4,7 @@
 //!
 //! Every test that needs GPUs says so and passes without running where there are too few: it
 //! prints `SKIPPED (...)` with the reason (see them with `cargo test --features cuda -- --nocapture`).
-//! None of these has run on a GPU yet: see "GPUs" in README.md.
+//! None of these has run on a GPU yet: see docs/gpus.md.
 #![cfg(feature = "cuda")]
 
 mod common;

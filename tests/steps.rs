@@ -8,7 +8,7 @@ use std::path::Path;
 
 use common::{assert_ok, assert_same_trace, run, run_and_kill_at, text, trace, write};
 
-/// A small language model on this repository's README, read as bytes, random windows.
+/// A small language model on a play (pipelines/data/tempest.txt), read as bytes, random windows.
 const LM: &str = r#"
 [run]
 name = "lm"
@@ -81,7 +81,8 @@ keep = 2
 "#;
 
 fn corpus(dir: &Path) {
-    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"), dir.join("corpus.txt")).unwrap();
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/data/tempest.txt"), dir.join("corpus.txt"))
+        .unwrap();
 }
 
 /// `whole` uninterrupted, `cut` killed once `marker` exists and resumed: the same trace and files.

@@ -15,8 +15,8 @@
 # world size 1 the copy is train.py as it is. model.py and the configs are nanoGPT's own, linked.
 #
 # The runner runs twice: as the pipeline says (run.numerics = "native": MKL's kernels for this CPU,
-# as nanoGPT computes) and with run.numerics = "portable" (the same bits on any x86-64 CPU: README,
-# "Reproducible on any x86-64 CPU"), so that the cost of portability shows beside the comparison.
+# as nanoGPT computes) and with run.numerics = "portable" (the same bits on any x86-64 CPU:
+# docs/reproducibility.md), so that the cost of portability shows beside the comparison.
 #
 # nanoGPT runs with --always_save_checkpoint=True (its checkpoint after the last evaluation, so
 # both final models can be compared) and, at world size W > 1, under torchrun with

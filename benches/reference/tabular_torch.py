@@ -9,7 +9,7 @@ training rows (scale 1 for constant columns, as scikit-learn's scalers do).
     .deps/reference/bin/python benches/reference/tabular_torch.py RUN_DIR [--seeds 5]
 
 Prints the final validation metrics per seed and their mean: what the same model reaches in
-PyTorch, to compare with the run's trace (README, "Bring your own data").
+PyTorch, to compare with the run's trace (docs/guide/your-data.md, docs/benchmarks.md).
 """
 import argparse
 import csv

@@ -350,7 +350,7 @@ fn numerics_cost(s: &mut String, results: &[WorkloadResult]) {
         s,
         "### The cost of reproducible numerics\n\n\
          The runner computes with `run.numerics = \"portable\"` by default (`MKL_CBWR=COMPATIBLE`), so that a plan \
-         gives the same bits on any x86-64 CPU (README, \"Reproducible on any x86-64 CPU\"); PyTorch above runs with \
+         gives the same bits on any x86-64 CPU (docs/reproducibility.md); PyTorch above runs with \
          MKL's kernels for this CPU, as its users run it, and so does the matmul peak's probe. Here the runner runs \
          both ways (\"native\": MKL's kernels for this CPU), alternating. Cost: epoch time with the setting over epoch time without \
          (medians). Loss difference: the largest relative difference of their per-epoch losses.\n\n\

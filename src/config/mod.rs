@@ -1,6 +1,8 @@
 //! Configuration: the TOML schema ([`schema`], serde types only), files that extend a base
-//! ([`extends`]) and layering with figment ([`resolve`]). `crate::plan` turns a resolved configuration into the validated plan.
+//! ([`extends`]), layering with figment ([`resolve`]), and the reference of every key generated from
+//! the schema ([`reference`]). `crate::plan` turns a resolved configuration into the validated plan.
 pub mod extends;
+pub mod reference;
 pub mod resolve;
 pub mod schema;
 

@@ -21,6 +21,7 @@ pub struct Config {
     pub track: Track,
 }
 
+/// `[checkpoint]`: when rank 0 writes a checkpoint a run can resume from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Checkpoint {
@@ -40,6 +41,7 @@ impl Default for Checkpoint {
     }
 }
 
+/// `[run]`: the processes, their seed, time limits and numerics.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Run {
@@ -49,7 +51,10 @@ pub struct Run {
     pub seed: u64,
     /// Number of ranks (processes).
     pub world_size: usize,
+    /// The collective engine: "gloo" (CPU, and CUDA tensors through host memory) or "nccl"
+    /// (GPUs; the CUDA build only).
     pub backend: Backend,
+    /// Where a rank computes: "cpu", or "cuda" (rank r on cuda:LOCAL_RANK; the CUDA build only).
     pub device: Device,
     /// Intra-op threads per rank; default: cores / world_size, at least 1.
     pub threads_per_rank: Option<usize>,
@@ -61,7 +66,11 @@ pub struct Run {
     /// the rank and the step; absent: 10 × the slowest step so far, and at least `timeout_s`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step_timeout_s: Option<f64>,
-    /// MiB of float32 parameters one rank may hold, checked on the plan; absent: unchecked.
+    /// MiB of training state one rank may hold (its parameters, their gradients and the
+    /// optimizer's state, as the strategy holds them: whole under DDP, a stage's under a pipeline,
+    /// shards plus the layers gathered at once under FSDP), checked on the plan, which names the
+    /// strategies and world sizes that fit; `wrap.strategy = "auto"` chooses by it. Absent:
+    /// unchecked (the plan still checks the whole estimate against this machine's memory).
     pub memory_per_rank_mb: Option<f64>,
     /// The signal that preempts the run: every rank finishes its step, a checkpoint is written
     /// at that step, the manifest says `preempted`, and under Slurm the job requeues itself and
@@ -151,9 +160,11 @@ pub enum Device {
     Cuda,
 }
 
+/// `[load]`: the data, generated or read from files.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Load {
+    /// Where the samples come from: generated, a file of rows, arrays, or tokens.
     pub source: Source,
     /// Training rows (synthetic); for files, the rows read (all when absent).
     pub rows: Option<usize>,
@@ -304,9 +315,11 @@ pub enum Source {
     Text,
 }
 
+/// `[shard]`: how the training samples divide across the ranks, epoch after epoch.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Shard {
+    /// How each step's samples divide across the ranks.
     pub strategy: ShardStrategy,
     /// Reshuffle every epoch (DistributedSampler's set_epoch); otherwise the file order.
     pub shuffle: bool,
@@ -330,10 +343,14 @@ pub enum ShardStrategy {
     Batch,
 }
 
+/// `[normalize]`: how the inputs are scaled before training.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Normalize {
+    /// How each input is scaled, with statistics fitted on the training rows only (a column
+    /// constant over them gets scale 1).
     pub method: NormalizeMethod,
+    /// Whose rows the statistics are fitted on.
     pub scope: NormalizeScope,
 }
 
@@ -359,9 +376,11 @@ pub enum NormalizeScope {
     Global,
 }
 
+/// `[wrap]`: the model, and how the ranks share it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Wrap {
+    /// How the ranks share the work on the model.
     pub strategy: WrapStrategy,
     /// DDP gradient bucket size, in MiB.
     pub bucket_cap_mb: f64,
@@ -382,6 +401,7 @@ pub struct Wrap {
     /// their matrix products are too short to keep several threads busy.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub threads_per_replica: Option<usize>,
+    /// The model: `kind` picks the architecture.
     #[serde(deserialize_with = "model_of_default_kind")]
     pub model: Model,
     /// strategy = "pipeline" only.
@@ -448,6 +468,7 @@ impl Fsdp {
     }
 }
 
+/// `[wrap.pipeline]`: pipeline parallelism, with `wrap.strategy = "pipeline"`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Pipeline {
@@ -456,6 +477,7 @@ pub struct Pipeline {
     pub stages: Option<Vec<Vec<usize>>>,
     /// Micro-batches each batch is split into (sizes differ by at most one row).
     pub micro_batches: usize,
+    /// The order of the micro-batches' forward and backward passes.
     pub schedule: Schedule,
     /// Copies of the pipeline, each on world_size / replicas ranks and its own shard of the data,
     /// each stage's gradients averaged over the copies (data parallel across pipelines).
@@ -515,6 +537,7 @@ fn model_of_default_kind<'de, D: Deserializer<'de>>(d: D) -> Result<Model, D::Er
 pub struct Mlp {
     /// Widths of the hidden layers.
     pub hidden: Vec<usize>,
+    /// The activation after each hidden layer.
     pub activation: Activation,
     /// Dropout probability after each hidden activation.
     pub dropout: f64,
@@ -531,6 +554,7 @@ impl Default for Mlp {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Cnn {
+    /// The convolution blocks, in order: a list of tables (the keys below).
     pub conv: Vec<ConvBlock>,
     /// Widths of the hidden linear layers after the convolutions.
     pub hidden: Vec<usize>,
@@ -563,11 +587,13 @@ pub struct ConvBlock {
     pub channels: usize,
     /// Square kernel side, in pixels.
     pub kernel: usize,
+    /// The convolution's step, in pixels.
     pub stride: usize,
     /// Zeros added on each side, in pixels.
     pub padding: usize,
     /// Batch normalization after the convolution (running statistics: momentum 0.1, eps 1e-5).
     pub batch_norm: bool,
+    /// Pooling after the activation: "max", "avg" or "none".
     pub pool: Pool,
     /// Pooling window side (and stride), in pixels.
     pub pool_size: usize,
@@ -647,6 +673,7 @@ pub enum Activation {
     Gelu,
 }
 
+/// `[train]`: how long and how the model learns: the optimizer and the training recipe.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Train {
@@ -659,9 +686,11 @@ pub struct Train {
     pub batch_size: usize,
     /// Samples per step over all ranks (shard.strategy = "batch"), split evenly across them.
     pub global_batch_size: Option<usize>,
+    /// The optimizer: "sgd", "adam" or "adamw" (Adam with decoupled weight decay).
     pub optimizer: Optimizer,
     /// The peak learning rate (the schedule's base).
     pub lr: f64,
+    /// SGD only: the momentum factor (torch's, without dampening or Nesterov).
     pub momentum: f64,
     /// Adam / AdamW: the decay rates of the first and second moments' running averages.
     #[serde(skip_serializing_if = "is_default_betas")]
@@ -669,6 +698,7 @@ pub struct Train {
     /// Adam / AdamW: added to the second moment's square root in the denominator.
     #[serde(skip_serializing_if = "is_default_eps")]
     pub eps: f64,
+    /// The weight decay factor: L2 added to the gradient for SGD and Adam, decoupled for AdamW.
     pub weight_decay: f64,
     /// Which parameters `weight_decay` applies to: "all", or "matrices" (parameters with two or
     /// more dimensions, embeddings included; never biases or norms: nanoGPT's configure_optimizers).
@@ -796,6 +826,7 @@ fn is_true(v: &bool) -> bool {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct LrSchedule {
+    /// The shape of the learning rate over the optimizer steps.
     pub kind: ScheduleKind,
     /// Optimizer steps of linear warmup from lr / warmup_steps up to lr.
     #[serde(skip_serializing_if = "is_zero")]
@@ -874,6 +905,7 @@ pub enum Precision {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct EarlyStop {
+    /// The validation metric watched: "val_loss" or "val_acc".
     pub metric: StopMetric,
     /// min: lower is better (losses); max: higher is better (accuracies). Default: the metric's own.
     pub mode: Option<StopMode>,
@@ -921,6 +953,7 @@ pub enum Optimizer {
     Adamw,
 }
 
+/// `[validate]`: which rows are held out, and when and where they are measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Validate {
@@ -933,6 +966,7 @@ pub struct Validate {
     /// (nanoGPT's eval_iters); absent: every validation row.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub batches: Option<usize>,
+    /// Which ranks validate.
     pub on: ValidateOn,
     /// Files, tensors and token files: the fraction of rows (windows) held out for validation;
     /// default 0.2. Rows by a seeded shuffle (stratified by class for classification); windows
@@ -964,6 +998,7 @@ pub enum ValidateOn {
     Split,
 }
 
+/// `[trace]`: what is recorded besides the per-epoch trace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Trace {

@@ -130,7 +130,8 @@ pub fn optimizer_slots(c: &Config) -> f64 {
 
 /// The training state one of `world` ranks holds under `layout`. `heaviest`: the most
 /// parameters a pipeline stage holds at this world size (`None`: no pipeline can be cut).
-pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest: Option<usize>) -> State {
+/// `gloo`: the collectives run over gloo (CPU), whose reduce-scatter FSDP does as an all-to-all.
+pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest: Option<usize>, gloo: bool) -> State {
     let layers = shapes.layers.len();
     let all: f64 = (0..layers).map(|l| shapes.values(l)).sum();
     match layout {
@@ -163,13 +164,16 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
                 .fold(0.0, f64::max);
             // In the backward pass, layers in reverse, one at a time: the shards' gradients of
             // the layers after it, its reduce-scatter input (its padded whole), and either a
-            // whole gradient arriving into that input or the output its rows come back in.
+            // whole gradient arriving into that input or, while the reduction runs, the output
+            // its rows come back in (over gloo, with the all-to-all's buffer, another padded
+            // whole: see csrc/fsdp.cpp).
             let shard = |l: usize| shapes.shard(l, world).0;
             let reduce = (0..layers)
                 .map(|l| {
                     let after: f64 = (l + 1..layers).map(shard).sum();
                     let arriving = shapes.layers[l].iter().map(|&(r, v)| (r * v) as f64).fold(0.0, f64::max);
-                    after + padded(l) + arriving.max(shard(l))
+                    let received = if gloo && world > 1 { padded(l) } else { 0.0 };
+                    after + padded(l) + arriving.max(shard(l) + received)
                 })
                 .fold(shards, f64::max);
             State { parameters: F * (shards + gathered), gradients: F * reduce, optimizer: F * slots * shards }
@@ -190,6 +194,8 @@ pub struct Planner<'a> {
     /// Copies of a pipeline (`wrap.pipeline.replicas`): with more than one, each stage's
     /// gradients are averaged over them through a flat copy.
     pub pipeline_copies: usize,
+    /// The collectives run over gloo (the CPU backend).
+    pub gloo: bool,
 }
 
 impl Planner<'_> {
@@ -212,7 +218,7 @@ impl Planner<'_> {
             }
             _ => None,
         };
-        let mut s = state(&self.shapes, layout, world, self.slots, heaviest);
+        let mut s = state(&self.shapes, layout, world, self.slots, heaviest, self.gloo);
         if layout == Layout::Pipeline && self.pipeline_copies > 1 {
             s.gradients *= 2.0;
         }
@@ -308,15 +314,15 @@ mod tests {
     fn ddp_holds_everything_and_fsdp_a_share_plus_what_is_gathered() {
         let s = mlp();
         let all = (64 * 10 + 64 + 64 * 64 + 64 + 4 * 64 + 4) as f64;
-        let ddp = state(&s, Layout::Replica, 4, 2.0, None);
+        let ddp = state(&s, Layout::Replica, 4, 2.0, None, true);
         assert_eq!(ddp, State { parameters: 4.0 * all, gradients: 4.0 * all, optimizer: 8.0 * all });
-        let fsdp = state(&s, Layout::Fsdp { zero3: true }, 4, 2.0, None);
+        let fsdp = state(&s, Layout::Fsdp { zero3: true }, 4, 2.0, None, true);
         // No row count here is uneven over 4 ranks: the shards are exactly a quarter.
         assert_eq!(fsdp.optimizer, ddp.optimizer / 4.0);
         // The largest layer (64 × 64 + 64) gathered, with its all-gather buffer.
         assert_eq!(fsdp.parameters, 4.0 * (all / 4.0 + 2.0 * (64.0 * 64.0 + 64.0)));
         // ZeRO-2: the layers so far all gathered; the most while the largest (layer 1) arrives.
-        let zero2 = state(&s, Layout::Fsdp { zero3: false }, 4, 2.0, None);
+        let zero2 = state(&s, Layout::Fsdp { zero3: false }, 4, 2.0, None, true);
         let (l0, l1, l2): (f64, f64, f64) = (64.0 * 10.0 + 64.0, 64.0 * 64.0 + 64.0, 4.0 * 64.0 + 4.0);
         assert_eq!(zero2.parameters, 4.0 * (all / 4.0 + (l0 + l1 + l1).max(l0 + l1 + l2 + l2)));
     }
@@ -334,7 +340,7 @@ mod tests {
             layers: vec![vec![(100, 8)], vec![(8, 8)], vec![(8, 1)]],
             reads: vec![vec![0], vec![1], vec![2, 0]],
         };
-        let fsdp = state(&s, Layout::Fsdp { zero3: true }, 2, 0.0, None);
+        let fsdp = state(&s, Layout::Fsdp { zero3: true }, 2, 0.0, None, true);
         // At layer 1 the embedding (800 values) is still held, besides layer 1 and its buffer.
         let at_layer1 = 800.0 + 64.0 + 64.0;
         let shards = 400.0 + 32.0 + 4.0;

@@ -120,6 +120,7 @@ impl Plan {
             slots: memory::optimizer_slots(&c),
             pipeline_possible: !matches!(c.wrap.model, Model::Torchscript(_)),
             pipeline_copies: c.wrap.pipeline.replicas,
+            gloo: c.run.backend == Backend::Gloo,
         });
         strategy_keys(&c, &mut bad);
         let mut auto = None;

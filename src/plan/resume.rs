@@ -151,13 +151,10 @@ impl Plan {
         (plan.config.trace.tensorboard, plan.config.trace.log_every_steps) =
             (asked.config.trace.tensorboard, asked.config.trace.log_every_steps);
         plan.config.track = asked.config.track.clone();
-        // Tracking is taken as asked: so are the sources of its keys.
-        for key in all_leaves(asked).keys().filter(|k| is_tracking(k)) {
-            match asked.sources.get(key) {
-                Some(source) => drop(plan.sources.insert(key.clone(), source.clone())),
-                None => drop(plan.sources.remove(key)),
-            }
-        }
+        // Tracking is taken as asked: so are the sources of its keys (those at their default
+        // value included, which the serialized configuration may leave out).
+        plan.sources.retain(|key, _| !is_tracking(key));
+        plan.sources.extend(asked.sources.iter().filter(|(k, _)| is_tracking(k)).map(|(k, v)| (k.clone(), v.clone())));
         if reshards {
             // What the new layout derives: the shards, each rank's batch, threads and layers.
             plan.layout = asked.layout;
