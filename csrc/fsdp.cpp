@@ -54,6 +54,9 @@ struct Unit {
   // This rank's shards of the unit's parameters, one after another: the all-gather's input.
   at::Tensor flat;
   bool gathered = false;
+  // An all-gather in flight (a prefetch): its buffer and its work.
+  at::Tensor gather_out;
+  c10::intrusive_ptr<c10d::Work> gather_work;
   // The layer after whose forward it is freed (ZeRO-3), or -1: kept until its backward ends.
   int64_t free_after = -1;
   // The last layer that reads it (the forward's end, without autograd).
@@ -116,7 +119,9 @@ struct rn_fsdp {
     stats.peak_grad_bytes = std::max(stats.peak_grad_bytes, grad_bytes(arriving));
   }
 
+  void start_gather(Unit& u);
   void gather(Unit& u);
+  void gather_for(size_t layer, int64_t next);
   void free(Unit& u);
   void pre_backward(size_t layer);
   void grad_ready(size_t unit, size_t param);
@@ -179,23 +184,38 @@ rn_fsdp::~rn_fsdp() {
     } catch (...) {
     }
   }
+  for (auto& u : units) {
+    try {
+      if (u.gather_work) u.gather_work->wait();
+    } catch (...) {
+    }
+  }
 }
 
+// Starts the unit's all-gather (its shards into one buffer of world × flat) and returns at once.
+void rn_fsdp::start_gather(Unit& u) {
+  if (u.gathered || u.gather_out.defined()) return;
+  at::NoGradGuard no_grad;
+  u.gather_out = at::empty({world * u.chunk()}, u.flat.options().requires_grad(false));
+  note_gathered(world * u.chunk() * elt());
+  if (world == 1) {
+    u.gather_out.copy_(u.flat);
+  } else {
+    u.gather_work = pg->backend->_allgather_base(u.gather_out, u.flat);
+  }
+  stats.gathers += 1;
+}
+
+// The unit's parameters whole in their own storage: its all-gather (started here, or before as a
+// prefetch) waited for and copied out.
 void rn_fsdp::gather(Unit& u) {
   if (u.gathered) return;
   at::NoGradGuard no_grad;
-  const int64_t bytes = world * u.chunk() * elt();
-  auto out = at::empty({world * u.chunk()}, u.flat.options().requires_grad(false));
-  note_gathered(bytes);
+  start_gather(u);
   int64_t t0 = now_ns();
-  if (world == 1) {
-    out.copy_(u.flat);
-  } else {
-    pg->backend->_allgather_base(out, u.flat)->wait();
-  }
+  if (u.gather_work) u.gather_work->wait();
   int64_t t1 = now_ns();
   stats.gather_wait_ns += t1 - t0;
-  stats.gathers += 1;
   std::vector<at::Tensor> targets;
   std::vector<int64_t> sizes;
   for (auto& p : u.params) {
@@ -206,11 +226,22 @@ void rn_fsdp::gather(Unit& u) {
   }
   // Rank r's rows of parameter p sit at [r][offset_p, offset_p + numel_p) of the gathered
   // buffer; the padded storage of p wants them at [r][0, numel_p): one copy of the whole unit.
-  at::split_with_sizes_copy_out(targets, out.view({world, u.chunk()}), sizes, 1);
+  at::split_with_sizes_copy_out(targets, u.gather_out.view({world, u.chunk()}), sizes, 1);
   stats.copy_ns += now_ns() - t1;
-  out = at::Tensor();
-  note_gathered(-bytes);
+  u.gather_out = at::Tensor();
+  u.gather_work.reset();
+  note_gathered(-world * u.chunk() * elt());
   u.gathered = true;
+}
+
+// Gathers what layer `layer` reads, then starts gathering what layer `next` reads (a layer
+// index, or -1 for none): its all-gather runs while `layer` computes (FSDP2's prefetch, one
+// layer ahead, forward and backward).
+void rn_fsdp::gather_for(size_t layer, int64_t next) {
+  for (size_t u : layers.at(layer)) gather(units[u]);
+  if (next >= 0 && next < static_cast<int64_t>(layers.size())) {
+    for (size_t u : layers[next]) start_gather(units[u]);
+  }
 }
 
 void rn_fsdp::free(Unit& u) {
@@ -223,7 +254,7 @@ void rn_fsdp::free(Unit& u) {
 }
 
 void rn_fsdp::pre_backward(size_t layer) {
-  for (size_t u : layers.at(layer)) gather(units[u]);
+  gather_for(layer, static_cast<int64_t>(layer) - 1);
 }
 
 void rn_fsdp::grad_ready(size_t index, size_t param) {
@@ -343,6 +374,13 @@ void rn_fsdp::finish_backward() {
   }
   finish_in_flight();
   for (auto& u : units) {
+    // A prefetch no layer asked for (none is started past the first layer): waited for, dropped.
+    if (u.gather_out.defined()) {
+      if (u.gather_work) u.gather_work->wait();
+      note_gathered(-u.gather_out.numel() * elt());
+      u.gather_out = at::Tensor();
+      u.gather_work.reset();
+    }
     free(u);
     u.reduced = false;
     u.grads_ready = 0;
@@ -444,7 +482,7 @@ char* rn_fsdp_shard(rn_fsdp* f, size_t i, void** out) {
 char* rn_fsdp_pre_forward(rn_fsdp* f, size_t layer) {
   return rn::protect([&] {
     TORCH_CHECK(layer < f->layers.size(), "no layer ", layer);
-    for (size_t u : f->layers[layer]) f->gather(f->units[u]);
+    f->gather_for(layer, static_cast<int64_t>(layer) + 1);
   });
 }
 

@@ -144,11 +144,14 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
             let shards: f64 = (0..layers).map(|l| shapes.shard(l, world).0).sum();
             let padded = |l: usize| shapes.shard(l, world).1;
             // What is gathered while layer l computes: the units it reads (and, under ZeRO-2,
-            // every layer before it still waiting for its backward), plus the all-gather buffer
-            // of the largest of them.
+            // every layer before it still waiting for its backward), plus an all-gather buffer:
+            // of its own units, or of the next layer's (prefetched one layer ahead, forward and
+            // backward).
             let gathered = (0..layers)
                 .map(|l| {
                     let reads = &shapes.reads[l];
+                    let near = [l.checked_sub(1), Some(l), (l + 1 < layers).then_some(l + 1)];
+                    let buffer = near.into_iter().flatten().flat_map(|n| &shapes.reads[n]).map(|&u| padded(u));
                     let held: f64 = if zero3 {
                         // A unit another layer reads later (a tied embedding) stays gathered.
                         let kept: f64 = (0..l)
@@ -159,7 +162,7 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
                     } else {
                         (0..=l).map(padded).sum()
                     };
-                    held + reads.iter().map(|&u| padded(u)).fold(0.0, f64::max)
+                    held + buffer.fold(0.0, f64::max)
                 })
                 .fold(0.0, f64::max);
             // In the backward pass, layers in reverse, one at a time: the shards' gradients of

@@ -24,7 +24,7 @@ use crate::config::schema::{Precision, ValidateOn};
 use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Task};
 use crate::device;
-use crate::dist::{ProcessGroup, ShardStats, Sharded, Units};
+use crate::dist::{ProcessGroup, Sharded, Units};
 use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::{self, Optimizer};
 use crate::model::Architecture;
@@ -96,8 +96,6 @@ pub struct Fsdp<'pg> {
     /// The model's buffers, broadcast from rank 0 (with more than one rank).
     buffers: Vec<Tensor>,
     batch_norm: Option<Arc<StatsGroup<'pg>>>,
-    /// The counters at the end of the last step, for each step's time in collectives.
-    last: ShardStats,
 }
 
 impl<'pg> Fsdp<'pg> {
@@ -116,7 +114,6 @@ impl<'pg> Fsdp<'pg> {
         let buffers = if pg.size() > 1 { buffers.iter().map(Tensor::shallow_clone).collect() } else { Vec::new() };
         // Every rank starts from rank 0's buffers, as DDP's construction makes them.
         super::broadcast_from_rank0(pg, &buffers)?;
-        let last = sharded.stats(false)?;
         let shards = sharded.shards()?;
         Ok(Fsdp {
             pg,
@@ -129,7 +126,6 @@ impl<'pg> Fsdp<'pg> {
             precision: plan.config.train.precision,
             buffers,
             batch_norm,
-            last,
         })
     }
 
@@ -147,6 +143,7 @@ impl<'pg> Fsdp<'pg> {
     pub fn step(&mut self, model: &dyn ModuleT, x: &Tensor, y: &Tensor, micro: Micro) -> anyhow::Result<StepOut> {
         let dev = self.device;
         let t0 = device::now(dev);
+        let before = self.sharded.stats(false)?;
         if micro.sync {
             super::broadcast_from_rank0(self.pg, &self.buffers)?;
         }
@@ -165,9 +162,9 @@ impl<'pg> Fsdp<'pg> {
         })?;
         self.sharded.finish_backward()?;
         let backward = device::elapsed(dev, t2);
-        let now = self.sharded.stats(false)?;
-        let comm = (now.gather_wait + now.reduce_wait).saturating_sub(self.last.gather_wait + self.last.reduce_wait);
-        self.last = now;
+        let after = self.sharded.stats(false)?;
+        // The time this step spent waiting for all-gathers and reduce-scatters.
+        let comm = (after.gather_wait + after.reduce_wait).saturating_sub(before.gather_wait + before.reduce_wait);
         Ok(StepOut {
             correct: Some(tch::no_grad(|| self.task.correct(&out, y))),
             per_sample: Some(per_sample.detach()),
