@@ -342,3 +342,191 @@ fn stopping_a_sweep_stops_its_running_point_which_a_rerun_resumes() {
     let log = std::fs::read_to_string(point.join("run.log")).unwrap();
     assert!(log.contains("resuming run") && log.contains("(interrupted)"), "{log}");
 }
+
+/// DDP against FSDP at world sizes 1 and 2, on an MLP deep enough (nine layers, 7683 parameters)
+/// for sharding to hold clearly less than a whole replica, gathered layers and buffers included.
+const STRATEGIES: &str = r#"
+pipeline = "p.toml"
+
+[set]
+"train.epochs" = 1
+"train.optimizer" = "adam"
+"wrap.model.hidden" = [32, 32, 32, 32, 32, 32, 32, 32]
+
+[sweep]
+"run.world_size" = [1, 2]
+"wrap.strategy" = ["ddp", "fsdp"]
+"#;
+
+/// 5 → 32 → (32 → 32) × 7 → 3, weights and biases.
+const PARAMETERS: f64 = (5 * 32 + 32 + 7 * (32 * 32 + 32) + 32 * 3 + 3) as f64;
+
+/// The largest per-rank sum of `columns` in the final epoch of a point's trace.
+fn most_on_a_rank(run_dir: &Path, columns: &[&str]) -> f64 {
+    let df = parquet(&run_dir.join("trace.parquet"));
+    let epochs = df.column("epoch").unwrap().u32().unwrap();
+    let last = df.filter(&epochs.equal(epochs.max().unwrap())).unwrap();
+    let sum = |i: usize| -> f64 {
+        columns.iter().map(|c| last.column(c).unwrap().u64().unwrap().get(i).unwrap() as f64).sum()
+    };
+    (0..last.height()).map(sum).fold(0.0, f64::max)
+}
+
+/// Rewrites a point's trace as a runner from before the memory columns wrote it.
+fn drop_memory_columns(run_dir: &Path) {
+    let path = run_dir.join("trace.parquet");
+    let mut df = parquet(&path).drop_many(["param_bytes", "grad_bytes", "optim_bytes", "peak_rss_bytes"]);
+    ParquetWriter::new(std::fs::File::create(&path).unwrap()).finish(&mut df).unwrap();
+}
+
+#[test]
+fn a_strategy_axis_puts_each_ranks_memory_beside_throughput_and_older_traces_report_without_it() {
+    const POINTS: [&str; 4] = [
+        "world_size=1,strategy=ddp",
+        "world_size=1,strategy=fsdp",
+        "world_size=2,strategy=ddp",
+        "world_size=2,strategy=fsdp",
+    ];
+    let dir = setup(STRATEGIES);
+    assert_ok(&run(&["sweep", "e.toml", "--out", "s"], dir.path()));
+    let s = dir.path().join("s");
+    for p in POINTS {
+        assert_eq!(status(&s.join(p)), "complete", "{p}");
+    }
+    let config = std::fs::read_to_string(s.join(POINTS[3]).join("config.toml")).unwrap();
+    assert!(config.contains("strategy = \"fsdp\"  # sweep axis wrap.strategy=\"fsdp\""), "{config}");
+
+    // A row per strategy and world size; the memory columns are the traces' (the final epoch's
+    // rank holding the most), and DDP's is a whole replica: 4 bytes of parameter, 4 of gradient
+    // and 8 of Adam's two moments per parameter, at every world size.
+    let summary = parquet(&s.join("summary.parquet"));
+    let column = summary.column("wrap.strategy").unwrap();
+    let strategies: Vec<String> =
+        (0..column.len()).map(|i| column.get(i).unwrap().get_str().unwrap().to_owned()).collect();
+    assert_eq!(strategies, ["\"ddp\"", "\"ddp\"", "\"fsdp\"", "\"fsdp\""]);
+    let worlds: Vec<u32> = summary.column("world_size").unwrap().u32().unwrap().into_no_null_iter().collect();
+    assert_eq!(worlds, [1, 2, 1, 2]);
+    let state = f64s(&summary, "state_bytes_mean");
+    let peak = f64s(&summary, "peak_rss_bytes_mean");
+    for (row, point) in [POINTS[0], POINTS[2], POINTS[1], POINTS[3]].iter().enumerate() {
+        let run_dir = s.join(point);
+        assert_eq!(state[row], most_on_a_rank(&run_dir, &["param_bytes", "grad_bytes", "optim_bytes"]), "{point}");
+        assert_eq!(peak[row], most_on_a_rank(&run_dir, &["peak_rss_bytes"]), "{point}");
+        // A process that has loaded libtorch.
+        assert!(peak[row] > 50.0 * 1048576.0 && peak[row] < 4096.0 * 1048576.0, "{point}: {}", peak[row]);
+    }
+    assert_eq!((state[0], state[1]), (16.0 * PARAMETERS, 16.0 * PARAMETERS));
+    let (fsdp1, fsdp2) = (state[2], state[3]);
+    assert!(fsdp2 < state[1], "FSDP at 2 ranks holds {fsdp2} bytes a rank, DDP {}", state[1]);
+    assert!(fsdp2 < fsdp1, "FSDP's state falls with the world size: {fsdp1} at 1 rank, {fsdp2} at 2");
+
+    let csv = std::fs::read_to_string(s.join("table.csv")).unwrap();
+    let header = csv.lines().next().unwrap();
+    assert!(
+        header.starts_with("wrap.strategy,world_size,")
+            && header.contains(
+                ",samples_per_s_std,state_bytes_mean,state_bytes_std,peak_rss_bytes_mean,peak_rss_bytes_std,speedup,"
+            ),
+        "{header}"
+    );
+    let table = std::fs::read_to_string(s.join("table.md")).unwrap();
+    assert!(
+        table.contains("| world size | wrap.strategy | seeds |")
+            && table.contains("| speedup | efficiency | state MiB | peak RSS MiB |\n")
+            && table.contains("State MiB: the training state (parameters, gradients and optimizer state)"),
+        "{table}"
+    );
+    // FSDP at 2 ranks: its state in MiB to three significant digits, then its peak resident memory.
+    let row = table.lines().find(|l| l.starts_with("| 2 | \"fsdp\" |")).unwrap();
+    let mib = fsdp2 / 1048576.0;
+    let digits = (2 - mib.log10().floor() as i64) as usize;
+    assert!(row.ends_with(&format!(" | {mib:.digits$} | {:.0} |", peak[3] / 1048576.0)), "{row}");
+    assert!(std::fs::read(s.join("memory.png")).unwrap().starts_with(b"\x89PNG"));
+
+    // `report` rebuilds all of it from the traces alone.
+    for f in ["table.md", "table.csv", "summary.parquet", "memory.png"] {
+        std::fs::remove_file(s.join(f)).unwrap();
+    }
+    assert_ok(&run(&["report", "s"], dir.path()));
+    assert_eq!(std::fs::read_to_string(s.join("table.md")).unwrap(), table);
+    assert_eq!(std::fs::read_to_string(s.join("table.csv")).unwrap(), csv);
+    assert!(s.join("memory.png").is_file());
+
+    // A trace from before the memory columns: its row's memory is absent, not zero.
+    drop_memory_columns(&s.join(POINTS[3]));
+    assert_ok(&run(&["report", "s"], dir.path()));
+    let table = std::fs::read_to_string(s.join("table.md")).unwrap();
+    let row = table.lines().find(|l| l.starts_with("| 2 | \"fsdp\" |")).unwrap();
+    assert!(row.ends_with(" | — | — |"), "{row}");
+    let summary = parquet(&s.join("summary.parquet"));
+    assert_eq!(summary.column("state_bytes_mean").unwrap().f64().unwrap().get(3), None);
+    assert_eq!(summary.column("peak_rss_bytes_mean").unwrap().f64().unwrap().get(0), Some(peak[0]));
+
+    // A sweep made wholly before them reports without the memory columns, and --check
+    // reproduces it (a rerun's memory columns are new, not differences).
+    for p in &POINTS[..3] {
+        drop_memory_columns(&s.join(p));
+    }
+    std::fs::remove_file(s.join("memory.png")).unwrap();
+    assert_ok(&run(&["report", "s"], dir.path()));
+    let table = std::fs::read_to_string(s.join("table.md")).unwrap();
+    assert!(!table.contains("MiB") && table.contains("| speedup | efficiency |\n"), "{table}");
+    let csv = std::fs::read_to_string(s.join("table.csv")).unwrap();
+    assert!(!csv.contains("bytes") && csv.contains(",samples_per_s_std,speedup,"), "{csv}");
+    assert!(!s.join("memory.png").exists(), "no memory plot without memory");
+    let o = run(&["sweep", "e.toml", "--out", "s", "--check"], dir.path());
+    assert_ok(&o);
+    assert!(text(&o).0.contains("4 points reproduce s"), "{}", text(&o).0);
+}
+
+/// The committed world-size sweep predates the memory columns: `report` rebuilds its tables as
+/// committed, byte for byte, and draws no memory plot.
+#[test]
+fn the_committed_world_size_sweep_reports_as_committed() {
+    let committed = Path::new(env!("CARGO_MANIFEST_DIR")).join("results/world_size");
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("world_size");
+    copy_tree(&committed, &copy);
+    for f in ["table.md", "table.csv", "memory.png"] {
+        let _ = std::fs::remove_file(copy.join(f));
+    }
+    assert_ok(&run(&["report", "world_size"], dir.path()));
+    for f in ["table.md", "table.csv"] {
+        let (now, then) = (std::fs::read_to_string(copy.join(f)).unwrap(), std::fs::read_to_string(committed.join(f)));
+        assert_eq!(now, then.unwrap(), "{f}");
+    }
+    assert!(!copy.join("memory.png").exists());
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
+/// The committed sharding sweep reproduces in this build, debug or release: its two points at
+/// world size 2 and seed 0, DDP and FSDP (`runner sweep experiments/sharding.toml --check`
+/// reruns all 18, in about 1.5 min with a release build, 2.5 min with a debug one).
+#[test]
+fn the_committed_sharding_sweep_reproduces() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let sharding = root.join("experiments/sharding.toml");
+    let subset = format!("extends = {:?}\n[sweep]\n\"run.world_size\" = [2]\n\"run.seed\" = [0]\n", sharding);
+    write(dir.path(), "e.toml", &subset);
+    let stored = root.join("results/sharding");
+    let o = run(&["sweep", "e.toml", "--out", stored.to_str().unwrap(), "--check"], dir.path());
+    assert_ok(&o);
+    let (stdout, _) = text(&o);
+    assert!(
+        stdout.contains("world_size=2,strategy=fsdp,seed=0: reproduced") && stdout.contains("2 points reproduce"),
+        "{stdout}"
+    );
+}

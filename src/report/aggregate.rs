@@ -46,6 +46,12 @@ pub struct Final {
     /// Samples per second of all ranks together (a pipeline: its slowest rank's, as every rank
     /// passes the same samples).
     pub samples_per_s: f64,
+    /// Bytes of training state (parameters + gradients + optimizer state) of the rank holding
+    /// the most; absent from traces written before the memory columns.
+    pub state_bytes: Option<f64>,
+    /// The largest peak resident memory of any rank's process, in bytes (measured: it differs
+    /// between reruns); absent from traces written before the memory columns.
+    pub peak_rss_bytes: Option<f64>,
 }
 
 /// The completed points of a sweep directory, and the others with why they are left out.
@@ -119,6 +125,9 @@ fn point_result(
         val_f1: if df.column("val_f1").is_ok() { first(&final_rank0, "val_f1")? } else { None },
         epoch_s: final_rows.column("epoch_s")?.f64()?.max().context("no epoch_s")?,
         samples_per_s: if pipeline { sps.min() } else { sps.sum() }.unwrap_or(0.0),
+        state_bytes: most_on_a_rank(&final_rows, &["param_bytes", "grad_bytes", "optim_bytes"])?,
+        // A peak so far: the final row's is the run's.
+        peak_rss_bytes: most_on_a_rank(&final_rows, &["peak_rss_bytes"])?,
     };
     Ok(PointResult {
         dir,
@@ -130,6 +139,22 @@ fn point_result(
         val_acc_curve: f64s(&rank0, "val_acc")?,
         last,
     })
+}
+
+/// The largest per-rank sum of `columns` in `rows` (one row per rank), or `None` where the trace
+/// predates them: absent, not zero.
+fn most_on_a_rank(rows: &DataFrame, columns: &[&str]) -> anyhow::Result<Option<f64>> {
+    if columns.iter().any(|c| rows.column(c).is_err()) {
+        return Ok(None);
+    }
+    let mut sums = vec![0.0; rows.height()];
+    for c in columns {
+        let values = rows.column(c)?.cast(&DataType::Float64)?;
+        for (sum, v) in sums.iter_mut().zip(values.f64()?.iter()) {
+            *sum += v.with_context(|| format!("a null {c}"))?;
+        }
+    }
+    Ok(sums.into_iter().reduce(f64::max))
 }
 
 /// One row of the table: a world size (and values of the other non-seed axes) across seeds.
@@ -151,6 +176,10 @@ pub struct Row {
     pub speedup: f64,
     /// Speedup ÷ (world size ÷ that smallest world size).
     pub efficiency: f64,
+    /// Per-rank memory ([`Final::state_bytes`], [`Final::peak_rss_bytes`]) across the seeds
+    /// whose traces have it; absent when none has.
+    pub state_bytes: Option<Spread>,
+    pub peak_rss_bytes: Option<Spread>,
     pub threads_per_rank: usize,
     pub cores: usize,
     /// Mean across seeds, per epoch.
@@ -234,6 +263,8 @@ fn row(group: &[(String, String)], world_size: usize, points: &[&PointResult]) -
         samples_per_s: spread(|f| f.samples_per_s),
         speedup: f64::NAN,
         efficiency: f64::NAN,
+        state_bytes: optional(|f| f.state_bytes),
+        peak_rss_bytes: optional(|f| f.peak_rss_bytes),
         threads_per_rank: points.iter().map(|p| p.threads_per_rank).max().unwrap_or(1),
         cores: points.iter().map(|p| p.cores).min().unwrap_or(1),
         loss_curve: per_epoch(&|p, e| p.loss_curve.get(e).copied()).into_iter().flatten().collect(),
@@ -263,6 +294,8 @@ mod tests {
                 val_f1: None,
                 epoch_s: 1.0,
                 samples_per_s,
+                state_bytes: Some(1000.0 / world as f64),
+                peak_rss_bytes: None,
             },
         }
     }
@@ -300,5 +333,39 @@ mod tests {
         assert_eq!(r1.loss_curve.len(), 2);
         assert!((r1.loss_curve[1] - 0.32).abs() < 1e-12);
         assert_eq!(r1.val_acc_curve, [None, Some(0.8)]);
+    }
+
+    #[test]
+    fn memory_is_the_rank_holding_the_most_and_absent_from_older_traces() {
+        use crate::trace::{epochs_frame, EpochRow};
+        let row = |rank: u32, param_bytes: u64, peak_rss_bytes: u64| -> EpochRow {
+            serde_json::from_value(serde_json::json!({
+                "epoch": 1, "rank": rank, "train_loss": 0.5, "train_acc": 0.5, "global_train_loss": 0.5,
+                "global_train_acc": 0.5, "val_loss": null, "val_acc": null, "samples": 8, "steps": 1,
+                "epoch_s": 1.0, "samples_per_s": 8.0, "comm_s": 0.1,
+                "param_bytes": param_bytes, "grad_bytes": 10, "optim_bytes": 20, "peak_rss_bytes": peak_rss_bytes,
+            }))
+            .unwrap()
+        };
+        let df = epochs_frame("r", 2, &[row(0, 100, 7000), row(1, 130, 5000)]).unwrap();
+        assert_eq!(most_on_a_rank(&df, &["param_bytes", "grad_bytes", "optim_bytes"]).unwrap(), Some(160.0));
+        assert_eq!(most_on_a_rank(&df, &["peak_rss_bytes"]).unwrap(), Some(7000.0));
+        let older = df.drop_many(["param_bytes", "peak_rss_bytes"]);
+        assert_eq!(most_on_a_rank(&older, &["param_bytes", "grad_bytes", "optim_bytes"]).unwrap(), None);
+        assert_eq!(most_on_a_rank(&older, &["peak_rss_bytes"]).unwrap(), None);
+    }
+
+    #[test]
+    fn a_rows_memory_spreads_over_the_seeds_that_have_it() {
+        let mut points = [point(2, 0.3, 100.0, "0.1"), point(2, 0.3, 100.0, "0.1"), point(4, 0.3, 100.0, "0.1")];
+        points[0].last.peak_rss_bytes = Some(300.0);
+        points[1].last.peak_rss_bytes = Some(500.0);
+        // Traces from before the memory columns.
+        points[1].last.state_bytes = None;
+        points[2].last.state_bytes = None;
+        let rows = rows(&points);
+        assert_eq!(rows[0].state_bytes, Spread::of(&[500.0]));
+        assert_eq!(rows[0].peak_rss_bytes, Spread::of(&[300.0, 500.0]));
+        assert_eq!((rows[1].state_bytes, rows[1].peak_rss_bytes), (None, None));
     }
 }

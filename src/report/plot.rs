@@ -1,6 +1,6 @@
 //! PNG plots of a sweep, drawn in pure Rust with plotters: the training loss and the validation
-//! accuracy per epoch (a line per world size), and throughput against world size with the ideal
-//! linear scaling. Text uses DejaVu Sans embedded in the binary: no system fonts are needed.
+//! accuracy per epoch (a line per world size), throughput against world size with the ideal
+//! linear scaling, and per-rank memory (training state, peak resident) against world size. Text uses DejaVu Sans embedded in the binary: no system fonts are needed.
 use std::path::Path;
 use std::sync::OnceLock;
 
@@ -9,6 +9,7 @@ use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
 use super::aggregate::Row;
+use super::stats::{Spread, MIB};
 
 const SIZE: (u32, u32) = (900, 560);
 
@@ -54,6 +55,11 @@ pub fn write_all(dir: &Path, rows: &[Row]) -> anyhow::Result<Vec<&'static str>> 
     }
     atomic_png(&dir.join("throughput.png"), |area| throughput_chart(area, rows))?;
     written.push("throughput.png");
+    // Only where the traces have the memory columns (not for sweeps made before them).
+    if super::table::has_memory(rows) {
+        atomic_png(&dir.join("memory.png"), |area| memory_chart(area, rows))?;
+        written.push("memory.png");
+    }
     Ok(written)
 }
 
@@ -194,39 +200,7 @@ fn throughput_chart(area: &Area, rows: &[Row]) -> DrawResult {
             .label("ideal linear scaling")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], BLACK.mix(0.5)));
     }
-    let mut groups: Vec<&[(String, String)]> = Vec::new();
-    for r in rows {
-        if !groups.contains(&r.group.as_slice()) {
-            groups.push(&r.group);
-        }
-    }
-    for (i, group) in groups.iter().enumerate() {
-        let color = color(i);
-        let mine: Vec<&Row> = rows.iter().filter(|r| r.group == *group).collect();
-        let name = if group.is_empty() {
-            "samples/s".to_owned()
-        } else {
-            group.iter().map(|(k, v)| format!("{k} = {v}")).collect::<Vec<_>>().join(", ")
-        };
-        let points: Vec<(f64, f64)> = mine.iter().map(|r| (r.world_size as f64, r.samples_per_s.mean)).collect();
-        chart
-            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(2)));
-        for r in &mine {
-            let (x, m) = (r.world_size as f64, r.samples_per_s.mean);
-            if let Some(s) = r.samples_per_s.std {
-                let bar = [(x, m - s), (x, m + s)];
-                chart.draw_series(std::iter::once(PathElement::new(bar, color.stroke_width(2))))?;
-                for y in [m - s, m + s] {
-                    let cap = [(x - 0.06, y), (x + 0.06, y)];
-                    chart.draw_series(std::iter::once(PathElement::new(cap, color.stroke_width(2))))?;
-                }
-            }
-            let style = if r.oversubscribed() { RED.stroke_width(2) } else { color.filled() };
-            chart.draw_series(std::iter::once(Circle::new((x, m), 5, style)))?;
-        }
-    }
+    group_lines(&mut chart, rows, "samples/s", |r| Some(r.samples_per_s), true)?;
     if rows.iter().any(Row::oversubscribed) {
         chart
             .draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())?
@@ -239,6 +213,104 @@ fn throughput_chart(area: &Area, rows: &[Row]) -> DrawResult {
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .position(SeriesLabelPosition::UpperLeft)
+        .draw()?;
+    Ok(())
+}
+
+type Chart<'a, 'b> = ChartContext<
+    'a,
+    BitMapBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// One line per group of rows (the values of the axes other than world size and seed) over the
+/// world sizes, through each row's mean of `value`, with a ± std bar; `oversubscribed`: rows
+/// with more threads than cores drawn as red rings. `single`: the line's name where there is
+/// no other axis.
+fn group_lines(
+    chart: &mut Chart,
+    rows: &[Row],
+    single: &str,
+    value: impl Fn(&Row) -> Option<Spread>,
+    oversubscribed: bool,
+) -> DrawResult {
+    let mut groups: Vec<&[(String, String)]> = Vec::new();
+    for r in rows {
+        if !groups.contains(&r.group.as_slice()) {
+            groups.push(&r.group);
+        }
+    }
+    for (i, group) in groups.iter().enumerate() {
+        let color = color(i);
+        let mine: Vec<(&Row, Spread)> =
+            rows.iter().filter(|r| r.group == *group).filter_map(|r| value(r).map(|v| (r, v))).collect();
+        let name = if group.is_empty() {
+            single.to_owned()
+        } else {
+            group.iter().map(|(k, v)| format!("{k} = {v}")).collect::<Vec<_>>().join(", ")
+        };
+        let points: Vec<(f64, f64)> = mine.iter().map(|(r, v)| (r.world_size as f64, v.mean)).collect();
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(2)));
+        for (r, v) in &mine {
+            let (x, m) = (r.world_size as f64, v.mean);
+            if let Some(s) = v.std {
+                let bar = [(x, m - s), (x, m + s)];
+                chart.draw_series(std::iter::once(PathElement::new(bar, color.stroke_width(2))))?;
+                for y in [m - s, m + s] {
+                    let cap = [(x - 0.06, y), (x + 0.06, y)];
+                    chart.draw_series(std::iter::once(PathElement::new(cap, color.stroke_width(2))))?;
+                }
+            }
+            let style = if oversubscribed && r.oversubscribed() { RED.stroke_width(2) } else { color.filled() };
+            chart.draw_series(std::iter::once(Circle::new((x, m), 5, style)))?;
+        }
+    }
+    Ok(())
+}
+
+/// Per-rank memory against world size, in two panels: the training state (parameters,
+/// gradients, optimizer state) of the rank holding the most, and the largest peak resident
+/// memory of a rank's process.
+fn memory_chart(area: &Area, rows: &[Row]) -> DrawResult {
+    let (left, right) = area.split_horizontally(SIZE.0 / 2);
+    memory_panel(&left, "Training state per rank (MiB)", "state", rows, |r| r.state_bytes)?;
+    memory_panel(&right, "Peak resident memory per rank (MiB)", "peak RSS", rows, |r| r.peak_rss_bytes)
+}
+
+fn memory_panel(area: &Area, title: &str, single: &str, rows: &[Row], bytes: fn(&Row) -> Option<Spread>) -> DrawResult {
+    let value = |r: &Row| bytes(r).map(|s| s.scaled(1.0 / MIB));
+    let max_world = rows.iter().map(|r| r.world_size).max().unwrap_or(1) as f64;
+    let ys = span(rows.iter().filter_map(value).map(|s| s.mean + s.std.unwrap_or(0.0)), true);
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 19))
+        .margin(14)
+        .x_label_area_size(44)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.5..max_world + 0.5, ys)?;
+    chart
+        .configure_mesh()
+        .x_desc("world size (ranks)")
+        .y_desc("MiB")
+        .x_labels(max_world as usize + 2)
+        .x_label_formatter(&|x| {
+            if (x - x.round()).abs() < 1e-9 && *x >= 1.0 {
+                format!("{x:.0}")
+            } else {
+                String::new()
+            }
+        })
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    group_lines(&mut chart, rows, single, value, false)?;
+    chart
+        .configure_series_labels()
+        .label_font(("sans-serif", 14))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerLeft)
         .draw()?;
     Ok(())
 }

@@ -1,6 +1,9 @@
 //! The table's arithmetic, as pure functions: mean and sample standard deviation across seeds,
 //! speedup and scaling efficiency against the smallest world size.
 
+/// Bytes in a MiB, the unit of the tables' and plots' memory.
+pub const MIB: f64 = (1u64 << 20) as f64;
+
 /// The mean and the sample standard deviation (n − 1) of a set of values.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Spread {
@@ -19,6 +22,11 @@ impl Spread {
         }
         let mean = mean(values);
         Some(Spread { mean, std: sample_std(values), n })
+    }
+
+    /// The same values multiplied by `factor` (a change of unit).
+    pub fn scaled(&self, factor: f64) -> Spread {
+        Spread { mean: self.mean * factor, std: self.std.map(|s| s * factor.abs()), n: self.n }
     }
 
     /// `0.3512 ± 0.0040` with `digits` decimals (the mean alone for one value).
@@ -76,6 +84,9 @@ mod tests {
         assert!(close(s.mean, 0.35));
         assert!((s.std.unwrap() - 0.01).abs() < 1e-12);
         assert_eq!(s.display(4), "0.3500 ± 0.0100");
+        // In another unit: the mean and the spread scale alike.
+        let kib = Spread::of(&[2048.0, 4096.0]).unwrap().scaled(1.0 / 1024.0);
+        assert_eq!((kib.mean, kib.std.map(|s| (s * 1e12).round() / 1e12), kib.n), (3.0, Some(2f64.sqrt()), 2));
     }
 
     #[test]

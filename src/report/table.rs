@@ -3,7 +3,7 @@
 use polars::prelude::*;
 
 use super::aggregate::{Loaded, Row, SEED_KEY};
-use super::stats::Spread;
+use super::stats::{Spread, MIB};
 use crate::rundir::index::Index;
 
 /// The markdown page: what was run, the table, and notes on oversubscribed and missing points.
@@ -35,6 +35,14 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
             format!("seeds (run.seed = {})", seeds.join(", "))
         }
     );
+    // Per-rank memory beside throughput, where the traces have it (not in tables of older traces).
+    let memory = has_memory(rows);
+    if memory {
+        out += "State MiB: the training state (parameters, gradients and optimizer state) of the rank \
+                holding the most at the final epoch, under FSDP its shards plus the most it had gathered \
+                at once. Peak RSS MiB: the largest peak resident memory of any rank's process (measured, \
+                like the timings: it differs between reruns). MiB = 2^20 bytes.\n\n";
+    }
     let group_keys: Vec<&str> =
         rows.first().map(|r| r.group.iter().map(|(k, _)| k.as_str()).collect()).unwrap_or_default();
     // Macro-F1 next to accuracy, where the traces have it (not in tables of older traces).
@@ -46,6 +54,9 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
         header.push("val f1");
     }
     header.extend(["epoch s", "samples/s", "speedup", "efficiency"]);
+    if memory {
+        header.extend(["state MiB", "peak RSS MiB"]);
+    }
     out += &format!("| {} |\n", header.join(" | "));
     let align: Vec<&str> = header.iter().map(|h| if group_keys.contains(h) { "---" } else { "---:" }).collect();
     out += &format!("| {} |\n", align.join(" | "));
@@ -70,6 +81,9 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
             format!("{:.2}", r.speedup),
             format!("{:.2}", r.efficiency),
         ]);
+        if memory {
+            cells.extend([mib(&r.state_bytes), mib(&r.peak_rss_bytes)]);
+        }
         out += &format!("| {} |\n", cells.join(" | "));
     }
     let over: Vec<String> = rows
@@ -101,6 +115,20 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
         }
     }
     out
+}
+
+/// Bytes in MiB, the mean to three significant digits (0.0528, 4.86, 230); "—" where absent.
+fn mib(bytes: &Option<Spread>) -> String {
+    bytes.map_or("—".to_owned(), |s| {
+        let s = s.scaled(1.0 / MIB);
+        let digits = if s.mean > 0.0 { (2 - s.mean.log10().floor() as i64).clamp(0, 6) as usize } else { 0 };
+        s.display(digits)
+    })
+}
+
+/// Whether any row has the per-rank memory columns (traces from before them have none).
+pub fn has_memory(rows: &[Row]) -> bool {
+    rows.iter().any(|r| r.state_bytes.is_some() || r.peak_rss_bytes.is_some())
 }
 
 fn dedup(mut v: Vec<String>) -> Vec<String> {
@@ -141,6 +169,10 @@ pub fn frame(rows: &[Row]) -> PolarsResult<DataFrame> {
         stats.push(("val_f1", |r| r.val_f1));
     }
     stats.extend([("epoch_s", (|r| Some(r.epoch_s)) as Stat), ("samples_per_s", |r| Some(r.samples_per_s))]);
+    // In bytes; null for rows whose traces predate the memory columns.
+    if has_memory(rows) {
+        stats.extend([("state_bytes", (|r| r.state_bytes) as Stat), ("peak_rss_bytes", |r| r.peak_rss_bytes)]);
+    }
     for (name, f) in stats {
         let mean: Vec<Option<f64>> = rows.iter().map(|r| f(r).map(|s| s.mean)).collect();
         let std: Vec<Option<f64>> = rows.iter().map(|r| f(r).and_then(|s| s.std)).collect();
