@@ -6,7 +6,10 @@ fn main() {
     // that computes under a plan's run.numerics. The others compute nothing under one: a sweep's
     // points and a bench's runs are processes of their own, each given or choosing its setting.
     if let Some(mode) = runner::cli::numerics_of(&cli) {
-        runner::numerics::fix(mode);
+        if let Err(why) = runner::numerics::fix(mode) {
+            runner::say_err!("error: {why}");
+            runner::dist::exit_now(2);
+        }
     }
     runner::dist::exit_now(runner::cli::main(cli))
 }

@@ -5,10 +5,10 @@
 //! the results (medians with min–max, ratios, fraction of the matmul peak, the targets) go to
 //! benches/RESULTS.md between markers, the notes around them are kept.
 //!
-//! The runner computes as it does by default, `run.numerics = "portable"` (crate::numerics: the
-//! same bits on any x86-64 CPU); PyTorch runs as its users run it, with MKL choosing its kernels by
-//! the CPU. A third run in each repetition, the runner with `run.numerics = "native"`, prices that
-//! default: the cost of reproducible numerics, in the report's own table.
+//! Both run as their users run them: the runner with its default `run.numerics = "native"` and
+//! PyTorch, each with MKL choosing its kernels by the CPU. A third run in each repetition, the
+//! runner with `run.numerics = "portable"` (crate::numerics: the same bits on any x86-64 CPU),
+//! prices that choice: the cost of reproducible numerics, in the report's own table.
 pub mod peak;
 mod report;
 pub mod workload;
@@ -53,10 +53,11 @@ pub struct Measure {
 pub struct Cell {
     pub world_size: usize,
     pub threads: usize,
+    /// The runner as it runs by default: MKL's kernels for this CPU.
     pub runner: Vec<Measure>,
     pub torch: Vec<Measure>,
-    /// The runner with MKL choosing its kernels by the CPU (no `MKL_CBWR=COMPATIBLE`).
-    pub runner_cpu_kernels: Vec<Measure>,
+    /// The runner with `run.numerics = "portable"` (`MKL_CBWR=COMPATIBLE`).
+    pub runner_portable: Vec<Measure>,
 }
 
 pub struct WorkloadResult {
@@ -107,14 +108,14 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
         for &ws in &opts.world_sizes {
             let threads = (cores / ws).max(1);
             let mut cell =
-                Cell { world_size: ws, threads, runner: Vec::new(), torch: Vec::new(), runner_cpu_kernels: Vec::new() };
+                Cell { world_size: ws, threads, runner: Vec::new(), torch: Vec::new(), runner_portable: Vec::new() };
             for rep in 1..=opts.repetitions {
-                let r = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Portable))?;
+                let r = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native))?;
                 let t = retried(|| run_torch(&torchrun, &script, &files, &w, ws, threads))?;
-                let k = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native))?;
+                let k = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Portable))?;
                 crate::say!(
                     "  world size {ws}, run {rep}/{}: runner {:.2} s ({:.3} s/epoch), PyTorch {:.2} s ({:.3} s/epoch), \
-                     runner with MKL's kernels for this CPU {:.2} s ({:.3} s/epoch)",
+                     runner with portable numerics {:.2} s ({:.3} s/epoch)",
                     opts.repetitions,
                     r.wall_s,
                     r.epoch_s,
@@ -125,7 +126,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
                 );
                 cell.runner.push(r);
                 cell.torch.push(t);
-                cell.runner_cpu_kernels.push(k);
+                cell.runner_portable.push(k);
             }
             cells.push(cell);
         }
@@ -165,7 +166,7 @@ fn run_runner(
     numerics: CpuNumerics,
 ) -> anyhow::Result<Measure> {
     let tag = w.precision_tag();
-    let tag = if numerics == CpuNumerics::Native { format!("{tag}-native") } else { tag.to_string() };
+    let tag = if numerics == CpuNumerics::Portable { format!("{tag}-portable") } else { tag.to_string() };
     let out = files.dir.join(format!("runner{tag}-ws{ws}"));
     let exe = std::env::current_exe().context("cannot find the runner binary")?;
     let mut cmd = Command::new(exe);
@@ -176,12 +177,12 @@ fn run_runner(
         .arg(&out)
         // The bench owns its directories: another thread count is another run id, same place.
         .arg("--force")
-        .args([
-            "--set",
-            if numerics == CpuNumerics::Native { "run.numerics=\"native\"" } else { "run.numerics=\"portable\"" },
-        ])
         // The key decides, not an MKL_CBWR the bench's caller set.
         .env_remove("MKL_CBWR");
+    // Native is the default: the runner as its users run it sets nothing.
+    if numerics == CpuNumerics::Portable {
+        cmd.args(["--set", "run.numerics=\"portable\""]);
+    }
     if w.bf16 {
         cmd.args(["--set", "train.precision=\"bf16\""]);
     }
