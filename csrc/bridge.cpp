@@ -51,11 +51,17 @@ struct rn_ddp {
 
 namespace {
 
-// c10d logs the exceptions it retries on (store connects, socket timeouts) with their full
-// what(), C++ stack frames included: ~20 frames per retry on the user's terminal. The bridge
-// returns messages without backtraces anyway, so exceptions record none (cheaper, too).
-const bool no_cpp_backtraces = [] {
+// libtorch's own output stays off the user's terminal: every failure reaches the runner as an
+// exception, which the bridge returns as one line that the runner says in its own words.
+// - c10d logs what it retries on and what times out (store connects, socket timeouts) with the
+//   exception's full what(): "Exception raised from ... (most recent call first)" and ~20 C++
+//   frames per retry. Exceptions record no backtrace (cheaper, too), and
+// - c10's log lines ([c10d] ..., and libtorch's warnings) are shown only when the user asks for
+//   them with TORCH_CPP_LOG_LEVEL, as libtorch reads it; otherwise only fatal ones.
+const bool quiet_libtorch = [] {
   c10::SetStackTraceFetcher([]() -> std::string { return ""; });
+  const char* level = std::getenv("TORCH_CPP_LOG_LEVEL");
+  if (level == nullptr || *level == '\0') FLAGS_caffe2_log_level = 3;  // c10::GLOG_FATAL
   return true;
 }();
 

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
+use crate::checkpoint;
 use crate::config::{self, ConfigError, Override};
 use crate::launch::agree;
 use crate::launch::env::{Launcher, RankEnv};
@@ -14,8 +15,9 @@ use crate::launch::spawn::{self, Topology};
 use crate::plan::Plan;
 use crate::rundir;
 use crate::rundir::lock::{self, RunLock};
+use crate::rundir::manifest::Reshard;
 use crate::rundir::manifest::{Manifest, Status};
-use crate::stages::{checkpoint, preempt};
+use crate::stages::preempt;
 use crate::trace::view;
 
 #[derive(Debug, Parser)]
@@ -64,6 +66,9 @@ pub enum PrepareCommand {
         /// The folder the three files go to (created if missing).
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
+        /// Replace train.bin, val.bin or meta.json already in DIR.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -153,12 +158,14 @@ pub struct RunArgs {
     /// results (the runner still only replaces its own files there).
     #[arg(long, conflicts_with = "resume")]
     pub force: bool,
-    /// Number of nodes, one `runner run` on each (as torchrun's --nnodes).
-    #[arg(long, default_value_t = 1, env = "SLURM_NNODES")]
-    pub nnodes: usize,
-    /// This node's index, 0 to nnodes - 1; node 0 hosts the rendezvous store.
-    #[arg(long, default_value_t = 0, env = "SLURM_NODEID")]
-    pub node_rank: usize,
+    /// Number of nodes, one `runner run` on each (as torchrun's --nnodes) [default: SLURM_NNODES,
+    /// else 1]
+    #[arg(long)]
+    pub nnodes: Option<usize>,
+    /// This node's index, 0 to nnodes - 1; node 0 hosts the rendezvous store [default:
+    /// SLURM_NODEID, else 0]
+    #[arg(long)]
+    pub node_rank: Option<usize>,
     /// Node 0's address, reachable from every node (needed with --nnodes > 1).
     #[arg(long, value_name = "HOST")]
     pub master_addr: Option<String>,
@@ -168,31 +175,54 @@ pub struct RunArgs {
     pub master_port: Option<u16>,
 }
 
+/// A count given as a flag, or else by a Slurm variable: its value and how to name it.
+fn flag_or_slurm(flag: Option<usize>, name: &str, var: &str, default: usize) -> Result<(usize, String), ConfigError> {
+    if let Some(n) = flag {
+        return Ok((n, format!("{name} {n}")));
+    }
+    match std::env::var(var).ok().filter(|v| !v.trim().is_empty()) {
+        Some(v) => match v.trim().parse::<usize>() {
+            Ok(n) => Ok((n, format!("{var}={n}"))),
+            Err(_) => Err(ConfigError::new(format!("{var}={v:?} is not a number (it gives {name} under Slurm)"))),
+        },
+        None => Ok((default, format!("{name} {default}"))),
+    }
+}
+
 impl RunArgs {
     fn topology(&self, world_size: usize) -> Result<Topology, ConfigError> {
-        if self.nnodes <= 1 {
+        let (nnodes, nnodes_from) = flag_or_slurm(self.nnodes, "--nnodes", "SLURM_NNODES", 1)?;
+        if nnodes <= 1 {
             return Ok(Topology::single());
         }
+        let (node_rank, node_from) = flag_or_slurm(self.node_rank, "--node-rank", "SLURM_NODEID", 0)?;
         let fail = |m: String| Err(ConfigError::new(m));
-        if self.node_rank >= self.nnodes {
-            return fail(format!("--node-rank {} must be below --nnodes {}", self.node_rank, self.nnodes));
+        if node_rank >= nnodes {
+            return fail(format!("{node_from} must be below {nnodes_from}"));
         }
-        if !world_size.is_multiple_of(self.nnodes) {
+        if !world_size.is_multiple_of(nnodes) {
             return fail(format!(
-                "run.world_size ({world_size}) must divide evenly over --nnodes {} (ranks per node)",
-                self.nnodes
+                "run.world_size ({world_size}) must divide evenly over {nnodes_from} (ranks per node)"
             ));
         }
         // Under Slurm, node 0 is the job's first host.
-        let Some(addr) = self.master_addr.clone().or_else(slurm::first_host) else {
-            return fail("--nnodes > 1 needs --master-addr, the address of node 0 that every node can reach".into());
+        let addr = match (&self.master_addr, std::env::var("SLURM_JOB_NODELIST")) {
+            (Some(addr), _) => addr.clone(),
+            (None, Ok(list)) => slurm::expand_nodelist(&list).map(|hosts| hosts[0].clone()).map_err(|e| {
+                ConfigError::new(format!("SLURM_JOB_NODELIST={list:?}: {e:#}; pass --master-addr HOST"))
+            })?,
+            (None, Err(_)) => {
+                return fail(format!(
+                    "{nnodes_from} needs --master-addr, the address of node 0 that every node can reach"
+                ))
+            }
         };
         let port = match (self.master_port, std::env::var("SLURM_JOB_ID")) {
             (Some(port), _) => port,
             (None, Ok(job)) => slurm::master_port(&job).map_err(|e| ConfigError::new(format!("{e:#}")))?,
             (None, Err(_)) => 29500,
         };
-        Ok(Topology { nnodes: self.nnodes, node_rank: self.node_rank, master: Some((addr, port)) })
+        Ok(Topology { nnodes, node_rank, master: Some((addr, port)) })
     }
 }
 
@@ -253,6 +283,17 @@ pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
     }
 }
 
+/// What the process is, for its signals ([`crate::signals`]): `runner run` is a rank when its
+/// launcher (runner's own, torchrun or srun) says so, else a launcher.
+pub fn signal_role(cli: &Cli) -> crate::signals::Role {
+    use crate::signals::Role;
+    match &cli.command {
+        Command::Run(args) if args.plan.is_some() || !matches!(RankEnv::from_env(), Ok(None)) => Role::Rank,
+        Command::Run(_) => Role::Launcher,
+        _ => Role::Other,
+    }
+}
+
 pub fn main(cli: Cli) -> u8 {
     let result = match cli.command {
         Command::Validate(args) => validate(&args),
@@ -290,7 +331,7 @@ pub fn main(cli: Cli) -> u8 {
             (None, Some(data)) => crate::predict::predict(&args.run_dir, data, args.out.as_deref()),
             (None, None) => unreachable!("clap requires DATA or --prompt"),
         },
-        Command::Prepare(PrepareCommand::Text { file, out }) => crate::prepare::text(&file, &out),
+        Command::Prepare(PrepareCommand::Text { file, out, force }) => crate::prepare::text(&file, &out, force),
         Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
             quick: args.quick,
             repetitions: if args.quick { 1 } else { args.repetitions as usize },
@@ -349,6 +390,7 @@ fn overrides(set: &[String], set_as: &[String]) -> Vec<Override> {
 }
 
 pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
+    crate::numerics::check_environment().map_err(ConfigError::new)?;
     Plan::new(config::resolve(&args.file, &overrides(&args.set, &args.set_as))?)
 }
 
@@ -385,7 +427,11 @@ fn run(args: &RunArgs) -> anyhow::Result<u8> {
         (None, None) => unreachable!("clap requires FILE without --resume"),
     };
     let config = ConfigArgs { file, set: args.set.clone(), set_as: args.set_as.clone() };
-    let asked = plan(&config)?;
+    let resolved = config::resolve(&config.file, &overrides(&config.set, &config.set_as))?;
+    if let Some(saved) = args.resume.as_ref().and_then(|dir| Plan::load(&dir.join(rundir::PLAN)).ok()) {
+        saved.check_resumable_world_size(&resolved.config)?;
+    }
+    let asked = Plan::new(resolved)?;
     let plan = match &args.resume {
         Some(dir) => resumed_plan(dir, &asked)?,
         None => asked,
@@ -421,6 +467,11 @@ fn preempted_plan(dir: &Path, asked: &Plan, claim: Claim) -> anyhow::Result<Opti
         return Ok(None);
     }
     match Manifest::read_raw(dir) {
+        // Preempted before its first checkpoint: the run starts over.
+        Ok(Some(m)) if m.status == Status::Preempted && m.run_id == asked.run_id && m.preempted_at_step.is_none() => {
+            crate::say!("run {} was preempted before its first checkpoint: it starts over", m.run_id);
+            Ok(None)
+        }
         Ok(Some(m)) if m.status == Status::Preempted && m.run_id == asked.run_id => Ok(Some(resumed_plan(dir, asked)?)),
         _ => Ok(None),
     }
@@ -438,15 +489,10 @@ fn say_resuming(dir: &Path) {
 }
 
 /// The plan of the run in `dir`, continued under the configuration the user resumes with
-/// (`asked`); refused, before any rank starts, when its checkpoint does not fit or a key other
-/// than those that extend a run changed.
+/// (`asked`); refused, before any rank starts, when a key other than those that extend a run or
+/// spread it another way changed, or its newest checkpoint does not verify. A resume under
+/// another world size or strategy is recorded in the plan (and so in the manifest).
 fn resumed_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Plan> {
-    let found = checkpoint::latest(dir, asked).map_err(ConfigError::new)?.ok_or_else(|| {
-        ConfigError::new(format!(
-            "{} holds no checkpoint to resume from (set checkpoint.every)",
-            checkpoint::dir(dir).display()
-        ))
-    })?;
     let saved_path = dir.join(rundir::PLAN);
     if !saved_path.is_file() {
         return Err(ConfigError::new(format!(
@@ -456,8 +502,35 @@ fn resumed_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Plan> {
         ))
         .into());
     }
-    let plan = Plan::load(&saved_path)?.resumed(asked)?;
-    let done = found.meta.step.unwrap_or_default();
+    let mut plan = Plan::load(&saved_path)?.resumed(asked)?;
+    let found = checkpoint::latest(dir, &plan).map_err(ConfigError::new)?.ok_or_else(|| no_checkpoint(dir, &plan))?;
+    let record = found.record();
+    if record.global_batch != plan.global_batch() {
+        return Err(ConfigError::new(format!(
+            "checkpoint {} was written with a global batch of {} samples per step, this run's is {}: it belongs to \
+             another run; move it out of {} to resume from the one before, or start a new run",
+            found.dir.display(),
+            record.global_batch,
+            plan.global_batch(),
+            checkpoint::dir(dir).display()
+        ))
+        .into());
+    }
+    if record.layout != plan.layout() {
+        let reshard = Reshard { step: record.step, from: record.layout, to: plan.layout() };
+        // A resume of the same checkpoint again (the last one stopped before its first) replaces it.
+        if plan.reshards.last().is_some_and(|r| r.step == reshard.step && r.from == reshard.from) {
+            plan.reshards.pop();
+        }
+        crate::say!(
+            "resuming at step {} with {} (the checkpoint was written with {})",
+            record.step,
+            reshard.to,
+            reshard.from
+        );
+        plan.reshards.push(reshard);
+    }
+    let done = found.record().step;
     if let (Some(steps), true) = (plan.config.train.steps, done >= plan.total_steps()) {
         let source = plan.sources.get("train.steps").map(String::as_str).unwrap_or("default");
         return Err(ConfigError::new(format!(
@@ -474,12 +547,45 @@ fn resumed_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Plan> {
             "`train.epochs` ({source}) is {epochs} but the newest checkpoint of {} is at epoch {}: nothing is left to \
              run; pass --set train.epochs=N with N > {} to train further",
             dir.display(),
-            found.meta.epoch,
-            found.meta.epoch
+            found.record().epoch,
+            found.record().epoch
         ))
         .into());
     }
     Ok(plan)
+}
+
+/// Why `dir` holds no checkpoint to resume from, and what to do.
+fn no_checkpoint(dir: &Path, plan: &Plan) -> anyhow::Error {
+    let ck = checkpoint::dir(dir);
+    let old: Vec<String> = std::fs::read_dir(&ck)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".pt"))
+        .collect();
+    let k = &plan.config.checkpoint;
+    let why = if let Some(name) = old.first() {
+        format!(
+            "its checkpoints ({name}{}) are of an older runner's format, which this one cannot resume: start a new run",
+            if old.len() > 1 { format!(" and {} more", old.len() - 1) } else { String::new() }
+        )
+    } else {
+        match (k.every, k.every_steps) {
+            (0, None) => "the run writes none: set checkpoint.every (epochs) or checkpoint.every_steps (optimizer \
+                          steps) and start a new run"
+                .to_owned(),
+            (_, Some(n)) => format!(
+                "the run stopped before its first checkpoint (checkpoint.every_steps = {n}): start it again without \
+                 --resume"
+            ),
+            (e, None) => format!(
+                "the run stopped before its first checkpoint (checkpoint.every = {e} epochs): start it again without \
+                 --resume"
+            ),
+        }
+    };
+    ConfigError::new(format!("{} holds no checkpoint to resume from: {why}", ck.display())).into()
 }
 
 /// How a run takes its directory.
@@ -497,7 +603,10 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     if let Some(pid) = env.launcher_pid {
         rank::die_with_launcher(pid);
     }
-    preempt::watch(plan.config.run.preempt_signal)?;
+    preempt::watch(plan.config.run.preempt_signal);
+    // Before the rendezvous: a rank that would be refused says why at once, not after waiting
+    // for ranks that were never started.
+    rank::check_world_size(&plan, env)?;
     let timeout = std::time::Duration::from_secs_f64(plan.config.run.timeout_s);
     let store = std::sync::Arc::new(rank::open_store(env, timeout)?);
     let (agreed, owned) = if env.launcher == Launcher::Runner {
@@ -548,7 +657,7 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
         // Under srun rank 0 owns the run, and requeues the job once; under runner's launcher,
         // the launcher does.
         if manifest.is_some() {
-            slurm::requeue(p.step, &run_dir);
+            slurm::requeue(&format!("preempted at step {}: checkpoint written", p.step), true, &run_dir);
         }
         return Ok(128 + plan.config.run.preempt_signal.number() as u8);
     }
@@ -609,6 +718,9 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
     let launched =
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| spawn::launch(plan, topology, run_dir, &child_args)))
             .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", panic_text(&panic))));
+    // Every rank has ended: what a write cut short left (a checkpoint being written when a signal
+    // came, a temporary file) goes now, not at the next start.
+    rundir::remove_unfinished(run_dir);
     let outcome = match launched {
         Ok(outcome) => outcome,
         Err(e) => {
@@ -618,24 +730,33 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
         }
     };
     if outcome.preempted {
-        let found = checkpoint::latest(run_dir, plan).ok().flatten();
-        let step = found.and_then(|f| f.meta.step).unwrap_or_default();
+        // The newest checkpoint: the one the ranks just wrote, or, when the signal came before
+        // any rank started, the one a resumed run started from (none: the run starts over).
+        let step = checkpoint::newest_unread(run_dir, plan).ok().flatten().map(|f| f.record().step);
         manifest.end(Status::Preempted, None);
-        manifest.preempted_at_step = Some(step);
+        manifest.preempted_at_step = step;
         manifest.write(run_dir)?;
+        let said = match (outcome.started, step) {
+            (true, Some(step)) => format!("preempted at step {step}: checkpoint written"),
+            (false, Some(step)) => format!("preempted before any rank started: it resumes from step {step}"),
+            (_, None) => "preempted before its first checkpoint".to_owned(),
+        };
         // One requeue per job: node 0's launcher asks for it.
-        if topology.node_rank == 0 {
-            slurm::requeue(step, run_dir);
+        match topology.node_rank {
+            0 => slurm::requeue(&said, step.is_some(), run_dir),
+            _ => crate::say_err!("{said}; node 0 says how the run goes on"),
         }
         return Ok(128 + plan.config.run.preempt_signal.number() as u8);
     }
     if let Some(sig) = outcome.interrupted {
         manifest.end(Status::Interrupted, None);
         manifest.write(run_dir)?;
-        crate::say_err!(
-            "\ninterrupted: every rank was stopped; the trace keeps every finished epoch in {}",
-            run_dir.display()
-        );
+        let what = if outcome.started {
+            "every rank was stopped; the trace keeps every finished epoch"
+        } else {
+            "no rank had started; nothing was written but the run's configuration"
+        };
+        crate::say_err!("\ninterrupted by {}: {what} in {}", crate::signals::name(sig), run_dir.display());
         return Ok(128 + sig as u8);
     }
     match &outcome.failure {

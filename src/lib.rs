@@ -8,6 +8,7 @@
 pub mod say;
 pub mod bench;
 pub mod checked;
+pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
@@ -25,7 +26,9 @@ pub mod report;
 pub mod rng;
 pub mod rundir;
 pub mod sample;
+pub mod signals;
 pub mod stages;
 pub mod strategy;
 pub mod sweep;
+pub mod tensorfile;
 pub mod trace;

@@ -44,6 +44,28 @@ pub struct Preprocessing {
     pub validation_rank: usize,
 }
 
+/// The run's model.safetensors. A run without one is refused saying how the run ended, from its
+/// manifest.
+pub fn trained_model(run_dir: &Path) -> anyhow::Result<std::path::PathBuf> {
+    use crate::rundir::manifest::{Manifest, Status};
+    let path = run_dir.join(crate::rundir::MODEL);
+    if path.exists() {
+        return Ok(path);
+    }
+    let why = match Manifest::read(run_dir) {
+        Ok(m) if m.status == Status::Complete => "its manifest says complete, but the file is gone".to_owned(),
+        Ok(m) => format!(
+            "the run did not finish (its manifest says {}{}); runner run --resume {} continues it from its newest \
+             checkpoint",
+            format!("{:?}", m.status).to_lowercase(),
+            m.failure.map(|f| format!(": {f}")).unwrap_or_default(),
+            run_dir.display()
+        ),
+        Err(_) => "it is not a run directory (no readable manifest.json)".to_owned(),
+    };
+    anyhow::bail!("{} has no {}: {why}", run_dir.display(), crate::rundir::MODEL)
+}
+
 /// Rank 0 writes `preprocessing.json` with every rank's statistics; every rank takes part.
 pub fn save(plan: &Plan, pg: &ProcessGroup, normalizer: &Normalizer, run_dir: &Path) -> anyhow::Result<()> {
     let (offset, scale) = normalizer.parts();
@@ -99,42 +121,6 @@ pub fn save(plan: &Plan, pg: &ProcessGroup, normalizer: &Normalizer, run_dir: &P
     Ok(())
 }
 
-/// Writes float32 tensors as safetensors with `metadata` (string → string) in its header.
-pub fn write_safetensors(named: &[(String, Tensor)], metadata: &[(&str, String)], path: &Path) -> anyhow::Result<()> {
-    let mut header = serde_json::Map::new();
-    let meta: serde_json::Map<String, serde_json::Value> =
-        metadata.iter().map(|(k, v)| (k.to_string(), serde_json::Value::String(v.clone()))).collect();
-    if !meta.is_empty() {
-        header.insert("__metadata__".into(), meta.into());
-    }
-    let mut data: Vec<u8> = Vec::new();
-    for (name, t) in named {
-        let start = data.len();
-        // Integer buffers (batch norm's num_batches_tracked) stay int64, as PyTorch keeps them.
-        let dtype = if t.is_floating_point() {
-            let v = Vec::<f32>::try_from(t.to_kind(Kind::Float).contiguous().view(-1))?;
-            data.extend(v.iter().flat_map(|x| x.to_le_bytes()));
-            "F32"
-        } else {
-            let v = Vec::<i64>::try_from(t.to_kind(Kind::Int64).contiguous().view(-1))?;
-            data.extend(v.iter().flat_map(|x| x.to_le_bytes()));
-            "I64"
-        };
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": dtype, "shape": t.size(), "data_offsets": [start, data.len()]}),
-        );
-    }
-    let mut h = serde_json::to_string(&header)?.into_bytes();
-    while h.len() % 8 != 0 {
-        h.push(b' ');
-    }
-    let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
-    bytes.extend(h);
-    bytes.extend(data);
-    std::fs::write(path, bytes).with_context(|| format!("cannot write {}", path.display()))
-}
-
 /// `runner predict`: predictions for every row of `data` (parquet at `out`), and the metrics
 /// when the file holds the target.
 pub fn predict(run_dir: &Path, data: &Path, out: Option<&Path>) -> anyhow::Result<u8> {
@@ -174,7 +160,7 @@ pub fn predict(run_dir: &Path, data: &Path, out: Option<&Path>) -> anyhow::Resul
     let arch = plan.model();
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let model = arch.build(&vs.root(), 0..arch.layers().len(), &crate::model::BuildContext::new(plan.config.run.seed));
-    let model_path = run_dir.join(crate::rundir::MODEL);
+    let model_path = trained_model(run_dir)?;
     let weights = crate::model::read_weights(&model_path, &crate::model::sorted_parameters(arch.as_ref()))
         .map_err(anyhow::Error::msg)?;
     for (name, mut var) in vs.variables() {

@@ -4,13 +4,20 @@
 //! `load.source = "tokens"` and nanoGPT's `np.memmap(..., dtype=np.uint16)` read), and
 //! `meta.json` holds `vocab_size`, `itos` and `stoi` (nanoGPT writes them to meta.pkl).
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
+use crate::config::ConfigError;
+
 /// The file beside a token file that names its characters.
 pub const META: &str = "meta.json";
+
+/// The vocabulary of a token file: `meta.json` beside it.
+pub fn meta_beside(file: &Path) -> PathBuf {
+    file.parent().unwrap_or(Path::new(".")).join(META)
+}
 
 /// A character vocabulary as nanoGPT's prepare.py writes it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,9 +76,15 @@ impl Meta {
     }
 }
 
-/// Writes train.bin, val.bin and meta.json for `file` into `out`; prints what it wrote.
-pub fn text(file: &Path, out: &Path) -> anyhow::Result<u8> {
+/// The files `runner prepare text` writes into its `--out` folder.
+pub const OUTPUTS: [&str; 3] = ["train.bin", "val.bin", META];
+
+/// Writes train.bin, val.bin and meta.json for `file` into `out`, all three or none; prints what
+/// it wrote. Files already there are replaced only with `force`, and never the input itself.
+pub fn text(file: &Path, out: &Path, force: bool) -> anyhow::Result<u8> {
     crate::input::regular_file(file).map_err(anyhow::Error::msg)?;
+    let outputs: Vec<PathBuf> = OUTPUTS.iter().map(|name| out.join(name)).collect();
+    check_outputs(file, out, &outputs, force)?;
     let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
     let data = String::from_utf8(bytes).map_err(|e| {
         anyhow::anyhow!(
@@ -91,12 +104,22 @@ pub fn text(file: &Path, out: &Path) -> anyhow::Result<u8> {
     let ids = meta.encode(&data)?;
     // prepare.py: data[:int(n*0.9)] and data[int(n*0.9):], in characters.
     let cut = (ids.len() as f64 * 0.9) as usize;
+    anyhow::ensure!(
+        cut > 0 && cut < ids.len(),
+        "{} holds {} character{}: train.bin (the first 90%) and val.bin (the rest) need one each at least; give a \
+         longer text",
+        file.display(),
+        ids.len(),
+        if ids.len() == 1 { "" } else { "s" }
+    );
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let bin = |ids: &[u32]| -> Vec<u8> { ids.iter().flat_map(|&i| (i as u16).to_le_bytes()).collect() };
-    crate::rundir::atomic_write(&out.join("train.bin"), &bin(&ids[..cut]))?;
-    crate::rundir::atomic_write(&out.join("val.bin"), &bin(&ids[cut..]))?;
     let json = serde_json::to_string_pretty(&meta)? + "\n";
-    crate::rundir::atomic_write(&out.join(META), json.as_bytes())?;
+    let mut staged = Staged::default();
+    for (path, bytes) in outputs.iter().zip([bin(&ids[..cut]), bin(&ids[cut..]), json.into_bytes()]) {
+        staged.write(path, &bytes)?;
+    }
+    staged.commit()?;
     crate::say!(
         "{}: {} characters, vocabulary of {}; train.bin {} tokens, val.bin {} tokens, meta.json in {}",
         file.display(),
@@ -107,6 +130,75 @@ pub fn text(file: &Path, out: &Path) -> anyhow::Result<u8> {
         out.display()
     );
     Ok(0)
+}
+
+/// Refuses outputs that are the input itself (whatever `force` says), and outputs that exist
+/// unless `force`.
+fn check_outputs(file: &Path, out: &Path, outputs: &[PathBuf], force: bool) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let input = std::fs::metadata(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let existing: Vec<&PathBuf> = outputs.iter().filter(|p| p.symlink_metadata().is_ok()).collect();
+    for path in &existing {
+        if std::fs::metadata(path).is_ok_and(|m| m.dev() == input.dev() && m.ino() == input.ino()) {
+            return Err(ConfigError::new(format!(
+                "{} is the input itself: prepare would replace the text with its token ids; choose another --out",
+                path.display()
+            ))
+            .into());
+        }
+    }
+    if !existing.is_empty() && !force {
+        let names: Vec<String> = existing.iter().map(|p| p.display().to_string()).collect();
+        return Err(ConfigError::new(format!(
+            "{} already holds {}: pass --force to replace {}, or choose another --out",
+            out.display(),
+            names.join(", "),
+            if existing.len() == 1 { "it" } else { "them" }
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// Files that appear together or not at all: each is written and synced under a temporary name
+/// beside its place, and [`Staged::commit`] renames them all into place once every one is
+/// written. Dropped before that (an error, a panic), it removes what it wrote.
+#[derive(Default)]
+struct Staged {
+    /// (temporary file, its place).
+    files: Vec<(PathBuf, PathBuf)>,
+}
+
+impl Staged {
+    fn write(&mut self, path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+        use std::io::Write;
+        let tmp = crate::rundir::tmp_path(path);
+        self.files.push((tmp.clone(), path.to_owned()));
+        (|| -> std::io::Result<()> {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(bytes)?;
+            f.sync_all()
+        })()
+        .with_context(|| format!("cannot write {}", path.display()))
+    }
+
+    fn commit(mut self) -> anyhow::Result<()> {
+        for (tmp, path) in std::mem::take(&mut self.files) {
+            std::fs::rename(&tmp, &path).with_context(|| format!("cannot write {}", path.display()))?;
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        for (tmp, _) in &self.files {
+            let _ = std::fs::remove_file(tmp);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,10 @@
 //! position's logits divided by the temperature, all but the `top_k` largest set to -inf, and
 //! the next token drawn from their softmax; the draws come from the runner's generator seeded by
 //! `--seed`, so a sample is the same on every machine. The vocabulary is the run's: `meta.json`
-//! beside its token file (`runner prepare text` writes it), or bytes for `load.source = "text"`.
+//! beside its token file (`runner prepare text` writes it; the plan recorded its digest), or
+//! bytes for `load.source = "text"`. Each token is written as it is drawn; on a terminal, control
+//! characters are shown escaped (`\x1b`), and a reader that goes away (`| head`) ends the sampling.
+use std::io::{IsTerminal, Write};
 use std::path::Path;
 
 use anyhow::Context;
@@ -35,7 +38,7 @@ enum Vocabulary {
 }
 
 impl Vocabulary {
-    fn of(plan: &Plan) -> anyhow::Result<Vocabulary> {
+    fn of(plan: &Plan, model_vocab: usize) -> anyhow::Result<Vocabulary> {
         let SourceSpec::Tokens(spec) = &plan.data.source else {
             anyhow::bail!(
                 "this run trained on generated tokens, which have no text: sample a run of a token or text file"
@@ -45,14 +48,34 @@ impl Vocabulary {
             return Ok(Vocabulary::Bytes);
         }
         let file = &spec.train.files[0].path;
-        let meta = file.parent().unwrap_or(Path::new(".")).join(crate::prepare::META);
+        let path = crate::prepare::meta_beside(file);
         anyhow::ensure!(
-            meta.exists(),
+            path.exists(),
             "no {} beside {}: the token ids have no characters to decode to (runner prepare text writes one)",
             crate::prepare::META,
             file.display()
         );
-        Ok(Vocabulary::Chars(Meta::read(&meta)?))
+        if let Some(then) = &plan.vocabulary {
+            let now = crate::plan::InputFile::read(&then.key, &path).map_err(anyhow::Error::msg)?;
+            anyhow::ensure!(
+                now.digest == then.digest,
+                "{} is not the vocabulary this run trained with: it changed since (digest {} then, {} now); put back \
+                 the meta.json that was made with the token file",
+                path.display(),
+                then.digest,
+                now.digest
+            );
+        }
+        let meta = Meta::read(&path)?;
+        anyhow::ensure!(
+            meta.vocab_size <= model_vocab,
+            "{} names {} characters, more than the model's {} token ids (wrap.model.vocab): it is not this run's \
+             vocabulary",
+            path.display(),
+            meta.vocab_size,
+            model_vocab
+        );
+        Ok(Vocabulary::Chars(meta))
     }
 
     fn encode(&self, text: &str) -> anyhow::Result<Vec<i64>> {
@@ -70,23 +93,41 @@ impl Vocabulary {
         }
     }
 
-    fn decode(&self, ids: &[i64]) -> anyhow::Result<String> {
+    /// The text of one more token: a character, or the bytes completed so far (bytes wait in
+    /// `pending` until they make a character; invalid ones come out as U+FFFD).
+    fn decode_next(&self, id: i64, pending: &mut Vec<u8>) -> anyhow::Result<String> {
         match self {
-            Vocabulary::Chars(m) => m.decode(ids),
-            Vocabulary::Bytes => Ok(String::from_utf8_lossy(&ids.iter().map(|&i| i as u8).collect::<Vec<_>>()).into()),
+            Vocabulary::Chars(m) => m.decode(&[id]),
+            Vocabulary::Bytes => {
+                pending.push(id as u8);
+                match std::str::from_utf8(pending) {
+                    Ok(text) => {
+                        let text = text.to_owned();
+                        pending.clear();
+                        Ok(text)
+                    }
+                    // An incomplete character: more bytes may complete it.
+                    Err(e) if e.error_len().is_none() => Ok(String::new()),
+                    Err(_) => Ok(String::from_utf8_lossy(&std::mem::take(pending)).into_owned()),
+                }
+            }
         }
     }
 }
 
-/// Prints the prompt and `o.tokens` tokens sampled after it.
+/// Prints the prompt and `o.tokens` tokens sampled after it, each as soon as it is drawn.
 pub fn sample(run_dir: &Path, o: &Options) -> anyhow::Result<u8> {
     let plan = Plan::load(&run_dir.join(crate::rundir::PLAN))?;
     let Model::Transformer(t) = &plan.config.wrap.model else {
         anyhow::bail!("--prompt samples a language model, but this run trained a {}", plan.model().describe());
     };
-    anyhow::ensure!(o.temperature > 0.0 && o.temperature.is_finite(), "--temperature must be positive");
+    anyhow::ensure!(
+        o.temperature > 0.0 && o.temperature.is_finite(),
+        "--temperature must be a finite number above 0, got {}",
+        show(o.temperature)
+    );
     anyhow::ensure!(o.top_k >= 1, "--top-k must be at least 1");
-    let vocab = Vocabulary::of(&plan)?;
+    let vocab = Vocabulary::of(&plan, t.vocab)?;
     let mut ids = vocab.encode(&o.prompt)?;
     anyhow::ensure!(!ids.is_empty(), "--prompt is empty: give the model at least one character to continue");
     if let Some(id) = ids.iter().find(|&&i| i as usize >= t.vocab) {
@@ -99,31 +140,98 @@ pub fn sample(run_dir: &Path, o: &Options) -> anyhow::Result<u8> {
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let model = arch.build(&vs.root(), 0..arch.layers().len(), &crate::model::BuildContext::new(plan.config.run.seed));
     let weights = crate::model::read_weights(
-        &run_dir.join(crate::rundir::MODEL),
+        &crate::predict::trained_model(run_dir)?,
         &crate::model::sorted_parameters(arch.as_ref()),
     )
     .map_err(anyhow::Error::msg)?;
     for (name, mut var) in vs.variables() {
         tch::no_grad(|| var.copy_(&weights[&name]));
     }
+    let mut out = Writer::new();
     let mut rng = Rng::new(o.seed, SAMPLE_STREAM);
+    let mut pending = Vec::new();
+    // The prompt goes out with the first token: a temperature that leaves nothing to draw from
+    // is said before anything is printed.
+    let mut prompt = Some(o.prompt.as_str());
     for _ in 0..o.tokens {
         let context = &ids[ids.len().saturating_sub(t.seq_len)..];
         let x = Tensor::from_slice(context).view([1, context.len() as i64]);
         let logits = tch::no_grad(|| model.forward_t(&x, false)).select(1, -1).squeeze_dim(0);
         let logits: Vec<f64> = Vec::try_from(logits.narrow(0, 0, drawable as i64).to_kind(Kind::Double))?;
-        ids.push(draw(&logits, o.temperature, o.top_k, &mut rng) as i64);
+        let id = draw(&logits, o.temperature, o.top_k, &mut rng)? as i64;
+        ids.push(id);
+        let text = prompt.take().unwrap_or_default().to_owned() + &vocab.decode_next(id, &mut pending)?;
+        // The reader went away (`| head -c 100`): nothing more is wanted.
+        if out.write(&text).is_err() {
+            return Ok(0);
+        }
     }
-    crate::say!("{}", vocab.decode(&ids)?);
+    let rest = String::from_utf8_lossy(&pending).into_owned();
+    let _ = out.write(&(prompt.unwrap_or_default().to_owned() + &rest + "\n"));
     Ok(0)
+}
+
+/// Standard output, flushed after every piece; on a terminal, control characters other than
+/// newline and tab are written escaped, so that a drawn ESC cannot drive the terminal.
+struct Writer {
+    out: std::io::Stdout,
+    terminal: bool,
+}
+
+impl Writer {
+    fn new() -> Writer {
+        let out = std::io::stdout();
+        Writer { terminal: out.is_terminal(), out }
+    }
+
+    fn write(&mut self, text: &str) -> std::io::Result<()> {
+        let text = if self.terminal { escape_controls(text) } else { text.to_owned() };
+        let mut out = self.out.lock();
+        out.write_all(text.as_bytes())?;
+        out.flush()
+    }
+}
+
+/// `text` with every control character but newline and tab written as `\x1b` or `\u{85}`.
+fn escape_controls(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '\n' | '\t' => out.push(c),
+            c if (c as u32) < 0x80 && c.is_control() => out += &format!("\\x{:02x}", c as u32),
+            c if c.is_control() => out += &format!("\\u{{{:x}}}", c as u32),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// `x` as a person would write it: `0.8`, `1e-320`.
+fn show(x: f64) -> String {
+    if x != 0.0 && x.is_finite() && !(1e-4..1e6).contains(&x.abs()) {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
+    }
 }
 
 /// Separates the sampler's draws from other uses of a seed.
 const SAMPLE_STREAM: u64 = 0x5A4D_504C;
 
 /// One token from `logits`: temperature, top-k, softmax, then a draw.
-fn draw(logits: &[f64], temperature: f64, top_k: usize, rng: &mut Rng) -> usize {
+fn draw(logits: &[f64], temperature: f64, top_k: usize, rng: &mut Rng) -> anyhow::Result<usize> {
+    if let Some(l) = logits.iter().find(|l| !l.is_finite()) {
+        anyhow::bail!("the model's logits are not finite ({l}): its weights do not make a usable model");
+    }
     let scaled: Vec<f64> = logits.iter().map(|l| l / temperature).collect();
+    if scaled.iter().any(|l| !l.is_finite()) {
+        let largest = logits.iter().fold(0.0f64, |m, l| m.max(l.abs()));
+        anyhow::bail!(
+            "--temperature {} divides the logits (up to {largest:.3} in size) past the largest float; give a larger \
+             temperature",
+            show(temperature)
+        );
+    }
     let mut sorted = scaled.clone();
     sorted.sort_by(|a, b| b.total_cmp(a));
     // sample.py: logits below the k-th largest become -inf (ties with it stay).
@@ -134,11 +242,11 @@ fn draw(logits: &[f64], temperature: f64, top_k: usize, rng: &mut Rng) -> usize 
     let mut u = rng.uniform() * total;
     for (i, w) in weights.iter().enumerate() {
         if u < *w {
-            return i;
+            return Ok(i);
         }
         u -= w;
     }
-    weights.iter().rposition(|&w| w > 0.0).unwrap_or(0)
+    Ok(weights.iter().rposition(|&w| w > 0.0).unwrap_or(0))
 }
 
 #[cfg(test)]
@@ -149,10 +257,23 @@ mod tests {
     fn top_k_keeps_only_the_largest_logits_and_temperature_sharpens() {
         let logits = [0.0, 3.0, 1.0, 2.9];
         let mut rng = Rng::new(1, 2);
-        let picks: Vec<usize> = (0..500).map(|_| draw(&logits, 1.0, 2, &mut rng)).collect();
+        let picks: Vec<usize> = (0..500).map(|_| draw(&logits, 1.0, 2, &mut rng).unwrap()).collect();
         assert!(picks.iter().all(|&p| p == 1 || p == 3), "top-2 draws only ids 1 and 3");
         assert!(picks.contains(&1) && picks.contains(&3));
-        let cold: Vec<usize> = (0..200).map(|_| draw(&logits, 0.01, 4, &mut rng)).collect();
+        let cold: Vec<usize> = (0..200).map(|_| draw(&logits, 0.01, 4, &mut rng).unwrap()).collect();
         assert!(cold.iter().all(|&p| p == 1), "a low temperature takes the largest");
+        let e = draw(&logits, 1e-320, 4, &mut rng).unwrap_err().to_string();
+        assert!(e.starts_with("--temperature 1e-320 divides the logits (up to 3.000 in size) past"), "{e}");
+        assert!(draw(&[0.0, f64::NAN], 1.0, 2, &mut rng).is_err());
+    }
+
+    #[test]
+    fn control_characters_are_escaped_and_bytes_decode_as_they_complete() {
+        assert_eq!(escape_controls("a\x1b[2Jb\n\tc\u{85}é"), "a\\x1b[2Jb\n\tc\\u{85}é");
+        let mut pending = Vec::new();
+        let v = Vocabulary::Bytes;
+        let parts: Vec<String> = "é!".bytes().map(|b| v.decode_next(b as i64, &mut pending).unwrap()).collect();
+        assert_eq!(parts, ["", "é", "!"]);
+        assert_eq!(v.decode_next(0xff, &mut pending).unwrap(), "\u{fffd}");
     }
 }

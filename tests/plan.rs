@@ -85,7 +85,6 @@ fn resuming_with_another_configuration_is_refused_naming_the_keys() {
     for (args, expected) in [
         (&["--set", "run.seed=5"][..], "`run.seed`: 4 in the run, 5 now (--set run.seed=5)"),
         (&["--set", "train.optimizer=\"sgd\""][..], "`train.optimizer`: \"adam\" in the run, \"sgd\" now"),
-        (&["--set", "wrap.strategy=\"none\""][..], "`wrap.strategy`: \"ddp\" in the run, \"none\" now"),
         (
             &["--set", "wrap.model.activation=\"tanh\"", "--set", "train.epochs=4"][..],
             "`wrap.model.activation`: \"relu\" in the run, \"tanh\" now",
@@ -94,8 +93,24 @@ fn resuming_with_another_configuration_is_refused_naming_the_keys() {
         let (code, err) = stderr_of(&[&["run", "--resume", "r"][..], args].concat(), dir.path());
         assert_eq!(code, Some(2), "{err}");
         assert!(err.contains("cannot resume with another configuration") && err.contains(expected), "{err}");
-        assert!(err.contains("Only train.epochs, train.steps may change when resuming"), "{err}");
+        assert!(
+            err.contains(
+                "Only train.epochs, train.steps (to train longer) and run.world_size, run.threads_per_rank, \
+                          wrap.strategy,"
+            ) && err.contains("(keeping the global batch) may change when resuming"),
+            "{err}"
+        );
     }
+    // The strategy may change, but not to one whose ranks train alone.
+    let (code, err) = stderr_of(&["run", "--resume", "r", "--set", "wrap.strategy=\"none\""], dir.path());
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains(
+            "cannot resume at world size 2, none from world size 2, ddp: wrap.strategy = \"none\" trains each rank's \
+             replica alone, so its checkpoint (rank 0's replica) stands for no other layout"
+        ),
+        "{err}"
+    );
     // Editing the run's config.toml is a change too.
     let config = dir.path().join("r/config.toml");
     let text = std::fs::read_to_string(&config).unwrap();
@@ -176,11 +191,11 @@ fn ddp_checkpoints_record_the_bucket_layout_the_reducer_rebuilt() {
     write(dir.path(), "p.toml", SMALL);
     assert_ok(&run(&["run", "p.toml", "--out", "r", "--set", "wrap.bucket_cap_mb=0.0001"], dir.path()));
     let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("r/checkpoints/epoch-0002.json")).unwrap())
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("r/checkpoints/epoch-0002/index.json")).unwrap())
             .unwrap();
     // 4 parameters (two linear layers); buckets rebuilt in the order gradients became ready:
     // the last layer's first, with a cap this small each parameter alone.
-    let buckets: Vec<Vec<u64>> = serde_json::from_value(meta["buckets"].clone()).unwrap();
+    let buckets: Vec<Vec<u64>> = serde_json::from_value(meta["record"]["buckets"].clone()).unwrap();
     let mut all: Vec<u64> = buckets.iter().flatten().copied().collect();
     assert_eq!(buckets.first().and_then(|b| b.first()), Some(&3), "{buckets:?}");
     all.sort();

@@ -93,11 +93,8 @@ fn resnet18_state_is_whole_broadcast_resumed_exactly_and_loads_into_torchvision(
     for (name, t) in &a {
         assert!(t.equal(&b[name]), "{name} differs after resume");
     }
-    let bytes = |run: &str, f: &str| std::fs::read(d.join(run).join(f)).unwrap();
-    assert!(
-        bytes("whole", "checkpoints/epoch-0002.pt") == bytes("cut", "checkpoints/epoch-0002.pt"),
-        "checkpoint (running statistics included) differs after resume"
-    );
+    let bytes = |run: &str| common::checkpoint_bytes(&d.join(run), "epoch-0002");
+    assert!(bytes("whole") == bytes("cut"), "checkpoint (running statistics included) differs after resume");
 
     // Buffers broadcast from rank 0: both ranks validate the same model, so their validation
     // metrics agree to the bit (each rank's own running statistics would not).

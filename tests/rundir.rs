@@ -45,8 +45,7 @@ fn training(launcher: &Child, run_dir: &Path, n: usize) -> Vec<u32> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let ranks = children(launcher.id());
-        let checkpointed = std::fs::read_dir(run_dir.join("checkpoints"))
-            .is_ok_and(|d| d.filter_map(|e| e.ok()).any(|e| e.file_name().to_string_lossy().ends_with(".json")));
+        let checkpointed = common::has_checkpoint(run_dir);
         if ranks.len() == n && checkpointed {
             return ranks;
         }
@@ -154,7 +153,7 @@ fn sighup_interrupts_the_run_and_sigusr1_preempts_it_at_a_checkpoint() {
                 .parse()
                 .unwrap();
             assert!(err.contains(&format!("preempted at step {step}: checkpoint written;")), "{err}");
-            let name = format!("step-{step:08}.json");
+            let name = format!("step-{step:08}/index.json");
             assert!(dir.path().join(&out).join("checkpoints").join(&name).exists(), "no {name}");
         }
     }

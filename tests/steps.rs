@@ -105,8 +105,8 @@ fn random_windows_resumed_from_a_mid_interval_checkpoint_end_bit_identical() {
     resumes_bit_identical(
         dir.path(),
         &[],
-        "step-00000025.json",
-        &["model.safetensors", "checkpoints/step-00000240.pt"],
+        "step-00000025/index.json",
+        &["model.safetensors", "checkpoints/step-00000240/rank-0.safetensors"],
     );
     // One row per rank per validation interval, with the step.
     let t = trace(&dir.path().join("whole"));
@@ -128,8 +128,8 @@ fn thread_replicas_resumed_from_a_mid_interval_checkpoint_end_bit_identical() {
     resumes_bit_identical(
         dir.path(),
         &replicas,
-        "step-00000025.json",
-        &["model.safetensors", "checkpoints/step-00000240.pt"],
+        "step-00000025/index.json",
+        &["model.safetensors", "checkpoints/step-00000240/rank-0.safetensors"],
     );
 }
 
@@ -138,11 +138,15 @@ fn an_epoch_run_resumed_from_a_mid_epoch_checkpoint_ends_bit_identical() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", EPOCHS);
     // Step 30 is in the middle of epoch 1 (47 steps), with accumulation over 2 batches.
-    resumes_bit_identical(dir.path(), &[], "step-00000030.json", &["model.safetensors", "checkpoints/epoch-0004.pt"]);
-    let record: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("whole/checkpoints/epoch-0004.json")).unwrap())
-            .unwrap();
-    assert_eq!(record["step"], 188);
+    resumes_bit_identical(
+        dir.path(),
+        &[],
+        "step-00000030/index.json",
+        &["model.safetensors", "checkpoints/epoch-0004/rank-0.safetensors"],
+    );
+    let index = std::fs::read_to_string(dir.path().join("whole/checkpoints/epoch-0004/index.json")).unwrap();
+    let index: serde_json::Value = serde_json::from_str(&index).unwrap();
+    assert_eq!(index["record"]["step"], 188);
 }
 
 #[test]
@@ -153,8 +157,12 @@ fn a_pipeline_resumed_from_a_mid_epoch_checkpoint_ends_bit_identical() {
     resumes_bit_identical(
         dir.path(),
         &pipeline,
-        "step-00000030.json",
-        &["model.safetensors", "checkpoints/epoch-0004.rank-0.pt", "checkpoints/epoch-0004.rank-1.pt"],
+        "step-00000030/index.json",
+        &[
+            "model.safetensors",
+            "checkpoints/epoch-0004/rank-0.safetensors",
+            "checkpoints/epoch-0004/rank-1.safetensors",
+        ],
     );
 }
 
@@ -288,7 +296,7 @@ fn keys_a_source_cannot_use_and_run_lengths_that_conflict_are_refused_by_name() 
         (
             "lm.toml",
             &["--set", "train.epochs=3"],
-            "`train.steps` (file lm.toml:27): and train.epochs = 3 both set the run's length: keep one",
+            "`train.steps` (file lm.toml:27): and train.epochs = 3 (--set train.epochs=3) both set the run's length: keep one",
         ),
         (
             "mlp.toml",

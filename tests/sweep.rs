@@ -310,13 +310,8 @@ fn stopping_a_sweep_stops_its_running_point_which_a_rerun_resumes() {
             .map(|e| e.path())
             .find(|p| p.join("checkpoints").is_dir());
         if let (Some(point), 1, 2) = (&point, launchers.len(), ranks.len()) {
-            // A checkpoint is complete once its record (.json) is written, after its tensors.
-            let complete = point
-                .join("checkpoints")
-                .read_dir()
-                .unwrap()
-                .filter_map(|e| e.ok())
-                .any(|e| e.path().extension().is_some_and(|x| x == "json"));
+            // A checkpoint is complete once its index is written, after its tensors.
+            let complete = common::has_checkpoint(point);
             if complete {
                 break (point.clone(), [launchers, ranks].concat());
             }

@@ -7,6 +7,9 @@ use std::path::{Component, Path, PathBuf};
 
 use super::ConfigError;
 
+/// The most files a chain may hold, the file itself included: deeper is a mistake, not a design.
+pub const MAX_CHAIN: usize = 32;
+
 /// The two kinds of configuration file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FileKind {
@@ -60,7 +63,7 @@ impl Layers {
     /// Reads `file` and every base it extends. `what` names the file in errors ("the pipeline file").
     pub fn read(file: &Path, kind: FileKind, what: &str) -> Result<Layers, ConfigError> {
         let mut chain: Vec<Layer> = Vec::new();
-        let mut seen: Vec<PathBuf> = Vec::new();
+        let mut seen: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
         let mut next = Some(file.to_owned());
         while let Some(path) = next.take() {
             let names = |last: &Path| {
@@ -71,6 +74,15 @@ impl Layers {
             let real = std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone());
             if seen.contains(&real) {
                 return Err(ConfigError::new(format!("extends cycle: {}", names(&path))));
+            }
+            if chain.len() == MAX_CHAIN {
+                let first: Vec<String> = chain.iter().take(3).map(|l| l.file.display().to_string()).collect();
+                return Err(ConfigError::new(format!(
+                    "{}: the extends chain is longer than {MAX_CHAIN} files ({} → ... → {}): merge some of its bases",
+                    at_extends(&chain[0]),
+                    first.join(" → "),
+                    path.display()
+                )));
             }
             if !chain.is_empty() && !path.is_file() {
                 let child = &chain[chain.len() - 1];
@@ -102,7 +114,7 @@ impl Layers {
             }
             let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
             next = base.map(|b| normalize(&dir.join(b)));
-            seen.push(real);
+            seen.insert(real);
             chain.push(Layer { file: path, text, table });
         }
         chain.reverse();
@@ -215,6 +227,13 @@ fn take_extends(text: &str, origin: &str) -> Result<(String, Option<String>), Co
             top = false;
         }
         let key = t.split_once('=').map(|(k, _)| k.trim().trim_matches('"'));
+        if top && key == Some("extends") && base.is_some() {
+            return Err(ConfigError::new(format!(
+                "{origin}:{}: `extends` is given twice: a file extends one base (to build on several, let each \
+                 base extend the next)",
+                i + 1
+            )));
+        }
         if top && key == Some("extends") {
             let value: Option<String> = toml::from_str::<toml::Table>(t)
                 .ok()
@@ -247,6 +266,10 @@ pub fn key_line(text: &str, dotted: &str) -> Option<usize> {
         let line = line.trim();
         if let Some(header) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
             current = unquote(header.trim_start_matches('['));
+            // A table is set where its header is (`[trian]`, a misspelt section).
+            if current == dotted {
+                return Some(i + 1);
+            }
         } else if let Some((key, _)) = line.split_once('=').filter(|_| !line.starts_with('#')) {
             let key = unquote(key);
             let full = if current.is_empty() { key } else { format!("{current}.{key}") };
@@ -296,6 +319,8 @@ mod tests {
         assert_eq!(key_line(&text, "train.lr"), Some(4));
         let e = take_extends("extends = 3\n", "a.toml").unwrap_err();
         assert!(e.message.starts_with("a.toml:1: `extends` must name a file"), "{}", e.message);
+        let e = take_extends("extends = \"b.toml\"\nextends = \"c.toml\"\n", "a.toml").unwrap_err();
+        assert!(e.message.starts_with("a.toml:2: `extends` is given twice"), "{}", e.message);
     }
 
     #[test]
@@ -306,6 +331,7 @@ mod tests {
         assert_eq!(key_line(text, "sweep.run.seed"), Some(5));
         assert_eq!(key_line(text, "sweep.run.world_size"), Some(7));
         assert_eq!(key_line(text, "sweep.train.lr"), None);
+        assert_eq!(key_line(text, "sweep.run"), Some(6), "a table, at its header");
     }
 
     #[test]

@@ -74,7 +74,15 @@ pub fn parse_layers<T: DeserializeOwned>(layers: &Layers) -> Result<T, ConfigErr
     let de = toml::Deserializer::parse(&text).map_err(|e| ConfigError::new(e.to_string()))?;
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
-        let mut key = path.as_str();
+        // An unknown key is named by the message, below the path: the file that sets it is the
+        // one to name (a base's typo is the base's, at its line, not at the child's table header).
+        let unknown = e.inner().message().strip_prefix("unknown field `").and_then(|m| m.split('`').next());
+        let full = match (unknown, path.as_str()) {
+            (Some(field), ".") => field.to_owned(),
+            (Some(field), p) if !p.ends_with(field) => format!("{p}.{field}"),
+            _ => path.clone(),
+        };
+        let mut key = full.as_str();
         let at = loop {
             match layers.origin(key) {
                 Some((f, Some(line))) => break format!("{}:{line}", f.display()),
@@ -186,7 +194,7 @@ fn figment_error(e: figment::Error, layers: &Layers) -> ConfigError {
                 kind => kind.to_string(),
             };
             let origin = if name.contains("environment") {
-                format!("environment variable RUNNER_{}", path.join("__").to_uppercase())
+                format!("environment variable {}", env_vars_under(&path).join(", "))
             } else if name.contains("TOML") {
                 match layers.origin(&path.join(".")) {
                     Some((file, Some(line))) => format!("{}:{line}", file.display()),
@@ -203,10 +211,31 @@ fn figment_error(e: figment::Error, layers: &Layers) -> ConfigError {
     ConfigError::new(messages.join("\n"))
 }
 
+/// The `RUNNER_..__..` variables that set `path` or a key below it (`RUNNER_FOO__BAR` for an
+/// unknown section `foo`), as the environment spells them.
+fn env_vars_under(path: &[String]) -> Vec<String> {
+    let mut names: Vec<String> = std::env::vars_os()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .filter(|k| {
+            let lower = k.to_ascii_lowercase();
+            let Some(rest) = lower.strip_prefix("runner_").filter(|r| r.contains("__")) else { return false };
+            let parts: Vec<&str> = rest.split("__").collect();
+            parts.len() >= path.len() && parts.iter().zip(path).all(|(a, b)| *a == b.to_lowercase())
+        })
+        .collect();
+    names.sort();
+    if names.is_empty() {
+        names.push(format!("RUNNER_{}", path.join("__").to_uppercase()));
+    }
+    names
+}
+
 /// Where each leaf value of `config` came from.
 fn sources(figment: &Figment, config: &Config, layers: &Layers) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
-    let value = toml::Value::try_from(config).expect("a Config serializes");
+    // Every key, those that hold their default included: one given as its default value still
+    // came from where it was given.
+    let value = super::schema::with_every_key(|| toml::Value::try_from(config)).expect("a Config serializes");
     let mut leaves = Vec::new();
     flatten("", &value, &mut leaves);
     for (key, _) in leaves {
@@ -238,6 +267,29 @@ pub fn flatten(prefix: &str, v: &toml::Value, out: &mut Vec<(String, toml::Value
     }
 }
 
+/// `text` with the password of every URL's credentials (`http://user:password@host`) replaced by
+/// `***`: what names a value's source (`--set track.mlflow=...`) never shows one.
+pub fn redact_credentials(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (head, tail) = rest.split_at(at + 3);
+        out += head;
+        let end = tail.find(|c: char| "/?#\"' ".contains(c)).unwrap_or(tail.len());
+        let authority = &tail[..end];
+        match authority.rsplit_once('@') {
+            Some((user, host)) => {
+                out += user.split(':').next().unwrap_or_default();
+                out += ":***@";
+                out += host;
+            }
+            None => out += authority,
+        }
+        rest = &tail[end..];
+    }
+    out + rest
+}
+
 /// A `--set key=value` as a figment provider; the value is read as TOML (so `0.05`, `[64, 64]`
 /// and `true` keep their types), or taken as a string when it is not valid TOML.
 struct SetArg {
@@ -247,7 +299,7 @@ struct SetArg {
 
 impl SetArg {
     fn parse(o: &Override) -> Result<SetArg, ConfigError> {
-        let label = format!("{} {}", o.label, o.text);
+        let label = redact_credentials(&format!("{} {}", o.label, o.text));
         let (key, raw) = o
             .text
             .split_once('=')
@@ -288,5 +340,20 @@ impl Provider for SetArg {
 
     fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
         Ok(Profile::Default.collect(self.dict.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_in_urls_are_redacted_and_the_rest_kept() {
+        assert_eq!(
+            redact_credentials("--set track.mlflow=\"http://me:s3cret@h:5000/x\""),
+            "--set track.mlflow=\"http://me:***@h:5000/x\""
+        );
+        assert_eq!(redact_credentials("a http://h:1 b https://u:p@q c"), "a http://h:1 b https://u:***@q c");
+        assert_eq!(redact_credentials("no url"), "no url");
     }
 }

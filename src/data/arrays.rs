@@ -1,12 +1,11 @@
 //! Files of named arrays (`.npz`, `.safetensors`: `wrap.init`, a run's `model.safetensors`, a
 //! tensors source) read without trusting them: every `.npz` member's header and every
 //! `.safetensors` entry's dtype, shape and offsets are checked against the bytes actually there
-//! before a tensor is made (through [`crate::checked::tensor`]), and nothing larger than `limit`
-//! bytes is read. Which arrays are weights (floats, the model's
+//! before a tensor is made (through [`crate::checked::tensor`]; `.safetensors` through
+//! [`crate::tensorfile`]), and nothing larger than `limit` bytes is read. Which arrays are weights (floats, the model's
 //! names and shapes) is [`crate::model::read_weights`]'s to say.
 use std::fs::File;
 use std::io::Read;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use tch::{Kind, Tensor};
@@ -100,67 +99,10 @@ fn shape_bytes(shape: &[i64], kind: Kind) -> Result<u64, String> {
         .ok_or(format!("shape {shape:?} is not a shape of an array that fits in memory"))
 }
 
-/// The largest safetensors header read: real ones are a few kB per hundred tensors.
-const MAX_SAFETENSORS_HEADER: u64 = 100 << 20;
-
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Entry {
-    dtype: String,
-    shape: Vec<i64>,
-    data_offsets: (u64, u64),
-}
-
-/// A `.safetensors` file: an 8-byte header length, a JSON header of entries, the data.
+/// A `.safetensors` file (through [`crate::tensorfile`]), each tensor read at its own bytes.
 fn read_safetensors(path: &Path, limit: u64) -> Result<Vec<(String, Tensor)>, String> {
-    let file = File::open(path).map_err(|e| format!("cannot read it: {e}"))?;
-    let len = file.metadata().map_err(|e| format!("cannot read it: {e}"))?.len();
-    let mut n = [0u8; 8];
-    file.read_exact_at(&mut n, 0).map_err(|_| "not a .safetensors file (shorter than 8 bytes)".to_owned())?;
-    let header_len = u64::from_le_bytes(n);
-    if header_len > MAX_SAFETENSORS_HEADER || header_len > len - 8 {
-        return Err(format!(
-            "the header claims {header_len} bytes, the file has {len}: it is truncated or not a .safetensors file"
-        ));
-    }
-    let mut header = vec![0u8; header_len as usize];
-    file.read_exact_at(&mut header, 8).map_err(|e| format!("cannot read it: {e}"))?;
-    let mut entries: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
-        .map_err(|e| format!("its header is not the JSON of a .safetensors file ({e})"))?;
-    entries.remove("__metadata__");
-    let data_start = 8 + header_len;
-    let data_len = len - data_start;
-    let mut out = Vec::new();
-    for (name, value) in entries {
-        let e: Entry = serde_json::from_value(value).map_err(|e| format!("entry `{name}` is malformed ({e})"))?;
-        let kind = match e.dtype.as_str() {
-            "F32" => Kind::Float,
-            "F64" => Kind::Double,
-            "F16" => Kind::Half,
-            "BF16" => Kind::BFloat16,
-            "I64" => Kind::Int64,
-            "I32" => Kind::Int,
-            "I16" => Kind::Int16,
-            "I8" => Kind::Int8,
-            "U8" => Kind::Uint8,
-            "BOOL" => Kind::Bool,
-            other => return Err(format!("`{name}` holds {other} values, not floats")),
-        };
-        let want = shape_bytes(&e.shape, kind).map_err(|m| format!("`{name}`: {m}"))?;
-        let (start, end) = e.data_offsets;
-        if start > end || end > data_len || end - start != want || want > limit {
-            return Err(format!(
-                "`{name}` claims bytes {start}..{end} for shape {:?} of {} ({want} bytes), the data holds {data_len} \
-                 bytes: it is truncated or its header lies",
-                e.shape, e.dtype
-            ));
-        }
-        let mut data = vec![0u8; want as usize];
-        file.read_exact_at(&mut data, data_start + start).map_err(|e| format!("cannot read it: {e}"))?;
-        let tensor = crate::checked::tensor(&data, &e.shape, kind).map_err(|m| format!("`{name}`: {m}"))?;
-        out.push((name, tensor));
-    }
-    Ok(out)
+    let file = crate::tensorfile::TensorFile::open(path)?;
+    file.entries().into_iter().map(|(name, _)| Ok((name.clone(), file.tensor(&name, limit)?))).collect()
 }
 
 #[cfg(test)]

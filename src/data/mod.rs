@@ -429,6 +429,20 @@ fn load_file(data: &DataSpec, info: &FileInfo) -> Result<Dataset, String> {
     })
 }
 
+/// `validate.batches` = `b` batches of `batch` asks for more than the `held` validation `unit`s
+/// (rows, windows) hold: what to say; `None` when they hold them (or hold none, which is said
+/// elsewhere).
+pub fn batches_beyond(b: usize, batch: usize, held: usize, unit: &str) -> Option<String> {
+    let most = held.div_ceil(batch.max(1));
+    (b > most && held > 0).then(|| {
+        format!(
+            "asks for {b} batches of {batch}, but the validation set holds {held} {unit} ({most} batch{}): give at \
+             most {most}, or leave it out to validate on every one",
+            if most == 1 { "" } else { "es" }
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

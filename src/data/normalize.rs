@@ -107,6 +107,17 @@ impl Normalizer {
         Normalizer { scaling: Some((Tensor::from_slice(offset), Tensor::from_slice(scale))) }
     }
 
+    /// Rank `root`'s normaliser, on every rank of `pg` (each calls it): what a rank applies to
+    /// rows that rank `root`'s statistics must scale.
+    pub fn of_rank(&self, pg: &crate::dist::ProcessGroup, root: usize) -> crate::dist::Result<Normalizer> {
+        // The same method on every rank: all have statistics, or none has.
+        let Some((offset, scale)) = &self.scaling else { return Ok(Normalizer::identity()) };
+        let mut both = Tensor::cat(&[offset.reshape([-1]), scale.reshape([-1])], 0);
+        pg.broadcast(&mut both, root)?;
+        let n = offset.numel() as i64;
+        Ok(Normalizer { scaling: Some((both.narrow(0, 0, n).view_as(offset), both.narrow(0, n, n).view_as(scale))) })
+    }
+
     /// The offsets and scales, per feature (none for the identity).
     pub fn parts(&self) -> (Vec<f32>, Vec<f32>) {
         let v = |t: &Tensor| Vec::<f32>::try_from(t.to_kind(Kind::Float).contiguous()).unwrap_or_default();

@@ -378,7 +378,11 @@ pub fn spec(c: &Config, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str,
     let (validation_rows, validation_windows) = match (c.validate.batches, load.sampling) {
         (Some(b), Sampling::Random) => (b * batch, Some(b * batch)),
         (Some(b), Sampling::Epoch) => {
-            let n = (b * batch).min(validation.windows(t.seq_len));
+            let held = validation.windows(t.seq_len);
+            if let Some(why) = super::batches_beyond(b, batch, held, "windows") {
+                bad("validate.batches", why);
+            }
+            let n = (b * batch).min(held);
             (n, Some(n))
         }
         (None, _) => (validation.windows(t.seq_len), None),

@@ -102,20 +102,43 @@ impl ProcessGroup {
         let host = CString::new(device_host)
             .map_err(|_| Error::new("process_group.new", "device host contains a NUL byte"))?;
         let timeout_ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
-        let mut raw = std::ptr::null_mut();
-        let err = match backend {
-            // SAFETY: the store is live for the call; `raw` is written only on success.
-            Backend::Gloo => unsafe {
-                ffi::rn_pg_new_gloo(store.raw(), rank as i32, size as i32, host.as_ptr(), timeout_ms, &mut raw)
-            },
-            // SAFETY: as above.
-            Backend::Nccl { device } => unsafe {
-                ffi::rn_pg_new_nccl(store.raw(), rank as i32, size as i32, device as i32, timeout_ms, &mut raw)
-            },
-        };
         let op = format!("process_group.new({backend:?}, rank {rank} of {size})");
-        check(&op, err)?;
-        let raw = NonNull::new(raw).expect("rn_pg_new succeeded");
+        let raw = match backend {
+            // gloo's rendezvous reads the store (up to the timeout for the peers' addresses), then
+            // connects to every peer (up to the timeout again): bounded like the store's calls.
+            Backend::Gloo => {
+                let (call_store, call_op) = (Arc::clone(&store), op.clone());
+                super::store::bounded(&op, 2 * timeout, move || {
+                    let mut raw = std::ptr::null_mut();
+                    // SAFETY: the store is live for the call (this thread holds its Arc); `raw` is
+                    // written only on success.
+                    let err = unsafe {
+                        ffi::rn_pg_new_gloo(
+                            call_store.raw(),
+                            rank as i32,
+                            size as i32,
+                            host.as_ptr(),
+                            timeout_ms,
+                            &mut raw,
+                        )
+                    };
+                    check(&call_op, err)?;
+                    // An address, to cross threads; owned by the group made of it below.
+                    Ok(raw as usize)
+                })?
+            }
+            // On this thread: the group's GPU becomes this thread's current device.
+            Backend::Nccl { device } => {
+                let mut raw = std::ptr::null_mut();
+                // SAFETY: the store is live for the call; `raw` is written only on success.
+                let err = unsafe {
+                    ffi::rn_pg_new_nccl(store.raw(), rank as i32, size as i32, device as i32, timeout_ms, &mut raw)
+                };
+                check(&op, err)?;
+                raw as usize
+            }
+        };
+        let raw = NonNull::new(raw as *mut ffi::RnPg).expect("rn_pg_new succeeded");
         let members = (0..size).collect();
         Ok(ProcessGroup {
             raw,

@@ -57,7 +57,7 @@ pub fn rank0_plan<T>(
     match claimed {
         Some((agreed, claimed)) => Ok((agreed, Some(claimed))),
         None => {
-            let bytes = store.get(PLAN)?;
+            let bytes = store.get(PLAN).map_err(|e| never(e, store, "rank 0 published no plan", "see its output"))?;
             let agreed = serde_json::from_slice(&bytes).context("rank 0 published a plan this rank cannot read")?;
             Ok((agreed, None))
         }
@@ -77,13 +77,28 @@ fn agree<T>(
     let key = |n: usize| format!("runner/config/{}{n}", parties.label);
     store.set(&key(parties.me), serde_json::to_string(&mine)?.as_bytes())?;
     if parties.me != 0 {
-        let verdict = String::from_utf8_lossy(&store.get(VERDICT)?).into_owned();
+        let verdict = store.get(VERDICT).map_err(|e| {
+            never(
+                e,
+                store,
+                &format!("{} 0 gave no verdict on the configurations", parties.label),
+                "it waits for every \
+                 participant, so one may never have started, or it stopped (see its output)",
+            )
+        })?;
+        let verdict = String::from_utf8_lossy(&verdict).into_owned();
         store.add(READ, 1)?;
         return if verdict.is_empty() { Ok(None) } else { Err(ConfigError::new(verdict).into()) };
     }
     let mut all = vec![mine];
     for n in 1..parties.count {
-        let bytes = store.get(&key(n))?;
+        let bytes = store.get(&key(n)).map_err(|e| {
+            let how = match parties.label {
+                "node" => format!("start `runner run` with --nnodes {} on every node", parties.count),
+                _ => format!("start all {} ranks, each with the same MASTER_ADDR and MASTER_PORT", parties.count),
+            };
+            never(e, store, &format!("{} {n} never joined", parties.label), &how)
+        })?;
         all.push(
             serde_json::from_slice(&bytes).with_context(|| format!("{} {n} sent no configuration", parties.label))?,
         );
@@ -108,6 +123,15 @@ fn agree<T>(
         std::thread::sleep(Duration::from_millis(10));
     }
     Err(ConfigError::new(verdict).into())
+}
+
+/// A wait in the store that ended without an answer: `what` happened, `how` to fix it. A wait
+/// that a signal ended keeps the store's own message.
+fn never(e: crate::dist::Error, store: &Store, what: &str, how: &str) -> anyhow::Error {
+    if crate::signals::interruption().is_some() {
+        return e.into();
+    }
+    anyhow::anyhow!("{what} within run.timeout_s ({} s): {how}", store.timeout().as_secs_f64())
 }
 
 type FlatConfig = BTreeMap<String, String>;

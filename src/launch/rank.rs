@@ -76,7 +76,19 @@ pub fn open_store(env: &RankEnv, timeout: Duration) -> anyhow::Result<Store> {
         }
         return Ok(Store::listen(env.master_port, env.world_size, timeout)?);
     }
-    Ok(Store::connect(&env.master_addr, env.master_port, timeout)?)
+    let whose = if env.agent_store { "the launcher's" } else { "rank 0's" };
+    Store::connect(&env.master_addr, env.master_port, timeout)
+        .map_err(|e| unreachable(e, whose, &env.master_addr, env.master_port, timeout))
+}
+
+/// A store that could not be joined, said as what to check.
+pub fn unreachable(e: crate::dist::Error, whose: &str, addr: &str, port: u16, timeout: Duration) -> anyhow::Error {
+    anyhow::anyhow!(
+        "cannot join {whose} rendezvous store at {addr}:{port}: {}; check that {whose} `runner run` is up and serving \
+         this address and port (run.timeout_s = {} s bounds the wait)",
+        e.message.trim_end_matches('.'),
+        timeout.as_secs_f64()
+    )
 }
 
 /// This host's address on the interface that reaches the master: where peers on other nodes

@@ -126,26 +126,23 @@ pub fn master_port(job_id: &str) -> anyhow::Result<u16> {
     Ok(15000 + n)
 }
 
-/// The first host of the job (`SLURM_JOB_NODELIST`), where node 0's launcher serves the store.
-pub fn first_host() -> Option<String> {
-    let list = std::env::var("SLURM_JOB_NODELIST").ok()?;
-    expand_nodelist(&list).ok()?.into_iter().next()
-}
-
-/// A preempted run's last word: the checkpoint is written and the manifest says `preempted`.
-/// Under Slurm (SLURM_JOB_ID set), the job is requeued (`scontrol requeue`), which ends it:
-/// Slurm reruns its script, and the same `runner run` resumes from that checkpoint. Elsewhere,
-/// says how to resume.
-pub fn requeue(step: usize, run_dir: &std::path::Path) {
+/// A preempted run's last word, `said` ("preempted at step 12: checkpoint written"): the manifest
+/// says `preempted`. Under Slurm (SLURM_JOB_ID set), the job is requeued (`scontrol requeue`),
+/// which ends it: Slurm reruns its script, and the same `runner run` resumes from the newest
+/// checkpoint. Elsewhere, says how to resume.
+/// `resumable`: a checkpoint is there to continue from (else the same command starts over).
+pub fn requeue(said: &str, resumable: bool, run_dir: &std::path::Path) {
     let Some(job) = var("SLURM_JOB_ID").ok().flatten() else {
-        crate::say_err!(
-            "preempted at step {step}: checkpoint written; the same command, or runner run --resume {}, continues it",
-            run_dir.display()
-        );
+        match resumable {
+            true => {
+                crate::say_err!("{said}; the same command, or runner run --resume {}, continues it", run_dir.display())
+            }
+            false => crate::say_err!("{said}; the same command starts it over"),
+        }
         return;
     };
     // Said first: the requeue ends this job, and this process with it.
-    crate::say_err!("preempted at step {step}: checkpoint written, job requeued");
+    crate::say_err!("{said}, job requeued");
     match std::process::Command::new("scontrol").args(["requeue", &job]).output() {
         Ok(out) if out.status.success() => {}
         Ok(out) => crate::say_err!(

@@ -11,13 +11,11 @@ use std::net::TcpListener;
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{self, Signal};
 use nix::unistd::Pid;
-use signal_hook::consts::signal::*;
 
 use super::env::{AGENT_STORE, LAUNCHER_PID};
 use crate::dist::{record_exit, Store};
@@ -26,21 +24,25 @@ use crate::rundir::position;
 
 const STDERR_TAIL: usize = 12;
 
-/// The signals that stop a run cleanly (ranks stopped, manifest `interrupted`) rather than
-/// killing the launcher where it stands; all but `run.preempt_signal`, which the launcher
-/// forwards to every rank: they checkpoint after the same step and end preempted.
-pub const STOP_SIGNALS: &[i32] =
-    &[SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF];
-
 /// How the ranks ended.
 #[derive(Debug)]
 pub struct Outcome {
     /// The first rank to fail, how, and its last stderr lines.
     pub failure: Option<Failure>,
-    /// The signal (one of [`STOP_SIGNALS`]) that interrupted the run.
+    /// The signal ([`crate::signals::stop`]) that interrupted the run.
     pub interrupted: Option<i32>,
-    /// Every rank stopped on `run.preempt_signal` after writing its part of a checkpoint.
+    /// Every rank stopped on `run.preempt_signal` after writing its part of a checkpoint, or the
+    /// signal came before any rank started.
     pub preempted: bool,
+    /// Whether any rank was started.
+    pub started: bool,
+}
+
+impl Outcome {
+    /// The launcher was stopped or preempted before it started any rank.
+    fn before_start(i: crate::signals::Interruption) -> Outcome {
+        Outcome { failure: None, interrupted: (!i.preempt).then_some(i.signal), preempted: i.preempt, started: false }
+    }
 }
 
 #[derive(Debug)]
@@ -94,38 +96,33 @@ impl Topology {
 }
 
 pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[OsString]) -> anyhow::Result<Outcome> {
-    // Ctrl-C, SIGTERM, SIGHUP, ... stop the ranks through the supervision loop below.
-    let interrupt = Arc::new(AtomicUsize::new(0));
+    // Ctrl-C, SIGTERM, SIGHUP, ... stop the ranks through the supervision loop below; the
+    // preemption signal is forwarded to them ([`crate::signals`], set up since the first instruction).
     let preempt_signal = plan.config.run.preempt_signal.number();
-    for &sig in STOP_SIGNALS.iter().filter(|&&s| s != preempt_signal) {
-        signal_hook::flag::register_usize(sig, Arc::clone(&interrupt), sig as usize)?;
-    }
-    let preempt = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    signal_hook::flag::register(preempt_signal, Arc::clone(&preempt))?;
+    crate::signals::set_preempt(preempt_signal);
     // How a rank that was preempted exits.
     let preempted_exit = Some(128 + preempt_signal);
     let world = plan.world_size();
     let per_node = world / topology.nnodes;
     let first_rank = topology.node_rank * per_node;
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
-    let (store, master_addr, port) = match &topology.master {
-        None => {
-            let listener = TcpListener::bind("127.0.0.1:0")?;
-            let port = listener.local_addr()?.port();
-            (Store::serve(listener, world, timeout)?, "127.0.0.1".to_string(), port)
-        }
-        Some((addr, port)) if topology.node_rank == 0 => {
-            // Bound here, on the master address only, then handed to the store.
-            let listener = TcpListener::bind((addr.as_str(), *port)).with_context(|| {
-                format!("cannot listen on {addr}:{port} (--master-addr must be this node's address)")
-            })?;
-            (Store::serve(listener, world, timeout)?, addr.clone(), *port)
-        }
-        Some((addr, port)) => (Store::connect(addr, *port, timeout)?, addr.clone(), *port),
+    // A signal ends the rendezvous' waits: the run then ends as the signal says, not as failed.
+    let stopped = |e: anyhow::Error| match crate::signals::interruption() {
+        Some(i) => Ok(Outcome::before_start(i)),
+        None => Err(e),
+    };
+    let (store, master_addr, port) = match rendezvous(topology, world, timeout) {
+        Ok(joined) => joined,
+        Err(e) => return stopped(e),
     };
     if topology.nnodes > 1 {
         let parties = super::agree::Parties { label: "node", me: topology.node_rank, count: topology.nnodes };
-        super::agree::same_config(&store, plan, parties)?;
+        if let Err(e) = super::agree::same_config(&store, plan, parties) {
+            return stopped(e);
+        }
+    }
+    if let Some(i) = crate::signals::interruption() {
+        return Ok(Outcome::before_start(i));
     }
     let exe = std::env::current_exe()?;
 
@@ -133,7 +130,8 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     let mut readers = Vec::with_capacity(world);
     for local in 0..per_node {
         let r = first_rank + local;
-        let mut child = Command::new(&exe)
+        let mut command = Command::new(&exe);
+        command
             .args(child_args)
             .env("RANK", r.to_string())
             .env("LOCAL_RANK", local.to_string())
@@ -145,8 +143,10 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
             .env(LAUNCHER_PID, std::process::id().to_string())
             .env("OMP_NUM_THREADS", plan.threads_per_rank.to_string())
             .stdin(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?;
+            .stderr(Stdio::piped());
+        // Started with the signals blocked: one forwarded while the rank still loads waits for
+        // the rank's own setup instead of killing it.
+        let mut child = crate::signals::blocked(|| command.spawn())?;
         let tail = Arc::new(Mutex::new(VecDeque::new()));
         let stderr = child.stderr.take().expect("piped");
         let sink = Arc::clone(&tail);
@@ -172,15 +172,14 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     let mut watchdog = super::watchdog::Watchdog::new(&plan.config.run, ranks.len());
     let mut preempting = false;
     loop {
-        if preempt.load(Ordering::SeqCst) && !preempting && interrupted.is_none() {
+        if crate::signals::preempted() && !preempting && interrupted.is_none() {
             preempting = true;
             for rank in ranks.iter().filter(|r| r.status.is_none()) {
                 let _ = signal::kill(Pid::from_raw(rank.child.id() as i32), Signal::try_from(preempt_signal).ok());
             }
         }
-        let sig = interrupt.load(Ordering::SeqCst);
-        if sig != 0 && interrupted.is_none() {
-            interrupted = Some((sig as i32, Instant::now()));
+        if let (Some(sig), None) = (crate::signals::stop(), interrupted) {
+            interrupted = Some((sig, Instant::now()));
             for rank in ranks.iter().filter(|r| r.status.is_none()) {
                 let _ = signal::kill(Pid::from_raw(rank.child.id() as i32), Signal::SIGTERM);
             }
@@ -192,7 +191,9 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
             }
             if let Some(status) = rank.child.try_wait()? {
                 rank.status = Some(status);
-                let preempted = preempting && status.code() == preempted_exit;
+                // A rank exits so only once every rank agreed to stop after the same step and
+                // wrote its part of the checkpoint, whoever was sent the signal.
+                let preempted = status.code() == preempted_exit;
                 if !status.success() && !preempted && first_failure.is_none() && interrupted.is_none() {
                     let how = describe(status);
                     // Peers blocked on this rank name it in their errors.
@@ -277,11 +278,34 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
         killed,
     });
     position::remove_all(run_dir, first_rank..first_rank + per_node);
-    let preempted = preempting
-        && failure.is_none()
+    let preempted = failure.is_none()
         && interrupted.is_none()
         && ranks.iter().any(|r| r.status.and_then(|s| s.code()) == preempted_exit);
-    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted })
+    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted, started: true })
+}
+
+/// The job's store: served on this node (node 0, or a single node on an OS-chosen loopback
+/// port) or joined at node 0's; with the address and port the ranks reach it at.
+fn rendezvous(topology: &Topology, world: usize, timeout: Duration) -> anyhow::Result<(Store, String, u16)> {
+    Ok(match &topology.master {
+        None => {
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            let port = listener.local_addr()?.port();
+            (Store::serve(listener, world, timeout)?, "127.0.0.1".to_string(), port)
+        }
+        Some((addr, port)) if topology.node_rank == 0 => {
+            // Bound here, on the master address only, then handed to the store.
+            let listener = TcpListener::bind((addr.as_str(), *port)).with_context(|| {
+                format!("cannot listen on {addr}:{port} (--master-addr must be this node's address)")
+            })?;
+            (Store::serve(listener, world, timeout)?, addr.clone(), *port)
+        }
+        Some((addr, port)) => {
+            let store = Store::connect(addr, *port, timeout)
+                .map_err(|e| super::rank::unreachable(e, "node 0's", addr, *port, timeout))?;
+            (store, addr.clone(), *port)
+        }
+    })
 }
 
 /// Whether `pid` is stopped (state T) or traced (t).

@@ -219,6 +219,24 @@ pub fn parameters_in_module_order(arch: &dyn Architecture, range: Range<usize>, 
     arch.parameters(range).iter().map(|(name, _)| vars[name].shallow_clone()).collect()
 }
 
+/// The trainable variables of `vs` with their names, in the store's own order (the order its
+/// `trainable_variables` gives, which the optimizer and gradient clipping have always used).
+pub fn named_trainable(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    vs.trainable_variables()
+        .into_iter()
+        .map(|t| {
+            // The same variable: the same storage and shape (a name is taken once).
+            let at = named
+                .iter()
+                .position(|(_, v)| v.data_ptr() == t.data_ptr() && v.size() == t.size())
+                .expect("every trainable variable has a name");
+            (named.remove(at).0, t)
+        })
+        .collect()
+}
+
 /// Reads a weights file (.npz or .safetensors) holding exactly the parameters and buffers of
 /// `shapes`, as float32 (batch norm's `num_batches_tracked` as int64); says what is missing,
 /// extra or misshapen otherwise.

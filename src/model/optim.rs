@@ -1,5 +1,8 @@
 //! Optimizers with state we own (torch's formulas for SGD with momentum, Adam and AdamW), so a
-//! checkpoint can save and restore it exactly: tch's optimizers do not expose their state.
+//! checkpoint can save and restore it exactly: tch's optimizers do not expose their state. The
+//! state is named by parameter, not by position (`optim.momentum.<param>`, `optim.exp_avg.<param>`,
+//! `optim.exp_avg_sq.<param>`, and the step count `optim.steps`), so any strategy holding any
+//! part of any parameter finds its own: a checkpoint resumes under another strategy.
 use tch::{Kind, Tensor};
 
 use crate::config::schema::{Optimizer as Kind_, Train, WeightDecayOn};
@@ -13,22 +16,38 @@ pub struct Optimizer {
     eps: f64,
     weight_decay: f64,
     params: Vec<Tensor>,
+    /// The parameters' names (PyTorch's), in the order of `params`.
+    names: Vec<String>,
     /// Per parameter, whether weight decay applies to it (`train.weight_decay_on`).
     decays: Vec<bool>,
-    /// Per kind of state, one tensor per parameter: SGD's momentum buffers, or Adam's first and
-    /// second moments.
+    /// Per kind of state (named in `kinds`), one tensor per parameter: SGD's momentum buffers, or
+    /// Adam's first and second moments.
+    kinds: &'static [&'static str],
     state: Vec<Vec<Tensor>>,
     steps: i64,
 }
 
+/// The name of the step count in a checkpoint.
+pub const STEPS: &str = "optim.steps";
+
+/// One tensor of an optimizer's state: its name in a checkpoint, its parameter's name, and the
+/// tensor (shaped as the parameter it updates, whole or a shard).
+pub struct StateTensor {
+    pub name: String,
+    pub param: String,
+    pub tensor: Tensor,
+}
+
 impl Optimizer {
-    pub fn new(t: &Train, params: Vec<Tensor>) -> Optimizer {
-        let kinds = match t.optimizer {
-            Kind_::Sgd if t.momentum == 0.0 => 0,
-            Kind_::Sgd => 1,
-            Kind_::Adam | Kind_::Adamw => 2,
+    /// Over `params`, each with its name (PyTorch's: `layer0.weight`).
+    pub fn new(t: &Train, params: Vec<(String, Tensor)>) -> Optimizer {
+        let (names, params): (Vec<String>, Vec<Tensor>) = params.into_iter().unzip();
+        let kinds: &[&str] = match t.optimizer {
+            Kind_::Sgd if t.momentum == 0.0 => &[],
+            Kind_::Sgd => &["momentum"],
+            Kind_::Adam | Kind_::Adamw => &["exp_avg", "exp_avg_sq"],
         };
-        let state = (0..kinds).map(|_| params.iter().map(Tensor::zeros_like).collect()).collect();
+        let state = kinds.iter().map(|_| params.iter().map(Tensor::zeros_like).collect()).collect();
         let decays = params
             .iter()
             .map(|p| match t.weight_decay_on {
@@ -44,7 +63,9 @@ impl Optimizer {
             eps: t.eps,
             weight_decay: t.weight_decay,
             params,
+            names,
             decays,
+            kinds,
             state,
             steps: 0,
         }
@@ -110,37 +131,43 @@ impl Optimizer {
         }
     }
 
-    /// The state as named tensors (for a checkpoint).
-    pub fn state(&self) -> Vec<(String, Tensor)> {
-        let mut out = vec![("optim.steps".to_string(), Tensor::from(self.steps))];
-        for (k, kind) in self.state.iter().enumerate() {
-            for (i, t) in kind.iter().enumerate() {
-                out.push((format!("optim.{i}.{k}"), t.shallow_clone()));
+    /// Its state tensors (not the step count), named by parameter.
+    pub fn state(&self) -> Vec<StateTensor> {
+        let mut out = Vec::new();
+        for (kind, tensors) in self.kinds.iter().zip(&self.state) {
+            for (param, t) in self.names.iter().zip(tensors) {
+                out.push(StateTensor {
+                    name: format!("optim.{kind}.{param}"),
+                    param: param.clone(),
+                    tensor: t.shallow_clone(),
+                });
             }
         }
         out
     }
 
-    /// Restores what [`Optimizer::state`] produced; `get` looks a tensor up by name.
-    pub fn load_state(&mut self, get: impl Fn(&str) -> Option<Tensor>) -> Result<(), String> {
-        let steps = get("optim.steps").ok_or("no optimizer state")?;
-        if steps.numel() != 1 {
-            return Err(format!("optim.steps has shape {:?}, not one value", steps.size()));
-        }
-        self.steps = steps.f_int64_value(&[0; 0]).map_err(|e| crate::checked::torch_message(&e))?;
-        for (k, kind) in self.state.iter_mut().enumerate() {
-            for (i, t) in kind.iter_mut().enumerate() {
-                let saved =
-                    get(&format!("optim.{i}.{k}")).ok_or_else(|| format!("no optimizer state optim.{i}.{k}"))?;
-                if saved.size() != t.size() {
-                    return Err(format!(
-                        "optimizer state optim.{i}.{k} has shape {:?}, expected {:?}",
-                        saved.size(),
-                        t.size()
-                    ));
-                }
-                tch::no_grad(|| t.copy_(&saved.to_kind(Kind::Float)));
-            }
+    /// Sets the step count (the schedule's clock and Adam's bias correction), from a checkpoint.
+    pub fn set_steps(&mut self, steps: usize) {
+        self.steps = steps as i64;
+    }
+
+    /// Restores the state [`Optimizer::state`] names: `get(name, param, held)` gives the saved
+    /// values of the tensor `held` (what this optimizer holds of parameter `param`).
+    pub fn load_state(
+        &mut self,
+        mut get: impl FnMut(&str, &str, &Tensor) -> anyhow::Result<Tensor>,
+    ) -> anyhow::Result<()> {
+        for s in self.state() {
+            let saved = get(&s.name, &s.param, &s.tensor)?;
+            anyhow::ensure!(
+                saved.size() == s.tensor.size(),
+                "optimizer state `{}` has shape {:?}, this run holds {:?}",
+                s.name,
+                saved.size(),
+                s.tensor.size()
+            );
+            let mut held = s.tensor;
+            tch::no_grad(|| held.copy_(&saved.to_kind(Kind::Float)));
         }
         Ok(())
     }
@@ -160,7 +187,7 @@ mod tests {
         let run = |mine: bool| {
             let vs = nn::VarStore::new(tch::Device::Cpu);
             let w = vs.root().var_copy("w", &Tensor::arange(6, opts).view([3, 2]).cos());
-            let mut ours = Optimizer::new(&train, vs.trainable_variables());
+            let mut ours = Optimizer::new(&train, vec![("w".to_owned(), w.shallow_clone())]);
             let mut theirs = reference.build(&vs, train.lr).unwrap();
             for _ in 0..5 {
                 let loss = x.matmul(&w).pow_tensor_scalar(2).mean(Kind::Float);
@@ -217,7 +244,7 @@ mod tests {
                 Train { optimizer: Kind_::Adamw, lr: 0.1, weight_decay: 0.5, weight_decay_on: on, ..Train::default() };
             let w = Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
             let b = Tensor::ones([2], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
-            let mut opt = Optimizer::new(&t, vec![w.shallow_clone(), b.shallow_clone()]);
+            let mut opt = Optimizer::new(&t, vec![("w".into(), w.shallow_clone()), ("b".into(), b.shallow_clone())]);
             (&w * 0.0 + &b * 0.0).sum(Kind::Float).backward();
             opt.step().unwrap();
             assert!(w.double_value(&[0, 0]) < 1.0, "{on:?}: the matrix decays");

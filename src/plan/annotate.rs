@@ -22,6 +22,12 @@ pub fn annotated_toml(plan: &Plan) -> String {
             section = sec.to_owned();
         }
         let from = plan.sources.get(&key).map(String::as_str).unwrap_or("default");
+        // A run in steps has no epochs: the key stays out, so that resuming from this file (with
+        // --set train.steps, say) does not give the run's length twice.
+        if key == "train.epochs" && plan.config.train.steps.is_some() {
+            out += "# epochs: not used, the run counts train.steps\n";
+            continue;
+        }
         // Relative to the pipeline file when written; absolute here, so that the file stays
         // valid from the run directory (runner run --resume reads it). A glob or a list is
         // written as the files it resolved to.

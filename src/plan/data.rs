@@ -54,6 +54,9 @@ pub fn spec(c: &Config, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opti
     }
     // The same first rows every validation (a token source draws its own windows).
     if let (Some(b), None) = (c.validate.batches, d_ref.tokens()) {
+        if let Some(why) = crate::data::batches_beyond(b, c.train.batch_size, d_ref.validation_rows, "rows") {
+            bad("validate.batches", why);
+        }
         d_ref.validation_rows = d_ref.validation_rows.min(b.saturating_mul(c.train.batch_size));
     }
     d

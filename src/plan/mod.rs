@@ -62,6 +62,13 @@ pub struct Plan {
     /// id is the digest of that first configuration.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub started_with: saved::StartedWith,
+    /// The vocabulary beside a token file (`meta.json`), which `runner predict --prompt` decodes
+    /// with: recorded to tell it from another file, and left out of the run id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocabulary: Option<InputFile>,
+    /// Each resume that changed the world size or the strategy (into the manifest).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reshards: Vec<crate::rundir::manifest::Reshard>,
 }
 
 /// The model's part of a plan: what the checks found.
@@ -87,7 +94,7 @@ impl Plan {
         let data = data::spec(&c, &base, &mut bad);
         // Out-of-bounds model sizes leave no architecture: nothing below computes a shape from them.
         let model_ok = crate::model::check(&c.wrap.model, &mut bad);
-        recipe::train_values(&c, &mut bad);
+        recipe::train_values(&c, &sources, &mut bad);
         recipe::recipe_values(&c, data.as_ref().map(|d| d.validation_rows), &mut bad);
         let layout = data.as_ref().and_then(|d| shard_layout(&c, d, &mut bad));
         let model = model_parts(&c, &base, data.as_ref(), layout.as_ref(), model_ok, &mut bad);
@@ -131,6 +138,7 @@ impl Plan {
         }
         let (data, layout, stages) = (data.expect("checked"), layout.expect("checked"), stages.expect("checked"));
         Ok(Plan {
+            vocabulary: vocabulary(&data),
             batch_per_rank: layout.split_batch.unwrap_or(c.train.batch_size),
             threads_per_rank: threads_per_rank(&c),
             parameters: layer_parameters.iter().sum(),
@@ -147,6 +155,7 @@ impl Plan {
             stages,
             memory,
             started_with: Default::default(),
+            reshards: Vec::new(),
         })
     }
 
@@ -163,13 +172,29 @@ impl Plan {
     /// The manifest of this plan's run, starting now.
     pub fn manifest(&self) -> crate::rundir::manifest::Manifest {
         let c = &self.config;
-        crate::rundir::manifest::Manifest::start(
+        let mut m = crate::rundir::manifest::Manifest::start(
             &self.run_id,
             &c.run.name,
             &self.pipeline_file,
             c.run.world_size,
             self.threads_per_rank,
-        )
+        );
+        m.reshards = self.reshards.clone();
+        m
+    }
+
+    /// How the work is spread over the ranks (what a checkpoint records of who wrote it).
+    pub fn layout(&self) -> crate::rundir::manifest::Layout {
+        crate::rundir::manifest::Layout {
+            world_size: self.world_size(),
+            strategy: self.config.wrap.strategy,
+            ranks_per_copy: self.pipeline_ranks(),
+        }
+    }
+
+    /// Samples per optimizer step over all ranks: each copy's batch × the copies × train.accumulate.
+    pub fn global_batch(&self) -> usize {
+        self.batch_per_rank * self.layout.world_size * self.config.train.accumulate
     }
 
     /// The model's architecture over this plan's data.
@@ -275,13 +300,20 @@ impl Plan {
     }
 }
 
+/// `meta.json` beside a token file, when there is one (not for `load.source = "text"`, whose
+/// vocabulary is bytes).
+fn vocabulary(data: &DataSpec) -> Option<InputFile> {
+    let crate::data::SourceSpec::Tokens(spec) = &data.source else { return None };
+    let path = crate::prepare::meta_beside(&spec.train.files.first()?.path);
+    (spec.source == Source::Tokens && path.is_file()).then(|| InputFile::read("vocabulary", &path).ok()).flatten()
+}
+
 /// The run's values: world size, threads, name, device and backend, timeouts and bounds.
 /// `[track]`'s values, checked on the plan.
 fn track_values(t: &Track, bad: &mut impl FnMut(&str, String)) {
     if let Some(url) = &t.mlflow {
-        let rest = url.strip_prefix("http://");
-        if rest.is_none_or(|r| r.is_empty() || r.starts_with('/')) {
-            bad("track.mlflow", format!("\"{url}\" is not an http:// URL of an MLflow server (e.g. \"http://127.0.0.1:5000\"; https is not supported)"));
+        if let Err(why) = crate::trace::mlflow::check_url(url) {
+            bad("track.mlflow", why);
         }
     }
     if t.experiment.as_deref().is_some_and(|e| e.trim().is_empty()) {

@@ -6,8 +6,11 @@
 use super::schedule;
 use crate::config::schema::*;
 
+/// Where each dotted key's value came from (`default`, `file p.toml:3`, `--set ...`).
+type Sources = std::collections::BTreeMap<String, String>;
+
 /// The optimizer's values and the run's length, in epochs or optimizer steps.
-pub fn train_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
+pub fn train_values(c: &Config, sources: &Sources, bad: &mut impl FnMut(&str, String)) {
     let t = &c.train;
     if t.epochs == 0 {
         bad("train.epochs", "must be at least 1".into());
@@ -38,7 +41,7 @@ pub fn train_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
     if checkpoints && c.checkpoint.keep == 0 {
         bad("checkpoint.keep", "must be at least 1 when checkpoint.every or checkpoint.every_steps is set".into());
     }
-    step_values(c, bad);
+    step_values(c, sources, bad);
 }
 
 /// `train.betas` and `train.eps`: Adam's alone, each in its range.
@@ -56,7 +59,7 @@ fn adam_values(t: &Train, bad: &mut impl FnMut(&str, String)) {
 }
 
 /// `train.steps` and the keys that count steps.
-fn step_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
+fn step_values(c: &Config, sources: &Sources, bad: &mut impl FnMut(&str, String)) {
     let t = &c.train;
     for (key, v) in [
         ("train.steps", t.steps),
@@ -71,11 +74,20 @@ fn step_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
     if t.steps.is_some_and(|s| s > crate::limits::MAX_ROWS) {
         bad("train.steps", format!("must be at most {}", crate::limits::MAX_ROWS));
     }
-    // Compared with the default, not by source: a run's saved config.toml sets every key.
-    let epochs_given = t.epochs != Train::default().epochs;
+    // Given by a file, the environment or --set, whatever its value (a run's config.toml leaves
+    // train.epochs out of a run in steps).
+    let epochs_from = sources.get("train.epochs").filter(|s| s.as_str() != "default");
     match t.steps {
-        Some(_) if epochs_given => {
-            bad("train.steps", format!("and train.epochs = {} both set the run's length: keep one", t.epochs))
+        Some(_) if epochs_from.is_some() || t.epochs != Train::default().epochs => {
+            let from = |key: &str| sources.get(key).map_or("default", String::as_str).to_owned();
+            bad(
+                "train.steps",
+                format!(
+                    "and train.epochs = {} ({}) both set the run's length: keep one",
+                    t.epochs,
+                    from("train.epochs")
+                ),
+            )
         }
         Some(_) => {
             if !matches!(c.validate.every, 0 | 1) {
@@ -243,6 +255,9 @@ pub fn recipe_lengths(c: &Config, batches: usize, total: usize, bad: &mut impl F
     }
     let steps = batches.div_ceil(t.accumulate);
     let s = schedule::Schedule::new(&t.schedule, t.lr, total, steps);
+    if let Some(why) = s.out_of_range() {
+        bad("train.lr", why);
+    }
     if t.schedule.decay_end.is_some_and(|end| end <= s.warmup) {
         bad(
             "train.schedule.decay_end",

@@ -1,19 +1,40 @@
-//! Resuming a run: the run's saved plan goes on. Only keys that extend a run may change, each
-//! change recorded with where it came from; anything else (the seed, the model, the optimizer,
-//! the strategy, the content of an input file) is refused, naming the keys.
+//! Resuming a run: the run's saved plan goes on. Only keys that extend a run, or that spread its
+//! work another way while keeping its global batch, may change, each change recorded with where
+//! it came from; anything else (the seed, the model, the optimizer, the content of an input
+//! file) is refused, naming the keys.
 use std::collections::BTreeMap;
 
 use super::Plan;
 use crate::config::resolve::flatten;
+use crate::config::schema::WrapStrategy;
 use crate::config::ConfigError;
 
 /// Keys a resumed run may change: they extend it without changing what it has done so far.
-/// None of the training recipe's keys (issue 14) is among them: the schedule, accumulation,
-/// clipping and precision each change the steps an uninterrupted run would take from the
-/// checkpoint on, and early stopping's rule decides which epochs run at all. train.epochs itself
-/// is refused with a schedule whose rates depend on the run's length (linear, cosine): the steps
-/// already taken followed the old length's curve.
+/// None of the training recipe's keys (issue 14) is among them: the schedule, clipping and
+/// precision each change the steps an uninterrupted run would take from the checkpoint on, and
+/// early stopping's rule decides which epochs run at all. train.epochs itself is refused with a
+/// schedule whose rates depend on the run's length (linear, cosine): the steps already taken
+/// followed the old length's curve.
 pub const EXTENDS_A_RUN: &[&str] = &["train.epochs", "train.steps"];
+
+/// Keys that spread a run's work over the ranks another way (checkpoints load under any world
+/// size and strategy): they may change on resume as long as every optimizer step still covers
+/// the same samples, i.e. the global batch (batch × data-parallel copies × accumulate) and the
+/// steps per epoch stay.
+pub const RESHARDS_A_RUN: &[&str] = &[
+    "run.world_size",
+    "run.threads_per_rank",
+    "wrap.strategy",
+    "wrap.bucket_cap_mb",
+    "wrap.threads_per_replica",
+    "wrap.pipeline.stages",
+    "wrap.pipeline.micro_batches",
+    "wrap.pipeline.schedule",
+    "wrap.pipeline.replicas",
+    "train.batch_size",
+    "train.global_batch_size",
+    "train.accumulate",
+];
 
 /// The keys compared on resume, every one with its value (a key a stored configuration leaves out
 /// at its stored default, such as run.numerics = "portable", is shown as its value): tracking
@@ -25,14 +46,27 @@ fn leaves(plan: &Plan) -> BTreeMap<String, toml::Value> {
     out.into_iter().collect()
 }
 
+/// The keys [`crate::config::schema::Config::without_tracking`] leaves out of the comparison.
+fn is_tracking(key: &str) -> bool {
+    key.starts_with("track.") || key == "trace.tensorboard" || key == "trace.log_every_steps"
+}
+
+/// Every leaf key of the configuration, tracking included.
+fn all_leaves(plan: &Plan) -> BTreeMap<String, toml::Value> {
+    let mut out = Vec::new();
+    flatten("", &toml::Value::try_from(&plan.config).expect("a Config serializes"), &mut out);
+    out.into_iter().collect()
+}
+
 impl Plan {
     /// `self` (the run directory's plan.json) continued under `asked`: the configuration the user
     /// resumes with (the run's config.toml or another file, the environment and --set).
     pub fn resumed(self, asked: &Plan) -> Result<Plan, ConfigError> {
         let (old, new) = (leaves(&self), leaves(asked));
         let from = |key: &str| asked.sources.get(key).map(String::as_str).unwrap_or("default").to_owned();
+        let show = |v: Option<&toml::Value>| v.map_or("(absent)".to_owned(), |v| v.to_string());
         let mut refused = Vec::new();
-        let mut extended = Vec::new();
+        let mut changed = Vec::new();
         for key in old.keys().chain(new.keys().filter(|k| !old.contains_key(*k))) {
             // Files are compared by content: the path may be written another way.
             let then: Vec<&super::InputFile> = self.inputs.iter().filter(|f| f.key == *key).collect();
@@ -67,37 +101,51 @@ impl Plan {
                     refused.push(format!(
                         "`{key}`: {} in the run, {} now ({}): the {} learning-rate schedule spans the run's length, \
                          so the steps already taken followed another curve; start a new run to train longer",
-                        old.get(key).map_or("(absent)".to_owned(), |v| v.to_string()),
-                        new.get(key).map_or("(absent)".to_owned(), |v| v.to_string()),
+                        show(was),
+                        show(now),
                         from(key),
                         format!("{:?}", self.config.train.schedule.kind).to_lowercase()
                     ));
                     continue;
                 }
-                extended.push(key.clone());
+                changed.push(key.clone());
                 continue;
             }
-            let show = |v: Option<&toml::Value>| v.map_or("(absent)".to_owned(), |v| v.to_string());
+            if RESHARDS_A_RUN.contains(&key.as_str()) {
+                changed.push(key.clone());
+                continue;
+            }
             refused.push(format!("`{key}`: {} in the run, {} now ({})", show(was), show(now), from(key)));
         }
         if !refused.is_empty() {
             return Err(ConfigError::new(format!(
-                "run {} cannot resume with another configuration:\n  {}\nOnly {} may change when resuming; start a new \
-                 run (without --resume) for the rest.",
+                "run {} cannot resume with another configuration:\n  {}\nOnly {} (to train longer) and {} (keeping the \
+                 global batch) may change when resuming; start a new run (without --resume) for the rest. The run's \
+                 checkpoints are sound: resume with the run's own values to continue it.",
                 self.run_id,
                 refused.join("\n  "),
-                EXTENDS_A_RUN.join(", ")
+                EXTENDS_A_RUN.join(", "),
+                RESHARDS_A_RUN.join(", ")
             )));
         }
-        let mut value = toml::Value::try_from(&self.config).expect("a Config serializes");
+        let reshards = changed.iter().any(|k| RESHARDS_A_RUN.contains(&k.as_str()));
+        if reshards {
+            self.check_reshard(asked, &changed)?;
+        }
+        let value = crate::config::schema::with_every_key(|| toml::Value::try_from(&self.config));
+        let mut value = value.expect("a Config serializes");
         let mut plan = self;
-        for key in extended {
+        for key in changed {
             let mut table = &mut value;
             let parts: Vec<&str> = key.split('.').collect();
             for part in &parts[..parts.len() - 1] {
                 table = table.get_mut(*part).expect("a key of the configuration");
             }
-            table[parts[parts.len() - 1]] = new[&key].clone();
+            let table = table.as_table_mut().expect("a table of the configuration");
+            match new.get(&key) {
+                Some(v) => drop(table.insert(parts[parts.len() - 1].to_owned(), v.clone())),
+                None => drop(table.remove(parts[parts.len() - 1])),
+            }
             // The run id stays that of the configuration the run started with.
             plan.started_with.entry(key.clone()).or_insert_with(|| old.get(&key).cloned());
             plan.sources.insert(key.clone(), format!("{} (on resume)", from(&key)));
@@ -106,6 +154,146 @@ impl Plan {
         (plan.config.trace.tensorboard, plan.config.trace.log_every_steps) =
             (asked.config.trace.tensorboard, asked.config.trace.log_every_steps);
         plan.config.track = asked.config.track.clone();
+        // Tracking is taken as asked: so are the sources of its keys.
+        for key in all_leaves(asked).keys().filter(|k| is_tracking(k)) {
+            match asked.sources.get(key) {
+                Some(source) => drop(plan.sources.insert(key.clone(), source.clone())),
+                None => drop(plan.sources.remove(key)),
+            }
+        }
+        if reshards {
+            // What the new layout derives: the shards, each rank's batch, threads and layers.
+            plan.layout = asked.layout;
+            plan.batch_per_rank = asked.batch_per_rank;
+            plan.threads_per_rank = asked.threads_per_rank;
+            plan.stages = asked.stages.clone();
+            plan.memory = asked.memory;
+        }
         Ok(plan)
     }
+
+    /// A resume spreading the run another way (`changed` keys) must keep what one optimizer step
+    /// covers: the global batch and the steps per epoch. The message says which keys keep it.
+    fn check_reshard(&self, asked: &Plan, changed: &[String]) -> Result<(), ConfigError> {
+        let (old, new) = (self.config.wrap.strategy, asked.config.wrap.strategy);
+        let alone = |s: WrapStrategy, ws: usize| s == WrapStrategy::None && ws > 1;
+        if alone(old, self.world_size())
+            || alone(new, asked.world_size())
+            || (old != new && (old == WrapStrategy::None || new == WrapStrategy::None))
+        {
+            return Err(ConfigError::new(format!(
+                "run {} cannot resume at {} from {}: wrap.strategy = \"none\" trains each rank's replica alone, so its \
+                 checkpoint (rank 0's replica) stands for no other layout; resume with the run's own world size and \
+                 strategy",
+                self.run_id,
+                asked.layout(),
+                self.layout()
+            )));
+        }
+        let what = changed
+            .iter()
+            .filter(|k| RESHARDS_A_RUN.contains(&k.as_str()))
+            .map(|k| format!("{k} = {}", value_of(asked, k)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let (g, g_new) = (self.global_batch(), asked.global_batch());
+        if g != g_new {
+            return Err(ConfigError::new(format!(
+                "run {} cannot resume with {what}: its global batch (samples per optimizer step) was {g} ({}), it would \
+                 be {g_new} ({}); every step must cover the same samples: {}",
+                self.run_id,
+                self.describe_batch(),
+                asked.describe_batch(),
+                asked.keeping_batch(g)
+            )));
+        }
+        let (e, e_new) = (self.optimizer_steps_per_epoch(), asked.optimizer_steps_per_epoch());
+        if !self.data.random_windows() && e != e_new {
+            return Err(ConfigError::new(format!(
+                "run {} cannot resume with {what}: an epoch was {e} optimizer steps, it would be {e_new} (the last \
+                 batches of an epoch divide otherwise); keep train.accumulate at {}",
+                self.run_id, self.config.train.accumulate
+            )));
+        }
+        Ok(())
+    }
+
+    /// "train.batch_size 16 × 2 ranks" and the like: how the global batch is made.
+    fn describe_batch(&self) -> String {
+        let c = &self.config;
+        let copies = self.layout.world_size;
+        let mut s = match c.train.global_batch_size {
+            Some(g) if self.layout.split_batch.is_some() => format!("train.global_batch_size {g}"),
+            _ => {
+                let unit = match (self.is_pipeline(), copies) {
+                    (true, 1) => "pipeline copy",
+                    (true, _) => "pipeline copies",
+                    (false, 1) => "rank",
+                    (false, _) => "ranks",
+                };
+                format!("train.batch_size {} × {copies} {unit}", c.train.batch_size)
+            }
+        };
+        if c.train.accumulate > 1 {
+            s += &format!(" × train.accumulate {}", c.train.accumulate);
+        }
+        s
+    }
+
+    /// What keeps a global batch of `g` under this plan's layout.
+    fn keeping_batch(&self, g: usize) -> String {
+        let c = &self.config;
+        let a = c.train.accumulate;
+        if self.layout.split_batch.is_some() {
+            let w = self.world_size();
+            return if g.is_multiple_of(a) && (g / a).is_multiple_of(w) {
+                format!("set train.global_batch_size = {}", g / a)
+            } else {
+                format!(
+                    "train.global_batch_size fixes the global batch, and {} ranks do not divide {}: choose a world size \
+                     that divides it",
+                    w,
+                    g / a.max(1)
+                )
+            };
+        }
+        let copies = self.layout.world_size;
+        if g.is_multiple_of(copies * a) {
+            return format!("set train.batch_size = {}", g / (copies * a));
+        }
+        if g.is_multiple_of(copies * c.train.batch_size) {
+            return format!("set train.accumulate = {}", g / (copies * c.train.batch_size));
+        }
+        format!("no batch size gives {g} over {copies} data-parallel copies: choose a world size that divides {g}")
+    }
+}
+
+impl Plan {
+    /// Refuses, before `asked` is planned, a resume at a world size that does not split the
+    /// run's fixed global batch (`train.global_batch_size`): the plan's own message would advise
+    /// another global batch, which a resume cannot take.
+    pub fn check_resumable_world_size(&self, asked: &crate::config::schema::Config) -> Result<(), ConfigError> {
+        let (Some(g), Some(g_new)) = (self.config.train.global_batch_size, asked.train.global_batch_size) else {
+            return Ok(());
+        };
+        let w = asked.run.world_size;
+        if g != g_new || w == 0 || g.is_multiple_of(w) || asked.shard.strategy != self.config.shard.strategy {
+            return Ok(());
+        }
+        let mut fits: Vec<String> = (1..=g).filter(|d| g % d == 0).take(9).map(|d| d.to_string()).collect();
+        if fits.len() == 9 {
+            fits[8] = "...".into();
+        }
+        Err(ConfigError::new(format!(
+            "run {} cannot resume at world size {w}: its train.global_batch_size = {g} fixes the samples of every \
+             optimizer step, and {w} ranks do not split {g} evenly; resume at a world size that divides it ({})",
+            self.run_id,
+            fits.join(", ")
+        )))
+    }
+}
+
+/// `key`'s value in `plan`'s configuration, as TOML.
+fn value_of(plan: &Plan, key: &str) -> String {
+    all_leaves(plan).get(key).map_or("(absent)".to_owned(), |v| v.to_string())
 }

@@ -26,7 +26,7 @@ impl Plan {
         let mut problems = Vec::new();
         let mut bad = |key: &str, msg: String| problems.push(format!("`{key}`: {msg}"));
         super::run_values(c, &mut bad);
-        super::recipe::train_values(c, &mut bad);
+        super::recipe::train_values(c, &self.sources, &mut bad);
         let sized = crate::limits::sizes(c, &self.data, &mut bad) && crate::model::check(&c.wrap.model, &mut bad);
         if !problems.is_empty() {
             return Err(format!("its configuration is invalid ({}): {advice}", problems.join("; ")));

@@ -67,6 +67,28 @@ impl Schedule {
         }
     }
 
+    /// Why some rate of the run is out of range, if one is: the parameters are float32, in which
+    /// a rate past float32's largest value is infinite, and the warmup's rates are computed as
+    /// lr × step / warmup, whose product must stay finite too.
+    pub fn out_of_range(&self) -> Option<String> {
+        let limit = f32::MAX as f64;
+        if self.warmup > 0 && !(self.lr * self.warmup as f64).is_finite() {
+            return Some(format!(
+                "{:e} × {} warmup steps overflows: the warmup's rates would be infinite; give a rate below {limit:.1e}",
+                self.lr, self.warmup
+            ));
+        }
+        // Every schedule peaks at its first step after the warmup (or at its last warmup step).
+        let peak = self.lr(self.warmup.min(self.total.saturating_sub(1)));
+        // NaN too.
+        (peak.is_nan() || peak > limit).then(|| {
+            format!(
+                "the schedule reaches {peak:e}, beyond float32's largest value ({limit:.1e}), in which the parameters \
+                 are updated; give a rate below it"
+            )
+        })
+    }
+
     /// Whether the rates depend on the run's length (train.epochs).
     pub fn depends_on_length(&self) -> bool {
         matches!(self.kind, ScheduleKind::Linear | ScheduleKind::Cosine)

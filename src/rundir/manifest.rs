@@ -20,6 +20,36 @@ pub enum Status {
     Preempted,
 }
 
+/// How a run's work is spread: its ranks, its strategy, and the ranks of each copy of the model
+/// (a pipeline's stages; 1 for the other strategies).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Layout {
+    pub world_size: usize,
+    pub strategy: crate::config::schema::WrapStrategy,
+    pub ranks_per_copy: usize,
+}
+
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let strategy = format!("{:?}", self.strategy).to_lowercase();
+        write!(f, "world size {}, {strategy}", self.world_size)?;
+        if self.ranks_per_copy > 1 {
+            write!(f, " of {} stages", self.ranks_per_copy)?;
+        }
+        Ok(())
+    }
+}
+
+/// A resume that spread the run another way, from the checkpoint of `step` on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Reshard {
+    pub step: usize,
+    pub from: Layout,
+    pub to: Layout,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Manifest {
     pub run_id: String,
@@ -47,6 +77,9 @@ pub struct Manifest {
     /// The CPU and the numerical settings (`MKL_CBWR`) the run computed under; older runs lack it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numerics: Option<crate::numerics::Numerics>,
+    /// Each resume that changed the world size or the strategy, oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reshards: Vec<Reshard>,
 }
 
 impl Manifest {
@@ -79,6 +112,7 @@ impl Manifest {
             stopped: None,
             preempted_at_step: None,
             numerics: Some(crate::numerics::current()),
+            reshards: Vec::new(),
         }
     }
 

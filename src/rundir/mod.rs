@@ -12,7 +12,7 @@
 //!   model.safetensors     the trained model
 //!   model.best.safetensors  with [train.early_stop]: the model of the best validation
 //!   stopped.txt           with [train.early_stop]: why the run stopped early (into the manifest)
-//!   checkpoints/          epoch-NNNN.pt + epoch-NNNN.json
+//!   checkpoints/          epoch-NNNN/ or step-NNNNNNNN/: rank-R.safetensors + index.json
 //!   tensorboard/          events.out.tfevents.* (trace.tensorboard), one file per start
 //!   run.log               a sweep point's output
 //!   .rank-N.position      where each rank is, while it runs
@@ -39,6 +39,8 @@ pub const MODEL: &str = "model.safetensors";
 pub const BEST_MODEL: &str = "model.best.safetensors";
 pub const STOPPED: &str = "stopped.txt";
 pub const CHECKPOINTS: &str = "checkpoints";
+/// A checkpoint's index, in its directory: a checkpoint is complete once it is there.
+pub const CHECKPOINT_INDEX: &str = "index.json";
 /// TensorBoard's event files (`trace.tensorboard`).
 pub const TENSORBOARD: &str = "tensorboard";
 /// A sweep point's output, written by `runner sweep`.
@@ -63,7 +65,8 @@ fn is_own(name: &str) -> bool {
         || position::is_position(name)
 }
 
-/// `.NAME.tmp-PID`: an atomic write in progress (or interrupted); `epoch-N.pt.tmp` likewise.
+/// `.NAME.tmp-PID`: an atomic write (a file, or a checkpoint's directory) in progress or
+/// interrupted; `epoch-N.pt.tmp` (an older runner's) likewise.
 fn is_tmp(name: &str) -> bool {
     let pid_tmp = name.starts_with('.')
         && name.rsplit_once(".tmp-").is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()));
@@ -105,11 +108,11 @@ pub fn clear_for_fresh_run(run_dir: &Path) {
     }
     let ck = checkpoints(run_dir);
     for name in names(&ck) {
-        let own = name.starts_with("epoch-")
-            && (name.ends_with(".pt") || name.ends_with(".json") || name.ends_with(".pt.tmp"))
-            || is_tmp(&name);
-        if own {
-            let _ = std::fs::remove_file(ck.join(name));
+        // Checkpoints (directories), and an older runner's checkpoint files.
+        let checkpoint = name.starts_with("epoch-") || name.starts_with("step-");
+        let old = name.ends_with(".pt") || name.ends_with(".json") || name.ends_with(".pt.tmp");
+        if checkpoint && (ck.join(&name).is_dir() || old) || is_tmp(&name) {
+            remove_entry(&ck.join(name));
         }
     }
     // Only when empty: a file the runner did not write keeps the folder.
@@ -125,12 +128,39 @@ pub fn clear_for_fresh_run(run_dir: &Path) {
 /// Removes temporary files and rank positions left by an interrupted run. Called with the lock
 /// held, before any rank starts: no writer of this directory is alive.
 pub fn remove_stale(run_dir: &Path) {
-    for dir in [run_dir.to_path_buf(), checkpoints(run_dir)] {
-        for name in names(&dir) {
-            if is_tmp(&name) || position::is_position(&name) {
-                let _ = std::fs::remove_file(dir.join(name));
-            }
+    remove_unfinished(run_dir);
+    for name in names(run_dir) {
+        if position::is_position(&name) {
+            let _ = std::fs::remove_file(run_dir.join(name));
         }
+    }
+}
+
+/// Removes what writes cut short left: temporary files, checkpoints being written (and one whose
+/// index a prune removed first). Called once no rank of the run is alive: before ranks start, and
+/// by the launcher after they all ended, however they ended.
+pub fn remove_unfinished(run_dir: &Path) {
+    for dir in [run_dir.to_path_buf(), checkpoints(run_dir)] {
+        for name in names(&dir).into_iter().filter(|n| is_tmp(n)) {
+            remove_entry(&dir.join(name));
+        }
+    }
+    let ck = checkpoints(run_dir);
+    for name in names(&ck) {
+        let path = ck.join(&name);
+        let checkpoint = name.starts_with("epoch-") || name.starts_with("step-");
+        if checkpoint && path.is_dir() && !path.join(CHECKPOINT_INDEX).exists() {
+            remove_entry(&path);
+        }
+    }
+}
+
+/// Removes a file, or a directory with what it holds.
+fn remove_entry(path: &Path) {
+    if path.is_dir() {
+        let _ = std::fs::remove_dir_all(path);
+    } else {
+        let _ = std::fs::remove_file(path);
     }
 }
 
@@ -198,11 +228,30 @@ mod tests {
         for f in ["epoch-0001.pt", "epoch-0001.json", "keep.me"] {
             std::fs::write(checkpoints(d).join(f), "x").unwrap();
         }
+        std::fs::create_dir_all(checkpoints(d).join("step-00000020")).unwrap();
+        std::fs::write(checkpoints(d).join("step-00000020/index.json"), "{}").unwrap();
+        std::fs::create_dir_all(checkpoints(d).join(".step-00000030.tmp-77")).unwrap();
         clear_for_fresh_run(d);
         let mut left = names(d);
         left.sort();
         assert_eq!(left, ["checkpoints", "mine.txt"]);
         assert_eq!(names(&checkpoints(d)), ["keep.me"]);
         assert!(foreign(d, "x").unwrap().contains("mine.txt"));
+    }
+
+    #[test]
+    fn unfinished_checkpoints_are_removed_and_complete_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = checkpoints(dir.path());
+        for (d, index) in [("epoch-0001", true), ("step-00000005", false), (".epoch-0002.tmp-12", false)] {
+            std::fs::create_dir_all(ck.join(d)).unwrap();
+            std::fs::write(ck.join(d).join("rank-0.safetensors"), "x").unwrap();
+            if index {
+                std::fs::write(ck.join(d).join("index.json"), "{}").unwrap();
+            }
+        }
+        std::fs::write(ck.join(".x.tmp-3"), "x").unwrap();
+        remove_unfinished(dir.path());
+        assert_eq!(names(&ck), ["epoch-0001"]);
     }
 }

@@ -46,22 +46,20 @@ pub fn run(
     crate::predict::save(plan, pg, &normalizer, run_dir)?;
     position.set("wrap", 0, 0);
     let found = if resume {
-        let found = checkpoint::latest(run_dir, plan)
-            .map_err(anyhow::Error::msg)?
-            .with_context(|| format!("{} holds no checkpoint to resume from", checkpoint::dir(run_dir).display()))?;
+        let found =
+            crate::checkpoint::newest_unread(run_dir, plan).map_err(anyhow::Error::msg)?.with_context(|| {
+                format!("{} holds no checkpoint to resume from", crate::checkpoint::dir(run_dir).display())
+            })?;
         Some(found)
     } else {
         None
     };
-    let mut wrapped = wrap::wrap(plan, pg, device, found.as_ref().and_then(|f| f.meta.buckets.as_deref()))?;
-    let (mut rows, mut steps, mut done, mut partial) = match found {
-        Some(found) => {
-            checkpoint::load(&found, rank, &wrapped.vs, &mut wrapped.optimizer)?;
-            let partial = checkpoint::load_partial(&found, rank)?;
-            (found.meta.rows, found.meta.steps, found.meta.step.unwrap_or_default(), partial)
-        }
-        None => (Vec::new(), Vec::new(), 0, None),
+    let mut wrapped = wrap::wrap(plan, pg, device, found.as_ref().and_then(|f| checkpoint::buckets(f, plan)))?;
+    let resumed = match &found {
+        Some(found) => checkpoint::resume(found, plan, rank, &mut wrapped)?,
+        None => checkpoint::Resumed { rows: Vec::new(), steps: Vec::new(), done: 0, partial: None },
     };
+    let checkpoint::Resumed { mut rows, mut steps, mut done, mut partial } = resumed;
     let epochs = c.train.steps.is_none().then_some(c.train.epochs);
     let len = if epochs.is_some() { plan.steps_per_epoch() } else { plan.total_steps() };
     let seq_len = plan.data.task.is_language_model().then(|| plan.data.input[0]);
@@ -83,7 +81,7 @@ pub fn run(
     let mut agreement = preempt::Agreement::new(pg, device);
     while done < clock.total {
         let interval = clock.interval_of(done);
-        let mut iv = trainer.begin(interval.clone(), partial.take());
+        let mut iv = trainer.begin(interval.clone(), done, partial.take());
         while done < interval.end {
             trainer.train(&mut iv, done..done + 1)?;
             done += 1;
@@ -92,8 +90,7 @@ pub fn run(
                 tracker.step(done, iv.last_step(trainer.wrapped.optimizer.lr()));
             }
             if done < interval.end && (preempted.is_some() || checkpoint_due(plan, &clock, done)) {
-                let all = gather_partials(pg, iv.partial())?;
-                save_checkpoint(&trainer, plan, pg, run_dir, done, &rows, &steps, Some(all))?;
+                checkpoint::save(&trainer, plan, pg, run_dir, done, &rows, &steps, Some(iv.partial()))?;
                 if let Some(signal) = preempted {
                     trainer.progress.finish();
                     return Err(preempt::Preempted { step: done, signal }.into());
@@ -122,7 +119,7 @@ pub fn run(
             checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::BEST_MODEL)?;
         }
         if checkpoint_due(plan, &clock, done) || (preempted.is_some() && done < clock.total) {
-            save_checkpoint(&trainer, plan, pg, run_dir, done, &rows, &steps, None)?;
+            checkpoint::save(&trainer, plan, pg, run_dir, done, &rows, &steps, None)?;
         }
         if verdict == Some(recipe::Verdict::Stop) {
             if rank == 0 {
@@ -187,69 +184,6 @@ fn checkpoint_due(plan: &Plan, clock: &train::Clock, done: usize) -> bool {
         };
     let by_step = k.every_steps.is_some_and(|n| done.is_multiple_of(n) || last);
     by_epoch || by_step
-}
-
-/// Every rank's buffers of the unfinished interval, gathered to every rank (rank 0 writes them).
-fn gather_partials(pg: &ProcessGroup, mine: train::Partial) -> anyhow::Result<Vec<train::Partial>> {
-    let flat: Vec<f64> = [&mine.losses, &mine.correct, &mine.weights]
-        .iter()
-        .flat_map(|v| v.iter().map(|&x| x as f64))
-        .chain(mine.norms.iter().copied())
-        .collect();
-    let (rows, norms) = (mine.losses.len(), mine.norms.len());
-    let all = pg.all_gather(&tch::Tensor::from_slice(&flat))?;
-    Ok(all
-        .iter()
-        .map(|t| {
-            let v = Vec::<f64>::try_from(t).expect("float64 values");
-            let part = |k: usize| v[k * rows..(k + 1) * rows].iter().map(|&x| x as f32).collect();
-            train::Partial {
-                losses: part(0),
-                correct: part(1),
-                weights: part(2),
-                norms: v[3 * rows..3 * rows + norms].to_vec(),
-            }
-        })
-        .collect())
-}
-
-/// Writes the checkpoint after `done` optimizer steps (every rank calls it).
-#[allow(clippy::too_many_arguments)]
-fn save_checkpoint(
-    trainer: &train::Trainer,
-    plan: &Plan,
-    pg: &ProcessGroup,
-    run_dir: &Path,
-    done: usize,
-    rows: &[EpochRow],
-    steps: &[trace::StepRow],
-    partial: Option<Vec<train::Partial>>,
-) -> anyhow::Result<()> {
-    let clock = &trainer.clock;
-    let epoch = clock.epoch(done - 1);
-    // Every rank takes part: the bucket layout is read on each (it is the same on all).
-    let buckets = trainer.wrapped.strategy.bucket_layout()?;
-    trainer.position.set("checkpoint", epoch, 0);
-    let position = if clock.random {
-        format!("random windows, step {done}")
-    } else {
-        let into = clock.batches(done - 1).end;
-        format!("epoch {epoch}, batch {into} of {}", clock.batches_per_epoch)
-    };
-    let w = &trainer.wrapped;
-    let snapshot = checkpoint::Snapshot {
-        epoch,
-        step: done,
-        position,
-        partial,
-        world_size: plan.world_size(),
-        vs: &w.vs,
-        optimizer: &w.optimizer,
-        rows,
-        steps,
-        buckets,
-    };
-    checkpoint::save(run_dir, plan, pg, &snapshot, plan.config.checkpoint.keep)
 }
 
 /// Rank 0's line at the end of an interval.

@@ -6,8 +6,7 @@
 //! [`Preempted`]. Whoever owns the run directory then marks it `preempted`, and under Slurm
 //! requeues the job ([`crate::launch::slurm::requeue`]); the requeued job's `runner run` resumes
 //! from that checkpoint.
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use tch::Tensor;
@@ -22,20 +21,17 @@ pub struct Preempted {
     pub signal: &'static str,
 }
 
-struct Watch {
-    flag: Arc<AtomicBool>,
-    signal: &'static str,
-}
+/// The name of `run.preempt_signal`, once this rank watches it.
+static WATCH: OnceLock<&'static str> = OnceLock::new();
 
-static WATCH: OnceLock<Watch> = OnceLock::new();
-
-/// From now on, `signal` raises this process's preemption flag instead of ending it. Every rank
-/// calls it first thing (the ranks of one run must all watch, or none: [`agreed`] is collective).
-pub fn watch(signal: crate::config::schema::PreemptSignal) -> anyhow::Result<()> {
-    let flag = Arc::new(AtomicBool::new(false));
-    signal_hook::flag::register(signal.number(), Arc::clone(&flag))?;
-    let _ = WATCH.set(Watch { flag, signal: signal.name() });
-    Ok(())
+/// From now on `signal` is this rank's preemption signal (it raises a flag since the process's
+/// first instruction: [`crate::signals`]). Every rank calls it before it joins the others (the
+/// ranks of one run must all watch, or none: [`Agreement`] is collective).
+pub fn watch(signal: crate::config::schema::PreemptSignal) {
+    crate::signals::set_preempt(signal.number());
+    if crate::signals::watching() {
+        let _ = WATCH.set(signal.name());
+    }
 }
 
 /// Training time between two rounds of the ranks' agreement.
@@ -67,10 +63,10 @@ impl<'pg> Agreement<'pg> {
     /// rank stops after this step. Free when this process watches nothing (ranks run by the
     /// tests' own harness) and between rounds.
     pub fn after_step(&mut self, done: usize) -> anyhow::Result<Option<&'static str>> {
-        let Some(watch) = WATCH.get() else { return Ok(None) };
-        let mine = watch.flag.load(Ordering::SeqCst);
+        let Some(&signal) = WATCH.get() else { return Ok(None) };
+        let mine = crate::signals::preempted();
         if self.pg.size() == 1 {
-            return Ok(mine.then_some(watch.signal));
+            return Ok(mine.then_some(signal));
         }
         if done < self.next {
             return Ok(None);
@@ -79,7 +75,7 @@ impl<'pg> Agreement<'pg> {
         if let Some(pending) = self.pending.take() {
             let agreed = Vec::<f64>::try_from(pending.wait()?.to_device(tch::Device::Cpu))?;
             if agreed[0] > 0.0 {
-                return Ok(Some(watch.signal));
+                return Ok(Some(signal));
             }
             steps = (-agreed[1]).max(1.0) as usize;
         }

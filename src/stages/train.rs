@@ -256,10 +256,12 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
         })
     }
 
-    /// Starts the interval `steps` (from its first step, or from a checkpoint's `partial` rows).
-    pub fn begin(&self, steps: Range<usize>, partial: Option<Partial>) -> Interval {
-        let rows = self.rows_in(steps.clone());
+    /// Starts the interval `steps` at step `from` (its first, or a checkpoint's), with the rows
+    /// trained before `from` (a checkpoint's `partial` buffers; under another world size they
+    /// may be more or fewer than this rank's share of those steps).
+    pub fn begin(&self, steps: Range<usize>, from: usize, partial: Option<Partial>) -> Interval {
         let filled = partial.as_ref().map_or(0, |p| p.losses.len());
+        let rows = filled + self.rows_in(from..steps.end);
         let batches: usize = steps.clone().map(|s| self.clock.batches(s).len()).sum();
         Interval {
             buffers: Buffers::new(rows, partial, self.device),

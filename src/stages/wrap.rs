@@ -57,6 +57,6 @@ pub fn wrap<'pg>(
         })
         .transpose()?;
     let strategy = Strategy::new(plan, pg, device, &params, &buffers, buckets, batch_norm, threads)?;
-    let optimizer = Optimizer::new(&c.train, vs.trainable_variables());
+    let optimizer = Optimizer::new(&c.train, crate::model::named_trainable(&vs));
     Ok(Wrapped { vs, model, strategy, optimizer })
 }

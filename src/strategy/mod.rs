@@ -1,7 +1,9 @@
 //! How the ranks share the work on one model, one module per `wrap.strategy`: [`replica`] (every
 //! rank a whole replica, gradients averaged by DDP, or not at all) and [`pipeline`] (the layers
-//! split across ranks). Each owns its training step, its validation and how the final model is
-//! gathered to rank 0. Batch split (seed 002) is DDP over another shard layout (`data::shard`).
+//! split across ranks). Each owns its training step, its validation, which part of the training
+//! state it hands to a checkpoint and loads from one (as pieces with global offsets: any
+//! strategy's checkpoint loads under any other), and how the final model reaches rank 0. Batch
+//! split (seed 002) is DDP over another shard layout (`data::shard`).
 pub mod pipeline;
 pub mod replica;
 pub mod threads;
@@ -10,14 +12,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tch::nn::{self, ModuleT};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
+use crate::checkpoint::{Piece, Reader};
 use crate::config::schema::WrapStrategy;
 use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Metrics};
 use crate::dist::ProcessGroup;
 use crate::model::batchnorm::StatsGroup;
-use crate::model::optim::Optimizer;
+use crate::model::optim::{self, Optimizer};
 use crate::plan::Plan;
 
 /// Runs `f` (a forward pass) in the run's precision: bf16 autocasts it to bfloat16 (on CPU or CUDA).
@@ -175,21 +178,117 @@ impl<'pg> Strategy<'pg> {
         }
     }
 
-    /// The whole trained model's parameters on rank 0, named as in the whole model (`None` on
-    /// the other ranks): rank 0's replica, or a pipeline's layers gathered from its first copy.
-    pub fn gather_model(
+    /// This rank's share of the training state, as checkpoint pieces under PyTorch's names (every
+    /// rank calls it): DDP's whole tensors from rank 0 alone (every rank holds the same); each
+    /// stage of a pipeline its own layers (from its first copy); the optimizer's step count
+    /// from rank 0.
+    pub fn state_pieces(
         &self,
         plan: &Plan,
         pg: &ProcessGroup,
         vs: &nn::VarStore,
-    ) -> anyhow::Result<Option<Vec<(String, Tensor)>>> {
-        // On the CPU, whatever device trained them (as checkpoints).
-        let mut named: Vec<(String, Tensor)> =
-            vs.variables().into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu))).collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
+        optimizer: &Optimizer,
+    ) -> anyhow::Result<Vec<Piece>> {
+        let hands = match self {
+            Strategy::Replica(_) => pg.rank() == 0,
+            Strategy::Pipeline(_) => pg.rank() < plan.pipeline_ranks(),
+        };
+        Ok(if hands { whole_state(vs, optimizer, pg.rank() == 0) } else { Vec::new() })
+    }
+
+    /// Loads what this rank holds of the training state from a checkpoint written by any
+    /// strategy at any world size: every rank of a replica the whole model, a pipeline's stage
+    /// its layers, each with its optimizer state.
+    pub fn load_state(&mut self, reader: &Reader, vs: &nn::VarStore, optimizer: &mut Optimizer) -> anyhow::Result<()> {
         match self {
-            Strategy::Replica(_) => Ok((pg.rank() == 0).then_some(named)),
-            Strategy::Pipeline(stage) => stage.gather_model(plan, named),
+            Strategy::Replica(_) | Strategy::Pipeline(_) => load_whole(reader, vs, optimizer),
         }
     }
+
+    /// The whole model's tensors as `model.safetensors` holds them (the same list on every rank).
+    pub fn model_tensors(&self, plan: &Plan, vs: &nn::VarStore) -> Vec<ModelTensor> {
+        match self {
+            // Every rank holds them all.
+            Strategy::Replica(_) => vs
+                .variables()
+                .into_iter()
+                .map(|(name, t)| ModelTensor { name, kind: t.kind(), shape: t.size() })
+                .collect(),
+            // The built-in models' variables are float32 (a TorchScript module is one layer, never cut).
+            Strategy::Pipeline(_) => crate::model::sorted_parameters(plan.model().as_ref())
+                .into_iter()
+                .map(|(name, shape)| ModelTensor { name, kind: Kind::Float, shape })
+                .collect(),
+        }
+    }
+
+    /// `t` of the whole model on rank 0 (on the CPU; `None` on the other ranks). Every rank calls
+    /// it for the same tensors in the same order: a pipeline's stage holding it sends it.
+    pub fn gather_tensor(
+        &self,
+        pg: &ProcessGroup,
+        vs: &nn::VarStore,
+        t: &ModelTensor,
+    ) -> anyhow::Result<Option<Tensor>> {
+        let cpu = |name: &str| -> anyhow::Result<Tensor> {
+            let v = vs.variables().remove(name).ok_or_else(|| anyhow::anyhow!("this rank holds no `{name}`"))?;
+            Ok(v.detach().to_device(tch::Device::Cpu))
+        };
+        match self {
+            Strategy::Replica(_) => (pg.rank() == 0).then(|| cpu(&t.name)).transpose(),
+            Strategy::Pipeline(stage) => stage.gather_tensor(t, cpu),
+        }
+    }
+}
+
+/// One tensor of the whole model.
+#[derive(Debug, Clone)]
+pub struct ModelTensor {
+    pub name: String,
+    pub kind: Kind,
+    pub shape: Vec<i64>,
+}
+
+/// Every variable of `vs` (parameters and buffers) and the optimizer's state, each whole; with
+/// `steps`, the optimizer's step count too.
+fn whole_state(vs: &nn::VarStore, optimizer: &Optimizer, steps: bool) -> Vec<Piece> {
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut pieces: Vec<Piece> = vars.into_iter().map(|(name, t)| Piece::whole(name, &t)).collect();
+    pieces.extend(optimizer.state().into_iter().map(|s| Piece::whole(s.name, &s.tensor)));
+    if steps {
+        pieces.push(Piece::whole(optim::STEPS.to_owned(), &Tensor::from(optimizer.steps() as i64)));
+    }
+    pieces
+}
+
+/// Every variable of `vs` and the optimizer's state, whole, from `reader`.
+fn load_whole(reader: &Reader, vs: &nn::VarStore, optimizer: &mut Optimizer) -> anyhow::Result<()> {
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, mut t) in vars {
+        let saved = reader.whole(&name)?;
+        // Shapes and kinds as the model's (floats, or a module buffer's integer count).
+        anyhow::ensure!(
+            saved.size() == t.size() && saved.is_floating_point() == t.is_floating_point(),
+            "the checkpoint's `{name}` is {:?} {:?}, the model's is {:?} {:?}",
+            saved.kind(),
+            saved.size(),
+            t.kind(),
+            t.size()
+        );
+        tch::no_grad(|| t.f_copy_(&saved))
+            .map_err(|e| anyhow::anyhow!("`{name}`: {}", crate::checked::torch_message(&e)))?;
+    }
+    optimizer.load_state(|name, _, _| reader.whole(name))?;
+    let steps = reader.whole(optim::STEPS)?;
+    anyhow::ensure!(
+        steps.numel() == 1 && !steps.is_floating_point(),
+        "the checkpoint's `{}` is {:?} {:?}, not one integer",
+        optim::STEPS,
+        steps.kind(),
+        steps.size()
+    );
+    optimizer.set_steps(steps.int64_value(&[]).max(0) as usize);
+    Ok(())
 }

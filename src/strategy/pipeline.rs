@@ -27,6 +27,8 @@ use crate::plan::Plan;
 /// Tags keep the three kinds of traffic apart: a schedule mismatch fails instead of mixing data.
 const GRAD_TAG: i32 = 1 << 20;
 const EVAL_TAG: i32 = 2 << 20;
+/// The whole model's tensors, sent to rank 0 one at a time in the same order on every rank.
+const MODEL_TAG: i32 = 3 << 20;
 
 /// This rank's place in its copy of the pipeline.
 pub struct Stage<'pg> {
@@ -48,6 +50,8 @@ pub struct Stage<'pg> {
     device: tch::Device,
     precision: Precision,
     copies: usize,
+    /// The rank of the first copy holding each of the model's variables (by name).
+    owners: std::collections::HashMap<String, usize>,
 }
 
 /// The micro-batch sizes of a batch of `n` rows: `min(micro, n)` parts differing by at most one
@@ -67,6 +71,15 @@ impl<'pg> Stage<'pg> {
         let (in_shape, out_shape) = plan.stage_shapes(layers);
         let stages = plan.pipeline_ranks();
         let stage = rank % stages;
+        let arch = plan.model();
+        let owners = (0..stages)
+            .flat_map(|r| {
+                let layers = plan.stages[r].clone();
+                let mut names = arch.parameters(layers.clone());
+                names.extend(arch.buffers(layers));
+                names.into_iter().map(move |(name, _)| (name, r))
+            })
+            .collect();
         let replicas = if plan.world_size() > stages {
             let members: Vec<usize> = (stage..plan.world_size()).step_by(stages).collect();
             Some(pg.subgroup(&format!("stage{stage}"), &members)?)
@@ -87,6 +100,7 @@ impl<'pg> Stage<'pg> {
             device,
             precision: c.train.precision,
             copies: plan.layout.world_size,
+            owners,
         })
     }
 
@@ -187,33 +201,27 @@ impl<'pg> Stage<'pg> {
         Ok(out.map(|o| data.metrics(&o, &data.val_y)))
     }
 
-    /// The whole model's parameters on rank 0: every rank of the first copy sends its layers
-    /// (`named`, sorted by name) to rank 0, which receives them in the plan's shapes.
-    pub fn gather_model(
+    /// `t` of the whole model on rank 0 (`None` elsewhere): the stage of the first copy holding
+    /// it sends it (`cpu` reads it from this rank's variables), unless that is rank 0.
+    pub fn gather_tensor(
         &self,
-        plan: &Plan,
-        mut named: Vec<(String, Tensor)>,
-    ) -> anyhow::Result<Option<Vec<(String, Tensor)>>> {
-        if self.rank >= plan.pipeline_ranks() {
-            return Ok(None);
-        }
-        if self.rank > 0 {
-            for (i, (_, t)) in named.iter().enumerate() {
-                self.pg.send(t, 0, i as i32)?;
+        t: &super::ModelTensor,
+        cpu: impl Fn(&str) -> anyhow::Result<Tensor>,
+    ) -> anyhow::Result<Option<Tensor>> {
+        let owner = *self.owners.get(&t.name).ok_or_else(|| anyhow::anyhow!("no stage holds `{}`", t.name))?;
+        match (self.rank, owner) {
+            (0, 0) => Ok(Some(cpu(&t.name)?)),
+            (0, _) => {
+                let mut received = Tensor::zeros(t.shape.as_slice(), (t.kind, tch::Device::Cpu));
+                self.pg.recv(&mut received, owner, MODEL_TAG)?;
+                Ok(Some(received))
             }
-            return Ok(None);
-        }
-        let arch = plan.model();
-        for r in 1..plan.pipeline_ranks() {
-            let mut shapes = arch.parameters(plan.stages[r].clone());
-            shapes.sort_by(|a, b| a.0.cmp(&b.0));
-            for (i, (name, shape)) in shapes.into_iter().enumerate() {
-                let mut t = Tensor::zeros(shape.as_slice(), (Kind::Float, tch::Device::Cpu));
-                self.pg.recv(&mut t, r, i as i32)?;
-                named.push((name, t));
+            (r, o) if r == o => {
+                self.pg.send(&cpu(&t.name)?, 0, MODEL_TAG)?;
+                Ok(None)
             }
+            _ => Ok(None),
         }
-        Ok(Some(named))
     }
 
     /// The logits of `x` (`n` rows, given on rank 0) through every stage, in chunks of `chunk`

@@ -181,7 +181,8 @@ impl<'pg> Replica<'pg> {
         })
     }
 
-    /// On rank 0 (every rank with `validate.on = "all"`), normalised with this rank's statistics.
+    /// On rank 0 (every rank with `validate.on = "all"`), normalised with this rank's statistics
+    /// (rank 0's with `"split"`).
     pub fn validate(
         &self,
         plan: &Plan,
@@ -195,7 +196,11 @@ impl<'pg> Replica<'pg> {
         if rank != 0 && on == ValidateOn::Rank0 {
             return Ok(None);
         }
-        let x = normalizer.apply(&data.val_x);
+        // Split, each rank scales its share as rank 0 would scale it: the metrics are rank 0's.
+        let x = match on {
+            ValidateOn::Split if self.pg.size() > 1 => normalizer.of_rank(self.pg, 0)?.apply(&data.val_x),
+            _ => normalizer.apply(&data.val_x),
+        };
         let forward = |x: &Tensor| -> anyhow::Result<Tensor> {
             let forward = |x: &Tensor| tch::no_grad(|| model.forward_t(x, false));
             match &self.threads {

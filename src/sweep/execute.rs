@@ -162,7 +162,7 @@ pub fn resumable(point: &Point, run_dir: &Path) -> bool {
     let stopped = Manifest::read(run_dir).is_ok_and(|m| {
         matches!(m.status, Status::Interrupted | Status::Crashed | Status::Preempted) && m.run_id == point.plan.run_id
     });
-    stopped && crate::stages::checkpoint::latest(run_dir, &point.plan).is_ok_and(|found| found.is_some())
+    stopped && crate::checkpoint::newest_unread(run_dir, &point.plan).is_ok_and(|found| found.is_some())
 }
 
 /// `runner run PIPELINE --set-as LABEL KEY=VALUE ... --out RUN_DIR` (or `--resume RUN_DIR`),

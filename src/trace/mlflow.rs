@@ -5,8 +5,10 @@
 //! queue and never waits on the network: a full queue drops (and counts) a message, a server that
 //! stops answering is given up at the first failure, and what was not sent is said at the end.
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
@@ -37,17 +39,26 @@ pub struct Mlflow {
     report: Receiver<String>,
     url: String,
     dropped: usize,
+    /// Whether the server has answered any request yet.
+    answered: Arc<AtomicBool>,
+    started: Instant,
 }
+
+/// How long the end of a run waits for a server that has not answered once since the run began:
+/// the plan's probe found it unreachable or silent, and the run gives it no longer than the probe.
+const FIRST_ANSWER_WAIT: Duration = Duration::from_secs(5);
 
 impl Mlflow {
     pub fn start(target: Target) -> Mlflow {
         let (tx, rx) = mpsc::sync_channel(QUEUE);
         let (report_tx, report) = mpsc::channel();
         let url = target.url.clone();
+        let answered = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&answered);
         std::thread::spawn(move || {
-            let _ = report_tx.send(serve(&target, rx));
+            let _ = report_tx.send(serve(&target, rx, flag));
         });
-        Mlflow { tx, report, url, dropped: 0 }
+        Mlflow { tx, report, url, dropped: 0, answered, started: Instant::now() }
     }
 
     fn send(&mut self, m: Message) {
@@ -77,8 +88,18 @@ impl Mlflow {
             0 => String::new(),
             n => format!("; {n} messages dropped because the queue was full"),
         };
-        match self.report.recv_timeout(FINISH_WAIT) {
+        // A server that never answered gets no more time than the plan's probe gave it.
+        let wait = match self.answered.load(Ordering::SeqCst) {
+            true => FINISH_WAIT,
+            false => FIRST_ANSWER_WAIT.saturating_sub(self.started.elapsed()),
+        };
+        match self.report.recv_timeout(wait) {
             Ok(line) => format!("{line}{dropped}"),
+            Err(_) if !self.answered.load(Ordering::SeqCst) => format!(
+                "mlflow: {} never answered (given {} s from the run's start); nothing was sent{dropped}",
+                self.url,
+                FIRST_ANSWER_WAIT.as_secs()
+            ),
             Err(_) => format!(
                 "mlflow: {} still had not taken what was queued after {} s; the rest was not sent{dropped}",
                 self.url,
@@ -89,12 +110,13 @@ impl Mlflow {
 }
 
 /// The sending thread: creates the run, then sends each message in order until the queue closes.
-fn serve(t: &Target, rx: Receiver<Message>) -> String {
+fn serve(t: &Target, rx: Receiver<Message>, answered: Arc<AtomicBool>) -> String {
     // In the background: a slow server delays nothing but the end's wait.
-    let api = Api::new(&t.url, Duration::from_secs(30));
+    let api = Api { answered, ..Api::new(&t.url, Duration::from_secs(30)) };
+    let run = api.start_run(t);
     let (mut sent, mut unsent, mut artifacts) = (0usize, 0usize, 0usize);
     let mut failure = None;
-    let run = match api.start_run(t) {
+    let run = match run {
         Ok(run) => Some(run),
         Err(e) => {
             failure = Some(e);
@@ -141,6 +163,23 @@ struct Run {
 pub struct Api {
     agent: ureq::Agent,
     base: String,
+    /// The `Authorization` header MLflow's own variables give: MLFLOW_TRACKING_TOKEN (a bearer
+    /// token), or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (basic).
+    auth: Option<String>,
+    /// Set once the server answers a request (with any status).
+    answered: Arc<AtomicBool>,
+}
+
+/// The `Authorization` header from MLflow's variables, as its client reads them.
+fn auth_header() -> Option<String> {
+    use base64::Engine;
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    if let Some(token) = var("MLFLOW_TRACKING_TOKEN") {
+        return Some(format!("Bearer {token}"));
+    }
+    let user = var("MLFLOW_TRACKING_USERNAME")?;
+    let password = var("MLFLOW_TRACKING_PASSWORD").unwrap_or_default();
+    Some(format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))))
 }
 
 impl Api {
@@ -151,11 +190,12 @@ impl Api {
             .http_status_as_error(false)
             .build()
             .into();
-        Api { agent, base: url.trim_end_matches('/').to_owned() }
+        Api { agent, base: url.trim_end_matches('/').to_owned(), auth: auth_header(), answered: Default::default() }
     }
 
     fn answer(&self, r: Result<ureq::http::Response<ureq::Body>, ureq::Error>, what: &str) -> Result<Value, String> {
         let mut r = r.map_err(|e| format!("{what}: {e}"))?;
+        self.answered.store(true, Ordering::SeqCst);
         let status = r.status().as_u16();
         let text = r.body_mut().read_to_string().map_err(|e| format!("{what}: {e}"))?;
         if !(200..300).contains(&status) {
@@ -164,8 +204,16 @@ impl Api {
         Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
     }
 
+    /// A request to `url`, with the credentials when there are any.
+    fn request<B>(&self, req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        match &self.auth {
+            Some(auth) => req.header("Authorization", auth),
+            None => req,
+        }
+    }
+
     pub fn get(&self, path: &str, query: &[(&str, &str)]) -> Result<Value, String> {
-        let mut req = self.agent.get(format!("{}/api/2.0/{path}", self.base));
+        let mut req = self.request(self.agent.get(format!("{}/api/2.0/{path}", self.base)));
         for (k, v) in query {
             req = req.query(*k, *v);
         }
@@ -174,8 +222,7 @@ impl Api {
 
     pub fn post(&self, path: &str, body: Value) -> Result<Value, String> {
         let r = self
-            .agent
-            .post(format!("{}/api/2.0/{path}", self.base))
+            .request(self.agent.post(format!("{}/api/2.0/{path}", self.base)))
             .header("Content-Type", "application/json")
             .send(body.to_string());
         self.answer(r, path)
@@ -183,8 +230,9 @@ impl Api {
 
     /// The experiment's id, if it exists.
     pub fn experiment_id(&self, name: &str) -> Result<Option<String>, String> {
-        let r = self.agent.get(format!("{}/api/2.0/mlflow/experiments/get-by-name", self.base));
+        let r = self.request(self.agent.get(format!("{}/api/2.0/mlflow/experiments/get-by-name", self.base)));
         let mut r = r.query("experiment_name", name).call().map_err(|e| e.to_string())?;
+        self.answered.store(true, Ordering::SeqCst);
         let text = r.body_mut().read_to_string().map_err(|e| e.to_string())?;
         let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
         match r.status().as_u16() {
@@ -240,7 +288,10 @@ impl Api {
                 let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
                 let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
                 let url = format!("{}/api/2.0/mlflow-artifacts/artifacts/{dir}/{name}", self.base);
-                let r = self.agent.put(url).header("Content-Type", "application/octet-stream").send(&bytes[..]);
+                let r = self
+                    .request(self.agent.put(url))
+                    .header("Content-Type", "application/octet-stream")
+                    .send(&bytes[..]);
                 self.answer(r, &format!("artifact {name}")).map(|_| ())
             }
             Message::End { succeeded } => {
@@ -267,6 +318,39 @@ fn millis() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
+/// Refuses what cannot be an MLflow server's address: another scheme than http://, no host, a
+/// port beyond 65535, spaces, and credentials, which would be written with the URL into
+/// config.toml, plan.json and the TensorBoard events (MLflow's own variables carry them).
+pub fn check_url(url: &str) -> Result<(), String> {
+    let example = "e.g. \"http://127.0.0.1:5000\"";
+    let Some(rest) = url.strip_prefix("http://") else {
+        return Err(format!("\"{url}\" is not an http:// URL of an MLflow server ({example}; https is not supported)"));
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    if authority.contains('@') {
+        return Err(format!(
+            "\"{}\" holds credentials, which would be written into config.toml, plan.json and the TensorBoard \
+             events: give the URL without them, and the credentials in MLFLOW_TRACKING_USERNAME and \
+             MLFLOW_TRACKING_PASSWORD (or a token in MLFLOW_TRACKING_TOKEN)",
+            crate::config::resolve::redact_credentials(url)
+        ));
+    }
+    let uri: Option<ureq::http::Uri> = (!authority.is_empty())
+        .then(|| url.parse())
+        .transpose()
+        .map_err(|e: ureq::http::uri::InvalidUri| format!("\"{url}\" is not a URL ({e}); {example}"))?;
+    if uri.as_ref().and_then(|u| u.host()).is_none_or(str::is_empty) {
+        return Err(format!("\"{url}\" names no host; {example}"));
+    }
+    // The port as written (the parsed URI drops one that does not fit 16 bits).
+    if let Some((_, port)) = authority.rsplit_once(':').filter(|_| !authority.ends_with(']')) {
+        if !port.parse::<u16>().is_ok_and(|p| p > 0) {
+            return Err(format!("\"{url}\": port {port} is not between 1 and 65535"));
+        }
+    }
+    Ok(())
+}
+
 /// One line for the plan: whether the server answers, checked once with a short timeout.
 pub fn probe(url: &str, experiment: &str) -> String {
     let api = Api::new(url, Duration::from_secs(5));
@@ -289,5 +373,22 @@ mod tests {
         assert_eq!(proxied_path("mlflow-artifacts:/1/ab/artifacts").as_deref(), Some("1/ab/artifacts"));
         assert_eq!(proxied_path("mlflow-artifacts://h:5000/1/ab/artifacts").as_deref(), Some("1/ab/artifacts"));
         assert_eq!(proxied_path("file:///tmp/mlruns/1/ab/artifacts"), None);
+    }
+
+    #[test]
+    fn urls_that_cannot_reach_a_server_or_hold_credentials_are_refused() {
+        assert!(check_url("http://127.0.0.1:5000").is_ok());
+        assert!(check_url("http://mlflow.example/prefix").is_ok());
+        for (url, says) in [
+            ("https://h:5000", "is not an http:// URL"),
+            ("http://h:99999", "port 99999 is not between 1 and 65535"),
+            ("http://h st:5000", "is not a URL"),
+            ("http://", "names no host"),
+            ("http://me:secret@h:5000", "\"http://me:***@h:5000\" holds credentials"),
+        ] {
+            let e = check_url(url).unwrap_err();
+            assert!(e.contains(says), "{url}: {e}");
+            assert!(!e.contains("secret"), "{e}");
+        }
     }
 }

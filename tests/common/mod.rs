@@ -141,7 +141,7 @@ pub fn alive(pid: u32) -> bool {
 /// as the epoch-2 checkpoint exists; the run must then fail (exit 1), not have ended already.
 /// Returns what the launcher wrote on stderr.
 pub fn run_and_kill(dir: &Path, out: &str, extra: &[&str], victim: usize) -> String {
-    run_and_kill_at(dir, out, extra, victim, "epoch-0002.json")
+    run_and_kill_at(dir, out, extra, victim, "epoch-0002/index.json")
 }
 
 /// As [`run_and_kill`], killing rank `victim` as soon as `checkpoints/MARKER` exists.
@@ -173,6 +173,26 @@ pub fn run_and_kill_at(dir: &Path, out: &str, extra: &[&str], victim: usize, mar
     std::io::Read::read_to_string(launcher.stderr.as_mut().unwrap(), &mut err).unwrap();
     assert_eq!(status.code(), Some(1), "the kill must land before the run ends:\n{err}");
     err
+}
+
+/// Whether `run_dir` holds a complete checkpoint (a checkpoint's directory with its index).
+pub fn has_checkpoint(run_dir: &Path) -> bool {
+    std::fs::read_dir(run_dir.join("checkpoints"))
+        .is_ok_and(|d| d.filter_map(|e| e.ok()).any(|e| e.path().join("index.json").is_file()))
+}
+
+/// The tensor files of checkpoint `name` of `run_dir` (`rank-R.safetensors`, by name), their
+/// bytes one after another: two checkpoints with equal bytes hold the same state, bit for bit.
+pub fn checkpoint_bytes(run_dir: &Path, name: &str) -> Vec<u8> {
+    let dir = run_dir.join("checkpoints").join(name);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "{} holds no tensor file", dir.display());
+    files.iter().flat_map(|f| std::fs::read(f).unwrap()).collect()
 }
 
 /// Asserts that two run directories' traces agree in every column but the timings.

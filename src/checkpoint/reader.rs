@@ -1,0 +1,206 @@
+//! Reading a checkpoint: its index checked against its files, and any rows of any tensor
+//! assembled from the pieces that hold them, each piece read at its byte range and checked
+//! against its checksum. A rank reads what it holds, plus at most one piece beyond it.
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use tch::Tensor;
+
+use super::index::{piece_shape, rows_of, Index, PieceEntry, Role, TensorEntry, FORMAT};
+use super::{Found, Record, INDEX};
+use crate::plan::Plan;
+use crate::tensorfile::TensorFile;
+
+/// The largest index read: its trace rows grow with the run (about 1 kB per rank per row).
+const MAX_INDEX: u64 = 1 << 30;
+
+/// Reads `dir`'s index and checks it: its format, its step (`step`, from the directory's name),
+/// its model against the plan's, each tensor's pieces tiling it, and each file against the
+/// index (size, and for every piece its name, type, shape and byte range in the file's header);
+/// with `checksums`, also every piece's bytes. The error says what does not hold.
+pub fn verify(dir: &Path, step: usize, plan: &Plan, checksums: bool) -> Result<Index, String> {
+    let path = dir.join(INDEX);
+    crate::input::capped_file(&path, MAX_INDEX, "a checkpoint's index")?;
+    let text = std::fs::read(&path).map_err(|e| format!("its index {} cannot be read ({e})", path.display()))?;
+    let index: Index = serde_json::from_slice(&text)
+        .map_err(|e| format!("its index {} is not a checkpoint index this runner can read ({e})", path.display()))?;
+    if index.format != FORMAT {
+        return Err(format!("its index is of format \"{}\", this runner reads \"{FORMAT}\"", index.format));
+    }
+    let r = &index.record;
+    if r.step != step {
+        return Err(format!("its index says step {}, its name step {step}", r.step));
+    }
+    if r.parameters != crate::model::sorted_parameters(plan.model().as_ref()) {
+        return Err("it holds a different model (parameter names or shapes differ from [wrap.model])".into());
+    }
+    for (name, shape) in &r.parameters {
+        match index.tensors.get(name) {
+            Some(t) if t.shape == *shape && t.role == Role::Model => {}
+            _ => return Err(format!("its index lacks the model's `{name}` of shape {shape:?}")),
+        }
+    }
+    check_buckets(r.buckets.as_deref(), plan)?;
+    let mut files = HashMap::new();
+    for (file, bytes) in &index.files {
+        let p = dir.join(file);
+        if file.contains('/') || file.starts_with('.') {
+            return Err(format!("its index names a file outside its directory ({file})"));
+        }
+        let len = match std::fs::metadata(&p) {
+            Ok(m) => m.len(),
+            Err(_) => return Err(format!("its index names {file}, which is missing")),
+        };
+        if len != *bytes {
+            return Err(format!(
+                "{file} is {len} bytes, its index says {bytes}: the file is truncated or was replaced"
+            ));
+        }
+        let f = TensorFile::open(&p).map_err(|e| format!("{file} does not match its index: {e}"))?;
+        files.insert(file.clone(), f);
+    }
+    for (name, t) in &index.tensors {
+        t.check_tiling(name)?;
+        for piece in &t.pieces {
+            let f = files.get(&piece.file).ok_or_else(|| {
+                format!("its index puts a piece of `{name}` in {}, which it does not list", piece.file)
+            })?;
+            check_piece(f, name, t, piece)?;
+            if checksums {
+                read_piece(f, name, piece)?;
+            }
+        }
+    }
+    Ok(index)
+}
+
+/// A record's DDP buckets name every trainable parameter (by its index in module order) exactly
+/// once: the Reducer is handed them as they are.
+fn check_buckets(buckets: Option<&[Vec<usize>]>, plan: &Plan) -> Result<(), String> {
+    let Some(buckets) = buckets else { return Ok(()) };
+    let arch = plan.model();
+    let n = arch.parameters(0..arch.layers().len()).len();
+    let mut seen = vec![false; n];
+    for &i in buckets.iter().flatten() {
+        if i >= n || std::mem::replace(&mut seen[i], true) {
+            return Err(format!("its DDP buckets name parameter {i} twice or past the model's {n}"));
+        }
+    }
+    if seen.contains(&false) || buckets.iter().any(Vec::is_empty) {
+        return Err(format!("its DDP buckets do not hold each of the model's {n} parameters"));
+    }
+    Ok(())
+}
+
+/// A piece's entry in its file's header is the one the index describes.
+fn check_piece(f: &TensorFile, name: &str, t: &TensorEntry, piece: &PieceEntry) -> Result<(), String> {
+    let file = &piece.file;
+    let info = f.info(name).ok_or_else(|| format!("its index puts `{name}` in {file}, which does not hold it"))?;
+    let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
+    let want = piece_shape(&t.shape, piece.rows);
+    let range = f.range(name).expect("an entry has a range");
+    if info.dtype != t.dtype || shape != want || [range.start, range.end] != piece.bytes {
+        return Err(format!(
+            "its index does not match {file}: `{name}` is {:?} {shape:?} at bytes {}..{} there, {:?} {want:?} at bytes \
+             {}..{} in the index",
+            info.dtype, range.start, range.end, t.dtype, piece.bytes[0], piece.bytes[1]
+        ));
+    }
+    Ok(())
+}
+
+/// A piece's bytes, checked against its checksum.
+fn read_piece(f: &TensorFile, name: &str, piece: &PieceEntry) -> Result<Vec<u8>, String> {
+    let [start, end] = piece.bytes;
+    let bytes = f.read_range(start..end, end - start).map_err(|e| format!("{}: {e}", piece.file))?;
+    let sum = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
+    if sum != piece.xxh3 {
+        return Err(format!(
+            "the piece of `{name}` (rows {}..{}) in {} fails its checksum: the file is damaged",
+            piece.offset,
+            piece.offset + piece.rows,
+            piece.file
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Rows of a checkpoint's tensors, read from their pieces. Files stay open between reads.
+pub struct Reader {
+    dir: PathBuf,
+    index: Index,
+    files: RefCell<HashMap<String, TensorFile>>,
+}
+
+impl Reader {
+    pub fn new(found: &Found) -> Reader {
+        Reader { dir: found.dir.clone(), index: found.index.clone(), files: RefCell::new(HashMap::new()) }
+    }
+
+    pub fn record(&self) -> &Record {
+        &self.index.record
+    }
+
+    /// The whole shape of `name`, if the checkpoint holds it.
+    pub fn shape(&self, name: &str) -> Option<&[i64]> {
+        self.index.tensors.get(name).map(|t| t.shape.as_slice())
+    }
+
+    /// The whole of `name`.
+    pub fn whole(&self, name: &str) -> anyhow::Result<Tensor> {
+        let rows = rows_of(self.shape(name).ok_or_else(|| self.missing(name))?);
+        self.rows(name, 0..rows)
+    }
+
+    fn missing(&self, name: &str) -> anyhow::Error {
+        anyhow::anyhow!("checkpoint {} holds no `{name}`", self.dir.display())
+    }
+
+    /// Rows `rows` (dim 0) of `name`, from the pieces that hold them (a 0-dimensional tensor is
+    /// row 0); each piece is read whole, checked, and cut.
+    pub fn rows(&self, name: &str, rows: Range<i64>) -> anyhow::Result<Tensor> {
+        let t = self.index.tensors.get(name).ok_or_else(|| self.missing(name))?;
+        let total = rows_of(&t.shape);
+        anyhow::ensure!(
+            0 <= rows.start && rows.start <= rows.end && rows.end <= total,
+            "rows {}..{} of `{name}` asked from checkpoint {}, which holds {total}",
+            rows.start,
+            rows.end,
+            self.dir.display()
+        );
+        let kind = crate::tensorfile::kind_of(t.dtype)
+            .ok_or_else(|| anyhow::anyhow!("`{name}` in checkpoint {} is {:?}", self.dir.display(), t.dtype))?;
+        let mut parts = Vec::new();
+        for piece in t.pieces_in(rows.clone()) {
+            let bytes = self.piece_bytes(name, t, piece)?;
+            let whole = crate::checked::tensor(&bytes, &piece_shape(&t.shape, piece.rows), kind)
+                .map_err(|e| anyhow::anyhow!("{}: `{name}`: {e}", self.dir.join(&piece.file).display()))?;
+            if t.shape.is_empty() {
+                return Ok(whole);
+            }
+            let from = rows.start.max(piece.offset);
+            let to = rows.end.min(piece.offset + piece.rows);
+            parts.push(whole.narrow(0, from - piece.offset, to - from));
+        }
+        Ok(match parts.len() {
+            0 => Tensor::zeros(piece_shape(&t.shape, 0).as_slice(), (kind, tch::Device::Cpu)),
+            1 => parts.pop().expect("one part"),
+            _ => Tensor::cat(&parts, 0),
+        })
+    }
+
+    fn piece_bytes(&self, name: &str, t: &TensorEntry, piece: &PieceEntry) -> anyhow::Result<Vec<u8>> {
+        let mut files = self.files.borrow_mut();
+        if !files.contains_key(&piece.file) {
+            let path = self.dir.join(&piece.file);
+            let f = TensorFile::open(&path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            files.insert(piece.file.clone(), f);
+        }
+        let f = &files[&piece.file];
+        let at = |e: String| anyhow::anyhow!("checkpoint {}: {e}", self.dir.display());
+        check_piece(f, name, t, piece).map_err(at)?;
+        read_piece(f, name, piece).map_err(at)
+    }
+}
