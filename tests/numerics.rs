@@ -35,7 +35,7 @@ fn runs_are_native_by_default_portable_on_request_and_the_environment_wins() {
         assert_ok(&o);
         mkl_cbwr(&dir.path().join(out))
     };
-    let portable = ["--set", "run.numerics=\"portable\""];
+    let portable = ["--set", "run.numerics=\"portable\"", "--set", "checkpoint.every=1"];
     let native = ["--set", "run.numerics=\"native\""];
 
     // Two ranks: the launcher's setting reaches both. No key: MKL's kernels for this CPU.
@@ -48,6 +48,17 @@ fn runs_are_native_by_default_portable_on_request_and_the_environment_wins() {
     // The environment's MKL_CBWR wins over the key, and is what the manifest records.
     assert_eq!(recorded("env", &native, Some("COMPATIBLE")), "COMPATIBLE");
     assert_same_trace(&dir.path().join("portable"), &dir.path().join("env"));
+
+    // A run resumes under the numerics it started with, read from its own config.toml.
+    let o = runner()
+        .args(["run", "--resume", "portable", "--set", "train.epochs=3"])
+        .current_dir(dir.path())
+        .env_remove("MKL_CBWR")
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    assert_eq!(mkl_cbwr(&dir.path().join("portable")), "COMPATIBLE");
+    assert_eq!(trace(&dir.path().join("portable")).height(), 3 * 2, "3 epochs of 2 ranks");
 
     // A value MKL does not know would be ignored by MKL while the manifest recorded it: refused.
     let o = run_with("garbage", &[], Some("garbage"));
