@@ -6,10 +6,10 @@
 //! another order and the last bits differ. Runs use those kernels by default (`run.numerics =
 //! "native"`, as PyTorch does): the same bits on the same CPU model. MKL's conditional numerical
 //! reproducibility (`MKL_CBWR`, `run.numerics = "portable"`) pins one code path on every CPU, at
-//! about 2.4× the time of compute-bound work: for tables committed and checked elsewhere. MKL reads it once, when it first
-//! runs, so [`fix`] sets it first thing in `main`, in every process (the launcher, each rank,
-//! whatever started them); a value the environment already gives is kept. The value in effect is
-//! recorded in manifest.json and sweep.json, and `runner sweep --check` reruns under the stored one.
+//! about 2.4× the time of compute-bound work: for tables committed and checked elsewhere. [`fix`]
+//! sets it first thing in `main`, in every process (the launcher, each rank, whatever started
+//! them); a value the environment already gives is kept. The value in effect is recorded in
+//! manifest.json and sweep.json, and `runner sweep --check` reruns under the stored one.
 use serde::{Deserialize, Serialize};
 
 use crate::config::schema::CpuNumerics;
@@ -38,11 +38,13 @@ pub struct Numerics {
     pub cpu: String,
 }
 
-/// Sets `MKL_CBWR` to the value of `mode` unless the environment sets it. MKL reads the variable
-/// when libtorch_cpu.so is loaded, before `main`, so setting it here alone changes nothing
-/// (measured with `MKL_VERBOSE=1`: `CNR:AUTO`): the process runs itself again with it, once (the
-/// children it starts inherit it). Call it in `main` before anything computes. Should that exec
-/// fail, the variable stays unset, so that the manifest records what MKL really used. An
+/// Sets `MKL_CBWR` to the value of `mode` unless the environment sets it, for this process and
+/// the ones it starts. Call it in `main` before anything computes. Children read the variable
+/// when they load libtorch; this process loaded it before `main` (setting the variable alone
+/// changes nothing here: `MKL_VERBOSE=1` says `CNR:AUTO`), so MKL is told directly
+/// ([`crate::dist::mkl`]). Where MKL cannot be told, the process runs itself again with the
+/// variable set, once (that costs a second start of libtorch, about 0.25 s); should that exec
+/// fail, the variable is unset again, so that the manifest records what MKL really used. An
 /// environment's value that MKL does not know is refused: MKL would ignore it, and the manifest
 /// would record a path the run never took.
 pub fn fix(mode: CpuNumerics) -> Result<(), String> {
@@ -52,9 +54,15 @@ pub fn fix(mode: CpuNumerics) -> Result<(), String> {
         return check(&value, "in the environment").map(|warning| warning.into_iter().for_each(|w| crate::say_err!("{w}")));
     }
     let value = mkl_cbwr(mode);
+    std::env::set_var("MKL_CBWR", value);
+    // Native is MKL's own choice, what it does with the variable unset.
+    if mode == CpuNumerics::Native || crate::dist::mkl::set_compatible() {
+        return Ok(());
+    }
     let mut args = std::env::args_os();
     let argv0 = args.next().unwrap_or_default();
-    let err = std::process::Command::new("/proc/self/exe").arg0(argv0).args(args).env("MKL_CBWR", value).exec();
+    let err = std::process::Command::new("/proc/self/exe").arg0(argv0).args(args).exec();
+    std::env::remove_var("MKL_CBWR");
     crate::say_err!("warning: cannot run runner again with MKL_CBWR={value} ({err}): results may differ on other CPUs");
     Ok(())
 }

@@ -83,6 +83,37 @@ fn runs_are_native_by_default_portable_on_request_and_the_environment_wins() {
     assert!(err.contains("run.numerics") && err.contains("portable") && err.contains("native"), "{err}");
 }
 
+/// A process that computes under its own plan (here one rank started as torchrun starts it) is put
+/// on MKL's COMPATIBLE branch in place, without running itself again: every matrix product MKL
+/// reports is on that branch, and the run equals one whose environment set MKL_CBWR.
+#[test]
+fn a_rank_that_resolves_its_own_plan_computes_portably_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let rank = |out: &str, env: Option<&str>| {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut cmd = runner();
+        cmd.args(["run", "p.toml", "--out", out, "--set", "run.world_size=1", "--set", "run.numerics=\"portable\""])
+            .current_dir(dir.path())
+            .envs([("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MKL_VERBOSE", "1")])
+            .env("MASTER_PORT", port.to_string());
+        match env {
+            Some(v) => cmd.env("MKL_CBWR", v),
+            None => cmd.env_remove("MKL_CBWR"),
+        };
+        let o = cmd.output().unwrap();
+        assert_ok(&o);
+        let (out, err) = text(&o);
+        out + &err
+    };
+    let out = rank("in-place", None);
+    let products: Vec<&str> = out.lines().filter(|l| l.starts_with("MKL_VERBOSE SGEMM")).collect();
+    assert!(!products.is_empty(), "{out}");
+    assert!(products.iter().all(|l| l.contains("CNR:COMPATIBLE")), "{products:?}");
+    rank("env", Some("COMPATIBLE"));
+    assert_same_trace(&dir.path().join("in-place"), &dir.path().join("env"));
+}
+
 /// results/world_size, committed with portable numerics: every non-timing value of its 9 points
 /// reproduces bit for bit here, whatever CPU made it.
 #[test]

@@ -5,7 +5,8 @@
 //! - [`Ddp`]: c10d's Reducer, DistributedDataParallel's bucketed gradient averaging;
 //! - [`Script`]: a TorchScript module with its parameters and buffers (tch lists no buffers);
 //! - [`fused_adam`], [`sgd`], [`set_autocast_dtype`]: libtorch functions that tch does not expose;
-//! - [`keep_freed_memory`]: glibc's allocator set for a training loop.
+//! - [`keep_freed_memory`]: glibc's allocator set for a training loop;
+//! - [`mkl`]: MKL's code branch in this process (`run.numerics`).
 //!
 //! Failures come back as [`Error`], naming the operation and, where known, the peer that left.
 //!
@@ -26,6 +27,7 @@ mod ddp;
 mod error;
 mod ffi;
 mod kernels;
+pub mod mkl;
 mod process_group;
 mod script;
 mod store;
