@@ -51,7 +51,8 @@ pub fn fix(mode: CpuNumerics) -> Result<(), String> {
     use std::os::unix::process::CommandExt;
     if let Some(value) = std::env::var_os("MKL_CBWR") {
         let value = value.to_string_lossy();
-        return check(&value, "in the environment").map(|warning| warning.into_iter().for_each(|w| crate::say_err!("{w}")));
+        return check(&value, "in the environment")
+            .map(|warning| warning.into_iter().for_each(|w| crate::say_err!("{w}")));
     }
     let value = mkl_cbwr(mode);
     std::env::set_var("MKL_CBWR", value);
@@ -70,8 +71,23 @@ pub fn fix(mode: CpuNumerics) -> Result<(), String> {
 /// MKL's code branches (oneMKL developer guide, "Specifying code branches"; the names libtorch's
 /// MKL parses). All but AUTO and COMPATIBLE are Intel's: elsewhere MKL ignores them.
 const BRANCHES: &[&str] = &[
-    "AUTO", "COMPATIBLE", "SSE2", "SSE3", "SSSE3", "SSE4_1", "SSE4_2", "AVX", "AVX2", "AVX512", "AVX512_E1",
-    "AVX512_E2", "AVX512_E3", "AVX512_E4", "AVX512_E5", "AVX512_MIC", "AVX512_MIC_E1",
+    "AUTO",
+    "COMPATIBLE",
+    "SSE2",
+    "SSE3",
+    "SSSE3",
+    "SSE4_1",
+    "SSE4_2",
+    "AVX",
+    "AVX2",
+    "AVX512",
+    "AVX512_E1",
+    "AVX512_E2",
+    "AVX512_E3",
+    "AVX512_E4",
+    "AVX512_E5",
+    "AVX512_MIC",
+    "AVX512_MIC_E1",
 ];
 
 /// Whether MKL takes `value` as `MKL_CBWR` (`[BRANCH=]<branch>[,STRICT]`, or "": unset), with a

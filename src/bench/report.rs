@@ -366,7 +366,13 @@ mod tests {
             .filter(|w| w.name == "cnn" || w.name == "transformer")
             .map(|w| WorkloadResult { workload: w, cells: vec![cell(1), cell(2)] })
             .collect();
-        let machine = Machine { cpu: "test".into(), cores: 2, peak_flops: 1e12, peak_flops_bf16: 5e11, command: "runner bench".into() };
+        let machine = Machine {
+            cpu: "test".into(),
+            cores: 2,
+            peak_flops: 1e12,
+            peak_flops_bf16: 5e11,
+            command: "runner bench".into(),
+        };
         let text = markdown(&machine, 1, &results);
         assert!(
             text.contains("| epoch s PyTorch | images/s runner | images/s PyTorch | throughput ratio | peak runner |")
@@ -406,7 +412,13 @@ mod tests {
             WorkloadResult { workload: w.clone().in_precision(false), cells: vec![cell(1.0, 1.2, 1.0)] },
             WorkloadResult { workload: w.in_precision(true), cells: vec![cell(0.8, 1.0, 1.01)] },
         ];
-        let machine = Machine { cpu: "test".into(), cores: 2, peak_flops: 1e12, peak_flops_bf16: 5e11, command: "runner bench".into() };
+        let machine = Machine {
+            cpu: "test".into(),
+            cores: 2,
+            peak_flops: 1e12,
+            peak_flops_bf16: 5e11,
+            command: "runner bench".into(),
+        };
         let text = markdown(&machine, 1, &results);
         assert!(text.contains("| compute-bound | 1 | 1.25× | 1.20× | 1.0000 | 1.0100 | 1.0e-2 |"), "{text}");
         assert!(text.contains("- ✗ missed: compute-bound ws 1: bf16 1.25× fp32's throughput (target ≥ 1.5×"), "{text}");
