@@ -341,9 +341,11 @@ char* rn_ddp_new(rn_pg* pg, void** params_ptr, size_t n_params, int64_t bucket_c
       }
       TORCH_CHECK(at == n_params, "the recorded bucket layout holds ", at, " parameters, the model ", n_params);
     }
+    // gradient_as_bucket_view: after the all-reduce each gradient is a view of its bucket, not a
+    // copy back out of it (one copy of the model's gradients less per step; the same sums).
     auto reducer = std::make_shared<c10d::Reducer>(
         params, buckets, pg->pg, sparse, bucket_cap_bytes, /*find_unused_parameters=*/false,
-        /*gradient_as_bucket_view=*/false, std::unordered_map<size_t, std::string>{},
+        /*gradient_as_bucket_view=*/true, std::unordered_map<size_t, std::string>{},
         first_bucket_cap, /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false,
         /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
     auto logger = std::make_shared<c10d::Logger>(reducer);

@@ -300,8 +300,8 @@ pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
         config::resolve(file, &overrides(set, set_as)).map(|r| r.config.run.numerics).unwrap_or_default()
     };
     match &cli.command {
-        // A rank the launcher started inherits the launcher's MKL_CBWR.
-        Command::Run(args) if args.plan.is_some() => Some(Default::default()),
+        // A rank the launcher started inherits the MKL_CBWR the launcher set and checked.
+        Command::Run(args) if args.plan.is_some() => None,
         Command::Run(args) => match (&args.file, &args.resume) {
             (Some(file), _) => Some(resolved(file, &args.set, &args.set_as)),
             (None, Some(dir)) => Some(resolved(&dir.join(rundir::CONFIG), &args.set, &args.set_as)),

@@ -18,7 +18,10 @@ fn main() {
     // points and a bench's runs are processes of their own, each given or choosing its setting.
     // (It may run the process again: the signals stay blocked through that.)
     if let Some(mode) = runner::cli::numerics_of(&cli) {
-        runner::numerics::fix(mode);
+        if let Err(why) = runner::numerics::fix(mode) {
+            runner::say_err!("error: {why}");
+            runner::dist::exit_now(2);
+        }
     }
     if let Err(e) = runner::signals::install(runner::cli::signal_role(&cli)) {
         runner::say_err!("error: cannot set up the signal handlers: {e}");

@@ -3,11 +3,13 @@
 //!
 //! libtorch's float32 matrix products go to oneMKL (linked into libtorch_cpu.so), which picks its
 //! kernels by the CPU it runs on (AVX-512 on one Xeon, AVX2 on an EPYC): the sums come out in
-//! another order and the last bits differ. MKL's conditional numerical reproducibility
-//! (`MKL_CBWR`) pins one code path on every CPU that supports it. MKL reads it once, when it first
-//! runs, so [`fix`] sets it first thing in `main`, in every process (the launcher, each rank,
-//! whatever started them); a value the environment already gives is kept. The value in effect is
-//! recorded in manifest.json and sweep.json, and `runner sweep --check` reruns under the stored one.
+//! another order and the last bits differ. Runs use those kernels by default (`run.numerics =
+//! "native"`, as PyTorch does): the same bits on the same CPU model. MKL's conditional numerical
+//! reproducibility (`MKL_CBWR`, `run.numerics = "portable"`) pins one code path on every CPU, at
+//! about 2.4× the time of compute-bound work: for tables committed and checked elsewhere. [`fix`]
+//! sets it first thing in `main`, in every process (the launcher, each rank, whatever started
+//! them); a value the environment already gives is kept. The value in effect is recorded in
+//! manifest.json and sweep.json, and `runner sweep --check` reruns under the stored one.
 use serde::{Deserialize, Serialize};
 
 use crate::config::schema::CpuNumerics;
@@ -36,21 +38,88 @@ pub struct Numerics {
     pub cpu: String,
 }
 
-/// Sets `MKL_CBWR` to the value of `mode` unless the environment sets it. MKL reads the variable
-/// when libtorch_cpu.so is loaded, before `main`, so setting it here alone changes nothing
-/// (measured with `MKL_VERBOSE=1`: `CNR:AUTO`): the process runs itself again with it, once (the
-/// children it starts inherit it). Call it in `main` before anything computes. Should that exec
-/// fail, the variable stays unset, so that the manifest records what MKL really used.
-pub fn fix(mode: CpuNumerics) {
+/// Sets `MKL_CBWR` to the value of `mode` unless the environment sets it, for this process and
+/// the ones it starts. Call it in `main` before anything computes. Children read the variable
+/// when they load libtorch; this process loaded it before `main` (setting the variable alone
+/// changes nothing here: `MKL_VERBOSE=1` says `CNR:AUTO`), so MKL is told directly
+/// ([`crate::dist::mkl`]). Where MKL cannot be told, the process runs itself again with the
+/// variable set, once (that costs a second start of libtorch, about 0.25 s); should that exec
+/// fail, the variable is unset again, so that the manifest records what MKL really used. An
+/// environment's value that MKL does not know is refused: MKL would ignore it, and the manifest
+/// would record a path the run never took.
+pub fn fix(mode: CpuNumerics) -> Result<(), String> {
     use std::os::unix::process::CommandExt;
-    if std::env::var_os("MKL_CBWR").is_some() {
-        return;
+    if let Some(value) = std::env::var_os("MKL_CBWR") {
+        let value = value.to_string_lossy();
+        return check(&value, "in the environment")
+            .map(|warning| warning.into_iter().for_each(|w| crate::say_err!("{w}")));
     }
     let value = mkl_cbwr(mode);
+    std::env::set_var("MKL_CBWR", value);
+    // Native is MKL's own choice, what it does with the variable unset.
+    if mode == CpuNumerics::Native || crate::dist::mkl::set_compatible() {
+        return Ok(());
+    }
     let mut args = std::env::args_os();
     let argv0 = args.next().unwrap_or_default();
-    let err = std::process::Command::new("/proc/self/exe").arg0(argv0).args(args).env("MKL_CBWR", value).exec();
-    eprintln!("warning: cannot run runner again with MKL_CBWR={value} ({err}): results may differ on other CPUs");
+    let err = std::process::Command::new("/proc/self/exe").arg0(argv0).args(args).exec();
+    std::env::remove_var("MKL_CBWR");
+    crate::say_err!("warning: cannot run runner again with MKL_CBWR={value} ({err}): results may differ on other CPUs");
+    Ok(())
+}
+
+/// MKL's code branches (oneMKL developer guide, "Specifying code branches"; the names libtorch's
+/// MKL parses). All but AUTO and COMPATIBLE are Intel's: elsewhere MKL ignores them.
+const BRANCHES: &[&str] = &[
+    "AUTO",
+    "COMPATIBLE",
+    "SSE2",
+    "SSE3",
+    "SSSE3",
+    "SSE4_1",
+    "SSE4_2",
+    "AVX",
+    "AVX2",
+    "AVX512",
+    "AVX512_E1",
+    "AVX512_E2",
+    "AVX512_E3",
+    "AVX512_E4",
+    "AVX512_E5",
+    "AVX512_MIC",
+    "AVX512_MIC_E1",
+];
+
+/// Whether MKL takes `value` as `MKL_CBWR` (`[BRANCH=]<branch>[,STRICT]`, or "": unset), with a
+/// warning where it names an Intel branch on another CPU; `origin` says where the value is from.
+pub fn check(value: &str, origin: &str) -> Result<Option<String>, String> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    let branch = branch(value);
+    if !BRANCHES.contains(&branch) {
+        return Err(format!(
+            "MKL_CBWR={value:?} {origin} is not a value MKL knows: MKL would ignore it and choose its kernels by \
+             the CPU, and the run would record a setting it did not compute under. Unset MKL_CBWR to let \
+             run.numerics choose (\"native\" or \"portable\"), or set one of MKL's branches: {} \
+             (optionally BRANCH=<branch> and ,STRICT)",
+            BRANCHES.join(", ")
+        ));
+    }
+    let intel = std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|t| t.contains("GenuineIntel"));
+    Ok((!intel && !matches!(branch, "AUTO" | "COMPATIBLE")).then(|| {
+        format!(
+            "warning: MKL_CBWR={value} {origin} names an Intel code branch, which MKL ignores on {}: it chooses \
+             its kernels by the CPU (AUTO); COMPATIBLE is the branch that gives the same bits on any x86-64 CPU",
+            cpu_model()
+        )
+    }))
+}
+
+/// The branch an `MKL_CBWR` value names.
+fn branch(value: &str) -> &str {
+    let branch = value.strip_prefix("BRANCH=").unwrap_or(value);
+    branch.strip_suffix(",STRICT").unwrap_or(branch)
 }
 
 /// The code paths `MKL_CBWR` may name (MKL's documentation), each optionally followed by
@@ -109,6 +178,13 @@ pub fn cpu_model() -> String {
                 .map(|(_, v)| v.trim().to_owned())
         })
         .unwrap_or_else(|| "unknown".into())
+}
+
+impl Numerics {
+    /// Whether MKL computed on its branch that gives the same bits on any x86-64 CPU.
+    pub fn is_portable(&self) -> bool {
+        branch(&self.mkl_cbwr) == MKL_CBWR
+    }
 }
 
 impl std::fmt::Display for Numerics {

@@ -320,7 +320,8 @@ fn parity(pg: &ProcessGroup, device: Device, dir: &std::path::Path) {
         ddp.prepare_forward().unwrap();
         let loss = model.forward(&x.index_select(0, &rows)).cross_entropy_for_logits(&y.index_select(0, &rows));
         ddp.prepare_backward().unwrap();
-        opt.zero_grad();
+        // The Reducer's gradients are views of its buckets: dropped, not zeroed in place.
+        runner::dist::clear_grads(&vs.trainable_variables()).unwrap();
         loss.backward();
         opt.step();
     }

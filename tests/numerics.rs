@@ -1,19 +1,24 @@
-//! `run.numerics`: "portable" (the default, MKL_CBWR=COMPATIBLE in every rank) or "native" (MKL's
-//! kernels for this CPU), chosen by the pipeline before libtorch computes, recorded in the
-//! manifest; an MKL_CBWR in the environment wins.
+//! `run.numerics`: "native" (the default: MKL's kernels for this CPU) or "portable"
+//! (MKL_CBWR=COMPATIBLE in every rank), chosen by the pipeline before libtorch computes, recorded in
+//! the manifest; an MKL_CBWR in the environment wins when MKL knows it. Sweeps: the committed
+//! portable table checks bit for bit, and a native table checked on another CPU model says why its
+//! values may differ and passes within --tolerance.
 mod common;
 
 use common::*;
+use polars::prelude::*;
 use std::path::Path;
 
+fn manifest(run_dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(run_dir.join("manifest.json")).unwrap()).unwrap()
+}
+
 fn mkl_cbwr(run_dir: &Path) -> String {
-    let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("manifest.json")).unwrap()).unwrap();
-    manifest["numerics"]["mkl_cbwr"].as_str().expect("the manifest records MKL_CBWR").to_owned()
+    manifest(run_dir)["numerics"]["mkl_cbwr"].as_str().expect("the manifest records MKL_CBWR").to_owned()
 }
 
 #[test]
-fn the_pipeline_chooses_portable_or_native_numerics_and_the_environment_wins() {
+fn runs_are_native_by_default_portable_on_request_and_the_environment_wins() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", TINY);
     let run_with = |out: &str, extra: &[&str], env: Option<&str>| {
@@ -23,28 +28,172 @@ fn the_pipeline_chooses_portable_or_native_numerics_and_the_environment_wins() {
             Some(v) => cmd.env("MKL_CBWR", v),
             None => cmd.env_remove("MKL_CBWR"),
         };
-        let o = cmd.output().unwrap();
+        cmd.output().unwrap()
+    };
+    let recorded = |out: &str, extra: &[&str], env: Option<&str>| {
+        let o = run_with(out, extra, env);
         assert_ok(&o);
         mkl_cbwr(&dir.path().join(out))
     };
+    let portable = ["--set", "run.numerics=\"portable\"", "--set", "checkpoint.every=1"];
     let native = ["--set", "run.numerics=\"native\""];
 
-    // Two ranks: the launcher's setting reaches both.
-    assert_eq!(run_with("portable", &[], None), "COMPATIBLE");
-    assert_eq!(run_with("native", &native, None), "");
-    assert_eq!(run_with("native-again", &native, None), "");
-    assert_same_trace(&dir.path().join("native"), &dir.path().join("native-again"));
+    // Two ranks: the launcher's setting reaches both. No key: MKL's kernels for this CPU.
+    assert_eq!(recorded("default", &[], None), "");
+    let config = std::fs::read_to_string(dir.path().join("default/config.toml")).unwrap();
+    assert!(config.contains("numerics = \"native\"  # default"), "{config}");
+    assert_eq!(recorded("native", &native, None), "");
+    assert_same_trace(&dir.path().join("default"), &dir.path().join("native"));
+    assert_eq!(recorded("portable", &portable, None), "COMPATIBLE");
     // The environment's MKL_CBWR wins over the key, and is what the manifest records.
-    assert_eq!(run_with("env", &native, Some("COMPATIBLE")), "COMPATIBLE");
+    assert_eq!(recorded("env", &native, Some("COMPATIBLE")), "COMPATIBLE");
     assert_same_trace(&dir.path().join("portable"), &dir.path().join("env"));
 
-    // The plan says so; a value that is not one of the two is refused by name.
-    let o = run(&["validate", "p.toml", "--set", "run.numerics=\"native\""], dir.path());
+    // A run resumes under the numerics it started with, read from its own config.toml.
+    let o = runner()
+        .args(["run", "--resume", "portable", "--set", "train.epochs=3"])
+        .current_dir(dir.path())
+        .env_remove("MKL_CBWR")
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    assert_eq!(mkl_cbwr(&dir.path().join("portable")), "COMPATIBLE");
+    assert_eq!(trace(&dir.path().join("portable")).height(), 3 * 2, "3 epochs of 2 ranks");
+
+    // A value MKL does not know would be ignored by MKL while the manifest recorded it: refused.
+    let o = run_with("garbage", &[], Some("garbage"));
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with("error: MKL_CBWR=\"garbage\" in the environment is not a value MKL knows")
+            && err.contains("Unset MKL_CBWR to let run.numerics choose"),
+        "{err}"
+    );
+    assert!(!dir.path().join("garbage").exists(), "nothing ran");
+
+    // The plan says which path a run takes; a value that is not one of the two is refused by name.
+    let o = run(&["validate", "p.toml"], dir.path());
     assert_ok(&o);
     assert!(text(&o).0.contains("MKL's kernels for this CPU (run.numerics = \"native\")"), "{}", text(&o).0);
-    assert!(!text(&run(&["validate", "p.toml"], dir.path())).0.contains("MKL's kernels"));
+    let o = run(&["validate", "p.toml", "--set", "run.numerics=\"portable\""], dir.path());
+    assert!(text(&o).0.contains("the same bits on any x86-64 CPU (run.numerics = \"portable\")"), "{}", text(&o).0);
     let o = run(&["validate", "p.toml", "--set", "run.numerics=\"fast\""], dir.path());
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("run.numerics") && err.contains("portable") && err.contains("native"), "{err}");
+}
+
+/// A process that computes under its own plan (here one rank started as torchrun starts it) is put
+/// on MKL's COMPATIBLE branch in place, without running itself again: every matrix product MKL
+/// reports is on that branch, and the run equals one whose environment set MKL_CBWR.
+#[test]
+fn a_rank_that_resolves_its_own_plan_computes_portably_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let rank = |out: &str, env: Option<&str>| {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut cmd = runner();
+        cmd.args(["run", "p.toml", "--out", out, "--set", "run.world_size=1", "--set", "run.numerics=\"portable\""])
+            .current_dir(dir.path())
+            .envs([("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MKL_VERBOSE", "1")])
+            .env("MASTER_PORT", port.to_string());
+        match env {
+            Some(v) => cmd.env("MKL_CBWR", v),
+            None => cmd.env_remove("MKL_CBWR"),
+        };
+        let o = cmd.output().unwrap();
+        assert_ok(&o);
+        let (out, err) = text(&o);
+        out + &err
+    };
+    let out = rank("in-place", None);
+    let products: Vec<&str> = out.lines().filter(|l| l.starts_with("MKL_VERBOSE SGEMM")).collect();
+    assert!(!products.is_empty(), "{out}");
+    assert!(products.iter().all(|l| l.contains("CNR:COMPATIBLE")), "{products:?}");
+    rank("env", Some("COMPATIBLE"));
+    assert_same_trace(&dir.path().join("in-place"), &dir.path().join("env"));
+}
+
+/// results/world_size, committed with portable numerics: every non-timing value of its 9 points
+/// reproduces bit for bit here, whatever CPU made it.
+#[test]
+fn the_committed_portable_table_checks_bit_for_bit() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let experiment = std::fs::read_to_string(root.join("experiments/world_size.toml")).unwrap();
+    assert!(experiment.contains("\"run.numerics\" = \"portable\""), "{experiment}");
+    let o = runner()
+        .args(["sweep", "experiments/world_size.toml", "--check"])
+        .current_dir(root)
+        .env_remove("MKL_CBWR")
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    let (out, _) = text(&o);
+    assert!(out.contains("(MKL_CBWR=COMPATIBLE); rerunning on"), "{out}");
+    assert!(
+        out.contains("9 points reproduce results/world_size: every non-timing value of every trace is identical."),
+        "{out}"
+    );
+}
+
+/// A table made with native numerics: bit for bit on the same CPU model; recorded as made on
+/// another one (its sweep.json edited) and differing in a last bit, the check says why and how to
+/// check it, and passes within a tolerance.
+#[test]
+fn a_native_table_checked_on_another_cpu_says_why_and_passes_within_a_tolerance() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    write(dir.path(), "e.toml", "pipeline = \"p.toml\"\n\n[sweep]\n\"run.world_size\" = [1, 2]\n");
+    let sweep = |extra: &[&str]| {
+        let mut cmd = runner();
+        cmd.args(["sweep", "e.toml", "--out", "s"]).args(extra).current_dir(dir.path()).env_remove("MKL_CBWR");
+        let o = cmd.output().unwrap();
+        let (out, err) = text(&o);
+        (o.status.code(), out, err)
+    };
+    let (code, _, err) = sweep(&[]);
+    assert_eq!(code, Some(0), "{err}");
+    let s = dir.path().join("s");
+    let index_path = s.join("sweep.json");
+    let mut index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+    assert_eq!(index["numerics"]["mkl_cbwr"], "", "native by default");
+    let here = runner::numerics::cpu_model();
+
+    // The same CPU model: bit for bit, with no word about other CPUs.
+    let (code, out, err) = sweep(&["--check"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("2 points reproduce s: every non-timing value of every trace is identical."), "{out}");
+    assert!(!out.contains("note:"), "{out}");
+
+    // Recorded as made on another CPU, with a last-bit difference such a CPU's kernels give.
+    index["numerics"]["cpu"] = "Imaginary CPU 9000".into();
+    std::fs::write(&index_path, serde_json::to_string_pretty(&index).unwrap()).unwrap();
+    let trace_path = s.join("world_size=2").join("trace.parquet");
+    let mut df = ParquetReader::new(std::fs::File::open(&trace_path).unwrap()).finish().unwrap();
+    let mut loss: Vec<f64> = df.column("global_train_loss").unwrap().f64().unwrap().into_no_null_iter().collect();
+    loss[1] *= 1.0 + 3e-9;
+    df.with_column(Column::new("global_train_loss".into(), loss)).unwrap();
+    ParquetWriter::new(std::fs::File::create(&trace_path).unwrap()).finish(&mut df).unwrap();
+
+    let why = format!(
+        "this table was computed with MKL's kernels for its CPU (run.numerics = \"native\") on Imaginary CPU 9000, \
+         and is checked on {here}: native kernels differ between CPU models in the last bits of their sums"
+    );
+    let (code, out, err) = sweep(&["--check"]);
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert!(out.contains(&format!("note: {why}; a bit-for-bit check may fail here")), "{out}");
+    assert!(err.contains("error: 1 difference between s and a rerun:\n  world_size=2: row 1"), "{err}");
+    assert!(
+        err.trim_end().ends_with(&format!(
+            "{why}. The largest relative difference is 3.0e-9: --tolerance 1e-8 accepts it. To check such a table \
+             elsewhere, give --tolerance REL (values within a relative difference REL count as equal); to make \
+             tables that check bit for bit on any x86-64 CPU, set run.numerics = \"portable\" in the experiment \
+             and run it again."
+        )),
+        "{err}"
+    );
+    let (code, out, err) = sweep(&["--check", "--tolerance", "1e-8"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("1 float values differ by at most"), "{out}");
+    assert!(out.contains("2 points reproduce s: every non-timing value of every trace is equal within the tolerance."));
 }

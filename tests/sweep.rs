@@ -130,7 +130,7 @@ fn a_sweep_writes_its_table_from_the_traces_and_its_check_catches_one_altered_va
              `global_train_loss` stored {stored:?} but the rerun gives {original:?} (relative difference {relative:.1e})\n\
              stored on {here}, rerun on {here}; where the CPUs differ, --tolerance REL accepts values within a \
              relative difference REL",
-            here = format!("{} (MKL_CBWR=COMPATIBLE)", runner::numerics::cpu_model()),
+            here = format!("{} (MKL_CBWR=unset)", runner::numerics::cpu_model()),
         )
     );
     // Within a tolerance the altered value is accepted, and counted.

@@ -14,7 +14,7 @@
 # `DDP(model)` (device_ids is for GPU modules only). Without DDP none of the three lines runs, so at
 # world size 1 the copy is train.py as it is. model.py and the configs are nanoGPT's own, linked.
 #
-# The runner runs twice: as the pipeline says (run.numerics = "native": MKL's kernels for this CPU,
+# The runner runs twice: as it runs by default (run.numerics = "native": MKL's kernels for this CPU,
 # as nanoGPT computes) and with run.numerics = "portable" (the same bits on any x86-64 CPU:
 # docs/reproducibility.md), so that the cost of portability shows beside the comparison.
 #
@@ -78,7 +78,7 @@ for w in $WORLDS; do
     nano_val=$(grep -o "step $ITERS: train loss [0-9.]*, val loss [0-9.]*" "$work/nanogpt-$n.log" | grep -o "[0-9.]*$")
     echo "world size $w ($threads thread(s) per rank, $(( 12 * 64 * w )) tokens per step):"
     printf "  nanoGPT            wall %6.1f s  %6.0f tokens/s  val loss %s (20 random batches)\n" "$nano_s" "$(echo "$tokens / $nano_s" | bc -l)" "$nano_val"
-    # the runner with MKL's kernels for this CPU (the pipeline's run.numerics), then portable
+    # the runner with MKL's kernels for this CPU (its default numerics), then portable
     for variant in ${VARIANTS:-native portable}; do
         out="$work/runner-$variant-$n"
         start=$(date +%s.%N)

@@ -5,10 +5,10 @@
 //! the results (medians with min–max, ratios, fraction of the matmul peak, the targets) go to
 //! benches/RESULTS.md between markers, the notes around them are kept.
 //!
-//! The runner computes as it does by default, `run.numerics = "portable"` (crate::numerics: the
-//! same bits on any x86-64 CPU); PyTorch runs as its users run it, with MKL choosing its kernels by
-//! the CPU. A third run in each repetition, the runner with `run.numerics = "native"`, prices that
-//! default: the cost of reproducible numerics, in the report's own table.
+//! Both run as their users run them: the runner with its default `run.numerics = "native"` and
+//! PyTorch, each with MKL choosing its kernels by the CPU. A third run in each repetition, the
+//! runner with `run.numerics = "portable"` (crate::numerics: the same bits on any x86-64 CPU),
+//! prices that choice: the cost of reproducible numerics, in the report's own table.
 //!
 //! The `fsdp` workload measures sharded data parallelism instead: the runner's
 //! [`workload::FSDP_STRATEGY`] against PyTorch FSDP2 (benches/reference/fsdp2_torch.py), and as
@@ -61,11 +61,11 @@ pub struct Measure {
 pub struct Cell {
     pub world_size: usize,
     pub threads: usize,
+    /// The runner as it runs by default: MKL's kernels for this CPU.
     pub runner: Vec<Measure>,
     pub torch: Vec<Measure>,
-    /// The runner with MKL choosing its kernels by the CPU (no `MKL_CBWR=COMPATIBLE`), against
-    /// PyTorch DDP.
-    pub runner_cpu_kernels: Vec<Measure>,
+    /// The runner with `run.numerics = "portable"` (`MKL_CBWR=COMPATIBLE`), against PyTorch DDP.
+    pub runner_portable: Vec<Measure>,
     /// The runner with `wrap.strategy = "ddp"`, against PyTorch FSDP2.
     pub runner_ddp: Vec<Measure>,
 }
@@ -127,19 +127,19 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
                 threads,
                 runner: Vec::new(),
                 torch: Vec::new(),
-                runner_cpu_kernels: Vec::new(),
+                runner_portable: Vec::new(),
                 runner_ddp: Vec::new(),
             };
             for rep in 1..=opts.repetitions {
-                let r = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Portable, None))?;
+                let r = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native, None))?;
                 let t = retried(|| run_torch(&torchrun, &root.join(w.peer.script()), &files, &w, ws, threads))?;
                 let (k, third) = match w.peer {
                     Peer::TorchDdp => (
-                        retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native, None))?,
-                        "runner with MKL's kernels for this CPU",
+                        retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Portable, None))?,
+                        "runner with portable numerics",
                     ),
                     Peer::TorchFsdp2 { .. } => (
-                        retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Portable, Some("ddp")))?,
+                        retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native, Some("ddp")))?,
                         "runner with DDP",
                     ),
                 };
@@ -153,7 +153,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
                 cell.runner.push(r);
                 cell.torch.push(t);
                 match w.peer {
-                    Peer::TorchDdp => cell.runner_cpu_kernels.push(k),
+                    Peer::TorchDdp => cell.runner_portable.push(k),
                     Peer::TorchFsdp2 { .. } => cell.runner_ddp.push(k),
                 }
             }
@@ -203,8 +203,8 @@ fn run_runner(
     strategy: Option<&str>,
 ) -> anyhow::Result<Measure> {
     let mut tag = w.precision_tag().to_string();
-    if numerics == CpuNumerics::Native {
-        tag += "-native";
+    if numerics == CpuNumerics::Portable {
+        tag += "-portable";
     }
     if let Some(s) = strategy {
         tag += &format!("-{s}");
@@ -219,12 +219,12 @@ fn run_runner(
         .arg(&out)
         // The bench owns its directories: another thread count is another run id, same place.
         .arg("--force")
-        .args([
-            "--set",
-            if numerics == CpuNumerics::Native { "run.numerics=\"native\"" } else { "run.numerics=\"portable\"" },
-        ])
         // The key decides, not an MKL_CBWR the bench's caller set.
         .env_remove("MKL_CBWR");
+    // Native is the default: the runner as its users run it sets nothing.
+    if numerics == CpuNumerics::Portable {
+        cmd.args(["--set", "run.numerics=\"portable\""]);
+    }
     if w.bf16 {
         cmd.args(["--set", "train.precision=\"bf16\""]);
     }

@@ -15,19 +15,15 @@ pub struct Machine {
     pub peak_flops: f64,
     /// The bfloat16 one: on a CPU without fast bfloat16 units it is below the float32 peak.
     pub peak_flops_bf16: f64,
+    /// The command line that made the tables.
+    pub command: String,
 }
 
 impl Machine {
     pub fn this(cores: usize, peak_flops: f64, peak_flops_bf16: f64) -> Machine {
-        let cpu = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|t| {
-                t.lines()
-                    .find(|l| l.starts_with("model name"))
-                    .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
-            })
-            .unwrap_or_else(|| "unknown CPU".into());
-        Machine { cpu, cores, peak_flops, peak_flops_bf16 }
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let command = format!("runner {}", args.join(" "));
+        Machine { cpu: crate::numerics::cpu_model(), cores, peak_flops, peak_flops_bf16, command }
     }
 
     /// The matmul peak in the workload's precision.
@@ -100,6 +96,7 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
     let mut s = String::new();
     let build = if cfg!(debug_assertions) { "debug build: timings are not representative" } else { "release build" };
     let _ = writeln!(s, "## Latest run: {}\n", chrono::Local::now().format("%Y-%m-%d %H:%M"));
+    let _ = writeln!(s, "Command: `{}`\n", machine.command);
     let bf16 = if machine.peak_flops_bf16.is_nan() {
         String::from(" (bfloat16 not measured: no workload ran in it)")
     } else {
@@ -111,7 +108,8 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
     };
     let _ = writeln!(
         s,
-        "Machine: {}, {} cores. runner {} ({build}), PyTorch 2.13.0 under torchrun, both on gloo. \
+        "Machine: {}, {} cores. runner {} ({build}, its default numerics: MKL's kernels for this CPU), PyTorch \
+         2.13.0 under torchrun as it runs by default, both on gloo. \
          {repetitions} repetition(s) per cell, runner and PyTorch alternating. \
          Matmul peak (square products up to 2048², a probe of about a second, {} threads, best of the \
          measurements before each workload and at the end): {:.1} GFLOP/s in float32{bf16}.\n",
@@ -340,34 +338,35 @@ fn peaks_per_rank(m: &[Measure]) -> String {
 
 const MIB: f64 = (1u64 << 20) as f64;
 
-/// What the same bits on every CPU cost: the runner as it runs (`MKL_CBWR=COMPATIBLE`) against
-/// the runner with MKL's kernels for this CPU, in epoch time, and how far apart their losses end.
+/// What the same bits on every CPU cost: the runner with `run.numerics = "portable"`
+/// (`MKL_CBWR=COMPATIBLE`) against the runner as it runs by default, in epoch time, and how far
+/// apart their losses end.
 fn numerics_cost(s: &mut String, results: &[WorkloadResult]) {
-    if results.iter().all(|r| r.cells.iter().all(|c| c.runner_cpu_kernels.is_empty())) {
+    if results.iter().all(|r| r.cells.iter().all(|c| c.runner_portable.is_empty())) {
         return;
     }
     let _ = writeln!(
         s,
         "### The cost of reproducible numerics\n\n\
-         The runner computes with `run.numerics = \"portable\"` by default (`MKL_CBWR=COMPATIBLE`), so that a plan \
-         gives the same bits on any x86-64 CPU (docs/reproducibility.md); PyTorch above runs with \
-         MKL's kernels for this CPU, as its users run it, and so does the matmul peak's probe. Here the runner runs \
-         both ways (\"native\": MKL's kernels for this CPU), alternating. Cost: epoch time with the setting over epoch time without \
-         (medians). Loss difference: the largest relative difference of their per-epoch losses.\n\n\
-         | workload | world size | epoch s, same bits on any CPU | epoch s, MKL's kernels for this CPU | cost | loss rel. difference |\n\
+         The runner computes with MKL's kernels for this CPU by default (`run.numerics = \"native\"`), as PyTorch \
+         does above. `run.numerics = \"portable\"` (`MKL_CBWR=COMPATIBLE`) gives the same bits on any x86-64 CPU, \
+         for results committed and checked on other machines. Here the runner runs both ways, alternating with the \
+         runs above. Cost: portable epoch time over native epoch time (medians). Loss difference: the largest \
+         relative difference of their per-epoch losses.\n\n\
+         | workload | world size | epoch s, native | epoch s, portable | cost | loss rel. difference |\n\
          |---|---:|---:|---:|---:|---:|"
     );
     for r in results {
-        for c in r.cells.iter().filter(|c| !c.runner_cpu_kernels.is_empty()) {
-            let cost = median(&epoch(&c.runner)) / median(&epoch(&c.runner_cpu_kernels));
-            let diff = loss_difference(&c.runner, &c.runner_cpu_kernels);
+        for c in r.cells.iter().filter(|c| !c.runner_portable.is_empty()) {
+            let cost = median(&epoch(&c.runner_portable)) / median(&epoch(&c.runner));
+            let diff = loss_difference(&c.runner_portable, &c.runner);
             let _ = writeln!(
                 s,
                 "| {} | {} | {} | {} | {cost:.3}× | {diff:.1e} |",
                 r.workload.label(),
                 c.world_size,
                 spread(&epoch(&c.runner), 3),
-                spread(&epoch(&c.runner_cpu_kernels), 3)
+                spread(&epoch(&c.runner_portable), 3)
             );
         }
     }
@@ -470,7 +469,7 @@ mod tests {
             threads: 2 / ws,
             runner: vec![m(1.0, vec![2.0, 1.0])],
             torch: vec![m(2.0, vec![2.0, 1.00001])],
-            runner_cpu_kernels: vec![m(0.8, vec![2.0, 1.000001])],
+            runner_portable: vec![m(1.25, vec![2.0, 1.000001])],
             runner_ddp: Vec::new(),
         };
         let results: Vec<WorkloadResult> = super::super::workload::all()
@@ -478,7 +477,13 @@ mod tests {
             .filter(|w| w.name == "cnn" || w.name == "transformer")
             .map(|w| WorkloadResult { workload: w, cells: vec![cell(1), cell(2)] })
             .collect();
-        let machine = Machine { cpu: "test".into(), cores: 2, peak_flops: 1e12, peak_flops_bf16: 5e11 };
+        let machine = Machine {
+            cpu: "test".into(),
+            cores: 2,
+            peak_flops: 1e12,
+            peak_flops_bf16: 5e11,
+            command: "runner bench".into(),
+        };
         let text = markdown(&machine, 1, &results);
         assert!(
             text.contains("| epoch s PyTorch | images/s runner | images/s PyTorch | throughput ratio | peak runner |")
@@ -497,8 +502,8 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("### Targets: 8 of 8 met"), "{text}");
-        // The price of the same bits on every CPU: 1.0 s against 0.8 s per epoch.
-        assert!(text.contains("| cnn | 2 | 1.000 | 0.800 | 1.250× | 1.0e-6 |"), "{text}");
+        // The price of the same bits on every CPU: 1.25 s against 1.0 s per epoch.
+        assert!(text.contains("| cnn | 2 | 1.000 | 1.250 | 1.250× | 1.0e-6 |"), "{text}");
     }
 
     /// A workload run in both precisions gets the bf16 section: each side's speed-up and the final
@@ -517,7 +522,7 @@ mod tests {
             threads: 2,
             runner: vec![m(runner, last)],
             torch: vec![m(torch, last)],
-            runner_cpu_kernels: Vec::new(),
+            runner_portable: Vec::new(),
             runner_ddp: Vec::new(),
         };
         let w = super::super::workload::all().into_iter().find(|w| w.name == "compute-bound").unwrap();
@@ -525,7 +530,13 @@ mod tests {
             WorkloadResult { workload: w.clone().in_precision(false), cells: vec![cell(1.0, 1.2, 1.0)] },
             WorkloadResult { workload: w.in_precision(true), cells: vec![cell(0.8, 1.0, 1.01)] },
         ];
-        let machine = Machine { cpu: "test".into(), cores: 2, peak_flops: 1e12, peak_flops_bf16: 5e11 };
+        let machine = Machine {
+            cpu: "test".into(),
+            cores: 2,
+            peak_flops: 1e12,
+            peak_flops_bf16: 5e11,
+            command: "runner bench".into(),
+        };
         let text = markdown(&machine, 1, &results);
         assert!(text.contains("| compute-bound | 1 | 1.25× | 1.20× | 1.0000 | 1.0100 | 1.0e-2 |"), "{text}");
         assert!(text.contains("- ✗ missed: compute-bound ws 1: bf16 1.25× fp32's throughput (target ≥ 1.5×"), "{text}");
@@ -553,7 +564,7 @@ mod tests {
             threads: 1,
             runner: vec![m(1.0, [300, 310], 4.0), m(1.2, [302, 308], 4.0)],
             torch: vec![m(2.0, [700, 690], 4.00001), m(2.2, [700, 690], 4.00001)],
-            runner_cpu_kernels: Vec::new(),
+            runner_portable: Vec::new(),
             runner_ddp: vec![m(0.8, [340, 350], 4.0), m(1.0, [340, 350], 4.0)],
         };
         let w = super::super::workload::all().into_iter().find(|w| w.name == "fsdp").unwrap();

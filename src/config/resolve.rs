@@ -47,6 +47,7 @@ pub fn resolve(file: &Path, overrides: &[Override]) -> Result<Resolved, ConfigEr
     parse_layers::<Config>(&layers)?;
     let merged = toml::to_string(&layers.merged()).map_err(|e| ConfigError::new(format!("{}: {e}", file.display())))?;
     let mut figment = Figment::new()
+        .merge(SetArg::stored_differently())
         .merge(Toml::string(&merged))
         // Every config key is `section.key`: only variables with `__` are meant for us, which
         // leaves alone the RUNNER_* that CI systems set (RUNNER_OS, RUNNER_TEMP, ...).
@@ -318,6 +319,17 @@ impl SetArg {
         }
         let dict = value.into_dict().expect("built as a dict");
         Ok(SetArg { label, dict })
+    }
+}
+
+impl SetArg {
+    /// The defaults that a stored configuration without the key does not mean (schema.rs): a
+    /// pipeline file without run.numerics computes natively, a plan.json without it portably.
+    fn stored_differently() -> SetArg {
+        let native = toml::Value::try_from(super::schema::CpuNumerics::default()).expect("an enum serializes");
+        let text = format!("run.numerics={native}");
+        let o = Override { label: String::new(), text };
+        SetArg { label: "default".into(), ..SetArg::parse(&o).expect("a valid key and value") }
     }
 }
 

@@ -78,11 +78,15 @@ pub struct Run {
     /// submitit uses USR2.
     #[serde(skip_serializing_if = "is_default")]
     pub preempt_signal: PreemptSignal,
-    /// The numerical path of libtorch's CPU matrix products: "portable" (the same bits on any
-    /// x86-64 CPU: MKL_CBWR=COMPATIBLE, about 2.4x slower on compute-bound runs) or "native" (MKL's
-    /// kernels for this CPU, as PyTorch runs: the same bits on the same CPU model). An MKL_CBWR
-    /// set in the environment wins.
-    #[serde(skip_serializing_if = "is_default")]
+    /// The numerical path of libtorch's CPU matrix products: "native" (the default: MKL's kernels
+    /// for this CPU, as PyTorch runs; the same bits on the same CPU model) or "portable" (the same
+    /// bits on any x86-64 CPU: MKL_CBWR=COMPATIBLE, about 2.4x slower on compute-bound runs; for
+    /// results committed and checked on other machines). An MKL_CBWR set in the environment wins.
+    // Stored configurations (plan.json, the bytes of the run id) leave "portable" out, as they did
+    // while it was the default: runs made then keep their ids and their plan.json still reads as
+    // portable. A pipeline file without the key resolves to native (config::resolve's defaults).
+    #[serde(default = "CpuNumerics::stored", skip_serializing_if = "CpuNumerics::leaves_out")]
+    #[schemars(default = "CpuNumerics::default")]
     pub numerics: CpuNumerics,
 }
 
@@ -91,10 +95,21 @@ pub struct Run {
 #[serde(rename_all = "lowercase")]
 pub enum CpuNumerics {
     /// The same bits on any x86-64 CPU (MKL's conditional numerical reproducibility, COMPATIBLE).
-    #[default]
     Portable,
     /// MKL's kernels for this CPU: faster; the same bits on the same CPU model only.
+    #[default]
     Native,
+}
+
+impl CpuNumerics {
+    /// What a stored configuration without the key computed under.
+    fn stored() -> CpuNumerics {
+        CpuNumerics::Portable
+    }
+
+    fn leaves_out(&self) -> bool {
+        skip(*self == CpuNumerics::stored())
+    }
 }
 
 /// A signal a job scheduler sends before it stops a job (`run.preempt_signal`).
@@ -141,7 +156,7 @@ impl Default for Run {
             step_timeout_s: None,
             memory_per_rank_mb: None,
             preempt_signal: PreemptSignal::Usr1,
-            numerics: CpuNumerics::Portable,
+            numerics: CpuNumerics::Native,
         }
     }
 }

@@ -42,6 +42,11 @@ impl<'pg> Ddp<'pg> {
     /// summed in the same order: all in one bucket for the first iteration, then rebuilt in the
     /// order gradients became ready. With `layout` (the [`Ddp::bucket_layout`] a checkpoint
     /// recorded) they start out as that, so a resumed run sums exactly as an uninterrupted one.
+    ///
+    /// After a synchronised backward pass each gradient is a view of its bucket (torch's
+    /// `gradient_as_bucket_view=True`): drop them between steps with [`super::clear_grads`]
+    /// (torch's `zero_grad(set_to_none=True)`); libtorch refuses to detach a view in place, as
+    /// tch's `Optimizer::zero_grad` would.
     pub fn new(
         pg: &'pg ProcessGroup,
         params: &[Tensor],

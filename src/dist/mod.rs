@@ -6,7 +6,8 @@
 //! - [`Sharded`]: a model's parameters sharded across the ranks (FSDP2's design);
 //! - [`Script`]: a TorchScript module with its parameters and buffers (tch lists no buffers);
 //! - [`fused_adam`], [`sgd`], [`set_autocast_dtype`]: libtorch functions that tch does not expose;
-//! - [`keep_freed_memory`]: glibc's allocator set for a training loop.
+//! - [`keep_freed_memory`]: glibc's allocator set for a training loop;
+//! - [`mkl`]: MKL's code branch in this process (`run.numerics`).
 //!
 //! Failures come back as [`Error`], naming the operation and, where known, the peer that left.
 //!
@@ -28,6 +29,7 @@ mod error;
 mod ffi;
 mod fsdp;
 mod kernels;
+pub mod mkl;
 mod process_group;
 mod script;
 mod store;

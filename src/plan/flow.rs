@@ -311,9 +311,10 @@ impl Plan {
             Precision::Bf16 => "bf16 autocast, float32 weights and optimizer state".into(),
             Precision::Fp16 => "fp16".into(),
         });
-        if self.config.run.numerics == crate::config::schema::CpuNumerics::Native {
-            step.push("MKL's kernels for this CPU (run.numerics = \"native\")".into());
-        }
+        step.push(match self.config.run.numerics {
+            CpuNumerics::Native => "MKL's kernels for this CPU (run.numerics = \"native\")".into(),
+            CpuNumerics::Portable => "the same bits on any x86-64 CPU (run.numerics = \"portable\")".into(),
+        });
         rows.push(vec![
             "  step".into(),
             "gradients".into(),

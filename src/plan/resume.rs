@@ -37,10 +37,13 @@ pub const RESHARDS_A_RUN: &[&str] = &[
     "train.accumulate",
 ];
 
-/// The keys compared on resume: tracking (TensorBoard, MLflow) is taken from `asked` as it is.
+/// The keys compared on resume, every one with its value (a key a stored configuration leaves out
+/// at its stored default, such as run.numerics = "portable", is shown as its value): tracking
+/// (TensorBoard, MLflow) is taken from `asked` as it is.
 fn leaves(plan: &Plan) -> BTreeMap<String, toml::Value> {
     let mut out = Vec::new();
-    flatten("", &toml::Value::try_from(plan.config.without_tracking()).expect("a Config serializes"), &mut out);
+    let value = crate::config::schema::with_every_key(|| toml::Value::try_from(plan.config.without_tracking()));
+    flatten("", &value.expect("a Config serializes"), &mut out);
     out.into_iter().collect()
 }
 
@@ -130,7 +133,8 @@ impl Plan {
         if reshards {
             self.check_reshard(asked, &changed)?;
         }
-        let mut value = toml::Value::try_from(&self.config).expect("a Config serializes");
+        let value = crate::config::schema::with_every_key(|| toml::Value::try_from(&self.config));
+        let mut value = value.expect("a Config serializes");
         let mut plan = self;
         for key in changed {
             let mut table = &mut value;

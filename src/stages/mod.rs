@@ -90,6 +90,7 @@ pub fn run(
                 tracker.step(done, iv.last_step(trainer.wrapped.optimizer.lr()));
             }
             if done < interval.end && (preempted.is_some() || checkpoint_due(plan, &clock, done)) {
+                trainer.check_variables(done)?;
                 checkpoint::save(&trainer, plan, pg, run_dir, done, &rows, &steps, Some(iv.partial()))?;
                 if let Some(signal) = preempted {
                     trainer.progress.finish();

@@ -361,8 +361,6 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                     // A loss that is no longer finite stops the run here, not at the interval's end.
                     let (from, to) = (iv.checked as i64, iv.filled as i64);
                     check_finite(&iv.buffers.losses.narrow(0, from, to - from), rank, epoch, step + 1)?;
-                    let held = self.wrapped.strategy.held(self.plan, &self.wrapped.vs);
-                    check_variables(held, rank, epoch, step + 1)?;
                     iv.checked = iv.filled;
                     if rank == 0 {
                         let loss = s.per_sample.as_ref().map(|p| p.mean(Kind::Double).double_value(&[]));
@@ -374,6 +372,16 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
         }
         iv.train_s += device::elapsed(dev, train_start);
         Ok(())
+    }
+
+    /// Fails, naming the first, when a parameter or buffer became non-finite by optimizer step
+    /// `done`. Checked before anything is written of the model (each trace row, checkpoint and
+    /// model file), not at every loss check: a non-finite parameter makes the next losses
+    /// non-finite, which those checks catch. Three small reductions per variable: about 45 µs of
+    /// CPU for the seed workload's MLP, 2–3% of its steps where they ran every seventh step.
+    pub fn check_variables(&self, done: usize) -> anyhow::Result<()> {
+        let held = self.wrapped.strategy.held(self.plan, &self.wrapped.vs);
+        check_variables(held, self.pg.rank(), self.clock.epoch(done.max(1) - 1), done)
     }
 
     /// Batches done in the interval, counting batch `b` of `step`.
@@ -391,6 +399,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
         let c = &self.plan.config;
         let done = iv.steps.end;
         let epoch = self.clock.epoch(done - 1);
+        self.check_variables(done)?;
         let mut mine = RankEpoch {
             steps: iv.steps.clone().map(|s| self.clock.batches(s).len()).sum::<usize>() as f64,
             ..RankEpoch::default()

@@ -26,63 +26,86 @@ pub const LATER_COLUMNS: &[&str] =
 
 /// Makes the reruns compute under the stored sweep's `MKL_CBWR` (its children inherit it and keep
 /// it, whatever their run.numerics says); returns the stored and the current CPU and settings, as
-/// text.
-pub fn apply_stored_numerics(stored: Option<&Numerics>) -> (String, String) {
+/// text, or refuses a stored setting MKL would not take.
+pub fn apply_stored_numerics(stored: Option<&Numerics>, index: &Path) -> anyhow::Result<(String, String)> {
     let Some(stored) = stored else {
-        return ("an unrecorded CPU (a sweep of an older runner)".into(), crate::numerics::current().to_string());
+        return Ok(("an unrecorded CPU (a sweep of an older runner)".into(), crate::numerics::current().to_string()));
     };
+    let origin = format!("in {}", index.display());
+    crate::numerics::check(&stored.mkl_cbwr, &origin).map_err(crate::config::ConfigError::new)?;
     std::env::set_var("MKL_CBWR", &stored.mkl_cbwr);
-    (stored.to_string(), crate::numerics::current().to_string())
+    Ok((stored.to_string(), crate::numerics::current().to_string()))
+}
+
+/// Why a rerun here may not give the stored bits: the table was computed with a CPU's own kernels
+/// on another CPU model. None where it was portable, or made on this CPU model.
+pub fn other_cpu(stored: Option<&Numerics>) -> Option<String> {
+    let stored = stored?;
+    let here = crate::numerics::cpu_model();
+    (!stored.is_portable() && stored.cpu != here).then(|| {
+        format!(
+            "this table was computed with MKL's kernels for its CPU (run.numerics = \"native\") on {}, and is \
+             checked on {here}: native kernels differ between CPU models in the last bits of their sums",
+            stored.cpu
+        )
+    })
 }
 
 /// Float values that differed within a tolerance: how many, and the largest relative difference.
 pub type Within = Option<(usize, f64)>;
 
+/// What --check found: every difference (a line each), the float values within the tolerance,
+/// and the largest relative difference of the float values beyond it.
+#[derive(Debug, Default)]
+pub struct Found {
+    pub differences: Vec<String>,
+    pub within: Within,
+    pub beyond: f64,
+}
+
+impl Found {
+    fn add(&mut self, dir: &str, (differences, within, beyond): (Vec<String>, Within, f64)) {
+        self.differences.extend(differences.into_iter().map(|d| format!("{dir}: {d}")));
+        if let Some((n, r)) = within {
+            let (m, q) = self.within.unwrap_or((0, 0.0));
+            self.within = Some((m + n, q.max(r)));
+        }
+        self.beyond = self.beyond.max(beyond);
+    }
+}
+
 /// Every difference between the stored sweep in `sweep_dir` and a rerun of its points (run
 /// where `runs` says: under Slurm, side by side, into a folder in the sweep directory that every
 /// node sees).
-pub fn check(
-    points: &[Point],
-    sweep_dir: &Path,
-    runs: &Runs,
-    tolerance: Option<f64>,
-) -> anyhow::Result<(Vec<String>, Within)> {
+pub fn check(points: &[Point], sweep_dir: &Path, runs: &Runs, tolerance: Option<f64>) -> anyhow::Result<Found> {
     let scratch = match runs {
         Runs::Local => tempfile::Builder::new().prefix("runner-check-").tempdir()?,
         Runs::Slurm(_) => tempfile::Builder::new().prefix(".check-").tempdir_in(sweep_dir)?,
     };
     let mut progress = SweepProgress::new(points.len(), points.len(), "check");
-    let mut differences = Vec::new();
-    let mut within: Within = None;
+    let mut found = Found::default();
     let mut stored = Vec::new();
     for point in points {
         match stored_run(point, &sweep_dir.join(&point.dir)) {
             Ok(()) => stored.push(point),
             Err(why) => {
                 progress.skip(&point.dir, &why);
-                differences.push(format!("{}: {why}", point.dir));
+                found.differences.push(format!("{}: {why}", point.dir));
             }
         }
     }
     let rerun_dir = |point: &Point| scratch.path().join(&point.dir);
     let mut compared = |point: &Point, result: Result<(), String>| {
-        let found = match result {
-            Err(why) => vec![format!("the rerun failed: {why}")],
-            Ok(()) => {
-                let (found, w) = compare_runs(&sweep_dir.join(&point.dir), &rerun_dir(point), tolerance);
-                if let Some((n, r)) = w {
-                    let (m, q) = within.unwrap_or((0, 0.0));
-                    within = Some((m + n, q.max(r)));
-                }
-                found
-            }
+        let this = match result {
+            Err(why) => (vec![format!("the rerun failed: {why}")], None, 0.0),
+            Ok(()) => compare_runs(&sweep_dir.join(&point.dir), &rerun_dir(point), tolerance),
         };
-        let outcome = match found.len() {
+        let outcome = match this.0.len() {
             0 => "reproduced".to_owned(),
             1 => "1 difference".to_owned(),
             n => format!("{n} differences"),
         };
-        differences.extend(found.into_iter().map(|d| format!("{}: {d}", point.dir)));
+        found.add(&point.dir, this);
         outcome
     };
     match runs {
@@ -105,17 +128,17 @@ pub fn check(
         }
     }
     progress.clear();
-    Ok((differences, within))
+    Ok(found)
 }
 
 /// Every difference between the traces of two run directories.
-fn compare_runs(stored: &Path, rerun: &Path, tolerance: Option<f64>) -> (Vec<String>, Within) {
+fn compare_runs(stored: &Path, rerun: &Path, tolerance: Option<f64>) -> (Vec<String>, Within, f64) {
     match (
         trace::read_parquet(&stored.join(crate::rundir::TRACE)),
         trace::read_parquet(&rerun.join(crate::rundir::TRACE)),
     ) {
-        (Ok(a), Ok(b)) => compare(&a, &b, tolerance),
-        (Err(e), _) | (_, Err(e)) => (vec![format!("{e:#}")], None),
+        (Ok(a), Ok(b)) => compare_all(&a, &b, tolerance),
+        (Err(e), _) | (_, Err(e)) => (vec![format!("{e:#}")], None, 0.0),
     }
 }
 
@@ -141,8 +164,15 @@ fn stored_run(point: &Point, dir: &Path) -> Result<(), String> {
 /// the column, both values and their relative difference; float values within `tolerance`
 /// (relative) are counted apart, with the largest such difference.
 pub fn compare(stored: &DataFrame, rerun: &DataFrame, tolerance: Option<f64>) -> (Vec<String>, Within) {
+    let (out, within, _) = compare_all(stored, rerun, tolerance);
+    (out, within)
+}
+
+/// [`compare`], and the largest relative difference of the float values beyond the tolerance.
+fn compare_all(stored: &DataFrame, rerun: &DataFrame, tolerance: Option<f64>) -> (Vec<String>, Within, f64) {
     let mut out = Vec::new();
     let mut within: Within = None;
+    let mut beyond = 0.0f64;
     let names = |df: &DataFrame| -> Vec<String> {
         df.get_column_names().iter().map(|n| n.to_string()).filter(|n| !TIMING_COLUMNS.contains(&n.as_str())).collect()
     };
@@ -180,13 +210,14 @@ pub fn compare(stored: &DataFrame, rerun: &DataFrame, tolerance: Option<f64>) ->
                     within = Some((n + 1, q.max(r)));
                 }
                 (r, _) => {
+                    beyond = beyond.max(r.unwrap_or(0.0));
                     let by = r.map(|r| format!(" (relative difference {r:.1e})")).unwrap_or_default();
                     out.push(format!("{}: `{name}` stored {} but the rerun gives {}{by}", at(i), exact(&u), exact(&v)));
                 }
             }
         }
     }
-    (out, within)
+    (out, within, beyond)
 }
 
 /// |a − b| / max(|a|, |b|) of two finite floats.

@@ -50,6 +50,9 @@ pub enum Runs<'a> {
     Slurm(&'a slurm::Resources),
 }
 
+/// The differences `--check` lists; the rest are counted.
+const SHOWN: usize = 20;
+
 pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
     let experiment = Experiment::load(file)?;
     let points = experiment.points()?;
@@ -77,13 +80,18 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
             ))
             .into());
         };
-        let (stored, here) = check::apply_stored_numerics(index.numerics.as_ref());
+        let index_file = dir.join(crate::rundir::index::INDEX);
+        let (stored, here) = check::apply_stored_numerics(index.numerics.as_ref(), &index_file)?;
         crate::say!("stored on {stored}; rerunning on {here}");
-        let (differences, within) = check::check(&points, &dir, &runs, opts.tolerance)?;
-        if let Some((n, largest)) = within {
+        let other_cpu = check::other_cpu(index.numerics.as_ref());
+        if let Some(why) = &other_cpu {
+            crate::say!("note: {why}; a bit-for-bit check may fail here");
+        }
+        let found = check::check(&points, &dir, &runs, opts.tolerance)?;
+        if let Some((n, largest)) = found.within {
             crate::say!("{n} float values differ by at most {largest:e} (relative), within --tolerance");
         }
-        if differences.is_empty() {
+        if found.differences.is_empty() {
             let how = if opts.tolerance.is_some() { "equal within the tolerance" } else { "identical" };
             crate::say!(
                 "\n{} points reproduce {}: every non-timing value of every trace is {how}.",
@@ -92,19 +100,36 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
             );
             return Ok(0);
         }
-        let n = differences.len();
+        let n = found.differences.len();
         crate::say_err!(
             "\nerror: {n} {} between {} and a rerun:",
             if n == 1 { "difference" } else { "differences" },
             dir.display()
         );
-        for d in &differences {
+        for d in found.differences.iter().take(SHOWN) {
             crate::say_err!("  {d}");
         }
-        crate::say_err!(
-            "stored on {stored}, rerun on {here}; where the CPUs differ, --tolerance REL accepts values within a \
-             relative difference REL"
-        );
+        if n > SHOWN {
+            crate::say_err!("  ... and {} more", n - SHOWN);
+        }
+        match other_cpu {
+            Some(why) => crate::say_err!(
+                "{why}. {}To check such a table elsewhere, give --tolerance REL (values within a relative \
+                 difference REL count as equal); to make tables that check bit for bit on any x86-64 CPU, set \
+                 run.numerics = \"portable\" in the experiment and run it again.",
+                match found.beyond {
+                    b if b > 0.0 => format!(
+                        "The largest relative difference is {b:.1e}: --tolerance {:.0e} accepts it. ",
+                        10f64.powf(b.log10().ceil())
+                    ),
+                    _ => String::new(),
+                }
+            ),
+            None => crate::say_err!(
+                "stored on {stored}, rerun on {here}; where the CPUs differ, --tolerance REL accepts values within a \
+                 relative difference REL"
+            ),
+        }
         return Ok(1);
     }
 
