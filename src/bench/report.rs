@@ -569,7 +569,13 @@ mod tests {
         };
         let w = super::super::workload::all().into_iter().find(|w| w.name == "fsdp").unwrap();
         let results = vec![WorkloadResult { workload: w, cells: vec![cell(2), cell(4)] }];
-        let machine = Machine { cpu: "test".into(), cores: 2, peak_flops: 1e12, peak_flops_bf16: f64::NAN };
+        let machine = Machine {
+            cpu: "test".into(),
+            cores: 2,
+            peak_flops: 1e12,
+            peak_flops_bf16: f64::NAN,
+            command: "runner bench --workload fsdp".into(),
+        };
         let text = markdown(&machine, 2, &results);
         // 256 windows of 64 tokens per epoch: 16384 tokens in 1.1 s (median); 16 steps of 8 at 2 ranks.
         assert!(
