@@ -122,37 +122,13 @@ fn branch(value: &str) -> &str {
     branch.strip_suffix(",STRICT").unwrap_or(branch)
 }
 
-/// The code paths `MKL_CBWR` may name (MKL's documentation), each optionally followed by
-/// `,STRICT`.
-const MKL_BRANCHES: &[&str] = &[
-    "AUTO",
-    "COMPATIBLE",
-    "SSE2",
-    "SSSE3",
-    "SSE4_1",
-    "SSE4_2",
-    "AVX",
-    "AVX2",
-    "AVX512",
-    "AVX512_E1",
-    "AVX512_MIC",
-    "AVX512_MIC_E1",
-];
-
-/// Refuses an `MKL_CBWR` in the environment that MKL does not know: MKL would ignore it and choose
-/// by the CPU (its verbose log says `CNR:AUTO`), while the run recorded the value as its numerics.
+/// Refuses an `MKL_CBWR` in the environment that MKL does not know ([`check`]), for commands
+/// that read a plan without computing under it (their process set no numerics of its own).
 pub fn check_environment() -> Result<(), String> {
-    let Ok(value) = std::env::var("MKL_CBWR") else { return Ok(()) };
-    let (branch, rest) = value.split_once(',').map_or((value.as_str(), None), |(b, r)| (b, Some(r)));
-    if value.is_empty() || (MKL_BRANCHES.contains(&branch) && rest.is_none_or(|r| r == "STRICT")) {
-        return Ok(());
+    match std::env::var("MKL_CBWR") {
+        Ok(value) => check(&value, "in the environment").map(|_| ()),
+        Err(_) => Ok(()),
     }
-    Err(format!(
-        "the environment sets MKL_CBWR={value:?}, which MKL does not know: it would compute by the CPU (CNR:AUTO) \
-         while the run recorded {value:?}; unset it (run.numerics chooses), or give one of {}, optionally followed \
-         by \",STRICT\"",
-        MKL_BRANCHES.join(", ")
-    ))
 }
 
 /// What a process of a plan with `mode` computes under: the environment's `MKL_CBWR` where it

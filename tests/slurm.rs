@@ -92,8 +92,11 @@ fn table_without_timings(sweep: &Path) -> Vec<(String, String)> {
     let text = std::fs::read_to_string(sweep.join("table.csv")).unwrap();
     let mut lines = text.lines();
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();
-    let timing =
-        |c: &str| c.starts_with("epoch_s") || c.starts_with("samples_per_s") || ["speedup", "efficiency"].contains(&c);
+    // Times and resident memory are measured, not computed: they differ from run to run.
+    let timing = |c: &str| {
+        ["epoch_s", "samples_per_s", "peak_rss_bytes"].iter().any(|p| c.starts_with(p))
+            || ["speedup", "efficiency"].contains(&c)
+    };
     lines
         .flat_map(|l| {
             let values: Vec<&str> = l.split(',').collect();
