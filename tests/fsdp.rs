@@ -105,6 +105,42 @@ fn fsdp_gives_ddps_losses_and_model_at_two_and_four_ranks() {
     }
 }
 
+/// The recipe on the shards: bf16 autocast (fp32 shards and reductions), two micro-batches a
+/// step, a warmup then a cosine schedule, and early stopping on the validation loss stop FSDP at
+/// DDP's step with DDP's losses and learning rates.
+#[test]
+fn the_recipe_under_fsdp_bf16_accumulation_schedule_early_stopping_gives_ddps_run() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", MLP);
+    let recipe = [
+        "train.precision=\"bf16\"",
+        "train.accumulate=2",
+        "train.schedule.kind=\"cosine\"",
+        "train.schedule.warmup_steps=5",
+        "train.schedule.min_lr=0.001",
+    ];
+    train(dir.path(), "ddp", &recipe);
+    let fsdp: Vec<&str> = recipe.iter().copied().chain(["wrap.strategy=\"fsdp\""]).collect();
+    train(dir.path(), "fsdp", &fsdp);
+    let (a, b) = (dir.path().join("ddp"), dir.path().join("fsdp"));
+    assert_losses_close(&a, &b, 1e-5, "bf16, accumulation and a cosine schedule");
+    assert_eq!(rank0(&a, "lr"), rank0(&b, "lr"), "the schedule's learning rates");
+    assert_models_close(&a, &b, 1e-5, "bf16, accumulation and a cosine schedule");
+
+    // Early stopping: the same validations, so the same stop.
+    let stop = ["train.early_stop.patience=2", "train.early_stop.min_delta=0.05"];
+    train(dir.path(), "ddp-stop", &stop);
+    let fsdp: Vec<&str> = stop.iter().copied().chain(["wrap.strategy=\"fsdp\""]).collect();
+    train(dir.path(), "fsdp-stop", &fsdp);
+    let (a, b) = (dir.path().join("ddp-stop"), dir.path().join("fsdp-stop"));
+    let (x, y) = (rank0(&a, "global_train_loss"), rank0(&b, "global_train_loss"));
+    assert!(x.len() < 50, "early stopping should stop DDP before step 50: {} steps", x.len());
+    assert_eq!(x.len(), y.len(), "FSDP stopped at another step than DDP");
+    for (p, q) in x.iter().zip(&y) {
+        assert!((p - q).abs() <= 1e-5 * p.abs(), "early stopping: loss {q} against DDP's {p}");
+    }
+}
+
 #[test]
 fn zero2_and_zero3_agree_bit_for_bit() {
     let dir = tempfile::tempdir().unwrap();
