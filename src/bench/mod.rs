@@ -297,16 +297,20 @@ fn run_torch_ddp(
         cmd.args(["--precision", "bf16"]);
     }
     let (wall_s, peak_rss) = timed(cmd, ws, &files.dir.join(format!("torch{tag}-ws{ws}.log")))?;
-    let text =
-        std::fs::read_to_string(&result).with_context(|| format!("the reference wrote no {}", result.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text)?;
-    let epochs = v["epochs"].as_array().context("no epochs in the reference's result")?;
-    let get =
-        |e: &serde_json::Value, k: &str| e[k].as_f64().with_context(|| format!("no {k} in the reference's result"));
-    let epoch_s: Vec<f64> = epochs.iter().map(|e| get(e, "epoch_s")).collect::<anyhow::Result<_>>()?;
-    let losses: Vec<f64> = epochs.iter().map(|e| get(e, "loss")).collect::<anyhow::Result<_>>()?;
-    let samples = get(&epochs[0], "samples")?;
+    let (epoch_s, losses, samples) = reference_epochs(&result, "epochs", "epoch_s", "PyTorch DDP")?;
     Ok(Measure { wall_s, epoch_s: report::median(&epoch_s), samples, losses, peak_rss })
+}
+
+/// The per-epoch seconds and losses, and the first epoch's samples, from a reference's JSON
+/// result: `list` names its array of epochs, `seconds` their time.
+fn reference_epochs(result: &Path, list: &str, seconds: &str, who: &str) -> anyhow::Result<(Vec<f64>, Vec<f64>, f64)> {
+    let text = std::fs::read_to_string(result).with_context(|| format!("{who} wrote no {}", result.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let rows = v[list].as_array().filter(|r| !r.is_empty()).with_context(|| format!("no {list} in {who}'s result"))?;
+    let get = |e: &serde_json::Value, k: &str| e[k].as_f64().with_context(|| format!("no {k} in {who}'s result"));
+    let epoch_s = rows.iter().map(|e| get(e, seconds)).collect::<anyhow::Result<_>>()?;
+    let losses = rows.iter().map(|e| get(e, "loss")).collect::<anyhow::Result<_>>()?;
+    Ok((epoch_s, losses, get(&rows[0], "samples")?))
 }
 
 /// PyTorch FSDP2 on the workload's token file, from the same initial weights, a row per epoch.
@@ -351,14 +355,7 @@ fn run_torch_fsdp2(
         cmd.args(["--precision", "bf16"]);
     }
     let (wall_s, peak_rss) = timed(cmd, ws, &files.dir.join(format!("fsdp2{tag}-ws{ws}.log")))?;
-    let text =
-        std::fs::read_to_string(&result).with_context(|| format!("the reference wrote no {}", result.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text)?;
-    let rows = v["rows"].as_array().context("no rows in FSDP2's result")?;
-    let get = |e: &serde_json::Value, k: &str| e[k].as_f64().with_context(|| format!("no {k} in FSDP2's result"));
-    let epoch_s: Vec<f64> = rows.iter().map(|e| get(e, "seconds")).collect::<anyhow::Result<_>>()?;
-    let losses: Vec<f64> = rows.iter().map(|e| get(e, "loss")).collect::<anyhow::Result<_>>()?;
-    let samples = get(rows.first().context("no rows in FSDP2's result")?, "samples")?;
+    let (epoch_s, losses, samples) = reference_epochs(&result, "rows", "seconds", "PyTorch FSDP2")?;
     Ok(Measure { wall_s, epoch_s: report::median(&epoch_s), samples, losses, peak_rss })
 }
 

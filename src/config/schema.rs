@@ -80,7 +80,7 @@ pub struct Run {
     pub preempt_signal: PreemptSignal,
     /// The numerical path of libtorch's CPU matrix products: "native" (the default: MKL's kernels
     /// for this CPU, as PyTorch runs; the same bits on the same CPU model) or "portable" (the same
-    /// bits on any x86-64 CPU: MKL_CBWR=COMPATIBLE, about 2.4x slower on compute-bound runs; for
+    /// bits on any x86-64 CPU: MKL_CBWR=COMPATIBLE, 2 to 2.5x slower on compute-bound runs; for
     /// results committed and checked on other machines). An MKL_CBWR set in the environment wins.
     // Stored configurations (plan.json, the bytes of the run id) leave "portable" out, as they did
     // while it was the default: runs made then keep their ids and their plan.json still reads as

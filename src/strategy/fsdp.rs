@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tch::nn::ModuleT;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use super::{Micro, StepOut};
 use crate::checkpoint::{Piece, Reader};
@@ -128,15 +128,12 @@ impl<'pg> Fsdp<'pg> {
         if micro.sync {
             super::broadcast_from_rank0(self.pg, &self.buffers)?;
         }
-        let out = super::in_precision(self.precision, || model.forward_t(x, true))?;
+        let out = super::forward_float(self.precision, model, x)?;
         if let Some(e) = self.batch_norm.as_ref().and_then(|g| g.failure()) {
             return Err(e.into());
         }
-        let out = if out.kind() == Kind::Float { out } else { out.to_kind(Kind::Float) };
         let t1 = device::now(dev);
-        let per_sample = self.task.per_sample_loss(&out, y);
-        let loss = per_sample.mean(Kind::Float);
-        let loss = if micro.scale == 1.0 { loss } else { loss * micro.scale };
+        let (per_sample, loss) = super::scaled_loss(self.task, &out, y, micro.scale);
         let t2 = device::now(dev);
         loss.f_backward().map_err(|e| {
             self.pg.explain(crate::dist::Error::new("backward (gather and reduce-scatter)", e.to_string()))

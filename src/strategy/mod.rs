@@ -38,6 +38,26 @@ pub fn in_precision<T>(precision: crate::config::schema::Precision, f: impl FnOn
     }
 }
 
+/// A training batch's forward pass in `precision`, its output as float32 (what the loss and the
+/// metrics read): the first part of every data-parallel strategy's step.
+pub fn forward_float(
+    precision: crate::config::schema::Precision,
+    model: &dyn ModuleT,
+    x: &Tensor,
+) -> anyhow::Result<Tensor> {
+    let out = in_precision(precision, || model.forward_t(x, true))?;
+    Ok(if out.kind() == Kind::Float { out } else { out.to_kind(Kind::Float) })
+}
+
+/// The per-sample losses of `out` and their mean times `scale` (the batch's share of an
+/// accumulated step's mean loss), the tensor the backward pass starts from.
+pub fn scaled_loss(task: crate::data::Task, out: &Tensor, y: &Tensor, scale: f64) -> (Tensor, Tensor) {
+    let per_sample = task.per_sample_loss(out, y);
+    let loss = per_sample.mean(Kind::Float);
+    let loss = if scale == 1.0 { loss } else { loss * scale };
+    (per_sample, loss)
+}
+
 /// Averages `params`' gradients over `group`: one all-reduce of them all, flattened in the
 /// parameters' fixed order.
 fn average_gradients(group: &ProcessGroup, params: &[Tensor]) -> anyhow::Result<()> {

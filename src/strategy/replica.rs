@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use tch::nn::ModuleT;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use super::threads::ThreadReplicas;
 use super::{Micro, StepOut};
@@ -148,16 +148,13 @@ impl<'pg> Replica<'pg> {
         if micro.sync {
             super::broadcast_from_rank0(self.pg, &self.buffers)?;
         }
-        let out = super::in_precision(self.precision, || model.forward_t(x, true))?;
+        let out = super::forward_float(self.precision, model, x)?;
         // SyncBatchNorm's statistics all-reduce failed (a peer left): nothing of this step counts.
         if let Some(e) = self.batch_norm.as_ref().and_then(|g| g.failure()) {
             return Err(e.into());
         }
-        let out = if out.kind() == Kind::Float { out } else { out.to_kind(Kind::Float) };
         let t1 = device::now(dev);
-        let per_sample = self.task.per_sample_loss(&out, y);
-        let loss = per_sample.mean(Kind::Float);
-        let loss = if micro.scale == 1.0 { loss } else { loss * micro.scale };
+        let (per_sample, loss) = super::scaled_loss(self.task, &out, y, micro.scale);
         let t2 = device::now(dev);
         if let Some(ddp) = self.ddp.as_mut() {
             ddp.prepare_backward()?;

@@ -14,7 +14,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use tch::nn::{self, ModuleT};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::config::schema::Precision;
 use crate::data::Task;
@@ -214,12 +214,9 @@ pub fn forward_backward(
     forward: &mut std::time::Duration,
 ) -> anyhow::Result<(Tensor, Tensor)> {
     let start = std::time::Instant::now();
-    let out = super::in_precision(precision, || model.forward_t(x, true))?;
+    let out = super::forward_float(precision, model, x)?;
     *forward = start.elapsed();
-    let out = if out.kind() == Kind::Float { out } else { out.to_kind(Kind::Float) };
-    let per_sample = task.per_sample_loss(&out, y);
-    let loss = per_sample.mean(Kind::Float);
-    let loss = if scale == 1.0 { loss } else { loss * scale };
+    let (per_sample, loss) = super::scaled_loss(task, &out, y, scale);
     loss.f_backward()?;
     Ok((per_sample.detach(), tch::no_grad(|| task.correct(&out, y))))
 }
