@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from transformer_torch import Transformer, per_sample_loss, permutation
+from transformer_torch import Transformer, decay_groups, per_sample_loss, permutation
 
 
 def token_stream(path, source):
@@ -189,13 +189,7 @@ def main():
     units = shard(model, a.reshard_after_forward == "true", a.precision == "bf16")
 
     params = list(model.parameters())
-    if a.decay_on == "matrices":
-        groups = [
-            {"params": [q for q in params if q.dim() >= 2], "weight_decay": a.weight_decay},
-            {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0},
-        ]
-    else:
-        groups = [{"params": params, "weight_decay": a.weight_decay}]
+    groups = decay_groups(model, a.decay_on, a.weight_decay)
     if a.optimizer == "sgd":
         opt = torch.optim.SGD(groups, lr=a.lr)
     else:

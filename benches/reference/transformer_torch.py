@@ -112,6 +112,18 @@ def per_sample_loss(logits, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none").view(b, t).mean(-1)
 
 
+def decay_groups(model, decay_on, weight_decay):
+    """The optimizer's parameter groups: weight decay on every parameter, or (decay_on ==
+    "matrices", nanoGPT's rule) on those of two or more dimensions only."""
+    params = list(model.parameters())
+    if decay_on != "matrices":
+        return [{"params": params, "weight_decay": weight_decay}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("file")
@@ -154,14 +166,7 @@ def main():
         np.savez(a.init_out, **{k: v.detach().numpy() for k, v in model.named_parameters()})
     dist.barrier()
     ddp = DDP(model) if world > 1 else model
-    params = list(model.parameters())
-    if a.decay_on == "matrices":
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": a.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-    else:
-        groups = [{"params": params, "weight_decay": a.weight_decay}]
+    groups = decay_groups(model, a.decay_on, a.weight_decay)
     if a.optimizer == "adamw":
         opt = torch.optim.AdamW(groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps)
     else:

@@ -182,13 +182,7 @@ fn throughput_chart(area: &Area, rows: &[Row]) -> DrawResult {
         .x_desc("world size (ranks)")
         .y_desc("samples/s")
         .x_labels(max_world as usize + 2)
-        .x_label_formatter(&|x| {
-            if (x - x.round()).abs() < 1e-9 && *x >= 1.0 {
-                format!("{x:.0}")
-            } else {
-                String::new()
-            }
-        })
+        .x_label_formatter(&world_size_label)
         .y_label_formatter(&|y| format!("{y:.0}"))
         .label_style(("sans-serif", 15))
         .draw()?;
@@ -295,13 +289,7 @@ fn memory_panel(area: &Area, title: &str, single: &str, rows: &[Row], bytes: fn(
         .x_desc("world size (ranks)")
         .y_desc("MiB")
         .x_labels(max_world as usize + 2)
-        .x_label_formatter(&|x| {
-            if (x - x.round()).abs() < 1e-9 && *x >= 1.0 {
-                format!("{x:.0}")
-            } else {
-                String::new()
-            }
-        })
+        .x_label_formatter(&world_size_label)
         .label_style(("sans-serif", 14))
         .draw()?;
     group_lines(&mut chart, rows, single, value, false)?;
@@ -313,4 +301,13 @@ fn memory_panel(area: &Area, title: &str, single: &str, rows: &[Row], bytes: fn(
         .position(SeriesLabelPosition::LowerLeft)
         .draw()?;
     Ok(())
+}
+
+/// An x-axis label of world sizes: whole numbers from 1, nothing between them.
+fn world_size_label(x: &f64) -> String {
+    if (x - x.round()).abs() < 1e-9 && *x >= 1.0 {
+        format!("{x:.0}")
+    } else {
+        String::new()
+    }
 }
