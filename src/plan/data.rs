@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use crate::config::schema::*;
+use crate::data::shard::ShardLayout;
 use crate::data::{self, DataSpec, Task};
 
 /// The data's spec, or `None` (reported through `bad`) where it cannot be known.
@@ -60,4 +61,58 @@ pub fn spec(c: &Config, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opti
         d_ref.validation_rows = d_ref.validation_rows.min(b.saturating_mul(c.train.batch_size));
     }
     d
+}
+
+/// How the training rows divide across ranks (DistributedSampler, or each global batch split).
+pub(super) fn shard_layout(c: &Config, d: &DataSpec, bad: &mut impl FnMut(&str, String)) -> Option<ShardLayout> {
+    let (w, t) = (c.run.world_size, &c.train);
+    if w == 0 {
+        return None;
+    }
+    // A pipeline's ranks share one copy of the model: each copy walks its own shard.
+    let replicas = if c.wrap.strategy == WrapStrategy::Pipeline { c.wrap.pipeline.replicas.max(1) } else { w };
+    let layout = match (c.shard.strategy, t.global_batch_size) {
+        (ShardStrategy::Dataset, None) => ShardLayout::new(d.rows, replicas, c.shard.drop_last),
+        (ShardStrategy::Dataset, Some(_)) => {
+            bad(
+                "train.global_batch_size",
+                "is only used by shard.strategy = \"batch\"; use train.batch_size (per rank)".into(),
+            );
+            return None;
+        }
+        (ShardStrategy::Batch, None) => {
+            bad("train.global_batch_size", "shard.strategy = \"batch\" needs the global batch size to split".into());
+            return None;
+        }
+        (ShardStrategy::Batch, Some(g)) => {
+            // Compared with the default, not by source: a run's saved config.toml sets every key.
+            if t.batch_size != Train::default().batch_size {
+                bad("train.batch_size", "is not used with shard.strategy = \"batch\": each rank takes global_batch_size / world_size; remove it".into());
+            }
+            if g == 0 || g % w != 0 {
+                bad(
+                    "train.global_batch_size",
+                    format!("{g} does not split evenly over {w} ranks; use a multiple of {w}"),
+                );
+                return None;
+            }
+            if g > d.rows {
+                bad("train.global_batch_size", format!("{g} is larger than the {} training rows", d.rows));
+                return None;
+            }
+            return Some(ShardLayout::split(d.rows, w, g, c.shard.drop_last));
+        }
+    };
+    if layout.per_rank == 0 {
+        bad("run.world_size", format!("{} ranks leave no training row for some rank (rows: {})", w, layout.rows));
+    } else if t.batch_size > layout.per_rank && !d.random_windows() {
+        bad(
+            "train.batch_size",
+            format!(
+                "{} per rank is larger than a rank's shard of {} rows ({} rows / {} ranks); use at most {}",
+                t.batch_size, layout.per_rank, layout.rows, layout.world_size, layout.per_rank
+            ),
+        );
+    }
+    Some(layout)
 }

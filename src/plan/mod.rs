@@ -9,12 +9,15 @@ mod data;
 mod flow;
 mod input;
 pub mod memory;
+mod model;
 mod probe;
 mod recipe;
 mod resume;
 mod saved;
 pub mod schedule;
 mod stages;
+mod strategy;
+mod values;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -79,13 +82,6 @@ pub struct Plan {
     pub reshards: Vec<crate::rundir::manifest::Reshard>,
 }
 
-/// The model's part of a plan: what the checks found.
-struct ModelParts {
-    arch: Option<Box<dyn Architecture>>,
-    init_weights: Option<PathBuf>,
-    files: Vec<(&'static str, PathBuf)>,
-}
-
 impl Plan {
     /// Checks everything and reports every problem found, not just the first.
     pub fn new(resolved: Resolved) -> Result<Plan, ConfigError> {
@@ -96,16 +92,16 @@ impl Plan {
             let from = sources.get(key).map(String::as_str).unwrap_or("default");
             errors.push(format!("`{key}` ({from}): {msg}"))
         };
-        run_values(&c, &mut bad);
-        track_values(&c.track, &mut bad);
+        values::run_values(&c, &mut bad);
+        values::track_values(&c.track, &mut bad);
         let base = file.parent().map(PathBuf::from).unwrap_or_default();
         let data = data::spec(&c, &base, &mut bad);
         // Out-of-bounds model sizes leave no architecture: nothing below computes a shape from them.
         let model_ok = crate::model::check(&c.wrap.model, &mut bad);
         recipe::train_values(&c, &sources, &mut bad);
         recipe::recipe_values(&c, data.as_ref().map(|d| d.validation_rows), &mut bad);
-        let layout = data.as_ref().and_then(|d| shard_layout(&c, d, &mut bad));
-        let model = model_parts(&c, &base, data.as_ref(), layout.as_ref(), model_ok, &mut bad);
+        let layout = data.as_ref().and_then(|d| data::shard_layout(&c, d, &mut bad));
+        let model = model::model_parts(&c, &base, data.as_ref(), layout.as_ref(), model_ok, &mut bad);
         let mut files: Vec<(&str, Option<PathBuf>)> =
             data.iter().flat_map(|d| d.inputs()).map(|(k, p)| (k, Some(p))).collect();
         files.push(("wrap.init", model.init_weights.clone()));
@@ -122,10 +118,10 @@ impl Plan {
             pipeline_copies: c.wrap.pipeline.replicas,
             gloo: c.run.backend == Backend::Gloo,
         });
-        strategy_keys(&c, &mut bad);
+        strategy::strategy_keys(&c, &mut bad);
         let mut auto = None;
         if let (WrapStrategy::Auto, Some(planner), Some(d), Some(l)) = (c.wrap.strategy, &planner, &data, &layout) {
-            match choose_strategy(&c, planner, d, l) {
+            match strategy::choose_strategy(&c, planner, d, l) {
                 Ok((layout, why)) => {
                     (c.wrap.strategy, c.wrap.fsdp.reshard_after_forward) = match layout {
                         memory::Layout::Replica => (WrapStrategy::Ddp, true),
@@ -151,10 +147,10 @@ impl Plan {
         }
         // An "auto" still unresolved has been refused with the numbers already.
         if let (Some(stages), Some(planner), false) = (&stages, &planner, c.wrap.strategy == WrapStrategy::Auto) {
-            check_memory_limit(&c, planner, stages, &mut bad);
+            strategy::check_memory_limit(&c, planner, stages, &mut bad);
         }
         if let Some(l) = &layout {
-            thread_replicas(&c, l.split_batch.unwrap_or(c.train.batch_size), &mut bad);
+            values::thread_replicas(&c, l.split_batch.unwrap_or(c.train.batch_size), &mut bad);
         }
         let state = match (&stages, &planner) {
             (Some(stages), Some(planner)) => {
@@ -170,7 +166,7 @@ impl Plan {
         };
         let memory = match (&data, &arch, &layout, &state) {
             (Some(d), Some(arch), Some(l), Some((state, _))) => {
-                Some(memory_estimate(&c, d, l, arch.as_ref(), state.total(), &mut bad))
+                Some(strategy::memory_estimate(&c, d, l, arch.as_ref(), state.total(), &mut bad))
             }
             _ => None,
         };
@@ -185,7 +181,7 @@ impl Plan {
         Ok(Plan {
             vocabulary: vocabulary(&data),
             batch_per_rank: layout.split_batch.unwrap_or(c.train.batch_size),
-            threads_per_rank: threads_per_rank(&c),
+            threads_per_rank: values::threads_per_rank(&c),
             parameters: layer_parameters.iter().sum(),
             run_id: input::run_id(&c, &inputs),
             config: c,
@@ -364,323 +360,4 @@ fn vocabulary(data: &DataSpec) -> Option<InputFile> {
     let crate::data::SourceSpec::Tokens(spec) = &data.source else { return None };
     let path = crate::prepare::meta_beside(&spec.train.files.first()?.path);
     (spec.source == Source::Tokens && path.is_file()).then(|| InputFile::read("vocabulary", &path).ok()).flatten()
-}
-
-/// The run's values: world size, threads, name, device and backend, timeouts and bounds.
-/// `[track]`'s values, checked on the plan.
-fn track_values(t: &Track, bad: &mut impl FnMut(&str, String)) {
-    if let Some(url) = &t.mlflow {
-        if let Err(why) = crate::trace::mlflow::check_url(url) {
-            bad("track.mlflow", why);
-        }
-    }
-    if t.experiment.as_deref().is_some_and(|e| e.trim().is_empty()) {
-        bad("track.experiment", "is empty; name the MLflow experiment or leave the key out (default: run.name)".into());
-    }
-}
-
-fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
-    if c.run.world_size == 0 {
-        bad("run.world_size", "must be at least 1".into());
-    }
-    crate::limits::run_values(c, bad);
-    if c.run.threads_per_rank == Some(0) {
-        bad("run.threads_per_rank", "must be at least 1 (or absent for cores / world_size)".into());
-    }
-    if c.run.name.is_empty() || c.run.name.contains(['/', '\\']) || c.run.name.starts_with('.') {
-        bad("run.name", format!("{:?} cannot name a directory: use letters, digits, '-' and '_'", c.run.name));
-    }
-    // This build and this machine against run.device / run.backend (see crate::device).
-    for (key, msg) in crate::device::refusals(c.run.backend, c.run.device) {
-        bad(key, msg);
-    }
-}
-
-/// `run.threads_per_rank`, or this machine's cores shared among the ranks.
-fn threads_per_rank(c: &Config) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    c.run.threads_per_rank.unwrap_or((cores / c.run.world_size.max(1)).max(1))
-}
-
-/// `wrap.threads_per_replica`: a divisor of the rank's threads, and, with several replicas per
-/// rank, a model whose replicas can compute at once: nothing drawn at random in the forward pass
-/// (two threads drawing from one generator would draw in a different order each run), no batch
-/// norm statistics (both replicas would update them), layers the runner builds, on the CPU.
-fn thread_replicas(c: &Config, batch: usize, bad: &mut impl FnMut(&str, String)) {
-    let Some(per) = c.wrap.threads_per_replica else { return };
-    let key = "wrap.threads_per_replica";
-    let threads = threads_per_rank(c);
-    if per == 0 {
-        return bad(key, "must be at least 1 (or absent: all of the rank's threads in one replica)".into());
-    }
-    if per > threads || !threads.is_multiple_of(per) {
-        let why = if c.run.threads_per_rank.is_some() { "run.threads_per_rank" } else { "cores / world_size" };
-        return bad(
-            key,
-            format!("{per} does not divide the rank's {threads} threads ({why}); use a divisor of {threads}"),
-        );
-    }
-    let replicas = threads / per;
-    if replicas == 1 {
-        return;
-    }
-    let each = format!("{replicas} replicas per rank ({threads} threads / {per})");
-    let dropout = match &c.wrap.model {
-        Model::Mlp(m) => m.dropout,
-        Model::Cnn(m) => m.conv.iter().map(|b| b.dropout).fold(m.dropout, f64::max),
-        Model::Transformer(m) => m.dropout,
-        Model::Torchscript(_) => 0.0,
-    };
-    if c.wrap.strategy == WrapStrategy::Pipeline {
-        bad(key, format!("{each} are for whole replicas (wrap.strategy = \"ddp\" or \"none\"), not a pipeline's stages; remove it"));
-    } else if c.wrap.strategy == WrapStrategy::Fsdp {
-        bad(key, format!("{each} are for whole replicas (wrap.strategy = \"ddp\" or \"none\"), not a sharded model's layers (each replica would need the whole model gathered); remove it"));
-    } else if c.run.device == crate::config::schema::Device::Cuda {
-        bad(key, format!("{each} are for the CPU's threads; on a GPU remove it"));
-    } else if matches!(c.wrap.model, Model::Torchscript(_)) {
-        bad(key, format!("{each} need layers the runner builds; a TorchScript module cannot be copied to share its weights. Remove it"));
-    } else if dropout > 0.0 {
-        bad(key, format!("{each} would draw dropout's masks from one generator on two threads, in a different order each run; set the model's dropout to 0 or remove it"));
-    } else if matches!(&c.wrap.model, Model::Cnn(m) if m.conv.iter().any(|b| b.batch_norm)) {
-        bad(key, format!("{each} would both update batch norm's running statistics; remove it (or batch_norm from the conv blocks)"));
-    } else if batch < replicas {
-        bad(key, format!("{each} need at least {replicas} rows per batch to split; the rank's batch has {batch}"));
-    }
-}
-
-/// How the training rows divide across ranks (DistributedSampler, or each global batch split).
-fn shard_layout(c: &Config, d: &DataSpec, bad: &mut impl FnMut(&str, String)) -> Option<ShardLayout> {
-    let (w, t) = (c.run.world_size, &c.train);
-    if w == 0 {
-        return None;
-    }
-    // A pipeline's ranks share one copy of the model: each copy walks its own shard.
-    let replicas = if c.wrap.strategy == WrapStrategy::Pipeline { c.wrap.pipeline.replicas.max(1) } else { w };
-    let layout = match (c.shard.strategy, t.global_batch_size) {
-        (ShardStrategy::Dataset, None) => ShardLayout::new(d.rows, replicas, c.shard.drop_last),
-        (ShardStrategy::Dataset, Some(_)) => {
-            bad(
-                "train.global_batch_size",
-                "is only used by shard.strategy = \"batch\"; use train.batch_size (per rank)".into(),
-            );
-            return None;
-        }
-        (ShardStrategy::Batch, None) => {
-            bad("train.global_batch_size", "shard.strategy = \"batch\" needs the global batch size to split".into());
-            return None;
-        }
-        (ShardStrategy::Batch, Some(g)) => {
-            // Compared with the default, not by source: a run's saved config.toml sets every key.
-            if t.batch_size != Train::default().batch_size {
-                bad("train.batch_size", "is not used with shard.strategy = \"batch\": each rank takes global_batch_size / world_size; remove it".into());
-            }
-            if g == 0 || g % w != 0 {
-                bad(
-                    "train.global_batch_size",
-                    format!("{g} does not split evenly over {w} ranks; use a multiple of {w}"),
-                );
-                return None;
-            }
-            if g > d.rows {
-                bad("train.global_batch_size", format!("{g} is larger than the {} training rows", d.rows));
-                return None;
-            }
-            return Some(ShardLayout::split(d.rows, w, g, c.shard.drop_last));
-        }
-    };
-    if layout.per_rank == 0 {
-        bad("run.world_size", format!("{} ranks leave no training row for some rank (rows: {})", w, layout.rows));
-    } else if t.batch_size > layout.per_rank && !d.random_windows() {
-        bad(
-            "train.batch_size",
-            format!(
-                "{} per rank is larger than a rank's shard of {} rows ({} rows / {} ranks); use at most {}",
-                t.batch_size, layout.per_rank, layout.rows, layout.world_size, layout.per_rank
-            ),
-        );
-    }
-    Some(layout)
-}
-
-/// The model against the data: its architecture (a TorchScript module runs a batch here),
-/// SyncBatchNorm's preconditions, the initial weights and the model's own files.
-fn model_parts(
-    c: &Config,
-    base: &Path,
-    data: Option<&DataSpec>,
-    layout: Option<&ShardLayout>,
-    model_ok: bool,
-    bad: &mut impl FnMut(&str, String),
-) -> ModelParts {
-    let model = crate::model::resolve_paths(&c.wrap.model, base);
-    let model_ok = model_ok
-        && data.is_some_and(|d| {
-            let probe = || layout.and_then(|l| probe::torchscript_probe(c, d, l));
-            crate::model::check_input(&model, &d.input, d.task.outputs(), probe, bad)
-        });
-    let arch = data.filter(|_| model_ok).map(|d| crate::model::architecture(&model, &d.input, d.task.outputs()));
-    if let (Some(arch), Some(d), Some(l)) = (&arch, data, layout) {
-        probe::batch_norm(c, d, l, arch.as_ref(), bad);
-    }
-    if let (true, Some(arch)) = (c.wrap.sync_batchnorm, &arch) {
-        sync_batchnorm(c, arch.as_ref(), bad);
-    }
-    let init_weights = c.wrap.init.as_ref().map(|rel| base.join(rel));
-    if let (Some(path), Some(arch)) = (&init_weights, &arch) {
-        if let Err(e) = crate::model::read_weights(path, &crate::model::sorted_parameters(arch.as_ref())) {
-            bad("wrap.init", e);
-        }
-    }
-    ModelParts { arch, init_weights, files: crate::model::files(&model) }
-}
-
-/// `wrap.sync_batchnorm` needs batch norm layers the runner owns, in replicas.
-fn sync_batchnorm(c: &Config, arch: &dyn Architecture, bad: &mut impl FnMut(&str, String)) {
-    if matches!(c.wrap.model, Model::Torchscript(_)) {
-        bad(
-            "wrap.sync_batchnorm",
-            format!(
-                "{} runs its own layers: the runner cannot synchronise batch norm inside it; remove it (or use a \
-                 built-in model kind, such as \"cnn\" with batch_norm blocks)",
-                arch.describe()
-            ),
-        );
-    } else if !arch.has_batch_norm() {
-        bad("wrap.sync_batchnorm", format!("{} has no batch norm layers to synchronise; remove it", arch.describe()));
-    } else if c.wrap.strategy == WrapStrategy::Pipeline {
-        bad(
-            "wrap.sync_batchnorm",
-            "is not available with wrap.strategy = \"pipeline\": each rank of a pipeline holds other layers, and a \
-             batch norm layer normalises each micro-batch on its own; synchronising over the pipeline's copies is not \
-             implemented (torch has no equivalent either). Use wrap.strategy = \"ddp\", or remove it"
-                .into(),
-        );
-    }
-}
-
-/// What one rank needs in memory, `state` bytes of training state among it, checked against what
-/// this machine has.
-fn memory_estimate(
-    c: &Config,
-    d: &DataSpec,
-    layout: &ShardLayout,
-    arch: &dyn Architecture,
-    state: f64,
-    bad: &mut impl FnMut(&str, String),
-) -> crate::limits::Estimate {
-    let batch = layout.split_batch.unwrap_or(c.train.batch_size);
-    let layers = arch.layers();
-    let outputs = layers.iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
-    let held = layers.iter().map(|l| l.held).sum::<usize>();
-    let estimate = crate::limits::estimate(c, d, state, d.input_size() + outputs, held, batch);
-    let model_key = match c.wrap.model {
-        Model::Transformer(_) => "wrap.model.d_model",
-        _ => "wrap.model.hidden",
-    };
-    crate::limits::check_memory(&estimate, c.run.world_size, model_key, bad);
-    estimate
-}
-
-/// Keys only one strategy reads, set under another (the pipeline's are checked with its stages).
-fn strategy_keys(c: &Config, bad: &mut impl FnMut(&str, String)) {
-    // Compared with the defaults, not by source: a run's saved config.toml sets every key.
-    let (fsdp, ddp) = (c.wrap.fsdp != Fsdp::default(), c.wrap.bucket_cap_mb != Wrap::default().bucket_cap_mb);
-    match c.wrap.strategy {
-        WrapStrategy::Auto if fsdp => bad(
-            "wrap.fsdp.reshard_after_forward",
-            "is chosen by wrap.strategy = \"auto\" itself (ZeRO-2 where it fits, else ZeRO-3); remove it, or set \
-             wrap.strategy = \"fsdp\""
-                .into(),
-        ),
-        WrapStrategy::Ddp | WrapStrategy::None | WrapStrategy::Pipeline if fsdp => {
-            bad("wrap.fsdp.reshard_after_forward", "is only read by wrap.strategy = \"fsdp\"".into())
-        }
-        WrapStrategy::Fsdp if ddp => bad(
-            "wrap.bucket_cap_mb",
-            "is only read by wrap.strategy = \"ddp\": FSDP reduce-scatters each layer's gradients as one bucket".into(),
-        ),
-        _ => {}
-    }
-}
-
-/// `run.memory_per_rank_mb` against the training state the heaviest rank holds under the
-/// configured strategy; the refusal names the strategies and world sizes that fit.
-// `!(x > 0.0)` is meant: it also rejects NaN, which `x <= 0.0` would let through.
-#[allow(clippy::neg_cmp_op_on_partial_ord)]
-fn check_memory_limit(
-    c: &Config,
-    planner: &memory::Planner,
-    stages: &[Range<usize>],
-    bad: &mut impl FnMut(&str, String),
-) {
-    let Some(limit) = c.run.memory_per_rank_mb else { return };
-    if !(limit > 0.0) {
-        return bad("run.memory_per_rank_mb", format!("must be positive MiB, got {limit}"));
-    }
-    let (bytes, w) = (limit * 1048576.0, c.run.world_size);
-    let layout = memory::Layout::of(c);
-    let Some(state) = planner.state(layout, w, Some(stages)) else { return };
-    if state.total() <= bytes {
-        return;
-    }
-    let who = match layout {
-        memory::Layout::Pipeline => {
-            let params = |r: &Range<usize>| planner.layer_parameters[r.clone()].iter().sum::<usize>();
-            let (rank, heaviest) = stages.iter().enumerate().rev().max_by_key(|(_, r)| params(r)).expect("stages");
-            format!("rank {rank} ({}) would hold", crate::model::layers_text(heaviest))
-        }
-        _ => "each rank would hold".to_string(),
-    };
-    let advice = match (layout, &c.wrap.pipeline.stages) {
-        (memory::Layout::Pipeline, Some(_)) if planner.state(layout, w, None).is_some_and(|s| s.total() <= bytes) => {
-            "leave wrap.pipeline.stages out: the split balanced by parameters fits".to_string()
-        }
-        _ => planner.advice(layout, w, bytes),
-    };
-    let under = match c.wrap.strategy {
-        WrapStrategy::None => "wrap.strategy = \"none\"".to_string(),
-        _ => layout.to_string(),
-    };
-    bad(
-        "run.memory_per_rank_mb",
-        format!(
-            "{who} {state} of training state under {under} at world size {w}, more than the {limit} MiB a rank may \
-             hold; {advice}"
-        ),
-    );
-}
-
-/// `wrap.strategy = "auto"`: the first strategy whose training state fits
-/// `run.memory_per_rank_mb`, or else this machine's available memory shared by the ranks (less
-/// what a rank needs besides: activations, data, libtorch).
-fn choose_strategy(
-    c: &Config,
-    planner: &memory::Planner,
-    d: &DataSpec,
-    layout: &ShardLayout,
-) -> Result<(memory::Layout, String), String> {
-    let w = c.run.world_size;
-    if let Some(limit) = c.run.memory_per_rank_mb {
-        return planner.choose(w, limit * 1048576.0, &format!("run.memory_per_rank_mb = {limit}"));
-    }
-    let Some(available) = crate::limits::available_memory() else {
-        return Ok((memory::Layout::Replica, "chose DDP: this machine's memory cannot be read".into()));
-    };
-    let batch = layout.split_batch.unwrap_or(c.train.batch_size);
-    let arch = crate::model::architecture(&c.wrap.model, &d.input, d.task.outputs());
-    let layers = arch.layers();
-    let outputs = layers.iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
-    let held = layers.iter().map(|l| l.held).sum::<usize>();
-    let besides = crate::limits::estimate(c, d, 0.0, d.input_size() + outputs, held, batch).per_rank();
-    let share = available / w as f64 - besides;
-    planner.choose(
-        w,
-        share,
-        &format!(
-            "this machine's {} available over {w} rank{} (less {} a rank for activations, data and libtorch)",
-            crate::limits::size(available),
-            if w == 1 { "" } else { "s" },
-            crate::limits::size(besides)
-        ),
-    )
 }

@@ -25,7 +25,7 @@ impl Plan {
         let c = &self.config;
         let mut problems = Vec::new();
         let mut bad = |key: &str, msg: String| problems.push(format!("`{key}`: {msg}"));
-        super::run_values(c, &mut bad);
+        super::values::run_values(c, &mut bad);
         super::recipe::train_values(c, &self.sources, &mut bad);
         let sized = crate::limits::sizes(c, &self.data, &mut bad) && crate::model::check(&c.wrap.model, &mut bad);
         if !problems.is_empty() {
@@ -34,7 +34,7 @@ impl Plan {
         let mismatch = |field: &str, saved: String, derived: String| {
             Err(format!("`{field}` is {saved} but its configuration gives {derived}: {advice}"))
         };
-        let layout = super::shard_layout(c, &self.data, &mut |_: &str, _| {});
+        let layout = super::data::shard_layout(c, &self.data, &mut |_: &str, _| {});
         if layout.as_ref() != Some(&self.layout) {
             return mismatch("layout", format!("{:?}", self.layout), format!("{layout:?}"));
         }

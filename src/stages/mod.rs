@@ -1,8 +1,10 @@
 //! The five stages a rank runs: load → shard → normalize → wrap → train/validate. Each stage
 //! receives what the previous one produced and the part of the plan it owns.
 pub mod checkpoint;
+mod clock;
 pub mod preempt;
 pub mod recipe;
+mod rows;
 pub mod track;
 pub mod train;
 pub mod wrap;

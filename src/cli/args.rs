@@ -1,0 +1,222 @@
+//! The arguments of each command.
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+use crate::config::ConfigError;
+use crate::launch::slurm;
+use crate::launch::spawn::Topology;
+
+#[derive(Debug, Args)]
+pub struct SchemaArgs {
+    /// Print the configuration reference instead, as Markdown: every key with its type, default
+    /// and doc comment (docs/reference/configuration.md is this output).
+    #[arg(long)]
+    pub markdown: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PrepareCommand {
+    /// A UTF-8 text as nanoGPT's character-level prepare.py makes it: train.bin and val.bin
+    /// (uint16 ids, the first 90% of the characters and the rest) and meta.json (the vocabulary).
+    #[command(after_help = "Example:\n  runner prepare text pipelines/data/tempest.txt --out data/book\n\n\
+                            Read: docs/guide/language-models.md")]
+    Text {
+        /// The text file.
+        file: PathBuf,
+        /// The folder the three files go to (created if missing).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// Replace train.bin, val.bin or meta.json already in DIR.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct PredictArgs {
+    /// The run directory (results/<name>/<run-id>).
+    pub run_dir: PathBuf,
+    /// A csv or parquet file with the run's feature columns.
+    #[arg(required_unless_present = "prompt")]
+    pub data: Option<PathBuf>,
+    /// Where the predictions go [default: RUN_DIR/predictions.parquet]
+    #[arg(long, value_name = "FILE", conflicts_with = "prompt")]
+    pub out: Option<PathBuf>,
+    /// A language model: the text to continue (in the run's vocabulary).
+    #[arg(long, conflicts_with = "data")]
+    pub prompt: Option<String>,
+    /// New tokens to sample after the prompt.
+    #[arg(long, default_value_t = 500, requires = "prompt")]
+    pub tokens: usize,
+    /// Divides the logits: below 1 sharper, above 1 more random.
+    #[arg(long, default_value_t = 0.8, requires = "prompt")]
+    pub temperature: f64,
+    /// Draw only among the k most likely tokens.
+    #[arg(long, default_value_t = 200, requires = "prompt")]
+    pub top_k: usize,
+    /// Seeds the draws: the same seed, the same text.
+    #[arg(long, default_value_t = 1337, requires = "prompt")]
+    pub seed: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// One repetition per cell; print the results, do not write them.
+    #[arg(long)]
+    pub quick: bool,
+    /// Repetitions per workload and world size, runner and PyTorch alternating.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    pub repetitions: u64,
+    /// World sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4", value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub world_sizes: Vec<u64>,
+    /// Only these workloads (repeatable, or comma-separated) [default: all]
+    #[arg(long = "workload", value_name = "NAME", value_delimiter = ',', value_parser = ["overhead-bound", "compute-bound", "cnn", "transformer", "fsdp"])]
+    pub workloads: Vec<String>,
+    /// Where the results go (the part between the markers is replaced; notes around it are kept).
+    #[arg(long, value_name = "FILE", default_value = "benches/RESULTS.md")]
+    pub out: PathBuf,
+    /// Precisions, comma-separated: fp32, and bf16 (the runner's train.precision = "bf16" against
+    /// torch.autocast("cpu", dtype=torch.bfloat16)); each workload runs in each.
+    #[arg(long, value_delimiter = ',', default_value = "fp32", value_parser = ["fp32", "bf16"])]
+    pub precision: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ConfigArgs {
+    /// The pipeline file (TOML).
+    pub file: PathBuf,
+    /// Override a value, e.g. --set train.lr=0.05 (repeatable; wins over file and environment).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// An override with the source config.toml names for it (`runner sweep` passes its axes so).
+    #[arg(long = "set-as", num_args = 2, value_names = ["LABEL", "KEY=VALUE"], hide = true)]
+    pub set_as: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The pipeline file (TOML); with --resume, defaults to the run directory's config.toml.
+    #[arg(required_unless_present_any = ["resume", "plan"])]
+    pub file: Option<PathBuf>,
+    /// The resolved plan a launcher saved (`runner run` passes it to the ranks it spawns).
+    #[arg(long, value_name = "PLAN_JSON", hide = true, conflicts_with = "file")]
+    pub plan: Option<PathBuf>,
+    /// Override a value, e.g. --set train.lr=0.05 (repeatable; wins over file and environment).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// An override with the source config.toml names for it (`runner sweep` passes its axes so).
+    #[arg(long = "set-as", num_args = 2, value_names = ["LABEL", "KEY=VALUE"], hide = true)]
+    pub set_as: Vec<String>,
+    /// The run directory [default: results/<run.name>/<run-id>]
+    #[arg(long, value_name = "DIR", conflicts_with = "resume")]
+    pub out: Option<PathBuf>,
+    /// Continue the run in DIR from its newest checkpoint, on every rank.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+    /// Run in --out even when it holds files the runner did not write or another run's
+    /// results (the runner still only replaces its own files there).
+    #[arg(long, conflicts_with = "resume")]
+    pub force: bool,
+    /// Number of nodes, one `runner run` on each (as torchrun's --nnodes) [default: SLURM_NNODES,
+    /// else 1]
+    #[arg(long)]
+    pub nnodes: Option<usize>,
+    /// This node's index, 0 to nnodes - 1; node 0 hosts the rendezvous store [default:
+    /// SLURM_NODEID, else 0]
+    #[arg(long)]
+    pub node_rank: Option<usize>,
+    /// Node 0's address, reachable from every node (needed with --nnodes > 1).
+    #[arg(long, value_name = "HOST")]
+    pub master_addr: Option<String>,
+    /// The port of node 0's rendezvous store [default: under Slurm, 15000 + the job id's last
+    /// four digits; otherwise 29500]
+    #[arg(long, value_name = "PORT")]
+    pub master_port: Option<u16>,
+}
+
+/// A count given as a flag, or else by a Slurm variable: its value and how to name it.
+fn flag_or_slurm(flag: Option<usize>, name: &str, var: &str, default: usize) -> Result<(usize, String), ConfigError> {
+    if let Some(n) = flag {
+        return Ok((n, format!("{name} {n}")));
+    }
+    match std::env::var(var).ok().filter(|v| !v.trim().is_empty()) {
+        Some(v) => match v.trim().parse::<usize>() {
+            Ok(n) => Ok((n, format!("{var}={n}"))),
+            Err(_) => Err(ConfigError::new(format!("{var}={v:?} is not a number (it gives {name} under Slurm)"))),
+        },
+        None => Ok((default, format!("{name} {default}"))),
+    }
+}
+
+impl RunArgs {
+    pub(super) fn topology(&self, world_size: usize) -> Result<Topology, ConfigError> {
+        let (nnodes, nnodes_from) = flag_or_slurm(self.nnodes, "--nnodes", "SLURM_NNODES", 1)?;
+        if nnodes <= 1 {
+            return Ok(Topology::single());
+        }
+        let (node_rank, node_from) = flag_or_slurm(self.node_rank, "--node-rank", "SLURM_NODEID", 0)?;
+        let fail = |m: String| Err(ConfigError::new(m));
+        if node_rank >= nnodes {
+            return fail(format!("{node_from} must be below {nnodes_from}"));
+        }
+        if !world_size.is_multiple_of(nnodes) {
+            return fail(format!(
+                "run.world_size ({world_size}) must divide evenly over {nnodes_from} (ranks per node)"
+            ));
+        }
+        // Under Slurm, node 0 is the job's first host.
+        let addr = match (&self.master_addr, std::env::var("SLURM_JOB_NODELIST")) {
+            (Some(addr), _) => addr.clone(),
+            (None, Ok(list)) => slurm::expand_nodelist(&list).map(|hosts| hosts[0].clone()).map_err(|e| {
+                ConfigError::new(format!("SLURM_JOB_NODELIST={list:?}: {e:#}; pass --master-addr HOST"))
+            })?,
+            (None, Err(_)) => {
+                return fail(format!(
+                    "{nnodes_from} needs --master-addr, the address of node 0 that every node can reach"
+                ))
+            }
+        };
+        let port = match (self.master_port, std::env::var("SLURM_JOB_ID")) {
+            (Some(port), _) => port,
+            (None, Ok(job)) => slurm::master_port(&job).map_err(|e| ConfigError::new(format!("{e:#}")))?,
+            (None, Err(_)) => 29500,
+        };
+        Ok(Topology { nnodes, node_rank, master: Some((addr, port)) })
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct SweepArgs {
+    /// The experiment file (TOML): a pipeline, [set], [sweep] and [scaling].
+    pub file: PathBuf,
+    /// The sweep directory [default: results/<experiment file stem>]
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Stop at the first point that fails (otherwise it is recorded and the sweep goes on).
+    #[arg(long)]
+    pub fail_fast: bool,
+    /// Run points again even when they are already complete with the same configuration.
+    #[arg(long, conflicts_with = "check")]
+    pub force: bool,
+    /// Rerun every point into a temporary directory and compare every non-timing trace value
+    /// with the stored ones; exit 1 listing every difference.
+    #[arg(long)]
+    pub check: bool,
+    /// Where the points run: local, one after another; slurm, each an sbatch job with the
+    /// experiment file's [slurm] resources (srun tasks as ranks, requeued when preempted).
+    #[arg(long, value_enum, default_value = "local")]
+    pub launcher: crate::sweep::Launcher,
+    /// With --check: float values whose relative difference is at most this count as equal
+    /// (for results stored on another CPU where a path is not CPU-independent); the largest
+    /// difference found is reported. Default: bit for bit.
+    #[arg(long, value_name = "REL", requires = "check")]
+    pub tolerance: Option<f64>,
+}
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// The sweep directory (holding sweep.json), e.g. results/world_size.
+    pub dir: PathBuf,
+}

@@ -1,0 +1,219 @@
+//! The command line: `runner run`, `runner sweep`, `runner report`, `runner validate` and the
+//! rest. This module holds the commands and their dispatch; `args` the arguments of each, `run`
+//! what `runner run` does as a launcher or a rank, `resume` how a run directory is continued.
+use std::path::Path;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::{self, ConfigError, Override};
+use crate::launch::env::RankEnv;
+use crate::plan::Plan;
+use crate::rundir;
+
+mod args;
+mod resume;
+mod run;
+
+pub use args::*;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "runner",
+    version,
+    about = "Runs distributed data-parallel training experiments described by TOML files",
+    after_help = "Example:\n  runner run pipelines/ddp.toml --set train.lr=0.01\n\n\
+                  Read first: README.md; every page: docs/README.md"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a pipeline: world_size rank processes on this machine (or, under torchrun, this rank).
+    #[command(
+        after_help = "Examples:\n  runner run pipelines/ddp.toml --set train.lr=0.01 --set run.world_size=2\n  \
+                            runner run --resume results/ddp/<run-id>\n\n\
+                            Read: docs/guide/first-run.md, docs/guide/resume.md"
+    )]
+    Run(RunArgs),
+    /// Run every point of an experiment's grid, then write its tables and plots.
+    #[command(
+        after_help = "Example:\n  runner sweep experiments/world_size.toml --check\n\nRead: docs/guide/sweeps.md"
+    )]
+    Sweep(SweepArgs),
+    /// Rebuild a sweep directory's tables and plots from its traces; run nothing.
+    #[command(after_help = "Example:\n  runner report results/world_size\n\nRead: docs/guide/sweeps.md")]
+    Report(ReportArgs),
+    /// Check a pipeline and print its resolved plan (the data-flow table); run nothing.
+    #[command(after_help = "Example:\n  runner validate pipelines/ddp.toml --set run.world_size=2\n\n\
+                            Read: docs/guide/configuration.md, docs/reference/configuration.md")]
+    Validate(ConfigArgs),
+    /// Print the JSON Schema of pipeline files, for editors that complete and check keys as you
+    /// type (taplo / Even Better TOML read a `#:schema PATH` first line).
+    #[command(after_help = "Example:\n  runner schema > pipelines/schema.json\n\n\
+                            Read: docs/guide/configuration.md, docs/reference/configuration.md")]
+    Schema(SchemaArgs),
+    /// Measure the runner against the same pipeline in PyTorch DDP under torchrun, side by side
+    /// (installs the reference's PyTorch into .deps/reference on first use, about 5 GB).
+    #[command(after_help = "Example:\n  runner bench --quick --workload overhead-bound --world-sizes 1,2\n\n\
+                            Read: docs/benchmarks.md")]
+    Bench(BenchArgs),
+    /// Apply a finished run's preprocessing and model to a csv or parquet file: predictions as
+    /// parquet, and the metrics when the file holds the target column. For a language model,
+    /// --prompt prints text sampled after it instead.
+    #[command(after_help = "Examples:\n  runner predict results/cancer new_rows.csv --out predictions.parquet\n  \
+                            runner predict results/book --prompt \"PROSPERO:\" --tokens 200\n\n\
+                            Read: docs/guide/your-data.md, docs/guide/language-models.md")]
+    Predict(PredictArgs),
+    /// Make data files for the runner from other formats.
+    #[command(subcommand)]
+    Prepare(PrepareCommand),
+}
+
+/// Exit codes: 0 done, 1 the run failed, 2 the configuration is wrong.
+/// The `run.numerics` a command computes under: its pipeline's (or its run directory's), resolved
+/// before anything runs so that `main` can set MKL up; the default where the configuration does
+/// not resolve (the command itself then reports why). None for commands that compute under no
+/// plan of their own.
+pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
+    let resolved = |file: &Path, set: &[String], set_as: &[String]| {
+        config::resolve(file, &overrides(set, set_as)).map(|r| r.config.run.numerics).unwrap_or_default()
+    };
+    match &cli.command {
+        // A rank the launcher started inherits the MKL_CBWR the launcher set and checked.
+        Command::Run(args) if args.plan.is_some() => None,
+        Command::Run(args) => match (&args.file, &args.resume) {
+            (Some(file), _) => Some(resolved(file, &args.set, &args.set_as)),
+            (None, Some(dir)) => Some(resolved(&dir.join(rundir::CONFIG), &args.set, &args.set_as)),
+            (None, None) => Some(Default::default()),
+        },
+        Command::Validate(args) => Some(resolved(&args.file, &args.set, &args.set_as)),
+        Command::Predict(args) => Some(resolved(&args.run_dir.join(rundir::CONFIG), &[], &[])),
+        Command::Sweep(_) | Command::Bench(_) | Command::Schema(_) | Command::Report(_) | Command::Prepare(_) => None,
+    }
+}
+
+/// What the process is, for its signals ([`crate::signals`]): `runner run` is a rank when its
+/// launcher (runner's own, torchrun or srun) says so, else a launcher.
+pub fn signal_role(cli: &Cli) -> crate::signals::Role {
+    use crate::signals::Role;
+    match &cli.command {
+        Command::Run(args) if args.plan.is_some() || !matches!(RankEnv::from_env(), Ok(None)) => Role::Rank,
+        Command::Run(_) => Role::Launcher,
+        _ => Role::Other,
+    }
+}
+
+pub fn main(cli: Cli) -> u8 {
+    let result = match cli.command {
+        Command::Validate(args) => validate(&args),
+        Command::Schema(args) => {
+            if args.markdown {
+                crate::say!("{}", crate::config::reference::markdown());
+            } else {
+                crate::say!("{}", schema_json());
+            }
+            Ok(0)
+        }
+        Command::Run(args) => run::run(&args),
+        Command::Sweep(args) => crate::sweep::sweep(
+            &args.file,
+            &crate::sweep::Options {
+                out: args.out,
+                fail_fast: args.fail_fast,
+                force: args.force,
+                check: args.check,
+                launcher: args.launcher,
+                tolerance: args.tolerance,
+            },
+        ),
+        Command::Report(args) => crate::report::write(&args.dir).map(|table| {
+            crate::say!("{table}");
+            0
+        }),
+        Command::Predict(args) => match (&args.prompt, &args.data) {
+            (Some(prompt), _) => crate::sample::sample(
+                &args.run_dir,
+                &crate::sample::Options {
+                    prompt: prompt.clone(),
+                    tokens: args.tokens,
+                    temperature: args.temperature,
+                    top_k: args.top_k,
+                    seed: args.seed,
+                },
+            ),
+            (None, Some(data)) => crate::predict::predict(&args.run_dir, data, args.out.as_deref()),
+            (None, None) => unreachable!("clap requires DATA or --prompt"),
+        },
+        Command::Prepare(PrepareCommand::Text { file, out, force }) => crate::prepare::text(&file, &out, force),
+        Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
+            quick: args.quick,
+            repetitions: if args.quick { 1 } else { args.repetitions as usize },
+            world_sizes: args.world_sizes.iter().map(|w| *w as usize).collect(),
+            workloads: args.workloads,
+            out: args.out,
+            precisions: args.precision,
+        }),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            let code = if e.downcast_ref::<ConfigError>().is_some() { 2 } else { 1 };
+            let prefix = match RankEnv::from_env() {
+                Ok(Some(env)) => format!("error: rank {}: ", env.rank),
+                _ => "error: ".into(),
+            };
+            crate::say_err!("{prefix}{e:#}");
+            code
+        }
+    }
+}
+
+/// The pipeline file's JSON Schema, generated from the serde types that read it.
+pub fn schema_json() -> String {
+    serde_json::to_string_pretty(&crate::config::reference::json_schema(false)).expect("a schema serializes")
+}
+
+/// `train.precision = "bf16"` on a CPU whose bfloat16 matmuls are slower than its float32 ones:
+/// a warning with both rates, measured by a probe of about a second.
+pub(super) fn warn_of_slow_bf16(plan: &Plan) {
+    use crate::config::schema::{Device, Precision};
+    let t = &plan.config.train;
+    if t.precision == Precision::Bf16 && plan.config.run.device == Device::Cpu {
+        if let Some(warning) = crate::bench::peak::bf16_warning(plan.threads_per_rank) {
+            crate::say_err!("{warning}");
+        }
+    }
+}
+
+/// The overrides of a command line: `--set-as LABEL KEY=VALUE` pairs (a sweep's), then `--set`.
+pub(super) fn overrides(set: &[String], set_as: &[String]) -> Vec<Override> {
+    let labelled = set_as.chunks(2).map(|pair| Override { label: pair[0].clone(), text: pair[1].clone() });
+    labelled.chain(set.iter().map(|s| Override::set(s))).collect()
+}
+
+pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
+    crate::numerics::check_environment().map_err(ConfigError::new)?;
+    Plan::new(config::resolve(&args.file, &overrides(&args.set, &args.set_as))?)
+}
+
+fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
+    let plan = plan(args)?;
+    if !plan.extends.is_empty() {
+        let chain: Vec<String> =
+            std::iter::once(&plan.pipeline_file).chain(&plan.extends).map(|f| f.display().to_string()).collect();
+        crate::say!("extends: {}\n", chain.join(" → "));
+    }
+    crate::say!("{}", plan.data_flow().trim_end_matches('\n'));
+    for note in plan.data.notes() {
+        crate::say!("{note}");
+    }
+    warn_of_slow_bf16(&plan);
+    for line in crate::stages::track::plan_lines(&plan, None) {
+        crate::say!("{line}");
+    }
+    crate::say!("\n{} is valid; nothing was run.", args.file.display());
+    Ok(0)
+}

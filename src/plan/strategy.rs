@@ -1,0 +1,137 @@
+//! The strategy against memory, on the plan: what one rank needs, `run.memory_per_rank_mb`,
+//! `wrap.strategy = "auto"`'s choice, and the keys only one strategy reads.
+use std::ops::Range;
+
+use crate::config::schema::*;
+use crate::data::shard::ShardLayout;
+use crate::data::DataSpec;
+use crate::model::Architecture;
+
+use super::memory;
+
+/// What one rank needs in memory, `state` bytes of training state among it, checked against what
+/// this machine has.
+pub(super) fn memory_estimate(
+    c: &Config,
+    d: &DataSpec,
+    layout: &ShardLayout,
+    arch: &dyn Architecture,
+    state: f64,
+    bad: &mut impl FnMut(&str, String),
+) -> crate::limits::Estimate {
+    let batch = layout.split_batch.unwrap_or(c.train.batch_size);
+    let layers = arch.layers();
+    let outputs = layers.iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
+    let held = layers.iter().map(|l| l.held).sum::<usize>();
+    let estimate = crate::limits::estimate(c, d, state, d.input_size() + outputs, held, batch);
+    let model_key = match c.wrap.model {
+        Model::Transformer(_) => "wrap.model.d_model",
+        _ => "wrap.model.hidden",
+    };
+    crate::limits::check_memory(&estimate, c.run.world_size, model_key, bad);
+    estimate
+}
+
+/// Keys only one strategy reads, set under another (the pipeline's are checked with its stages).
+pub(super) fn strategy_keys(c: &Config, bad: &mut impl FnMut(&str, String)) {
+    // Compared with the defaults, not by source: a run's saved config.toml sets every key.
+    let (fsdp, ddp) = (c.wrap.fsdp != Fsdp::default(), c.wrap.bucket_cap_mb != Wrap::default().bucket_cap_mb);
+    match c.wrap.strategy {
+        WrapStrategy::Auto if fsdp => bad(
+            "wrap.fsdp.reshard_after_forward",
+            "is chosen by wrap.strategy = \"auto\" itself (ZeRO-2 where it fits, else ZeRO-3); remove it, or set \
+             wrap.strategy = \"fsdp\""
+                .into(),
+        ),
+        WrapStrategy::Ddp | WrapStrategy::None | WrapStrategy::Pipeline if fsdp => {
+            bad("wrap.fsdp.reshard_after_forward", "is only read by wrap.strategy = \"fsdp\"".into())
+        }
+        WrapStrategy::Fsdp if ddp => bad(
+            "wrap.bucket_cap_mb",
+            "is only read by wrap.strategy = \"ddp\": FSDP reduce-scatters each layer's gradients as one bucket".into(),
+        ),
+        _ => {}
+    }
+}
+
+/// `run.memory_per_rank_mb` against the training state the heaviest rank holds under the
+/// configured strategy; the refusal names the strategies and world sizes that fit.
+// `!(x > 0.0)` is meant: it also rejects NaN, which `x <= 0.0` would let through.
+#[allow(clippy::neg_cmp_op_on_partial_ord)]
+pub(super) fn check_memory_limit(
+    c: &Config,
+    planner: &memory::Planner,
+    stages: &[Range<usize>],
+    bad: &mut impl FnMut(&str, String),
+) {
+    let Some(limit) = c.run.memory_per_rank_mb else { return };
+    if !(limit > 0.0) {
+        return bad("run.memory_per_rank_mb", format!("must be positive MiB, got {limit}"));
+    }
+    let (bytes, w) = (limit * 1048576.0, c.run.world_size);
+    let layout = memory::Layout::of(c);
+    let Some(state) = planner.state(layout, w, Some(stages)) else { return };
+    if state.total() <= bytes {
+        return;
+    }
+    let who = match layout {
+        memory::Layout::Pipeline => {
+            let params = |r: &Range<usize>| planner.layer_parameters[r.clone()].iter().sum::<usize>();
+            let (rank, heaviest) = stages.iter().enumerate().rev().max_by_key(|(_, r)| params(r)).expect("stages");
+            format!("rank {rank} ({}) would hold", crate::model::layers_text(heaviest))
+        }
+        _ => "each rank would hold".to_string(),
+    };
+    let advice = match (layout, &c.wrap.pipeline.stages) {
+        (memory::Layout::Pipeline, Some(_)) if planner.state(layout, w, None).is_some_and(|s| s.total() <= bytes) => {
+            "leave wrap.pipeline.stages out: the split balanced by parameters fits".to_string()
+        }
+        _ => planner.advice(layout, w, bytes),
+    };
+    let under = match c.wrap.strategy {
+        WrapStrategy::None => "wrap.strategy = \"none\"".to_string(),
+        _ => layout.to_string(),
+    };
+    bad(
+        "run.memory_per_rank_mb",
+        format!(
+            "{who} {state} of training state under {under} at world size {w}, more than the {limit} MiB a rank may \
+             hold; {advice}"
+        ),
+    );
+}
+
+/// `wrap.strategy = "auto"`: the first strategy whose training state fits
+/// `run.memory_per_rank_mb`, or else this machine's available memory shared by the ranks (less
+/// what a rank needs besides: activations, data, libtorch).
+pub(super) fn choose_strategy(
+    c: &Config,
+    planner: &memory::Planner,
+    d: &DataSpec,
+    layout: &ShardLayout,
+) -> Result<(memory::Layout, String), String> {
+    let w = c.run.world_size;
+    if let Some(limit) = c.run.memory_per_rank_mb {
+        return planner.choose(w, limit * 1048576.0, &format!("run.memory_per_rank_mb = {limit}"));
+    }
+    let Some(available) = crate::limits::available_memory() else {
+        return Ok((memory::Layout::Replica, "chose DDP: this machine's memory cannot be read".into()));
+    };
+    let batch = layout.split_batch.unwrap_or(c.train.batch_size);
+    let arch = crate::model::architecture(&c.wrap.model, &d.input, d.task.outputs());
+    let layers = arch.layers();
+    let outputs = layers.iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
+    let held = layers.iter().map(|l| l.held).sum::<usize>();
+    let besides = crate::limits::estimate(c, d, 0.0, d.input_size() + outputs, held, batch).per_rank();
+    let share = available / w as f64 - besides;
+    planner.choose(
+        w,
+        share,
+        &format!(
+            "this machine's {} available over {w} rank{} (less {} a rank for activations, data and libtorch)",
+            crate::limits::size(available),
+            if w == 1 { "" } else { "s" },
+            crate::limits::size(besides)
+        ),
+    )
+}
