@@ -82,8 +82,9 @@ pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
         config::resolve(file, &overrides(set, set_as)).map(|r| r.config.run.numerics).unwrap_or_default()
     };
     match &cli.command {
-        // A rank the launcher started inherits the MKL_CBWR the launcher set and checked.
-        Command::Run(args) if args.plan.is_some() => None,
+        // A rank the launcher started inherits the environment the launcher set and checked, and
+        // sets up its own process (oneDNN off under portable numerics) by the saved plan.
+        Command::Run(RunArgs { plan: Some(plan), .. }) => Some(Plan::numerics_in(plan)),
         Command::Run(args) => match (&args.file, &args.resume) {
             (Some(file), _) => Some(resolved(file, &args.set, &args.set_as)),
             (None, Some(dir)) => Some(resolved(&dir.join(rundir::CONFIG), &args.set, &args.set_as)),
@@ -207,7 +208,7 @@ fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
         crate::say!("extends: {}\n", chain.join(" → "));
     }
     crate::say!("{}", plan.data_flow().trim_end_matches('\n'));
-    for note in plan.data.notes() {
+    for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()) {
         crate::say!("{note}");
     }
     warn_of_slow_bf16(&plan);

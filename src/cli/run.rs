@@ -170,7 +170,7 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
 
 fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
     crate::say!("{}", plan.data_flow());
-    for note in plan.data.notes() {
+    for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()) {
         crate::say!("{note}");
     }
     for line in crate::stages::track::plan_lines(plan, Some(run_dir)) {

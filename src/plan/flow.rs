@@ -312,8 +312,13 @@ impl Plan {
             Precision::Fp16 => "fp16".into(),
         });
         step.push(match self.config.run.numerics {
-            CpuNumerics::Native => "MKL's kernels for this CPU (run.numerics = \"native\")".into(),
-            CpuNumerics::Portable => "the same bits on any x86-64 CPU (run.numerics = \"portable\")".into(),
+            CpuNumerics::Native => "this CPU's own kernels (run.numerics = \"native\")".into(),
+            CpuNumerics::Portable => format!(
+                "the same bits on any x86-64 CPU with AVX2 (run.numerics = \"portable\": MKL's COMPATIBLE branch, \
+                 ATen's AVX2 kernels, oneDNN and NNPACK off, {} thread{} per rank)",
+                self.threads_per_rank,
+                if self.threads_per_rank == 1 { "" } else { "s" }
+            ),
         });
         rows.push(vec![
             "  step".into(),

@@ -261,6 +261,22 @@ impl Plan {
         crate::rundir::atomic_write(path, json.as_bytes())
     }
 
+    /// The `run.numerics` of the plan saved at `path`, read before the process computes anything
+    /// (the plan itself is loaded and checked later); the default where it cannot be read (the
+    /// load then says why).
+    pub fn numerics_in(path: &Path) -> CpuNumerics {
+        let read = || -> Option<CpuNumerics> {
+            let text = std::fs::read_to_string(path).ok()?;
+            let value: serde_json::Value = serde_json::from_str(&text).ok()?;
+            match value.get("config")?.get("run")?.get("numerics") {
+                Some(numerics) => serde_json::from_value(numerics.clone()).ok(),
+                // What a stored configuration leaves out (see `Run::numerics`).
+                None => Some(CpuNumerics::stored()),
+            }
+        };
+        read().unwrap_or_default()
+    }
+
     /// The plan a launcher saved, checked as [`saved`] says: an edited or damaged one is refused.
     pub fn load(path: &Path) -> Result<Plan, ConfigError> {
         crate::input::capped_file(path, 64 << 20, "the run's plan").map_err(ConfigError::new)?;

@@ -32,10 +32,15 @@ pub(super) fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
     }
 }
 
-/// `run.threads_per_rank`, or this machine's cores shared among the ranks.
+/// `run.threads_per_rank`; unset, this machine's cores shared among the ranks, or one thread
+/// under portable numerics (the thread count splits sums, and the machine must not choose it).
 pub(super) fn threads_per_rank(c: &Config) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    c.run.threads_per_rank.unwrap_or((cores / c.run.world_size.max(1)).max(1))
+    let shared = match c.run.numerics {
+        CpuNumerics::Native => (cores / c.run.world_size.max(1)).max(1),
+        CpuNumerics::Portable => 1,
+    };
+    c.run.threads_per_rank.unwrap_or(shared)
 }
 
 /// `wrap.threads_per_replica`: a divisor of the rank's threads, and, with several replicas per

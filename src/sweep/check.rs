@@ -25,28 +25,70 @@ pub const LATER_COLUMNS: &[&str] =
     &["lr", "grad_norm_mean", "grad_norm_max", "param_bytes", "grad_bytes", "optim_bytes", "peak_rss_bytes"];
 
 /// Makes the reruns compute under the stored sweep's `MKL_CBWR` (its children inherit it and keep
-/// it, whatever their run.numerics says); returns the stored and the current CPU and settings, as
-/// text, or refuses a stored setting MKL would not take.
-pub fn apply_stored_numerics(stored: Option<&Numerics>, index: &Path) -> anyhow::Result<(String, String)> {
-    let Some(stored) = stored else {
-        return Ok(("an unrecorded CPU (a sweep of an older runner)".into(), crate::numerics::current().to_string()));
+/// it, whatever their run.numerics says); returns the stored settings and those of the reruns
+/// (the points' own: portable ones pin the same kernels on any CPU), or refuses a stored setting
+/// MKL would not take.
+pub fn apply_stored_numerics(
+    stored: Option<&Numerics>,
+    index: &Path,
+    points: &[Point],
+) -> anyhow::Result<(Option<Numerics>, Numerics)> {
+    if let Some(stored) = stored {
+        let origin = format!("in {}", index.display());
+        crate::numerics::check(&stored.mkl_cbwr, &origin).map_err(crate::config::ConfigError::new)?;
+        std::env::set_var("MKL_CBWR", &stored.mkl_cbwr);
+    }
+    let here = match points.first() {
+        Some(p) => crate::numerics::of_plan(p.plan.config.run.numerics, p.plan.threads_per_rank),
+        None => crate::numerics::current(1),
     };
-    let origin = format!("in {}", index.display());
-    crate::numerics::check(&stored.mkl_cbwr, &origin).map_err(crate::config::ConfigError::new)?;
-    std::env::set_var("MKL_CBWR", &stored.mkl_cbwr);
-    Ok((stored.to_string(), crate::numerics::current().to_string()))
+    Ok((stored.cloned(), here))
 }
 
-/// Why a rerun here may not give the stored bits: the table was computed with a CPU's own kernels
-/// on another CPU model. None where it was portable, or made on this CPU model.
-pub fn other_cpu(stored: Option<&Numerics>) -> Option<String> {
+/// The first line of a check: where the table was made and where it reruns, and, where their
+/// kernels differ, how.
+pub fn first_line(stored: Option<&Numerics>, here: &Numerics) -> String {
+    let Some(stored) = stored else {
+        return format!("stored on an unrecorded CPU (a sweep of an older runner); rerunning on {here}");
+    };
+    let aten = |n: &Numerics| n.kernels.as_ref().map(|k| k.aten.clone());
+    let differs = match (aten(stored), aten(here)) {
+        (Some(a), Some(b)) if a != b => format!(": other kernels (ATen {a} there, {b} here)"),
+        (None, _) => ": other kernels may differ (the table does not record ATen's)".to_owned(),
+        _ => String::new(),
+    };
+    format!("stored on {stored}; rerunning on {here}{differs}")
+}
+
+/// Why a rerun here may not give the stored bits: the table was computed with a CPU's own
+/// kernels, on another CPU model or with another ATen capability; or under the portable
+/// numerics of an older runner, which pinned MKL alone. None where every kernel was pinned, or
+/// the same CPU model computed with the same kernels.
+pub fn other_cpu(stored: Option<&Numerics>, here: &Numerics) -> Option<String> {
     let stored = stored?;
-    let here = crate::numerics::cpu_model();
-    (!stored.is_portable() && stored.cpu != here).then(|| {
+    if stored.is_portable() {
+        return None;
+    }
+    let aten = |n: &Numerics| n.kernels.as_ref().map(|k| k.aten.clone());
+    if stored.kernels.is_none() && crate::numerics::mkl::branch(&stored.mkl_cbwr) == crate::numerics::MKL_CBWR {
+        return Some(
+            "this table was computed under the portable numerics of an older runner, which pinned MKL's kernels \
+             alone: ATen's vectorised kernels and oneDNN's chose by the CPU (unrecorded), and differ between CPUs \
+             with other vector instructions (AVX2, AVX-512) in the last bits; regenerate it with --force"
+                .to_owned(),
+        );
+    }
+    let same = stored.cpu == here.cpu && aten(stored).is_some_and(|a| Some(a) == aten(here));
+    let named = |n: &Numerics| match aten(n) {
+        Some(a) => format!("{} (ATen {a})", n.cpu),
+        None => n.cpu.clone(),
+    };
+    (!same).then(|| {
         format!(
-            "this table was computed with MKL's kernels for its CPU (run.numerics = \"native\") on {}, and is \
-             checked on {here}: native kernels differ between CPU models in the last bits of their sums",
-            stored.cpu
+            "this table was computed with its CPU's own kernels (run.numerics = \"native\") on {}, and is checked \
+             on {}: native kernels differ between CPU models and instruction sets in the last bits of their sums",
+            named(stored),
+            named(here)
         )
     })
 }

@@ -81,9 +81,10 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
             .into());
         };
         let index_file = dir.join(crate::rundir::index::INDEX);
-        let (stored, here) = check::apply_stored_numerics(index.numerics.as_ref(), &index_file)?;
-        crate::say!("stored on {stored}; rerunning on {here}");
-        let other_cpu = check::other_cpu(index.numerics.as_ref());
+        let (stored, here) = check::apply_stored_numerics(index.numerics.as_ref(), &index_file, &points)?;
+        crate::say!("{}", check::first_line(stored.as_ref(), &here));
+        let other_cpu = check::other_cpu(stored.as_ref(), &here);
+        let stored = stored.map_or_else(|| "an unrecorded CPU".to_owned(), |s| s.to_string());
         if let Some(why) = &other_cpu {
             crate::say!("note: {why}; a bit-for-bit check may fail here");
         }
