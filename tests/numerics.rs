@@ -1,6 +1,7 @@
-//! `run.numerics`: "native" (the default: MKL's kernels for this CPU) or "portable"
-//! (MKL_CBWR=COMPATIBLE in every rank), chosen by the pipeline before libtorch computes, recorded in
-//! the manifest; an MKL_CBWR in the environment wins when MKL knows it. Sweeps: the committed
+//! `run.numerics`: "native" (the default: this CPU's own kernels) or "portable" (every kernel
+//! family pinned in every rank: MKL_CBWR=COMPATIBLE, ATen's AVX2 kernels, oneDNN and NNPACK off, one
+//! thread), chosen by the pipeline before libtorch computes, recorded in the manifest; an MKL_CBWR
+//! in the environment wins when MKL knows it, ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA do not. Sweeps: the committed
 //! portable table checks bit for bit, and a native table checked on another CPU model says why its
 //! values may differ and passes within --tolerance.
 mod common;
@@ -116,6 +117,9 @@ fn a_rank_that_resolves_its_own_plan_computes_portably_in_place() {
     assert!(products.iter().all(|l| l.contains("CNR:COMPATIBLE")), "{products:?}");
     rank("env", Some("COMPATIBLE"));
     assert_same_trace(&dir.path().join("in-place"), &dir.path().join("env"));
+    // The rank pinned ATen's and oneDNN's kernels in its own process too.
+    let kernels = &manifest(&dir.path().join("in-place"))["numerics"]["kernels"];
+    assert_eq!((kernels["aten"].as_str(), kernels["onednn"].as_bool()), (Some("AVX2"), Some(false)), "{kernels}");
 }
 
 /// results/world_size, committed with portable numerics: every non-timing value of its 9 points
