@@ -144,13 +144,13 @@ fn redactions() -> Redactions {
         r.insert(placeholder, regex::Regex::new(pattern).unwrap()).unwrap();
     };
     // The last two columns of an epoch or step table's rows: seconds and samples/s.
-    add("[SECONDS SAMPLES/S]", r"(?m)^  \d+(?: +-?[\d.]+(?:e-?\d+)?)*? +(?<redacted>\d+\.\d+ +\d+)$");
+    add("[TIMINGS]", r"(?m)^  \d+(?: +-?[\d.]+(?:e-?\d+)?)*? +(?<redacted>\d+\.\d+ +\d+)$");
     add("[SECONDS]", r"\b(?<redacted>\d+\.\d+)s\b");
     add("[RATE]", r"\b(?<redacted>\d+(?:\.\d+)?) (?:samples|tokens)/s\b");
     add("[RATE]", r"\b(?<redacted>\d+(?:\.\d+)?) GFLOP/s\b");
     add("[TMP]", r"(?<redacted>/tmp/[^\s'`\x22),:]+)");
     add("[DATE]", r"(?<redacted>\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:Z|[+-]\d{2}:?\d{2})?)");
-    add("[MLFLOW RUN]", r"mlflow: run (?<redacted>[0-9a-f]{32})\b");
+    add("[MLFLOWRUN]", r"mlflow: run (?<redacted>[0-9a-f]{32})\b");
     r
 }
 
@@ -380,6 +380,10 @@ fn check_long(
         let plan = plan_lines(&validate);
         let stored_lines: Vec<String> = stored.lines().skip(1).map(str::to_owned).collect();
         let stored_plan = plan_lines(&stored_lines);
+        if stored_plan.is_empty() {
+            // The block hides the run's output (`> /dev/null`): nothing of the plan to compare.
+            return problems;
+        }
         let now = comparable(&plan, r);
         let then = comparable(&stored_plan, r);
         if let Err(e) = assert.try_eq(Some(&format!("runner validate {args}")), now.into(), then.into()) {
@@ -432,13 +436,15 @@ fn the_redactions_hide_timings_and_paths_but_not_results() {
     let a = r.redact("  epoch 1/5  loss 0.7978  acc 0.7101  val f1 0.6076  0.57s  4405 samples/s per rank\n  1      0.7978  0.7101      0.5737    0.7700        0.57     4405\n/tmp/abc/x: run 0123456789ab\n");
     let b = r.redact("  epoch 1/5  loss 0.7978  acc 0.7101  val f1 0.6076  12.07s  98 samples/s per rank\n  1      0.7978  0.7101      0.5737    0.7700        12.07    98\n/tmp/zzz/x: run 0123456789ab\n");
     assert_eq!(a, b);
-    for changed in [
+    for (i, changed) in [
         "  epoch 1/5  loss 0.7979  acc 0.7101  val f1 0.6076  0.57s  4405 samples/s per rank\n",
         "  1      0.7978  0.7102      0.5737    0.7700        0.57     4405\n",
         "/tmp/abc/x: run 0123456789ac\n",
-    ] {
-        let line = a.lines().find(|l| l.split_whitespace().next() == changed.split_whitespace().next()).unwrap();
-        assert_ne!(r.redact(changed).trim_end(), line, "{changed}");
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        assert_ne!(r.redact(changed).trim_end(), a.lines().nth(i).unwrap(), "{changed}");
     }
 }
 
