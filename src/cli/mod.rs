@@ -50,6 +50,11 @@ pub enum Command {
     #[command(after_help = "Example:\n  runner validate pipelines/ddp.toml --set run.world_size=2\n\n\
                             Read: docs/guide/configuration.md, docs/reference/configuration.md")]
     Validate(ConfigArgs),
+    /// Show a pipeline's data before training: the first rows of the load, shard and normalize
+    /// stages' outputs, per rank, with each column's statistics; run nothing.
+    #[command(after_help = "Example:\n  runner data pipelines/ddp.toml --rank 0 --rows 3\n\n\
+                            Read: docs/guide/your-data.md")]
+    Data(DataArgs),
     /// Print the JSON Schema of pipeline files, for editors that complete and check keys as you
     /// type (taplo / Even Better TOML read a `#:schema PATH` first line).
     #[command(after_help = "Example:\n  runner schema > pipelines/schema.json\n\n\
@@ -90,7 +95,9 @@ pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
             (None, Some(dir)) => Some(resolved(&dir.join(rundir::CONFIG), &args.set, &args.set_as)),
             (None, None) => Some(Default::default()),
         },
-        Command::Validate(args) => Some(resolved(&args.file, &args.set, &args.set_as)),
+        Command::Validate(args) | Command::Data(DataArgs { config: args, .. }) => {
+            Some(resolved(&args.file, &args.set, &args.set_as))
+        }
         Command::Predict(args) => Some(resolved(&args.run_dir.join(rundir::CONFIG), &[], &[])),
         Command::Sweep(_) | Command::Bench(_) | Command::Schema(_) | Command::Report(_) | Command::Prepare(_) => None,
     }
@@ -110,6 +117,10 @@ pub fn signal_role(cli: &Cli) -> crate::signals::Role {
 pub fn main(cli: Cli) -> u8 {
     let result = match cli.command {
         Command::Validate(args) => validate(&args),
+        Command::Data(args) => {
+            let options = crate::preview::Options { rows: args.rows, rank: args.rank };
+            plan(&args.config).map_err(anyhow::Error::from).and_then(|p| crate::preview::show(&p, &options)).map(|()| 0)
+        }
         Command::Schema(args) => {
             if args.markdown {
                 crate::say!("{}", crate::config::reference::markdown());
@@ -145,7 +156,12 @@ pub fn main(cli: Cli) -> u8 {
                     seed: args.seed,
                 },
             ),
-            (None, Some(data)) => crate::predict::predict(&args.run_dir, data, args.out.as_deref()),
+            (None, Some(data)) => crate::predict::predict(
+                &args.run_dir,
+                data,
+                args.out.as_deref(),
+                &crate::predict::Options { model: args.model.clone(), set: args.set.clone() },
+            ),
             (None, None) => unreachable!("clap requires DATA or --prompt"),
         },
         Command::Prepare(PrepareCommand::Text { file, out, force }) => crate::prepare::text(&file, &out, force),
@@ -172,9 +188,24 @@ pub fn main(cli: Cli) -> u8 {
     }
 }
 
-/// The pipeline file's JSON Schema, generated from the serde types that read it.
+/// The pipeline file's JSON Schema, generated from the serde types that read it, its keys sorted:
+/// the same bytes from every build (serde_json keeps insertion order in a build whose
+/// dependencies enable its `preserve_order`, as the tests' do, and sorts otherwise), so that
+/// `runner schema > pipelines/schema.json` never reorders the committed file.
 pub fn schema_json() -> String {
-    serde_json::to_string_pretty(&crate::config::reference::json_schema(false)).expect("a schema serializes")
+    fn sorted(v: serde_json::Value) -> serde_json::Value {
+        match v {
+            serde_json::Value::Object(map) => {
+                let mut entries: Vec<(String, serde_json::Value)> = map.into_iter().collect();
+                entries.sort_by(|a, b| a.0.cmp(&b.0));
+                serde_json::Value::Object(entries.into_iter().map(|(k, v)| (k, sorted(v))).collect())
+            }
+            serde_json::Value::Array(items) => serde_json::Value::Array(items.into_iter().map(sorted).collect()),
+            other => other,
+        }
+    }
+    let schema = sorted(crate::config::reference::json_schema(false));
+    serde_json::to_string_pretty(&schema).expect("a schema serializes")
 }
 
 /// `train.precision = "bf16"` on a CPU whose bfloat16 matmuls are slower than its float32 ones:

@@ -232,9 +232,9 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
         manifest.end(Status::Interrupted, None);
         manifest.write(run_dir)?;
         let what = if outcome.started {
-            "every rank was stopped; the trace keeps every finished epoch"
+            format!("every rank was stopped; the trace keeps every finished {}", trace_unit(&plan.config))
         } else {
-            "no rank had started; nothing was written but the run's configuration"
+            "no rank had started; nothing was written but the run's configuration".to_owned()
         };
         crate::say_err!("\ninterrupted by {}: {what} in {}", crate::signals::name(sig), run_dir.display());
         return Ok(128 + sig as u8);
@@ -257,7 +257,11 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
                     crate::say_err!("    {line}");
                 }
             }
-            crate::say_err!("  run directory (traces keep every finished epoch): {}", run_dir.display());
+            crate::say_err!(
+                "  run directory (traces keep every finished {}): {}",
+                trace_unit(&plan.config),
+                run_dir.display()
+            );
             Ok(1)
         }
     }
@@ -293,4 +297,16 @@ fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest, claim: Clai
     rundir::atomic_write(&run_dir.join(rundir::CONFIG), plan.annotated_toml().as_bytes())?;
     manifest.write(run_dir)?;
     Ok(lock)
+}
+
+/// What a trace row counts, as the interrupt and failure messages name it: an epoch, or an
+/// interval of optimizer steps (a run in `train.steps` writes a row every `validate.every_steps`).
+fn trace_unit(c: &crate::config::schema::Config) -> String {
+    match c.train.steps {
+        None => "epoch".into(),
+        Some(total) => {
+            let every = c.validate.every_steps.unwrap_or(total);
+            format!("interval of {every} optimizer step{}", if every == 1 { "" } else { "s" })
+        }
+    }
 }

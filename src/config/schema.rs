@@ -857,7 +857,8 @@ pub struct LrSchedule {
     #[serde(skip_serializing_if = "is_zero_f")]
     pub min_lr: f64,
     /// linear, cosine: the optimizer step (0-based) where the decay reaches min_lr, min_lr after
-    /// it (nanoGPT's lr_decay_iters); absent: the run's last step.
+    /// it (nanoGPT's lr_decay_iters); absent: the step after the run's last, so that the last
+    /// step trains above min_lr, as torch's `CosineAnnealingLR(T_max = steps)` does.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decay_end: Option<usize>,
     /// Where the warmup's straight line reaches lr: at the last warmup step (lr × (s+1) /
