@@ -19,6 +19,8 @@ pub struct Schedule {
     /// last step, as torch's `CosineAnnealingLR(T_max = total)` and Hugging Face's schedules
     /// (the last step trains above min_lr, never at 0).
     pub decay_end: usize,
+    /// Whether `decay_end` is the run's length (no `decay_end` key): the rates then depend on it.
+    pub decay_ends_with_run: bool,
     /// kind = step: steps per decay, and the factor.
     pub step_size: usize,
     pub gamma: f64,
@@ -36,6 +38,7 @@ impl Schedule {
             peak: s.warmup_peak,
             total,
             decay_end: s.decay_end.unwrap_or(total),
+            decay_ends_with_run: s.decay_end.is_none(),
             step_size: s.step_size + s.step_epochs * steps_per_epoch,
             gamma: s.gamma.unwrap_or(0.1),
         }
@@ -94,7 +97,7 @@ impl Schedule {
 
     /// Whether the rates depend on the run's length (train.epochs).
     pub fn depends_on_length(&self) -> bool {
-        matches!(self.kind, ScheduleKind::Linear | ScheduleKind::Cosine) && self.decay_end == self.total
+        matches!(self.kind, ScheduleKind::Linear | ScheduleKind::Cosine) && self.decay_ends_with_run
     }
 
     /// The shape, for `runner validate`: "cosine 0.1 → 0.001 over 780 steps, after 78 warmup
