@@ -137,16 +137,8 @@ impl Plan {
         let mut value = value.expect("a Config serializes");
         let mut plan = self;
         for key in changed {
-            let mut table = &mut value;
-            let parts: Vec<&str> = key.split('.').collect();
-            for part in &parts[..parts.len() - 1] {
-                table = table.get_mut(*part).expect("a key of the configuration");
-            }
-            let table = table.as_table_mut().expect("a table of the configuration");
-            match new.get(&key) {
-                Some(v) => drop(table.insert(parts[parts.len() - 1].to_owned(), v.clone())),
-                None => drop(table.remove(parts[parts.len() - 1])),
-            }
+            super::saved::set_leaf(&mut value, &key, new.get(&key).cloned())
+                .map_err(|e| ConfigError::new(format!("resumed configuration: {e}")))?;
             // The run id stays that of the configuration the run started with.
             plan.started_with.entry(key.clone()).or_insert_with(|| old.get(&key).cloned());
             plan.sources.insert(key.clone(), format!("{} (on resume)", from(&key)));
@@ -166,6 +158,8 @@ impl Plan {
             plan.threads_per_rank = asked.threads_per_rank;
             plan.stages = asked.stages.clone();
             plan.memory = asked.memory;
+            // The training state a rank holds under the new layout, not the run's first one.
+            plan.state = asked.state;
         }
         Ok(plan)
     }
