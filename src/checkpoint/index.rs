@@ -22,6 +22,15 @@ pub struct Index {
     pub files: BTreeMap<String, u64>,
     pub tensors: BTreeMap<String, TensorEntry>,
     pub record: Record,
+    /// XXH3-64 of the record (its JSON, keys sorted, numbers in their shortest exact form), as
+    /// the tensors' pieces have theirs: an edited record is refused like a damaged tensor.
+    pub record_xxh3: String,
+}
+
+/// The checksum of a record, given as JSON (as written, or as read back from an index).
+pub fn record_checksum(record: &serde_json::Value) -> String {
+    let bytes = serde_json::to_vec(record).expect("a JSON value serializes");
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes))
 }
 
 /// What a tensor is part of: the model (`model.safetensors` holds the same tensors), the

@@ -258,6 +258,7 @@ mod tests {
             step: epoch as u64,
             epoch,
             rank,
+            world_size: 2,
             train_loss: loss,
             train_acc: 0.5,
             global_train_loss: loss,
@@ -297,11 +298,11 @@ mod tests {
 
     #[test]
     fn timings_may_differ_and_nothing_else_may() {
-        let a = epochs_frame("r", 2, &[row(1, 0, 0.9, 1.0), row(1, 1, 0.9, 1.0)]).unwrap();
-        let b = epochs_frame("r", 2, &[row(1, 0, 0.9, 2.5), row(1, 1, 0.9, 0.1)]).unwrap();
+        let a = epochs_frame("r", &[row(1, 0, 0.9, 1.0), row(1, 1, 0.9, 1.0)]).unwrap();
+        let b = epochs_frame("r", &[row(1, 0, 0.9, 2.5), row(1, 1, 0.9, 0.1)]).unwrap();
         assert_eq!(compare(&a, &b, None).0, Vec::<String>::new());
 
-        let c = epochs_frame("r", 2, &[row(1, 0, 0.9, 1.0), row(1, 1, 0.9000000000000001, 1.0)]).unwrap();
+        let c = epochs_frame("r", &[row(1, 0, 0.9, 1.0), row(1, 1, 0.9000000000000001, 1.0)]).unwrap();
         assert_eq!(
             compare(&a, &c, None).0,
             [
@@ -317,7 +318,7 @@ mod tests {
         let (n, largest) = within.unwrap();
         assert_eq!(n, 2);
         assert!(largest > 1e-16 && largest < 1e-15, "{largest}");
-        let short = epochs_frame("r", 2, &[row(1, 0, 0.9, 1.0)]).unwrap();
+        let short = epochs_frame("r", &[row(1, 0, 0.9, 1.0)]).unwrap();
         assert_eq!(compare(&a, &short, None).0, ["the stored trace has 2 rows, the rerun 1"]);
     }
 }
