@@ -30,6 +30,9 @@ pub(super) fn run(args: &RunArgs) -> anyhow::Result<u8> {
         let env = RankEnv::from_env()?.context("--plan is for the ranks `runner run` starts (RANK is not set)")?;
         return run_rank(Plan::load(path)?, &env, &|_| run_dir.clone(), claim);
     }
+    if let Some(dir) = &args.resume {
+        super::resume::check_run_dir(dir)?;
+    }
     let file = match (&args.file, &args.resume) {
         (Some(f), _) => f.clone(),
         (None, Some(dir)) => dir.join(rundir::CONFIG),

@@ -307,10 +307,14 @@ impl SetArg {
             .ok_or_else(|| ConfigError::new(format!("{label}: expected KEY=VALUE, e.g. train.lr=0.05")))?;
         let key = key.trim();
         let raw = raw.trim();
-        let parsed: toml::Value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-            .ok()
-            .and_then(|mut t| t.remove("v"))
-            .unwrap_or_else(|| toml::Value::String(raw.to_owned()));
+        let parsed = toml::from_str::<toml::Table>(&format!("v = {raw}")).ok().and_then(|mut t| t.remove("v"));
+        // A number TOML cannot hold (1e400) is not a string: say so rather than "found a string".
+        if parsed.is_none() && raw.parse::<f64>().is_ok_and(f64::is_infinite) {
+            return Err(ConfigError::new(format!(
+                "{label}: {raw} is beyond the range of a float (about ±1.8e308); give a finite number"
+            )));
+        }
+        let parsed = parsed.unwrap_or_else(|| toml::Value::String(raw.to_owned()));
         let mut value = Value::serialize(&parsed).map_err(|e| ConfigError::new(format!("{label}: {e}")))?;
         for part in key.rsplit('.') {
             let mut dict = Dict::new();

@@ -59,64 +59,82 @@ fn all_leaves(plan: &Plan) -> BTreeMap<String, toml::Value> {
     out.into_iter().collect()
 }
 
+/// One key whose value differs between a run's plan and another configuration's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Difference {
+    pub key: String,
+    /// Whether the value is an input file's content (compared by digest, never changed on resume).
+    pub file: bool,
+    /// "0.1 in the run, 0.05 now (--set train.lr=0.05)", or how a file differs.
+    pub text: String,
+}
+
+impl std::fmt::Display for Difference {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "`{}`: {}", self.key, self.text)
+    }
+}
+
 impl Plan {
+    /// Every key whose value differs between this plan (a run's) and `now`, each with both values
+    /// and where the new one came from; input files by content (the path may be written another
+    /// way). Tracking keys are not compared.
+    pub fn differences(&self, now: &Plan) -> Vec<Difference> {
+        let (old, new) = (leaves(self), leaves(now));
+        let from = |key: &str| now.sources.get(key).map(String::as_str).unwrap_or("default").to_owned();
+        let show = |v: Option<&toml::Value>| v.map_or("(absent)".to_owned(), |v| v.to_string());
+        let mut out = Vec::new();
+        for key in old.keys().chain(new.keys().filter(|k| !old.contains_key(*k))) {
+            let then: Vec<&super::InputFile> = self.inputs.iter().filter(|f| f.key == *key).collect();
+            let text = if then.is_empty() {
+                let (was, is) = (old.get(key), new.get(key));
+                (was != is).then(|| format!("{} in the run, {} now ({})", show(was), show(is), from(key)))
+            } else {
+                let is: Vec<&super::InputFile> = now.inputs.iter().filter(|f| f.key == *key).collect();
+                if is.is_empty() {
+                    Some(format!("the run read {}, now none ({})", then[0].path.display(), from(key)))
+                } else if is.len() != then.len() {
+                    Some(format!("the run read {} files, now {} ({})", then.len(), is.len(), from(key)))
+                } else {
+                    then.iter().zip(&is).find(|(a, b)| a.digest != b.digest).map(|(was, is)| {
+                        format!(
+                            "{} changed since the run started (digest {} then, {} now)",
+                            is.path.display(),
+                            was.digest,
+                            is.digest
+                        )
+                    })
+                }
+            };
+            if let Some(text) = text {
+                out.push(Difference { key: key.clone(), file: !then.is_empty(), text });
+            }
+        }
+        out
+    }
+
     /// `self` (the run directory's plan.json) continued under `asked`: the configuration the user
     /// resumes with (the run's config.toml or another file, the environment and --set).
     pub fn resumed(self, asked: &Plan) -> Result<Plan, ConfigError> {
-        let (old, new) = (leaves(&self), leaves(asked));
+        let new = leaves(asked);
         let from = |key: &str| asked.sources.get(key).map(String::as_str).unwrap_or("default").to_owned();
-        let show = |v: Option<&toml::Value>| v.map_or("(absent)".to_owned(), |v| v.to_string());
         let mut refused = Vec::new();
         let mut changed = Vec::new();
-        for key in old.keys().chain(new.keys().filter(|k| !old.contains_key(*k))) {
-            // Files are compared by content: the path may be written another way.
-            let then: Vec<&super::InputFile> = self.inputs.iter().filter(|f| f.key == *key).collect();
-            if !then.is_empty() {
-                let now: Vec<&super::InputFile> = asked.inputs.iter().filter(|f| f.key == *key).collect();
-                if now.is_empty() {
-                    refused.push(format!("`{key}`: the run read {}, now none ({})", then[0].path.display(), from(key)));
-                } else if now.len() != then.len() {
-                    refused.push(format!(
-                        "`{key}`: the run read {} files, now {} ({})",
-                        then.len(),
-                        now.len(),
-                        from(key)
-                    ));
-                } else if let Some((was, is)) = then.iter().zip(&now).find(|(a, b)| a.digest != b.digest) {
-                    refused.push(format!(
-                        "`{key}`: {} changed since the run started (digest {} then, {} now)",
-                        is.path.display(),
-                        was.digest,
-                        is.digest
-                    ));
-                }
-                continue;
+        for d in self.differences(asked) {
+            let key = d.key.as_str();
+            if d.file {
+                refused.push(d.to_string());
+            } else if EXTENDS_A_RUN.contains(&key) && super::schedule::Schedule::of(&self).depends_on_length() {
+                refused.push(format!(
+                    "{d}: the {} learning-rate schedule spans the run's length, so the steps already taken followed \
+                     another curve; start a new run to train longer",
+                    format!("{:?}", self.config.train.schedule.kind).to_lowercase()
+                ));
+            } else if EXTENDS_A_RUN.contains(&key) || RESHARDS_A_RUN.contains(&key) {
+                changed.push(d.key);
+            } else {
+                refused.push(d.to_string());
             }
-            let (was, now) = (old.get(key), new.get(key));
-            if was == now {
-                continue;
-            }
-            if EXTENDS_A_RUN.contains(&key.as_str()) {
-                let schedule = super::schedule::Schedule::of(&self);
-                if schedule.depends_on_length() {
-                    refused.push(format!(
-                        "`{key}`: {} in the run, {} now ({}): the {} learning-rate schedule spans the run's length, \
-                         so the steps already taken followed another curve; start a new run to train longer",
-                        show(was),
-                        show(now),
-                        from(key),
-                        format!("{:?}", self.config.train.schedule.kind).to_lowercase()
-                    ));
-                    continue;
-                }
-                changed.push(key.clone());
-                continue;
-            }
-            if RESHARDS_A_RUN.contains(&key.as_str()) {
-                changed.push(key.clone());
-                continue;
-            }
-            refused.push(format!("`{key}`: {} in the run, {} now ({})", show(was), show(now), from(key)));
         }
         if !refused.is_empty() {
             return Err(ConfigError::new(format!(
@@ -135,6 +153,7 @@ impl Plan {
         }
         let value = crate::config::schema::with_every_key(|| toml::Value::try_from(&self.config));
         let mut value = value.expect("a Config serializes");
+        let old = leaves(&self);
         let mut plan = self;
         for key in changed {
             super::saved::set_leaf(&mut value, &key, new.get(&key).cloned())

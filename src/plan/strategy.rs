@@ -77,8 +77,8 @@ pub(super) fn check_memory_limit(
     bad: &mut impl FnMut(&str, String),
 ) {
     let Some(limit) = c.run.memory_per_rank_mb else { return };
-    if !(limit > 0.0) {
-        return bad("run.memory_per_rank_mb", format!("must be positive MiB, got {limit}"));
+    if !(limit > 0.0 && limit.is_finite()) {
+        return; // refused with the run's values
     }
     let (bytes, w) = (limit * 1048576.0, c.run.world_size);
     let layout = memory::Layout::of(c);
@@ -124,6 +124,9 @@ pub(super) fn choose_strategy(
 ) -> Result<(memory::Layout, String), String> {
     let w = c.run.world_size;
     if let Some(limit) = c.run.memory_per_rank_mb {
+        if !(limit > 0.0 && limit.is_finite()) {
+            return Err("cannot choose: run.memory_per_rank_mb is not a limit (see above)".into());
+        }
         return planner.choose(w, limit * 1048576.0, &format!("run.memory_per_rank_mb = {limit}"));
     }
     let Some(available) = crate::limits::available_memory() else {
