@@ -170,8 +170,10 @@ fn stored_run(point: &Point, dir: &Path) -> Result<Point, String> {
         if d.key == "run.numerics" {
             let stored = toml::Value::try_from(then.config.run.numerics).map_err(|e| e.to_string())?;
             let mut overrides = point.overrides.clone();
-            overrides
-                .push(Override { label: "--check: the stored run's".into(), text: format!("run.numerics={stored}") });
+            overrides.push(Override {
+                label: "sweep --check, the stored run's".into(),
+                text: format!("run.numerics={stored}"),
+            });
             let plan = crate::config::resolve(&point.plan.pipeline_file, &overrides)
                 .and_then(crate::plan::Plan::new)
                 .map_err(|e| format!("{changed}: {d}; under the stored numerics: {e}"))?;
