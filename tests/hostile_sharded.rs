@@ -118,6 +118,9 @@ fn the_keys_a_resume_may_change_work_however_they_are_set() {
     assert_eq!(manifest_status(&d.join("z2")), "complete");
     // DDP resumed under FSDP with ZeRO-2.
     assert_ok(&run(&["run", "lm.toml", "--out", "ddp", "--set", "wrap.strategy=\"ddp\""], d));
+    // Its config.toml read back keeps its provenance: `bucket_cap_mb = 25.0  # default` was set
+    // by no one, so it does not count as a DDP key set under FSDP.
+    assert_ok(&run(&["validate", "ddp/config.toml", "--set", "wrap.strategy=\"fsdp\""], d));
     let fsdp = ["--set", "wrap.strategy=\"fsdp\"", "--set", "wrap.fsdp.reshard_after_forward=false"];
     let o = run(&[&["run", "--resume", "ddp", "--set", "train.epochs=2"][..], &fsdp].concat(), d);
     assert_ok(&o);
@@ -326,6 +329,26 @@ fn a_checkpoint_record_that_does_not_hold_is_refused_before_any_rank_starts() {
                     the step, the layout, the trace's rows) fails its checksum";
     let cases: Vec<(&str, Box<dyn FnOnce(&mut serde_json::Value)>, String)> = vec![
         ("emptied rows", Box::new(|i| i["record"]["rows"] = serde_json::json!([])), checksum.to_owned()),
+        (
+            "emptied rows, no checksum",
+            Box::new(|i| {
+                i["record"]["rows"] = serde_json::json!([]);
+                i.as_object_mut().unwrap().remove("record_xxh3");
+            }),
+            "its record holds 0 trace rows up to step 38, but r/trace.parquet holds 4 (they differ from row 0 on): the \
+             checkpoint's record was edited, or it belongs to another run"
+                .to_owned(),
+        ),
+        (
+            "layout lie, no checksum",
+            Box::new(|i| {
+                i["record"]["layout"]["ranks_per_copy"] = serde_json::json!(0);
+                i.as_object_mut().unwrap().remove("record_xxh3");
+            }),
+            "its record's layout (2 rank(s), strategy Ddp, 0 rank(s) per copy of the model; global batch 32, 19 steps \
+             per epoch) is not one a run can have: the index was edited or damaged"
+                .to_owned(),
+        ),
         (
             "layout lie",
             Box::new(|i| {

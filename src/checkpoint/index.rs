@@ -24,7 +24,10 @@ pub struct Index {
     pub record: Record,
     /// XXH3-64 of the record (its JSON, keys sorted, numbers in their shortest exact form), as
     /// the tensors' pieces have theirs: an edited record is refused like a damaged tensor.
-    pub record_xxh3: String,
+    /// Absent from an older runner's checkpoints, whose record is still checked against the run
+    /// (its layout, its trace rows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub record_xxh3: Option<String>,
 }
 
 /// The checksum of a record, given as JSON (as written, or as read back from an index).

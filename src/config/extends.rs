@@ -172,20 +172,20 @@ impl Layers {
         }
     }
 
-    /// `file base.toml:12` for the saved configuration's comments; `default` for a value a run's
-    /// `config.toml` annotates `# default`: reading that file back keeps its provenance (a key
-    /// left at its default is not one the user set).
+    /// `file base.toml:12` for the saved configuration's comments.
     pub fn source(&self, dotted: &str) -> Option<String> {
-        let layer = self.0.iter().rev().find(|l| get(&l.table, dotted).is_some())?;
-        let line = key_line(&layer.text, dotted);
-        let annotated = line.and_then(|n| layer.text.lines().nth(n - 1)).and_then(|l| l.rsplit_once('#'));
-        if annotated.is_some_and(|(_, comment)| comment.trim() == "default") {
-            return Some("default".into());
-        }
-        Some(match line {
-            Some(line) => format!("file {}:{line}", layer.file.display()),
-            None => format!("file {}", layer.file.display()),
+        self.origin(dotted).map(|(file, line)| match line {
+            Some(line) => format!("file {}:{line}", file.display()),
+            None => format!("file {}", file.display()),
         })
+    }
+
+    /// Whether the line that sets `dotted` ends in `# default`, as a run's `config.toml` marks the
+    /// values it did not get from anywhere.
+    pub fn says_default(&self, dotted: &str) -> bool {
+        let Some(layer) = self.0.iter().rev().find(|l| get(&l.table, dotted).is_some()) else { return false };
+        let line = key_line(&layer.text, dotted).and_then(|n| layer.text.lines().nth(n - 1));
+        line.and_then(|l| l.rsplit_once('#')).is_some_and(|(_, comment)| comment.trim() == "default")
     }
 }
 

@@ -238,10 +238,21 @@ fn sources(figment: &Figment, config: &Config, layers: &Layers) -> BTreeMap<Stri
     let value = super::schema::with_every_key(|| toml::Value::try_from(config)).expect("a Config serializes");
     let mut leaves = Vec::new();
     flatten("", &value, &mut leaves);
-    for (key, _) in leaves {
+    let defaults: BTreeMap<String, toml::Value> = {
+        let value = super::schema::with_every_key(|| toml::Value::try_from(Config::default())).expect("serializes");
+        let mut leaves = Vec::new();
+        flatten("", &value, &mut leaves);
+        leaves.into_iter().collect()
+    };
+    for (key, value) in leaves {
         let source = match figment.find_metadata(&key) {
             Some(m) if m.name.contains("environment") => {
                 format!("env RUNNER_{}", key.replace('.', "__").to_uppercase())
+            }
+            // A run's config.toml read back keeps its provenance: a value it marks `# default`
+            // (and that is the default) was set by no one.
+            Some(m) if m.name.contains("TOML") && layers.says_default(&key) && defaults.get(&key) == Some(&value) => {
+                "default".into()
             }
             Some(m) if m.name.contains("TOML") => {
                 layers.source(&key).unwrap_or_else(|| format!("file {}", layers.file().file.display()))
