@@ -232,8 +232,27 @@ pub struct SweepArgs {
     /// With --check: float values whose relative difference is at most this count as equal
     /// (for results stored on another CPU where a path is not CPU-independent); the largest
     /// difference found is reported. Default: bit for bit.
-    #[arg(long, value_name = "REL", requires = "check")]
+    #[arg(long, value_name = "REL", requires = "check", value_parser = tolerance, allow_hyphen_values = true)]
     pub tolerance: Option<f64>,
+}
+
+/// A relative tolerance: a finite number, 0 or more (`nan` would accept nothing and `inf`
+/// everything, a negative one nothing).
+fn tolerance(text: &str) -> Result<f64, String> {
+    let t: f64 =
+        text.trim().parse().map_err(|_| format!("`{text}` is not a number (a relative difference, e.g. 1e-6)"))?;
+    if !t.is_finite() || t < 0.0 {
+        return Err(format!(
+            "{t} is not a relative difference: give a finite number, 0 or more (e.g. 1e-6; 0 checks bit for bit)"
+        ));
+    }
+    if t >= 1.0 {
+        return Err(format!(
+            "{t} would accept any two values of the same sign (a relative difference |a - b| / max(|a|, |b|) is below \
+             1): give a tolerance below 1, e.g. 1e-6"
+        ));
+    }
+    Ok(t)
 }
 
 #[derive(Debug, Args)]

@@ -122,12 +122,12 @@ pub fn main(cli: Cli) -> u8 {
             plan(&args.config).map_err(anyhow::Error::from).and_then(|p| crate::preview::show(&p, &options)).map(|()| 0)
         }
         Command::Schema(args) => {
-            if args.markdown {
-                crate::say!("{}", crate::config::reference::markdown());
-            } else {
-                crate::say!("{}", schema_json());
-            }
-            Ok(0)
+            let text = if args.markdown { crate::config::reference::markdown() } else { schema_json() };
+            // The schema is the command's product (redirected into a file): unlike a run's
+            // progress, writing it must not fail silently.
+            crate::say::write_all(&text).map(|()| 0).map_err(|e| {
+                anyhow::anyhow!("cannot write the schema to standard output ({e}): nothing complete was written")
+            })
         }
         Command::Run(args) => run::run(&args),
         Command::Sweep(args) => crate::sweep::sweep(

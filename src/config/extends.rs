@@ -213,6 +213,14 @@ impl Layers {
             None => format!("file {}", file.display()),
         })
     }
+
+    /// Whether the line that sets `dotted` ends in `# default`, as a run's `config.toml` marks the
+    /// values it did not get from anywhere.
+    pub fn says_default(&self, dotted: &str) -> bool {
+        let Some(layer) = self.0.iter().rev().find(|l| get(&l.table, dotted).is_some()) else { return false };
+        let line = key_line(&layer.text, dotted).and_then(|n| layer.text.lines().nth(n - 1));
+        line.and_then(|l| l.rsplit_once('#')).is_some_and(|(_, comment)| comment.trim() == "default")
+    }
 }
 
 /// `child.toml:1` where the child's `extends` line is.

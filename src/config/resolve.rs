@@ -302,10 +302,21 @@ fn sources(figment: &Figment, config: &Config, layers: &Layers) -> BTreeMap<Stri
     let value = super::schema::with_every_key(|| toml::Value::try_from(config)).expect("a Config serializes");
     let mut leaves = Vec::new();
     flatten("", &value, &mut leaves);
-    for (key, _) in leaves {
+    let defaults: BTreeMap<String, toml::Value> = {
+        let value = super::schema::with_every_key(|| toml::Value::try_from(Config::default())).expect("serializes");
+        let mut leaves = Vec::new();
+        flatten("", &value, &mut leaves);
+        leaves.into_iter().collect()
+    };
+    for (key, value) in leaves {
         let source = match figment.find_metadata(&key) {
             Some(m) if m.name.contains("environment") => {
                 format!("env RUNNER_{}", key.replace('.', "__").to_uppercase())
+            }
+            // A run's config.toml read back keeps its provenance: a value it marks `# default`
+            // (and that is the default) was set by no one.
+            Some(m) if m.name.contains("TOML") && layers.says_default(&key) && defaults.get(&key) == Some(&value) => {
+                "default".into()
             }
             Some(m) if m.name.contains("TOML") => {
                 layers.source(&key).unwrap_or_else(|| format!("file {}", layers.file().file.display()))
@@ -373,10 +384,14 @@ impl SetArg {
             .ok_or_else(|| ConfigError::new(format!("{label}: expected KEY=VALUE, e.g. train.lr=0.05")))?;
         let key = key.trim();
         let raw = raw.trim();
-        let parsed: toml::Value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-            .ok()
-            .and_then(|mut t| t.remove("v"))
-            .unwrap_or_else(|| toml::Value::String(raw.to_owned()));
+        let parsed = toml::from_str::<toml::Table>(&format!("v = {raw}")).ok().and_then(|mut t| t.remove("v"));
+        // A number TOML cannot hold (1e400) is not a string: say so rather than "found a string".
+        if parsed.is_none() && raw.parse::<f64>().is_ok_and(f64::is_infinite) {
+            return Err(ConfigError::new(format!(
+                "{label}: {raw} is beyond the range of a float (about ±1.8e308); give a finite number"
+            )));
+        }
+        let parsed = parsed.unwrap_or_else(|| toml::Value::String(raw.to_owned()));
         let mut value = Value::serialize(&parsed).map_err(|e| ConfigError::new(format!("{label}: {e}")))?;
         for part in key.rsplit('.') {
             let mut dict = Dict::new();

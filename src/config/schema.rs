@@ -482,8 +482,10 @@ impl Default for Fsdp {
 }
 
 impl Fsdp {
+    /// Left out at its default except where every key is written (the resume compares and sets
+    /// `wrap.fsdp.*` like any other key).
     fn is_default(&self) -> bool {
-        *self == Fsdp::default()
+        skip(*self == Fsdp::default())
     }
 }
 

@@ -20,6 +20,13 @@ pub(super) fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
         bad("run.world_size", "must be at least 1".into());
     }
     crate::limits::run_values(c, bad);
+    // `!(x > 0.0)` also refuses NaN; infinity is no limit, which leaving the key out says.
+    if let Some(limit) = c.run.memory_per_rank_mb.filter(|&l| !(l > 0.0 && l.is_finite())) {
+        bad(
+            "run.memory_per_rank_mb",
+            format!("must be a finite, positive number of MiB, got {limit} (leave it out for no limit)"),
+        );
+    }
     if c.run.threads_per_rank == Some(0) {
         bad("run.threads_per_rank", "must be at least 1 (or absent for cores / world_size)".into());
     }

@@ -54,6 +54,8 @@ pub enum Runs<'a> {
 const SHOWN: usize = 20;
 
 pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
+    // Refused at once, as `runner run` refuses it: every point would fail on it.
+    crate::numerics::check_environment().map_err(crate::config::ConfigError::new)?;
     let experiment = Experiment::load(file)?;
     let points = experiment.points()?;
     let runs = match opts.launcher {
@@ -112,6 +114,12 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
         }
         if n > SHOWN {
             crate::say_err!("  ... and {} more", n - SHOWN);
+        }
+        if found.reran == 0 {
+            crate::say_err!(
+                "no point was rerun: none has a stored run of its configuration (each line above says why)"
+            );
+            return Ok(1);
         }
         match other_cpu {
             Some(why) => crate::say_err!(
