@@ -265,12 +265,11 @@ fn best_toml(index: &Index, search: &SearchIndex, i: usize, trial: &Trial) -> an
         _ => String::new(),
     };
     let head = format!(
-        "# The best trial of {} ({}: {result}), as a pipeline file.\n\
-         # Written by `runner report`; train it again with: runner run {}/best.toml\n\
+        "# The best trial of {} ({}: {result}), as a pipeline file written by `runner report`:\n\
+         # `runner run` it to train the same run again, to the trial's full budget.\n\
          extends = {}\n\n",
         index.experiment,
         trial.dir,
-        if trial.group.is_empty() { "DIR".to_owned() } else { format!("DIR/{}", trial.group) },
         toml::Value::String(relative_up(&search.pipeline, &trial.group))
     );
     Ok(head + &toml::to_string(&table)?)

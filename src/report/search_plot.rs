@@ -46,34 +46,36 @@ pub fn compute_order(search: &SearchIndex, trials: &[&Trial]) -> Vec<(usize, usi
     order
 }
 
+/// A step line of the best result so far at each rung (one grid point), or at the full budget
+/// (several: a line per point), over the dots of every result.
 fn progress_chart(area: &Area, search: &SearchIndex, trials: &[Trial]) -> DrawResult {
     let all = groups(trials);
-    let mut series = Vec::new();
-    for group in &all {
+    let rungs = search.rungs.len().max(1);
+    // (name, colour index, line) and (x, value, rung, colour index) of every group.
+    let (mut lines, mut dots) = (Vec::new(), Vec::new());
+    for (g, group) in all.iter().enumerate() {
         let mine: Vec<&Trial> = trials.iter().filter(|t| t.group == *group).collect();
-        let top = mine.first().map_or(0, |t| t.trace.outcomes.len() - 1);
         let order = compute_order(search, &mine);
-        let dots: Vec<(f64, f64, usize)> = order
+        let results: Vec<(f64, f64, usize)> = order
             .iter()
             .filter_map(|(t, k, spent)| value(mine[*t].trace.outcomes[*k]).map(|v| (*spent as f64, v, *k)))
             .collect();
-        let mut line: Vec<(f64, f64)> = Vec::new();
-        for (x, v, k) in &dots {
-            let better = line.last().is_none_or(|(_, b)| if search.minimize { v < b } else { v > b });
-            if *k == top && better {
-                if let Some((_, b)) = line.last().copied() {
-                    line.push((*x, b));
-                }
-                line.push((*x, *v));
-            }
+        let end = results.last().map_or(0.0, |r| r.0);
+        let shown: Vec<usize> = if all.len() == 1 { (0..rungs).collect() } else { vec![rungs - 1] };
+        for k in shown {
+            let line = best_so_far(results.iter().filter(|r| r.2 == k).map(|r| (r.0, r.1)), end, search.minimize);
+            let budget = search.rungs.get(k).map(|b| format!(" ({b} {})", search.unit.as_deref().unwrap_or("steps")));
+            let name = match (all.len(), search.unit.is_some()) {
+                (1, true) => format!("best at rung {k}{}", budget.unwrap_or_default()),
+                (1, false) => "best so far".to_owned(),
+                _ => format!("{group}: best at the full budget"),
+            };
+            lines.push((name, if all.len() == 1 { k } else { g }, line));
         }
-        if let (Some((_, b)), Some((x, _, _))) = (line.last().copied(), dots.last()) {
-            line.push((*x, b));
-        }
-        series.push((group.clone(), dots, line));
+        dots.extend(results.iter().map(|(x, v, k)| (*x, *v, *k, if all.len() == 1 { *k } else { g })));
     }
-    let xmax = series.iter().flat_map(|(_, d, _)| d.iter().map(|p| p.0)).fold(1.0, f64::max);
-    let ys = span(series.iter().flat_map(|(_, d, _)| d.iter().map(|p| p.1)), false);
+    let xmax = dots.iter().map(|d| d.0).fold(1.0, f64::max);
+    let ys = span(dots.iter().map(|d| d.1), false);
     let mut chart = ChartBuilder::on(area)
         .caption(format!("Best {} against the optimizer steps spent", search.metric), ("sans-serif", 22))
         .margin(18)
@@ -82,28 +84,19 @@ fn progress_chart(area: &Area, search: &SearchIndex, trials: &[Trial]) -> DrawRe
         .build_cartesian_2d(0.0..xmax * 1.03, ys)?;
     chart
         .configure_mesh()
-        .x_desc("optimizer steps spent, all trials (in the order one worker runs them)")
+        .x_desc("optimizer steps spent by all trials, in the order one worker runs them")
         .y_desc(search.metric.as_str())
         .label_style(("sans-serif", 15))
         .draw()?;
-    let rungs = search.rungs.len().max(1);
-    for (i, (group, dots, line)) in series.iter().enumerate() {
-        let c = color(i);
-        let name = if group.is_empty() { "best at the full budget so far".to_owned() } else { group.clone() };
+    chart.draw_series(
+        dots.iter().map(|(x, v, k, c)| Circle::new((*x, *v), 3 + 2 * (*k as i32), color(*c).mix(0.45).filled())),
+    )?;
+    for (name, c, line) in lines {
+        let c = color(c);
         chart
-            .draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))?
+            .draw_series(LineSeries::new(line, c.stroke_width(2)))?
             .label(name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(2)));
-        // Later rungs larger: a trial that went further counts for more.
-        chart.draw_series(
-            dots.iter().map(|(x, v, k)| Circle::new((*x, *v), 3 + 2 * (*k as i32), c.mix(0.55).filled())),
-        )?;
-    }
-    if rungs > 1 {
-        chart
-            .draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())?
-            .label("dots: each rung's result (larger: later rung)")
-            .legend(|(x, y)| Circle::new((x + 12, y), 5, BLACK.mix(0.4).filled()));
     }
     chart
         .configure_series_labels()
@@ -113,6 +106,25 @@ fn progress_chart(area: &Area, search: &SearchIndex, trials: &[Trial]) -> DrawRe
         .position(if search.minimize { SeriesLabelPosition::UpperRight } else { SeriesLabelPosition::LowerRight })
         .draw()?;
     Ok(())
+}
+
+/// The steps of the best value so far of `results` (x ascending), held until `end`.
+fn best_so_far(results: impl Iterator<Item = (f64, f64)>, end: f64, minimize: bool) -> Vec<(f64, f64)> {
+    let mut line: Vec<(f64, f64)> = Vec::new();
+    for (x, v) in results {
+        match line.last().copied() {
+            None => line.push((x, v)),
+            Some((_, b)) if (minimize && v < b) || (!minimize && v > b) => {
+                line.push((x, b));
+                line.push((x, v));
+            }
+            Some(_) => {}
+        }
+    }
+    if let Some((x, b)) = line.last().copied() {
+        line.push((end.max(x), b));
+    }
+    line
 }
 
 /// One panel per searched key: each trial's value against its metric at the highest rung it
@@ -152,7 +164,7 @@ fn parameters_chart(area: &Area, search: &SearchIndex, trials: &[Trial]) -> Draw
             .collect();
         let xs = if numeric { span(points.iter().map(|p| p.0), false) } else { -0.5..categories.len() as f64 - 0.5 };
         let mut chart = ChartBuilder::on(panel)
-            .caption(if log { format!("{key} (log10)") } else { key.clone() }, ("sans-serif", 17))
+            .caption(if log { format!("{key} (log scale)") } else { key.clone() }, ("sans-serif", 17))
             .margin(12)
             .x_label_area_size(36)
             .y_label_area_size(60)
@@ -163,7 +175,9 @@ fn parameters_chart(area: &Area, search: &SearchIndex, trials: &[Trial]) -> Draw
             .y_desc(search.metric.as_str())
             .x_labels(if numeric { 6 } else { categories.len() + 1 })
             .x_label_formatter(&|x: &f64| {
-                if numeric {
+                if numeric && log {
+                    format!("{:.0e}", 10f64.powf(*x))
+                } else if numeric {
                     format!("{x:.3}")
                 } else if (x - x.round()).abs() < 1e-9 && *x >= 0.0 {
                     labels.get(x.round() as usize).map(|s| s.to_string()).unwrap_or_default()

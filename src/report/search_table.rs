@@ -66,7 +66,7 @@ fn summary(search: &SearchIndex, trials: &[&Trial]) -> String {
     if let Some(best) = trials.iter().find(|t| t.best) {
         let (k, v) = reached(&best.trace).expect("the best has a result");
         let value = match v {
-            Outcome::Value(v) => format!("{v}"),
+            Outcome::Value(v) => format!("{v:.4}"),
             Outcome::Failed => "failed".into(),
         };
         let at = best.trace.steps[k].unwrap_or_default();

@@ -4,7 +4,9 @@
 //! its trial's results from its trace, and again. A decision depends on results only, never on
 //! which run ended first: TPE proposes trial t from the first-rung results of the trials before
 //! t − lag, and a rung promotes in the order trials entered it.
+use std::io::Write;
 use std::path::Path;
+use std::time::SystemTime;
 
 use super::pool::{Job, Pool};
 use super::trial::Trial;
@@ -176,6 +178,7 @@ pub fn run(
         }
         let ended = pool.wait(&mut |line| crate::say!("  {line}"))?;
         for (job, result, took) in ended {
+            log_job(sweep_dir, &job, took, &result);
             let study = &mut studies[job.study];
             study.busy[job.trial] = false;
             let trial = &study.trials[job.trial];
@@ -265,7 +268,8 @@ fn start(
         Some(_) => format!("{} → rung {rung}{}", trial.dir, budget.unwrap_or_default()),
         None => trial.dir.clone(),
     };
-    let job = Job { study: s, trial: t, rung, label: label.clone(), run_dir };
+    let job =
+        Job { study: s, trial: t, rung, label: label.clone(), run_dir, resumed: resume, started: SystemTime::now() };
     match pool.start(job, &point, resume) {
         Ok(()) => {
             crate::say!("  {label}: {}", if resume { "continues" } else { "starts" });
@@ -275,4 +279,32 @@ fn start(
         }
         Err(why) => Started::Failed(why),
     }
+}
+
+/// The file of every run a search started: when, for how long, and how it ended (a record of the
+/// search's timing, which its tables leave out; nothing reads it back).
+pub const JOBS: &str = "search_jobs.csv";
+
+/// Appends `job`'s line to [`JOBS`].
+fn log_job(sweep_dir: &Path, job: &Job, took: std::time::Duration, result: &Result<(), String>) {
+    let path = sweep_dir.join(JOBS);
+    let new = !path.exists();
+    let Ok(mut file) = std::fs::OpenOptions::new().create(true).append(true).open(&path) else { return };
+    let start = job.started.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+    let outcome = match result {
+        Ok(()) => "complete".to_owned(),
+        Err(why) => format!("{:?}", why.lines().next().unwrap_or_default()),
+    };
+    let mut text = String::new();
+    if new {
+        text += "trial,rung,resumed,started_unix_s,seconds,outcome\n";
+    }
+    text += &format!(
+        "{},{},{},{start:.3},{:.3},{outcome}\n",
+        job.run_dir.strip_prefix(sweep_dir).unwrap_or(&job.run_dir).display(),
+        job.rung,
+        job.resumed,
+        took.as_secs_f64()
+    );
+    let _ = file.write_all(text.as_bytes());
 }

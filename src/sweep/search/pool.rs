@@ -21,6 +21,9 @@ pub struct Job {
     /// How the progress lines name it: `trial-003 → rung 1 (30 steps)`.
     pub label: String,
     pub run_dir: PathBuf,
+    /// Whether it continues the trial's run (else it starts it), and when it started.
+    pub resumed: bool,
+    pub started: std::time::SystemTime,
 }
 
 enum Handle {
