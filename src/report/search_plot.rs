@@ -147,6 +147,8 @@ fn parameters_chart(area: &Area, search: &SearchIndex, trials: &[Trial]) -> Draw
                 categories.push(v);
             }
         }
+        // In the order the experiment lists the choices.
+        categories.sort_by_key(|c| dist.find(*c).unwrap_or(usize::MAX));
         let x_of = |v: &str| -> Option<f64> {
             if numeric {
                 v.parse::<f64>().ok().map(|x| if log { x.log10() } else { x })

@@ -52,10 +52,16 @@ fn summary(search: &SearchIndex, trials: &[&Trial]) -> String {
     let stopped = count(|s| matches!(s, Status::Stopped(_)));
     let failed = count(|s| matches!(s, Status::Failed(_)));
     let steps: u64 = trials.iter().filter_map(|t| t.trace.steps.iter().flatten().max()).sum();
-    let full =
-        search.rungs.last().filter(|_| search.unit.as_deref() == Some("steps")).map(|max| max * search.trials as u64);
-    let against =
-        full.map(|f| format!(" ({:.0}% of {f} for every trial at full budget)", 100.0 * steps as f64 / f as f64));
+    // Every trial at the full budget: each trial's steps per unit of budget, times the last rung.
+    let full = search.unit.as_ref().and_then(|_| {
+        let max = *search.rungs.last()?;
+        trials.iter().try_fold(0u64, |sum, t| {
+            let (k, s) = t.trace.steps.iter().enumerate().find_map(|(k, s)| s.map(|s| (k, s)))?;
+            Some(sum + s * max / search.rungs[k])
+        })
+    });
+    let against = full
+        .map(|f| format!(" ({:.0}% of the {f} of every trial at the full budget)", 100.0 * steps as f64 / f as f64));
     let mut out = format!(
         "\n{} of {} trials run: {complete} complete, {stopped} stopped early, {failed} failed; {steps} optimizer steps in \
          all{}.\n",
@@ -69,9 +75,13 @@ fn summary(search: &SearchIndex, trials: &[&Trial]) -> String {
             Outcome::Value(v) => format!("{v:.4}"),
             Outcome::Failed => "failed".into(),
         };
-        let at = best.trace.steps[k].unwrap_or_default();
+        let step = best.trace.steps[k].unwrap_or_default();
+        let at = match search.unit.as_deref() {
+            Some("epochs") => format!("after {} epochs (step {step})", search.rungs[k]),
+            _ => format!("at step {step}"),
+        };
         out += &format!(
-            "Best: `{}`, {} = {value} at step {at}; its configuration is `{}best.toml`.\n",
+            "Best: `{}`, {} = {value} {at}; its configuration is `{}best.toml`.\n",
             best.dir,
             search.metric,
             if best.group.is_empty() { String::new() } else { format!("{}/", best.group) }
