@@ -6,7 +6,7 @@
 //! t − lag, and a rung promotes in the order trials entered it.
 use std::io::Write;
 use std::path::Path;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use super::pool::{Job, Pool};
 use super::trial::Trial;
@@ -120,7 +120,7 @@ pub fn run(
     let mut studies: Vec<Study> = points.iter().map(Study::new).collect();
     let mut pool = Pool::new(runs, search.spec.parallel);
     let mut out = Finished::default();
-    let mut waiting_said = false;
+    let mut said = false;
     loop {
         let mut proposed = false;
         for study in &mut studies {
@@ -133,42 +133,16 @@ pub fn run(
             index(&studies)?;
         }
         let stopping = execute::stop_signal() != 0 || (opts.fail_fast && !out.failed.is_empty());
-        let (mut blocked, mut changed) = (false, proposed);
-        if !stopping {
-            'start: for s in 0..studies.len() {
-                for (t, rung) in studies[s].pending(search) {
-                    if pool.free() == 0 {
-                        break 'start;
-                    }
-                    match start(experiment, search, &mut studies[s], s, t, rung, sweep_dir, &mut pool) {
-                        Started::Yes => out.runs += 1,
-                        Started::Locked(pid) => {
-                            blocked = true;
-                            if !waiting_said {
-                                crate::say!(
-                                    "  waiting for pid {pid}, an earlier runner, to leave {}",
-                                    studies[s].trials[t].dir
-                                );
-                                waiting_said = true;
-                            }
-                        }
-                        Started::Failed(why) => {
-                            let dir = studies[s].trials[t].dir.clone();
-                            crate::say!("  {dir} → rung {rung}: FAILED: {why}");
-                            studies[s].fail(t, rung, why.clone());
-                            out.failed.push((dir, why));
-                            changed = true;
-                        }
-                    }
-                }
-            }
-        }
+        let (blocked, failed) = match stopping {
+            true => (false, false),
+            false => start_ready(experiment, search, &mut studies, sweep_dir, &mut pool, &mut out, &mut said),
+        };
         if pool.running() == 0 {
-            if blocked && !stopping {
+            if !stopping && blocked {
                 std::thread::sleep(std::time::Duration::from_millis(200));
                 continue;
             }
-            if changed && !stopping {
+            if !stopping && (proposed || failed) {
                 continue;
             }
             // Nothing runs and nothing more can start: each search is over, or it was stopped.
@@ -176,39 +150,9 @@ pub fn run(
             out.stopped = (sig != 0).then_some(sig as i32);
             break;
         }
-        let ended = pool.wait(&mut |line| crate::say!("  {line}"))?;
-        for (job, result, took) in ended {
+        for (job, result, took) in pool.wait(&mut |line| crate::say!("  {line}"))? {
             log_job(sweep_dir, &job, took, &result);
-            let study = &mut studies[job.study];
-            study.busy[job.trial] = false;
-            let trial = &study.trials[job.trial];
-            let read = trial.results(&job.run_dir, search);
-            study.results[job.trial] = read.outcomes;
-            let failure = match result {
-                Err(why) => Some(why),
-                Ok(()) if study.results[job.trial][job.rung].is_none() => {
-                    Some(format!("the run ended without a trace row at rung {} of {}", job.rung, trial.dir))
-                }
-                Ok(()) => read.failure,
-            };
-            let secs = took.as_secs_f64();
-            match failure {
-                Some(why) if execute::stop_signal() != 0 => {
-                    crate::say!("  {}: interrupted after {secs:.1} s ({why})", job.label)
-                }
-                Some(why) => {
-                    crate::say!("  {}: FAILED in {secs:.1} s: {why}", job.label);
-                    out.failed.push((trial.dir.clone(), why.clone()));
-                    study.fail(job.trial, job.rung, why);
-                }
-                None => {
-                    let value = match study.results[job.trial][job.rung] {
-                        Some(Outcome::Value(v)) => format!("{} {v:.4}", search.spec.metric),
-                        _ => String::new(),
-                    };
-                    crate::say!("  {}: {value} in {secs:.1} s", job.label);
-                }
-            }
+            studies[job.study].ended(&job, result, took, search, &mut out);
         }
         let sig = execute::stop_signal();
         if sig != 0 && pool.running() == 0 {
@@ -219,6 +163,78 @@ pub fn run(
     index(&studies)?;
     out.done = out.stopped.is_none() && studies.iter().all(|s| s.finished(search));
     Ok(out)
+}
+
+/// Starts the runs still to do while the pool has room; whether one waits for a directory
+/// another runner holds, and whether one failed to start (which changes the decisions).
+fn start_ready(
+    experiment: &Experiment,
+    search: &Search,
+    studies: &mut [Study],
+    sweep_dir: &Path,
+    pool: &mut Pool,
+    out: &mut Finished,
+    said: &mut bool,
+) -> (bool, bool) {
+    let (mut blocked, mut failed) = (false, false);
+    for (s, study) in studies.iter_mut().enumerate() {
+        for (t, rung) in study.pending(search) {
+            if pool.free() == 0 {
+                return (blocked, failed);
+            }
+            match start(experiment, search, study, s, t, rung, sweep_dir, pool) {
+                Started::Yes => out.runs += 1,
+                Started::Locked(pid) => {
+                    blocked = true;
+                    if !*said {
+                        crate::say!("  waiting for pid {pid}, an earlier runner, to leave {}", study.trials[t].dir);
+                        *said = true;
+                    }
+                }
+                Started::Failed(why) => {
+                    let dir = study.trials[t].dir.clone();
+                    crate::say!("  {dir} → rung {rung}: FAILED: {why}");
+                    study.fail(t, rung, why.clone());
+                    out.failed.push((dir, why));
+                    failed = true;
+                }
+            }
+        }
+    }
+    (blocked, failed)
+}
+
+impl Study<'_> {
+    /// Reads what trial `job.trial`'s ended run left in its directory, and says how it went.
+    fn ended(&mut self, job: &Job, result: Result<(), String>, took: Duration, search: &Search, out: &mut Finished) {
+        self.busy[job.trial] = false;
+        let trial = &self.trials[job.trial];
+        let read = trial.results(&job.run_dir, search);
+        self.results[job.trial] = read.outcomes;
+        let failure = match result {
+            Err(why) => Some(why),
+            Ok(()) if self.results[job.trial][job.rung].is_none() => {
+                Some(format!("the run ended without a trace row at rung {} of {}", job.rung, trial.dir))
+            }
+            Ok(()) => read.failure,
+        };
+        let secs = took.as_secs_f64();
+        match failure {
+            Some(why) if execute::stop_signal() != 0 => crate::say!("  {}: interrupted after {secs:.1} s ({why})", job.label),
+            Some(why) => {
+                crate::say!("  {}: FAILED in {secs:.1} s: {why}", job.label);
+                out.failed.push((trial.dir.clone(), why.clone()));
+                self.fail(job.trial, job.rung, why);
+            }
+            None => {
+                let value = match self.results[job.trial][job.rung] {
+                    Some(Outcome::Value(v)) => format!("{} {v:.4}", search.spec.metric),
+                    _ => String::new(),
+                };
+                crate::say!("  {}: {value} in {secs:.1} s", job.label);
+            }
+        }
+    }
 }
 
 enum Started {
@@ -248,7 +264,14 @@ fn start(
         return Started::Locked(pid.map_or("?".into(), |p| p.to_string()));
     }
     if let Err(why) = &trial.first {
-        return Started::Failed(format!("its configuration is invalid: {why}"));
+        let why = format!("its configuration is invalid: {why}");
+        // Its directory says so, for the report (which reads run directories only).
+        let mut m = crate::rundir::manifest::Manifest::start("", &trial.dir, &experiment.pipeline, 0, 0);
+        m.end(crate::rundir::manifest::Status::Failed, Some(why.clone()));
+        if let Err(e) = std::fs::create_dir_all(&run_dir).map_err(anyhow::Error::from).and_then(|()| m.write(&run_dir)) {
+            crate::say_err!("warning: cannot record {}'s failure: {e:#}", trial.dir);
+        }
+        return Started::Failed(why);
     }
     let target = match trial.run_to(experiment, search, rung) {
         Ok(p) => p,
@@ -263,9 +286,8 @@ fn start(
             Err(why) => return Started::Failed(why),
         }
     };
-    let budget = search.rungs().get(rung).map(|b| format!(" ({b} {})", search.unit.map_or("", |u| u.name())));
     let label = match search.unit {
-        Some(_) => format!("{} → rung {rung}{}", trial.dir, budget.unwrap_or_default()),
+        Some(unit) => format!("{} → rung {rung} ({})", trial.dir, unit.amount(search.rungs()[rung])),
         None => trial.dir.clone(),
     };
     let job =
@@ -286,7 +308,7 @@ fn start(
 pub const JOBS: &str = "search_jobs.csv";
 
 /// Appends `job`'s line to [`JOBS`].
-fn log_job(sweep_dir: &Path, job: &Job, took: std::time::Duration, result: &Result<(), String>) {
+fn log_job(sweep_dir: &Path, job: &Job, took: Duration, result: &Result<(), String>) {
     let path = sweep_dir.join(JOBS);
     let new = !path.exists();
     let Ok(mut file) = std::fs::OpenOptions::new().create(true).append(true).open(&path) else { return };

@@ -189,14 +189,14 @@ fn cadence(c: &Config, unit: Unit, min: u64, metric: &str, from: &dyn Fn(&str) -
         ));
     }
     match unit {
-        Unit::Steps => c.validate.every_steps.filter(|n| min % *n as u64 != 0).map(|n| {
+        Unit::Steps => c.validate.every_steps.filter(|n| !min.is_multiple_of(*n as u64)).map(|n| {
             format!(
                 "validate.every_steps = {n} ({}) does not divide min_steps = {min}: every rung must end on a trace row; \
                  leave it out (ASHA then writes one at every {min} steps) or make it divide {min}",
                 from("validate.every_steps")
             )
         }),
-        Unit::Epochs => (validates && min % c.validate.every as u64 != 0).then(|| {
+        Unit::Epochs => (validates && !min.is_multiple_of(c.validate.every as u64)).then(|| {
             format!(
                 "validate.every = {} ({}) does not divide min_epochs = {min}: every rung must end with a validation",
                 c.validate.every,

@@ -101,6 +101,16 @@ impl Unit {
             Unit::Epochs => "epochs",
         }
     }
+
+    /// `1 epoch`, `600 steps`.
+    pub fn amount(self, n: u64) -> String {
+        let name = self.name();
+        if n == 1 {
+            format!("1 {}", &name[..name.len() - 1])
+        } else {
+            format!("{n} {name}")
+        }
+    }
 }
 
 /// ASHA's budget as the file gives it: the unit, the first rung, the full budget (absent: the
@@ -363,9 +373,9 @@ mod tests {
         assert_eq!(s.sampler, Sampler::Tpe(Tpe { startup: 10 }));
         assert!(!s.minimize, "accuracies are maximised");
         assert_eq!((s.seed, s.parallel, s.lag, s.budget), (0, 1, 0, None));
-        let s = check(&format!(
-            "trials = 8\nmetric = \"val_loss\"\nscheduler = \"asha\"\nmin_steps = 10\n[space.train]\nlr = {{ uniform = [0.01, 0.1] }}\n"
-        ))
+        let s = check(
+            "trials = 8\nmetric = \"val_loss\"\nscheduler = \"asha\"\nmin_steps = 10\n[space.train]\nlr = { uniform = [0.01, 0.1] }\n",
+        )
         .unwrap();
         assert_eq!(s.budget, Some(Budget { unit: Unit::Steps, min: 10, max: None, eta: 3 }));
         assert_eq!(s.space.0[0].key, "train.lr");
