@@ -188,6 +188,15 @@ pub(super) fn warn_of_slow_bf16(plan: &Plan) {
     }
 }
 
+/// What a panic said, for the error that reports it.
+pub(crate) fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a panic".into())
+}
+
 /// The overrides of a command line: `--set-as LABEL KEY=VALUE` pairs (a sweep's), then `--set`.
 pub(super) fn overrides(set: &[String], set_as: &[String]) -> Vec<Override> {
     let labelled = set_as.chunks(2).map(|pair| Override { label: pair[0].clone(), text: pair[1].clone() });

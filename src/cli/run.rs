@@ -1,6 +1,5 @@
 //! `runner run`: as the launcher of this node's ranks, or as one rank (of runner's own launcher,
 //! torchrun or srun).
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -10,8 +9,9 @@ use crate::config::{self, ConfigError};
 use crate::launch::agree;
 use crate::launch::env::{Launcher, RankEnv};
 use crate::launch::rank;
+use crate::launch::restart;
 use crate::launch::slurm;
-use crate::launch::spawn::{self, Topology};
+use crate::launch::spawn::Topology;
 use crate::plan::Plan;
 use crate::rundir;
 use crate::rundir::lock::{self, RunLock};
@@ -19,8 +19,8 @@ use crate::rundir::manifest::{Manifest, Status};
 use crate::stages::preempt;
 use crate::trace::view;
 
-use super::resume::{preempted_plan, resumed_plan, say_resuming};
-use super::{overrides, warn_of_slow_bf16, ConfigArgs, RunArgs};
+use super::resume::{preempted_plan, restarted_plan, resumed_plan, say_resuming};
+use super::{overrides, panic_text, warn_of_slow_bf16, ConfigArgs, RunArgs};
 
 pub(super) fn run(args: &RunArgs) -> anyhow::Result<u8> {
     let claim = Claim { resume: args.resume.is_some(), force: args.force };
@@ -95,17 +95,7 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
         let parties = agree::Parties { label: "rank", me: env.rank, count: env.world_size };
         agree::rank0_plan(&store, &plan, parties, |plan| {
             rank::check_world_size(plan, env)?;
-            let run_dir = run_dir_of(plan);
-            let (plan, resume) = match preempted_plan(&run_dir, plan, claim)? {
-                Some(resumed) => (resumed, true),
-                None => (plan.clone(), claim.resume),
-            };
-            if resume {
-                say_resuming(&run_dir);
-            }
-            let manifest = plan.manifest();
-            let lock = prepare_run_dir(&plan, &run_dir, &manifest, Claim { resume, ..claim })?;
-            Ok((agree::Agreed { plan, resume }, (lock, manifest)))
+            claim_as_rank0(plan, env, &run_dir_of(plan), claim)
         })?
     };
     let agree::Agreed { plan, resume } = agreed;
@@ -119,6 +109,7 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
                 Err(panic) => Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))),
             });
     let preempted = result.as_ref().err().and_then(|e| e.downcast_ref::<preempt::Preempted>()).copied();
+    let mut requeue = None;
     if let Some(manifest) = manifest.as_mut() {
         match (&result, preempted) {
             (Ok(_), _) => {
@@ -129,9 +120,27 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
                 manifest.end(Status::Preempted, None);
                 manifest.preempted_at_step = Some(p.step);
             }
-            (Err(e), None) => manifest.end(Status::Failed, Some(format!("rank 0: {e:#}"))),
+            (Err(e), None) => {
+                manifest.end(Status::Failed, Some(format!("rank 0: {e:#}")));
+                let repeated = restart::record_rank0_failure(manifest, &run_dir, &format!("{e:#}"));
+                let slurm_restarts = manifest.restarts.iter().filter(|r| r.by == "slurm").count();
+                if env.launcher == Launcher::Srun && plan.config.run.max_restarts > 0 {
+                    requeue = Some(match (repeated, slurm_restarts < plan.config.run.max_restarts) {
+                        (true, _) => Err("it failed the same way before: a failure that repeats is not retried"),
+                        (false, false) => Err("no restart left (run.max_restarts)"),
+                        (false, true) => Ok(checkpoint::newest_unread(&run_dir, &plan).ok().flatten().is_some()),
+                    });
+                }
+            }
         }
+        manifest.account(&run_dir);
         manifest.write(&run_dir)?;
+    }
+    match requeue {
+        // Under srun rank 0 owns the run and requeues the job (the requeued one resumes).
+        Some(Ok(resumable)) => slurm::requeue("a rank failed", resumable, &run_dir),
+        Some(Err(why)) => crate::say_err!("a rank failed; the job is not requeued: {why}"),
+        None => {}
     }
     if let Some(p) = preempted {
         // Under srun rank 0 owns the run, and requeues the job once; under runner's launcher,
@@ -160,12 +169,49 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     Ok(0)
 }
 
-fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "a panic".into())
+/// Rank 0 under torchrun or srun, once every rank runs the same configuration: takes the run
+/// directory (`claim_run_dir`) for `plan`, or for the plan that goes on from its checkpoint when
+/// the run was preempted, or when its launcher started the ranks again after a failure.
+fn claim_as_rank0(
+    plan: &Plan,
+    env: &RankEnv,
+    run_dir: &Path,
+    claim: Claim,
+) -> anyhow::Result<(agree::Agreed, (RunLock, Manifest))> {
+    let restarted = env.restarts > 0 && !claim.resume;
+    let (plan, resume, from_step) = match preempted_plan(run_dir, plan, claim)? {
+        Some(resumed) => (resumed, true, None),
+        None if restarted => match restarted_plan(run_dir, plan)? {
+            Some((resumed, step)) => (resumed, true, Some(step)),
+            None => (plan.clone(), false, Some(0)),
+        },
+        None => (plan.clone(), claim.resume, None),
+    };
+    if resume {
+        say_resuming(run_dir);
+    }
+    let mut manifest = plan.manifest();
+    if let Ok(earlier) = Manifest::read(run_dir) {
+        let by = if env.launcher == Launcher::Srun { "slurm" } else { "torchrun" };
+        match from_step {
+            // The launcher's restart after a failure of this run.
+            Some(step) if earlier.run_id == plan.run_id => {
+                restart::record_relaunch(&mut manifest, &earlier, by, step, run_dir)
+            }
+            _ if resume => manifest.carry_history(&earlier),
+            _ => {}
+        }
+    }
+    let lock = prepare_run_dir(&plan, run_dir, &manifest, Claim { resume, ..claim })?;
+    Ok((agree::Agreed { plan, resume }, (lock, manifest)))
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 {
+        ""
+    } else {
+        "s"
+    }
 }
 
 fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
@@ -184,31 +230,34 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
         }
     }
     let mut manifest = plan.manifest();
+    if claim.resume {
+        // A resumed run goes on with its history of failures and restarts.
+        if let Ok(Some(earlier)) = Manifest::read_raw(run_dir) {
+            manifest.carry_history(&earlier);
+        }
+    }
     let _lock = prepare_run_dir(plan, run_dir, &manifest, claim)?;
-    // Every rank runs the plan resolved here, never the pipeline file again.
-    let child_args: Vec<OsString> = vec![
-        "run".into(),
-        "--plan".into(),
-        run_dir.join(rundir::PLAN).into(),
-        if claim.resume { "--resume" } else { "--out" }.into(),
-        run_dir.into(),
-    ];
-    // Every way the launcher ends records how: an error (a store it cannot serve or join, a
-    // configuration the other nodes do not share) or a panic is a failed run.
-    let launched =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| spawn::launch(plan, topology, run_dir, &child_args)))
-            .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", panic_text(&panic))));
-    // Every rank has ended: what a write cut short left (a checkpoint being written when a signal
-    // came, a temporary file) goes now, not at the next start.
-    rundir::remove_unfinished(run_dir);
-    let outcome = match launched {
-        Ok(outcome) => outcome,
+    let resumed = |plan: &Plan| -> anyhow::Result<Option<(Plan, usize)>> {
+        let Some(found) = checkpoint::newest_unread(run_dir, plan).map_err(anyhow::Error::msg)? else {
+            return Ok(None);
+        };
+        let step = found.record().step;
+        // A run that failed after its last checkpoint has only its model left to write.
+        let next = if step >= plan.total_steps() { plan.clone() } else { resumed_plan(run_dir, plan)? };
+        Ok(Some((next, step)))
+    };
+    let attempts = restart::Attempts { run_dir, topology, resumed: &resumed };
+    let supervised = match restart::supervise(plan.clone(), claim.resume, &mut manifest, &attempts) {
+        Ok(s) => s,
         Err(e) => {
             manifest.end(Status::Failed, Some(format!("{e:#}")));
+            manifest.account(run_dir);
             manifest.write(run_dir)?;
             return Err(e);
         }
     };
+    let restart::Supervised { plan, outcome, not_retried } = supervised;
+    let plan = &plan;
     if outcome.preempted {
         // The newest checkpoint: the one the ranks just wrote, or, when the signal came before
         // any rank started, the one a resumed run started from (none: the run starts over).
@@ -243,14 +292,38 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
         None => {
             manifest.end(Status::Complete, None);
             manifest.stopped(run_dir, &plan.config.train);
+            manifest.account(run_dir);
             manifest.write(run_dir)?;
+            if let Some(g) = &manifest.goodput {
+                crate::say!(
+                    "  {} restart{}; {}",
+                    manifest.restarts.len(),
+                    plural(manifest.restarts.len()),
+                    g.line(manifest.failures.len())
+                );
+            }
             crate::say!("  run directory: {}", run_dir.display());
             Ok(0)
         }
         Some(f) => {
-            manifest.end(Status::Failed, Some(f.summary()));
+            let summary = match &not_retried {
+                None => f.summary(),
+                Some(why) => {
+                    let earlier: Vec<String> =
+                        manifest.failures[..manifest.failures.len() - 1].iter().map(|f| f.summary()).collect();
+                    format!(
+                        "{}; not restarted: {why}; earlier failures ({} restart{}): {}",
+                        f.summary(),
+                        manifest.restarts.len(),
+                        plural(manifest.restarts.len()),
+                        earlier.join("; ")
+                    )
+                }
+            };
+            manifest.end(Status::Failed, Some(summary.clone()));
+            manifest.account(run_dir);
             manifest.write(run_dir)?;
-            crate::say_err!("\nerror: the run failed: {}", f.summary());
+            crate::say_err!("\nerror: the run failed: {summary}");
             if !f.stderr_tail.is_empty() {
                 crate::say_err!("  last lines rank {} wrote to stderr:", f.rank);
                 for line in &f.stderr_tail {

@@ -4,6 +4,7 @@
 pub mod agree;
 pub mod env;
 pub mod rank;
+pub mod restart;
 pub mod slurm;
 pub mod spawn;
 pub mod watchdog;

@@ -67,7 +67,17 @@ fn first_line(s: &str) -> &str {
 }
 
 /// The store: a client of the launcher's (torchrun, runner) or, without one, served by rank 0.
+/// Under torchrun its keys go under the attempt's prefix: a restarted job meets in the same
+/// agent store as the attempt before, whose keys are still there.
 pub fn open_store(env: &RankEnv, timeout: Duration) -> anyhow::Result<Store> {
+    let store = joined_store(env, timeout)?;
+    match env.launcher {
+        super::env::Launcher::Torchrun => Ok(store.prefixed(&format!("runner/attempt-{}", env.restarts))?),
+        _ => Ok(store),
+    }
+}
+
+fn joined_store(env: &RankEnv, timeout: Duration) -> anyhow::Result<Store> {
     if env.rank == 0 && !env.agent_store {
         if is_loopback(&env.master_addr) {
             let listener = TcpListener::bind(("127.0.0.1", env.master_port))

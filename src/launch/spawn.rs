@@ -36,12 +36,21 @@ pub struct Outcome {
     pub preempted: bool,
     /// Whether any rank was started.
     pub started: bool,
+    /// From the start of the launch until every rank of this node was training (its position
+    /// said so): a restart's time to get going again. `None` when they never were.
+    pub training_after: Option<Duration>,
 }
 
 impl Outcome {
     /// The launcher was stopped or preempted before it started any rank.
     fn before_start(i: crate::signals::Interruption) -> Outcome {
-        Outcome { failure: None, interrupted: (!i.preempt).then_some(i.signal), preempted: i.preempt, started: false }
+        Outcome {
+            failure: None,
+            interrupted: (!i.preempt).then_some(i.signal),
+            preempted: i.preempt,
+            started: false,
+            training_after: None,
+        }
     }
 }
 
@@ -51,6 +60,10 @@ pub struct Failure {
     pub how: String,
     /// Stage, epoch and step the rank had reached.
     pub position: Option<String>,
+    /// Optimizer steps the run had done, as the rank last recorded.
+    pub steps_done: Option<usize>,
+    /// From the failure (for a stalled rank: its last progress) until every rank had stopped.
+    pub detect: Duration,
     pub stderr_tail: Vec<String>,
     /// Ranks killed because they had not stopped within abort_after_s, and where they were
     /// (a rank stalled in a collective shows here).
@@ -70,6 +83,19 @@ impl Failure {
             }
         }
         s
+    }
+
+    /// How it ended and the error it gave: "was killed by SIGKILL", "exited with code 1: the
+    /// training loss became NaN ..." (the rank's own `error:` line, without its rank).
+    pub fn cause(&self) -> String {
+        let error = self.stderr_tail.iter().rev().find_map(|l| l.strip_prefix("error: ")).map(|e| {
+            let without_rank = e.strip_prefix("rank ").and_then(|r| r.split_once(": ")).map(|(_, rest)| rest);
+            without_rank.unwrap_or(e).to_owned()
+        });
+        match error {
+            Some(e) => format!("{}: {e}", self.how),
+            None => self.how.clone(),
+        }
     }
 }
 
@@ -163,8 +189,11 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
         ranks.push(Rank { child, status: None, tail });
     }
 
+    let launched = Instant::now();
+    let mut training_after = None;
     let abort_after = Duration::from_secs_f64(plan.config.run.abort_after_s);
-    let mut first_failure: Option<(usize, String, Instant)> = None;
+    // The first failure: its rank, how, when it was noticed and when it began (a stall: its start).
+    let mut first_failure: Option<(usize, String, Instant, Instant)> = None;
     let mut interrupted: Option<(i32, Instant)> = None;
     let mut killed = Vec::new();
     let mut stopped_since: Vec<Option<Instant>> = vec![None; ranks.len()];
@@ -198,7 +227,7 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
                     let how = describe(status);
                     // Peers blocked on this rank name it in their errors.
                     let _ = record_exit(&store, r, &how);
-                    first_failure = Some((r, how, Instant::now()));
+                    first_failure = Some((r, how, Instant::now(), Instant::now()));
                 }
             }
         }
@@ -218,7 +247,7 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
                 let r = first_rank + local;
                 let blame = match &first_failure {
                     None => since.elapsed() >= timeout,
-                    Some((f, _, _)) => *f != r,
+                    Some((f, ..)) => *f != r,
                 };
                 if blame {
                     let mut how = format!(
@@ -226,12 +255,12 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
                         since.elapsed().as_secs_f64()
                     );
                     match &first_failure {
-                        Some((f, then, _)) => how += &format!("; rank {f} then {then}"),
+                        Some((f, then, ..)) => how += &format!("; rank {f} then {then}"),
                         // Peers blocked on this rank name it in their errors.
                         None => drop(record_exit(&store, r, &how)),
                     }
                     let at = first_failure.as_ref().map_or(Instant::now(), |f| f.2);
-                    first_failure = Some((r, how, at));
+                    first_failure = Some((r, how, at, since));
                     stall_blamed = true;
                     // A stopped rank cannot wind down: it goes now, and its peers' collectives
                     // fail at once rather than at their own timeout.
@@ -244,14 +273,17 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
         // A rank stuck in one training step (computation that never ends) fails the run.
         if interrupted.is_none() && first_failure.is_none() {
             let running: Vec<bool> = ranks.iter().map(|r| r.status.is_none()).collect();
-            if let Some((local, how)) = watchdog.stalled(run_dir, first_rank, &running) {
+            if let Some((local, how, since)) = watchdog.stalled(run_dir, first_rank, &running) {
                 let r = first_rank + local;
                 // Peers blocked on this rank name it in their errors.
                 let _ = record_exit(&store, r, &how);
                 let rank = &mut ranks[local];
                 let _ = rank.child.kill();
                 rank.status = Some(rank.child.wait()?);
-                first_failure = Some((r, how, Instant::now()));
+                first_failure = Some((r, how, Instant::now(), since));
+            }
+            if training_after.is_none() && watchdog.all_training() {
+                training_after = Some(launched.elapsed());
             }
         }
         let since = first_failure.as_ref().map(|f| f.2).or(interrupted.map(|i| i.1));
@@ -270,10 +302,13 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     for reader in readers {
         let _ = reader.join();
     }
-    let failure = first_failure.map(|(rank, how, _)| Failure {
+    let ended = Instant::now();
+    let failure = first_failure.map(|(rank, how, _, began)| Failure {
         rank,
         how,
         position: position::read(run_dir, rank),
+        steps_done: position::read_done(run_dir, rank),
+        detect: ended.saturating_duration_since(began),
         stderr_tail: ranks[rank - first_rank].tail.lock().unwrap().iter().cloned().collect(),
         killed,
     });
@@ -281,7 +316,7 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     let preempted = failure.is_none()
         && interrupted.is_none()
         && ranks.iter().any(|r| r.status.and_then(|s| s.code()) == preempted_exit);
-    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted, started: true })
+    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted, started: true, training_after })
 }
 
 /// The job's store: served on this node (node 0, or a single node on an OS-chosen loopback

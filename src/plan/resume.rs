@@ -49,7 +49,8 @@ fn leaves(plan: &Plan) -> BTreeMap<String, toml::Value> {
 
 /// The keys [`crate::config::schema::Config::without_tracking`] leaves out of the comparison.
 fn is_tracking(key: &str) -> bool {
-    key.starts_with("track.") || key == "trace.tensorboard" || key == "trace.log_every_steps"
+    key.starts_with("track.")
+        || ["trace.tensorboard", "trace.log_every_steps", "run.max_restarts", "checkpoint.async"].contains(&key)
 }
 
 /// Every leaf key of the configuration, tracking included.
@@ -155,6 +156,8 @@ impl Plan {
         (plan.config.trace.tensorboard, plan.config.trace.log_every_steps) =
             (asked.config.trace.tensorboard, asked.config.trace.log_every_steps);
         plan.config.track = asked.config.track.clone();
+        (plan.config.run.max_restarts, plan.config.checkpoint.asynchronous) =
+            (asked.config.run.max_restarts, asked.config.checkpoint.asynchronous);
         // Tracking is taken as asked: so are the sources of its keys (those at their default
         // value included, which the serialized configuration may leave out).
         plan.sources.retain(|key, _| !is_tracking(key));

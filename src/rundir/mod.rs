@@ -17,6 +17,7 @@
 //!   run.log               a sweep point's output
 //!   .rank-N.position      where each rank is, while it runs
 //! ```
+pub mod goodput;
 pub mod index;
 pub mod lock;
 pub mod manifest;

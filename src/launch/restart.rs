@@ -1,0 +1,214 @@
+//! Automatic restarts (`run.max_restarts`). When a rank fails, [`spawn`] ends the others as it
+//! always does; the launcher then records the failure in the manifest and starts every rank
+//! again, in the same run directory, from its newest complete checkpoint (from the start when it
+//! has none yet). The trace goes on from the checkpoint's rows. A failure that repeats one seen
+//! before (the same cause at the same step, in the same place: a NaN, a bad batch, a module that
+//! raises) is not retried, and after `run.max_restarts` restarts the run fails, naming every
+//! failure. What each failure cost (detection, restart, steps computed twice) goes into the
+//! manifest ([`crate::rundir::goodput`]).
+use std::ffi::OsString;
+use std::path::Path;
+use std::time::Instant;
+
+use super::spawn::{self, Outcome, Topology};
+use crate::plan::Plan;
+use crate::rundir::manifest::{FailureRecord, Manifest, RestartRecord, Status};
+use crate::rundir::{self, position};
+
+/// How the run directory is continued after a failure.
+pub struct Attempts<'a> {
+    pub run_dir: &'a Path,
+    pub topology: &'a Topology,
+    /// The plan that continues `plan`'s run from the run directory's newest checkpoint, with
+    /// that checkpoint's step; `None` when there is no checkpoint yet.
+    pub resumed: &'a dyn Fn(&Plan) -> anyhow::Result<Option<(Plan, usize)>>,
+}
+
+/// How the run ended after its attempts.
+pub struct Supervised {
+    /// The last attempt's plan (a restart may have resumed under another layout).
+    pub plan: Plan,
+    pub outcome: Outcome,
+    /// Why a failure was not retried: the same failure again, or no restart left (`None` where
+    /// the run did not fail, or restarts are off).
+    pub not_retried: Option<String>,
+}
+
+/// Launches this node's ranks of `plan` (resuming from the newest checkpoint when `resume`) and
+/// restarts them after a failure as `run.max_restarts` allows, keeping `manifest` up to date.
+pub fn supervise(plan: Plan, resume: bool, manifest: &mut Manifest, attempts: &Attempts) -> anyhow::Result<Supervised> {
+    let (run_dir, topology) = (attempts.run_dir, attempts.topology);
+    let (mut plan, mut resume) = (plan, resume);
+    let mut from_step = if resume { newest_step(run_dir, &plan) } else { 0 };
+    // After a restart: when every rank of the failed attempt had stopped, and its record.
+    let mut restarting: Option<(Instant, usize)> = None;
+    let mut restarts = 0;
+    loop {
+        let began = Instant::now();
+        let outcome = launch_once(&plan, topology, run_dir, resume)?;
+        if let Some((down, i)) = restarting.take() {
+            let waited = began.duration_since(down);
+            manifest.restarts[i].restart_s = outcome.training_after.map(|t| (waited + t).as_secs_f64());
+        }
+        let Some(f) = outcome.failure.as_ref().filter(|_| outcome.interrupted.is_none() && !outcome.preempted) else {
+            return Ok(Supervised { plan, outcome, not_retried: None });
+        };
+        let down = Instant::now();
+        let steps_done = f.steps_done.unwrap_or(from_step).max(from_step);
+        let failure = FailureRecord {
+            rank: Some(f.rank),
+            node: node_name(topology),
+            cause: f.cause(),
+            position: f.position.clone(),
+            step: steps_done,
+            at: now(),
+            detect_s: Some(f.detect.as_secs_f64()),
+        };
+        let seen = manifest.failures.iter().find(|old| old.repeats(&failure)).cloned();
+        manifest.failures.push(failure);
+        let max = plan.config.run.max_restarts;
+        let not_retried = match (seen, max) {
+            (_, 0) => None,
+            (Some(seen), _) => {
+                Some(format!("it failed the same way before (at {}): a failure that repeats is not retried", seen.at))
+            }
+            (None, max) if restarts >= max => Some(format!("no restart left (run.max_restarts = {max})")),
+            (None, _) => {
+                // `restarts < max`: go again.
+                let next = match (attempts.resumed)(&plan) {
+                    Ok(next) => next,
+                    Err(e) => {
+                        let why = format!("it cannot restart: {e:#}");
+                        return Ok(Supervised { plan, outcome, not_retried: Some(why) });
+                    }
+                };
+                restarts += 1;
+                let (next_plan, step) = match next {
+                    Some((p, step)) => (p, step),
+                    None => (plan.clone(), 0),
+                };
+                start_over_unless(step > 0, &next_plan, run_dir)?;
+                manifest.restarts.push(RestartRecord {
+                    at: now(),
+                    by: "runner".into(),
+                    from_step: step,
+                    world_size: next_plan.world_size(),
+                    recomputed_steps: steps_done.saturating_sub(step),
+                    restart_s: None,
+                });
+                manifest.reshards = next_plan.reshards.clone();
+                manifest.write(run_dir)?;
+                let from = match step {
+                    0 => "from the start (no checkpoint yet)".to_owned(),
+                    s => format!("from the checkpoint of step {s}"),
+                };
+                crate::say_err!(
+                    "\n{}; restarting every rank {from} (restart {restarts} of {max})",
+                    manifest.failures.last().expect("pushed").summary()
+                );
+                restarting = Some((down, manifest.restarts.len() - 1));
+                (plan, resume, from_step) = (next_plan, step > 0, step);
+                continue;
+            }
+        };
+        manifest.write(run_dir)?;
+        return Ok(Supervised { plan, outcome, not_retried });
+    }
+}
+
+/// One launch of this node's ranks; every rank has ended when it returns, and what writes cut
+/// short left (a checkpoint being written, a temporary file) is removed.
+fn launch_once(plan: &Plan, topology: &Topology, run_dir: &Path, resume: bool) -> anyhow::Result<Outcome> {
+    // Every rank runs the plan resolved here, never the pipeline file again.
+    let child_args: Vec<OsString> = vec![
+        "run".into(),
+        "--plan".into(),
+        run_dir.join(rundir::PLAN).into(),
+        if resume { "--resume" } else { "--out" }.into(),
+        run_dir.into(),
+    ];
+    // A panic of the launcher is a failed run, as any error is.
+    let launched =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| spawn::launch(plan, topology, run_dir, &child_args)))
+            .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", crate::cli::panic_text(&panic))));
+    rundir::remove_unfinished(run_dir);
+    launched
+}
+
+/// Before a restart: with a checkpoint (`resuming`), saves the plan that goes on from it;
+/// without one, the run starts over, so what the failed attempt wrote goes (the run's own files
+/// only) and the plan is written again.
+fn start_over_unless(resuming: bool, plan: &Plan, run_dir: &Path) -> anyhow::Result<()> {
+    if !resuming {
+        rundir::clear_for_fresh_run(run_dir);
+        rundir::atomic_write(&run_dir.join(rundir::CONFIG), plan.annotated_toml().as_bytes())?;
+    }
+    position::remove_all(run_dir, 0..plan.world_size());
+    plan.save(&run_dir.join(rundir::PLAN))
+}
+
+/// The step of the newest checkpoint in `run_dir` (0 when there is none).
+fn newest_step(run_dir: &Path, plan: &Plan) -> usize {
+    crate::checkpoint::newest_unread(run_dir, plan).ok().flatten().map_or(0, |f| f.record().step)
+}
+
+/// This host's name, with its node index in a multi-node run.
+fn node_name(topology: &Topology) -> String {
+    let host = nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
+    match topology.nnodes {
+        1 => host,
+        _ => format!("node {} ({host})", topology.node_rank),
+    }
+}
+
+fn now() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+/// Under torchrun or srun, which start the ranks again themselves (`by`: "torchrun", "slurm"),
+/// rank 0 of the new attempt records in `manifest` the history of `earlier` (the run directory's
+/// manifest of the attempt before), that attempt's failure where its rank 0 could not record it
+/// (it was killed: the manifest was left running), and this restart from `from_step`.
+pub fn record_relaunch(manifest: &mut Manifest, earlier: &Manifest, by: &str, from_step: usize, run_dir: &Path) {
+    manifest.carry_history(earlier);
+    // The furthest any rank of the failed attempt got.
+    let reached = (0..earlier.world_size).filter_map(|r| position::read_done(run_dir, r)).max();
+    if matches!(earlier.status, Status::Running | Status::Crashed) {
+        manifest.failures.push(FailureRecord {
+            rank: None,
+            node: earlier.host.clone(),
+            cause: "the ranks ended without saying why (rank 0 was killed)".into(),
+            position: None,
+            step: reached.unwrap_or(from_step),
+            at: earlier.ended_at.clone().unwrap_or_else(now),
+            detect_s: None,
+        });
+    }
+    let failed_at = manifest.failures.last().map_or(from_step, |f| f.step).max(reached.unwrap_or(0));
+    manifest.restarts.push(RestartRecord {
+        at: now(),
+        by: by.into(),
+        from_step,
+        world_size: manifest.world_size,
+        recomputed_steps: failed_at.saturating_sub(from_step),
+        restart_s: None,
+    });
+}
+
+/// Under torchrun or srun, rank 0's account of a failed attempt (its own error, which names the
+/// rank it lost when another failed first), recorded in `manifest`. Returns whether it repeats
+/// a failure recorded before.
+pub fn record_rank0_failure(manifest: &mut Manifest, run_dir: &Path, error: &str) -> bool {
+    let failure = FailureRecord {
+        rank: None,
+        node: node_name(&Topology::single()),
+        cause: format!("rank 0: {}", error.lines().next().unwrap_or(error)),
+        position: position::read(run_dir, 0),
+        step: position::read_done(run_dir, 0).unwrap_or(0),
+        at: now(),
+        detect_s: None,
+    };
+    let repeated = manifest.failures.iter().any(|old| old.repeats(&failure));
+    manifest.failures.push(failure);
+    repeated
+}
