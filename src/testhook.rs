@@ -13,6 +13,21 @@ pub fn stall_at(rank: usize, text: &str) {
     stall_if(value.as_deref(), &format!("{rank}:{text}"));
 }
 
+/// `RUNNER_TEST_WAIT_AT=R:TEXT@FILE`: rank R waits at position TEXT until FILE exists (so that
+/// a test holds the run there until something else has happened).
+pub fn wait_at(rank: usize, text: &str) {
+    static VALUE: OnceLock<Option<String>> = OnceLock::new();
+    let value = VALUE.get_or_init(|| std::env::var("RUNNER_TEST_WAIT_AT").ok());
+    let spec = format!("{rank}:{text}");
+    for item in value.iter().flat_map(|v| v.split(';')) {
+        if let Some((_, file)) = item.split_once('@').filter(|(asked, _)| *asked == spec) {
+            while !std::path::Path::new(file).exists() {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        }
+    }
+}
+
 /// `RUNNER_TEST_STALL_CHECKPOINT=R:STEP[@FILE]`: rank R stops for good once its file of the
 /// checkpoint of step STEP is written, before the checkpoint is committed (in the thread that
 /// writes it, with `checkpoint.async`).

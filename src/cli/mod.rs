@@ -1,6 +1,7 @@
 //! The command line: `runner run`, `runner sweep`, `runner report`, `runner validate` and the
 //! rest. This module holds the commands and their dispatch; `args` the arguments of each, `run`
-//! what `runner run` does as a launcher or a rank, `resume` how a run directory is continued.
+//! what `runner run` does as a rank or before it launches, `launcher` what it does as the launcher,
+//! `resume` how a run directory is continued.
 use std::path::Path;
 
 use clap::{Parser, Subcommand};
@@ -11,6 +12,7 @@ use crate::plan::Plan;
 use crate::rundir;
 
 mod args;
+mod launcher;
 mod resume;
 mod run;
 

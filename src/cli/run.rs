@@ -11,7 +11,6 @@ use crate::launch::env::{Launcher, RankEnv};
 use crate::launch::rank;
 use crate::launch::restart;
 use crate::launch::slurm;
-use crate::launch::spawn::Topology;
 use crate::plan::Plan;
 use crate::rundir;
 use crate::rundir::lock::{self, RunLock};
@@ -65,7 +64,7 @@ pub(super) fn run(args: &RunArgs) -> anyhow::Result<u8> {
     }
     let topology = args.topology(plan.world_size())?;
     warn_of_slow_bf16(&plan);
-    launch(&plan, &topology, claim, &dir)
+    super::launcher::launch(&plan, &topology, claim, &dir)
 }
 
 /// How a run takes its directory.
@@ -198,7 +197,7 @@ fn claim_as_rank0(
             Some(step) if earlier.run_id == plan.run_id => {
                 restart::record_relaunch(&mut manifest, &earlier, by, step, run_dir)
             }
-            _ if resume => manifest.carry_history(&earlier),
+            _ if resume && earlier.status == Status::Preempted => manifest.carry_history(&earlier),
             _ => {}
         }
     }
@@ -206,141 +205,16 @@ fn claim_as_rank0(
     Ok((agree::Agreed { plan, resume }, (lock, manifest)))
 }
 
-fn plural(n: usize) -> &'static str {
-    if n == 1 {
-        ""
-    } else {
-        "s"
-    }
-}
-
-fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
-    crate::say!("{}", plan.data_flow());
-    for note in plan.data.notes() {
-        crate::say!("{note}");
-    }
-    for line in crate::stages::track::plan_lines(plan, Some(run_dir)) {
-        crate::say!("{line}");
-    }
-    if let Some(sweep) = std::env::var(crate::launch::env::SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {
-        // Started by `runner sweep`: its end (even by SIGKILL) interrupts this run.
-        let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM);
-        if nix::unistd::getppid().as_raw() != sweep {
-            return Err(anyhow::anyhow!("the sweep that started this run has ended"));
-        }
-    }
-    let mut manifest = plan.manifest();
-    if claim.resume {
-        // A resumed run goes on with its history of failures and restarts.
-        if let Ok(Some(earlier)) = Manifest::read_raw(run_dir) {
-            manifest.carry_history(&earlier);
-        }
-    }
-    let _lock = prepare_run_dir(plan, run_dir, &manifest, claim)?;
-    let resumed = |plan: &Plan| -> anyhow::Result<Option<(Plan, usize)>> {
-        let Some(found) = checkpoint::newest_unread(run_dir, plan).map_err(anyhow::Error::msg)? else {
-            return Ok(None);
-        };
-        let step = found.record().step;
-        // A run that failed after its last checkpoint has only its model left to write.
-        let next = if step >= plan.total_steps() { plan.clone() } else { resumed_plan(run_dir, plan)? };
-        Ok(Some((next, step)))
-    };
-    let attempts = restart::Attempts { run_dir, topology, resumed: &resumed };
-    let supervised = match restart::supervise(plan.clone(), claim.resume, &mut manifest, &attempts) {
-        Ok(s) => s,
-        Err(e) => {
-            manifest.end(Status::Failed, Some(format!("{e:#}")));
-            manifest.account(run_dir);
-            manifest.write(run_dir)?;
-            return Err(e);
-        }
-    };
-    let restart::Supervised { plan, outcome, not_retried } = supervised;
-    let plan = &plan;
-    if outcome.preempted {
-        // The newest checkpoint: the one the ranks just wrote, or, when the signal came before
-        // any rank started, the one a resumed run started from (none: the run starts over).
-        let step = checkpoint::newest_unread(run_dir, plan).ok().flatten().map(|f| f.record().step);
-        manifest.end(Status::Preempted, None);
-        manifest.preempted_at_step = step;
-        manifest.write(run_dir)?;
-        let said = match (outcome.started, step) {
-            (true, Some(step)) => format!("preempted at step {step}: checkpoint written"),
-            (false, Some(step)) => format!("preempted before any rank started: it resumes from step {step}"),
-            (_, None) => "preempted before its first checkpoint".to_owned(),
-        };
-        // One requeue per job: node 0's launcher asks for it.
-        match topology.node_rank {
-            0 => slurm::requeue(&said, step.is_some(), run_dir),
-            _ => crate::say_err!("{said}; node 0 says how the run goes on"),
-        }
-        return Ok(128 + plan.config.run.preempt_signal.number() as u8);
-    }
-    if let Some(sig) = outcome.interrupted {
-        manifest.end(Status::Interrupted, None);
-        manifest.write(run_dir)?;
-        let what = if outcome.started {
-            "every rank was stopped; the trace keeps every finished epoch"
-        } else {
-            "no rank had started; nothing was written but the run's configuration"
-        };
-        crate::say_err!("\ninterrupted by {}: {what} in {}", crate::signals::name(sig), run_dir.display());
-        return Ok(128 + sig as u8);
-    }
-    match &outcome.failure {
-        None => {
-            manifest.end(Status::Complete, None);
-            manifest.stopped(run_dir, &plan.config.train);
-            manifest.account(run_dir);
-            manifest.write(run_dir)?;
-            if let Some(g) = &manifest.goodput {
-                crate::say!(
-                    "  {} restart{}; {}",
-                    manifest.restarts.len(),
-                    plural(manifest.restarts.len()),
-                    g.line(manifest.failures.len())
-                );
-            }
-            crate::say!("  run directory: {}", run_dir.display());
-            Ok(0)
-        }
-        Some(f) => {
-            let summary = match &not_retried {
-                None => f.summary(),
-                Some(why) => {
-                    let earlier: Vec<String> =
-                        manifest.failures[..manifest.failures.len() - 1].iter().map(|f| f.summary()).collect();
-                    format!(
-                        "{}; not restarted: {why}; earlier failures ({} restart{}): {}",
-                        f.summary(),
-                        manifest.restarts.len(),
-                        plural(manifest.restarts.len()),
-                        earlier.join("; ")
-                    )
-                }
-            };
-            manifest.end(Status::Failed, Some(summary.clone()));
-            manifest.account(run_dir);
-            manifest.write(run_dir)?;
-            crate::say_err!("\nerror: the run failed: {summary}");
-            if !f.stderr_tail.is_empty() {
-                crate::say_err!("  last lines rank {} wrote to stderr:", f.rank);
-                for line in &f.stderr_tail {
-                    crate::say_err!("    {line}");
-                }
-            }
-            crate::say_err!("  run directory (traces keep every finished epoch): {}", run_dir.display());
-            Ok(1)
-        }
-    }
-}
-
 /// Takes the run directory for this run: creates it, locks it (a second launcher is refused,
 /// naming the pid holding it), refuses one that is not this run's unless `--force`, removes
 /// what a fresh run replaces (only the runner's own files) and stale temporary files, and writes
 /// plan.json, config.toml and the manifest.
-fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest, claim: Claim) -> anyhow::Result<RunLock> {
+pub(super) fn prepare_run_dir(
+    plan: &Plan,
+    run_dir: &Path,
+    manifest: &Manifest,
+    claim: Claim,
+) -> anyhow::Result<RunLock> {
     std::fs::create_dir_all(run_dir)
         .with_context(|| format!("cannot create the run directory {}", run_dir.display()))?;
     let lock = lock::acquire(run_dir).map_err(|e| ConfigError::new(e.message(run_dir)))?;

@@ -90,6 +90,11 @@ pub struct Run {
     /// retried. 0 (the default, as torchrun's --max-restarts): a failure ends the run.
     #[serde(skip_serializing_if = "is_default")]
     pub max_restarts: usize,
+    /// With `--nnodes MIN:MAX`: seconds the nodes left wait for a lost node to come back before
+    /// they go on without it (at least MIN nodes), from the newest checkpoint at the smaller
+    /// world size.
+    #[serde(skip_serializing_if = "is_default_rejoin")]
+    pub rejoin_timeout_s: f64,
     /// The numerical path of libtorch's CPU matrix products: "native" (the default: MKL's kernels
     /// for this CPU, as PyTorch runs; the same bits on the same CPU model) or "portable" (the same
     /// bits on any x86-64 CPU: MKL_CBWR=COMPATIBLE, 2 to 2.5x slower on compute-bound runs; for
@@ -122,6 +127,13 @@ impl CpuNumerics {
     fn leaves_out(&self) -> bool {
         skip(*self == CpuNumerics::stored())
     }
+}
+
+/// `run.rejoin_timeout_s`'s default: torchrun's last call for nodes of an elastic rendezvous.
+const REJOIN_TIMEOUT_S: f64 = 30.0;
+
+fn is_default_rejoin(v: &f64) -> bool {
+    skip(*v == REJOIN_TIMEOUT_S)
 }
 
 /// A signal a job scheduler sends before it stops a job (`run.preempt_signal`).
@@ -169,6 +181,7 @@ impl Default for Run {
             memory_per_rank_mb: None,
             preempt_signal: PreemptSignal::Usr1,
             max_restarts: 0,
+            rejoin_timeout_s: REJOIN_TIMEOUT_S,
             numerics: CpuNumerics::Native,
         }
     }
@@ -1069,12 +1082,13 @@ pub struct Track {
 
 impl Config {
     /// The configuration without what only records a run (TensorBoard, MLflow, step logging)
-    /// or how it survives failures (`run.max_restarts`, `checkpoint.async`): what the run id
+    /// or how it survives failures (`run.max_restarts`, `run.rejoin_timeout_s`, `checkpoint.async`):
+    /// what the run id
     /// covers, since none of it changes what the run computes.
     pub fn without_tracking(&self) -> Config {
         let d = Trace::default();
         let trace = Trace { tensorboard: d.tensorboard, log_every_steps: d.log_every_steps, ..self.trace.clone() };
-        let run = Run { max_restarts: 0, ..self.run.clone() };
+        let run = Run { max_restarts: 0, rejoin_timeout_s: REJOIN_TIMEOUT_S, ..self.run.clone() };
         let checkpoint = Checkpoint { asynchronous: false, ..self.checkpoint.clone() };
         Config { trace, track: Track::default(), run, checkpoint, ..self.clone() }
     }

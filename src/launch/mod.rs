@@ -2,6 +2,7 @@
 //! under srun with several tasks per node) or spawns and supervises `world_size` rank processes
 //! itself.
 pub mod agree;
+pub mod elastic;
 pub mod env;
 pub mod rank;
 pub mod restart;

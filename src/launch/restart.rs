@@ -22,6 +22,31 @@ pub struct Attempts<'a> {
     /// The plan that continues `plan`'s run from the run directory's newest checkpoint, with
     /// that checkpoint's step; `None` when there is no checkpoint yet.
     pub resumed: &'a dyn Fn(&Plan) -> anyhow::Result<Option<(Plan, usize)>>,
+    /// What runs the ranks once: [`Local`], or an elastic round ([`super::elastic`]).
+    pub attempt: &'a mut dyn Attempt,
+}
+
+/// One attempt at running the ranks.
+pub trait Attempt {
+    /// Runs `plan` (from the run directory's newest checkpoint when `resume`) until every rank of
+    /// this node has ended; returns the plan that ran (an elastic round may resize it) and how the
+    /// ranks ended. What writes cut short left is removed.
+    fn run(&mut self, plan: Plan, resume: bool, manifest: &mut Manifest) -> anyhow::Result<(Plan, Outcome)>;
+}
+
+/// This node's ranks, with a store of their own each attempt.
+pub struct Local<'a> {
+    pub run_dir: &'a Path,
+    pub topology: &'a Topology,
+}
+
+impl Attempt for Local<'_> {
+    fn run(&mut self, plan: Plan, resume: bool, _: &mut Manifest) -> anyhow::Result<(Plan, Outcome)> {
+        let args = child_args(self.run_dir, resume);
+        let outcome = launch_guarded(|| spawn::launch(&plan, self.topology, self.run_dir, &args));
+        rundir::remove_unfinished(self.run_dir);
+        Ok((plan, outcome?))
+    }
 }
 
 /// How the run ended after its attempts.
@@ -36,7 +61,12 @@ pub struct Supervised {
 
 /// Launches this node's ranks of `plan` (resuming from the newest checkpoint when `resume`) and
 /// restarts them after a failure as `run.max_restarts` allows, keeping `manifest` up to date.
-pub fn supervise(plan: Plan, resume: bool, manifest: &mut Manifest, attempts: &Attempts) -> anyhow::Result<Supervised> {
+pub fn supervise(
+    plan: Plan,
+    resume: bool,
+    manifest: &mut Manifest,
+    attempts: &mut Attempts,
+) -> anyhow::Result<Supervised> {
     let (run_dir, topology) = (attempts.run_dir, attempts.topology);
     let (mut plan, mut resume) = (plan, resume);
     let mut from_step = if resume { newest_step(run_dir, &plan) } else { 0 };
@@ -45,10 +75,12 @@ pub fn supervise(plan: Plan, resume: bool, manifest: &mut Manifest, attempts: &A
     let mut restarts = 0;
     loop {
         let began = Instant::now();
-        let outcome = launch_once(&plan, topology, run_dir, resume)?;
+        let (ran, outcome) = attempts.attempt.run(plan, resume, manifest)?;
+        plan = ran;
         if let Some((down, i)) = restarting.take() {
             let waited = began.duration_since(down);
             manifest.restarts[i].restart_s = outcome.training_after.map(|t| (waited + t).as_secs_f64());
+            manifest.restarts[i].world_size = plan.world_size();
         }
         let Some(f) = outcome.failure.as_ref().filter(|_| outcome.interrupted.is_none() && !outcome.preempted) else {
             return Ok(Supervised { plan, outcome, not_retried: None });
@@ -116,23 +148,22 @@ pub fn supervise(plan: Plan, resume: bool, manifest: &mut Manifest, attempts: &A
     }
 }
 
-/// One launch of this node's ranks; every rank has ended when it returns, and what writes cut
-/// short left (a checkpoint being written, a temporary file) is removed.
-fn launch_once(plan: &Plan, topology: &Topology, run_dir: &Path, resume: bool) -> anyhow::Result<Outcome> {
-    // Every rank runs the plan resolved here, never the pipeline file again.
-    let child_args: Vec<OsString> = vec![
+/// The arguments of this node's ranks: every rank runs the plan resolved here, never the pipeline
+/// file again.
+pub fn child_args(run_dir: &Path, resume: bool) -> Vec<OsString> {
+    vec![
         "run".into(),
         "--plan".into(),
         run_dir.join(rundir::PLAN).into(),
         if resume { "--resume" } else { "--out" }.into(),
         run_dir.into(),
-    ];
-    // A panic of the launcher is a failed run, as any error is.
-    let launched =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| spawn::launch(plan, topology, run_dir, &child_args)))
-            .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", crate::cli::panic_text(&panic))));
-    rundir::remove_unfinished(run_dir);
-    launched
+    ]
+}
+
+/// A launch whose panic is a failed run, as any error is.
+pub fn launch_guarded(launch: impl FnOnce() -> anyhow::Result<Outcome>) -> anyhow::Result<Outcome> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(launch))
+        .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", crate::cli::panic_text(&panic))))
 }
 
 /// Before a restart: with a checkpoint (`resuming`), saves the plan that goes on from it;
@@ -185,13 +216,16 @@ pub fn record_relaunch(manifest: &mut Manifest, earlier: &Manifest, by: &str, fr
         });
     }
     let failed_at = manifest.failures.last().map_or(from_step, |f| f.step).max(reached.unwrap_or(0));
+    let at = now();
+    // Until this rank 0 started: the launcher's own time to restart (torchrun's, Slurm's requeue).
+    let restart_s = manifest.failures.last().and_then(|f| crate::rundir::goodput::seconds_between(&f.at, &at));
     manifest.restarts.push(RestartRecord {
-        at: now(),
+        at,
         by: by.into(),
         from_step,
         world_size: manifest.world_size,
         recomputed_steps: failed_at.saturating_sub(from_step),
-        restart_s: None,
+        restart_s,
     });
 }
 

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{self, Signal};
 use nix::unistd::Pid;
 
-use super::env::{AGENT_STORE, LAUNCHER_PID};
+use super::env::{AGENT_STORE, LAUNCHER_PID, STORE_PREFIX};
 use crate::dist::{record_exit, Store};
 use crate::plan::Plan;
 use crate::rundir::position;
@@ -43,7 +43,7 @@ pub struct Outcome {
 
 impl Outcome {
     /// The launcher was stopped or preempted before it started any rank.
-    fn before_start(i: crate::signals::Interruption) -> Outcome {
+    pub fn before_start(i: crate::signals::Interruption) -> Outcome {
         Outcome {
             failure: None,
             interrupted: (!i.preempt).then_some(i.signal),
@@ -109,7 +109,10 @@ struct Rank {
 /// world_size / nnodes ranks; node 0 hosts the store at `master`.
 #[derive(Debug, Clone)]
 pub struct Topology {
+    /// The nodes of the job (the most, for an elastic one).
     pub nnodes: usize,
+    /// The fewest it goes on with (`--nnodes MIN:MAX`); `nnodes` for a job of fixed size.
+    pub min_nodes: usize,
     pub node_rank: usize,
     /// Address and port of node 0's store; None on a single node (loopback, OS-chosen port).
     pub master: Option<(String, u16)>,
@@ -117,27 +120,18 @@ pub struct Topology {
 
 impl Topology {
     pub fn single() -> Topology {
-        Topology { nnodes: 1, node_rank: 0, master: None }
+        Topology { nnodes: 1, min_nodes: 1, node_rank: 0, master: None }
     }
 }
 
 pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[OsString]) -> anyhow::Result<Outcome> {
     // Ctrl-C, SIGTERM, SIGHUP, ... stop the ranks through the supervision loop below; the
     // preemption signal is forwarded to them ([`crate::signals`], set up since the first instruction).
-    let preempt_signal = plan.config.run.preempt_signal.number();
-    crate::signals::set_preempt(preempt_signal);
-    // How a rank that was preempted exits.
-    let preempted_exit = Some(128 + preempt_signal);
+    crate::signals::set_preempt(plan.config.run.preempt_signal.number());
     let world = plan.world_size();
     let per_node = world / topology.nnodes;
-    let first_rank = topology.node_rank * per_node;
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
-    // A signal ends the rendezvous' waits: the run then ends as the signal says, not as failed.
-    let stopped = |e: anyhow::Error| match crate::signals::interruption() {
-        Some(i) => Ok(Outcome::before_start(i)),
-        None => Err(e),
-    };
-    let (store, master_addr, port) = match rendezvous(topology, world, timeout) {
+    let (store, addr, port) = match rendezvous(topology, world, timeout) {
         Ok(joined) => joined,
         Err(e) => return stopped(e),
     };
@@ -147,6 +141,48 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
             return stopped(e);
         }
     }
+    let meeting =
+        Meeting { store: &store, addr, port, prefix: None, first_rank: topology.node_rank * per_node, per_node, world };
+    start(plan, &meeting, run_dir, child_args, &mut || {})
+}
+
+/// A signal ends the rendezvous' waits: the run then ends as the signal says, not as failed.
+pub fn stopped(e: anyhow::Error) -> anyhow::Result<Outcome> {
+    match crate::signals::interruption() {
+        Some(i) => Ok(Outcome::before_start(i)),
+        None => Err(e),
+    }
+}
+
+/// Where this node's ranks meet the job's: the store (under the attempt's prefix), its address
+/// as the ranks reach it, and which of the `world` ranks this node runs.
+pub struct Meeting<'a> {
+    pub store: &'a Store,
+    pub addr: String,
+    pub port: u16,
+    /// The prefix of the attempt's keys in the store, when it outlives attempts (the elastic
+    /// host's); the ranks take it from [`STORE_PREFIX`].
+    pub prefix: Option<String>,
+    pub first_rank: usize,
+    pub per_node: usize,
+    pub world: usize,
+}
+
+/// Starts this node's ranks of `plan` and supervises them until every one has ended. `tick`
+/// runs at every turn of the supervision (the elastic host watches for joining nodes there).
+pub fn start(
+    plan: &Plan,
+    meeting: &Meeting,
+    run_dir: &Path,
+    child_args: &[OsString],
+    tick: &mut dyn FnMut(),
+) -> anyhow::Result<Outcome> {
+    let preempt_signal = plan.config.run.preempt_signal.number();
+    // How a rank that was preempted exits.
+    let preempted_exit = Some(128 + preempt_signal);
+    let Meeting { store, first_rank, per_node, world, .. } = *meeting;
+    let (master_addr, port) = (&meeting.addr, meeting.port);
+    let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
     if let Some(i) = crate::signals::interruption() {
         return Ok(Outcome::before_start(i));
     }
@@ -163,13 +199,16 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
             .env("LOCAL_RANK", local.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_WORLD_SIZE", per_node.to_string())
-            .env("MASTER_ADDR", &master_addr)
+            .env("MASTER_ADDR", master_addr)
             .env("MASTER_PORT", port.to_string())
             .env(AGENT_STORE, "True")
             .env(LAUNCHER_PID, std::process::id().to_string())
             .env("OMP_NUM_THREADS", plan.threads_per_rank.to_string())
             .stdin(Stdio::null())
             .stderr(Stdio::piped());
+        if let Some(prefix) = &meeting.prefix {
+            command.env(STORE_PREFIX, prefix);
+        }
         // Started with the signals blocked: one forwarded while the rank still loads waits for
         // the rank's own setup instead of killing it.
         let mut child = crate::signals::blocked(|| command.spawn())?;
@@ -201,6 +240,7 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     let mut watchdog = super::watchdog::Watchdog::new(&plan.config.run, ranks.len());
     let mut preempting = false;
     loop {
+        tick();
         if crate::signals::preempted() && !preempting && interrupted.is_none() {
             preempting = true;
             for rank in ranks.iter().filter(|r| r.status.is_none()) {

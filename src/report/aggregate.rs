@@ -29,6 +29,9 @@ pub struct PointResult {
     /// Rank 0's validation accuracy per epoch (none where it did not validate).
     pub val_acc_curve: Vec<Option<f64>>,
     pub last: Final,
+    /// What failures cost the run, when it survived any: its restarts and goodput
+    /// ([`crate::rundir::goodput`]).
+    pub failures: Option<String>,
 }
 
 /// The final epoch of one point.
@@ -138,6 +141,10 @@ fn point_result(
         loss_curve: f64s(&rank0, "global_train_loss")?.into_iter().flatten().collect(),
         val_acc_curve: f64s(&rank0, "val_acc")?,
         last,
+        failures: m.goodput.as_ref().map(|g| {
+            let n = m.restarts.len();
+            format!("{n} restart{}; {}", if n == 1 { "" } else { "s" }, g.line(m.failures.len()))
+        }),
     })
 }
 
@@ -297,6 +304,7 @@ mod tests {
                 state_bytes: Some(1000.0 / world as f64),
                 peak_rss_bytes: None,
             },
+            failures: None,
         }
     }
 

@@ -34,8 +34,9 @@ impl Goodput {
             return None;
         }
         let wall_s = seconds_between(&m.started_at, ended).unwrap_or(0.0);
-        let detect_s: f64 = m.failures.iter().filter_map(|f| f.detect_s).sum();
-        let restart_s: f64 = m.restarts.iter().filter_map(|r| r.restart_s).sum();
+        // Folded from +0.0: an empty f64 sum is -0.0.
+        let detect_s = m.failures.iter().filter_map(|f| f.detect_s).fold(0.0, |a, b| a + b);
+        let restart_s = m.restarts.iter().filter_map(|r| r.restart_s).fold(0.0, |a, b| a + b);
         let recomputed_steps: usize = m.restarts.iter().map(|r| r.recomputed_steps).sum();
         let recomputed_s = recomputed_steps as f64 * step_s.unwrap_or(0.0);
         let lost = detect_s + restart_s + recomputed_s;

@@ -187,9 +187,12 @@ impl Manifest {
         }
     }
 
-    /// Takes over the failures and restarts of the run's earlier manifest (a run resumed or
-    /// restarted goes on with its history), and its start time when it was restarted.
+    /// Takes over the start time, failures and restarts of the run's earlier manifest: a run
+    /// that its launcher continues by itself (after a failure, or a preemption) is the same run,
+    /// and what its failures cost counts against its whole wall time. (A run resumed by hand with
+    /// `--resume` starts a manifest of its own.)
     pub fn carry_history(&mut self, earlier: &Manifest) {
+        self.started_at = earlier.started_at.clone();
         self.failures = earlier.failures.clone();
         self.restarts = earlier.restarts.clone();
     }
@@ -288,5 +291,17 @@ mod tests {
         assert!(!failure(0, &nan(0), 2).repeats(&failure(0, &nan(0), 3)));
         assert!(!failure(0, "was killed by SIGKILL", 2).repeats(&failure(0, &nan(0), 2)));
         assert_eq!(without_ranks("rank 12 lost rank 3; ranks 4"), "rank _ lost rank _; ranks 4");
+    }
+
+    #[test]
+    fn an_older_manifest_without_failures_reads_as_before() {
+        let old = r#"{"run_id": "a", "name": "n", "status": "complete", "runner_version": "0.1.0",
+            "git_commit": null, "libtorch_version": "2.13.0", "host": "h", "cores": 2, "world_size": 2,
+            "threads_per_rank": 1, "pipeline": "p.toml", "started_at": "t", "ended_at": "u", "failure": null}"#;
+        let m: Manifest = serde_json::from_str(old).unwrap();
+        assert!(m.failures.is_empty() && m.restarts.is_empty() && m.goodput.is_none());
+        // And a manifest without failures writes none of the new fields.
+        let text = serde_json::to_string(&m).unwrap();
+        assert!(!text.contains("failures") && !text.contains("restarts") && !text.contains("goodput"), "{text}");
     }
 }

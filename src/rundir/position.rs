@@ -52,9 +52,10 @@ impl Position {
             text.truncate(WIDTH);
             let done = self.done.get();
             let _ = f.write_all_at(format!("{text:<WIDTH$}{done:>DONE_WIDTH$}").as_bytes(), 0);
-            // A test hook: `RUNNER_TEST_STALL_AT=R:TEXT[@FILE]` stops rank R for good once its
-            // position is TEXT ("validate, epoch 2"), so that a test can kill it there.
+            // Test hooks: a test stops rank R for good at a position, to kill it there, or holds
+            // it there until it has done something else ([`crate::testhook`]).
             crate::testhook::stall_at(self.rank, &text);
+            crate::testhook::wait_at(self.rank, &text);
         }
     }
 }

@@ -95,6 +95,9 @@ pub fn run(
                 tracker.step(done, iv.last_step(trainer.wrapped.optimizer.lr()));
             }
             if done < interval.end && (preempted.is_some() || checkpoint_due(plan, &clock, done)) {
+                if preempted.is_none() && preempt::rejoin_wanted(pg, device)? {
+                    preempted = Some(preempt::REJOINING);
+                }
                 trainer.check_variables(done)?;
                 // A preemption's checkpoint is complete before the rank stops.
                 let asynchronous = c.checkpoint.asynchronous && preempted.is_none();
@@ -129,6 +132,9 @@ pub fn run(
             checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::BEST_MODEL)?;
         }
         if checkpoint_due(plan, &clock, done) || (preempted.is_some() && done < clock.total) {
+            if preempted.is_none() && done < clock.total && preempt::rejoin_wanted(pg, device)? {
+                preempted = Some(preempt::REJOINING);
+            }
             let asynchronous = c.checkpoint.asynchronous && preempted.is_none();
             let b = &mut background;
             checkpoint::save(&trainer, plan, pg, run_dir, done, &rows, &steps, None, b, asynchronous)?;
