@@ -105,47 +105,54 @@ pub fn supervise(
                 Some(format!("it failed the same way before (at {}): a failure that repeats is not retried", seen.at))
             }
             (None, max) if restarts >= max => Some(format!("no restart left (run.max_restarts = {max})")),
-            (None, _) => {
-                // `restarts < max`: go again.
-                let next = match (attempts.resumed)(&plan) {
-                    Ok(next) => next,
-                    Err(e) => {
-                        let why = format!("it cannot restart: {e:#}");
-                        return Ok(Supervised { plan, outcome, not_retried: Some(why) });
-                    }
-                };
-                restarts += 1;
-                let (next_plan, step) = match next {
-                    Some((p, step)) => (p, step),
-                    None => (plan.clone(), 0),
-                };
-                start_over_unless(step > 0, &next_plan, run_dir)?;
-                manifest.restarts.push(RestartRecord {
-                    at: now(),
-                    by: "runner".into(),
-                    from_step: step,
-                    world_size: next_plan.world_size(),
-                    recomputed_steps: steps_done.saturating_sub(step),
-                    restart_s: None,
-                });
-                manifest.reshards = next_plan.reshards.clone();
-                manifest.write(run_dir)?;
-                let from = match step {
-                    0 => "from the start (no checkpoint yet)".to_owned(),
-                    s => format!("from the checkpoint of step {s}"),
-                };
-                crate::say_err!(
-                    "\n{}; restarting every rank {from} (restart {restarts} of {max})",
-                    manifest.failures.last().expect("pushed").summary()
-                );
-                restarting = Some((down, manifest.restarts.len() - 1));
-                (plan, resume, from_step) = (next_plan, step > 0, step);
-                continue;
-            }
+            (None, _) => match restart_from(&plan, steps_done, manifest, attempts)? {
+                Err(why) => Some(why),
+                Ok((next, step)) => {
+                    restarts += 1;
+                    let from = match step {
+                        0 => "from the start (no checkpoint yet)".to_owned(),
+                        s => format!("from the checkpoint of step {s}"),
+                    };
+                    let failure = manifest.failures.last().expect("pushed").summary();
+                    crate::say_err!("\n{failure}; restarting every rank {from} (restart {restarts} of {max})");
+                    restarting = Some((down, manifest.restarts.len() - 1));
+                    (plan, resume, from_step) = (next, step > 0, step);
+                    continue;
+                }
+            },
         };
         manifest.write(run_dir)?;
         return Ok(Supervised { plan, outcome, not_retried });
     }
+}
+
+/// Makes the run directory ready for a restart after a failure at `steps_done` steps: the plan
+/// that goes on from the newest checkpoint (saved), or from the start where there is none yet,
+/// with that checkpoint's step; the restart recorded in `manifest`. `Err` says why the run cannot
+/// restart (its checkpoint does not verify, the plan is refused).
+fn restart_from(
+    plan: &Plan,
+    steps_done: usize,
+    manifest: &mut Manifest,
+    attempts: &Attempts,
+) -> anyhow::Result<Result<(Plan, usize), String>> {
+    let (next, step) = match (attempts.resumed)(plan) {
+        Ok(Some((next, step))) => (next, step),
+        Ok(None) => (plan.clone(), 0),
+        Err(e) => return Ok(Err(format!("it cannot restart: {e:#}"))),
+    };
+    start_over_unless(step > 0, &next, attempts.run_dir)?;
+    manifest.restarts.push(RestartRecord {
+        at: now(),
+        by: "runner".into(),
+        from_step: step,
+        world_size: next.world_size(),
+        recomputed_steps: steps_done.saturating_sub(step),
+        restart_s: None,
+    });
+    manifest.reshards = next.reshards.clone();
+    manifest.write(attempts.run_dir)?;
+    Ok(Ok((next, step)))
 }
 
 /// The arguments of this node's ranks: every rank runs the plan resolved here, never the pipeline

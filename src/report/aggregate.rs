@@ -309,6 +309,18 @@ mod tests {
     }
 
     #[test]
+    fn the_table_names_the_points_that_survived_failures_and_what_they_cost() {
+        let index = Index { experiment: "e.toml".into(), axes: vec![], points: vec![], numerics: None };
+        let cost = "2 restarts; goodput 93.1% of 41.2 s: 2 failures cost 2.8 s (detection 0.3 s, restarts 2.1 s, 12 \
+                    steps computed twice 0.4 s)";
+        let points = vec![point(1, 0.3, 1000.0, "0.1"), PointResult { failures: Some(cost.into()), ..point(2, 0.3, 1900.0, "0.1") }];
+        let loaded = Loaded { points, missing: vec![] };
+        let md = super::super::table::markdown(&index, &loaded, &rows(&loaded.points));
+        assert!(md.contains(&format!("Failures the runs survived (their results are those of uninterrupted runs):\n- `w2`: {cost}\n")), "{md}");
+        assert!(!md.contains("`w1`: "), "{md}");
+    }
+
+    #[test]
     fn rows_take_the_spread_across_seeds_and_scale_against_the_smallest_world() {
         let points = [
             point(1, 0.30, 1000.0, "0.1"),
