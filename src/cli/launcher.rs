@@ -1,14 +1,15 @@
 //! `runner run` as the launcher of this node's ranks: takes the run directory, runs the ranks
 //! (restarting them after a failure as `run.max_restarts` allows: [`restart`]; in rounds over
 //! the nodes of an elastic or restarted multi-node run: [`elastic`]), and records how the run
-//! ended.
+//! ended. A resume takes the run directory only once every rank accepted its plan: one refused
+//! before leaves the directory as it was.
 use std::path::Path;
 
 use crate::checkpoint;
 use crate::launch::elastic::{self, Nodes};
 use crate::launch::restart::{self, Supervised};
 use crate::launch::slurm;
-use crate::launch::spawn::Topology;
+use crate::launch::spawn::{self, Topology};
 use crate::plan::Plan;
 use crate::rundir::manifest::{Manifest, Status};
 
@@ -17,7 +18,7 @@ use super::run::{prepare_run_dir, Claim};
 
 pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
     crate::say!("{}", plan.data_flow());
-    for note in plan.data.notes() {
+    for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()) {
         crate::say!("{note}");
     }
     for line in crate::stages::track::plan_lines(plan, Some(run_dir)) {
@@ -42,6 +43,7 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
         Ok(Some(earlier)) if claim.resume && earlier.status == Status::Preempted => manifest.carry_history(&earlier),
         _ => {}
     }
+    // A fresh run's files are written here; a resume's once its ranks accepted it.
     let _lock = prepare_run_dir(plan, run_dir, &manifest, claim)?;
     let resumed = |plan: &Plan| -> anyhow::Result<Option<(Plan, usize)>> {
         let Some(found) = checkpoint::newest_unread(run_dir, plan).map_err(anyhow::Error::msg)? else {
@@ -60,24 +62,31 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
         // No checkpoint yet: the run starts over at this size, still as the run it is.
         Ok((Plan { run_id: plan.run_id.clone(), started_with: plan.started_with.clone(), ..asked }, false))
     };
-    let supervised = if rounds {
+    let (supervised, committed) = if rounds {
         let (addr, port) = topology.master.clone().expect("several nodes have a master");
         let mut host = elastic::Host::serve(plan, &addr, port, nodes, run_dir, &at_size)?;
-        let mut attempts = restart::Attempts { run_dir, topology, resumed: &resumed, attempt: &mut host };
+        let mut attempts =
+            restart::Attempts { run_dir, topology, resumed: &resumed, attempt: &mut host, committed: !claim.resume };
         let supervised = restart::supervise(plan.clone(), claim.resume, &mut manifest, &mut attempts);
+        let committed = attempts.committed;
         if let Ok(s) = &supervised {
             let o = &s.outcome;
             let complete = o.failure.is_none() && o.interrupted.is_none() && !o.preempted;
             host.finish(if complete { "the run is complete".into() } else { "the run ended".into() }, complete);
         }
-        supervised
+        (supervised, committed)
     } else {
         let mut local = restart::Local { run_dir, topology };
-        let mut attempts = restart::Attempts { run_dir, topology, resumed: &resumed, attempt: &mut local };
-        restart::supervise(plan.clone(), claim.resume, &mut manifest, &mut attempts)
+        let mut attempts =
+            restart::Attempts { run_dir, topology, resumed: &resumed, attempt: &mut local, committed: !claim.resume };
+        (restart::supervise(plan.clone(), claim.resume, &mut manifest, &mut attempts), attempts.committed)
     };
     match supervised {
+        // A resume refused before every rank accepted it (a preemption then still writes its
+        // checkpoint's step, as a run's own).
+        Ok(s) if !committed && !s.outcome.preempted => refused_resume(&s.outcome, run_dir),
         Ok(s) => ended(s, manifest, topology, run_dir),
+        Err(e) if !committed => Err(e.context(unchanged(run_dir))),
         Err(e) => {
             manifest.end(Status::Failed, Some(format!("{e:#}")));
             manifest.account(run_dir);
@@ -113,9 +122,9 @@ fn ended(supervised: Supervised, mut manifest: Manifest, topology: &Topology, ru
         manifest.end(Status::Interrupted, None);
         manifest.write(run_dir)?;
         let what = if outcome.started {
-            "every rank was stopped; the trace keeps every finished epoch"
+            format!("every rank was stopped; the trace keeps every finished {}", trace_unit(&plan.config))
         } else {
-            "no rank had started; nothing was written but the run's configuration"
+            "no rank had started; nothing was written but the run's configuration".to_owned()
         };
         crate::say_err!("\ninterrupted by {}: {what} in {}", crate::signals::name(sig), run_dir.display());
         return Ok(128 + sig as u8);
@@ -150,7 +159,7 @@ fn ended(supervised: Supervised, mut manifest: Manifest, topology: &Topology, ru
             crate::say_err!("    {line}");
         }
     }
-    crate::say_err!("  run directory (traces keep every finished epoch): {}", run_dir.display());
+    crate::say_err!("  run directory (traces keep every finished {}): {}", trace_unit(&plan.config), run_dir.display());
     Ok(1)
 }
 
@@ -159,5 +168,53 @@ fn plural(n: usize) -> &'static str {
         ""
     } else {
         "s"
+    }
+}
+
+/// What a trace row counts, as the interrupt and failure messages name it: an epoch, or an
+/// interval of optimizer steps (a run in `train.steps` writes a row every `validate.every_steps`).
+fn trace_unit(c: &crate::config::schema::Config) -> String {
+    match c.train.steps {
+        None => "epoch".into(),
+        Some(total) => {
+            let every = c.validate.every_steps.unwrap_or(total);
+            format!("interval of {every} optimizer step{}", if every == 1 { "" } else { "s" })
+        }
+    }
+}
+
+/// What a resume that ended before its ranks accepted its plan left: the run directory as it was.
+fn unchanged(run_dir: &Path) -> String {
+    let status = Manifest::read(run_dir).map_or("its".to_owned(), |m| format!("{:?}", m.status).to_lowercase());
+    format!(
+        "the resume stopped before every rank had accepted its plan: {} is as it was (still {status}, its plan, \
+         configuration, trace and checkpoints untouched)",
+        run_dir.display()
+    )
+}
+
+/// How a resume ended that never had every rank accept its plan (a rank refused it or failed
+/// loading the checkpoint, or a signal came first): said, with the directory left as it was.
+fn refused_resume(outcome: &spawn::Outcome, run_dir: &Path) -> anyhow::Result<u8> {
+    if let Some(sig) = outcome.interrupted {
+        crate::say_err!("\ninterrupted by {}: {}", crate::signals::name(sig), unchanged(run_dir));
+        return Ok(128 + sig as u8);
+    }
+    match &outcome.failure {
+        Some(f) => {
+            crate::say_err!("\nerror: the resume failed: {}", f.summary());
+            if !f.stderr_tail.is_empty() {
+                crate::say_err!("  last lines rank {} wrote to stderr:", f.rank);
+                for line in &f.stderr_tail {
+                    crate::say_err!("    {line}");
+                }
+            }
+            crate::say_err!("  {}", unchanged(run_dir));
+            Ok(1)
+        }
+        None => {
+            crate::say_err!("\nerror: {}", unchanged(run_dir));
+            Ok(1)
+        }
     }
 }

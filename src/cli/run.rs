@@ -29,6 +29,9 @@ pub(super) fn run(args: &RunArgs) -> anyhow::Result<u8> {
         let env = RankEnv::from_env()?.context("--plan is for the ranks `runner run` starts (RANK is not set)")?;
         return run_rank(Plan::load(path)?, &env, &|_| run_dir.clone(), claim);
     }
+    if let Some(dir) = &args.resume {
+        super::resume::check_run_dir(dir)?;
+    }
     let file = match (&args.file, &args.resume) {
         (Some(f), _) => f.clone(),
         (None, Some(dir)) => dir.join(rundir::CONFIG),
@@ -36,10 +39,15 @@ pub(super) fn run(args: &RunArgs) -> anyhow::Result<u8> {
     };
     let config = ConfigArgs { file, set: args.set.clone(), set_as: args.set_as.clone() };
     let resolved = config::resolve(&config.file, &overrides(&config.set, &config.set_as))?;
-    if let Some(saved) = args.resume.as_ref().and_then(|dir| Plan::load(&dir.join(rundir::PLAN)).ok()) {
-        saved.check_resumable_world_size(&resolved.config)?;
-    }
-    let asked = Plan::new(resolved)?;
+    let saved = args.resume.as_ref().and_then(|dir| Plan::load(&dir.join(rundir::PLAN)).ok().map(|p| (dir, p)));
+    let asked = match saved {
+        Some((dir, saved)) => {
+            saved.check_resumable_world_size(&resolved.config)?;
+            let own_config = format!("file {}", dir.join(rundir::CONFIG).display());
+            Plan::resuming(resolved, &crate::plan::Resuming { global_batch: saved.global_batch(), own_config })?
+        }
+        None => Plan::new(resolved)?,
+    };
     let plan = match &args.resume {
         Some(dir) => resumed_plan(dir, &asked)?,
         None => asked,
@@ -88,28 +96,47 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     rank::check_world_size(&plan, env)?;
     let timeout = std::time::Duration::from_secs_f64(plan.config.run.timeout_s);
     let store = std::sync::Arc::new(rank::open_store(env, timeout)?);
+    // Rank 0 under torchrun or srun: whether this attempt goes on after a failure of the run.
+    let restarting = std::cell::Cell::new(false);
     let (agreed, owned) = if env.launcher == Launcher::Runner {
         (agree::Agreed { plan, resume: claim.resume }, None)
     } else {
         let parties = agree::Parties { label: "rank", me: env.rank, count: env.world_size };
         agree::rank0_plan(&store, &plan, parties, |plan| {
             rank::check_world_size(plan, env)?;
-            claim_as_rank0(plan, env, &run_dir_of(plan), claim)
+            claim_as_rank0(plan, env, &run_dir_of(plan), claim, &restarting)
         })?
     };
     let agree::Agreed { plan, resume } = agreed;
     let run_dir = run_dir_of(&plan);
     let (_lock, mut manifest) = owned.unzip();
-    let result =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rank::run(&plan, env, store, &run_dir, resume)))
-            .unwrap_or_else(|panic| match panic.downcast::<crate::checked::Failure>() {
-                // A model's forward pass failed (a user's module raised): its message is the error.
-                Ok(failure) => Err(anyhow::anyhow!(failure.0)),
-                Err(panic) => Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))),
-            });
+    // A fresh run's directory took its files before any rank started; a resume's take them once
+    // every rank accepted the plan (rank 0 owns them here, under torchrun or srun).
+    let committed = std::cell::Cell::new(!resume);
+    let write = || {
+        let m = manifest.as_ref().expect("rank 0 owns the run directory");
+        rundir::commit_run_dir(&plan, &run_dir, m)?;
+        committed.set(true);
+        Ok(())
+    };
+    let commit = match (env.launcher, &manifest) {
+        (Launcher::Runner, _) => rank::Commit::Launcher,
+        (_, Some(_)) => rank::Commit::Here(&write),
+        (_, None) => rank::Commit::Elsewhere,
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        rank::run(&plan, env, store, &run_dir, resume, commit)
+    }))
+    .unwrap_or_else(|panic| match panic.downcast::<crate::checked::Failure>() {
+        // A model's forward pass failed (a user's module raised): its message is the error.
+        Ok(failure) => Err(anyhow::anyhow!(failure.0)),
+        Err(panic) => Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))),
+    });
     let preempted = result.as_ref().err().and_then(|e| e.downcast_ref::<preempt::Preempted>()).copied();
     let mut requeue = None;
-    if let Some(manifest) = manifest.as_mut() {
+    // A resume refused before every rank accepted it leaves the run's manifest as it was; a
+    // restart after a failure (torchrun's, a requeued srun job's) records its own failure there.
+    if let Some(manifest) = manifest.as_mut().filter(|_| committed.get() || restarting.get()) {
         match (&result, preempted) {
             (Ok(_), _) => {
                 manifest.end(Status::Complete, None);
@@ -171,11 +198,15 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
 /// Rank 0 under torchrun or srun, once every rank runs the same configuration: takes the run
 /// directory (`claim_run_dir`) for `plan`, or for the plan that goes on from its checkpoint when
 /// the run was preempted, or when its launcher started the ranks again after a failure.
+/// `restarting` is set for the launcher's restart after a failure: the run is under way, and its
+/// manifest records the restart at once (its plan and configuration only once every rank
+/// accepted the resumed plan, as for any resume).
 fn claim_as_rank0(
     plan: &Plan,
     env: &RankEnv,
     run_dir: &Path,
     claim: Claim,
+    restarting: &std::cell::Cell<bool>,
 ) -> anyhow::Result<(agree::Agreed, (RunLock, Manifest))> {
     let restarted = env.restarts > 0 && !claim.resume;
     let (plan, resume, from_step) = match preempted_plan(run_dir, plan, claim)? {
@@ -195,20 +226,25 @@ fn claim_as_rank0(
         match from_step {
             // The launcher's restart after a failure of this run.
             Some(step) if earlier.run_id == plan.run_id => {
-                restart::record_relaunch(&mut manifest, &earlier, by, step, run_dir)
+                restart::record_relaunch(&mut manifest, &earlier, by, step, run_dir);
+                restarting.set(true);
             }
             _ if resume && earlier.status == Status::Preempted => manifest.carry_history(&earlier),
             _ => {}
         }
     }
     let lock = prepare_run_dir(&plan, run_dir, &manifest, Claim { resume, ..claim })?;
+    if resume && restarting.get() {
+        manifest.write(run_dir)?;
+    }
     Ok((agree::Agreed { plan, resume }, (lock, manifest)))
 }
 
 /// Takes the run directory for this run: creates it, locks it (a second launcher is refused,
 /// naming the pid holding it), refuses one that is not this run's unless `--force`, removes
-/// what a fresh run replaces (only the runner's own files) and stale temporary files, and writes
-/// plan.json, config.toml and the manifest.
+/// what a fresh run replaces (only the runner's own files) and stale temporary files, and, for a
+/// fresh run, writes plan.json, config.toml and the manifest (a resume writes them once every
+/// rank accepted its plan: [`rundir::commit_run_dir`]).
 pub(super) fn prepare_run_dir(
     plan: &Plan,
     run_dir: &Path,
@@ -220,8 +256,6 @@ pub(super) fn prepare_run_dir(
     let lock = lock::acquire(run_dir).map_err(|e| ConfigError::new(e.message(run_dir)))?;
     if claim.resume {
         rundir::remove_stale(run_dir);
-        // Written again if the resumed run stops early.
-        let _ = std::fs::remove_file(run_dir.join(rundir::STOPPED));
     } else {
         if !claim.force {
             if let Some(why) = rundir::foreign(run_dir, &plan.run_id) {
@@ -235,9 +269,9 @@ pub(super) fn prepare_run_dir(
         }
         rundir::clear_for_fresh_run(run_dir);
     }
-    // Rewritten on resume too: a resumed run may extend the configuration (train.epochs).
-    plan.save(&run_dir.join(rundir::PLAN))?;
-    rundir::atomic_write(&run_dir.join(rundir::CONFIG), plan.annotated_toml().as_bytes())?;
-    manifest.write(run_dir)?;
+    // A resume writes them once every rank has accepted its plan.
+    if !claim.resume {
+        rundir::commit_run_dir(plan, run_dir, manifest)?;
+    }
     Ok(lock)
 }

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
-use super::restart::{child_args, launch_guarded, Attempt};
+use super::restart::{child_args, launch_guarded, pending_plan, Attempt};
 use super::spawn::{self, Meeting, Outcome};
 use crate::config::ConfigError;
 use crate::dist::Store;
@@ -70,8 +70,9 @@ fn round_prefix(round: usize) -> String {
 /// What node 0 publishes when it closes a round.
 #[derive(Debug, Serialize, Deserialize)]
 enum Verdict {
-    /// The nodes of the round, in rank order, and the plan they run (as plan.json holds it).
-    Go { members: Vec<usize>, plan: String, resume: bool },
+    /// The nodes of the round, in rank order, the plan they run (as its file in the shared run
+    /// directory holds it: plan.json, or a resume's pending plan) and that file.
+    Go { members: Vec<usize>, plan: String, file: std::path::PathBuf, resume: bool },
     /// The run is over: why, and whether it is complete.
     Stop { why: String, complete: bool },
 }
@@ -185,7 +186,7 @@ impl<'a> Host<'a> {
                 );
             }
             if let Some(i) = crate::signals::interruption() {
-                return Ok(Err(Outcome::before_start(i)));
+                return Ok(Err(Outcome::before_start(i, false)));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -217,12 +218,12 @@ impl Attempt for Host<'_> {
                     self.nodes.max,
                     plan.reshards.last().map(|r| format!(" from step {}", r.step)).unwrap_or_default()
                 );
+                // Into the run directory with the round's plan, once every rank accepted it.
                 manifest.reshards = plan.reshards.clone();
-                manifest.write(self.run_dir)?;
             }
-            plan.save(&self.run_dir.join(rundir::PLAN))?;
-            let text = std::fs::read_to_string(self.run_dir.join(rundir::PLAN))?;
-            self.publish(round, &Verdict::Go { members: members.clone(), plan: text, resume })?;
+            let file = pending_plan(self.run_dir, &plan, resume)?;
+            let text = std::fs::read_to_string(&file)?;
+            self.publish(round, &Verdict::Go { members: members.clone(), plan: text, file: file.clone(), resume })?;
             self.round += 1;
             self.store.set(OPEN, self.round.to_string().as_bytes())?;
 
@@ -254,8 +255,10 @@ impl Attempt for Host<'_> {
                     crate::say_err!("a node asks to join: every rank stops at the next checkpoint");
                 }
             };
-            let args = child_args(self.run_dir, resume);
-            let outcome = launch_guarded(|| spawn::start(&plan, &meeting, self.run_dir, &args, &mut watch));
+            let args = child_args(&file, self.run_dir, resume);
+            let mut write = || rundir::commit_run_dir(&plan, self.run_dir, manifest);
+            let commit: Option<spawn::Commit> = resume.then_some(&mut write);
+            let outcome = launch_guarded(|| spawn::start(&plan, &meeting, self.run_dir, &args, commit, &mut watch));
             rundir::remove_unfinished(self.run_dir);
             let outcome = outcome?;
             if asked && outcome.preempted && !crate::signals::preempted() {
@@ -297,15 +300,15 @@ pub fn follow(plan: &Plan, me: usize, master: (&str, u16), nodes: Nodes, run_dir
                 Err(e) => anyhow::bail!("node 0, the rendezvous host, is gone ({e}): the run cannot go on without it"),
             }
         };
-        let (members, text, resume) = match verdict {
+        let (members, text, file, resume) = match verdict {
             Verdict::Stop { why, complete } => {
                 crate::say_err!("node {me}: {why}");
                 return Ok(if complete { 0 } else { 1 });
             }
-            Verdict::Go { members, plan, resume } => (members, plan, resume),
+            Verdict::Go { members, plan, file, resume } => (members, plan, file, resume),
         };
         let Some(index) = members.iter().position(|&n| n == me) else { continue };
-        let shared = std::fs::read_to_string(run_dir.join(rundir::PLAN)).ok();
+        let shared = std::fs::read_to_string(&file).ok();
         if shared.as_deref() != Some(text.as_str()) {
             anyhow::bail!(
                 "{} is not node 0's run directory: an elastic or restarted run over several nodes needs its --out on a \
@@ -333,8 +336,11 @@ pub fn follow(plan: &Plan, me: usize, master: (&str, u16), nodes: Nodes, run_dir
             per_node,
             world: members.len() * per_node,
         };
-        let args = child_args(run_dir, resume);
-        let outcome = launch_guarded(|| spawn::start(&round_plan, &meeting, run_dir, &args, &mut || {}))?;
+        let args = child_args(&file, run_dir, resume);
+        // Node 0 writes the shared run directory's files; this node only answers that it may.
+        let mut nothing_to_write = || Ok(());
+        let commit: Option<spawn::Commit> = resume.then_some(&mut nothing_to_write);
+        let outcome = launch_guarded(|| spawn::start(&round_plan, &meeting, run_dir, &args, commit, &mut || {}))?;
         if let Some(sig) = outcome.interrupted {
             return Ok(128 + sig as u8);
         }

@@ -6,8 +6,15 @@
 //! raises) is not retried, and after `run.max_restarts` restarts the run fails, naming every
 //! failure. What each failure cost (detection, restart, steps computed twice) goes into the
 //! manifest ([`crate::rundir::goodput`]).
+//!
+//! Every attempt that resumes, the user's `--resume` and a restart alike, commits as one: its ranks
+//! run the plan from a temporary file, and plan.json, config.toml and the manifest take it only
+//! once every rank accepted the plan and loaded the checkpoint ([`crate::rundir::commit_run_dir`]).
+//! A restart's failure and the restart itself go into the manifest at once (the run is under way);
+//! a restart whose ranks fail before accepting its plan is one more failure of the run. The user's
+//! own resume refused so is not retried: the run directory stays as it was.
 use std::ffi::OsString;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::spawn::{self, Outcome, Topology};
@@ -24,13 +31,17 @@ pub struct Attempts<'a> {
     pub resumed: &'a dyn Fn(&Plan) -> anyhow::Result<Option<(Plan, usize)>>,
     /// What runs the ranks once: [`Local`], or an elastic round ([`super::elastic`]).
     pub attempt: &'a mut dyn Attempt,
+    /// Whether the run directory holds this run's files: a fresh run's from the start, a
+    /// resumed one's once the ranks of an attempt accepted its plan.
+    pub committed: bool,
 }
 
 /// One attempt at running the ranks.
 pub trait Attempt {
     /// Runs `plan` (from the run directory's newest checkpoint when `resume`) until every rank of
     /// this node has ended; returns the plan that ran (an elastic round may resize it) and how the
-    /// ranks ended. What writes cut short left is removed.
+    /// ranks ended. A resume writes the run directory's files, `manifest` among them, once every
+    /// rank accepted the plan ([`pending_plan`]). What writes cut short left is removed.
     fn run(&mut self, plan: Plan, resume: bool, manifest: &mut Manifest) -> anyhow::Result<(Plan, Outcome)>;
 }
 
@@ -41,9 +52,11 @@ pub struct Local<'a> {
 }
 
 impl Attempt for Local<'_> {
-    fn run(&mut self, plan: Plan, resume: bool, _: &mut Manifest) -> anyhow::Result<(Plan, Outcome)> {
-        let args = child_args(self.run_dir, resume);
-        let outcome = launch_guarded(|| spawn::launch(&plan, self.topology, self.run_dir, &args));
+    fn run(&mut self, plan: Plan, resume: bool, manifest: &mut Manifest) -> anyhow::Result<(Plan, Outcome)> {
+        let args = child_args(&pending_plan(self.run_dir, &plan, resume)?, self.run_dir, resume);
+        let mut write = || rundir::commit_run_dir(&plan, self.run_dir, manifest);
+        let commit: Option<spawn::Commit> = resume.then_some(&mut write);
+        let outcome = launch_guarded(|| spawn::launch(&plan, self.topology, self.run_dir, &args, commit));
         rundir::remove_unfinished(self.run_dir);
         Ok((plan, outcome?))
     }
@@ -77,6 +90,12 @@ pub fn supervise(
         let began = Instant::now();
         let (ran, outcome) = attempts.attempt.run(plan, resume, manifest)?;
         plan = ran;
+        attempts.committed |= outcome.committed;
+        if !attempts.committed {
+            // The user's resume, refused before every rank accepted it: nothing is retried or
+            // recorded (the launcher says so, the run directory as it was).
+            return Ok(Supervised { plan, outcome, not_retried: None });
+        }
         if let Some((down, i)) = restarting.take() {
             let waited = began.duration_since(down);
             manifest.restarts[i].restart_s = outcome.training_after.map(|t| (waited + t).as_secs_f64());
@@ -127,9 +146,9 @@ pub fn supervise(
 }
 
 /// Makes the run directory ready for a restart after a failure at `steps_done` steps: the plan
-/// that goes on from the newest checkpoint (saved), or from the start where there is none yet,
-/// with that checkpoint's step; the restart recorded in `manifest`. `Err` says why the run cannot
-/// restart (its checkpoint does not verify, the plan is refused).
+/// that goes on from the newest checkpoint, or from the start where there is none yet, with that
+/// checkpoint's step; the restart recorded in `manifest`, written at once. `Err` says why the run
+/// cannot restart (its checkpoint does not verify, the plan is refused).
 fn restart_from(
     plan: &Plan,
     steps_done: usize,
@@ -155,13 +174,23 @@ fn restart_from(
     Ok(Ok((next, step)))
 }
 
-/// The arguments of this node's ranks: every rank runs the plan resolved here, never the pipeline
-/// file again.
-pub fn child_args(run_dir: &Path, resume: bool) -> Vec<OsString> {
+/// Saves the plan an attempt's ranks run and returns its file: plan.json for a fresh start; for
+/// a resume, a temporary file beside it, which the run directory takes as plan.json once every
+/// rank accepted it (and which goes, as every temporary file, once the attempt ended).
+pub fn pending_plan(run_dir: &Path, plan: &Plan, resume: bool) -> anyhow::Result<PathBuf> {
+    let file = run_dir.join(rundir::PLAN);
+    let file = if resume { rundir::tmp_path(&file) } else { file };
+    plan.save(&file)?;
+    Ok(file)
+}
+
+/// The arguments of this node's ranks: every rank runs the plan resolved here (`plan_file`),
+/// never the pipeline file again.
+pub fn child_args(plan_file: &Path, run_dir: &Path, resume: bool) -> Vec<OsString> {
     vec![
         "run".into(),
         "--plan".into(),
-        run_dir.join(rundir::PLAN).into(),
+        plan_file.into(),
         if resume { "--resume" } else { "--out" }.into(),
         run_dir.into(),
     ]
@@ -173,16 +202,18 @@ pub fn launch_guarded(launch: impl FnOnce() -> anyhow::Result<Outcome>) -> anyho
         .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", crate::cli::panic_text(&panic))))
 }
 
-/// Before a restart: with a checkpoint (`resuming`), saves the plan that goes on from it;
-/// without one, the run starts over, so what the failed attempt wrote goes (the run's own files
-/// only) and the plan is written again.
+/// Before a restart: without a checkpoint (`resuming` false), the run starts over, so what the
+/// failed attempt wrote goes (the run's own files only) and the plan and configuration are
+/// written again; with one, the plan that goes on from it is committed by the attempt, once
+/// every rank accepted it.
 fn start_over_unless(resuming: bool, plan: &Plan, run_dir: &Path) -> anyhow::Result<()> {
     if !resuming {
         rundir::clear_for_fresh_run(run_dir);
         rundir::atomic_write(&run_dir.join(rundir::CONFIG), plan.annotated_toml().as_bytes())?;
+        plan.save(&run_dir.join(rundir::PLAN))?;
     }
     position::remove_all(run_dir, 0..plan.world_size());
-    plan.save(&run_dir.join(rundir::PLAN))
+    Ok(())
 }
 
 /// The step of the newest checkpoint in `run_dir` (0 when there is none).

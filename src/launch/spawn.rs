@@ -39,17 +39,21 @@ pub struct Outcome {
     /// From the start of the launch until every rank of this node was training (its position
     /// said so): a restart's time to get going again. `None` when they never were.
     pub training_after: Option<Duration>,
+    /// Whether the run's directory took its files: always for a fresh run; for a resume, once
+    /// every rank accepted its plan (and the launcher wrote them).
+    pub committed: bool,
 }
 
 impl Outcome {
     /// The launcher was stopped or preempted before it started any rank.
-    pub fn before_start(i: crate::signals::Interruption) -> Outcome {
+    pub fn before_start(i: crate::signals::Interruption, committed: bool) -> Outcome {
         Outcome {
             failure: None,
             interrupted: (!i.preempt).then_some(i.signal),
             preempted: i.preempt,
             started: false,
             training_after: None,
+            committed,
         }
     }
 }
@@ -124,7 +128,15 @@ impl Topology {
     }
 }
 
-pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[OsString]) -> anyhow::Result<Outcome> {
+/// Meets the job's other nodes (the store), then starts and supervises this node's ranks
+/// ([`start`]; `commit` as there).
+pub fn launch(
+    plan: &Plan,
+    topology: &Topology,
+    run_dir: &Path,
+    child_args: &[OsString],
+    commit: Option<Commit>,
+) -> anyhow::Result<Outcome> {
     // Ctrl-C, SIGTERM, SIGHUP, ... stop the ranks through the supervision loop below; the
     // preemption signal is forwarded to them ([`crate::signals`], set up since the first instruction).
     crate::signals::set_preempt(plan.config.run.preempt_signal.number());
@@ -133,23 +145,24 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
     let (store, addr, port) = match rendezvous(topology, world, timeout) {
         Ok(joined) => joined,
-        Err(e) => return stopped(e),
+        Err(e) => return stopped(e, commit.is_none()),
     };
     if topology.nnodes > 1 {
         let parties = super::agree::Parties { label: "node", me: topology.node_rank, count: topology.nnodes };
         if let Err(e) = super::agree::same_config(&store, plan, parties) {
-            return stopped(e);
+            return stopped(e, commit.is_none());
         }
     }
     let meeting =
         Meeting { store: &store, addr, port, prefix: None, first_rank: topology.node_rank * per_node, per_node, world };
-    start(plan, &meeting, run_dir, child_args, &mut || {})
+    start(plan, &meeting, run_dir, child_args, commit, &mut || {})
 }
 
 /// A signal ends the rendezvous' waits: the run then ends as the signal says, not as failed.
-pub fn stopped(e: anyhow::Error) -> anyhow::Result<Outcome> {
+/// `committed`: whether the run directory already holds this run's files (not a resume).
+pub fn stopped(e: anyhow::Error, committed: bool) -> anyhow::Result<Outcome> {
     match crate::signals::interruption() {
-        Some(i) => Ok(Outcome::before_start(i)),
+        Some(i) => Ok(Outcome::before_start(i, committed)),
         None => Err(e),
     }
 }
@@ -168,15 +181,25 @@ pub struct Meeting<'a> {
     pub world: usize,
 }
 
-/// Starts this node's ranks of `plan` and supervises them until every one has ended. `tick`
-/// runs at every turn of the supervision (the elastic host watches for joining nodes there).
+/// What writes a resumed run's files (plan.json, config.toml, the manifest) into its directory
+/// once every rank accepted the plan ([`super::rank::Commit`]): this node's share of it (node 0's
+/// launcher writes them; another node's has nothing to write where the directory is shared, but
+/// answers all the same).
+pub type Commit<'a> = &'a mut dyn FnMut() -> anyhow::Result<()>;
+
+/// Starts this node's ranks of `plan` and supervises them until every one has ended. `commit`:
+/// with a resume, called once rank 0 said through the store that every rank accepted the plan and
+/// loaded the checkpoint; the ranks wait for every node's answer ([`super::rank::committed`]).
+/// `tick` runs at every turn of the supervision (the elastic host watches for joining nodes there).
 pub fn start(
     plan: &Plan,
     meeting: &Meeting,
     run_dir: &Path,
     child_args: &[OsString],
+    mut commit: Option<Commit>,
     tick: &mut dyn FnMut(),
 ) -> anyhow::Result<Outcome> {
+    let mut committed = commit.is_none();
     let preempt_signal = plan.config.run.preempt_signal.number();
     // How a rank that was preempted exits.
     let preempted_exit = Some(128 + preempt_signal);
@@ -184,7 +207,7 @@ pub fn start(
     let (master_addr, port) = (&meeting.addr, meeting.port);
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
     if let Some(i) = crate::signals::interruption() {
-        return Ok(Outcome::before_start(i));
+        return Ok(Outcome::before_start(i, committed));
     }
     let exe = std::env::current_exe()?;
 
@@ -252,6 +275,14 @@ pub fn start(
             for rank in ranks.iter().filter(|r| r.status.is_none()) {
                 let _ = signal::kill(Pid::from_raw(rank.child.id() as i32), Signal::SIGTERM);
             }
+        }
+        if let Some(write) = commit.as_mut().filter(|_| store.contains(super::rank::ACCEPTED).unwrap_or(false)) {
+            let said = write().err().map(|e| format!("cannot write the resumed run's files: {e:#}"));
+            committed = said.is_none();
+            // This node's place among the job's (in an elastic round, among the round's nodes).
+            let node = first_rank / per_node.max(1);
+            let _ = store.set(&super::rank::committed(node), said.unwrap_or_default().as_bytes());
+            commit = None;
         }
         for (local, rank) in ranks.iter_mut().enumerate() {
             let r = first_rank + local;
@@ -356,7 +387,7 @@ pub fn start(
     let preempted = failure.is_none()
         && interrupted.is_none()
         && ranks.iter().any(|r| r.status.and_then(|s| s.code()) == preempted_exit);
-    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted, started: true, training_after })
+    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted, started: true, training_after, committed })
 }
 
 /// The job's store: served on this node (node 0, or a single node on an OS-chosen loopback
