@@ -281,7 +281,7 @@ fn an_elastic_run_goes_on_without_a_lost_host_and_takes_it_back_at_a_checkpoint(
     // b back at a later checkpoint (every 5 steps) once it asked to join, in step 12 at the earliest.
     assert_eq!(reshards[0]["step"], 10, "{m:#}");
     let back = reshards[1]["step"].as_u64().unwrap();
-    assert!(back % 5 == 0 && back >= 15, "{m:#}");
+    assert!(back.is_multiple_of(5) && back >= 15, "{m:#}");
     let (whole, shared) = (rank0_losses(&d.join("whole")), rank0_losses(&d.join("shared")));
     assert_eq!(whole.len(), shared.len());
     for (x, y) in whole.iter().zip(&shared) {

@@ -121,6 +121,9 @@ pub fn resized(plan: &Plan, world: usize) -> anyhow::Result<Plan> {
     Ok(asked)
 }
 
+/// `plan` at another world size, from the newest checkpoint (true) or from the start.
+pub type AtSize<'a> = &'a dyn Fn(&Plan, usize) -> anyhow::Result<(Plan, bool)>;
+
 /// Node 0's rounds: an [`Attempt`] of the restart loop ([`super::restart::supervise`]).
 pub struct Host<'a> {
     store: Store,
@@ -131,8 +134,7 @@ pub struct Host<'a> {
     per_node: usize,
     /// The next round.
     round: usize,
-    /// `plan` at another world size, from the newest checkpoint (true) or from the start.
-    at_size: &'a dyn Fn(&Plan, usize) -> anyhow::Result<(Plan, bool)>,
+    at_size: AtSize<'a>,
     /// How the run ended, for the nodes still waiting for a round.
     ended: Option<(String, bool)>,
 }
@@ -145,7 +147,7 @@ impl<'a> Host<'a> {
         port: u16,
         nodes: Nodes,
         run_dir: &'a Path,
-        at_size: &'a dyn Fn(&Plan, usize) -> anyhow::Result<(Plan, bool)>,
+        at_size: AtSize<'a>,
     ) -> anyhow::Result<Host<'a>> {
         let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
         let listener = TcpListener::bind((addr, port))

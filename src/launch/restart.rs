@@ -22,13 +22,15 @@ use crate::plan::Plan;
 use crate::rundir::manifest::{FailureRecord, Manifest, RestartRecord, Status};
 use crate::rundir::{self, position};
 
+/// The plan that continues `plan`'s run from the run directory's newest checkpoint, with that
+/// checkpoint's step; `None` when there is no checkpoint yet.
+pub type Resumed<'a> = &'a dyn Fn(&Plan) -> anyhow::Result<Option<(Plan, usize)>>;
+
 /// How the run directory is continued after a failure.
 pub struct Attempts<'a> {
     pub run_dir: &'a Path,
     pub topology: &'a Topology,
-    /// The plan that continues `plan`'s run from the run directory's newest checkpoint, with
-    /// that checkpoint's step; `None` when there is no checkpoint yet.
-    pub resumed: &'a dyn Fn(&Plan) -> anyhow::Result<Option<(Plan, usize)>>,
+    pub resumed: Resumed<'a>,
     /// What runs the ranks once: [`Local`], or an elastic round ([`super::elastic`]).
     pub attempt: &'a mut dyn Attempt,
     /// Whether the run directory holds this run's files: a fresh run's from the start, a

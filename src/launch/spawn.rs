@@ -297,7 +297,7 @@ pub fn start(
                 if !status.success() && !preempted && first_failure.is_none() && interrupted.is_none() {
                     let how = describe(status);
                     // Peers blocked on this rank name it in their errors.
-                    let _ = record_exit(&store, r, &how);
+                    let _ = record_exit(store, r, &how);
                     first_failure = Some((r, how, Instant::now(), Instant::now()));
                 }
             }
@@ -328,7 +328,7 @@ pub fn start(
                     match &first_failure {
                         Some((f, then, ..)) => how += &format!("; rank {f} then {then}"),
                         // Peers blocked on this rank name it in their errors.
-                        None => drop(record_exit(&store, r, &how)),
+                        None => drop(record_exit(store, r, &how)),
                     }
                     let at = first_failure.as_ref().map_or(Instant::now(), |f| f.2);
                     first_failure = Some((r, how, at, since));
@@ -347,7 +347,7 @@ pub fn start(
             if let Some((local, how, since)) = watchdog.stalled(run_dir, first_rank, &running) {
                 let r = first_rank + local;
                 // Peers blocked on this rank name it in their errors.
-                let _ = record_exit(&store, r, &how);
+                let _ = record_exit(store, r, &how);
                 let rank = &mut ranks[local];
                 let _ = rank.child.kill();
                 rank.status = Some(rank.child.wait()?);
