@@ -33,4 +33,5 @@ pub mod stages;
 pub mod strategy;
 pub mod sweep;
 pub mod tensorfile;
+pub mod testhook;
 pub mod trace;
