@@ -188,6 +188,28 @@ char* rn_fsdp_full(rn_fsdp* f, size_t i, void** out);
 // The counters; reset = 1 restarts the peaks (from what is held now) and the times.
 char* rn_fsdp_read_stats(rn_fsdp* f, int reset, rn_fsdp_stats* out);
 
+// The CPU allocator of libtorch's tensors in this process (csrc/memory.cpp): blocks from 1 MiB
+// are cached by size class and reused, smaller ones are glibc's. Install it before the tensors it
+// should serve are made. rn_memory_phase marks the start of a phase of the run (a training step, a
+// validation, a checkpoint): a request no cached block fits first gives back to the kernel the
+// cached blocks that the current phase has not used.
+typedef struct rn_memory_stats {
+  // Bytes of large blocks: in tensors now, cached for reuse, mapped (the two together), and the
+  // most in tensors and mapped at once.
+  int64_t used_bytes;
+  int64_t cached_bytes;
+  int64_t mapped_bytes;
+  int64_t peak_used_bytes;
+  int64_t peak_mapped_bytes;
+  // Blocks mapped and unmapped so far.
+  int64_t maps;
+  int64_t unmaps;
+} rn_memory_stats;
+
+char* rn_memory_install(void);
+void rn_memory_phase(void);
+char* rn_memory_read_stats(rn_memory_stats* out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -39,6 +39,18 @@ pub struct RnFsdpStats {
 }
 
 #[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RnMemoryStats {
+    pub used_bytes: i64,
+    pub cached_bytes: i64,
+    pub mapped_bytes: i64,
+    pub peak_used_bytes: i64,
+    pub peak_mapped_bytes: i64,
+    pub maps: i64,
+    pub unmaps: i64,
+}
+
+#[repr(C)]
 pub struct RnScript {
     _private: [u8; 0],
 }
@@ -217,4 +229,8 @@ extern "C" {
     pub fn rn_fsdp_finish_backward(f: *mut RnFsdp) -> *mut c_char;
     pub fn rn_fsdp_full(f: *mut RnFsdp, i: usize, out: *mut *mut c_void) -> *mut c_char;
     pub fn rn_fsdp_read_stats(f: *mut RnFsdp, reset: c_int, out: *mut RnFsdpStats) -> *mut c_char;
+
+    pub fn rn_memory_install() -> *mut c_char;
+    pub fn rn_memory_phase();
+    pub fn rn_memory_read_stats(out: *mut RnMemoryStats) -> *mut c_char;
 }

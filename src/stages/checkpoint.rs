@@ -33,6 +33,7 @@ pub fn save(
     steps: &[StepRow],
     partial: Option<Partial>,
 ) -> anyhow::Result<()> {
+    crate::dist::memory::phase();
     let clock = &trainer.clock;
     let epoch = clock.epoch(done - 1);
     // Every rank takes part: the bucket layout is read on each (it is the same on all).
@@ -197,6 +198,7 @@ pub fn write_model(
     run_dir: &Path,
     file: &str,
 ) -> anyhow::Result<()> {
+    crate::dist::memory::phase();
     let tensors = strategy.model_tensors(plan, vs);
     let mut entries: Vec<Entry> = tensors
         .iter()

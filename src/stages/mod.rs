@@ -38,7 +38,7 @@ pub fn run(
     // threads, the optimizer and validation too (a team of all the rank's threads here would spin
     // on the cores the other replicas compute on).
     tch::set_num_threads(plan.threads_per_replica() as i32);
-    crate::dist::keep_freed_memory();
+    crate::dist::memory::install()?;
     let position = Position::new(run_dir, rank);
 
     position.set("load", 0, 0);
@@ -85,6 +85,7 @@ pub fn run(
         let interval = clock.interval_of(done);
         let mut iv = trainer.begin(interval.clone(), done, partial.take());
         while done < interval.end {
+            crate::dist::memory::phase();
             trainer.train(&mut iv, done..done + 1)?;
             done += 1;
             preempted = agreement.after_step(done)?;
@@ -100,6 +101,7 @@ pub fn run(
                 }
             }
         }
+        crate::dist::memory::phase();
         let out = trainer.finish(iv)?;
         let epoch = clock.epoch(done - 1);
         // Every rank holds every rank's rows: they all reach the same verdict.
