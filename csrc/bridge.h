@@ -157,17 +157,20 @@ typedef struct rn_fsdp_stats {
   int64_t reduces;
 } rn_fsdp_stats;
 
-// params: the model's parameters in module order, unit_sizes[u] of them forming unit u (every
-// parameter in exactly one unit). layer_units: for each layer (module) in forward order, the units
-// its forward reads (layer_counts[l] of them, flattened): a layer reads its own unit, and a layer
-// sharing another unit's parameter (a tied output head) that unit too. zero3 = 1 frees a unit after
-// the forward of the last layer reading it (except the model's last layer, whose backward comes at
-// once) and gathers it again before that layer's backward; zero3 = 0 keeps it from its forward to
-// the end of its backward. Copies this rank's rows of every parameter into its shard and frees the
-// parameters' storage; every rank must call it with the same shapes.
-char* rn_fsdp_new(rn_pg* pg, void** params, size_t n_params, const size_t* unit_sizes, size_t n_units,
-                  const size_t* layer_units, const size_t* layer_counts, size_t n_layers, int zero3,
-                  rn_fsdp** out);
+// A sharding of n_units units, none sharded yet (rn_fsdp_add_unit shards each in turn).
+// layer_units: for each layer (module) in forward order, the units its forward reads
+// (layer_counts[l] of them, flattened): a layer reads its own unit, and a layer sharing another
+// unit's parameter (a tied output head) that unit too. zero3 = 1 frees a unit after the forward of
+// the last layer reading it (except the model's last layer, whose backward comes at once) and
+// gathers it again before that layer's backward; zero3 = 0 keeps it from its forward to the end of
+// its backward. Every rank must make the same.
+char* rn_fsdp_new(rn_pg* pg, size_t n_units, const size_t* layer_units, const size_t* layer_counts, size_t n_layers,
+                  int zero3, rn_fsdp** out);
+// Shards the next unit: params, its parameters in module order (trainable leaves of at least one
+// dimension). Copies this rank's rows of each into its shard and frees the parameters' own memory,
+// so that a model built and sharded one unit at a time never holds more than one unit whole. Every
+// rank must call it with the same shapes; the other calls need every unit sharded.
+char* rn_fsdp_add_unit(rn_fsdp* f, void** params, size_t n_params);
 void rn_fsdp_free(rn_fsdp* f);
 // This rank's shard of parameter i (module order), rows [rank·k, rank·k + k) of the parameter
 // padded to world_size·k rows: a new handle on the leaf tensor the optimizer updates in place,

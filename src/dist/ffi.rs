@@ -209,12 +209,8 @@ extern "C" {
     pub fn rn_script_train(m: *mut RnScript, training: c_int) -> *mut c_char;
     pub fn rn_script_forward(m: *mut RnScript, input: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
 
-    #[allow(clippy::too_many_arguments)]
     pub fn rn_fsdp_new(
         pg: *mut RnPg,
-        params: *const *mut c_void,
-        n_params: usize,
-        unit_sizes: *const usize,
         n_units: usize,
         layer_units: *const usize,
         layer_counts: *const usize,
@@ -222,6 +218,7 @@ extern "C" {
         zero3: c_int,
         out: *mut *mut RnFsdp,
     ) -> *mut c_char;
+    pub fn rn_fsdp_add_unit(f: *mut RnFsdp, params: *const *mut c_void, n_params: usize) -> *mut c_char;
     pub fn rn_fsdp_free(f: *mut RnFsdp);
     pub fn rn_fsdp_shard(f: *mut RnFsdp, i: usize, out: *mut *mut c_void) -> *mut c_char;
     pub fn rn_fsdp_pre_forward(f: *mut RnFsdp, layer: usize) -> *mut c_char;

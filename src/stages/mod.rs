@@ -61,6 +61,7 @@ pub fn run(
         Some(found) => checkpoint::resume(found, plan, rank, &mut wrapped)?,
         None => checkpoint::Resumed { rows: Vec::new(), steps: Vec::new(), done: 0, partial: None },
     };
+    checkpoint::test_hooks(plan, rank, &wrapped)?;
     let checkpoint::Resumed { mut rows, mut steps, mut done, mut partial } = resumed;
     let epochs = c.train.steps.is_none().then_some(c.train.epochs);
     let len = if epochs.is_some() { plan.steps_per_epoch() } else { plan.total_steps() };
