@@ -147,3 +147,68 @@ fn an_fsdp_run_resumed_at_4_ranks_reads_each_ranks_share_of_the_checkpoint() {
     assert!(text(&o).0.contains("resuming run"), "{}", text(&o).0);
     assert_shares(&bytes_read(&read, 4), total, "resume");
 }
+
+/// Bytes of private writable memory a rank may map: RLIMIT_DATA, set with `prlimit --data` on
+/// the launcher and inherited by every rank it starts. Why this limit: it counts what a process
+/// writes into (heap, anonymous mappings, thread stacks), about its resident size, and none of
+/// libtorch's file mappings, which `--as` (the address space) would count by the gigabyte with
+/// nothing resident behind them; a cgroup's `memory.max` needs a writable cgroup tree, which
+/// neither this machine nor most CI runners give a test.
+const LIMIT: u64 = 500 << 20;
+
+/// A transformer of 12 blocks of width 512 (38M parameters) at 4 ranks: under DDP its training
+/// state alone is 577 MiB a rank, more than `LIMIT`; under FSDP a rank holds 193 MiB of state
+/// and peaks at about 410 MiB resident.
+fn limited_model() -> String {
+    MODEL
+        .replace("d_model = 64", "d_model = 512")
+        .replace("heads = 4", "heads = 8")
+        .replace("layers = 8", "layers = 12")
+}
+
+fn run_limited(dir: &Path, out: &str, strategy: &str) -> std::process::Output {
+    let runner = env!("CARGO_BIN_EXE_runner");
+    let mut c = std::process::Command::new("prlimit");
+    c.arg(format!("--data={LIMIT}")).args(["--", runner, "run", "p.toml", "--out", out]).current_dir(dir);
+    c.args(["--set", &format!("wrap.strategy=\"{strategy}\"")]);
+    // The tests' own environment must not leak into the runs (as common::runner).
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("RUNNER_") || k.starts_with("SLURM_")) {
+        c.env_remove(k);
+    }
+    c.output().expect("prlimit (util-linux) starts")
+}
+
+/// A u64 column of a run's trace, every rank's rows.
+fn column(dir: &Path, col: &str) -> Vec<u64> {
+    common::trace(dir).column(col).unwrap().u64().unwrap().into_no_null_iter().collect()
+}
+
+#[test]
+fn under_a_memory_limit_ddp_cannot_meet_fsdp_trains_to_ddps_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "p.toml", &limited_model());
+    // The oracle, without the limit.
+    train(d, "ddp", &[], &[]);
+    let state: u64 = ["param_bytes", "grad_bytes", "optim_bytes"].iter().map(|c| column(&d.join("ddp"), c)[0]).sum();
+    assert!(state > LIMIT, "DDP's training state is {state} bytes a rank: the limit must not hold it");
+
+    let o = run_limited(d, "ddp-limited", "ddp");
+    assert_eq!(o.status.code(), Some(1), "DDP under the limit: {}", text(&o).1);
+    assert!(text(&o).1.contains("can't allocate memory"), "{}", text(&o).1);
+
+    let o = run_limited(d, "fsdp-limited", "fsdp");
+    assert_ok(&o);
+    let losses = |out: &str| -> Vec<f64> {
+        let t = common::trace(&d.join(out));
+        t.column("global_train_loss").unwrap().f64().unwrap().into_no_null_iter().collect()
+    };
+    // Every rank's rows hold the global loss.
+    let (ddp, fsdp) = (losses("ddp"), losses("fsdp-limited"));
+    assert_eq!(ddp.len(), fsdp.len());
+    for (a, b) in ddp.iter().zip(&fsdp) {
+        assert!(((a - b) / a).abs() <= 1e-5, "FSDP under the limit: loss {b}, DDP's {a}");
+    }
+    let peak = column(&d.join("fsdp-limited"), "peak_rss_bytes").into_iter().max().unwrap();
+    assert!(peak < LIMIT, "a rank peaked at {peak} bytes resident");
+}
