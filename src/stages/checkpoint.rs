@@ -127,7 +127,12 @@ pub fn resume(found: &Found, plan: &Plan, rank: usize, wrapped: &mut super::wrap
     wrapped.strategy.load_state(plan, &reader, &wrapped.vs, &mut wrapped.optimizer)?;
     let partial = partial_for(&reader, plan, rank)?;
     let r = reader.record();
-    Ok(Resumed { rows: r.rows.clone(), steps: r.steps.clone(), done: r.step, partial })
+    // An older runner's rows do not say their world size: the checkpoint's writers' is the best known.
+    let mut rows = r.rows.clone();
+    for row in rows.iter_mut().filter(|row| row.world_size == 0) {
+        row.world_size = r.layout.world_size as u32;
+    }
+    Ok(Resumed { rows, steps: r.steps.clone(), done: r.step, partial })
 }
 
 /// Test hooks on what a run starts from, once its model is built or loaded (every rank calls it):
