@@ -1,7 +1,7 @@
 //! FSDP without the whole model on any rank: built one unit at a time, it starts from DDP's
 //! initial weights bit for bit; `wrap.init` and a resume read each rank's share of the file, not
-//! the whole; and under an operating-system memory limit that DDP cannot meet, FSDP trains to
-//! DDP's losses.
+//! the whole; under an operating-system memory limit that DDP cannot meet, FSDP trains to DDP's
+//! losses; and the plan's whole-process estimate is within 15% of every rank's measured peak.
 mod common;
 
 use std::collections::BTreeMap;
@@ -90,6 +90,24 @@ fn assert_same(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, what:
     }
 }
 
+/// The plan's whole-process estimate of a rank's memory (plan.json's `memory`: the training
+/// state, activations, data and libtorch) is within 15% of every rank's measured peak RSS.
+fn assert_estimate_holds(run_dir: &Path) {
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("plan.json")).unwrap()).unwrap();
+    let estimate: f64 =
+        ["model", "activations", "data", "base"].iter().map(|k| plan["memory"][k].as_f64().unwrap()).sum();
+    for peak in column(run_dir, "peak_rss_bytes") {
+        let off = (estimate - peak as f64) / peak as f64;
+        assert!(
+            off.abs() <= 0.15,
+            "{}: estimated {estimate} bytes, peak {peak} ({:+.1}%)",
+            run_dir.display(),
+            100.0 * off
+        );
+    }
+}
+
 #[test]
 fn built_by_units_fsdp_starts_from_ddps_weights_and_wrap_init_reads_each_ranks_rows() {
     let dir = tempfile::tempdir().unwrap();
@@ -100,6 +118,7 @@ fn built_by_units_fsdp_starts_from_ddps_weights_and_wrap_init_reads_each_ranks_r
         let dump = d.join(format!("{out}-start"));
         std::fs::create_dir_all(&dump).unwrap();
         train(d, out, &sets, &[("RUNNER_TEST_DUMP_LOADED", &dump)]);
+        assert_estimate_holds(&d.join(out));
     }
     // What every rank started from, whole (under FSDP its shards gathered), is DDP's to the bit.
     let ddp = tensors(&d.join("ddp-start/rank-0.safetensors"));
@@ -190,6 +209,7 @@ fn under_a_memory_limit_ddp_cannot_meet_fsdp_trains_to_ddps_losses() {
     write(d, "p.toml", &limited_model());
     // The oracle, without the limit.
     train(d, "ddp", &[], &[]);
+    assert_estimate_holds(&d.join("ddp"));
     let state: u64 = ["param_bytes", "grad_bytes", "optim_bytes"].iter().map(|c| column(&d.join("ddp"), c)[0]).sum();
     assert!(state > LIMIT, "DDP's training state is {state} bytes a rank: the limit must not hold it");
 
@@ -211,4 +231,5 @@ fn under_a_memory_limit_ddp_cannot_meet_fsdp_trains_to_ddps_losses() {
     }
     let peak = column(&d.join("fsdp-limited"), "peak_rss_bytes").into_iter().max().unwrap();
     assert!(peak < LIMIT, "a rank peaked at {peak} bytes resident");
+    assert_estimate_holds(&d.join("fsdp-limited"));
 }
