@@ -142,10 +142,17 @@ pub fn resume(found: &Found, plan: &Plan, rank: usize, wrapped: &mut super::wrap
 ///   so that a test can compare it with what was saved, or with another strategy's;
 /// - with `RUNNER_TEST_READ_BYTES=DIR`, each rank writes to `DIR/rank-R` the bytes of tensor data
 ///   it has read (of `wrap.init`, of the checkpoint it resumed from), which a test holds to the
-///   rank's share.
+///   rank's share;
+/// - with `RUNNER_TEST_MEMORY=DIR`, each rank writes to `DIR/rank-R` its tensor block cache's
+///   counters ([`crate::dist::memory::stats`]) and its peak resident bytes so far: what building
+///   the model left mapped, cached and in use (docs/fsdp.md measures it).
 pub fn test_hooks(plan: &Plan, rank: usize, wrapped: &super::wrap::Wrapped) -> anyhow::Result<()> {
     if let Ok(dir) = std::env::var("RUNNER_TEST_READ_BYTES") {
         std::fs::write(Path::new(&dir).join(format!("rank-{rank}")), tensorfile::data_read().to_string())?;
+    }
+    if let Ok(dir) = std::env::var("RUNNER_TEST_MEMORY") {
+        let (stats, peak) = (crate::dist::memory::stats()?, crate::dist::peak_resident_bytes());
+        std::fs::write(Path::new(&dir).join(format!("rank-{rank}")), format!("{stats:?} peak_resident: {peak}\n"))?;
     }
     if let Ok(dir) = std::env::var("RUNNER_TEST_DUMP_LOADED") {
         dump_loaded(Path::new(&dir), plan, rank, wrapped)?;
