@@ -38,7 +38,7 @@ fn main() {
         .find(|dir| dir.join("gloo/config.h").exists())
         .unwrap_or_else(|| fail("the gloo headers (gloo/config.h) were not found"));
 
-    for file in ["csrc/bridge.cpp", "csrc/fsdp.cpp", "csrc/bridge.h", "csrc/internal.hpp"] {
+    for file in ["csrc/bridge.cpp", "csrc/fsdp.cpp", "csrc/memory.cpp", "csrc/bridge.h", "csrc/internal.hpp"] {
         println!("cargo:rerun-if-changed={file}");
     }
     let include = libtorch.join("include");
@@ -54,7 +54,8 @@ fn main() {
         .define("USE_C10D_GLOO", None)
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .file("csrc/bridge.cpp")
-        .file("csrc/fsdp.cpp");
+        .file("csrc/fsdp.cpp")
+        .file("csrc/memory.cpp");
     let cuda = env::var_os("CARGO_FEATURE_CUDA").is_some();
     if cuda {
         let headers = cuda_include(&root, &lib);

@@ -167,17 +167,20 @@ typedef struct rn_fsdp_stats {
   int64_t reduces;
 } rn_fsdp_stats;
 
-// params: the model's parameters in module order, unit_sizes[u] of them forming unit u (every
-// parameter in exactly one unit). layer_units: for each layer (module) in forward order, the units
-// its forward reads (layer_counts[l] of them, flattened): a layer reads its own unit, and a layer
-// sharing another unit's parameter (a tied output head) that unit too. zero3 = 1 frees a unit after
-// the forward of the last layer reading it (except the model's last layer, whose backward comes at
-// once) and gathers it again before that layer's backward; zero3 = 0 keeps it from its forward to
-// the end of its backward. Copies this rank's rows of every parameter into its shard and frees the
-// parameters' storage; every rank must call it with the same shapes.
-char* rn_fsdp_new(rn_pg* pg, void** params, size_t n_params, const size_t* unit_sizes, size_t n_units,
-                  const size_t* layer_units, const size_t* layer_counts, size_t n_layers, int zero3,
-                  rn_fsdp** out);
+// A sharding of n_units units, none sharded yet (rn_fsdp_add_unit shards each in turn).
+// layer_units: for each layer (module) in forward order, the units its forward reads
+// (layer_counts[l] of them, flattened): a layer reads its own unit, and a layer sharing another
+// unit's parameter (a tied output head) that unit too. zero3 = 1 frees a unit after the forward of
+// the last layer reading it (except the model's last layer, whose backward comes at once) and
+// gathers it again before that layer's backward; zero3 = 0 keeps it from its forward to the end of
+// its backward. Every rank must make the same.
+char* rn_fsdp_new(rn_pg* pg, size_t n_units, const size_t* layer_units, const size_t* layer_counts, size_t n_layers,
+                  int zero3, rn_fsdp** out);
+// Shards the next unit: params, its parameters in module order (trainable leaves of at least one
+// dimension). Copies this rank's rows of each into its shard and frees the parameters' own memory,
+// so that a model built and sharded one unit at a time never holds more than one unit whole. Every
+// rank must call it with the same shapes; the other calls need every unit sharded.
+char* rn_fsdp_add_unit(rn_fsdp* f, void** params, size_t n_params);
 void rn_fsdp_free(rn_fsdp* f);
 // This rank's shard of parameter i (module order), rows [rank·k, rank·k + k) of the parameter
 // padded to world_size·k rows: a new handle on the leaf tensor the optimizer updates in place,
@@ -197,6 +200,28 @@ char* rn_fsdp_finish_backward(rn_fsdp* f);
 char* rn_fsdp_full(rn_fsdp* f, size_t i, void** out);
 // The counters; reset = 1 restarts the peaks (from what is held now) and the times.
 char* rn_fsdp_read_stats(rn_fsdp* f, int reset, rn_fsdp_stats* out);
+
+// The CPU allocator of libtorch's tensors in this process (csrc/memory.cpp): blocks from 1 MiB
+// are cached by size class and reused, smaller ones are glibc's. Install it before the tensors it
+// should serve are made. rn_memory_phase marks the start of a phase of the run (a training step, a
+// validation, a checkpoint): a request no cached block fits first gives back to the kernel the
+// cached blocks that the current phase has not used.
+typedef struct rn_memory_stats {
+  // Bytes of large blocks: in tensors now, cached for reuse, mapped (the two together), and the
+  // most in tensors and mapped at once.
+  int64_t used_bytes;
+  int64_t cached_bytes;
+  int64_t mapped_bytes;
+  int64_t peak_used_bytes;
+  int64_t peak_mapped_bytes;
+  // Blocks mapped and unmapped so far.
+  int64_t maps;
+  int64_t unmaps;
+} rn_memory_stats;
+
+char* rn_memory_install(void);
+void rn_memory_phase(void);
+char* rn_memory_read_stats(rn_memory_stats* out);
 
 #ifdef __cplusplus
 }

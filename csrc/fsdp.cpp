@@ -81,6 +81,8 @@ struct rn_fsdp {
   // Whether the backend is gloo (its reduce-scatter is replaced, see start_reduce).
   bool gloo = true;
   std::vector<Unit> units;
+  // Units whose parameters rn_fsdp_add_unit has sharded (the first `added`).
+  size_t added = 0;
   // For each layer in forward order, the units its forward reads.
   std::vector<std::vector<size_t>> layers;
   // Units whose reduce-scatter is in flight (one at most), in the order started (the same on
@@ -91,7 +93,12 @@ struct rn_fsdp {
 
   ~rn_fsdp();
 
-  int64_t elt() const { return units.empty() ? 4 : units[0].flat.element_size(); }
+  int64_t elt() const { return added == 0 ? 4 : units[0].flat.element_size(); }
+
+  // Every unit sharded: what gathering, reducing and reading the shards need.
+  void check_complete() const {
+    TORCH_CHECK(added == units.size(), "the sharding holds ", added, " of its ", units.size(), " units");
+  }
 
   void note_gathered(int64_t delta) {
     gathered_bytes += delta;
@@ -389,39 +396,16 @@ void rn_fsdp::finish_backward() {
 
 extern "C" {
 
-char* rn_fsdp_new(rn_pg* pg, void** params_ptr, size_t n_params, const size_t* unit_sizes, size_t n_units,
-                  const size_t* layer_units, const size_t* layer_counts, size_t n_layers, int zero3,
-                  rn_fsdp** out) {
+char* rn_fsdp_new(rn_pg* pg, size_t n_units, const size_t* layer_units, const size_t* layer_counts, size_t n_layers,
+                  int zero3, rn_fsdp** out) {
   return rn::protect([&] {
     auto f = std::make_unique<rn_fsdp>();
     f->pg = pg;
     f->world = pg->pg->getSize();
     f->rank = pg->pg->getRank();
     f->gloo = pg->backend->getBackendName() == "gloo";
-    auto params = rn::tensors(params_ptr, n_params);
-    at::NoGradGuard no_grad;
-    size_t at = 0;
-    for (size_t u = 0; u < n_units; ++u) {
-      Unit unit;
-      int64_t offset = 0;
-      for (size_t k = 0; k < unit_sizes[u]; ++k, ++at) {
-        TORCH_CHECK(at < n_params, "the units hold more than the ", n_params, " parameters");
-        Param p;
-        p.param = params[at];
-        TORCH_CHECK(p.param.dim() >= 1, "parameter ", at, " is a scalar: sharding needs a first dimension");
-        TORCH_CHECK(p.param.requires_grad() && p.param.is_leaf(), "parameter ", at, " is not a trainable leaf");
-        p.rows = p.param.size(0);
-        p.row_numel = p.rows == 0 ? 0 : p.param.numel() / p.rows;
-        p.shard_rows = (p.rows + f->world - 1) / f->world;
-        p.offset = offset;
-        offset += p.shard_numel();
-        unit.params.push_back(std::move(p));
-      }
-      TORCH_CHECK(!unit.params.empty(), "unit ", u, " holds no parameter");
-      unit.flat = at::zeros({offset}, unit.params[0].param.options().requires_grad(false));
-      f->units.push_back(std::move(unit));
-    }
-    TORCH_CHECK(at == n_params, "the units hold ", at, " of the ", n_params, " parameters");
+    // Units are filled in place by rn_fsdp_add_unit: the vector never grows after this.
+    f->units.resize(n_units);
     size_t read = 0;
     for (size_t l = 0; l < n_layers; ++l) {
       std::vector<size_t> reads(layer_units + read, layer_units + read + layer_counts[l]);
@@ -439,26 +423,56 @@ char* rn_fsdp_new(rn_pg* pg, void** params_ptr, size_t n_params, const size_t* u
       bool last = unit.last_read + 1 == static_cast<int64_t>(n_layers);
       unit.free_after = zero3 && !last ? unit.last_read : -1;
     }
-    for (size_t u = 0; u < f->units.size(); ++u) {
-      Unit& unit = f->units[u];
-      for (auto& p : unit.params) {
-        // Each parameter gets storage of its own, padded: the gathered rows of every rank land in
-        // it in one copy, and it can be freed and regrown without touching any other tensor.
-        int64_t padded = f->world * p.shard_numel();
-        auto storage = at::zeros({padded}, p.param.options().requires_grad(false));
-        storage.narrow(0, 0, p.param.numel()).copy_(p.param.reshape({-1}));
-        unit.flat.narrow(0, p.offset, p.shard_numel()).copy_(storage.narrow(0, f->rank * p.shard_numel(), p.shard_numel()));
-        p.param.set_data(storage.narrow(0, 0, p.param.numel()).view(p.param.sizes()));
-        std::vector<int64_t> shape = p.param.sizes().vec();
-        shape[0] = p.shard_rows;
-        p.shard = alias(unit.flat, p.offset, shape).set_requires_grad(true);
-        resize_storage(p.param, 0);
-        size_t k = &p - unit.params.data();
-        torch::autograd::impl::set_post_acc_grad_hooks(p.param, std::make_unique<GradReady>(f.get(), u, k));
-        f->stats.shard_bytes += p.shard_numel() * p.param.element_size();
-      }
-    }
     *out = f.release();
+  });
+}
+
+char* rn_fsdp_add_unit(rn_fsdp* f, void** params_ptr, size_t n_params) {
+  return rn::protect([&] {
+    TORCH_CHECK(f->added < f->units.size(), "all ", f->units.size(), " units are already sharded");
+    TORCH_CHECK(n_params > 0, "unit ", f->added, " holds no parameter");
+    const size_t u = f->added;
+    Unit& unit = f->units[u];
+    auto params = rn::tensors(params_ptr, n_params);
+    at::NoGradGuard no_grad;
+    int64_t offset = 0;
+    for (size_t k = 0; k < n_params; ++k) {
+      Param p;
+      p.param = params[k];
+      TORCH_CHECK(p.param.dim() >= 1, "parameter ", k, " of unit ", u, " is a scalar: sharding needs a first dimension");
+      TORCH_CHECK(p.param.requires_grad() && p.param.is_leaf(), "parameter ", k, " of unit ", u,
+                  " is not a trainable leaf");
+      p.rows = p.param.size(0);
+      p.row_numel = p.rows == 0 ? 0 : p.param.numel() / p.rows;
+      p.shard_rows = (p.rows + f->world - 1) / f->world;
+      p.offset = offset;
+      offset += p.shard_numel();
+      unit.params.push_back(std::move(p));
+    }
+    // Zeros: the padding rows past a parameter's last row stay zero.
+    unit.flat = at::zeros({offset}, unit.params[0].param.options().requires_grad(false));
+    for (size_t k = 0; k < unit.params.size(); ++k) {
+      Param& p = unit.params[k];
+      // This rank's rows, straight from the parameter into the unit's flat shard.
+      int64_t valid = std::clamp<int64_t>(p.rows - f->rank * p.shard_rows, 0, p.shard_rows) * p.row_numel;
+      if (valid > 0) {
+        auto whole = p.param.detach().reshape({-1});
+        unit.flat.narrow(0, p.offset, valid).copy_(whole.narrow(0, f->rank * p.shard_numel(), valid));
+      }
+      std::vector<int64_t> shape = p.param.sizes().vec();
+      shape[0] = p.shard_rows;
+      p.shard = alias(unit.flat, p.offset, shape).set_requires_grad(true);
+      // The parameter gets storage of its own, contiguous from offset 0 and as long as its padded
+      // whole (the gathered rows of every rank land in it in one copy, and it is freed and regrown
+      // without touching any other tensor), then freed: its built values go now, and the storage is
+      // allocated but never written before it is resized to 0, so it costs no resident memory.
+      auto storage = at::empty({f->world * p.shard_numel()}, p.param.options().requires_grad(false));
+      p.param.set_data(storage.narrow(0, 0, p.param.numel()).view(p.param.sizes()));
+      resize_storage(p.param, 0);
+      torch::autograd::impl::set_post_acc_grad_hooks(p.param, std::make_unique<GradReady>(f, u, k));
+      f->stats.shard_bytes += p.shard_numel() * p.param.element_size();
+    }
+    f->added += 1;
   });
 }
 
@@ -468,6 +482,7 @@ void rn_fsdp_free(rn_fsdp* f) {
 
 char* rn_fsdp_shard(rn_fsdp* f, size_t i, void** out) {
   return rn::protect([&] {
+    f->check_complete();
     for (auto& u : f->units) {
       if (i < u.params.size()) {
         *out = new at::Tensor(u.params[i].shard);
@@ -482,6 +497,7 @@ char* rn_fsdp_shard(rn_fsdp* f, size_t i, void** out) {
 char* rn_fsdp_pre_forward(rn_fsdp* f, size_t layer) {
   return rn::protect([&] {
     TORCH_CHECK(layer < f->layers.size(), "no layer ", layer);
+    f->check_complete();
     f->gather_for(layer, static_cast<int64_t>(layer) + 1);
   });
 }
@@ -503,11 +519,15 @@ char* rn_fsdp_post_forward(rn_fsdp* f, size_t layer, void* output) {
 }
 
 char* rn_fsdp_finish_backward(rn_fsdp* f) {
-  return rn::protect([&] { f->finish_backward(); });
+  return rn::protect([&] {
+    f->check_complete();
+    f->finish_backward();
+  });
 }
 
 char* rn_fsdp_full(rn_fsdp* f, size_t i, void** out) {
   return rn::protect([&] {
+    f->check_complete();
     for (auto& u : f->units) {
       if (i >= u.params.size()) {
         i -= u.params.size();

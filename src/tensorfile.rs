@@ -11,12 +11,22 @@ use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use safetensors::tensor::{Dtype, Metadata, TensorInfo, View};
 use tch::{Kind, Tensor};
 
 /// The largest header read: real ones are a few kB per hundred tensors (the crate's own bound).
 const MAX_HEADER: u64 = 100_000_000;
+
+/// Bytes of tensor data this process has read from `.safetensors` files (headers left out).
+static DATA_READ: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes of tensor data this process has read from `.safetensors` files so far: what a rank
+/// read of a checkpoint or of `wrap.init` (the tests hold it to the rank's share).
+pub fn data_read() -> u64 {
+    DATA_READ.load(Ordering::Relaxed)
+}
 
 /// The format's element type of a tensor kind (`None`: the format has none).
 pub fn dtype_of(kind: Kind) -> Option<Dtype> {
@@ -161,8 +171,32 @@ impl TensorFile {
             return Err(format!("{n} bytes, larger than any tensor it may hold ({limit} bytes)"));
         }
         let mut out = vec![0u8; n as usize];
-        self.file.read_exact_at(&mut out, range.start).map_err(|e| format!("cannot read it: {e}"))?;
+        self.read_into(&mut out, range.start)?;
         Ok(out)
+    }
+
+    /// Fills `out` from byte `at` of the file.
+    pub fn read_into(&self, out: &mut [u8], at: u64) -> Result<(), String> {
+        self.file.read_exact_at(out, at).map_err(|e| format!("cannot read it: {e}"))?;
+        DATA_READ.fetch_add(out.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Rows `rows` (dim 0; a 0-dimensional tensor is one row) of `name`, in its own element
+    /// type: only those rows' bytes are read, so a rank takes its share of a tensor (its FSDP
+    /// shard of a parameter) without the whole ever being in memory. The bytes are read with
+    /// `pread` into memory of this process's own, not mapped: a mapped file's pages would count
+    /// in the process's resident size for as long as they stay mapped.
+    pub fn rows(&self, name: &str, rows: Range<i64>) -> Result<Tensor, String> {
+        let info = self.info(name).ok_or_else(|| format!("it holds no `{name}`"))?;
+        let kind = kind_of(info.dtype).ok_or_else(|| format!("`{name}` holds {:?} values", info.dtype))?;
+        let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
+        let (row_shape, skip, want) =
+            crate::data::arrays::row_bytes(&shape, kind, &rows).map_err(|e| format!("`{name}`: {e}"))?;
+        let start = self.range(name).expect("an entry has a range").start + skip;
+        let mut bytes = vec![0u8; want as usize];
+        self.read_into(&mut bytes, start).map_err(|e| format!("`{name}`: {e}"))?;
+        crate::checked::tensor(&bytes, &row_shape, kind).map_err(|e| format!("`{name}`: {e}"))
     }
 
     /// `name` as a tensor, refused when larger than `limit` bytes or of a type libtorch lacks.

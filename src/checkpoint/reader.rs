@@ -1,6 +1,6 @@
 //! Reading a checkpoint: its index checked against its files, and any rows of any tensor
 //! assembled from the pieces that hold them, each piece read at its byte range and checked
-//! against its checksum. A rank reads what it holds, plus at most one piece beyond it.
+//! against its checksum. A rank keeps in memory only the rows it holds.
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -273,6 +273,39 @@ fn read_piece(f: &TensorFile, name: &str, piece: &PieceEntry) -> Result<Vec<u8>,
     Ok(bytes)
 }
 
+/// Bytes `keep` (from the piece's first byte) of a piece, the whole piece read in chunks of 8
+/// MiB to check its checksum: memory for the part kept and one chunk.
+fn read_piece_part(f: &TensorFile, name: &str, piece: &PieceEntry, keep: Range<u64>) -> Result<Vec<u8>, String> {
+    const CHUNK: u64 = 8 << 20;
+    let [start, end] = piece.bytes;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut out = vec![0u8; (keep.end - keep.start) as usize];
+    let mut chunk = vec![0u8; CHUNK.min(end - start) as usize];
+    let mut at = 0u64;
+    while at < end - start {
+        let n = CHUNK.min(end - start - at);
+        let buf = &mut chunk[..n as usize];
+        f.read_into(buf, start + at).map_err(|e| format!("{}: {e}", piece.file))?;
+        hasher.update(buf);
+        // The part of this chunk that is kept.
+        let (lo, hi) = (keep.start.max(at), keep.end.min(at + n));
+        if lo < hi {
+            out[(lo - keep.start) as usize..(hi - keep.start) as usize]
+                .copy_from_slice(&buf[(lo - at) as usize..(hi - at) as usize]);
+        }
+        at += n;
+    }
+    if format!("{:016x}", hasher.digest()) != piece.xxh3 {
+        return Err(format!(
+            "the piece of `{name}` (rows {}..{}) in {} fails its checksum: the file is damaged",
+            piece.offset,
+            piece.offset + piece.rows,
+            piece.file
+        ));
+    }
+    Ok(out)
+}
+
 /// Rows of a checkpoint's tensors, read from their pieces. Files stay open between reads.
 pub struct Reader {
     dir: PathBuf,
@@ -305,7 +338,9 @@ impl Reader {
     }
 
     /// Rows `rows` (dim 0) of `name`, from the pieces that hold them (a 0-dimensional tensor is
-    /// row 0); each piece is read whole, checked, and cut.
+    /// row 0). Each piece is checked against its checksum as it is read; of a piece holding more
+    /// rows than asked, only the rows asked are kept (the rest is read, in chunks, for the
+    /// checksum alone): a rank holds its rows and never a whole tensor it does not hold.
     pub fn rows(&self, name: &str, rows: Range<i64>) -> anyhow::Result<Tensor> {
         let t = self.index.tensors.get(name).ok_or_else(|| self.missing(name))?;
         let total = rows_of(&t.shape);
@@ -318,17 +353,25 @@ impl Reader {
         );
         let kind = crate::tensorfile::kind_of(t.dtype)
             .ok_or_else(|| anyhow::anyhow!("`{name}` in checkpoint {} is {:?}", self.dir.display(), t.dtype))?;
+        let row_bytes = (t.shape.iter().skip(1).product::<i64>() as u64) * kind.elt_size_in_bytes() as u64;
         let mut parts = Vec::new();
         for piece in t.pieces_in(rows.clone()) {
-            let bytes = self.piece_bytes(name, t, piece)?;
-            let whole = crate::checked::tensor(&bytes, &piece_shape(&t.shape, piece.rows), kind)
-                .map_err(|e| anyhow::anyhow!("{}: `{name}`: {e}", self.dir.join(&piece.file).display()))?;
-            if t.shape.is_empty() {
-                return Ok(whole);
-            }
             let from = rows.start.max(piece.offset);
             let to = rows.end.min(piece.offset + piece.rows);
-            parts.push(whole.narrow(0, from - piece.offset, to - from));
+            let keep = if t.shape.is_empty() {
+                None
+            } else {
+                let first = (from - piece.offset) as u64 * row_bytes;
+                Some(first..first + (to - from) as u64 * row_bytes)
+            };
+            let bytes = self.piece_bytes(name, t, piece, keep)?;
+            let shape = piece_shape(&t.shape, if t.shape.is_empty() { piece.rows } else { to - from });
+            let part = crate::checked::tensor(&bytes, &shape, kind)
+                .map_err(|e| anyhow::anyhow!("{}: `{name}`: {e}", self.dir.join(&piece.file).display()))?;
+            if t.shape.is_empty() {
+                return Ok(part);
+            }
+            parts.push(part);
         }
         Ok(match parts.len() {
             0 => Tensor::zeros(piece_shape(&t.shape, 0).as_slice(), (kind, tch::Device::Cpu)),
@@ -337,7 +380,14 @@ impl Reader {
         })
     }
 
-    fn piece_bytes(&self, name: &str, t: &TensorEntry, piece: &PieceEntry) -> anyhow::Result<Vec<u8>> {
+    /// The bytes `keep` of a piece (all of it: `None`), the piece checked against its checksum.
+    fn piece_bytes(
+        &self,
+        name: &str,
+        t: &TensorEntry,
+        piece: &PieceEntry,
+        keep: Option<Range<u64>>,
+    ) -> anyhow::Result<Vec<u8>> {
         let mut files = self.files.borrow_mut();
         if !files.contains_key(&piece.file) {
             let path = self.dir.join(&piece.file);
@@ -347,6 +397,11 @@ impl Reader {
         let f = &files[&piece.file];
         let at = |e: String| anyhow::anyhow!("checkpoint {}: {e}", self.dir.display());
         check_piece(f, name, t, piece).map_err(at)?;
-        read_piece(f, name, piece).map_err(at)
+        match keep {
+            Some(keep) if keep.end - keep.start < piece.bytes[1] - piece.bytes[0] => {
+                read_piece_part(f, name, piece, keep).map_err(at)
+            }
+            _ => read_piece(f, name, piece).map_err(at),
+        }
     }
 }

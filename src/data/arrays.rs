@@ -3,9 +3,11 @@
 //! `.safetensors` entry's dtype, shape and offsets are checked against the bytes actually there
 //! before a tensor is made (through [`crate::checked::tensor`]; `.safetensors` through
 //! [`crate::tensorfile`]), and nothing larger than `limit` bytes is read. Which arrays are weights (floats, the model's
-//! names and shapes) is [`crate::model::read_weights`]'s to say.
+//! names and shapes) is [`crate::model::weights`]'s to say. A file is read one array at a time
+//! ([`visit`]), or as rows of one array ([`ArrayFile::rows`]: a rank's share of a parameter).
 use std::fs::File;
 use std::io::Read;
+use std::ops::Range;
 use std::path::Path;
 
 use tch::{Kind, Tensor};
@@ -14,12 +16,84 @@ use super::npy::{parse_header, Dtype};
 
 /// The named tensors of an `.npz` or `.safetensors` file, none larger than `limit` bytes.
 pub fn read(path: &Path, limit: u64) -> Result<Vec<(String, Tensor)>, String> {
+    let mut out = Vec::new();
+    visit(path, limit, |name, t| {
+        out.push((name, t));
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// Hands each named tensor of an `.npz` or `.safetensors` file, none larger than `limit` bytes,
+/// to `f` in the file's order, one at a time: a caller that keeps none holds one at most.
+pub fn visit(path: &Path, limit: u64, mut f: impl FnMut(String, Tensor) -> Result<(), String>) -> Result<(), String> {
     let p = path.display();
     match path.extension().and_then(|e| e.to_str()) {
-        Some("npz") => read_npz(path, limit).map_err(|e| format!("{p}: {e}")),
-        Some("safetensors") => read_safetensors(path, limit).map_err(|e| format!("{p}: {e}")),
+        Some("npz") => visit_npz(path, limit, &mut f).map_err(|e| format!("{p}: {e}")),
+        Some("safetensors") => visit_safetensors(path, limit, &mut f).map_err(|e| format!("{p}: {e}")),
         _ => Err(format!("{p}: use an .npz or .safetensors file")),
     }
+}
+
+/// An `.npz` or `.safetensors` file open for reading rows of its arrays.
+pub enum ArrayFile {
+    Npz(zip::ZipArchive<File>),
+    Safetensors(crate::tensorfile::TensorFile),
+}
+
+impl ArrayFile {
+    /// Errors say what is wrong, without the path.
+    pub fn open(path: &Path) -> Result<ArrayFile, String> {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("npz") => {
+                let file = File::open(path).map_err(|e| format!("cannot read it: {e}"))?;
+                Ok(ArrayFile::Npz(zip::ZipArchive::new(file).map_err(|e| format!("not an .npz archive ({e})"))?))
+            }
+            Some("safetensors") => Ok(ArrayFile::Safetensors(crate::tensorfile::TensorFile::open(path)?)),
+            _ => Err("use an .npz or .safetensors file".into()),
+        }
+    }
+
+    /// Rows `rows` (dim 0; a 0-dimensional array is one row) of the array `name`, in its own
+    /// element type. Only those rows' bytes are read into memory: from a `.safetensors` file
+    /// their byte range alone ([`crate::tensorfile::TensorFile::rows`]); from an `.npz` member,
+    /// which may be compressed, the bytes before them are read and dropped as they come.
+    pub fn rows(&mut self, name: &str, rows: Range<i64>) -> Result<Tensor, String> {
+        match self {
+            ArrayFile::Safetensors(f) => f.rows(name, rows),
+            ArrayFile::Npz(zip) => {
+                let mut member = zip.by_name(&format!("{name}.npy")).map_err(|_| format!("it holds no `{name}`"))?;
+                let (kind, shape) = npy_header(&mut member).map_err(|e| format!("member `{name}`: {e}"))?;
+                let (row_shape, skip, want) = row_bytes(&shape, kind, &rows).map_err(|e| format!("`{name}`: {e}"))?;
+                let skipped = std::io::copy(&mut member.by_ref().take(skip), &mut std::io::sink());
+                let mut data = Vec::new();
+                let read = skipped.and_then(|_| member.take(want).read_to_end(&mut data));
+                read.map_err(|e| format!("member `{name}`: its data cannot be read ({e})"))?;
+                if data.len() as u64 != want {
+                    return Err(format!(
+                        "member `{name}` is truncated: rows {}..{} are not all there",
+                        rows.start, rows.end
+                    ));
+                }
+                crate::checked::tensor(&data, &row_shape, kind).map_err(|e| format!("member `{name}`: {e}"))
+            }
+        }
+    }
+}
+
+/// For rows `rows` of an array of `shape` and `kind`: their shape, the bytes before them and
+/// their bytes; or why they are not rows of it.
+pub fn row_bytes(shape: &[i64], kind: Kind, rows: &Range<i64>) -> Result<(Vec<i64>, u64, u64), String> {
+    let total = shape.first().copied().unwrap_or(1);
+    if !(0 <= rows.start && rows.start <= rows.end && rows.end <= total) {
+        return Err(format!("rows {}..{} asked of an array of {total}", rows.start, rows.end));
+    }
+    let row = shape_bytes(shape.get(1..).unwrap_or(&[]), kind)?;
+    let mut out = shape.to_vec();
+    if let Some(d0) = out.first_mut() {
+        *d0 = rows.end - rows.start;
+    }
+    Ok((out, row * rows.start as u64, row * (rows.end - rows.start) as u64))
 }
 
 /// The tensor kind of a `.npy` dtype; libtorch's unsigned kinds wider than a byte have none.
@@ -37,22 +111,43 @@ fn npy_kind(dtype: Dtype) -> Option<Kind> {
     })
 }
 
+/// What [`visit`] hands each tensor to.
+type Visit<'a> = &'a mut dyn FnMut(String, Tensor) -> Result<(), String>;
+
 /// An `.npz` archive (numpy's `savez`, stored or deflated): each member a `.npy` array.
-fn read_npz(path: &Path, limit: u64) -> Result<Vec<(String, Tensor)>, String> {
+fn visit_npz(path: &Path, limit: u64, f: Visit) -> Result<(), String> {
     let file = File::open(path).map_err(|e| format!("cannot read it: {e}"))?;
     let mut zip = zip::ZipArchive::new(file).map_err(|e| format!("not an .npz archive ({e})"))?;
-    let mut out = Vec::new();
     for i in 0..zip.len() {
         let member = zip.by_index(i).map_err(|e| format!("member {i} cannot be read ({e})"))?;
         let name = member.name().strip_suffix(".npy").unwrap_or(member.name()).to_owned();
         let tensor = read_npy_member(member, limit).map_err(|e| format!("member `{name}`: {e}"))?;
-        out.push((name, tensor));
+        f(name, tensor)?;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// One `.npy` stream: its header's shape must account for every byte after it.
 fn read_npy_member(mut r: impl Read, limit: u64) -> Result<Tensor, String> {
+    let (kind, shape) = npy_header(&mut r)?;
+    let want = shape_bytes(&shape, kind)?;
+    if want > limit {
+        return Err(format!("shape {shape:?} is {want} bytes, larger than any weight of the model"));
+    }
+    let mut data = Vec::new();
+    r.take(want + 1).read_to_end(&mut data).map_err(|e| format!("its data cannot be read ({e})"))?;
+    if data.len() as u64 != want {
+        return Err(format!(
+            "the header says shape {shape:?} ({want} bytes), the data holds {}{}: it is truncated or its header lies",
+            data.len().min(want as usize),
+            if data.len() as u64 > want { " and more" } else { "" }
+        ));
+    }
+    crate::checked::tensor(&data, &shape, kind)
+}
+
+/// A `.npy` stream's header, read up to its data: the element type and shape.
+fn npy_header(mut r: impl Read) -> Result<(Kind, Vec<i64>), String> {
     let mut magic = [0u8; 10];
     r.read_exact(&mut magic).map_err(|_| "not a .npy array (too short)".to_owned())?;
     if &magic[..6] != b"\x93NUMPY" {
@@ -76,20 +171,7 @@ fn read_npy_member(mut r: impl Read, limit: u64) -> Result<Tensor, String> {
     let (dtype, shape) = parse_header(header)?;
     let kind = npy_kind(dtype).ok_or(format!("holds {dtype:?} values, not floats (float32 or float64)"))?;
     let shape: Vec<i64> = shape.iter().map(|&d| i64::try_from(d).unwrap_or(-1)).collect();
-    let want = shape_bytes(&shape, kind)?;
-    if want > limit {
-        return Err(format!("shape {shape:?} is {want} bytes, larger than any weight of the model"));
-    }
-    let mut data = Vec::new();
-    r.take(want + 1).read_to_end(&mut data).map_err(|e| format!("its data cannot be read ({e})"))?;
-    if data.len() as u64 != want {
-        return Err(format!(
-            "the header says shape {shape:?} ({want} bytes), the data holds {}{}: it is truncated or its header lies",
-            data.len().min(want as usize),
-            if data.len() as u64 > want { " and more" } else { "" }
-        ));
-    }
-    crate::checked::tensor(&data, &shape, kind)
+    Ok((kind, shape))
 }
 
 /// Bytes of `shape` of `kind`, or why it is no shape.
@@ -100,9 +182,13 @@ fn shape_bytes(shape: &[i64], kind: Kind) -> Result<u64, String> {
 }
 
 /// A `.safetensors` file (through [`crate::tensorfile`]), each tensor read at its own bytes.
-fn read_safetensors(path: &Path, limit: u64) -> Result<Vec<(String, Tensor)>, String> {
+fn visit_safetensors(path: &Path, limit: u64, f: Visit) -> Result<(), String> {
     let file = crate::tensorfile::TensorFile::open(path)?;
-    file.entries().into_iter().map(|(name, _)| Ok((name.clone(), file.tensor(&name, limit)?))).collect()
+    for (name, _) in file.entries() {
+        let t = file.tensor(&name, limit)?;
+        f(name, t)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

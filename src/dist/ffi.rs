@@ -39,6 +39,18 @@ pub struct RnFsdpStats {
 }
 
 #[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RnMemoryStats {
+    pub used_bytes: i64,
+    pub cached_bytes: i64,
+    pub mapped_bytes: i64,
+    pub peak_used_bytes: i64,
+    pub peak_mapped_bytes: i64,
+    pub maps: i64,
+    pub unmaps: i64,
+}
+
+#[repr(C)]
 pub struct RnScript {
     _private: [u8; 0],
 }
@@ -204,12 +216,8 @@ extern "C" {
     pub fn rn_script_train(m: *mut RnScript, training: c_int) -> *mut c_char;
     pub fn rn_script_forward(m: *mut RnScript, input: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
 
-    #[allow(clippy::too_many_arguments)]
     pub fn rn_fsdp_new(
         pg: *mut RnPg,
-        params: *const *mut c_void,
-        n_params: usize,
-        unit_sizes: *const usize,
         n_units: usize,
         layer_units: *const usize,
         layer_counts: *const usize,
@@ -217,6 +225,7 @@ extern "C" {
         zero3: c_int,
         out: *mut *mut RnFsdp,
     ) -> *mut c_char;
+    pub fn rn_fsdp_add_unit(f: *mut RnFsdp, params: *const *mut c_void, n_params: usize) -> *mut c_char;
     pub fn rn_fsdp_free(f: *mut RnFsdp);
     pub fn rn_fsdp_shard(f: *mut RnFsdp, i: usize, out: *mut *mut c_void) -> *mut c_char;
     pub fn rn_fsdp_pre_forward(f: *mut RnFsdp, layer: usize) -> *mut c_char;
@@ -224,4 +233,8 @@ extern "C" {
     pub fn rn_fsdp_finish_backward(f: *mut RnFsdp) -> *mut c_char;
     pub fn rn_fsdp_full(f: *mut RnFsdp, i: usize, out: *mut *mut c_void) -> *mut c_char;
     pub fn rn_fsdp_read_stats(f: *mut RnFsdp, reset: c_int, out: *mut RnFsdpStats) -> *mut c_char;
+
+    pub fn rn_memory_install() -> *mut c_char;
+    pub fn rn_memory_phase();
+    pub fn rn_memory_read_stats(out: *mut RnMemoryStats) -> *mut c_char;
 }

@@ -60,23 +60,19 @@ unsafe impl Send for Sharded<'_> {}
 unsafe impl Sync for Sharded<'_> {}
 
 impl<'pg> Sharded<'pg> {
-    /// Shards `params` (module order, every one a trainable leaf) over `pg`: this rank keeps its
-    /// rows of each, and the parameters' own memory is freed. `zero3`: free a unit after the
-    /// forward of the last layer reading it and gather it again for its backward (ZeRO-3);
-    /// otherwise keep it gathered from its forward to the end of its backward (ZeRO-2).
-    pub fn new(pg: &'pg ProcessGroup, params: &[Tensor], units: &Units, zero3: bool) -> Result<Sharded<'pg>> {
-        let ptrs: Vec<*mut c_void> = params.iter().map(|p| p.as_ptr() as *mut c_void).collect();
+    /// A sharding of `units.sizes.len()` units over `pg`, none sharded yet: [`Sharded::add_unit`]
+    /// shards each in turn, so that a model is built and sharded one unit at a time. `zero3`:
+    /// free a unit after the forward of the last layer reading it and gather it again for its
+    /// backward (ZeRO-3); otherwise keep it gathered from its forward to the end of its backward
+    /// (ZeRO-2).
+    pub fn new(pg: &'pg ProcessGroup, units: &Units, zero3: bool) -> Result<Sharded<'pg>> {
         let flat: Vec<usize> = units.layers.iter().flatten().copied().collect();
         let counts: Vec<usize> = units.layers.iter().map(Vec::len).collect();
         let mut raw = std::ptr::null_mut();
-        // SAFETY: every pointer and length describes a live slice for the call; the bridge keeps
-        // its own references to the tensors.
+        // SAFETY: every pointer and length describes a live slice for the call.
         let err = unsafe {
             ffi::rn_fsdp_new(
                 pg.raw(),
-                ptrs.as_ptr(),
-                ptrs.len(),
-                units.sizes.as_ptr(),
                 units.sizes.len(),
                 flat.as_ptr(),
                 counts.as_ptr(),
@@ -87,7 +83,20 @@ impl<'pg> Sharded<'pg> {
         };
         check("fsdp.new", err).map_err(|e| pg.explain(e))?;
         let raw = NonNull::new(raw).expect("rn_fsdp_new succeeded");
-        Ok(Sharded { raw, pg, params: params.len() })
+        Ok(Sharded { raw, pg, params: 0 })
+    }
+
+    /// Shards the next unit, `params` (its parameters in module order, each a trainable leaf):
+    /// this rank keeps its rows of each, and the parameters' own memory is freed (they keep
+    /// their shapes, and hold memory again only while their unit is gathered).
+    pub fn add_unit(&mut self, params: &[Tensor]) -> Result<()> {
+        let ptrs: Vec<*mut c_void> = params.iter().map(|p| p.as_ptr() as *mut c_void).collect();
+        // SAFETY: the sharding is live; the pointers describe live tensors for the call, and the
+        // bridge keeps its own references to them.
+        let err = unsafe { ffi::rn_fsdp_add_unit(self.raw(), ptrs.as_ptr(), ptrs.len()) };
+        self.result("fsdp.add_unit", err)?;
+        self.params += params.len();
+        Ok(())
     }
 
     /// This rank's shard of each parameter, in module order: leaf tensors of the parameter's

@@ -6,7 +6,7 @@
 //! - [`Sharded`]: a model's parameters sharded across the ranks (FSDP2's design);
 //! - [`Script`]: a TorchScript module with its parameters and buffers (tch lists no buffers);
 //! - [`fused_adam`], [`sgd`], [`set_autocast_dtype`]: libtorch functions that tch does not expose;
-//! - [`keep_freed_memory`]: glibc's allocator set for a training loop;
+//! - [`memory`]: the allocator of a rank's tensors, which reuses freed memory as it is;
 //! - [`mkl`]: MKL's code branch in this process (`run.numerics`).
 //!
 //! Failures come back as [`Error`], naming the operation and, where known, the peer that left.
@@ -29,6 +29,7 @@ mod error;
 mod ffi;
 mod fsdp;
 mod kernels;
+pub mod memory;
 pub mod mkl;
 mod process_group;
 mod script;
@@ -43,24 +44,6 @@ pub use kernels::{
 pub use process_group::{record_exit, Backend, Pending, ProcessGroup, ReduceOp};
 pub use script::Script;
 pub use store::Store;
-
-/// Keeps the memory libtorch frees in this process for its next allocations. A training step
-/// allocates and frees the same activations every time; glibc by default hands blocks of more
-/// than 128 KiB back to the kernel on free (`munmap`, or trimming the heap), so every step
-/// faults the same pages in again and the kernel zeroes them (about a thousand page faults per
-/// step of the baby GPT, 2% of its samples under perf). Blocks up to 32 MiB (glibc's largest mmap
-/// threshold) now come from the heap, and the heap is trimmed only past 1 GiB free: a rank's
-/// resident size stays at its peak instead of falling between steps, as with jemalloc or
-/// tcmalloc, which PyTorch's CPU tuning guides recommend for the same reason.
-pub fn keep_freed_memory() {
-    // SAFETY: mallopt only sets glibc's allocator parameters, under the allocator's own lock;
-    // the values are in the ranges glibc documents (a rejected value leaves the default).
-    unsafe {
-        nix::libc::mallopt(nix::libc::M_MMAP_THRESHOLD, 32 << 20);
-        nix::libc::mallopt(nix::libc::M_TRIM_THRESHOLD, 1 << 30);
-        nix::libc::mallopt(nix::libc::M_TOP_PAD, 64 << 20);
-    }
-}
 
 /// This process's peak resident memory so far, in bytes (getrusage's ru_maxrss; 0 where it
 /// cannot be read).

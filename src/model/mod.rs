@@ -9,8 +9,8 @@ pub mod optim;
 pub mod partition;
 pub mod torchscript;
 pub mod transformer;
+pub mod weights;
 
-use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,6 +20,7 @@ use tch::Tensor;
 
 use crate::config::schema::{Model, Torchscript};
 use batchnorm::StatsGroup;
+pub use weights::read_weights;
 
 /// What building a model's layers takes besides its configuration and shapes.
 #[derive(Debug, Clone, Default)]
@@ -260,52 +261,6 @@ pub fn named_trainable(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
             (named.remove(at).0, t)
         })
         .collect()
-}
-
-/// Reads a weights file (.npz or .safetensors) holding exactly the parameters and buffers of
-/// `shapes`, as float32 (batch norm's `num_batches_tracked` as int64); says what is missing,
-/// extra or misshapen otherwise.
-pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeMap<String, Tensor>, String> {
-    if !path.exists() {
-        return Err(format!("{} does not exist (paths are relative to the pipeline file)", path.display()));
-    }
-    crate::input::regular_file(path)?;
-    // No array is read larger than the model's largest, as float64.
-    let limit = shapes.iter().map(|(_, s)| s.iter().product::<i64>().max(1) as u64 * 8).max().unwrap_or(8);
-    let mut tensors: BTreeMap<String, Tensor> = crate::data::arrays::read(path, limit)?.into_iter().collect();
-    // A PyTorch state_dict counts batch norm's batches: kept where the model has the count
-    // (TorchScript modules), dropped where it has none (the built-in kinds).
-    tensors.retain(|name, _| !name.ends_with("num_batches_tracked") || shapes.iter().any(|(n, _)| n == name));
-    let mut problems = Vec::new();
-    let mut out = BTreeMap::new();
-    for (name, shape) in shapes {
-        match tensors.remove(name) {
-            None => problems.push(format!("no `{name}`")),
-            Some(t) if t.size() != *shape => {
-                problems.push(format!("`{name}` is {:?}, the model's is {shape:?}", t.size()))
-            }
-            Some(t) if name.ends_with("num_batches_tracked") && !t.is_floating_point() => {
-                out.insert(name.clone(), t.to_kind(tch::Kind::Int64));
-            }
-            Some(t) if !t.is_floating_point() => problems.push(format!("`{name}` holds {:?}, not floats", t.kind())),
-            Some(t) if t.isfinite().all().int64_value(&[]) == 0 => {
-                let bad = t.numel() as i64 - t.isfinite().sum(tch::Kind::Int64).int64_value(&[]);
-                problems.push(format!("`{name}` holds {bad} NaN or infinite values"))
-            }
-            Some(t) => {
-                out.insert(name.clone(), t.to_kind(tch::Kind::Float));
-            }
-        }
-    }
-    if !tensors.is_empty() {
-        problems
-            .push(format!("unexpected {}", tensors.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")));
-    }
-    if problems.is_empty() {
-        Ok(out)
-    } else {
-        Err(format!("{} does not fit the model: {}", path.display(), problems.join("; ")))
-    }
 }
 
 /// For the model kinds' tests: `arch` built as the stages `cuts` (fresh variable stores, the same

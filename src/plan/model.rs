@@ -41,7 +41,7 @@ pub(super) fn model_parts(
     }
     let init_weights = c.wrap.init.as_ref().map(|rel| base.join(rel));
     if let (Some(path), Some(arch)) = (&init_weights, &arch) {
-        if let Err(e) = crate::model::read_weights(path, &crate::model::sorted_parameters(arch.as_ref())) {
+        if let Err(e) = crate::model::weights::check(path, &crate::model::sorted_parameters(arch.as_ref())) {
             bad("wrap.init", e);
         }
     }

@@ -51,6 +51,7 @@ pub fn save(
 ) -> anyhow::Result<()> {
     trainer.position.set("checkpoint", trainer.clock.epoch(done - 1), 0);
     background.wait()?;
+    crate::dist::memory::phase();
     let clock = &trainer.clock;
     let epoch = clock.epoch(done - 1);
     // Every rank takes part: the bucket layout is read on each (it is the same on all).
@@ -148,9 +149,6 @@ pub fn resume(found: &Found, plan: &Plan, rank: usize, wrapped: &mut super::wrap
     let reader = Reader::new(found);
     wrapped.strategy.load_state(plan, &reader, &wrapped.vs, &mut wrapped.optimizer)?;
     let partial = partial_for(&reader, plan, rank)?;
-    if let Ok(dir) = std::env::var("RUNNER_TEST_DUMP_LOADED") {
-        dump_loaded(Path::new(&dir), plan, rank, wrapped)?;
-    }
     let r = reader.record();
     // An older runner's rows do not say their world size: the checkpoint's writers' is the best known.
     let mut rows = r.rows.clone();
@@ -160,10 +158,31 @@ pub fn resume(found: &Found, plan: &Plan, rank: usize, wrapped: &mut super::wrap
     Ok(Resumed { rows, steps: r.steps.clone(), done: r.step, partial })
 }
 
-/// A test hook: with `RUNNER_TEST_DUMP_LOADED=DIR` in its environment, each rank of a resumed run
-/// writes what it loaded (its variables and its optimizer's state, whole: under FSDP every rank's
-/// shards gathered; and the step count, under their checkpoint names) to `DIR/rank-R.safetensors`,
-/// so that a test can compare it with what was saved.
+/// Test hooks on what a run starts from, once its model is built or loaded (every rank calls it):
+/// - with `RUNNER_TEST_DUMP_LOADED=DIR` in its environment, each rank writes what it starts
+///   from (its variables and its optimizer's state, whole: under FSDP every rank's shards
+///   gathered; and the step count, under their checkpoint names) to `DIR/rank-R.safetensors`,
+///   so that a test can compare it with what was saved, or with another strategy's;
+/// - with `RUNNER_TEST_READ_BYTES=DIR`, each rank writes to `DIR/rank-R` the bytes of tensor data
+///   it has read (of `wrap.init`, of the checkpoint it resumed from), which a test holds to the
+///   rank's share;
+/// - with `RUNNER_TEST_MEMORY=DIR`, each rank writes to `DIR/rank-R` its tensor block cache's
+///   counters ([`crate::dist::memory::stats`]) and its peak resident bytes so far: what building
+///   the model left mapped, cached and in use (docs/fsdp.md measures it).
+pub fn test_hooks(plan: &Plan, rank: usize, wrapped: &super::wrap::Wrapped) -> anyhow::Result<()> {
+    if let Ok(dir) = std::env::var("RUNNER_TEST_READ_BYTES") {
+        std::fs::write(Path::new(&dir).join(format!("rank-{rank}")), tensorfile::data_read().to_string())?;
+    }
+    if let Ok(dir) = std::env::var("RUNNER_TEST_MEMORY") {
+        let (stats, peak) = (crate::dist::memory::stats()?, crate::dist::peak_resident_bytes());
+        std::fs::write(Path::new(&dir).join(format!("rank-{rank}")), format!("{stats:?} peak_resident: {peak}\n"))?;
+    }
+    if let Ok(dir) = std::env::var("RUNNER_TEST_DUMP_LOADED") {
+        dump_loaded(Path::new(&dir), plan, rank, wrapped)?;
+    }
+    Ok(())
+}
+
 fn dump_loaded(dir: &Path, plan: &Plan, rank: usize, wrapped: &super::wrap::Wrapped) -> anyhow::Result<()> {
     let steps = Tensor::from(wrapped.optimizer.steps() as i64);
     let loaded = wrapped.strategy.loaded(plan, &wrapped.vs, &wrapped.optimizer)?;
@@ -225,6 +244,7 @@ pub fn write_model(
     run_dir: &Path,
     file: &str,
 ) -> anyhow::Result<()> {
+    crate::dist::memory::phase();
     let tensors = strategy.model_tensors(plan, vs);
     let mut entries: Vec<Entry> = tensors
         .iter()

@@ -41,7 +41,7 @@ pub fn run(
     // threads, the optimizer and validation too (a team of all the rank's threads here would spin
     // on the cores the other replicas compute on).
     tch::set_num_threads(plan.threads_per_replica() as i32);
-    crate::dist::keep_freed_memory();
+    crate::dist::memory::install()?;
     let position = Position::new(run_dir, rank);
 
     position.set("load", 0, 0);
@@ -63,6 +63,7 @@ pub fn run(
         Some(found) => checkpoint::resume(found, plan, rank, &mut wrapped)?,
         None => checkpoint::Resumed { rows: Vec::new(), steps: Vec::new(), done: 0, partial: None },
     };
+    checkpoint::test_hooks(plan, rank, &wrapped)?;
     let checkpoint::Resumed { mut rows, mut steps, mut done, mut partial } = resumed;
     accept()?;
     crate::predict::save(plan, pg, &normalizer, run_dir)?;
@@ -91,6 +92,7 @@ pub fn run(
         let interval = clock.interval_of(done);
         let mut iv = trainer.begin(interval.clone(), done, partial.take());
         while done < interval.end {
+            crate::dist::memory::phase();
             trainer.train(&mut iv, done..done + 1)?;
             done += 1;
             trainer.position.done(done);
@@ -114,6 +116,7 @@ pub fn run(
                 }
             }
         }
+        crate::dist::memory::phase();
         let out = trainer.finish(iv)?;
         let epoch = clock.epoch(done - 1);
         // Every rank holds every rank's rows: they all reach the same verdict.

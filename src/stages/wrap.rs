@@ -2,16 +2,19 @@
 //! (seed, layer) alone, so every rank and every strategy starts from the same weights, or read
 //! from `wrap.init`, which holds every parameter and buffer under the names `model.safetensors`
 //! uses), its strategy (DDP, FSDP, a pipeline stage, or none; DDP and FSDP broadcast the
-//! buffers) and its optimizer, over the parameters this rank holds (under FSDP, its shards).
+//! buffers) and its optimizer, over the parameters this rank holds (under FSDP, its shards,
+//! built and read one unit at a time: [`wrap_sharded`]).
 use std::sync::Arc;
 
 use tch::nn::{self, ModuleT};
+use tch::Tensor;
 
 use crate::config::schema::WrapStrategy;
 use crate::dist::{ProcessGroup, Sharded};
 use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::Optimizer;
-use crate::model::BuildContext;
+use crate::model::weights::WeightsFile;
+use crate::model::{Architecture, BuildContext};
 use crate::plan::Plan;
 use crate::strategy::fsdp::{Fsdp, ShardedModel};
 use crate::strategy::threads::ThreadReplicas;
@@ -41,37 +44,22 @@ pub fn wrap<'pg>(
     // group: every rank of the job. The step reports a failed collective.
     let batch_norm = plan.syncs_batch_norm().then(|| StatsGroup::new(pg));
     let ctx = BuildContext { seed: c.run.seed, batch_norm: batch_norm.clone() };
-    let sharded = c.wrap.strategy == WrapStrategy::Fsdp;
-    // Sharding gathers each layer's parameters around that layer alone: the layers are built one
-    // by one (into the same variables, under the whole model's names).
-    let modules: Vec<Box<dyn ModuleT + 'pg>> = if sharded {
-        layers.clone().map(|l| arch.build(&vs.root(), l..l + 1, &ctx)).collect()
-    } else {
-        vec![arch.build(&vs.root(), layers.clone(), &ctx)]
-    };
+    if c.wrap.strategy == WrapStrategy::Fsdp {
+        return wrap_sharded(plan, pg, device, vs, arch.as_ref(), &ctx);
+    }
+    let model = arch.build(&vs.root(), layers.clone(), &ctx);
     if let Some(path) = &plan.init_weights {
-        // The file holds the whole model; a pipeline stage takes its own layers from it.
-        let weights = crate::model::read_weights(path, &crate::model::sorted_parameters(arch.as_ref()))
-            .map_err(anyhow::Error::msg)?;
+        // The file holds the whole model; a pipeline stage takes its own layers from it, one
+        // tensor at a time.
+        let mut file = WeightsFile::open(path)?;
         for (name, mut var) in vs.variables() {
-            tch::no_grad(|| var.copy_(&weights[&name]));
+            let saved = file.whole(&name, &var)?;
+            tch::no_grad(|| var.copy_(&saved));
         }
     }
     let params = crate::model::parameters_in_module_order(arch.as_ref(), layers.clone(), &vs);
     let vars = vs.variables();
     let buffers: Vec<_> = arch.buffers(layers.clone()).iter().map(|(name, _)| vars[name].shallow_clone()).collect();
-    if sharded {
-        let (names, shapes): (Vec<String>, Vec<Vec<i64>>) = arch.parameters(layers).into_iter().unzip();
-        let units = crate::model::shard_units(arch.as_ref());
-        let zero3 = c.wrap.fsdp.reshard_after_forward;
-        let sharded = Arc::new(Sharded::new(pg, &params, &units, zero3)?);
-        let model: Box<dyn ModuleT + 'pg> = Box::new(ShardedModel::new(modules, sharded.clone()));
-        let strategy = Fsdp::new(plan, pg, device, sharded, names, shapes, &buffers, batch_norm)?;
-        // The optimizer steps on the shards alone.
-        let optimizer = Optimizer::new(&c.train, strategy.shards());
-        return Ok(Wrapped { vs, model, strategy: Strategy::Fsdp(strategy), optimizer });
-    }
-    let model = modules.into_iter().next().expect("one module");
     let replicas = plan.thread_replicas();
     let threads = (replicas > 1)
         .then(|| {
@@ -82,4 +70,54 @@ pub fn wrap<'pg>(
     let strategy = Strategy::new(plan, pg, device, &params, &buffers, buckets, batch_norm, threads)?;
     let optimizer = Optimizer::new(&c.train, crate::model::named_trainable(&vs));
     Ok(Wrapped { vs, model, strategy, optimizer })
+}
+
+/// Under FSDP no rank ever holds the whole model: each layer is built (its weights drawn from its
+/// own (seed, layer) stream, as a whole model's are), and its unit sharded at once, its
+/// parameters' memory freed, before the next layer is built; so building peaks at the shards
+/// plus one unit. Each layer is a module of its own, built under the whole model's names (the
+/// sharding gathers each layer's parameters around that layer alone). `wrap.init` then gives
+/// each rank its rows of every parameter, read from the file (and the buffers whole).
+fn wrap_sharded<'pg>(
+    plan: &Plan,
+    pg: &'pg ProcessGroup,
+    device: tch::Device,
+    vs: nn::VarStore,
+    arch: &dyn Architecture,
+    ctx: &BuildContext<'pg>,
+) -> anyhow::Result<Wrapped<'pg>> {
+    let c = &plan.config;
+    let all = 0..arch.layers().len();
+    let mut sharding = Sharded::new(pg, &crate::model::shard_units(arch), c.wrap.fsdp.reshard_after_forward)?;
+    let mut layers: Vec<Box<dyn ModuleT + 'pg>> = Vec::new();
+    for l in all.clone() {
+        layers.push(arch.build(&vs.root(), l..l + 1, ctx));
+        // A layer with parameters is a unit (crate::model::shard_units), in the layers' order.
+        let params = crate::model::parameters_in_module_order(arch, l..l + 1, &vs);
+        if !params.is_empty() {
+            sharding.add_unit(&params)?;
+        }
+    }
+    let vars = vs.variables();
+    let buffers: Vec<(String, Tensor)> =
+        arch.buffers(all.clone()).into_iter().map(|(name, _)| (name.clone(), vars[&name].shallow_clone())).collect();
+    let mut init = plan.init_weights.as_deref().map(WeightsFile::open).transpose()?;
+    if let Some(file) = init.as_mut() {
+        // Before the strategy broadcasts rank 0's buffers: every rank reads them, whole.
+        for (name, var) in &buffers {
+            let saved = file.whole(name, var)?;
+            tch::no_grad(|| var.detach().copy_(&saved));
+        }
+    }
+    let (names, shapes): (Vec<String>, Vec<Vec<i64>>) = arch.parameters(all).into_iter().unzip();
+    let sharded = Arc::new(sharding);
+    let model: Box<dyn ModuleT + 'pg> = Box::new(ShardedModel::new(layers, sharded.clone()));
+    let held: Vec<Tensor> = buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
+    let mut strategy = Fsdp::new(plan, pg, device, sharded, names, shapes, &held, ctx.batch_norm.clone())?;
+    if let Some(file) = init.as_mut() {
+        strategy.load_rows(|name, rows, shard| file.rows(name, rows, shard))?;
+    }
+    // The optimizer steps on the shards alone.
+    let optimizer = Optimizer::new(&c.train, strategy.shards());
+    Ok(Wrapped { vs, model, strategy: Strategy::Fsdp(strategy), optimizer })
 }

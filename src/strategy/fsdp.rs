@@ -209,6 +209,22 @@ impl<'pg> Fsdp<'pg> {
         Ok(pieces)
     }
 
+    /// Sets this rank's rows of every parameter from `read(name, rows, shard)`, which gives rows
+    /// `rows` of the parameter `name` (of which `shard` holds this rank's, padded): `wrap.init`'s
+    /// and a checkpoint's, read without the rest of the tensor.
+    pub fn load_rows(
+        &mut self,
+        mut read: impl FnMut(&str, Range<i64>, &Tensor) -> anyhow::Result<Tensor>,
+    ) -> anyhow::Result<()> {
+        for i in 0..self.names.len() {
+            let (name, rows) = (&self.names[i], self.rows(i));
+            let loaded = padded(name, read(name, rows.clone(), &self.shards[i])?, rows, &self.shards[i])?;
+            let mut shard = self.shards[i].shallow_clone();
+            tch::no_grad(|| shard.f_copy_(&loaded)).map_err(|e| anyhow::anyhow!("`{name}`: {e}"))?;
+        }
+        Ok(())
+    }
+
     /// Loads this rank's rows of every parameter and of its optimizer state from a checkpoint
     /// written under any strategy and world size (the reader reads only the pieces holding them),
     /// the buffers and the step count whole.
@@ -218,28 +234,10 @@ impl<'pg> Fsdp<'pg> {
         buffers: &[(String, Tensor)],
         optimizer: &mut Optimizer,
     ) -> anyhow::Result<()> {
-        // Rows `rows` of `name` into `held`, the padding rows after them zero.
-        let fill = |name: &str, rows: Range<i64>, held: &Tensor| -> anyhow::Result<Tensor> {
-            let saved = reader.rows(name, rows.clone())?;
-            let mut shape = held.size();
-            anyhow::ensure!(
-                saved.size()[1..] == shape[1..],
-                "the checkpoint's `{name}` is {:?} per row, this model's {:?}",
-                &saved.size()[1..],
-                &shape[1..]
-            );
-            shape[0] -= rows.end - rows.start;
-            let pad = Tensor::zeros(shape.as_slice(), (saved.kind(), saved.device()));
-            Ok(Tensor::cat(&[saved, pad], 0))
-        };
-        for i in 0..self.names.len() {
-            let loaded = fill(&self.names[i], self.rows(i), &self.shards[i])?;
-            let mut shard = self.shards[i].shallow_clone();
-            tch::no_grad(|| shard.f_copy_(&loaded)).map_err(|e| anyhow::anyhow!("`{}`: {e}", self.names[i]))?;
-        }
+        self.load_rows(|name, rows, _| reader.rows(name, rows))?;
         optimizer.load_state(|name, param, held| {
-            let i = self.index(param)?;
-            fill(name, self.rows(i), held)
+            let rows = self.rows(self.index(param)?);
+            padded(name, reader.rows(name, rows.clone())?, rows, held)
         })?;
         for (name, t) in buffers {
             let saved = reader.whole(name)?;
@@ -303,4 +301,18 @@ impl<'pg> Fsdp<'pg> {
     fn index(&self, param: &str) -> anyhow::Result<usize> {
         self.names.iter().position(|n| n == param).ok_or_else(|| anyhow::anyhow!("no parameter `{param}` is sharded"))
     }
+}
+
+/// `saved`, rows `rows` of `name`, as `held` holds them: the padding rows after them zero.
+fn padded(name: &str, saved: Tensor, rows: Range<i64>, held: &Tensor) -> anyhow::Result<Tensor> {
+    let mut shape = held.size();
+    anyhow::ensure!(
+        saved.size()[1..] == shape[1..],
+        "the checkpoint's `{name}` is {:?} per row, this model's {:?}",
+        &saved.size()[1..],
+        &shape[1..]
+    );
+    shape[0] -= rows.end - rows.start;
+    let pad = Tensor::zeros(shape.as_slice(), (saved.kind(), saved.device()));
+    Ok(Tensor::cat(&[saved, pad], 0))
 }
