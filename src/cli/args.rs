@@ -61,6 +61,19 @@ pub struct PredictArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// The run directory (results/<name>/<run-id>) of a finished transformer.
+    pub run_dir: PathBuf,
+    /// Write a Hugging Face model directory here (config.json, model.safetensors): what
+    /// transformers' from_pretrained, vLLM and lm-eval load. It must not exist, or be empty.
+    #[arg(long, value_name = "OUT_DIR")]
+    pub hf: PathBuf,
+    /// Shards of at most this size past it, with model.safetensors.index.json ("5GB", "200MB").
+    #[arg(long, value_name = "SIZE", default_value = crate::model::hf::export::DEFAULT_SHARD)]
+    pub max_shard_size: String,
+}
+
+#[derive(Debug, Args)]
 pub struct BenchArgs {
     /// One repetition per cell; print the results, do not write them.
     #[arg(long)]

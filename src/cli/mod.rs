@@ -67,6 +67,10 @@ pub enum Command {
                             runner predict results/book --prompt \"PROSPERO:\" --tokens 200\n\n\
                             Read: docs/guide/your-data.md, docs/guide/language-models.md")]
     Predict(PredictArgs),
+    /// Write a finished run's model in another format: a Hugging Face model directory.
+    #[command(after_help = "Example:\n  runner export results/book/<run-id> --hf book-hf\n\n\
+                            Read: docs/guide/hugging-face.md")]
+    Export(ExportArgs),
     /// Make data files for the runner from other formats.
     #[command(subcommand)]
     Prepare(PrepareCommand),
@@ -91,7 +95,12 @@ pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
         },
         Command::Validate(args) => Some(resolved(&args.file, &args.set, &args.set_as)),
         Command::Predict(args) => Some(resolved(&args.run_dir.join(rundir::CONFIG), &[], &[])),
-        Command::Sweep(_) | Command::Bench(_) | Command::Schema(_) | Command::Report(_) | Command::Prepare(_) => None,
+        Command::Sweep(_)
+        | Command::Bench(_)
+        | Command::Schema(_)
+        | Command::Report(_)
+        | Command::Prepare(_)
+        | Command::Export(_) => None,
     }
 }
 
@@ -148,6 +157,9 @@ pub fn main(cli: Cli) -> u8 {
             (None, None) => unreachable!("clap requires DATA or --prompt"),
         },
         Command::Prepare(PrepareCommand::Text { file, out, force }) => crate::prepare::text(&file, &out, force),
+        Command::Export(args) => crate::model::hf::export::parse_size(&args.max_shard_size)
+            .map_err(|e| anyhow::Error::new(ConfigError::new(format!("--max-shard-size: {e}"))))
+            .and_then(|max| crate::model::hf::export::export(&args.run_dir, &args.hf, max)),
         Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
             quick: args.quick,
             repetitions: if args.quick { 1 } else { args.repetitions as usize },

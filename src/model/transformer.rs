@@ -38,6 +38,10 @@ impl TransformerArch {
         TransformerArch { s: Spec::of(t) }
     }
 
+    pub fn from_spec(s: Spec) -> TransformerArch {
+        TransformerArch { s }
+    }
+
     pub fn spec(&self) -> &Spec {
         &self.s
     }

@@ -85,16 +85,20 @@ pub struct Plan {
 impl Plan {
     /// Checks everything and reports every problem found, not just the first.
     pub fn new(resolved: Resolved) -> Result<Plan, ConfigError> {
-        let Resolved { config: mut c, sources, file, extends } = resolved;
+        let Resolved { config: mut c, mut sources, file, extends } = resolved;
+        let base = file.parent().map(PathBuf::from).unwrap_or_default();
+        let imported = model::import_hf(&mut c, &mut sources, &base);
         let mut errors = Vec::new();
         // Each problem names the key and where its value came from.
         let mut bad = |key: &str, msg: String| {
             let from = sources.get(key).map(String::as_str).unwrap_or("default");
             errors.push(format!("`{key}` ({from}): {msg}"))
         };
+        for (key, problem) in imported {
+            bad(&key, problem);
+        }
         values::run_values(&c, &mut bad);
         values::track_values(&c.track, &mut bad);
-        let base = file.parent().map(PathBuf::from).unwrap_or_default();
         let data = data::spec(&c, &base, &mut bad);
         // Out-of-bounds model sizes leave no architecture: nothing below computes a shape from them.
         let model_ok = crate::model::check(&c.wrap.model, &mut bad);
@@ -104,7 +108,7 @@ impl Plan {
         let model = model::model_parts(&c, &base, data.as_ref(), layout.as_ref(), model_ok, &mut bad);
         let mut files: Vec<(&str, Option<PathBuf>)> =
             data.iter().flat_map(|d| d.inputs()).map(|(k, p)| (k, Some(p))).collect();
-        files.push(("wrap.init", model.init_weights.clone()));
+        files.extend(model.init_files.iter().map(|p| ("wrap.init", Some(p.clone()))));
         files.extend(model.files.iter().map(|(k, p)| (*k, Some(p.clone()))));
         let inputs = input::digests(files, &mut bad);
 

@@ -1,7 +1,7 @@
 //! Stage 4, wrap: the model from `[wrap.model]` (the layers this rank holds, each seeded from
 //! (seed, layer) alone, so every rank and every strategy starts from the same weights, or read
 //! from `wrap.init`, which holds every parameter and buffer under the names `model.safetensors`
-//! uses), its strategy (DDP, FSDP, a pipeline stage, or none; DDP and FSDP broadcast the
+//! uses, or is a Hugging Face checkpoint), its strategy (DDP, FSDP, a pipeline stage, or none; DDP and FSDP broadcast the
 //! buffers) and its optimizer, over the parameters this rank holds (under FSDP, its shards).
 use std::sync::Arc;
 
@@ -51,11 +51,7 @@ pub fn wrap<'pg>(
     };
     if let Some(path) = &plan.init_weights {
         // The file holds the whole model; a pipeline stage takes its own layers from it.
-        let weights = crate::model::read_weights(path, &crate::model::sorted_parameters(arch.as_ref()))
-            .map_err(anyhow::Error::msg)?;
-        for (name, mut var) in vs.variables() {
-            tch::no_grad(|| var.copy_(&weights[&name]));
-        }
+        crate::model::load_init(path, &c.wrap.model, arch.as_ref(), &vs).map_err(anyhow::Error::msg)?;
     }
     let params = crate::model::parameters_in_module_order(arch.as_ref(), layers.clone(), &vs);
     let vars = vs.variables();

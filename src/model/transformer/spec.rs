@@ -45,6 +45,8 @@ impl Spec {
             FeedForward::Swiglu => swiglu_hidden(t.d_model),
             FeedForward::Gelu | FeedForward::GeluTanh => 4 * t.d_model,
         });
+        let positions = t.positions.unwrap_or(if llama { Positions::Rope } else { Positions::Learned });
+        let max_positions = t.max_positions.unwrap_or(t.seq_len);
         Spec {
             family: t.family,
             vocab: t.vocab,
@@ -54,14 +56,15 @@ impl Spec {
             head_dim: t.head_dim.unwrap_or(t.d_model / t.heads.max(1)),
             layers: t.layers,
             seq_len: t.seq_len,
-            max_positions: t.max_positions.unwrap_or(t.seq_len),
+            // Rotary positions reach any position: a longer context only raises what an export records.
+            max_positions: if positions == Positions::Rope { max_positions.max(t.seq_len) } else { max_positions },
             hidden,
             dropout: t.dropout,
             tied: t.tied.unwrap_or(!llama),
             bias: t.bias.unwrap_or(!llama),
             norm: t.norm.unwrap_or(if llama { Norm::Rmsnorm } else { Norm::Layernorm }),
             eps: t.norm_eps.unwrap_or(if llama { 1e-6 } else { 1e-5 }),
-            positions: t.positions.unwrap_or(if llama { Positions::Rope } else { Positions::Learned }),
+            positions,
             rope_theta: t.rope_theta.unwrap_or(10000.0),
             mlp,
         }
