@@ -72,6 +72,14 @@ pub struct Run {
     /// strategies and world sizes that fit; `wrap.strategy = "auto"` chooses by it. Absent:
     /// unchecked (the plan still checks the whole estimate against this machine's memory).
     pub memory_per_rank_mb: Option<f64>,
+    /// The peak matrix-product rate of one rank's device, in TFLOP/s, over which a transformer's
+    /// model FLOPs utilisation (MFU: its training FLOPs per second over this peak) is reported in
+    /// the trace and the progress line. Absent: on CPU, measured when the rank starts (square
+    /// matrix products on the rank's threads in the run's precision, about 0.25 s); on CUDA, the
+    /// dense rate of the GPU's model from the runner's table (H100, H200, B200, A100, L40S, L4),
+    /// no MFU for a GPU it does not list. Changes no result: the run id leaves it out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_tflops: Option<f64>,
     /// The signal that preempts the run: every rank finishes its step, a checkpoint is written
     /// at that step, the manifest says `preempted`, and under Slurm the job requeues itself and
     /// resumes there. `#SBATCH --signal=USR1@90` sends SIGUSR1 90 s before the time limit;
@@ -155,6 +163,7 @@ impl Default for Run {
             abort_after_s: 5.0,
             step_timeout_s: None,
             memory_per_rank_mb: None,
+            peak_tflops: None,
             preempt_signal: PreemptSignal::Usr1,
             numerics: CpuNumerics::Native,
         }
@@ -1160,11 +1169,13 @@ pub struct Track {
 }
 
 impl Config {
-    /// The configuration without what only records a run (TensorBoard, MLflow, step logging):
+    /// The configuration without what only records a run (TensorBoard, MLflow, step logging, the
+    /// peak MFU is measured against):
     /// what the run id covers, since none of it changes what the run computes.
     pub fn without_tracking(&self) -> Config {
         let d = Trace::default();
         let trace = Trace { tensorboard: d.tensorboard, log_every_steps: d.log_every_steps, ..self.trace.clone() };
-        Config { trace, track: Track::default(), ..self.clone() }
+        let run = Run { peak_tflops: None, ..self.run.clone() };
+        Config { run, trace, track: Track::default(), ..self.clone() }
     }
 }
