@@ -147,7 +147,11 @@ pub fn main(cli: Cli) -> u8 {
             (None, Some(data)) => crate::predict::predict(&args.run_dir, data, args.out.as_deref()),
             (None, None) => unreachable!("clap requires DATA or --prompt"),
         },
-        Command::Prepare(PrepareCommand::Text { file, out, force }) => crate::prepare::text(&file, &out, force),
+        Command::Prepare(PrepareCommand::Text { file, out, force, tokenizer, vocab }) => {
+            crate::prepare::Choice::of(&tokenizer, vocab)
+                .map_err(anyhow::Error::from)
+                .and_then(|choice| crate::prepare::text(&file, &out, force, &choice))
+        }
         Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
             quick: args.quick,
             repetitions: if args.quick { 1 } else { args.repetitions as usize },
