@@ -31,4 +31,5 @@ pub mod stages;
 pub mod strategy;
 pub mod sweep;
 pub mod tensorfile;
+pub mod tokenizer;
 pub mod trace;

@@ -469,13 +469,15 @@ fn files_of(cli: &Cli, sandbox: &mut Sandbox) -> Vec<PathBuf> {
     };
     let missing: Vec<PathBuf> = reads.into_iter().filter(|p| !placeholder(p) && !sandbox.exists(p)).cloned().collect();
     if missing.is_empty() {
-        if let Command::Prepare(PrepareCommand::Text { file, out, .. }) = &cli.command {
+        if let Command::Prepare(PrepareCommand::Text { file, out, tokenizer, vocab, .. }) = &cli.command {
             // Run for real: a later pipeline of the page reads what it makes.
             let o = runner()
                 .args(["prepare", "text"])
                 .arg(file)
                 .arg("--out")
                 .arg(out)
+                .args(["--tokenizer", tokenizer])
+                .args(vocab.iter().flat_map(|v| ["--vocab".to_owned(), v.to_string()]))
                 .current_dir(sandbox.path())
                 .output()
                 .unwrap();

@@ -17,19 +17,29 @@ pub struct SchemaArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum PrepareCommand {
-    /// A UTF-8 text as nanoGPT's character-level prepare.py makes it: train.bin and val.bin
-    /// (uint16 ids, the first 90% of the characters and the rest) and meta.json (the vocabulary).
-    #[command(after_help = "Example:\n  runner prepare text pipelines/data/tempest.txt --out data/book\n\n\
+    /// A UTF-8 text as nanoGPT's prepare.py makes it: train.bin and val.bin (uint16 ids, the
+    /// first 90% of the tokens and the rest; train.npy and val.npy of uint32 past 65,536 ids)
+    /// and the vocabulary: meta.json (characters) or tokenizer.json.
+    #[command(after_help = "Examples:\n  runner prepare text pipelines/data/tempest.txt --out data/book\n  \
+                            runner prepare text pipelines/data/tempest.txt --out data/bpe --tokenizer bpe --vocab 1024\n\n\
                             Read: docs/guide/language-models.md")]
     Text {
         /// The text file.
         file: PathBuf,
-        /// The folder the three files go to (created if missing).
+        /// The folder the files go to (created if missing).
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
-        /// Replace train.bin, val.bin or meta.json already in DIR.
+        /// Replace the files of an earlier prepare in DIR.
         #[arg(long)]
         force: bool,
+        /// The vocabulary: `chars` (the text's characters, meta.json), `bpe` (a byte-level BPE
+        /// trained on the text, tokenizer.json; needs --vocab), or a Hugging Face tokenizer.json
+        /// file (copied to DIR/tokenizer.json).
+        #[arg(long, value_name = "chars|bpe|FILE", default_value = "chars")]
+        tokenizer: String,
+        /// The most tokens the BPE may have (with --tokenizer bpe).
+        #[arg(long, value_name = "N")]
+        vocab: Option<usize>,
     },
 }
 

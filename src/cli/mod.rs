@@ -156,7 +156,11 @@ pub fn main(cli: Cli) -> u8 {
             (None, Some(data)) => crate::predict::predict(&args.run_dir, data, args.out.as_deref()),
             (None, None) => unreachable!("clap requires DATA or --prompt"),
         },
-        Command::Prepare(PrepareCommand::Text { file, out, force }) => crate::prepare::text(&file, &out, force),
+        Command::Prepare(PrepareCommand::Text { file, out, force, tokenizer, vocab }) => {
+            crate::prepare::Choice::of(&tokenizer, vocab)
+                .map_err(anyhow::Error::from)
+                .and_then(|choice| crate::prepare::text(&file, &out, force, &choice))
+        }
         Command::Export(args) => crate::model::hf::export::parse_size(&args.max_shard_size)
             .map_err(|e| anyhow::Error::new(ConfigError::new(format!("--max-shard-size: {e}"))))
             .and_then(|max| crate::model::hf::export::export(&args.run_dir, &args.hf, max)),

@@ -18,6 +18,7 @@ pub mod schedule;
 mod stages;
 mod strategy;
 mod values;
+mod vocabulary;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -73,8 +74,9 @@ pub struct Plan {
     /// With `wrap.strategy = "auto"`: the strategy the plan chose (config.wrap holds it) and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auto: Option<String>,
-    /// The vocabulary beside a token file (`meta.json`), which `runner predict --prompt` decodes
-    /// with: recorded to tell it from another file, and left out of the run id.
+    /// The vocabulary beside a token file (`tokenizer.json` or `meta.json`), which `runner predict
+    /// --prompt` and `runner eval` encode and decode with ([`Plan::read_vocabulary`]):
+    /// recorded to tell it from another file, and left out of the run id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vocabulary: Option<InputFile>,
     /// Each resume that changed the world size or the strategy (into the manifest).
@@ -175,6 +177,7 @@ impl Plan {
             _ => None,
         };
         drop(planner);
+        let vocabulary = vocabulary::record(&c, &base, &mut bad);
         if !errors.is_empty() {
             let n = errors.len();
             let head =
@@ -183,7 +186,7 @@ impl Plan {
         }
         let (data, layout, stages) = (data.expect("checked"), layout.expect("checked"), stages.expect("checked"));
         Ok(Plan {
-            vocabulary: vocabulary(&data),
+            vocabulary,
             batch_per_rank: layout.split_batch.unwrap_or(c.train.batch_size),
             threads_per_rank: values::threads_per_rank(&c),
             parameters: layer_parameters.iter().sum(),
@@ -356,12 +359,4 @@ impl Plan {
     pub fn annotated_toml(&self) -> String {
         annotate::annotated_toml(self)
     }
-}
-
-/// `meta.json` beside a token file, when there is one (not for `load.source = "text"`, whose
-/// vocabulary is bytes).
-fn vocabulary(data: &DataSpec) -> Option<InputFile> {
-    let crate::data::SourceSpec::Tokens(spec) = &data.source else { return None };
-    let path = crate::prepare::meta_beside(&spec.train.files.first()?.path);
-    (spec.source == Source::Tokens && path.is_file()).then(|| InputFile::read("vocabulary", &path).ok()).flatten()
 }
