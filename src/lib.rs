@@ -14,6 +14,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod dist;
+pub mod eval;
 pub mod input;
 pub mod launch;
 pub mod limits;

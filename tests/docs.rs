@@ -155,7 +155,7 @@ fn words(line: &str) -> Vec<String> {
     out
 }
 
-const SUBCOMMANDS: &[&str] = &["run", "validate", "sweep", "report", "bench", "predict", "prepare", "schema"];
+const SUBCOMMANDS: &[&str] = &["run", "validate", "sweep", "report", "bench", "predict", "eval", "prepare", "schema"];
 
 /// The `runner` commands in a line of shell (joined by `&&` or `;`), each as its arguments after
 /// `runner`; a comment, a pipe or a redirection cut off.
@@ -463,6 +463,7 @@ fn files_of(cli: &Cli, sandbox: &mut Sandbox) -> Vec<PathBuf> {
         Command::Sweep(a) => (vec![&a.file], a.out.iter().collect()),
         Command::Report(a) => (vec![&a.dir], vec![]),
         Command::Predict(a) => (std::iter::once(&a.run_dir).chain(&a.data).collect(), a.out.iter().collect()),
+        Command::Eval(a) => (a.run_dir.iter().chain(&a.data).collect(), vec![]),
         Command::Prepare(PrepareCommand::Text { file, out, .. }) => (vec![file], vec![out]),
         Command::Export(a) => (vec![&a.run_dir], vec![&a.hf]),
         Command::Schema(_) | Command::Bench(_) => (vec![], vec![]),

@@ -84,6 +84,28 @@ pub struct ExportArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// The run directory of a language model (results/<name>/<run-id>).
+    #[arg(required_unless_present = "job")]
+    pub run_dir: Option<PathBuf>,
+    /// A token file (.bin of uint16 ids, .npy) or a UTF-8 text, encoded with the run's tokenizer.
+    #[arg(required_unless_present = "job")]
+    pub data: Option<PathBuf>,
+    /// Ranks sharing the windows [default: the run's run.world_size]
+    #[arg(long, value_name = "N")]
+    pub world_size: Option<usize>,
+    /// Windows per forward pass on each rank [default: the run's train.batch_size]
+    #[arg(long, value_name = "N")]
+    pub batch_size: Option<usize>,
+    /// Print the results as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// The evaluation a launcher saved (`runner eval` passes it to the ranks it spawns).
+    #[arg(long, value_name = "JOB_JSON", hide = true, conflicts_with_all = ["run_dir", "data"])]
+    pub job: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
 pub struct BenchArgs {
     /// One repetition per cell; print the results, do not write them.
     #[arg(long)]

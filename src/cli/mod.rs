@@ -71,6 +71,12 @@ pub enum Command {
     #[command(after_help = "Example:\n  runner export results/book/<run-id> --hf book-hf\n\n\
                             Read: docs/guide/hugging-face.md")]
     Export(ExportArgs),
+    /// A language model's loss, perplexity and accuracy on a token file or a text, over ranks
+    /// that share its windows; the file is read where it lies, never loaded.
+    #[command(after_help = "Examples:\n  runner eval results/book data/book/val.bin\n  \
+                            runner eval results/book more_text.txt --world-size 2 --json\n\n\
+                            Read: docs/guide/language-models.md")]
+    Eval(EvalArgs),
     /// Make data files for the runner from other formats.
     #[command(subcommand)]
     Prepare(PrepareCommand),
@@ -95,6 +101,9 @@ pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
         },
         Command::Validate(args) => Some(resolved(&args.file, &args.set, &args.set_as)),
         Command::Predict(args) => Some(resolved(&args.run_dir.join(rundir::CONFIG), &[], &[])),
+        // Its ranks inherit the MKL_CBWR the launcher set.
+        Command::Eval(args) if args.job.is_some() => None,
+        Command::Eval(args) => args.run_dir.as_ref().map(|d| resolved(&d.join(rundir::CONFIG), &[], &[])),
         Command::Sweep(_)
         | Command::Bench(_)
         | Command::Schema(_)
@@ -111,6 +120,7 @@ pub fn signal_role(cli: &Cli) -> crate::signals::Role {
     match &cli.command {
         Command::Run(args) if args.plan.is_some() || !matches!(RankEnv::from_env(), Ok(None)) => Role::Rank,
         Command::Run(_) => Role::Launcher,
+        Command::Eval(args) if args.job.is_none() => Role::Launcher,
         _ => Role::Other,
     }
 }
@@ -155,6 +165,15 @@ pub fn main(cli: Cli) -> u8 {
             ),
             (None, Some(data)) => crate::predict::predict(&args.run_dir, data, args.out.as_deref()),
             (None, None) => unreachable!("clap requires DATA or --prompt"),
+        },
+        Command::Eval(args) => match (&args.job, &args.run_dir, &args.data) {
+            (Some(job), _, _) => crate::eval::rank(job),
+            (None, Some(run_dir), Some(data)) => crate::eval::eval(
+                run_dir,
+                data,
+                &crate::eval::Options { world_size: args.world_size, batch_size: args.batch_size, json: args.json },
+            ),
+            _ => unreachable!("clap requires RUN_DIR and DATA without --job"),
         },
         Command::Prepare(PrepareCommand::Text { file, out, force, tokenizer, vocab }) => {
             crate::prepare::Choice::of(&tokenizer, vocab)
