@@ -5,6 +5,7 @@
 pub mod batchnorm;
 pub mod cnn;
 pub mod hf;
+mod init;
 pub mod mlp;
 pub mod optim;
 pub mod partition;
@@ -21,6 +22,7 @@ use tch::Tensor;
 
 use crate::config::schema::{Model, Torchscript};
 use batchnorm::StatsGroup;
+pub use init::{load_init, InitWeights};
 
 /// What building a model's layers takes besides its configuration and shapes.
 #[derive(Debug, Clone, Default)]
@@ -307,28 +309,6 @@ pub fn read_weights(path: &Path, shapes: &[(String, Vec<i64>)]) -> Result<BTreeM
     } else {
         Err(format!("{} does not fit the model: {}", path.display(), problems.join("; ")))
     }
-}
-
-/// Copies the initial weights `path` holds (`wrap.init`: a weights file, or a Hugging Face model
-/// directory read through its adapter) into `vs`'s variables, one tensor at a time; the bytes of
-/// weights read.
-pub fn load_init(path: &Path, model: &Model, arch: &dyn Architecture, vs: &nn::VarStore) -> Result<u64, String> {
-    if let (true, Model::Transformer(t)) = (hf::is_model_dir(path), model) {
-        let (class, _) = hf::read_config(path)?;
-        let checkpoint = hf::Checkpoint::open(path, class, &transformer::Spec::of(t))?;
-        for (name, mut var) in vs.variables() {
-            let values = checkpoint.whole(&name)?;
-            tch::no_grad(|| var.copy_(&values));
-        }
-        return Ok(checkpoint.bytes_read());
-    }
-    let weights = read_weights(path, &sorted_parameters(arch))?;
-    let mut bytes = 0;
-    for (name, mut var) in vs.variables() {
-        bytes += (weights[&name].numel() * 4) as u64;
-        tch::no_grad(|| var.copy_(&weights[&name]));
-    }
-    Ok(bytes)
 }
 
 /// For the model kinds' tests: `arch` built as the stages `cuts` (fresh variable stores, the same
