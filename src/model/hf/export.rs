@@ -1,8 +1,10 @@
 //! `runner export RUN_DIR --hf OUT_DIR`: a finished run's transformer as a Hugging Face model
 //! directory, as `save_pretrained` writes one: `config.json`, `model.safetensors` (or shards
 //! `model-0000i-of-0000N.safetensors` and `model.safetensors.index.json` past
-//! `--max-shard-size`), float32, under the class's own names and layouts. The directory is
-//! written beside OUT_DIR and renamed into place once complete: an export is whole or absent.
+//! `--max-shard-size`), float32, under the class's own names and layouts, and the run's
+//! tokenizer (`tokenizer.json` and a `tokenizer_config.json` naming `PreTrainedTokenizerFast`, so
+//! that `AutoTokenizer` gives the runner's ids) where it has one. The directory is written beside
+//! OUT_DIR and renamed into place once complete: an export is whole or absent.
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
@@ -15,6 +17,7 @@ use crate::config::schema::Model;
 use crate::model::transformer::Spec;
 use crate::plan::Plan;
 use crate::tensorfile::{Entry, TensorFile};
+use crate::tokenizer::{Tokenizer, Vocabulary, END_OF_TEXT, TOKENIZER};
 
 /// transformers' own default shard size.
 pub const DEFAULT_SHARD: &str = "50GB";
@@ -97,10 +100,16 @@ pub fn export(run_dir: &Path, out: &Path, max_shard: u64) -> anyhow::Result<u8> 
             })
         })
         .collect();
+    let tokenizer = tokenizer_of(&plan)?;
     let tmp = crate::rundir::tmp_path(out);
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    let written = write_dir(&tmp, arch, &spec, &tensors, &model, max_shard);
+    let written = write_dir(&tmp, arch, &spec, &tensors, &model, max_shard).and_then(|mut files| {
+        if let Some(t) = &tokenizer {
+            files.extend(write_tokenizer(&tmp, t, &spec)?);
+        }
+        Ok(files)
+    });
     let files = match written {
         Ok(files) => files,
         Err(e) => {
@@ -136,7 +145,7 @@ fn write_dir(
 ) -> anyhow::Result<Vec<String>> {
     let mut config = arch.write(spec);
     config.insert("dtype".into(), json!("float32"));
-    // No special tokens without a tokenizer: generation stops only at its length.
+    // No special token but a tokenizer's end of text: generation stops only there, or at its length.
     config.insert("bos_token_id".into(), Value::Null);
     config.insert("eos_token_id".into(), Value::Null);
     crate::rundir::atomic_write(&dir.join(CONFIG), (serde_json::to_string_pretty(&config)? + "\n").as_bytes())?;
@@ -182,6 +191,53 @@ fn write_dir(
     }
     Ok(files)
 }
+
+/// The run's tokenizer, when its vocabulary is a tokenizer.json (characters and bytes have no
+/// Hugging Face form); refused when it changed since the run.
+fn tokenizer_of(plan: &Plan) -> anyhow::Result<Option<Tokenizer>> {
+    if plan.vocabulary.is_none() {
+        return Ok(None);
+    }
+    Ok(match plan.read_vocabulary()? {
+        Vocabulary::Tokenizer(t) => Some(t),
+        Vocabulary::Chars(_) | Vocabulary::Bytes => None,
+    })
+}
+
+/// `tokenizer.json` as the run had it, and the `tokenizer_config.json` that makes
+/// `AutoTokenizer` load it as it is (no token added to the texts it encodes); the end-of-text
+/// token, where the vocabulary has one, as the end of a sequence. Their names.
+fn write_tokenizer(dir: &Path, t: &Tokenizer, spec: &Spec) -> anyhow::Result<Vec<String>> {
+    let bytes = std::fs::read(t.path()).with_context(|| format!("cannot read {}", t.path().display()))?;
+    crate::rundir::atomic_write(&dir.join(TOKENIZER), &bytes)?;
+    let end = (t.encode(END_OF_TEXT)?.len() == 1).then_some(END_OF_TEXT);
+    let config = json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": spec.max_positions,
+        "clean_up_tokenization_spaces": false,
+        "add_bos_token": false,
+        "add_eos_token": false,
+        "bos_token": end,
+        "eos_token": end,
+    });
+    crate::rundir::atomic_write(
+        &dir.join(TOKENIZER_CONFIG),
+        (serde_json::to_string_pretty(&config)? + "\n").as_bytes(),
+    )?;
+    if let Some(end) = end {
+        // The model's config names the same token by id.
+        let id = t.encode(end)?[0];
+        let path = dir.join(CONFIG);
+        let mut config: serde_json::Map<String, Value> = serde_json::from_slice(&std::fs::read(&path)?)?;
+        config.insert("bos_token_id".into(), json!(id));
+        config.insert("eos_token_id".into(), json!(id));
+        crate::rundir::atomic_write(&path, (serde_json::to_string_pretty(&config)? + "\n").as_bytes())?;
+    }
+    Ok(vec![TOKENIZER.to_owned(), TOKENIZER_CONFIG.to_owned()])
+}
+
+/// The tokenizer's settings for transformers.
+const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
 
 #[cfg(test)]
 mod tests {
