@@ -14,6 +14,8 @@
 
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/Context.h>
+#include <ATen/Version.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -449,6 +451,19 @@ char* rn_set_autocast_dtype(int device_type, int scalar_type) {
   return protect([&] {
     at::autocast::set_autocast_dtype(static_cast<at::DeviceType>(device_type),
                                      static_cast<at::ScalarType>(scalar_type));
+  });
+}
+
+char* rn_cpu_kernels(int pin, char** capability, int* onednn, int* nnpack) {
+  return protect([&] {
+    auto& context = at::globalContext();
+    if (pin) {
+      context.setUserEnabledMkldnn(false);
+      context.setUserEnabledNNPACK(false);
+    }
+    *capability = copy_message(at::get_cpu_capability().c_str());
+    *onednn = context.userEnabledMkldnn() ? 1 : 0;
+    *nnpack = context.userEnabledNNPACK() ? 1 : 0;
   });
 }
 

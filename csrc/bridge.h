@@ -104,6 +104,14 @@ char* rn_sgd(void** params, void** bufs, size_t n, int first, double lr, double 
 // scalar_type is a c10::ScalarType (5 Half, 15 BFloat16). torch.autocast(dtype=...).
 char* rn_set_autocast_dtype(int device_type, int scalar_type);
 
+// The CPU kernels this process computes with. pin = 1 first turns libtorch's oneDNN (mkldnn) and
+// NNPACK paths off (convolutions and GELU then run ATen's own kernels, whose instruction set
+// ATEN_CPU_CAPABILITY fixes, and matrix products MKL's); it must come before anything computes.
+// *capability is ATen's CPU capability in effect ("DEFAULT", "AVX2", "AVX512"; freed with
+// rn_free_string), read after ATEN_CPU_CAPABILITY was set; *onednn and *nnpack say whether
+// those paths are on.
+char* rn_cpu_kernels(int pin, char** capability, int* onednn, int* nnpack);
+
 // Autocast to bfloat16 on this thread, on CPU and CUDA (torch.autocast(device, dtype=torch.bfloat16)
 // for the device the tensors are on): enabled = 1 enters a region, enabled = 0 leaves it (clearing
 // the cache of cast weights when the outermost region ends, as torch does, so updated weights are

@@ -23,6 +23,7 @@ pub mod numerics;
 pub mod plan;
 pub mod predict;
 pub mod prepare;
+pub mod preview;
 pub mod report;
 pub mod rng;
 pub mod rundir;

@@ -155,7 +155,8 @@ fn words(line: &str) -> Vec<String> {
     out
 }
 
-const SUBCOMMANDS: &[&str] = &["run", "validate", "sweep", "report", "bench", "predict", "eval", "prepare", "schema"];
+const SUBCOMMANDS: &[&str] =
+    &["run", "validate", "data", "sweep", "report", "bench", "predict", "eval", "export", "prepare", "schema"];
 
 /// The `runner` commands in a line of shell (joined by `&&` or `;`), each as its arguments after
 /// `runner`; a comment, a pipe or a redirection cut off.
@@ -443,11 +444,12 @@ fn parse(args: &[String], keys: &BTreeSet<String>) -> Result<Option<Cli>, String
     };
     let sets: &[String] = match &cli.command {
         Command::Run(a) => &a.set,
-        Command::Validate(a) => &a.set,
+        Command::Validate(a) | Command::Data(runner::cli::DataArgs { config: a, .. }) => &a.set,
         _ => &[],
     };
     for set in sets {
-        let key = set.split('=').next().unwrap_or_default();
+        // `~key` removes a key (Hydra's spelling).
+        let key = set.split('=').next().unwrap_or_default().trim_start_matches('~');
         if !keys.contains(key) {
             return Err(format!("--set {key}: not a key of the configuration reference"));
         }
@@ -459,7 +461,7 @@ fn parse(args: &[String], keys: &BTreeSet<String>) -> Result<Option<Cli>, String
 fn files_of(cli: &Cli, sandbox: &mut Sandbox) -> Vec<PathBuf> {
     let (reads, makes): (Vec<&PathBuf>, Vec<&PathBuf>) = match &cli.command {
         Command::Run(a) => (a.file.iter().chain(&a.resume).collect(), a.out.iter().collect()),
-        Command::Validate(a) => (vec![&a.file], vec![]),
+        Command::Validate(a) | Command::Data(runner::cli::DataArgs { config: a, .. }) => (vec![&a.file], vec![]),
         Command::Sweep(a) => (vec![&a.file], a.out.iter().collect()),
         Command::Report(a) => (vec![&a.dir], vec![]),
         Command::Predict(a) => (std::iter::once(&a.run_dir).chain(&a.data).collect(), a.out.iter().collect()),

@@ -1,6 +1,7 @@
-//! `run.numerics`: "native" (the default: MKL's kernels for this CPU) or "portable"
-//! (MKL_CBWR=COMPATIBLE in every rank), chosen by the pipeline before libtorch computes, recorded in
-//! the manifest; an MKL_CBWR in the environment wins when MKL knows it. Sweeps: the committed
+//! `run.numerics`: "native" (the default: this CPU's own kernels) or "portable" (every kernel
+//! family pinned in every rank: MKL_CBWR=COMPATIBLE, ATen's AVX2 kernels, oneDNN and NNPACK off, one
+//! thread), chosen by the pipeline before libtorch computes, recorded in the manifest; an MKL_CBWR
+//! in the environment wins when MKL knows it, ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA do not. Sweeps: the committed
 //! portable table checks bit for bit, and a native table checked on another CPU model says why its
 //! values may differ and passes within --tolerance.
 mod common;
@@ -74,9 +75,13 @@ fn runs_are_native_by_default_portable_on_request_and_the_environment_wins() {
     // The plan says which path a run takes; a value that is not one of the two is refused by name.
     let o = run(&["validate", "p.toml"], dir.path());
     assert_ok(&o);
-    assert!(text(&o).0.contains("MKL's kernels for this CPU (run.numerics = \"native\")"), "{}", text(&o).0);
+    assert!(text(&o).0.contains("this CPU's own kernels (run.numerics = \"native\")"), "{}", text(&o).0);
     let o = run(&["validate", "p.toml", "--set", "run.numerics=\"portable\""], dir.path());
-    assert!(text(&o).0.contains("the same bits on any x86-64 CPU (run.numerics = \"portable\")"), "{}", text(&o).0);
+    assert!(
+        text(&o).0.contains("the same bits on any x86-64 CPU with AVX2 (run.numerics = \"portable\": MKL's COMPATIBLE"),
+        "{}",
+        text(&o).0
+    );
     let o = run(&["validate", "p.toml", "--set", "run.numerics=\"fast\""], dir.path());
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
@@ -112,6 +117,9 @@ fn a_rank_that_resolves_its_own_plan_computes_portably_in_place() {
     assert!(products.iter().all(|l| l.contains("CNR:COMPATIBLE")), "{products:?}");
     rank("env", Some("COMPATIBLE"));
     assert_same_trace(&dir.path().join("in-place"), &dir.path().join("env"));
+    // The rank pinned ATen's and oneDNN's kernels in its own process too.
+    let kernels = &manifest(&dir.path().join("in-place"))["numerics"]["kernels"];
+    assert_eq!((kernels["aten"].as_str(), kernels["onednn"].as_bool()), (Some("AVX2"), Some(false)), "{kernels}");
 }
 
 /// results/world_size, committed with portable numerics: every non-timing value of its 9 points
@@ -129,7 +137,7 @@ fn the_committed_portable_table_checks_bit_for_bit() {
         .unwrap();
     assert_ok(&o);
     let (out, _) = text(&o);
-    assert!(out.contains("(MKL_CBWR=COMPATIBLE); rerunning on"), "{out}");
+    assert!(out.contains("(MKL_CBWR=COMPATIBLE, ATen AVX2, oneDNN off, 1 thread per rank); rerunning on"), "{out}");
     assert!(
         out.contains("9 points reproduce results/world_size: every non-timing value of every trace is identical."),
         "{out}"
@@ -175,9 +183,11 @@ fn a_native_table_checked_on_another_cpu_says_why_and_passes_within_a_tolerance(
     df.with_column(Column::new("global_train_loss".into(), loss)).unwrap();
     ParquetWriter::new(std::fs::File::create(&trace_path).unwrap()).finish(&mut df).unwrap();
 
+    let aten = index["numerics"]["kernels"]["aten"].as_str().expect("the index records ATen's kernels").to_owned();
     let why = format!(
-        "this table was computed with MKL's kernels for its CPU (run.numerics = \"native\") on Imaginary CPU 9000, \
-         and is checked on {here}: native kernels differ between CPU models in the last bits of their sums"
+        "this table was computed with its CPU's own kernels (run.numerics = \"native\") on Imaginary CPU 9000 (ATen \
+         {aten}), and is checked on {here} (ATen {aten}): native kernels differ between CPU models and instruction \
+         sets in the last bits of their sums"
     );
     let (code, out, err) = sweep(&["--check"]);
     assert_eq!(code, Some(1), "{out}{err}");
@@ -196,4 +206,184 @@ fn a_native_table_checked_on_another_cpu_says_why_and_passes_within_a_tolerance(
     assert_eq!(code, Some(0), "{out}{err}");
     assert!(out.contains("1 float values differ by at most"), "{out}");
     assert!(out.contains("2 points reproduce s: every non-timing value of every trace is equal within the tolerance."));
+}
+
+/// The environment variables that ask libtorch for other kernels, set to lower levels than this
+/// CPU's: ATen's scalar kernels, oneDNN's SSE4.1 code, MKL's SSE4.2 code.
+const LOWER: [(&str, &str); 3] =
+    [("ATEN_CPU_CAPABILITY", "default"), ("ONEDNN_MAX_CPU_ISA", "SSE41"), ("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")];
+
+/// One pipeline of each model kind, small enough for a few seconds a run: the MLP (softmax, Adam),
+/// the CNN (convolutions, batch norm, pooling: oneDNN's family), the transformer (layer norm, GELU,
+/// attention's softmax, AdamW) and a TorchScript module (tanh); each with the strategies it takes.
+fn kinds(dir: &Path) -> Vec<(&'static str, String, &'static [&'static str])> {
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny_mlp.pt"), dir.join("m.pt")).unwrap();
+    let mlp = TINY.replace("epochs = 2", "epochs = 1\noptimizer = \"adam\"\nlr = 0.01");
+    let cnn = r#"
+[run]
+name = "cnn"
+world_size = 2
+
+[load]
+image = [1, 8, 8]
+classes = 3
+rows = 128
+validation_rows = 32
+
+[wrap.model]
+kind = "cnn"
+conv = [{ channels = 4, kernel = 3, padding = 1, batch_norm = true, pool = "max" }]
+hidden = [8]
+
+[train]
+epochs = 1
+batch_size = 16
+optimizer = "adam"
+lr = 0.01
+"#;
+    let lm = r#"
+[run]
+name = "lm"
+world_size = 2
+
+[load]
+source = "synthetic"
+rows = 96
+validation_rows = 16
+
+[normalize]
+method = "none"
+
+[wrap.model]
+kind = "transformer"
+vocab = 32
+d_model = 16
+heads = 2
+layers = 2
+seq_len = 8
+tied = false
+
+[train]
+epochs = 1
+batch_size = 8
+optimizer = "adamw"
+lr = 0.003
+"#;
+    let script = TINY.replace("[wrap.model]\nhidden = [16]", "[wrap.model]\nkind = \"torchscript\"\npath = \"m.pt\"");
+    vec![
+        ("mlp", mlp, &["ddp", "fsdp", "pipeline"]),
+        ("cnn", cnn.to_owned(), &["ddp", "fsdp", "pipeline"]),
+        ("transformer", lm.to_owned(), &["ddp", "fsdp", "pipeline"]),
+        ("torchscript", script, &["ddp", "fsdp"]),
+    ]
+}
+
+/// Runs `pipeline` in `dir/out` under `numerics` and `strategy`, with `env` set and the other
+/// kernel variables unset.
+fn run_kernels(dir: &Path, pipeline: &str, out: &str, numerics: &str, strategy: &str, env: &[(&str, &str)]) {
+    write(dir, "k.toml", pipeline);
+    let mut cmd = runner();
+    cmd.args(["run", "k.toml", "--out", out, "--set", &format!("run.numerics=\"{numerics}\"")])
+        .args(["--set", &format!("wrap.strategy=\"{strategy}\"")])
+        .current_dir(dir)
+        .env_remove("MKL_CBWR");
+    for (var, _) in LOWER {
+        cmd.env_remove(var);
+    }
+    cmd.envs(env.iter().copied());
+    assert_ok(&cmd.output().unwrap());
+}
+
+fn model_bytes(run_dir: &Path) -> Vec<u8> {
+    std::fs::read(run_dir.join("model.safetensors")).unwrap()
+}
+
+/// Under portable numerics, a run's every non-timing value and its final model do not change when
+/// the environment asks libtorch for lower kernels (ATen's capability, oneDNN's instruction set,
+/// MKL's): for each model kind under DDP, FSDP and the pipeline. The manifest records what was
+/// overridden, and the plan says so.
+#[test]
+fn portable_runs_are_the_same_whatever_kernels_the_environment_asks_for() {
+    let dir = tempfile::tempdir().unwrap();
+    for (kind, pipeline, strategies) in kinds(dir.path()) {
+        for strategy in strategies {
+            let (mine, lower) = (format!("{kind}-{strategy}"), format!("{kind}-{strategy}-lower"));
+            run_kernels(dir.path(), &pipeline, &mine, "portable", strategy, &[]);
+            run_kernels(dir.path(), &pipeline, &lower, "portable", strategy, &LOWER);
+            let (a, b) = (dir.path().join(&mine), dir.path().join(&lower));
+            assert_same_trace(&a, &b);
+            assert!(model_bytes(&a) == model_bytes(&b), "{kind} under {strategy}: the models differ");
+            let kernels = &manifest(&b)["numerics"]["kernels"];
+            assert_eq!(kernels["aten"], "AVX2", "{kernels}");
+            assert_eq!(kernels["onednn"], false, "{kernels}");
+            assert_eq!(kernels["threads"], 1, "{kernels}");
+            let overridden = kernels["overridden"].to_string();
+            assert!(
+                overridden.contains("ATEN_CPU_CAPABILITY=default") && overridden.contains("ONEDNN_MAX_CPU_ISA=SSE41"),
+                "{overridden}"
+            );
+        }
+    }
+    let o = runner()
+        .args(["validate", "k.toml", "--set", "run.numerics=\"portable\""])
+        .current_dir(dir.path())
+        .envs(LOWER)
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    let (out, _) = text(&o);
+    assert!(
+        out.contains(
+            "note: run.numerics = \"portable\" overrides ATEN_CPU_CAPABILITY=default and ONEDNN_MAX_CPU_ISA=SSE41 \
+             from the environment: the portable kernels are ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2"
+        ),
+        "{out}"
+    );
+    assert!(out.contains("ATen's AVX2 kernels, oneDNN and NNPACK off, 1 thread per rank)"), "{out}");
+}
+
+/// The control of the test above: natively, the same requests reach libtorch and change the
+/// results (ATen's scalar kernels the transformer's and the MLP's, oneDNN's SSE4.1 code the
+/// CNN's), so that test would fail if portable numerics left any family to the environment.
+#[test]
+fn native_runs_follow_the_kernels_the_environment_asks_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = kinds(dir.path());
+    let find = |k: &str| cases.iter().find(|c| c.0 == k).unwrap().1.clone();
+    for (kind, env) in [("transformer", ("ATEN_CPU_CAPABILITY", "default")), ("cnn", ("ONEDNN_MAX_CPU_ISA", "SSE41"))] {
+        let pipeline = find(kind);
+        run_kernels(dir.path(), &pipeline, kind, "native", "ddp", &[]);
+        let other = format!("{kind}-{}", env.0);
+        run_kernels(dir.path(), &pipeline, &other, "native", "ddp", &[env]);
+        let (a, b) = (dir.path().join(kind), dir.path().join(&other));
+        assert!(model_bytes(&a) != model_bytes(&b), "{kind}: {}={} changed nothing", env.0, env.1);
+    }
+}
+
+/// The two portable tables made with the environment asking for the lowest kernels (their
+/// manifests list what portable numerics overrode): the transformer (ATen's family) and the CNN
+/// (oneDNN's), each under DDP, FSDP and a pipeline, check bit for bit on this machine, whatever its
+/// own capability.
+#[test]
+fn the_tables_made_under_the_lowest_kernels_check_bit_for_bit_here() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for name in ["portable_lm", "portable_cnn"] {
+        let manifest = manifest(&root.join("results").join(name).join("strategy=ddp"));
+        let overridden = manifest["numerics"]["kernels"]["overridden"].to_string();
+        assert!(overridden.contains("ATEN_CPU_CAPABILITY=default"), "{name}: {overridden}");
+        let mut cmd = runner();
+        cmd.args(["sweep", &format!("experiments/{name}.toml"), "--check"]).current_dir(root).env_remove("MKL_CBWR");
+        for (var, _) in LOWER {
+            cmd.env_remove(var);
+        }
+        let o = cmd.output().unwrap();
+        assert_ok(&o);
+        let (out, _) = text(&o);
+        assert!(
+            out.contains(&format!(
+                "3 points reproduce results/{name}: every non-timing value of every trace is identical."
+            )),
+            "{out}"
+        );
+    }
 }

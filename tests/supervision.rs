@@ -31,8 +31,13 @@ batch_size = 16
 "#;
 
 fn start(dir: &Path, out: &str) -> Child {
+    start_with(dir, out, &[])
+}
+
+fn start_with(dir: &Path, out: &str, extra: &[&str]) -> Child {
     runner()
         .args(["run", "p.toml", "--out", out])
+        .args(extra)
         .current_dir(dir)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -135,13 +140,24 @@ fn a_stalled_rank_is_named_as_the_root_cause_within_timeout_plus_abort_after() {
 fn sigint_and_sigterm_stop_every_rank_and_mark_the_run_interrupted() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", LONG);
-    for (sig, code) in [(nix::sys::signal::Signal::SIGINT, 130), (nix::sys::signal::Signal::SIGTERM, 143)] {
-        let out = format!("{sig}");
-        let launcher = start(dir.path(), &out);
+    // The message counts what the run counts: epochs, or intervals of optimizer steps (the
+    // file's train.epochs removed with `~`, as Hydra writes it).
+    let steps = ["--set", "~train.epochs", "--set", "train.steps=100000", "--set", "validate.every_steps=50"];
+    for (sig, code, extra, unit) in [
+        (nix::sys::signal::Signal::SIGINT, 130, &[][..], "every finished epoch in"),
+        (nix::sys::signal::Signal::SIGTERM, 143, &[][..], "every finished epoch in"),
+        (nix::sys::signal::Signal::SIGINT, 130, &steps[..], "every finished interval of 50 optimizer steps in"),
+    ] {
+        let out = format!("{sig}-{}", extra.len());
+        let launcher = start_with(dir.path(), &out, extra);
         let ranks = ranks_training(&launcher, &dir.path().join(&out), 3);
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(launcher.id() as i32), sig).unwrap();
         let (status, err, _) = finish(launcher, Duration::from_secs(8));
         assert_eq!(status.code(), Some(code), "{err}");
+        assert!(
+            err.contains(&format!("interrupted by {sig}: every rank was stopped; the trace keeps {unit}")),
+            "{err}"
+        );
         for pid in ranks {
             assert!(!alive(pid), "rank process {pid} outlived the launcher");
         }

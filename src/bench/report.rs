@@ -336,7 +336,7 @@ fn peaks_per_rank(m: &[Measure]) -> String {
 const MIB: f64 = (1u64 << 20) as f64;
 
 /// What the same bits on every CPU cost: the runner with `run.numerics = "portable"`
-/// (`MKL_CBWR=COMPATIBLE`) against the runner as it runs by default, in epoch time, and how far
+/// (every kernel family pinned) against the runner as it runs by default, in epoch time, and how far
 /// apart their losses end.
 fn numerics_cost(s: &mut String, results: &[WorkloadResult]) {
     if results.iter().all(|r| r.cells.iter().all(|c| c.runner_portable.is_empty())) {
@@ -345,8 +345,9 @@ fn numerics_cost(s: &mut String, results: &[WorkloadResult]) {
     let _ = writeln!(
         s,
         "### The cost of reproducible numerics\n\n\
-         The runner computes with MKL's kernels for this CPU by default (`run.numerics = \"native\"`), as PyTorch \
-         does above. `run.numerics = \"portable\"` (`MKL_CBWR=COMPATIBLE`) gives the same bits on any x86-64 CPU, \
+         The runner computes with this CPU's own kernels by default (`run.numerics = \"native\"`), as PyTorch \
+         does above. `run.numerics = \"portable\"` (MKL's COMPATIBLE branch, ATen's AVX2 kernels, oneDNN off) gives \
+         the same bits on any x86-64 CPU with AVX2, \
          for results committed and checked on other machines. Here the runner runs both ways, alternating with the \
          runs above. Cost: portable epoch time over native epoch time (medians). Loss difference: the largest \
          relative difference of their per-epoch losses.\n\n\

@@ -22,6 +22,18 @@ pub struct Index {
     pub files: BTreeMap<String, u64>,
     pub tensors: BTreeMap<String, TensorEntry>,
     pub record: Record,
+    /// XXH3-64 of the record (its JSON, keys sorted, numbers in their shortest exact form), as
+    /// the tensors' pieces have theirs: an edited record is refused like a damaged tensor.
+    /// Absent from an older runner's checkpoints, whose record is still checked against the run
+    /// (its layout, its trace rows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub record_xxh3: Option<String>,
+}
+
+/// The checksum of a record, given as JSON (as written, or as read back from an index).
+pub fn record_checksum(record: &serde_json::Value) -> String {
+    let bytes = serde_json::to_vec(record).expect("a JSON value serializes");
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes))
 }
 
 /// What a tensor is part of: the model (`model.safetensors` holds the same tensors), the

@@ -24,25 +24,59 @@ pub fn verify(dir: &Path, step: usize, plan: &Plan, checksums: bool) -> Result<I
     let path = dir.join(INDEX);
     crate::input::capped_file(&path, MAX_INDEX, "a checkpoint's index")?;
     let text = std::fs::read(&path).map_err(|e| format!("its index {} cannot be read ({e})", path.display()))?;
-    let index: Index = serde_json::from_slice(&text)
-        .map_err(|e| format!("its index {} is not a checkpoint index this runner can read ({e})", path.display()))?;
+    let unreadable = |e: serde_json::Error| {
+        format!("its index {} is not a checkpoint index this runner can read ({e})", path.display())
+    };
+    let json: serde_json::Value = serde_json::from_slice(&text).map_err(unreadable)?;
+    let record_sum = super::index::record_checksum(json.get("record").unwrap_or(&serde_json::Value::Null));
+    let index: Index = serde_json::from_value(json).map_err(unreadable)?;
     if index.format != FORMAT {
         return Err(format!("its index is of format \"{}\", this runner reads \"{FORMAT}\"", index.format));
+    }
+    if let Some(sum) = index.record_xxh3.as_ref().filter(|s| **s != record_sum) {
+        return Err(format!(
+            "its record (where the run stood: the step, the layout, the trace's rows) fails its checksum ({sum} in the \
+             index, {record_sum} computed): the index was edited or damaged"
+        ));
     }
     let r = &index.record;
     if r.step != step {
         return Err(format!("its index says step {}, its name step {step}", r.step));
     }
+    check_layout(r)?;
     if r.parameters != crate::model::sorted_parameters(plan.model().as_ref()) {
         return Err("it holds a different model (parameter names or shapes differ from [wrap.model])".into());
     }
     for (name, shape) in &r.parameters {
         match index.tensors.get(name) {
-            Some(t) if t.shape == *shape && t.role == Role::Model => {}
-            _ => return Err(format!("its index lacks the model's `{name}` of shape {shape:?}")),
+            Some(t) if t.shape != *shape => {
+                return Err(format!("its index holds the model's `{name}` as {:?}, the model's is {shape:?}", t.shape))
+            }
+            Some(t) if t.role == Role::Model => {}
+            Some(t) => return Err(format!("its index holds the model's `{name}` as {:?} state", t.role)),
+            None => return Err(format!("its index lacks the model's `{name}` of shape {shape:?}")),
         }
     }
+    check_optimizer(&index, plan)?;
     check_buckets(r.buckets.as_deref(), plan)?;
+    if r.partial {
+        for k in 0..r.layout.world_size {
+            for what in ["losses", "correct", "weights", "norms"] {
+                let name = format!("trace.partial.{k}.{what}");
+                if index.tensors.get(&name).is_none_or(|t| t.role != Role::Trace) {
+                    return Err(format!(
+                        "its record says the checkpoint falls inside a trace interval, but its index lacks `{name}` \
+                         (rank {k} of the {} that wrote it)",
+                        r.layout.world_size
+                    ));
+                }
+            }
+        }
+    }
+    if checksums {
+        let run_dir = dir.parent().and_then(Path::parent).unwrap_or(Path::new("."));
+        check_trace(r, &run_dir.join(crate::rundir::TRACE))?;
+    }
     let mut files = HashMap::new();
     for (file, bytes) in &index.files {
         let p = dir.join(file);
@@ -74,6 +108,118 @@ pub fn verify(dir: &Path, step: usize, plan: &Plan, checksums: bool) -> Result<I
         }
     }
     Ok(index)
+}
+
+/// The record's trace rows are the run's trace up to the checkpoint: the rows of `trace` (when
+/// there is one) up to its step, in order, with the same epoch, step, rank and losses. A resume
+/// writes the trace again from the record: one that lost rows would lose them from the trace.
+fn check_trace(r: &Record, trace: &Path) -> Result<(), String> {
+    let Ok(df) = crate::trace::read_parquet(trace) else { return Ok(()) };
+    let column = |name: &str| df.column(name).ok().map(|c| c.as_materialized_series().clone());
+    let (Some(epoch), Some(step), Some(rank), Some(loss)) =
+        (column("epoch"), column("step"), column("rank"), column("global_train_loss"))
+    else {
+        return Ok(());
+    };
+    let cast = |s: &polars::prelude::Series, t| s.cast(&t).ok();
+    use polars::prelude::DataType;
+    let (Some(epoch), Some(step), Some(rank), Some(loss)) = (
+        cast(&epoch, DataType::UInt64),
+        cast(&step, DataType::UInt64),
+        cast(&rank, DataType::UInt64),
+        cast(&loss, DataType::Float64),
+    ) else {
+        return Ok(());
+    };
+    let (epoch, step, rank, loss) = (epoch.u64(), step.u64(), rank.u64(), loss.f64());
+    let (Ok(epoch), Ok(step), Ok(rank), Ok(loss)) = (epoch, step, rank, loss) else { return Ok(()) };
+    let traced: Vec<(u64, u64, u64, Option<u64>)> = (0..df.height())
+        .map(|i| {
+            (
+                epoch.get(i).unwrap_or(0),
+                step.get(i).unwrap_or(0),
+                rank.get(i).unwrap_or(0),
+                loss.get(i).map(f64::to_bits),
+            )
+        })
+        .filter(|row| row.1 <= r.step as u64)
+        .collect();
+    let recorded: Vec<(u64, u64, u64, Option<u64>)> = r
+        .rows
+        .iter()
+        .map(|row| (row.epoch as u64, row.step, row.rank as u64, Some(row.global_train_loss.to_bits())))
+        .collect();
+    if traced == recorded {
+        return Ok(());
+    }
+    let at = traced.iter().zip(&recorded).position(|(a, b)| a != b).unwrap_or(traced.len().min(recorded.len()));
+    Err(format!(
+        "its record holds {} trace rows up to step {}, but {} holds {} (they differ from row {at} on): the \
+         checkpoint's record was edited, or it belongs to another run; a resume would rewrite the trace from it",
+        recorded.len(),
+        r.step,
+        trace.display(),
+        traced.len()
+    ))
+}
+
+/// Who wrote the checkpoint, as the record says, is a layout a run can have: at least one rank,
+/// a whole number of copies of the model, stages only in a pipeline.
+fn check_layout(r: &Record) -> Result<(), String> {
+    use crate::config::schema::WrapStrategy;
+    let l = &r.layout;
+    let pipeline = l.strategy == WrapStrategy::Pipeline;
+    let fits = (1..=crate::limits::MAX_WORLD_SIZE).contains(&l.world_size)
+        && l.ranks_per_copy >= 1
+        && l.world_size.is_multiple_of(l.ranks_per_copy)
+        && l.strategy != WrapStrategy::Auto
+        && (pipeline || l.ranks_per_copy == 1)
+        && r.global_batch >= 1
+        && r.steps_per_epoch >= 1;
+    if !fits {
+        return Err(format!(
+            "its record's layout ({} rank(s), strategy {:?}, {} rank(s) per copy of the model; global batch {}, {} \
+             steps per epoch) is not one a run can have: the index was edited or damaged",
+            l.world_size, l.strategy, l.ranks_per_copy, r.global_batch, r.steps_per_epoch
+        ));
+    }
+    Ok(())
+}
+
+/// The optimizer's state the plan's optimizer loads: its step count, and each kind of its state
+/// (`optim.exp_avg.<param>`, ...) for every trainable parameter, shaped as the parameter.
+fn check_optimizer(index: &Index, plan: &Plan) -> Result<(), String> {
+    match index.tensors.get(crate::model::optim::STEPS) {
+        Some(t) if t.role == Role::Optimizer && t.shape.is_empty() => {}
+        Some(t) => return Err(format!("its `{}` is {:?}, not one integer", crate::model::optim::STEPS, t.shape)),
+        None => {
+            return Err(format!(
+                "its index lacks the optimizer's step count `{}`: the checkpoint is incomplete",
+                crate::model::optim::STEPS
+            ))
+        }
+    }
+    let arch = plan.model();
+    let kinds = crate::model::optim::state_kinds(&plan.config.train);
+    for (param, shape) in arch.parameters(0..arch.layers().len()) {
+        for kind in kinds {
+            let name = format!("optim.{kind}.{param}");
+            match index.tensors.get(&name) {
+                Some(t) if t.shape == shape && t.role == Role::Optimizer => {}
+                Some(t) => {
+                    return Err(format!("its index holds `{name}` as {:?}, the parameter is {shape:?}", t.shape))
+                }
+                None => {
+                    return Err(format!(
+                        "its index lacks the optimizer's `{name}` (train.optimizer = \"{}\" keeps it): the checkpoint \
+                         is incomplete",
+                        format!("{:?}", plan.config.train.optimizer).to_lowercase()
+                    ))
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A record's DDP buckets name every trainable parameter (by its index in module order) exactly

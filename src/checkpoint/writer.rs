@@ -231,7 +231,8 @@ fn index_of(staging: &Path, pieces: Vec<(usize, Written)>, record: Record) -> an
     for (name, _) in &record.parameters {
         anyhow::ensure!(tensors.contains_key(name), "no rank wrote the model's `{name}`");
     }
-    Ok(Index { format: FORMAT.to_owned(), files, tensors, record })
+    let record_xxh3 = Some(super::index::record_checksum(&serde_json::to_value(&record)?));
+    Ok(Index { format: FORMAT.to_owned(), files, tensors, record, record_xxh3 })
 }
 
 /// Every rank's `value`, all-gathered as JSON (lengths first, then the bytes padded to the

@@ -47,9 +47,18 @@ pub enum PrepareCommand {
 pub struct PredictArgs {
     /// The run directory (results/<name>/<run-id>).
     pub run_dir: PathBuf,
-    /// A csv or parquet file with the run's feature columns.
+    /// A csv or parquet file with the run's feature columns, or arrays shaped as the model's
+    /// inputs: an .npy file of x, or an .npz file of x (and y, for the metrics).
     #[arg(required_unless_present = "prompt")]
     pub data: Option<PathBuf>,
+    /// The weights: final (model.safetensors), best (model.best.safetensors, kept by
+    /// [train.early_stop]), or the path of a .safetensors file of the same model.
+    #[arg(long, value_name = "final|best|FILE", default_value = "final", conflicts_with = "prompt")]
+    pub model: crate::predict::ModelChoice,
+    /// How the new file is read: load.missing (e.g. --set load.missing='"drop"') or
+    /// load.delimiter; the columns, encodings and normalisation are the run's.
+    #[arg(long = "set", value_name = "KEY=VALUE", conflicts_with = "prompt")]
+    pub set: Vec<String>,
     /// Where the predictions go [default: RUN_DIR/predictions.parquet]
     #[arg(long, value_name = "FILE", conflicts_with = "prompt")]
     pub out: Option<PathBuf>,
@@ -138,6 +147,18 @@ pub struct ConfigArgs {
     /// An override with the source config.toml names for it (`runner sweep` passes its axes so).
     #[arg(long = "set-as", num_args = 2, value_names = ["LABEL", "KEY=VALUE"], hide = true)]
     pub set_as: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct DataArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Rows shown of each stage's output.
+    #[arg(long, default_value_t = 5)]
+    pub rows: usize,
+    /// Only this rank's shard [default: every rank's]
+    #[arg(long)]
+    pub rank: Option<usize>,
 }
 
 #[derive(Debug, Args)]
@@ -256,8 +277,27 @@ pub struct SweepArgs {
     /// With --check: float values whose relative difference is at most this count as equal
     /// (for results stored on another CPU where a path is not CPU-independent); the largest
     /// difference found is reported. Default: bit for bit.
-    #[arg(long, value_name = "REL", requires = "check")]
+    #[arg(long, value_name = "REL", requires = "check", value_parser = tolerance, allow_hyphen_values = true)]
     pub tolerance: Option<f64>,
+}
+
+/// A relative tolerance: a finite number, 0 or more (`nan` would accept nothing and `inf`
+/// everything, a negative one nothing).
+fn tolerance(text: &str) -> Result<f64, String> {
+    let t: f64 =
+        text.trim().parse().map_err(|_| format!("`{text}` is not a number (a relative difference, e.g. 1e-6)"))?;
+    if !t.is_finite() || t < 0.0 {
+        return Err(format!(
+            "{t} is not a relative difference: give a finite number, 0 or more (e.g. 1e-6; 0 checks bit for bit)"
+        ));
+    }
+    if t >= 1.0 {
+        return Err(format!(
+            "{t} would accept any two values of the same sign (a relative difference |a - b| / max(|a|, |b|) is below \
+             1): give a tolerance below 1, e.g. 1e-6"
+        ));
+    }
+    Ok(t)
 }
 
 #[derive(Debug, Args)]

@@ -50,6 +50,11 @@ pub enum Command {
     #[command(after_help = "Example:\n  runner validate pipelines/ddp.toml --set run.world_size=2\n\n\
                             Read: docs/guide/configuration.md, docs/reference/configuration.md")]
     Validate(ConfigArgs),
+    /// Show a pipeline's data before training: the first rows of the load, shard and normalize
+    /// stages' outputs, per rank, with each column's statistics; run nothing.
+    #[command(after_help = "Example:\n  runner data pipelines/ddp.toml --rank 0 --rows 3\n\n\
+                            Read: docs/guide/your-data.md")]
+    Data(DataArgs),
     /// Print the JSON Schema of pipeline files, for editors that complete and check keys as you
     /// type (taplo / Even Better TOML read a `#:schema PATH` first line).
     #[command(after_help = "Example:\n  runner schema > pipelines/schema.json\n\n\
@@ -92,14 +97,17 @@ pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
         config::resolve(file, &overrides(set, set_as)).map(|r| r.config.run.numerics).unwrap_or_default()
     };
     match &cli.command {
-        // A rank the launcher started inherits the MKL_CBWR the launcher set and checked.
-        Command::Run(args) if args.plan.is_some() => None,
+        // A rank the launcher started inherits the environment the launcher set and checked, and
+        // sets up its own process (oneDNN off under portable numerics) by the saved plan.
+        Command::Run(RunArgs { plan: Some(plan), .. }) => Some(Plan::numerics_in(plan)),
         Command::Run(args) => match (&args.file, &args.resume) {
             (Some(file), _) => Some(resolved(file, &args.set, &args.set_as)),
             (None, Some(dir)) => Some(resolved(&dir.join(rundir::CONFIG), &args.set, &args.set_as)),
             (None, None) => Some(Default::default()),
         },
-        Command::Validate(args) => Some(resolved(&args.file, &args.set, &args.set_as)),
+        Command::Validate(args) | Command::Data(DataArgs { config: args, .. }) => {
+            Some(resolved(&args.file, &args.set, &args.set_as))
+        }
         Command::Predict(args) => Some(resolved(&args.run_dir.join(rundir::CONFIG), &[], &[])),
         // Its ranks inherit the MKL_CBWR the launcher set.
         Command::Eval(args) if args.job.is_some() => None,
@@ -128,13 +136,17 @@ pub fn signal_role(cli: &Cli) -> crate::signals::Role {
 pub fn main(cli: Cli) -> u8 {
     let result = match cli.command {
         Command::Validate(args) => validate(&args),
+        Command::Data(args) => {
+            let options = crate::preview::Options { rows: args.rows, rank: args.rank };
+            plan(&args.config).map_err(anyhow::Error::from).and_then(|p| crate::preview::show(&p, &options)).map(|()| 0)
+        }
         Command::Schema(args) => {
-            if args.markdown {
-                crate::say!("{}", crate::config::reference::markdown());
-            } else {
-                crate::say!("{}", schema_json());
-            }
-            Ok(0)
+            let text = if args.markdown { crate::config::reference::markdown() } else { schema_json() };
+            // The schema is the command's product (redirected into a file): unlike a run's
+            // progress, writing it must not fail silently.
+            crate::say::write_all(&text).map(|()| 0).map_err(|e| {
+                anyhow::anyhow!("cannot write the schema to standard output ({e}): nothing complete was written")
+            })
         }
         Command::Run(args) => run::run(&args),
         Command::Sweep(args) => crate::sweep::sweep(
@@ -163,7 +175,12 @@ pub fn main(cli: Cli) -> u8 {
                     seed: args.seed,
                 },
             ),
-            (None, Some(data)) => crate::predict::predict(&args.run_dir, data, args.out.as_deref()),
+            (None, Some(data)) => crate::predict::predict(
+                &args.run_dir,
+                data,
+                args.out.as_deref(),
+                &crate::predict::Options { model: args.model.clone(), set: args.set.clone() },
+            ),
             (None, None) => unreachable!("clap requires DATA or --prompt"),
         },
         Command::Eval(args) => match (&args.job, &args.run_dir, &args.data) {
@@ -206,9 +223,24 @@ pub fn main(cli: Cli) -> u8 {
     }
 }
 
-/// The pipeline file's JSON Schema, generated from the serde types that read it.
+/// The pipeline file's JSON Schema, generated from the serde types that read it, its keys sorted:
+/// the same bytes from every build (serde_json keeps insertion order in a build whose
+/// dependencies enable its `preserve_order`, as the tests' do, and sorts otherwise), so that
+/// `runner schema > pipelines/schema.json` never reorders the committed file.
 pub fn schema_json() -> String {
-    serde_json::to_string_pretty(&crate::config::reference::json_schema(false)).expect("a schema serializes")
+    fn sorted(v: serde_json::Value) -> serde_json::Value {
+        match v {
+            serde_json::Value::Object(map) => {
+                let mut entries: Vec<(String, serde_json::Value)> = map.into_iter().collect();
+                entries.sort_by(|a, b| a.0.cmp(&b.0));
+                serde_json::Value::Object(entries.into_iter().map(|(k, v)| (k, sorted(v))).collect())
+            }
+            serde_json::Value::Array(items) => serde_json::Value::Array(items.into_iter().map(sorted).collect()),
+            other => other,
+        }
+    }
+    let schema = sorted(crate::config::reference::json_schema(false));
+    serde_json::to_string_pretty(&schema).expect("a schema serializes")
 }
 
 /// `train.precision = "bf16"` on a CPU whose bfloat16 matmuls are slower than its float32 ones:
@@ -242,7 +274,7 @@ fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
         crate::say!("extends: {}\n", chain.join(" → "));
     }
     crate::say!("{}", plan.data_flow().trim_end_matches('\n'));
-    for note in plan.data.notes() {
+    for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()) {
         crate::say!("{note}");
     }
     warn_of_slow_bf16(&plan);

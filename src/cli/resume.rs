@@ -39,6 +39,33 @@ pub(super) fn say_resuming(dir: &Path) {
     }
 }
 
+/// `--resume DIR` names a run directory: a checkpoint's directory (or a file, or nothing) is
+/// refused saying what to give instead.
+pub(super) fn check_run_dir(dir: &Path) -> Result<(), ConfigError> {
+    if dir.join(rundir::PLAN).is_file() || dir.join(rundir::CONFIG).is_file() {
+        return Ok(());
+    }
+    let why = if dir.join(checkpoint::INDEX).is_file() {
+        let run = dir.parent().and_then(Path::parent).filter(|r| r.join(rundir::PLAN).is_file());
+        match run {
+            Some(run) => format!(
+                "it is a checkpoint of the run in {0}: resume that run with --resume {0} (it goes on from its newest \
+                 checkpoint; to go on from this one, move the newer ones out of {1})",
+                run.display(),
+                checkpoint::dir(run).display()
+            ),
+            None => "it is a checkpoint's directory: give the run directory that holds its checkpoints/".to_owned(),
+        }
+    } else if !dir.exists() {
+        "no such directory".to_owned()
+    } else if !dir.is_dir() {
+        "it is a file, not a run directory".to_owned()
+    } else {
+        format!("it is not a run directory (it has no {} nor {})", rundir::PLAN, rundir::CONFIG)
+    };
+    Err(ConfigError::new(format!("--resume {}: {why}", dir.display())))
+}
+
 /// The plan of the run in `dir`, continued under the configuration the user resumes with
 /// (`asked`); refused, before any rank starts, when a key other than those that extend a run or
 /// spread it another way changed, or its newest checkpoint does not verify. A resume under

@@ -30,6 +30,9 @@ pub(super) fn run(args: &RunArgs) -> anyhow::Result<u8> {
         let env = RankEnv::from_env()?.context("--plan is for the ranks `runner run` starts (RANK is not set)")?;
         return run_rank(Plan::load(path)?, &env, &|_| run_dir.clone(), claim);
     }
+    if let Some(dir) = &args.resume {
+        super::resume::check_run_dir(dir)?;
+    }
     let file = match (&args.file, &args.resume) {
         (Some(f), _) => f.clone(),
         (None, Some(dir)) => dir.join(rundir::CONFIG),
@@ -37,10 +40,15 @@ pub(super) fn run(args: &RunArgs) -> anyhow::Result<u8> {
     };
     let config = ConfigArgs { file, set: args.set.clone(), set_as: args.set_as.clone() };
     let resolved = config::resolve(&config.file, &overrides(&config.set, &config.set_as))?;
-    if let Some(saved) = args.resume.as_ref().and_then(|dir| Plan::load(&dir.join(rundir::PLAN)).ok()) {
-        saved.check_resumable_world_size(&resolved.config)?;
-    }
-    let asked = Plan::new(resolved)?;
+    let saved = args.resume.as_ref().and_then(|dir| Plan::load(&dir.join(rundir::PLAN)).ok().map(|p| (dir, p)));
+    let asked = match saved {
+        Some((dir, saved)) => {
+            saved.check_resumable_world_size(&resolved.config)?;
+            let own_config = format!("file {}", dir.join(rundir::CONFIG).display());
+            Plan::resuming(resolved, &crate::plan::Resuming { global_batch: saved.global_batch(), own_config })?
+        }
+        None => Plan::new(resolved)?,
+    };
     let plan = match &args.resume {
         Some(dir) => resumed_plan(dir, &asked)?,
         None => asked,
@@ -111,15 +119,31 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     let agree::Agreed { plan, resume } = agreed;
     let run_dir = run_dir_of(&plan);
     let (_lock, mut manifest) = owned.unzip();
-    let result =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rank::run(&plan, env, store, &run_dir, resume)))
-            .unwrap_or_else(|panic| match panic.downcast::<crate::checked::Failure>() {
-                // A model's forward pass failed (a user's module raised): its message is the error.
-                Ok(failure) => Err(anyhow::anyhow!(failure.0)),
-                Err(panic) => Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))),
-            });
+    // A fresh run's directory took its files before any rank started; a resume's take them once
+    // every rank accepted the plan (rank 0 owns them here, under torchrun or srun).
+    let committed = std::cell::Cell::new(!resume);
+    let write = || {
+        let m = manifest.as_ref().expect("rank 0 owns the run directory");
+        commit_run_dir(&plan, &run_dir, m)?;
+        committed.set(true);
+        Ok(())
+    };
+    let commit = match (env.launcher, &manifest) {
+        (Launcher::Runner, _) => rank::Commit::Launcher,
+        (_, Some(_)) => rank::Commit::Here(&write),
+        (_, None) => rank::Commit::Elsewhere,
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        rank::run(&plan, env, store, &run_dir, resume, commit)
+    }))
+    .unwrap_or_else(|panic| match panic.downcast::<crate::checked::Failure>() {
+        // A model's forward pass failed (a user's module raised): its message is the error.
+        Ok(failure) => Err(anyhow::anyhow!(failure.0)),
+        Err(panic) => Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))),
+    });
     let preempted = result.as_ref().err().and_then(|e| e.downcast_ref::<preempt::Preempted>()).copied();
-    if let Some(manifest) = manifest.as_mut() {
+    // A resume refused before every rank accepted it leaves the run's manifest as it was.
+    if let Some(manifest) = manifest.as_mut().filter(|_| committed.get()) {
         match (&result, preempted) {
             (Ok(_), _) => {
                 manifest.end(Status::Complete, None);
@@ -170,7 +194,7 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
 
 fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
     crate::say!("{}", plan.data_flow());
-    for note in plan.data.notes() {
+    for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()) {
         crate::say!("{note}");
     }
     for line in crate::stages::track::plan_lines(plan, Some(run_dir)) {
@@ -185,30 +209,43 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
     }
     let mut manifest = plan.manifest();
     let _lock = prepare_run_dir(plan, run_dir, &manifest, claim)?;
-    // Every rank runs the plan resolved here, never the pipeline file again.
+    // Every rank runs the plan resolved here, never the pipeline file again. A resume's plan
+    // waits in a temporary file until every rank accepted it: then it is the run's plan.json.
+    let plan_file =
+        if claim.resume { rundir::tmp_path(&run_dir.join(rundir::PLAN)) } else { run_dir.join(rundir::PLAN) };
+    if claim.resume {
+        plan.save(&plan_file)?;
+    }
     let child_args: Vec<OsString> = vec![
         "run".into(),
         "--plan".into(),
-        run_dir.join(rundir::PLAN).into(),
+        plan_file.into(),
         if claim.resume { "--resume" } else { "--out" }.into(),
         run_dir.into(),
     ];
+    let mut commit = || commit_run_dir(plan, run_dir, &manifest);
+    let commit: Option<&mut dyn FnMut() -> anyhow::Result<()>> = claim.resume.then_some(&mut commit);
     // Every way the launcher ends records how: an error (a store it cannot serve or join, a
     // configuration the other nodes do not share) or a panic is a failed run.
-    let launched =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| spawn::launch(plan, topology, run_dir, &child_args)))
-            .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", panic_text(&panic))));
+    let launched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        spawn::launch(plan, topology, run_dir, &child_args, commit)
+    }))
+    .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", panic_text(&panic))));
     // Every rank has ended: what a write cut short left (a checkpoint being written when a signal
-    // came, a temporary file) goes now, not at the next start.
+    // came, a temporary file, a resume's plan never accepted) goes now, not at the next start.
     rundir::remove_unfinished(run_dir);
     let outcome = match launched {
         Ok(outcome) => outcome,
-        Err(e) => {
+        Err(e) if !claim.resume => {
             manifest.end(Status::Failed, Some(format!("{e:#}")));
             manifest.write(run_dir)?;
             return Err(e);
         }
+        Err(e) => return Err(e.context(unchanged(run_dir))),
     };
+    if !outcome.committed && !outcome.preempted {
+        return refused_resume(&outcome, run_dir);
+    }
     if outcome.preempted {
         // The newest checkpoint: the one the ranks just wrote, or, when the signal came before
         // any rank started, the one a resumed run started from (none: the run starts over).
@@ -232,9 +269,9 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
         manifest.end(Status::Interrupted, None);
         manifest.write(run_dir)?;
         let what = if outcome.started {
-            "every rank was stopped; the trace keeps every finished epoch"
+            format!("every rank was stopped; the trace keeps every finished {}", trace_unit(&plan.config))
         } else {
-            "no rank had started; nothing was written but the run's configuration"
+            "no rank had started; nothing was written but the run's configuration".to_owned()
         };
         crate::say_err!("\ninterrupted by {}: {what} in {}", crate::signals::name(sig), run_dir.display());
         return Ok(128 + sig as u8);
@@ -257,7 +294,11 @@ fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> any
                     crate::say_err!("    {line}");
                 }
             }
-            crate::say_err!("  run directory (traces keep every finished epoch): {}", run_dir.display());
+            crate::say_err!(
+                "  run directory (traces keep every finished {}): {}",
+                trace_unit(&plan.config),
+                run_dir.display()
+            );
             Ok(1)
         }
     }
@@ -273,8 +314,6 @@ fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest, claim: Clai
     let lock = lock::acquire(run_dir).map_err(|e| ConfigError::new(e.message(run_dir)))?;
     if claim.resume {
         rundir::remove_stale(run_dir);
-        // Written again if the resumed run stops early.
-        let _ = std::fs::remove_file(run_dir.join(rundir::STOPPED));
     } else {
         if !claim.force {
             if let Some(why) = rundir::foreign(run_dir, &plan.run_id) {
@@ -288,9 +327,67 @@ fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest, claim: Clai
         }
         rundir::clear_for_fresh_run(run_dir);
     }
-    // Rewritten on resume too: a resumed run may extend the configuration (train.epochs).
+    // A resume writes them once every rank has accepted its plan ([`commit_run_dir`]).
+    if !claim.resume {
+        commit_run_dir(plan, run_dir, manifest)?;
+    }
+    Ok(lock)
+}
+
+/// What a trace row counts, as the interrupt and failure messages name it: an epoch, or an
+/// interval of optimizer steps (a run in `train.steps` writes a row every `validate.every_steps`).
+fn trace_unit(c: &crate::config::schema::Config) -> String {
+    match c.train.steps {
+        None => "epoch".into(),
+        Some(total) => {
+            let every = c.validate.every_steps.unwrap_or(total);
+            format!("interval of {every} optimizer step{}", if every == 1 { "" } else { "s" })
+        }
+    }
+}
+
+/// Writes the run's plan.json, config.toml and manifest: before a fresh run starts its ranks; for
+/// a resume (which may extend or reshard the run), once every rank accepted its plan.
+fn commit_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest) -> anyhow::Result<()> {
+    // Written again if the resumed run stops early.
+    let _ = std::fs::remove_file(run_dir.join(rundir::STOPPED));
     plan.save(&run_dir.join(rundir::PLAN))?;
     rundir::atomic_write(&run_dir.join(rundir::CONFIG), plan.annotated_toml().as_bytes())?;
-    manifest.write(run_dir)?;
-    Ok(lock)
+    manifest.write(run_dir)
+}
+
+/// What a resume that ended before its ranks accepted its plan left: the run directory as it was.
+fn unchanged(run_dir: &Path) -> String {
+    let status = Manifest::read(run_dir).map_or("its".to_owned(), |m| format!("{:?}", m.status).to_lowercase());
+    format!(
+        "the resume stopped before every rank had accepted its plan: {} is as it was (still {status}, its plan, \
+         configuration, trace and checkpoints untouched)",
+        run_dir.display()
+    )
+}
+
+/// How a resume ended that never had every rank accept its plan (a rank refused it or failed
+/// loading the checkpoint, or a signal came first): said, with the directory left as it was.
+fn refused_resume(outcome: &spawn::Outcome, run_dir: &Path) -> anyhow::Result<u8> {
+    if let Some(sig) = outcome.interrupted {
+        crate::say_err!("\ninterrupted by {}: {}", crate::signals::name(sig), unchanged(run_dir));
+        return Ok(128 + sig as u8);
+    }
+    match &outcome.failure {
+        Some(f) => {
+            crate::say_err!("\nerror: the resume failed: {}", f.summary());
+            if !f.stderr_tail.is_empty() {
+                crate::say_err!("  last lines rank {} wrote to stderr:", f.rank);
+                for line in &f.stderr_tail {
+                    crate::say_err!("    {line}");
+                }
+            }
+            crate::say_err!("  {}", unchanged(run_dir));
+            Ok(1)
+        }
+        None => {
+            crate::say_err!("\nerror: {}", unchanged(run_dir));
+            Ok(1)
+        }
+    }
 }

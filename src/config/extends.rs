@@ -2,7 +2,8 @@
 //! chain is read from the file to its first base (paths relative to the file that names them),
 //! refused on a cycle, a missing base or a base of the other kind, each time naming the chain;
 //! then merged from the first base to the file: tables key by key, any other value (arrays
-//! included) replaced. [`Layers::origin`] says which file and line set a key.
+//! included) replaced. A file's `unset = ["train.epochs"]` removes keys its bases set before its
+//! own values apply. [`Layers::origin`] says which file and line set a key.
 use std::path::{Component, Path, PathBuf};
 
 use super::ConfigError;
@@ -35,7 +36,7 @@ impl FileKind {
     /// What a file's top-level keys say it is; `None` when they do not tell (only `extends`).
     fn of(table: &toml::Table) -> Option<FileKind> {
         const EXPERIMENT: &[&str] = &["pipeline", "set", "sweep", "scaling"];
-        let keys: Vec<&str> = table.keys().map(String::as_str).filter(|k| *k != "extends").collect();
+        let keys: Vec<&str> = table.keys().map(String::as_str).filter(|k| !["extends", UNSET].contains(k)).collect();
         if keys.iter().any(|k| EXPERIMENT.contains(k)) {
             Some(FileKind::Experiment)
         } else if keys.is_empty() {
@@ -46,13 +47,17 @@ impl FileKind {
     }
 }
 
+/// The top-level key of a file that removes keys its bases set.
+pub const UNSET: &str = "unset";
+
 /// One file of a chain: its path, its text with the `extends` line blanked (line numbers kept),
-/// and its values.
+/// its values, and the keys of its bases it removes (`unset`).
 #[derive(Debug, Clone)]
 pub struct Layer {
     pub file: PathBuf,
     pub text: String,
     pub table: toml::Table,
+    pub unset: Vec<String>,
 }
 
 /// A file and its bases, the first base first and the file itself last.
@@ -98,7 +103,8 @@ impl Layers {
                 crate::input::read_capped(&path, crate::input::CONFIG_FILE_CAP, what).map_err(ConfigError::new)?;
             let origin = path.display().to_string();
             let (text, base) = take_extends(&text, &origin)?;
-            let table: toml::Table = toml::from_str(&text).unwrap_or_default();
+            let mut table: toml::Table = toml::from_str(&text).unwrap_or_default();
+            let unset = take_unset(&mut table, &text, &origin)?;
             if let (Some(found), false) = (FileKind::of(&table), chain.is_empty()) {
                 if found != kind {
                     return Err(ConfigError::new(format!(
@@ -115,10 +121,34 @@ impl Layers {
             let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
             next = base.map(|b| normalize(&dir.join(b)));
             seen.insert(real);
-            chain.push(Layer { file: path, text, table });
+            chain.push(Layer { file: path, text, table, unset });
         }
         chain.reverse();
-        Ok(Layers(chain))
+        let layers = Layers(chain);
+        layers.check_unset()?;
+        Ok(layers)
+    }
+
+    /// Every `unset` key is set by a base of its file: removing nothing is a typo, or a base
+    /// that changed.
+    fn check_unset(&self) -> Result<(), ConfigError> {
+        for (i, layer) in self.0.iter().enumerate() {
+            let below = Layers(self.0[..i].to_vec()).merged();
+            for key in &layer.unset {
+                if get(&below, key).is_none() {
+                    let line = key_line(&std::fs::read_to_string(&layer.file).unwrap_or_default(), UNSET);
+                    let at = line.map_or(layer.file.display().to_string(), |l| format!("{}:{l}", layer.file.display()));
+                    let why = match i {
+                        0 => {
+                            "this file extends no other: `unset` removes keys that the files it extends set".to_owned()
+                        }
+                        _ => format!("no file it extends sets `{key}` (extends chain: {})", self.chain()),
+                    };
+                    return Err(ConfigError::new(format!("{at}: unset {key:?}: {why}")));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The file itself (the last layer).
@@ -136,10 +166,14 @@ impl Layers {
         self.0.iter().rev().map(|l| l.file.display().to_string()).collect::<Vec<_>>().join(" → ")
     }
 
-    /// Every layer merged: tables key by key, other values replaced by the later file's.
+    /// Every layer merged: each removes the keys it unsets from its bases', then its tables
+    /// merge key by key and its other values replace the bases'.
     pub fn merged(&self) -> toml::Table {
         let mut out = toml::Table::new();
         for layer in &self.0 {
+            for key in &layer.unset {
+                remove(&mut out, key);
+            }
             merge(&mut out, &layer.table);
         }
         out
@@ -179,6 +213,14 @@ impl Layers {
             None => format!("file {}", file.display()),
         })
     }
+
+    /// Whether the line that sets `dotted` ends in `# default`, as a run's `config.toml` marks the
+    /// values it did not get from anywhere.
+    pub fn says_default(&self, dotted: &str) -> bool {
+        let Some(layer) = self.0.iter().rev().find(|l| get(&l.table, dotted).is_some()) else { return false };
+        let line = key_line(&layer.text, dotted).and_then(|n| layer.text.lines().nth(n - 1));
+        line.and_then(|l| l.rsplit_once('#')).is_some_and(|(_, comment)| comment.trim() == "default")
+    }
 }
 
 /// `child.toml:1` where the child's `extends` line is.
@@ -198,6 +240,37 @@ fn merge(into: &mut toml::Table, from: &toml::Table) {
             _ => {
                 into.insert(k.clone(), v.clone());
             }
+        }
+    }
+}
+
+/// Removes the dotted key from `table`, and tables it leaves empty; whether it was there.
+pub fn remove(table: &mut toml::Table, dotted: &str) -> bool {
+    match dotted.split_once('.') {
+        None => table.remove(dotted).is_some(),
+        Some((head, rest)) => {
+            let Some(toml::Value::Table(t)) = table.get_mut(head) else { return false };
+            let removed = remove(t, rest);
+            if t.is_empty() {
+                table.remove(head);
+            }
+            removed
+        }
+    }
+}
+
+/// The file's top-level `unset = ["section.key", ...]`, taken out of its values.
+fn take_unset(table: &mut toml::Table, text: &str, origin: &str) -> Result<Vec<String>, ConfigError> {
+    let Some(value) = table.remove(UNSET) else { return Ok(Vec::new()) };
+    let keys: Option<Vec<String>> =
+        value.as_array().and_then(|a| a.iter().map(|v| v.as_str().map(|s| s.trim().to_owned())).collect());
+    match keys {
+        Some(keys) if keys.iter().all(|k| !k.is_empty()) => Ok(keys),
+        _ => {
+            let at = key_line(text, UNSET).map_or(origin.to_owned(), |l| format!("{origin}:{l}"));
+            Err(ConfigError::new(format!(
+                "{at}: `unset` must be a list of dotted keys that the bases set, e.g. unset = [\"train.epochs\"]"
+            )))
         }
     }
 }
@@ -309,6 +382,16 @@ mod tests {
         let mut a = table("[train]\nlr = 0.1\nepochs = 5\n[wrap.model]\nhidden = [64, 64]\n");
         merge(&mut a, &table("[train]\nlr = 0.2\n[wrap.model]\nhidden = [8]\n"));
         assert_eq!(a, table("[train]\nlr = 0.2\nepochs = 5\n[wrap.model]\nhidden = [8]\n"));
+    }
+
+    #[test]
+    fn remove_takes_a_dotted_key_and_the_tables_it_empties() {
+        let mut a = table("[train]\nepochs = 5\n[train.schedule]\nkind = \"cosine\"\n[run]\nseed = 1\n");
+        assert!(remove(&mut a, "train.epochs"));
+        assert!(remove(&mut a, "train.schedule.kind"));
+        assert!(!remove(&mut a, "train.lr"));
+        assert!(!remove(&mut a, "run.seed.x"));
+        assert_eq!(a, table("[run]\nseed = 1\n"));
     }
 
     #[test]

@@ -19,8 +19,16 @@ pub fn json_schema(every_default: bool) -> Value {
                         under this file's, arrays and other values are replaced.",
         "type": "string"
     });
+    let unset = serde_json::json!({
+        "description": "Keys that the files this one extends set, removed before this file's values apply: \
+                        each takes its default unless this file sets it (unset = [\"train.epochs\"] for a run \
+                        in train.steps). On the command line, --set '~train.epochs' removes a key from every layer.",
+        "type": "array",
+        "items": { "type": "string" }
+    });
     if let Some(Value::Object(properties)) = schema.get_mut("properties") {
         properties.insert("extends".into(), extends);
+        properties.insert(super::extends::UNSET.into(), unset);
     }
     schema.to_value()
 }

@@ -1,6 +1,7 @@
 //! Layering: defaults < the bases a pipeline file extends < the file < environment
 //! (`RUNNER_SECTION__KEY`) < `--set key=value`, with errors that name where the bad value came
-//! from and the closest valid key.
+//! from and the closest valid key. `--set ~key` (Hydra's spelling) removes a key from every layer
+//! below it, so that it takes its default.
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -45,15 +46,46 @@ impl Override {
 pub fn resolve(file: &Path, overrides: &[Override]) -> Result<Resolved, ConfigError> {
     let layers = Layers::read(file, FileKind::Pipeline, "the pipeline file")?;
     parse_layers::<Config>(&layers)?;
-    let merged = toml::to_string(&layers.merged()).map_err(|e| ConfigError::new(format!("{}: {e}", file.display())))?;
+    let mut table = layers.merged();
+    // `--set ~key` removes the key from the files, the environment and the overrides before it.
+    let mut removed: Vec<String> = Vec::new();
+    let mut sets: Vec<SetArg> = Vec::new();
+    for o in overrides {
+        match o.text.trim().strip_prefix('~') {
+            Some(key) => {
+                let key = removal_key(o, key)?;
+                let from_file = super::extends::remove(&mut table, &key);
+                let from_env = !env_vars_setting(&key).is_empty();
+                let before = sets.len();
+                sets.retain(|s| !under(&s.key, &key));
+                if !(from_file || from_env || sets.len() < before) {
+                    return Err(ConfigError::new(format!(
+                        "{} {}: no layer sets `{key}` (the file, the files it extends, RUNNER_ variables or an \
+                         earlier --set): there is nothing to remove",
+                        o.label, o.text
+                    )));
+                }
+                removed.push(key);
+            }
+            None => sets.push(SetArg::parse(o)?),
+        }
+    }
+    let merged = toml::to_string(&table).map_err(|e| ConfigError::new(format!("{}: {e}", file.display())))?;
     let mut figment = Figment::new()
         .merge(SetArg::stored_differently())
         .merge(Toml::string(&merged))
         // Every config key is `section.key`: only variables with `__` are meant for us, which
         // leaves alone the RUNNER_* that CI systems set (RUNNER_OS, RUNNER_TEMP, ...).
-        .merge(Env::prefixed("RUNNER_").filter(|k| k.as_str().contains("__")).split("__"));
-    for o in overrides {
-        figment = figment.merge(SetArg::parse(o)?);
+        .merge(
+            Env::prefixed("RUNNER_")
+                .filter(move |k| {
+                    let dotted = k.as_str().to_ascii_lowercase().replace("__", ".");
+                    k.as_str().contains("__") && !removed.iter().any(|r| under(&dotted, r))
+                })
+                .split("__"),
+        );
+    for set in sets {
+        figment = figment.merge(set);
     }
     let config: Config = figment.extract().map_err(|e| figment_error(e, &layers))?;
     let sources = sources(&figment, &config, &layers);
@@ -230,6 +262,38 @@ fn env_vars_under(path: &[String]) -> Vec<String> {
     names
 }
 
+/// The key of a `~key` override, checked: a dotted name without a value.
+fn removal_key(o: &Override, key: &str) -> Result<String, ConfigError> {
+    let key = key.trim();
+    let valid = !key.is_empty()
+        && !key.contains('=')
+        && key.split('.').all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
+    if valid {
+        Ok(key.to_owned())
+    } else {
+        Err(ConfigError::new(format!(
+            "{} {}: `~KEY` removes a key (e.g. --set '~train.epochs') and takes no value",
+            o.label, o.text
+        )))
+    }
+}
+
+/// Whether dotted key `key` is `prefix` or lies below it.
+fn under(key: &str, prefix: &str) -> bool {
+    key == prefix || key.strip_prefix(prefix).is_some_and(|rest| rest.starts_with('.'))
+}
+
+/// The `RUNNER_..__..` variables that set `dotted` or a key below it.
+fn env_vars_setting(dotted: &str) -> Vec<String> {
+    std::env::vars_os()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .filter(|k| {
+            let lower = k.to_ascii_lowercase();
+            lower.strip_prefix("runner_").is_some_and(|r| r.contains("__") && under(&r.replace("__", "."), dotted))
+        })
+        .collect()
+}
+
 /// Where each leaf value of `config` came from.
 fn sources(figment: &Figment, config: &Config, layers: &Layers) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
@@ -238,10 +302,21 @@ fn sources(figment: &Figment, config: &Config, layers: &Layers) -> BTreeMap<Stri
     let value = super::schema::with_every_key(|| toml::Value::try_from(config)).expect("a Config serializes");
     let mut leaves = Vec::new();
     flatten("", &value, &mut leaves);
-    for (key, _) in leaves {
+    let defaults: BTreeMap<String, toml::Value> = {
+        let value = super::schema::with_every_key(|| toml::Value::try_from(Config::default())).expect("serializes");
+        let mut leaves = Vec::new();
+        flatten("", &value, &mut leaves);
+        leaves.into_iter().collect()
+    };
+    for (key, value) in leaves {
         let source = match figment.find_metadata(&key) {
             Some(m) if m.name.contains("environment") => {
                 format!("env RUNNER_{}", key.replace('.', "__").to_uppercase())
+            }
+            // A run's config.toml read back keeps its provenance: a value it marks `# default`
+            // (and that is the default) was set by no one.
+            Some(m) if m.name.contains("TOML") && layers.says_default(&key) && defaults.get(&key) == Some(&value) => {
+                "default".into()
             }
             Some(m) if m.name.contains("TOML") => {
                 layers.source(&key).unwrap_or_else(|| format!("file {}", layers.file().file.display()))
@@ -294,6 +369,8 @@ pub fn redact_credentials(text: &str) -> String {
 /// and `true` keep their types), or taken as a string when it is not valid TOML.
 struct SetArg {
     label: String,
+    /// The dotted key it sets.
+    key: String,
     dict: Dict,
 }
 
@@ -307,10 +384,14 @@ impl SetArg {
             .ok_or_else(|| ConfigError::new(format!("{label}: expected KEY=VALUE, e.g. train.lr=0.05")))?;
         let key = key.trim();
         let raw = raw.trim();
-        let parsed: toml::Value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-            .ok()
-            .and_then(|mut t| t.remove("v"))
-            .unwrap_or_else(|| toml::Value::String(raw.to_owned()));
+        let parsed = toml::from_str::<toml::Table>(&format!("v = {raw}")).ok().and_then(|mut t| t.remove("v"));
+        // A number TOML cannot hold (1e400) is not a string: say so rather than "found a string".
+        if parsed.is_none() && raw.parse::<f64>().is_ok_and(f64::is_infinite) {
+            return Err(ConfigError::new(format!(
+                "{label}: {raw} is beyond the range of a float (about ±1.8e308); give a finite number"
+            )));
+        }
+        let parsed = parsed.unwrap_or_else(|| toml::Value::String(raw.to_owned()));
         let mut value = Value::serialize(&parsed).map_err(|e| ConfigError::new(format!("{label}: {e}")))?;
         for part in key.rsplit('.') {
             let mut dict = Dict::new();
@@ -318,7 +399,7 @@ impl SetArg {
             value = Value::from(dict);
         }
         let dict = value.into_dict().expect("built as a dict");
-        Ok(SetArg { label, dict })
+        Ok(SetArg { label, key: key.to_owned(), dict })
     }
 }
 

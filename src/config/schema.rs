@@ -56,7 +56,8 @@ pub struct Run {
     pub backend: Backend,
     /// Where a rank computes: "cpu", or "cuda" (rank r on cuda:LOCAL_RANK; the CUDA build only).
     pub device: Device,
-    /// Intra-op threads per rank; default: cores / world_size, at least 1.
+    /// Intra-op threads per rank; default: cores / world_size, at least 1, or 1 under
+    /// `run.numerics = "portable"` (the thread count splits sums, so the machine must not choose it).
     pub threads_per_rank: Option<usize>,
     /// Seconds any collective or rendezvous may take before the run fails.
     pub timeout_s: f64,
@@ -86,10 +87,12 @@ pub struct Run {
     /// submitit uses USR2.
     #[serde(skip_serializing_if = "is_default")]
     pub preempt_signal: PreemptSignal,
-    /// The numerical path of libtorch's CPU matrix products: "native" (the default: MKL's kernels
-    /// for this CPU, as PyTorch runs; the same bits on the same CPU model) or "portable" (the same
-    /// bits on any x86-64 CPU: MKL_CBWR=COMPATIBLE, 2 to 2.5x slower on compute-bound runs; for
-    /// results committed and checked on other machines). An MKL_CBWR set in the environment wins.
+    /// The numerical path of libtorch's CPU kernels: "native" (the default: this CPU's own
+    /// kernels, as PyTorch runs; the same bits on the same CPU model) or "portable" (the same bits
+    /// on any x86-64 CPU with AVX2: MKL_CBWR=COMPATIBLE, ATen's AVX2 kernels, oneDNN and NNPACK
+    /// off, 1 thread per rank unless run.threads_per_rank says; about 2x slower on compute-bound
+    /// runs; for results committed and checked on other machines). An MKL_CBWR set in the
+    /// environment wins; ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA are overridden under portable.
     // Stored configurations (plan.json, the bytes of the run id) leave "portable" out, as they did
     // while it was the default: runs made then keep their ids and their plan.json still reads as
     // portable. A pipeline file without the key resolves to native (config::resolve's defaults).
@@ -102,16 +105,17 @@ pub struct Run {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum CpuNumerics {
-    /// The same bits on any x86-64 CPU (MKL's conditional numerical reproducibility, COMPATIBLE).
+    /// The same bits on any x86-64 CPU with AVX2: every kernel family pinned (MKL's COMPATIBLE
+    /// branch, ATen's AVX2 kernels, oneDNN and NNPACK off) and a fixed thread count.
     Portable,
-    /// MKL's kernels for this CPU: faster; the same bits on the same CPU model only.
+    /// This CPU's own kernels: faster; the same bits on the same CPU model only.
     #[default]
     Native,
 }
 
 impl CpuNumerics {
     /// What a stored configuration without the key computed under.
-    fn stored() -> CpuNumerics {
+    pub fn stored() -> CpuNumerics {
         CpuNumerics::Portable
     }
 
@@ -487,8 +491,10 @@ impl Default for Fsdp {
 }
 
 impl Fsdp {
+    /// Left out at its default except where every key is written (the resume compares and sets
+    /// `wrap.fsdp.*` like any other key).
     fn is_default(&self) -> bool {
-        *self == Fsdp::default()
+        skip(*self == Fsdp::default())
     }
 }
 
@@ -967,7 +973,8 @@ pub struct LrSchedule {
     #[serde(skip_serializing_if = "is_zero_f")]
     pub min_lr: f64,
     /// linear, cosine: the optimizer step (0-based) where the decay reaches min_lr, min_lr after
-    /// it (nanoGPT's lr_decay_iters); absent: the run's last step.
+    /// it (nanoGPT's lr_decay_iters); absent: the step after the run's last, so that the last
+    /// step trains above min_lr, as torch's `CosineAnnealingLR(T_max = steps)` does.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decay_end: Option<usize>,
     /// Where the warmup's straight line reaches lr: at the last warmup step (lr × (s+1) /

@@ -39,16 +39,31 @@ impl Normalizer {
         weight: &Tensor,
         pg: &ProcessGroup,
     ) -> dist::Result<Normalizer> {
+        let global = scope == NormalizeScope::Global;
+        Normalizer::fit_with(method, x, weight, &mut |t, op| if global { pg.all_reduce(t, op) } else { Ok(()) })
+    }
+
+    /// Fits on every row of `x` in this process alone (`runner data`'s preview, which holds
+    /// every rank's rows: the whole training set for scope = "global").
+    pub fn fit_rows(method: NormalizeMethod, x: &Tensor) -> Normalizer {
+        let weight = Tensor::ones([x.size()[0]], (tch::Kind::Float, x.device()));
+        Normalizer::fit_with(method, x, &weight, &mut |_, _| Ok(())).expect("no collective, no error")
+    }
+
+    /// The fit, with `reduce` combining statistics across the ranks that share them.
+    fn fit_with(
+        method: NormalizeMethod,
+        x: &Tensor,
+        weight: &Tensor,
+        reduce: &mut dyn FnMut(&mut Tensor, ReduceOp) -> dist::Result<()>,
+    ) -> dist::Result<Normalizer> {
         // Every value of a sample is a feature (each pixel of each channel of an image).
         let x = &x.flatten(1, -1);
         let features = x.size()[1];
         let real = x.index_select(0, &weight.nonzero().squeeze_dim(1));
-        let global = scope == NormalizeScope::Global;
-        let magnitude = |pg: &ProcessGroup| -> dist::Result<Tensor> {
+        let magnitude = |reduce: &mut dyn FnMut(&mut Tensor, ReduceOp) -> dist::Result<()>| -> dist::Result<Tensor> {
             let mut m = real.abs().amax([0].as_slice(), false);
-            if global {
-                pg.all_reduce(&mut m, ReduceOp::Max)?;
-            }
+            reduce(&mut m, ReduceOp::Max)?;
             Ok(m)
         };
         let (offset, scale) = match method {
@@ -56,12 +71,10 @@ impl Normalizer {
             NormalizeMethod::Minmax => {
                 let mut min = real.amin([0].as_slice(), false);
                 let mut max = real.amax([0].as_slice(), false);
-                if global {
-                    pg.all_reduce(&mut min, ReduceOp::Min)?;
-                    pg.all_reduce(&mut max, ReduceOp::Max)?;
-                }
+                reduce(&mut min, ReduceOp::Min)?;
+                reduce(&mut max, ReduceOp::Max)?;
                 let range = &max - &min;
-                let scale = safe_scale(&range, &magnitude(pg)?);
+                let scale = safe_scale(&range, &magnitude(reduce)?);
                 (min, scale)
             }
             NormalizeMethod::Standard => {
@@ -75,14 +88,12 @@ impl Normalizer {
                     ],
                     0,
                 );
-                if global {
-                    pg.all_reduce(&mut stats, ReduceOp::Sum)?;
-                }
+                reduce(&mut stats, ReduceOp::Sum)?;
                 let n = stats.double_value(&[2 * features]);
                 let mean = stats.narrow(0, 0, features) / n;
                 let var = stats.narrow(0, features, features) / n - &mean * &mean;
                 let std = var.clamp_min(0.0).sqrt().to_kind(Kind::Float);
-                (mean.to_kind(Kind::Float), safe_scale(&std, &magnitude(pg)?))
+                (mean.to_kind(Kind::Float), safe_scale(&std, &magnitude(reduce)?))
             }
         };
         Ok(Normalizer { scaling: Some((offset, scale)) })

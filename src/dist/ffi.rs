@@ -177,6 +177,12 @@ extern "C" {
         weight_decay: f64,
     ) -> *mut c_char;
     pub fn rn_autocast_bf16(enabled: c_int) -> *mut c_char;
+    pub fn rn_cpu_kernels(
+        pin: c_int,
+        capability: *mut *mut c_char,
+        onednn: *mut c_int,
+        nnpack: *mut c_int,
+    ) -> *mut c_char;
     pub fn rn_all_reduce_sum_autograd(pg: *mut RnPg, input: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
 
     pub fn rn_script_load(

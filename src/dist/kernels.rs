@@ -117,3 +117,28 @@ impl Drop for AutocastBf16 {
         let _ = check("autocast", err);
     }
 }
+
+/// The CPU kernels a process computes with: ATen's CPU capability ("DEFAULT", "AVX2", "AVX512")
+/// and whether the oneDNN and NNPACK paths are on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpuKernels {
+    pub capability: String,
+    pub onednn: bool,
+    pub nnpack: bool,
+}
+
+/// The CPU kernels of this process; `pin` first turns oneDNN and NNPACK off, so that
+/// convolutions and GELU run ATen's own kernels (of the capability `ATEN_CPU_CAPABILITY` fixes)
+/// and MKL's. Call it before anything computes: ATen reads `ATEN_CPU_CAPABILITY` once, at its
+/// first kernel, and this call makes that happen.
+pub fn cpu_kernels(pin: bool) -> Result<CpuKernels> {
+    let mut capability: *mut std::ffi::c_char = std::ptr::null_mut();
+    let (mut onednn, mut nnpack) = (0, 0);
+    // SAFETY: out-pointers to locals; the bridge catches what libtorch throws.
+    check("cpu_kernels", unsafe { ffi::rn_cpu_kernels(pin as i32, &mut capability, &mut onednn, &mut nnpack) })?;
+    // SAFETY: on success the bridge set a NUL-terminated string from its malloc, freed once after the copy.
+    let text = unsafe { std::ffi::CStr::from_ptr(capability) }.to_string_lossy().into_owned();
+    // SAFETY: as above.
+    unsafe { ffi::rn_free_string(capability) };
+    Ok(CpuKernels { capability: text, onednn: onednn != 0, nnpack: nnpack != 0 })
+}

@@ -37,7 +37,9 @@ mod store;
 pub use ddp::{Ddp, ReducerTimes};
 pub use error::{Error, PeerExit, Result};
 pub use fsdp::{ShardStats, Sharded, Units};
-pub use kernels::{clear_grads, fused_adam, set_autocast_dtype, sgd, AdamConfig, AutocastBf16, SgdConfig};
+pub use kernels::{
+    clear_grads, cpu_kernels, fused_adam, set_autocast_dtype, sgd, AdamConfig, AutocastBf16, CpuKernels, SgdConfig,
+};
 pub use process_group::{record_exit, Backend, Pending, ProcessGroup, ReduceOp};
 pub use script::Script;
 pub use store::Store;

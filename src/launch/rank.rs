@@ -12,6 +12,27 @@ use crate::dist::{Backend, ProcessGroup, Store};
 use crate::plan::Plan;
 use crate::trace::EpochRow;
 
+/// Who writes a resumed run's new plan, configuration and manifest into its directory, once
+/// every rank has accepted the plan (loaded it and the checkpoint): until then the directory
+/// stays as it was, and a resume that fails leaves a complete run complete.
+pub enum Commit<'a> {
+    /// Runner's own launcher, told through the store ([`ACCEPTED`], [`committed`]).
+    Launcher,
+    /// This process (rank 0 under torchrun or srun, which owns the directory).
+    Here(&'a dyn Fn() -> anyhow::Result<()>),
+    /// Another process: this rank only waits for the others.
+    Elsewhere,
+}
+
+/// The store key rank 0 sets once every rank accepted a resumed run's plan.
+pub const ACCEPTED: &str = "runner/resume/accepted";
+
+/// The store key node `node`'s launcher sets once it wrote the resumed run's files: empty, or
+/// why it could not.
+pub fn committed(node: usize) -> String {
+    format!("runner/resume/committed/{node}")
+}
+
 /// Runs this rank of `plan` over `store` ([`open_store`]).
 pub fn run(
     plan: &Plan,
@@ -19,6 +40,7 @@ pub fn run(
     store: Arc<Store>,
     run_dir: &Path,
     resume: bool,
+    commit: Commit,
 ) -> anyhow::Result<Vec<EpochRow>> {
     check_world_size(plan, env)?;
     let device = plan.device(env.local_rank);
@@ -30,9 +52,24 @@ pub fn run(
         BackendKind::Gloo => Backend::Gloo,
         BackendKind::Nccl => Backend::Nccl { device: env.local_rank },
     };
-    let pg = ProcessGroup::new(backend, store, env.rank, env.world_size, &host, timeout)?;
+    let pg = ProcessGroup::new(backend, store.clone(), env.rank, env.world_size, &host, timeout)?;
     pin_main_thread(env, plan.threads_per_rank);
-    match crate::stages::run(plan, &pg, device, run_dir, resume) {
+    let accept = || -> anyhow::Result<()> {
+        if !resume {
+            return Ok(());
+        }
+        // Every rank holds the plan and its checkpoint: the run directory may take them.
+        pg.barrier()?;
+        if env.rank == 0 {
+            match commit {
+                Commit::Launcher => launcher_commits(&store, env)?,
+                Commit::Here(write) => write()?,
+                Commit::Elsewhere => {}
+            }
+        }
+        Ok(pg.barrier()?)
+    };
+    match crate::stages::run(plan, &pg, device, run_dir, resume, &accept) {
         Ok(rows) => {
             pg.barrier()?;
             Ok(rows)
@@ -45,6 +82,17 @@ pub fn run(
             Err(e)
         }
     }
+}
+
+/// Tells every node's launcher that the ranks accepted the resumed plan, and waits until each
+/// has written it into its run directory.
+fn launcher_commits(store: &Store, env: &RankEnv) -> anyhow::Result<()> {
+    store.set(ACCEPTED, b"1")?;
+    for node in 0..env.world_size / env.local_world_size.max(1) {
+        let said = store.get(&committed(node))?;
+        anyhow::ensure!(said.is_empty(), "{}", String::from_utf8_lossy(&said));
+    }
+    Ok(())
 }
 
 /// Refuses a plan whose run.world_size is not the number of ranks the launcher started.

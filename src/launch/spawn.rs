@@ -36,12 +36,16 @@ pub struct Outcome {
     pub preempted: bool,
     /// Whether any rank was started.
     pub started: bool,
+    /// Whether the run's directory took its files: always for a fresh run; for a resume, once
+    /// every rank accepted its plan (and the launcher wrote them).
+    pub committed: bool,
 }
 
 impl Outcome {
     /// The launcher was stopped or preempted before it started any rank.
-    fn before_start(i: crate::signals::Interruption) -> Outcome {
-        Outcome { failure: None, interrupted: (!i.preempt).then_some(i.signal), preempted: i.preempt, started: false }
+    fn before_start(i: crate::signals::Interruption, committed: bool) -> Outcome {
+        let interrupted = (!i.preempt).then_some(i.signal);
+        Outcome { failure: None, interrupted, preempted: i.preempt, started: false, committed }
     }
 }
 
@@ -95,7 +99,16 @@ impl Topology {
     }
 }
 
-pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[OsString]) -> anyhow::Result<Outcome> {
+/// `commit`: with a resume, what writes the run directory's files once the ranks accepted the
+/// plan (rank 0 says so through the store; the ranks wait for the answer).
+pub fn launch(
+    plan: &Plan,
+    topology: &Topology,
+    run_dir: &Path,
+    child_args: &[OsString],
+    mut commit: Option<&mut dyn FnMut() -> anyhow::Result<()>>,
+) -> anyhow::Result<Outcome> {
+    let mut committed = commit.is_none();
     // Ctrl-C, SIGTERM, SIGHUP, ... stop the ranks through the supervision loop below; the
     // preemption signal is forwarded to them ([`crate::signals`], set up since the first instruction).
     let preempt_signal = plan.config.run.preempt_signal.number();
@@ -108,7 +121,7 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
     // A signal ends the rendezvous' waits: the run then ends as the signal says, not as failed.
     let stopped = |e: anyhow::Error| match crate::signals::interruption() {
-        Some(i) => Ok(Outcome::before_start(i)),
+        Some(i) => Ok(Outcome::before_start(i, committed)),
         None => Err(e),
     };
     let (store, master_addr, port) = match rendezvous(topology, world, timeout) {
@@ -122,7 +135,7 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
         }
     }
     if let Some(i) = crate::signals::interruption() {
-        return Ok(Outcome::before_start(i));
+        return Ok(Outcome::before_start(i, committed));
     }
     let exe = std::env::current_exe()?;
 
@@ -183,6 +196,12 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
             for rank in ranks.iter().filter(|r| r.status.is_none()) {
                 let _ = signal::kill(Pid::from_raw(rank.child.id() as i32), Signal::SIGTERM);
             }
+        }
+        if let Some(write) = commit.as_mut().filter(|_| store.contains(super::rank::ACCEPTED).unwrap_or(false)) {
+            let said = write().err().map(|e| format!("cannot write the resumed run's files: {e:#}"));
+            committed = said.is_none();
+            let _ = store.set(&super::rank::committed(topology.node_rank), said.unwrap_or_default().as_bytes());
+            commit = None;
         }
         for (local, rank) in ranks.iter_mut().enumerate() {
             let r = first_rank + local;
@@ -281,7 +300,7 @@ pub fn launch(plan: &Plan, topology: &Topology, run_dir: &Path, child_args: &[Os
     let preempted = failure.is_none()
         && interrupted.is_none()
         && ranks.iter().any(|r| r.status.and_then(|s| s.code()) == preempted_exit);
-    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted, started: true })
+    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted, started: true, committed })
 }
 
 /// The job's store: served on this node (node 0, or a single node on an OS-chosen loopback

@@ -30,6 +30,15 @@ pub struct Optimizer {
 /// The name of the step count in a checkpoint.
 pub const STEPS: &str = "optim.steps";
 
+/// The kinds of state the optimizer of `t` keeps per parameter (`optim.<kind>.<param>`).
+pub fn state_kinds(t: &Train) -> &'static [&'static str] {
+    match t.optimizer {
+        Kind_::Sgd if t.momentum == 0.0 => &[],
+        Kind_::Sgd => &["momentum"],
+        Kind_::Adam | Kind_::Adamw => &["exp_avg", "exp_avg_sq"],
+    }
+}
+
 /// One tensor of an optimizer's state: its name in a checkpoint, its parameter's name, and the
 /// tensor (shaped as the parameter it updates, whole or a shard).
 pub struct StateTensor {
@@ -42,11 +51,7 @@ impl Optimizer {
     /// Over `params`, each with its name (PyTorch's: `layer0.weight`).
     pub fn new(t: &Train, params: Vec<(String, Tensor)>) -> Optimizer {
         let (names, params): (Vec<String>, Vec<Tensor>) = params.into_iter().unzip();
-        let kinds: &[&str] = match t.optimizer {
-            Kind_::Sgd if t.momentum == 0.0 => &[],
-            Kind_::Sgd => &["momentum"],
-            Kind_::Adam | Kind_::Adamw => &["exp_avg", "exp_avg_sq"],
-        };
+        let kinds = state_kinds(t);
         let state = kinds.iter().map(|_| params.iter().map(Tensor::zeros_like).collect()).collect();
         let decays = params
             .iter()

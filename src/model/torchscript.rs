@@ -39,6 +39,20 @@ fn add_var(p: &nn::Path, name: &str, t: Tensor, trainable: bool) {
     let _ = path.add(leaf, t, trainable);
 }
 
+/// The module's parameters with each tensor once, under the first name that holds it: a
+/// parameter the module shares (`b.weight = a.weight`, one tensor under two names) is one
+/// parameter, trained, counted, sharded and saved once (as PyTorch's `named_parameters()` lists
+/// it), while the module reads it under both names.
+fn distinct(named: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
+    let mut out: Vec<(String, Tensor)> = Vec::with_capacity(named.len());
+    for (name, t) in named {
+        if !out.iter().any(|(_, seen)| t.numel() > 0 && t.is_set_to(seen)) {
+            out.push((name, t));
+        }
+    }
+    out
+}
+
 /// A real batch of the data, for the plan's check of a module ([`check`]).
 pub struct Probe {
     /// The first training rows, as many as a training batch holds (the training batch size).
@@ -77,7 +91,7 @@ fn load(path: &Path) -> Result<(CModule, TorchScriptArch), String> {
         .map_err(|e| format!("{} is not a TorchScript module ({e}); {advice}", path.display()))?;
     let (mut params, mut frozen) = (Vec::new(), Vec::new());
     let named = script.parameters().map_err(|e| format!("cannot list the parameters of {}: {e}", path.display()))?;
-    for (name, t) in &named {
+    for (name, t) in &distinct(named) {
         let list = if t.requires_grad() { &mut params } else { &mut frozen };
         list.push((name.clone(), t.size()));
     }
@@ -255,7 +269,7 @@ impl Architecture for TorchScriptArch {
             ))
         };
         let mut module = Script::load(&self.path, p.device()).unwrap_or_else(|e| fail(e));
-        for (name, t) in module.parameters().unwrap_or_else(|e| fail(e)) {
+        for (name, t) in distinct(module.parameters().unwrap_or_else(|e| fail(e))) {
             let trainable = t.requires_grad();
             add_var(p, &name, t, trainable);
         }

@@ -208,7 +208,7 @@ impl Plan {
         let (c, d, w) = (&self.config, &self.data, self.world_size());
         let (f, per) = (self.sample_shape(), self.per_rank_label());
         let (stages, copies) = (self.pipeline_ranks(), self.layout.world_size);
-        let opt = optimizer_text(&c.train);
+        let opt = optimizer_text(&c.train, |key| self.sources.get(key).is_some_and(|s| s != "default"));
         let length = match c.train.steps {
             Some(n) if c.train.accumulate > 1 => format!("{n} optimizer steps × {} batches", c.train.accumulate),
             Some(n) => format!("{n} steps"),
@@ -312,8 +312,13 @@ impl Plan {
             Precision::Fp16 => "fp16".into(),
         });
         step.push(match self.config.run.numerics {
-            CpuNumerics::Native => "MKL's kernels for this CPU (run.numerics = \"native\")".into(),
-            CpuNumerics::Portable => "the same bits on any x86-64 CPU (run.numerics = \"portable\")".into(),
+            CpuNumerics::Native => "this CPU's own kernels (run.numerics = \"native\")".into(),
+            CpuNumerics::Portable => format!(
+                "the same bits on any x86-64 CPU with AVX2 (run.numerics = \"portable\": MKL's COMPATIBLE branch, \
+                 ATen's AVX2 kernels, oneDNN and NNPACK off, {} thread{} per rank)",
+                self.threads_per_rank,
+                if self.threads_per_rank == 1 { "" } else { "s" }
+            ),
         });
         rows.push(vec![
             "  step".into(),
@@ -491,17 +496,21 @@ fn micro_text(batch: usize, micro: usize) -> String {
     }
 }
 
-/// "adamw (betas 0.9, 0.99; weight decay 0.1 on matrices)": the optimizer, and its values that
-/// differ from the defaults.
-fn optimizer_text(t: &Train) -> String {
+/// "adamw (betas 0.9, 0.99; weight decay 0.1 on matrices)", "sgd (momentum 0.9)": the optimizer,
+/// and each of its keys that is set (`given`: by a file, the environment or --set) or differs from
+/// its default.
+fn optimizer_text(t: &Train, given: impl Fn(&str) -> bool) -> String {
     let mut values = Vec::new();
-    if t.betas != DEFAULT_BETAS {
+    if t.momentum != 0.0 || given("train.momentum") {
+        values.push(format!("momentum {}", t.momentum));
+    }
+    if t.betas != DEFAULT_BETAS || given("train.betas") {
         values.push(format!("betas {}, {}", t.betas[0], t.betas[1]));
     }
-    if t.eps != DEFAULT_EPS {
+    if t.eps != DEFAULT_EPS || given("train.eps") {
         values.push(format!("eps {:e}", t.eps));
     }
-    if t.weight_decay > 0.0 {
+    if t.weight_decay > 0.0 || given("train.weight_decay") || given("train.weight_decay_on") {
         let on = match t.weight_decay_on {
             WeightDecayOn::All => "",
             WeightDecayOn::Matrices => " on matrices",

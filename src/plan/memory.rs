@@ -188,13 +188,19 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
 /// The most ranks the searches below try.
 const MAX_SEARCH: usize = 4096;
 
-/// A model's training state at any world size and layout.
+/// A model's training state at any world size and layout the run could use.
 pub struct Planner<'a> {
     pub shapes: Shapes,
     pub layer_parameters: &'a [usize],
     pub slots: f64,
-    /// Whether the model can be cut into pipeline stages at all (not one opaque module).
-    pub pipeline_possible: bool,
+    /// Whether the model takes these pipeline stages (one opaque module, or a tied head away
+    /// from its embedding, takes none).
+    pub cuts: Box<dyn Fn(&[std::ops::Range<usize>]) -> bool + 'a>,
+    /// Whether FSDP can shard every parameter (none is 0-dimensional).
+    pub shards: bool,
+    /// The global batch every step must keep (`train.global_batch_size`, or a resumed run's):
+    /// data-parallel layouts are advised only at world sizes that divide it.
+    pub global_batch: Option<usize>,
     /// Copies of a pipeline (`wrap.pipeline.replicas`): with more than one, each stage's
     /// gradients are averaged over them through a flat copy.
     pub pipeline_copies: usize,
@@ -208,13 +214,17 @@ impl Planner<'_> {
     /// parameters, or `stages` where given.
     pub fn state(&self, layout: Layout, world: usize, stages: Option<&[std::ops::Range<usize>]>) -> Option<State> {
         let heaviest = match layout {
+            Layout::Fsdp { .. } if !self.shards => return None,
             Layout::Pipeline => {
                 let balanced;
                 let stages = match stages {
                     Some(s) => s,
-                    None if !self.pipeline_possible || world < 2 || world > self.layer_parameters.len() => return None,
+                    None if world < 2 || world > self.layer_parameters.len() => return None,
                     None => {
                         balanced = crate::model::partition::balanced(self.layer_parameters, world)?;
+                        if !(self.cuts)(&balanced) {
+                            return None;
+                        }
                         &balanced
                     }
                 };
@@ -229,9 +239,12 @@ impl Planner<'_> {
         Some(s)
     }
 
-    /// The smallest world size from `from` at which `layout` holds at most `limit` bytes a rank.
+    /// The smallest world size from `from` at which `layout` holds at most `limit` bytes a rank
+    /// (and, data-parallel, keeps the global batch).
     pub fn fits_from(&self, layout: Layout, limit: f64, from: usize) -> Option<(usize, State)> {
+        let keeps = |w: usize| layout == Layout::Pipeline || self.global_batch.is_none_or(|g| g.is_multiple_of(w));
         (from.max(1)..=MAX_SEARCH)
+            .filter(|&w| keeps(w))
             .find_map(|w| self.state(layout, w, None).filter(|s| s.total() <= limit).map(|s| (w, s)))
     }
 

@@ -84,12 +84,34 @@ pub struct Plan {
     pub reshards: Vec<crate::rundir::manifest::Reshard>,
 }
 
+/// What the configuration a run resumes with must keep of the run: its plan is made knowing it.
+#[derive(Debug, Clone)]
+pub struct Resuming {
+    /// Samples per optimizer step: every world size and strategy the plan advises must keep it.
+    pub global_batch: usize,
+    /// The source of the run's own `config.toml` (`file DIR/config.toml`): its values for the
+    /// strategy the run had are not refused under the strategy it resumes with.
+    pub own_config: String,
+}
+
 impl Plan {
     /// Checks everything and reports every problem found, not just the first.
     pub fn new(resolved: Resolved) -> Result<Plan, ConfigError> {
+        Plan::build(resolved, None)
+    }
+
+    /// The plan of the configuration a run resumes with (see [`Resuming`]), before
+    /// [`Plan::resumed`] continues the run's own plan under it.
+    pub fn resuming(resolved: Resolved, resuming: &Resuming) -> Result<Plan, ConfigError> {
+        Plan::build(resolved, Some(resuming))
+    }
+
+    fn build(resolved: Resolved, resuming: Option<&Resuming>) -> Result<Plan, ConfigError> {
         let Resolved { config: mut c, mut sources, file, extends } = resolved;
         let base = file.parent().map(PathBuf::from).unwrap_or_default();
         let imported = model::import_hf(&mut c, &mut sources, &base);
+        // Values the plan sets itself (wrap.strategy = "auto"), with where they came from.
+        let mut chosen: Vec<(&str, String)> = Vec::new();
         let mut errors = Vec::new();
         // Each problem names the key and where its value came from.
         let mut bad = |key: &str, msg: String| {
@@ -120,11 +142,14 @@ impl Plan {
             shapes: memory::Shapes::of(a.as_ref()),
             layer_parameters: &layer_parameters,
             slots: memory::optimizer_slots(&c),
-            pipeline_possible: !matches!(c.wrap.model, Model::Torchscript(_)),
+            // A stage split the model refuses (a tied head away from its embedding) is none.
+            cuts: Box::new(move |stages| a.check_stages(stages).is_ok()),
+            shards: scalar_parameter(a.as_ref()).is_none(),
             pipeline_copies: c.wrap.pipeline.replicas,
             gloo: c.run.backend == Backend::Gloo,
+            global_batch: resuming.map(|r| r.global_batch).or(c.train.global_batch_size),
         });
-        strategy::strategy_keys(&c, &mut bad);
+        strategy::strategy_keys(&c, &sources, resuming.map(|r| r.own_config.as_str()), &mut bad);
         let mut auto = None;
         if let (WrapStrategy::Auto, Some(planner), Some(d), Some(l)) = (c.wrap.strategy, &planner, &data, &layout) {
             match strategy::choose_strategy(&c, planner, d, l) {
@@ -135,9 +160,27 @@ impl Plan {
                         memory::Layout::Pipeline => (WrapStrategy::Pipeline, true),
                     };
                     auto = Some(why);
+                    let from = sources.get("wrap.strategy").map_or("default", String::as_str);
+                    chosen.push(("wrap.strategy", format!("wrap.strategy = \"auto\" ({from})")));
+                    if c.wrap.strategy == WrapStrategy::Fsdp {
+                        chosen.push(("wrap.fsdp.reshard_after_forward", "wrap.strategy = \"auto\"".into()));
+                    }
                 }
                 Err(e) => bad("wrap.strategy", e),
             }
+        }
+        recipe::split_validation(&c, data.as_ref().map(|d| d.validation_rows), &mut bad);
+        if let (Some(name), WrapStrategy::Fsdp) =
+            (arch.as_ref().and_then(|a| scalar_parameter(a.as_ref())), c.wrap.strategy)
+        {
+            bad(
+                "wrap.strategy",
+                format!(
+                    "\"fsdp\" shards every parameter by its rows (dim 0), but the model's parameter `{name}` is \
+                     0-dimensional (a scalar); use wrap.strategy = \"ddp\", or make it a 1-element tensor \
+                     (nn.Parameter(torch.tensor([value])))"
+                ),
+            );
         }
         let stages = stages::of_ranks(&c, &sources, &layer_parameters, &mut bad);
         if let (Some(stages), Some(arch), WrapStrategy::Pipeline) = (&stages, &arch, c.wrap.strategy) {
@@ -185,6 +228,7 @@ impl Plan {
             return Err(ConfigError::new(format!("{}: {head}:\n  {}", file.display(), errors.join("\n  "))));
         }
         let (data, layout, stages) = (data.expect("checked"), layout.expect("checked"), stages.expect("checked"));
+        sources.extend(chosen.into_iter().map(|(k, v)| (k.to_owned(), v)));
         Ok(Plan {
             vocabulary,
             batch_per_rank: layout.split_batch.unwrap_or(c.train.batch_size),
@@ -266,6 +310,22 @@ impl Plan {
     pub fn save(&self, path: &Path) -> anyhow::Result<()> {
         let json = serde_json::to_string_pretty(self)? + "\n";
         crate::rundir::atomic_write(path, json.as_bytes())
+    }
+
+    /// The `run.numerics` of the plan saved at `path`, read before the process computes anything
+    /// (the plan itself is loaded and checked later); the default where it cannot be read (the
+    /// load then says why).
+    pub fn numerics_in(path: &Path) -> CpuNumerics {
+        let read = || -> Option<CpuNumerics> {
+            let text = std::fs::read_to_string(path).ok()?;
+            let value: serde_json::Value = serde_json::from_str(&text).ok()?;
+            match value.get("config")?.get("run")?.get("numerics") {
+                Some(numerics) => serde_json::from_value(numerics.clone()).ok(),
+                // What a stored configuration leaves out (see `Run::numerics`).
+                None => Some(CpuNumerics::stored()),
+            }
+        };
+        read().unwrap_or_default()
     }
 
     /// The plan a launcher saved, checked as [`saved`] says: an edited or damaged one is refused.
@@ -359,4 +419,9 @@ impl Plan {
     pub fn annotated_toml(&self) -> String {
         annotate::annotated_toml(self)
     }
+}
+
+/// The first 0-dimensional (scalar) trainable parameter of the model, which FSDP cannot shard.
+fn scalar_parameter(arch: &dyn Architecture) -> Option<String> {
+    arch.parameters(0..arch.layers().len()).into_iter().find(|(_, shape)| shape.is_empty()).map(|(name, _)| name)
 }

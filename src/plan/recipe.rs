@@ -209,14 +209,32 @@ pub fn recipe_values(c: &Config, validation_rows: Option<usize>, bad: &mut impl 
             bad("train.early_stop.min_delta", format!("must be 0 or more, got {}", e.min_delta));
         }
     }
-    split_validation(c, validation_rows, bad);
 }
 
 /// `validate.on = "split"` measures one model from every rank's share of the rows: the ranks must
-/// hold the same model (DDP), and each needs a row.
-fn split_validation(c: &Config, validation_rows: Option<usize>, bad: &mut impl FnMut(&str, String)) {
+/// hold the same model (DDP), and each needs a row. So does FSDP whatever `validate.on` says but
+/// "all": every rank runs the layers (their gathers are collectives) on its share. Checked once
+/// the strategy is known (after `wrap.strategy = "auto"` chose).
+pub fn split_validation(c: &Config, validation_rows: Option<usize>, bad: &mut impl FnMut(&str, String)) {
     let w = c.run.world_size;
-    if c.validate.on != ValidateOn::Split || c.validate.every == 0 || w < 2 {
+    if c.validate.every == 0 || w < 2 {
+        return;
+    }
+    if c.wrap.strategy == WrapStrategy::Fsdp && c.validate.on != ValidateOn::All {
+        if let Some(rows) = validation_rows.filter(|&rows| rows < w) {
+            bad(
+                "validate.on",
+                format!(
+                    "\"{}\" under FSDP validates on every rank (each gathers the layers), each on its share of the \
+                     {rows} validation row(s), but {w} ranks need at least {w}; hold out at least {w} rows, or set \
+                     validate.on = \"all\" (every rank validates every row)",
+                    format!("{:?}", c.validate.on).to_lowercase()
+                ),
+            );
+        }
+        return;
+    }
+    if c.validate.on != ValidateOn::Split {
         return;
     }
     if c.wrap.strategy == WrapStrategy::None {

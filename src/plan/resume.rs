@@ -59,64 +59,82 @@ fn all_leaves(plan: &Plan) -> BTreeMap<String, toml::Value> {
     out.into_iter().collect()
 }
 
+/// One key whose value differs between a run's plan and another configuration's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Difference {
+    pub key: String,
+    /// Whether the value is an input file's content (compared by digest, never changed on resume).
+    pub file: bool,
+    /// "0.1 in the run, 0.05 now (--set train.lr=0.05)", or how a file differs.
+    pub text: String,
+}
+
+impl std::fmt::Display for Difference {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "`{}`: {}", self.key, self.text)
+    }
+}
+
 impl Plan {
+    /// Every key whose value differs between this plan (a run's) and `now`, each with both values
+    /// and where the new one came from; input files by content (the path may be written another
+    /// way). Tracking keys are not compared.
+    pub fn differences(&self, now: &Plan) -> Vec<Difference> {
+        let (old, new) = (leaves(self), leaves(now));
+        let from = |key: &str| now.sources.get(key).map(String::as_str).unwrap_or("default").to_owned();
+        let show = |v: Option<&toml::Value>| v.map_or("(absent)".to_owned(), |v| v.to_string());
+        let mut out = Vec::new();
+        for key in old.keys().chain(new.keys().filter(|k| !old.contains_key(*k))) {
+            let then: Vec<&super::InputFile> = self.inputs.iter().filter(|f| f.key == *key).collect();
+            let text = if then.is_empty() {
+                let (was, is) = (old.get(key), new.get(key));
+                (was != is).then(|| format!("{} in the run, {} now ({})", show(was), show(is), from(key)))
+            } else {
+                let is: Vec<&super::InputFile> = now.inputs.iter().filter(|f| f.key == *key).collect();
+                if is.is_empty() {
+                    Some(format!("the run read {}, now none ({})", then[0].path.display(), from(key)))
+                } else if is.len() != then.len() {
+                    Some(format!("the run read {} files, now {} ({})", then.len(), is.len(), from(key)))
+                } else {
+                    then.iter().zip(&is).find(|(a, b)| a.digest != b.digest).map(|(was, is)| {
+                        format!(
+                            "{} changed since the run started (digest {} then, {} now)",
+                            is.path.display(),
+                            was.digest,
+                            is.digest
+                        )
+                    })
+                }
+            };
+            if let Some(text) = text {
+                out.push(Difference { key: key.clone(), file: !then.is_empty(), text });
+            }
+        }
+        out
+    }
+
     /// `self` (the run directory's plan.json) continued under `asked`: the configuration the user
     /// resumes with (the run's config.toml or another file, the environment and --set).
     pub fn resumed(self, asked: &Plan) -> Result<Plan, ConfigError> {
-        let (old, new) = (leaves(&self), leaves(asked));
+        let new = leaves(asked);
         let from = |key: &str| asked.sources.get(key).map(String::as_str).unwrap_or("default").to_owned();
-        let show = |v: Option<&toml::Value>| v.map_or("(absent)".to_owned(), |v| v.to_string());
         let mut refused = Vec::new();
         let mut changed = Vec::new();
-        for key in old.keys().chain(new.keys().filter(|k| !old.contains_key(*k))) {
-            // Files are compared by content: the path may be written another way.
-            let then: Vec<&super::InputFile> = self.inputs.iter().filter(|f| f.key == *key).collect();
-            if !then.is_empty() {
-                let now: Vec<&super::InputFile> = asked.inputs.iter().filter(|f| f.key == *key).collect();
-                if now.is_empty() {
-                    refused.push(format!("`{key}`: the run read {}, now none ({})", then[0].path.display(), from(key)));
-                } else if now.len() != then.len() {
-                    refused.push(format!(
-                        "`{key}`: the run read {} files, now {} ({})",
-                        then.len(),
-                        now.len(),
-                        from(key)
-                    ));
-                } else if let Some((was, is)) = then.iter().zip(&now).find(|(a, b)| a.digest != b.digest) {
-                    refused.push(format!(
-                        "`{key}`: {} changed since the run started (digest {} then, {} now)",
-                        is.path.display(),
-                        was.digest,
-                        is.digest
-                    ));
-                }
-                continue;
+        for d in self.differences(asked) {
+            let key = d.key.as_str();
+            if d.file {
+                refused.push(d.to_string());
+            } else if EXTENDS_A_RUN.contains(&key) && super::schedule::Schedule::of(&self).depends_on_length() {
+                refused.push(format!(
+                    "{d}: the {} learning-rate schedule spans the run's length, so the steps already taken followed \
+                     another curve; start a new run to train longer",
+                    format!("{:?}", self.config.train.schedule.kind).to_lowercase()
+                ));
+            } else if EXTENDS_A_RUN.contains(&key) || RESHARDS_A_RUN.contains(&key) {
+                changed.push(d.key);
+            } else {
+                refused.push(d.to_string());
             }
-            let (was, now) = (old.get(key), new.get(key));
-            if was == now {
-                continue;
-            }
-            if EXTENDS_A_RUN.contains(&key.as_str()) {
-                let schedule = super::schedule::Schedule::of(&self);
-                if schedule.depends_on_length() {
-                    refused.push(format!(
-                        "`{key}`: {} in the run, {} now ({}): the {} learning-rate schedule spans the run's length, \
-                         so the steps already taken followed another curve; start a new run to train longer",
-                        show(was),
-                        show(now),
-                        from(key),
-                        format!("{:?}", self.config.train.schedule.kind).to_lowercase()
-                    ));
-                    continue;
-                }
-                changed.push(key.clone());
-                continue;
-            }
-            if RESHARDS_A_RUN.contains(&key.as_str()) {
-                changed.push(key.clone());
-                continue;
-            }
-            refused.push(format!("`{key}`: {} in the run, {} now ({})", show(was), show(now), from(key)));
         }
         if !refused.is_empty() {
             return Err(ConfigError::new(format!(
@@ -135,18 +153,11 @@ impl Plan {
         }
         let value = crate::config::schema::with_every_key(|| toml::Value::try_from(&self.config));
         let mut value = value.expect("a Config serializes");
+        let old = leaves(&self);
         let mut plan = self;
         for key in changed {
-            let mut table = &mut value;
-            let parts: Vec<&str> = key.split('.').collect();
-            for part in &parts[..parts.len() - 1] {
-                table = table.get_mut(*part).expect("a key of the configuration");
-            }
-            let table = table.as_table_mut().expect("a table of the configuration");
-            match new.get(&key) {
-                Some(v) => drop(table.insert(parts[parts.len() - 1].to_owned(), v.clone())),
-                None => drop(table.remove(parts[parts.len() - 1])),
-            }
+            super::saved::set_leaf(&mut value, &key, new.get(&key).cloned())
+                .map_err(|e| ConfigError::new(format!("resumed configuration: {e}")))?;
             // The run id stays that of the configuration the run started with.
             plan.started_with.entry(key.clone()).or_insert_with(|| old.get(&key).cloned());
             plan.sources.insert(key.clone(), format!("{} (on resume)", from(&key)));
@@ -166,6 +177,8 @@ impl Plan {
             plan.threads_per_rank = asked.threads_per_rank;
             plan.stages = asked.stages.clone();
             plan.memory = asked.memory;
+            // The training state a rank holds under the new layout, not the run's first one.
+            plan.state = asked.state;
         }
         Ok(plan)
     }
@@ -294,4 +307,57 @@ impl Plan {
 /// `key`'s value in `plan`'s configuration, as TOML.
 fn value_of(plan: &Plan, key: &str) -> String {
     all_leaves(plan).get(key).map_or("(absent)".to_owned(), |v| v.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The keys docs/checkpoints.md says a resume may change (`wrap.fsdp.*` standing for every
+    /// key of its table), as the paragraph that lists them names them.
+    fn documented() -> Vec<String> {
+        let page = include_str!("../../docs/checkpoints.md");
+        let start = page.find("The keys that may change on resume").expect("the paragraph listing the keys");
+        let paragraph = &page[start..start + page[start..].find("\n\n").expect("the paragraph's end")];
+        let all: Vec<String> = crate::config::reference::keys().into_iter().map(|k| k.path).collect();
+        let mut keys = Vec::new();
+        for quoted in paragraph.split('`').skip(1).step_by(2) {
+            match quoted.strip_suffix(".*") {
+                Some(table) => keys.extend(all.iter().filter(|k| k.starts_with(&format!("{table}."))).cloned()),
+                None => keys.push(quoted.to_owned()),
+            }
+        }
+        keys.sort();
+        keys
+    }
+
+    #[test]
+    fn the_docs_list_exactly_the_keys_a_resume_may_change() {
+        let mut listed: Vec<String> = EXTENDS_A_RUN.iter().chain(RESHARDS_A_RUN).map(|k| k.to_string()).collect();
+        listed.sort();
+        assert_eq!(documented(), listed);
+    }
+
+    #[test]
+    fn every_key_a_resume_may_change_can_be_set_in_a_serialized_configuration() {
+        // Left out at its default, as plan.json leaves tables out: the tables on its way are made.
+        let config = crate::config::schema::Config::default();
+        for key in EXTENDS_A_RUN.iter().chain(RESHARDS_A_RUN) {
+            let mut value = toml::Value::try_from(&config).unwrap();
+            let leaf = crate::config::schema::with_every_key(|| toml::Value::try_from(&config).unwrap());
+            let mut all = Vec::new();
+            flatten("", &leaf, &mut all);
+            let now = all.into_iter().find(|(k, _)| k == key).map(|(_, v)| v);
+            if let Some(v) = now.clone() {
+                super::super::saved::set_leaf(&mut value, key, Some(v)).unwrap_or_else(|e| panic!("{key}: {e}"));
+                let back: crate::config::schema::Config = value.try_into().unwrap_or_else(|e| panic!("{key}: {e}"));
+                assert_eq!(back, config, "{key}");
+            }
+        }
+        let mut value = toml::Value::try_from(&config).unwrap();
+        super::super::saved::set_leaf(&mut value, "wrap.fsdp.reshard_after_forward", Some(false.into())).unwrap();
+        let back: crate::config::schema::Config = value.try_into().unwrap();
+        assert!(!back.wrap.fsdp.reshard_after_forward);
+        assert!(super::super::saved::set_leaf(&mut toml::Value::Integer(1), "a.b", None).is_err());
+    }
 }

@@ -66,20 +66,27 @@ impl Plan {
         if !self.started_with.is_empty() {
             let mut value = toml::Value::try_from(&config).map_err(|e| e.to_string())?;
             for (key, first) in &self.started_with {
-                let parts: Vec<&str> = key.split('.').collect();
-                let (last, path) = parts.split_last().ok_or("an empty key")?;
-                let mut table = &mut value;
-                for part in path {
-                    table = table.get_mut(*part).ok_or(format!("`{key}` is not a key of the configuration"))?;
-                }
-                let table = table.as_table_mut().ok_or(format!("`{key}` is not a key of the configuration"))?;
-                match first {
-                    Some(v) => drop(table.insert(last.to_string(), v.clone())),
-                    None => drop(table.remove(*last)),
-                }
+                set_leaf(&mut value, key, first.clone())?;
             }
             config = value.try_into().map_err(|e| format!("its first configuration cannot be read ({e})"))?;
         }
         Ok(super::input::run_id(&config, &self.inputs))
     }
+}
+
+/// Sets the dotted `key` of a configuration's value to `to` (`None`: removes it), making the
+/// tables on its way where the serialized configuration left them out (a table at its default).
+pub(super) fn set_leaf(value: &mut toml::Value, key: &str, to: Option<toml::Value>) -> Result<(), String> {
+    let parts: Vec<&str> = key.split('.').collect();
+    let (last, path) = parts.split_last().filter(|(l, _)| !l.is_empty()).ok_or("an empty key")?;
+    let mut table = value.as_table_mut().ok_or("a configuration that is not a table")?;
+    for part in path {
+        let next = table.entry(part.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
+        table = next.as_table_mut().ok_or(format!("`{key}` is not a key of the configuration"))?;
+    }
+    match to {
+        Some(v) => drop(table.insert(last.to_string(), v)),
+        None => drop(table.remove(*last)),
+    }
+    Ok(())
 }

@@ -15,8 +15,12 @@ pub struct Schedule {
     pub peak: WarmupPeak,
     /// Optimizer steps in the whole run.
     pub total: usize,
-    /// The step (0-based) where the decay reaches min_lr.
+    /// The step (0-based) where the decay reaches min_lr: by default `total`, one past the run's
+    /// last step, as torch's `CosineAnnealingLR(T_max = total)` and Hugging Face's schedules
+    /// (the last step trains above min_lr, never at 0).
     pub decay_end: usize,
+    /// Whether `decay_end` is the run's length (no `decay_end` key): the rates then depend on it.
+    pub decay_ends_with_run: bool,
     /// kind = step: steps per decay, and the factor.
     pub step_size: usize,
     pub gamma: f64,
@@ -33,7 +37,8 @@ impl Schedule {
             warmup: s.warmup_steps + s.warmup_epochs * steps_per_epoch,
             peak: s.warmup_peak,
             total,
-            decay_end: s.decay_end.unwrap_or(total.saturating_sub(1)),
+            decay_end: s.decay_end.unwrap_or(total),
+            decay_ends_with_run: s.decay_end.is_none(),
             step_size: s.step_size + s.step_epochs * steps_per_epoch,
             gamma: s.gamma.unwrap_or(0.1),
         }
@@ -54,7 +59,8 @@ impl Schedule {
             return self.lr * (step + 1) as f64 / ramp as f64;
         }
         let after = step - self.warmup;
-        // The fraction of the decay done: 0 at the first step after warmup, 1 at decay_end.
+        // The fraction of the decay done: 0 at the first step after warmup, 1 at decay_end
+        // (torch's T_cur / T_max).
         let span = self.decay_end.saturating_sub(self.warmup).max(1);
         let t = (after as f64 / span as f64).min(1.0);
         match self.kind {
@@ -91,21 +97,26 @@ impl Schedule {
 
     /// Whether the rates depend on the run's length (train.epochs).
     pub fn depends_on_length(&self) -> bool {
-        matches!(self.kind, ScheduleKind::Linear | ScheduleKind::Cosine)
-            && self.decay_end == self.total.saturating_sub(1)
+        matches!(self.kind, ScheduleKind::Linear | ScheduleKind::Cosine) && self.decay_ends_with_run
     }
 
-    /// The shape, for `runner validate`: "cosine 0.1 → 0.001 over 780 steps after 78 warmup steps".
+    /// The shape, for `runner validate`: "cosine 0.1 → 0.001 over 780 steps, after 78 warmup
+    /// steps from 1.2821e-3; min_lr at step 859, one past the last (as torch's schedulers)".
     pub fn describe(&self) -> String {
         let warmup = match self.warmup {
             0 => String::new(),
             w => format!(", after {w} warmup step{} from {:.4e}", if w == 1 { "" } else { "s" }, self.lr(0)),
         };
-        let decay = (self.decay_end + 1).saturating_sub(self.warmup);
+        let decay = self.decay_end.saturating_sub(self.warmup).max(1);
+        // Where min_lr is reached (1-based, as the plan counts steps).
+        let end = match self.decay_end {
+            e if e >= self.total => format!("; min_lr at step {}, one past the last (as torch's schedulers)", e + 1),
+            e => format!("; min_lr from step {}", e + 1),
+        };
         let shape = match self.kind {
             ScheduleKind::Constant => format!("constant {}", self.lr),
-            ScheduleKind::Linear => format!("linear {} → {} over {decay} steps", self.lr, self.min_lr),
-            ScheduleKind::Cosine => format!("cosine {} → {} over {decay} steps", self.lr, self.min_lr),
+            ScheduleKind::Linear => format!("linear {} → {} over {decay} steps{warmup}{end}", self.lr, self.min_lr),
+            ScheduleKind::Cosine => format!("cosine {} → {} over {decay} steps{warmup}{end}", self.lr, self.min_lr),
             ScheduleKind::Step => format!(
                 "step {} × {} every {} steps (last {})",
                 self.lr,
@@ -114,7 +125,10 @@ impl Schedule {
                 self.lr(self.total.saturating_sub(1))
             ),
         };
-        format!("{shape}{warmup}")
+        match self.kind {
+            ScheduleKind::Linear | ScheduleKind::Cosine => shape,
+            _ => format!("{shape}{warmup}"),
+        }
     }
 
     /// A few (step, lr) points of the curve, for the plan's table.
@@ -146,15 +160,25 @@ mod tests {
     }
 
     #[test]
-    fn linear_and_cosine_end_at_min_lr() {
+    fn linear_and_cosine_reach_min_lr_one_step_past_the_run() {
         for kind in [ScheduleKind::Linear, ScheduleKind::Cosine] {
             let s = sched(kind, 10);
             assert!((s.lr(10) - 0.1).abs() < 1e-12, "{kind:?} starts at lr after warmup");
-            assert!((s.lr(99) - 0.01).abs() < 1e-12, "{kind:?} ends at min_lr");
-            assert!((1..100).all(|i| i <= 10 || s.lr(i) <= s.lr(i - 1)), "{kind:?} falls");
+            assert!(s.lr(99) > 0.01, "{kind:?}: the last step trains above min_lr");
+            assert!((s.lr(100) - 0.01).abs() < 1e-12, "{kind:?} reaches min_lr at step `total`");
+            assert!((1..100).all(|i| i <= 10 || s.lr(i) < s.lr(i - 1)), "{kind:?} falls");
         }
+        // torch's CosineAnnealingLR(T_max = 100) at T_cur = 99 (the unit test of its closed form;
+        // tests/recipe.rs checks a run's trace against torch itself).
         let c = sched(ScheduleKind::Cosine, 0);
-        assert!((c.lr(99 / 2) - 0.055).abs() < 2e-3, "cosine is halfway at the middle");
+        let torch = 0.01 + (0.1 - 0.01) * (1.0 + (std::f64::consts::PI * 99.0 / 100.0).cos()) / 2.0;
+        assert!((c.lr(99) - torch).abs() < 1e-15, "{} against {torch}", c.lr(99));
+        assert!((c.lr(50) - 0.055).abs() < 1e-12, "cosine is halfway at the middle");
+        assert!(
+            c.describe().ends_with("min_lr at step 101, one past the last (as torch's schedulers)"),
+            "{}",
+            c.describe()
+        );
     }
 
     /// nanoGPT's get_lr(it), written as train.py writes it.

@@ -32,10 +32,20 @@ pub(super) fn memory_estimate(
     estimate
 }
 
-/// Keys only one strategy reads, set under another (the pipeline's are checked with its stages).
-pub(super) fn strategy_keys(c: &Config, bad: &mut impl FnMut(&str, String)) {
-    // Compared with the defaults, not by source: a run's saved config.toml sets every key.
-    let (fsdp, ddp) = (c.wrap.fsdp != Fsdp::default(), c.wrap.bucket_cap_mb != Wrap::default().bucket_cap_mb);
+/// Keys only one strategy reads, set under another (the pipeline's are checked with its stages):
+/// refused wherever they were set, to their default value too. `own`: on resume, the source of
+/// the run's own `config.toml` (`file DIR/config.toml`), whose values for the strategy the run
+/// had stay when a resume changes it.
+pub(super) fn strategy_keys(
+    c: &Config,
+    sources: &std::collections::BTreeMap<String, String>,
+    own: Option<&str>,
+    bad: &mut impl FnMut(&str, String),
+) {
+    let set = |key: &str| {
+        sources.get(key).is_some_and(|s| s != "default" && !own.is_some_and(|o| s.starts_with(&format!("{o}:"))))
+    };
+    let (fsdp, ddp) = (set("wrap.fsdp.reshard_after_forward"), set("wrap.bucket_cap_mb"));
     match c.wrap.strategy {
         WrapStrategy::Auto if fsdp => bad(
             "wrap.fsdp.reshard_after_forward",
@@ -44,11 +54,13 @@ pub(super) fn strategy_keys(c: &Config, bad: &mut impl FnMut(&str, String)) {
                 .into(),
         ),
         WrapStrategy::Ddp | WrapStrategy::None | WrapStrategy::Pipeline if fsdp => {
-            bad("wrap.fsdp.reshard_after_forward", "is only read by wrap.strategy = \"fsdp\"".into())
+            bad("wrap.fsdp.reshard_after_forward", "is only read by wrap.strategy = \"fsdp\"; remove it".into())
         }
         WrapStrategy::Fsdp if ddp => bad(
             "wrap.bucket_cap_mb",
-            "is only read by wrap.strategy = \"ddp\": FSDP reduce-scatters each layer's gradients as one bucket".into(),
+            "is only read by wrap.strategy = \"ddp\": FSDP reduce-scatters each layer's gradients as one bucket; \
+             remove it"
+                .into(),
         ),
         _ => {}
     }
@@ -65,8 +77,8 @@ pub(super) fn check_memory_limit(
     bad: &mut impl FnMut(&str, String),
 ) {
     let Some(limit) = c.run.memory_per_rank_mb else { return };
-    if !(limit > 0.0) {
-        return bad("run.memory_per_rank_mb", format!("must be positive MiB, got {limit}"));
+    if !(limit > 0.0 && limit.is_finite()) {
+        return; // refused with the run's values
     }
     let (bytes, w) = (limit * 1048576.0, c.run.world_size);
     let layout = memory::Layout::of(c);
@@ -112,6 +124,9 @@ pub(super) fn choose_strategy(
 ) -> Result<(memory::Layout, String), String> {
     let w = c.run.world_size;
     if let Some(limit) = c.run.memory_per_rank_mb {
+        if !(limit > 0.0 && limit.is_finite()) {
+            return Err("cannot choose: run.memory_per_rank_mb is not a limit (see above)".into());
+        }
         return planner.choose(w, limit * 1048576.0, &format!("run.memory_per_rank_mb = {limit}"));
     }
     let Some(available) = crate::limits::available_memory() else {

@@ -20,6 +20,13 @@ pub(super) fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
         bad("run.world_size", "must be at least 1".into());
     }
     crate::limits::run_values(c, bad);
+    // `!(x > 0.0)` also refuses NaN; infinity is no limit, which leaving the key out says.
+    if let Some(limit) = c.run.memory_per_rank_mb.filter(|&l| !(l > 0.0 && l.is_finite())) {
+        bad(
+            "run.memory_per_rank_mb",
+            format!("must be a finite, positive number of MiB, got {limit} (leave it out for no limit)"),
+        );
+    }
     if c.run.threads_per_rank == Some(0) {
         bad("run.threads_per_rank", "must be at least 1 (or absent for cores / world_size)".into());
     }
@@ -35,10 +42,15 @@ pub(super) fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
     }
 }
 
-/// `run.threads_per_rank`, or this machine's cores shared among the ranks.
+/// `run.threads_per_rank`; unset, this machine's cores shared among the ranks, or one thread
+/// under portable numerics (the thread count splits sums, and the machine must not choose it).
 pub(super) fn threads_per_rank(c: &Config) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    c.run.threads_per_rank.unwrap_or((cores / c.run.world_size.max(1)).max(1))
+    let shared = match c.run.numerics {
+        CpuNumerics::Native => (cores / c.run.world_size.max(1)).max(1),
+        CpuNumerics::Portable => 1,
+    };
+    c.run.threads_per_rank.unwrap_or(shared)
 }
 
 /// `wrap.threads_per_replica`: a divisor of the rank's threads, and, with several replicas per

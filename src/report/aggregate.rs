@@ -340,14 +340,14 @@ mod tests {
         use crate::trace::{epochs_frame, EpochRow};
         let row = |rank: u32, param_bytes: u64, peak_rss_bytes: u64| -> EpochRow {
             serde_json::from_value(serde_json::json!({
-                "epoch": 1, "rank": rank, "train_loss": 0.5, "train_acc": 0.5, "global_train_loss": 0.5,
+                "epoch": 1, "rank": rank, "world_size": 2, "train_loss": 0.5, "train_acc": 0.5, "global_train_loss": 0.5,
                 "global_train_acc": 0.5, "val_loss": null, "val_acc": null, "samples": 8, "steps": 1,
                 "epoch_s": 1.0, "samples_per_s": 8.0, "comm_s": 0.1,
                 "param_bytes": param_bytes, "grad_bytes": 10, "optim_bytes": 20, "peak_rss_bytes": peak_rss_bytes,
             }))
             .unwrap()
         };
-        let df = epochs_frame("r", 2, &[row(0, 100, 7000), row(1, 130, 5000)]).unwrap();
+        let df = epochs_frame("r", &[row(0, 100, 7000), row(1, 130, 5000)]).unwrap();
         assert_eq!(most_on_a_rank(&df, &["param_bytes", "grad_bytes", "optim_bytes"]).unwrap(), Some(160.0));
         assert_eq!(most_on_a_rank(&df, &["peak_rss_bytes"]).unwrap(), Some(7000.0));
         let older = df.drop_many(["param_bytes", "peak_rss_bytes"]);

@@ -111,7 +111,7 @@ impl Manifest {
             failure: None,
             stopped: None,
             preempted_at_step: None,
-            numerics: Some(crate::numerics::current()),
+            numerics: Some(crate::numerics::current(threads_per_rank)),
             reshards: Vec::new(),
         }
     }

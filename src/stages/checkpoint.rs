@@ -129,7 +129,12 @@ pub fn resume(found: &Found, plan: &Plan, rank: usize, wrapped: &mut super::wrap
         dump_loaded(Path::new(&dir), plan, rank, wrapped)?;
     }
     let r = reader.record();
-    Ok(Resumed { rows: r.rows.clone(), steps: r.steps.clone(), done: r.step, partial })
+    // An older runner's rows do not say their world size: the checkpoint's writers' is the best known.
+    let mut rows = r.rows.clone();
+    for row in rows.iter_mut().filter(|row| row.world_size == 0) {
+        row.world_size = r.layout.world_size as u32;
+    }
+    Ok(Resumed { rows, steps: r.steps.clone(), done: r.step, partial })
 }
 
 /// A test hook: with `RUNNER_TEST_DUMP_LOADED=DIR` in its environment, each rank of a resumed run

@@ -25,13 +25,16 @@ use track::Tracker;
 /// Runs the pipeline as `pg.rank()`. Rank 0 writes the traces after every interval (atomically,
 /// so they always hold every finished one), and the final model at the end; it returns every
 /// rank's rows. With `resume`, continues from the run directory's newest checkpoint, at any step.
-/// `device`: where this rank keeps its model, data and batches ([`Plan::device`]).
+/// `device`: where this rank keeps its model, data and batches ([`Plan::device`]). `accept`: called
+/// by every rank once the plan and the checkpoint are loaded, before anything is written into
+/// the run directory (a resume commits its plan there).
 pub fn run(
     plan: &Plan,
     pg: &ProcessGroup,
     device: tch::Device,
     run_dir: &Path,
     resume: bool,
+    accept: &dyn Fn() -> anyhow::Result<()>,
 ) -> anyhow::Result<Vec<EpochRow>> {
     let c = &plan.config;
     let rank = pg.rank();
@@ -46,7 +49,6 @@ pub fn run(
     let data = data::load(&plan.data).map_err(anyhow::Error::msg)?.to_device(device);
     position.set("normalize", 0, 0);
     let normalizer = fit_normalizer(plan, pg, &data, device)?;
-    crate::predict::save(plan, pg, &normalizer, run_dir)?;
     position.set("wrap", 0, 0);
     let found = if resume {
         let found =
@@ -63,6 +65,8 @@ pub fn run(
         None => checkpoint::Resumed { rows: Vec::new(), steps: Vec::new(), done: 0, partial: None },
     };
     let checkpoint::Resumed { mut rows, mut steps, mut done, mut partial } = resumed;
+    accept()?;
+    crate::predict::save(plan, pg, &normalizer, run_dir)?;
     let epochs = c.train.steps.is_none().then_some(c.train.epochs);
     let len = if epochs.is_some() { plan.steps_per_epoch() } else { plan.total_steps() };
     let seq_len = plan.data.task.is_language_model().then(|| plan.data.input[0]);
@@ -110,11 +114,7 @@ pub fn run(
             tracker.row(&out.rows[0]);
             rows.extend(out.rows);
             steps.extend(out.steps);
-            let ws = plan.world_size() as u32;
-            trace::write_parquet(
-                &run_dir.join(crate::rundir::TRACE),
-                &mut trace::epochs_frame(&plan.run_id, ws, &rows)?,
-            )?;
+            trace::write_parquet(&run_dir.join(crate::rundir::TRACE), &mut trace::epochs_frame(&plan.run_id, &rows)?)?;
             trace::write_parquet(&run_dir.join(crate::rundir::STEPS), &mut trace::steps_frame(&plan.run_id, &steps)?)?;
         }
         if verdict == Some(recipe::Verdict::Improved) {

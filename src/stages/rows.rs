@@ -189,6 +189,7 @@ pub(super) fn gather_epoch_rows(
                 epoch: epoch as u32,
                 step: step as u64,
                 rank: r as u32,
+                world_size: v.len() as u32,
                 train_loss: m.loss_sum / m.samples,
                 train_acc: m.correct / m.samples,
                 global_train_loss: g_loss / g_samples,

@@ -156,8 +156,13 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
         let dev = self.device;
         if self.clock.random {
             let Rows::Windows(w) = &self.data.train else { unreachable!("random windows read a token stream") };
-            let stream = crate::data::tokens::batch_stream(b as u64, self.pg.rank());
-            let (x, y) = w.random(self.clock.batch, self.plan.config.run.seed, stream).map_err(anyhow::Error::msg)?;
+            // Batch b is micro-batch b % accumulate of step b / accumulate; of that step's global
+            // batch, copy k of the model takes samples (micro × copies + k) × batch onwards.
+            let (step, micro) = (b / self.clock.accumulate, b % self.clock.accumulate);
+            let (copies, copy) = (self.plan.layout.world_size, self.plan.replica(self.pg.rank()));
+            let first = ((micro * copies + copy) * self.clock.batch) as u64;
+            let samples = first..first + self.clock.batch as u64;
+            let (x, y) = w.random_step(self.plan.config.run.seed, step as u64, samples).map_err(anyhow::Error::msg)?;
             return Ok((
                 x.to_device(dev),
                 y.to_device(dev),

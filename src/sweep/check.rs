@@ -9,6 +9,7 @@ use super::execute;
 use super::grid::Point;
 use super::progress::SweepProgress;
 use super::Runs;
+use crate::config::Override;
 use crate::numerics::Numerics;
 use crate::rundir::manifest::{Manifest, Status};
 use crate::trace;
@@ -25,28 +26,70 @@ pub const LATER_COLUMNS: &[&str] =
     &["lr", "grad_norm_mean", "grad_norm_max", "param_bytes", "grad_bytes", "optim_bytes", "peak_rss_bytes"];
 
 /// Makes the reruns compute under the stored sweep's `MKL_CBWR` (its children inherit it and keep
-/// it, whatever their run.numerics says); returns the stored and the current CPU and settings, as
-/// text, or refuses a stored setting MKL would not take.
-pub fn apply_stored_numerics(stored: Option<&Numerics>, index: &Path) -> anyhow::Result<(String, String)> {
-    let Some(stored) = stored else {
-        return Ok(("an unrecorded CPU (a sweep of an older runner)".into(), crate::numerics::current().to_string()));
+/// it, whatever their run.numerics says); returns the stored settings and those of the reruns
+/// (the points' own: portable ones pin the same kernels on any CPU), or refuses a stored setting
+/// MKL would not take.
+pub fn apply_stored_numerics(
+    stored: Option<&Numerics>,
+    index: &Path,
+    points: &[Point],
+) -> anyhow::Result<(Option<Numerics>, Numerics)> {
+    if let Some(stored) = stored {
+        let origin = format!("in {}", index.display());
+        crate::numerics::check(&stored.mkl_cbwr, &origin).map_err(crate::config::ConfigError::new)?;
+        std::env::set_var("MKL_CBWR", &stored.mkl_cbwr);
+    }
+    let here = match points.first() {
+        Some(p) => crate::numerics::of_plan(p.plan.config.run.numerics, p.plan.threads_per_rank),
+        None => crate::numerics::current(1),
     };
-    let origin = format!("in {}", index.display());
-    crate::numerics::check(&stored.mkl_cbwr, &origin).map_err(crate::config::ConfigError::new)?;
-    std::env::set_var("MKL_CBWR", &stored.mkl_cbwr);
-    Ok((stored.to_string(), crate::numerics::current().to_string()))
+    Ok((stored.cloned(), here))
 }
 
-/// Why a rerun here may not give the stored bits: the table was computed with a CPU's own kernels
-/// on another CPU model. None where it was portable, or made on this CPU model.
-pub fn other_cpu(stored: Option<&Numerics>) -> Option<String> {
+/// The first line of a check: where the table was made and where it reruns, and, where their
+/// kernels differ, how.
+pub fn first_line(stored: Option<&Numerics>, here: &Numerics) -> String {
+    let Some(stored) = stored else {
+        return format!("stored on an unrecorded CPU (a sweep of an older runner); rerunning on {here}");
+    };
+    let aten = |n: &Numerics| n.kernels.as_ref().map(|k| k.aten.clone());
+    let differs = match (aten(stored), aten(here)) {
+        (Some(a), Some(b)) if a != b => format!(": other kernels (ATen {a} there, {b} here)"),
+        (None, _) => ": other kernels may differ (the table does not record ATen's)".to_owned(),
+        _ => String::new(),
+    };
+    format!("stored on {stored}; rerunning on {here}{differs}")
+}
+
+/// Why a rerun here may not give the stored bits: the table was computed with a CPU's own
+/// kernels, on another CPU model or with another ATen capability; or under the portable
+/// numerics of an older runner, which pinned MKL alone. None where every kernel was pinned, or
+/// the same CPU model computed with the same kernels.
+pub fn other_cpu(stored: Option<&Numerics>, here: &Numerics) -> Option<String> {
     let stored = stored?;
-    let here = crate::numerics::cpu_model();
-    (!stored.is_portable() && stored.cpu != here).then(|| {
+    if stored.is_portable() {
+        return None;
+    }
+    let aten = |n: &Numerics| n.kernels.as_ref().map(|k| k.aten.clone());
+    if stored.kernels.is_none() && crate::numerics::mkl::branch(&stored.mkl_cbwr) == crate::numerics::MKL_CBWR {
+        return Some(
+            "this table was computed under the portable numerics of an older runner, which pinned MKL's kernels \
+             alone: ATen's vectorised kernels and oneDNN's chose by the CPU (unrecorded), and differ between CPUs \
+             with other vector instructions (AVX2, AVX-512) in the last bits; regenerate it with --force"
+                .to_owned(),
+        );
+    }
+    let same = stored.cpu == here.cpu && aten(stored).is_some_and(|a| Some(a) == aten(here));
+    let named = |n: &Numerics| match aten(n) {
+        Some(a) => format!("{} (ATen {a})", n.cpu),
+        None => n.cpu.clone(),
+    };
+    (!same).then(|| {
         format!(
-            "this table was computed with MKL's kernels for its CPU (run.numerics = \"native\") on {}, and is \
-             checked on {here}: native kernels differ between CPU models in the last bits of their sums",
-            stored.cpu
+            "this table was computed with its CPU's own kernels (run.numerics = \"native\") on {}, and is checked \
+             on {}: native kernels differ between CPU models and instruction sets in the last bits of their sums",
+            named(stored),
+            named(here)
         )
     })
 }
@@ -58,6 +101,8 @@ pub type Within = Option<(usize, f64)>;
 /// and the largest relative difference of the float values beyond it.
 #[derive(Debug, Default)]
 pub struct Found {
+    /// The points rerun (the others had no stored run of their configuration to compare with).
+    pub reran: usize,
     pub differences: Vec<String>,
     pub within: Within,
     pub beyond: f64,
@@ -87,13 +132,15 @@ pub fn check(points: &[Point], sweep_dir: &Path, runs: &Runs, tolerance: Option<
     let mut stored = Vec::new();
     for point in points {
         match stored_run(point, &sweep_dir.join(&point.dir)) {
-            Ok(()) => stored.push(point),
+            Ok(point) => stored.push(point),
             Err(why) => {
                 progress.skip(&point.dir, &why);
                 found.differences.push(format!("{}: {why}", point.dir));
             }
         }
     }
+    found.reran = stored.len();
+    let stored: Vec<&Point> = stored.iter().collect();
     let rerun_dir = |point: &Point| scratch.path().join(&point.dir);
     let mut compared = |point: &Point, result: Result<(), String>| {
         let this = match result {
@@ -142,22 +189,51 @@ fn compare_runs(stored: &Path, rerun: &Path, tolerance: Option<f64>) -> (Vec<Str
     }
 }
 
-/// A stored run of exactly this point's configuration, or why there is none.
-fn stored_run(point: &Point, dir: &Path) -> Result<(), String> {
+/// The point to rerun against the stored run in `dir`: `point` itself when the stored run is of
+/// exactly its configuration; `point` under the stored run's `run.numerics` when that is all that
+/// changed (a check reruns under the stored numerics); or why there is none to check, naming
+/// the keys that changed.
+fn stored_run(point: &Point, dir: &Path) -> Result<Point, String> {
     let m = Manifest::read(dir).map_err(|e| format!("no stored run to check ({e:#})"))?;
     if m.status != Status::Complete {
         return Err(format!("the stored run is {:?}, not complete; run the sweep first", m.status));
     }
-    if m.run_id != point.plan.run_id {
-        return Err(format!(
-            "the configuration changed since the stored run (run id {} then, {} now)",
-            m.run_id, point.plan.run_id
-        ));
-    }
     if !dir.join(crate::rundir::TRACE).is_file() {
         return Err(format!("{} is missing", dir.join(crate::rundir::TRACE).display()));
     }
-    Ok(())
+    if m.run_id == point.plan.run_id {
+        return Ok(point.clone());
+    }
+    let changed =
+        format!("the configuration changed since the stored run (run id {} then, {} now)", m.run_id, point.plan.run_id);
+    let then = crate::plan::Plan::load(&dir.join(crate::rundir::PLAN)).map_err(|e| format!("{changed}; {e}"))?;
+    let differences = then.differences(&point.plan);
+    if let [d] = &differences[..] {
+        if d.key == "run.numerics" {
+            let stored = toml::Value::try_from(then.config.run.numerics).map_err(|e| e.to_string())?;
+            let mut overrides = point.overrides.clone();
+            overrides.push(Override {
+                label: "sweep --check, the stored run's".into(),
+                text: format!("run.numerics={stored}"),
+            });
+            let plan = crate::config::resolve(&point.plan.pipeline_file, &overrides)
+                .and_then(crate::plan::Plan::new)
+                .map_err(|e| format!("{changed}: {d}; under the stored numerics: {e}"))?;
+            if plan.run_id == m.run_id {
+                return Ok(Point { plan, overrides, ..point.clone() });
+            }
+        }
+    }
+    let what: Vec<String> = differences.iter().map(|d| d.to_string()).collect();
+    Err(format!(
+        "{changed}: {}; --check reruns a stored configuration: restore these values to check it, or run the sweep \
+         without --check to store the new one",
+        if what.is_empty() {
+            "no key differs, its input files or extended values do".to_owned()
+        } else {
+            what.join(", ")
+        }
+    ))
 }
 
 /// Every difference in the non-timing columns of two traces, each naming the row (epoch, rank),
@@ -258,6 +334,7 @@ mod tests {
             step: epoch as u64,
             epoch,
             rank,
+            world_size: 2,
             train_loss: loss,
             train_acc: 0.5,
             global_train_loss: loss,
@@ -298,11 +375,11 @@ mod tests {
 
     #[test]
     fn timings_may_differ_and_nothing_else_may() {
-        let a = epochs_frame("r", 2, &[row(1, 0, 0.9, 1.0), row(1, 1, 0.9, 1.0)]).unwrap();
-        let b = epochs_frame("r", 2, &[row(1, 0, 0.9, 2.5), row(1, 1, 0.9, 0.1)]).unwrap();
+        let a = epochs_frame("r", &[row(1, 0, 0.9, 1.0), row(1, 1, 0.9, 1.0)]).unwrap();
+        let b = epochs_frame("r", &[row(1, 0, 0.9, 2.5), row(1, 1, 0.9, 0.1)]).unwrap();
         assert_eq!(compare(&a, &b, None).0, Vec::<String>::new());
 
-        let c = epochs_frame("r", 2, &[row(1, 0, 0.9, 1.0), row(1, 1, 0.9000000000000001, 1.0)]).unwrap();
+        let c = epochs_frame("r", &[row(1, 0, 0.9, 1.0), row(1, 1, 0.9000000000000001, 1.0)]).unwrap();
         assert_eq!(
             compare(&a, &c, None).0,
             [
@@ -318,7 +395,7 @@ mod tests {
         let (n, largest) = within.unwrap();
         assert_eq!(n, 2);
         assert!(largest > 1e-16 && largest < 1e-15, "{largest}");
-        let short = epochs_frame("r", 2, &[row(1, 0, 0.9, 1.0)]).unwrap();
+        let short = epochs_frame("r", &[row(1, 0, 0.9, 1.0)]).unwrap();
         assert_eq!(compare(&a, &short, None).0, ["the stored trace has 2 rows, the rerun 1"]);
     }
 }

@@ -126,10 +126,16 @@ pub fn run_points(
     Ok(outcome)
 }
 
-/// Whether `run_dir` holds a complete run of exactly this point's configuration.
+/// Whether `run_dir` holds a complete run of exactly this point's configuration; for a portable
+/// point, one computed with every kernel family pinned (a run of an older runner, which pinned
+/// MKL alone, has the same id but other bits, and runs again).
 pub fn is_complete(point: &Point, run_dir: &Path) -> bool {
+    let portable = point.plan.config.run.numerics == crate::config::schema::CpuNumerics::Portable;
     Manifest::read(run_dir).is_ok_and(|m| {
-        m.status == Status::Complete && m.run_id == point.plan.run_id && run_dir.join(crate::rundir::TRACE).is_file()
+        m.status == Status::Complete
+            && m.run_id == point.plan.run_id
+            && run_dir.join(crate::rundir::TRACE).is_file()
+            && (!portable || m.numerics.as_ref().is_some_and(|n| n.is_portable()))
     })
 }
 

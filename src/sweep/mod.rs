@@ -54,6 +54,8 @@ pub enum Runs<'a> {
 const SHOWN: usize = 20;
 
 pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
+    // Refused at once, as `runner run` refuses it: every point would fail on it.
+    crate::numerics::check_environment().map_err(crate::config::ConfigError::new)?;
     let experiment = Experiment::load(file)?;
     let points = experiment.points()?;
     let runs = match opts.launcher {
@@ -81,9 +83,10 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
             .into());
         };
         let index_file = dir.join(crate::rundir::index::INDEX);
-        let (stored, here) = check::apply_stored_numerics(index.numerics.as_ref(), &index_file)?;
-        crate::say!("stored on {stored}; rerunning on {here}");
-        let other_cpu = check::other_cpu(index.numerics.as_ref());
+        let (stored, here) = check::apply_stored_numerics(index.numerics.as_ref(), &index_file, &points)?;
+        crate::say!("{}", check::first_line(stored.as_ref(), &here));
+        let other_cpu = check::other_cpu(stored.as_ref(), &here);
+        let stored = stored.map_or_else(|| "an unrecorded CPU".to_owned(), |s| s.to_string());
         if let Some(why) = &other_cpu {
             crate::say!("note: {why}; a bit-for-bit check may fail here");
         }
@@ -111,6 +114,12 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
         }
         if n > SHOWN {
             crate::say_err!("  ... and {} more", n - SHOWN);
+        }
+        if found.reran == 0 {
+            crate::say_err!(
+                "no point was rerun: none has a stored run of its configuration (each line above says why)"
+            );
+            return Ok(1);
         }
         match other_cpu {
             Some(why) => crate::say_err!(

@@ -21,6 +21,11 @@ pub struct EpochRow {
     #[serde(default)]
     pub step: u64,
     pub rank: u32,
+    /// The ranks of the run when the row was trained: a resume at another world size leaves the
+    /// rows before it as they were (0 in a checkpoint of an older runner: see the checkpoint's
+    /// layout).
+    #[serde(default)]
+    pub world_size: u32,
     pub train_loss: f64,
     pub train_acc: f64,
     pub global_train_loss: f64,
@@ -151,7 +156,7 @@ pub const EPOCH_COLUMNS: &[&str] = &[
     "peak_rss_bytes",
 ];
 
-pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsResult<DataFrame> {
+pub fn epochs_frame(run_id: &str, rows: &[EpochRow]) -> PolarsResult<DataFrame> {
     let n = rows.len();
     let f = |g: fn(&EpochRow) -> f64| Column::new("".into(), rows.iter().map(g).collect::<Vec<_>>());
     let cols = vec![
@@ -159,7 +164,7 @@ pub fn epochs_frame(run_id: &str, world_size: u32, rows: &[EpochRow]) -> PolarsR
         Column::new("epoch".into(), rows.iter().map(|r| r.epoch).collect::<Vec<_>>()),
         Column::new("step".into(), rows.iter().map(|r| r.step).collect::<Vec<_>>()),
         Column::new("rank".into(), rows.iter().map(|r| r.rank).collect::<Vec<_>>()),
-        Column::new("world_size".into(), vec![world_size; n]),
+        Column::new("world_size".into(), rows.iter().map(|r| r.world_size).collect::<Vec<_>>()),
         f(|r| r.train_loss).with_name("train_loss".into()),
         f(|r| r.train_acc).with_name("train_acc".into()),
         f(|r| r.global_train_loss).with_name("global_train_loss".into()),

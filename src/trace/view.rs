@@ -104,6 +104,7 @@ mod tests {
             step: epoch as u64,
             epoch,
             rank,
+            world_size: 2,
             train_loss: 1.0,
             train_acc: 0.5,
             global_train_loss: 1.0,

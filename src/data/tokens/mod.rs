@@ -357,10 +357,15 @@ mod tests {
         let want: Vec<i64> = (24..40).collect();
         assert_eq!(Vec::<i64>::try_from(x.reshape([-1])).unwrap(), want);
         assert!(x.narrow(1, 1, 7).equal(&y.narrow(1, 0, 7)));
-        let (a, _) = w.random(5, 1, batch_stream(3, 0)).unwrap();
-        let (b, _) = w.random(5, 1, batch_stream(3, 0)).unwrap();
-        let (c, _) = w.random(5, 1, batch_stream(3, 1)).unwrap();
+        let (a, _) = w.random_step(1, 3, 0..5).unwrap();
+        let (b, _) = w.random_step(1, 3, 0..5).unwrap();
+        let (c, _) = w.random_step(1, 4, 0..5).unwrap();
         assert!(a.equal(&b) && !a.equal(&c));
+        // A step's windows are a function of the sample's index in the global batch, whoever
+        // draws them: two ranks' halves are the whole batch's.
+        let (lo, _) = w.random_step(1, 3, 0..2).unwrap();
+        let (hi, _) = w.random_step(1, 3, 2..5).unwrap();
+        assert!(tch::Tensor::cat(&[lo, hi], 0).equal(&a));
         // Random windows are consecutive tokens of the stream.
         let d = a.narrow(1, 1, 7) - a.narrow(1, 0, 7);
         assert!(d.eq(1).all().int64_value(&[]) == 1);

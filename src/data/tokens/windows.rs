@@ -1,6 +1,7 @@
 //! A rank's view of a token stream: the files open, windows read where they lie, random
 //! windows drawn, synthetic windows made.
 use std::fs::File;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 
 use tch::Tensor;
@@ -76,11 +77,23 @@ impl Windows {
         let offsets: Vec<usize> = (0..n).map(|_| rng.below(span) as usize).collect();
         self.at_offsets(&offsets)
     }
+
+    /// The windows of samples `samples` (indices in the global batch) of optimizer step `step`,
+    /// each at a uniformly random token offset drawn from `(seed, step, sample)` alone: a step
+    /// covers the same windows whichever ranks, copies and micro-batches share its global batch,
+    /// so a run resumed at another world size keeping the global batch draws the same ones.
+    pub fn random_step(&self, seed: u64, step: u64, samples: Range<u64>) -> Result<(Tensor, Tensor), String> {
+        let span = (self.stream.len - self.seq_len) as u64;
+        let offsets: Vec<usize> =
+            samples.map(|i| Rng::new(seed, sample_stream(step, i)).below(span) as usize).collect();
+        self.at_offsets(&offsets)
+    }
 }
 
-/// The generator stream of a random batch: (optimizer step, micro-batch, rank) → one stream.
-pub fn batch_stream(batch: u64, rank: usize) -> u64 {
-    0x7A4D_0000_0000 ^ batch.wrapping_mul(0x100_0193) ^ ((rank as u64) << 40)
+/// The generator stream of sample `sample` of the global batch of optimizer step `step`: one
+/// stream per pair (steps and samples below 2^32 each).
+pub fn sample_stream(step: u64, sample: u64) -> u64 {
+    0x7A4D_0000_0000_0000 ^ (step << 32) ^ (sample & 0xFFFF_FFFF)
 }
 
 /// The generator stream of the fixed random validation windows.
