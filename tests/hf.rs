@@ -2,9 +2,11 @@
 //! (`tests/fixtures/hf_twin.py`, tiny models made locally from a config, nothing downloaded):
 //! a `LlamaForCausalLM` (grouped-query attention, RoPE, an untied head) and a `GPT2LMHeadModel`
 //! (tied, Conv1D weights) imported give transformers' logits and the losses of 20 steps of
-//! `torch.optim.AdamW` on the HF module; a sharded checkpoint imported under FSDP at 2 ranks,
-//! trained, exported sharded, loads in `from_pretrained` with no missing or unexpected key, the
-//! same logits and the same greedy tokens as `runner predict`; and the refusals, each pinned.
+//! `torch.optim.AdamW` on the HF module; the shipped fine-tune (pipelines/llama_finetune.toml: a
+//! sharded checkpoint imported under FSDP at 2 ranks, a BPE tokenizer), exported sharded, loads in
+//! `from_pretrained` with no missing or unexpected key, the same logits, the same tokenizer ids, the
+//! same greedy text as `runner predict` and the same loss as `runner eval`; and the refusals, each
+//! pinned.
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -181,78 +183,67 @@ fn llama_and_gpt2_imported_give_transformers_logits_and_adamw_losses() {
     assert_close(&ours, &read(&p.join("out.safetensors"), "logits"), 1e-5, "the exported GPT-2");
 }
 
-/// A text of 45 distinct characters for the round trip.
-fn play() -> String {
-    (0..60).map(|i| format!("PROSPERO.\nThe isle is full of noises, {i} sounds and sweet airs!\n")).collect()
-}
-
-/// The token ids of a prepared text file (uint16).
+/// The token ids of a prepared token file (uint16).
 fn token_ids(path: &Path) -> Vec<i64> {
     std::fs::read(path).unwrap().chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as i64).collect()
 }
 
+/// Runs a script of the repository with the reference Python in `dir`; its stdout.
+fn script(dir: &Path, path: &str, args: &[&str]) -> String {
+    let o = Command::new(reference_python())
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join(path))
+        .args(args)
+        .env("OMP_NUM_THREADS", "1")
+        .current_dir(dir)
+        .output()
+        .expect("python");
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{path} {args:?} failed:\n{out}\n{err}");
+    out
+}
+
+/// The workflow of docs/guide/hugging-face.md, shortened to 6 steps: a BPE trained on The
+/// Tempest, a tiny Llama made by `scripts/tiny_llama.py` and saved in shards, the shipped
+/// pipelines/llama_finetune.toml fine-tuning it under FSDP at 2 ranks, exported sharded with its
+/// tokenizer. transformers loads the export with no missing or unexpected key; its logits are the
+/// runner's; AutoTokenizer gives the runner's ids for the whole text; greedy generation is
+/// `runner predict --top-k 1`'s text; its loss over the validation file is `runner eval`'s.
 #[test]
-fn a_sharded_checkpoint_fine_tuned_under_fsdp_exports_to_transformers_with_the_same_logits_and_tokens() {
+fn the_llama_finetune_workflow_exports_to_transformers_with_the_same_ids_logits_tokens_and_loss() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path();
-    write(p, "play.txt", &play());
-    assert_ok(&run(&["prepare", "text", "play.txt", "--out", "data"], p));
-    let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(p.join("data/meta.json")).unwrap()).unwrap();
-    let vocab = meta["vocab_size"].as_u64().unwrap().to_string();
-    // Shards of at most 20 kB: several files and an index.
-    let made = python(
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let tempest = repo.join("pipelines/data/tempest.txt");
+    std::fs::create_dir_all(p.join("pipelines")).unwrap();
+    let shipped = std::fs::read_to_string(repo.join("pipelines/llama_finetune.toml")).unwrap();
+    write(&p.join("pipelines"), "llama_finetune.toml", &shipped);
+    let bpe = ["--tokenizer", "bpe", "--vocab", "512"];
+    assert_ok(&run(
+        &[&["prepare", "text", tempest.to_str().unwrap(), "--out", "data/tempest-bpe"][..], &bpe].concat(),
         p,
-        &["make", "--arch", "llama", "--out", "base", "--vocab", &vocab, "--kv-heads", "2", "--max-shard-size", "20KB"],
-    );
-    let files = made["files"].as_array().unwrap();
-    assert!(files.len() > 4 && files.contains(&serde_json::json!("model.safetensors.index.json")), "{files:?}");
-    let pipeline = r#"
-[run]
-name = "tune"
-seed = 5
-world_size = 2
-timeout_s = 60
-threads_per_rank = 1
+    ));
+    // Shards of at most 200 kB: several files and an index.
+    let made = script(p, "scripts/tiny_llama.py", &["make", "--out", "models/tiny-llama", "--max-shard-size", "200KB"]);
+    assert!(made.contains("LlamaForCausalLM of 158016 parameters"), "{made}");
+    assert!(p.join("models/tiny-llama/model.safetensors.index.json").is_file());
 
-[load]
-source = "tokens"
-path = "data/train.bin"
-validation_path = "data/val.bin"
-
-[normalize]
-method = "none"
-
-[wrap]
-strategy = "fsdp"
-init = "base"
-
-[wrap.model]
-kind = "transformer"
-seq_len = 16
-
-[train]
-steps = 6
-batch_size = 4
-optimizer = "adamw"
-lr = 0.003
-
-[validate]
-every_steps = 6
-batches = 2
-"#;
-    write(p, "tune.toml", pipeline);
-    assert_ok(&run(&["run", "tune.toml", "--out", "tuned"], p));
-    let o = run(&["export", "tuned", "--hf", "out", "--max-shard-size", "30KB"], p);
+    let short = ["train.steps=6", "train.schedule.warmup_steps=2", "validate.every_steps=6", "validate.batches=2"];
+    let sets: Vec<&str> = short.iter().flat_map(|s| ["--set", s]).collect();
+    let o = run(&[&["run", "pipelines/llama_finetune.toml", "--out", "tuned"][..], &sets].concat(), p);
+    assert_ok(&o);
+    let o = run(&["export", "tuned", "--hf", "out", "--max-shard-size", "200KB"], p);
     assert_ok(&o);
     let (stdout, _) = text(&o);
-    assert!(stdout.contains("LlamaForCausalLM") && stdout.contains("model.safetensors.index.json"), "{stdout}");
+    for part in ["LlamaForCausalLM", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"] {
+        assert!(stdout.contains(part), "{part}: {stdout}");
+    }
     assert!(!p.join("out.tmp").exists());
 
-    let w = windows(&token_ids(&p.join("data/val.bin")), 3);
+    let w = windows(&token_ids(&p.join("data/tempest-bpe/val.bin")), 3);
     save_windows(&p.join("check.safetensors"), &w);
-    let prompt: Vec<i64> = "PROS".chars().map(|c| meta["stoi"][c.to_string()].as_i64().unwrap()).collect();
-    let prompt_ids: Vec<String> = prompt.iter().map(i64::to_string).collect();
+    let o = run(&["eval", "tuned", "data/tempest-bpe/val.bin", "--json"], p);
+    assert_ok(&o);
+    let eval: serde_json::Value = serde_json::from_str(&text(&o).0).unwrap();
     let got = python(
         p,
         &[
@@ -262,22 +253,41 @@ batches = 2
             "check.safetensors",
             "--logits-out",
             "out.safetensors",
-            "--prompt",
-            &prompt_ids.join(","),
+            "--prompt-text",
+            "PROSPERO:",
             "--new",
-            "10",
+            "12",
+            "--text",
+            tempest.to_str().unwrap(),
+            "--eval-data",
+            "data/tempest-bpe/val.bin",
+            "--seq-len",
+            "128",
         ],
     );
     assert_eq!((&got["missing_keys"], &got["unexpected_keys"]), (&serde_json::json!([]), &serde_json::json!([])));
     let ours = runner_logits(&run_model(&p.join("tuned")), &p.join("tuned/model.safetensors"), &w.0);
     assert_close(&ours, &read(&p.join("out.safetensors"), "logits"), 1e-5, "the exported Llama");
 
-    // Greedy decoding: runner predict's top-1 draws against transformers' generate.
-    let o = run(&["predict", "tuned", "--prompt", "PROS", "--tokens", "10", "--top-k", "1"], p);
+    // The tokenizer: AutoTokenizer's ids for the whole text are the prepared files' (train, then
+    // validation).
+    let ids: Vec<i64> =
+        ["train.bin", "val.bin"].iter().flat_map(|f| token_ids(&p.join("data/tempest-bpe").join(f))).collect();
+    let theirs: Vec<i64> = got["text_ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+    assert_eq!(theirs.len(), ids.len(), "AutoTokenizer's token count");
+    assert!(theirs == ids, "AutoTokenizer's ids differ from the runner's");
+
+    // Greedy decoding: runner predict's top-1 draws against transformers' generate, as text.
+    let o = run(&["predict", "tuned", "--prompt", "PROSPERO:", "--tokens", "12", "--top-k", "1"], p);
     assert_ok(&o);
-    let theirs: String =
-        got["generated"].as_array().unwrap().iter().map(|id| meta["itos"][id.to_string()].as_str().unwrap()).collect();
-    assert_eq!(text(&o).0, format!("PROS{theirs}\n"));
+    assert_eq!(text(&o).0, format!("{}\n", got["text"].as_str().unwrap()));
+
+    // runner eval against the export's loss in PyTorch over the same windows.
+    assert_eq!(eval["windows"], got["eval"]["windows"]);
+    for key in ["loss", "accuracy"] {
+        let (a, b) = (eval[key].as_f64().unwrap(), got["eval"][key].as_f64().unwrap());
+        assert!((a - b).abs() < 1e-5, "{key}: runner eval {a}, the export in PyTorch {b}");
+    }
 }
 
 /// A checkpoint directory written here: `config` and one tensor per (name, shape).

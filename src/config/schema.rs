@@ -413,7 +413,9 @@ pub struct Wrap {
     /// DDP gradient bucket size, in MiB.
     pub bucket_cap_mb: f64,
     /// Initial weights: an .npz or .safetensors file with one tensor per parameter
-    /// (`layer0.weight`, `layer0.bias`, ...), relative to the pipeline file; default: from run.seed.
+    /// (`layer0.weight`, `layer0.bias`, ...), or for a transformer a Hugging Face model directory
+    /// (config.json with model.safetensors or its shards; GPT2LMHeadModel or LlamaForCausalLM,
+    /// whose config.json gives [wrap.model]), relative to the pipeline file; default: from run.seed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init: Option<PathBuf>,
     /// Under DDP, batch norm with batch statistics all-reduced across ranks (torch's SyncBatchNorm);
