@@ -87,12 +87,12 @@ pub fn text(file: &Path, out: &Path, force: bool, choice: &Choice) -> anyhow::Re
         Choice::Bpe { vocab } => {
             let t = Tokenizer::train_bpe(file, *vocab, &out.join(TOKENIZER))?;
             let json = t.to_json()?.into_bytes();
-            (Vocabulary::Tokenizer(t), (TOKENIZER, json))
+            (Vocabulary::Tokenizer(Box::new(t)), (TOKENIZER, json))
         }
         Choice::File(path) => {
             let t = Tokenizer::read(path)?;
             let json = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-            (Vocabulary::Tokenizer(t), (TOKENIZER, json))
+            (Vocabulary::Tokenizer(Box::new(t)), (TOKENIZER, json))
         }
     };
     let size = vocabulary.size();

@@ -25,8 +25,8 @@ pub enum Vocabulary {
     Chars(Meta),
     /// Bytes (`load.source = "text"`), decoded as UTF-8.
     Bytes,
-    /// A tokenizer.json.
-    Tokenizer(Tokenizer),
+    /// A tokenizer.json (boxed: far larger than the others).
+    Tokenizer(Box<Tokenizer>),
 }
 
 /// The vocabulary file beside the token file `file`: tokenizer.json, else meta.json, when one is there.
@@ -41,7 +41,7 @@ impl Vocabulary {
         if path.file_name().is_some_and(|n| n == META) {
             Ok(Vocabulary::Chars(Meta::read(path)?))
         } else {
-            Ok(Vocabulary::Tokenizer(Tokenizer::read(path)?))
+            Ok(Vocabulary::Tokenizer(Box::new(Tokenizer::read(path)?)))
         }
     }
 
@@ -143,7 +143,8 @@ mod tests {
         let text =
             "ROMEO.\nBut soft, what light through yonder window breaks?  \n\nJULIET.\nAy me; ô Roméo!\n".repeat(80);
         std::fs::write(&path, &text).unwrap();
-        let bpe = Vocabulary::Tokenizer(Tokenizer::train_bpe(&path, 400, &dir.path().join(TOKENIZER)).unwrap());
+        let bpe =
+            Vocabulary::Tokenizer(Box::new(Tokenizer::train_bpe(&path, 400, &dir.path().join(TOKENIZER)).unwrap()));
         assert_eq!(bpe.cut(), Cut::LineEnds);
         for v in [bpe, Vocabulary::Chars(Meta::of(&text)), Vocabulary::Bytes] {
             let (ids, n) = in_pieces(&v, &path, 100);
@@ -166,7 +167,7 @@ mod tests {
         std::fs::write(dir.path().join(TOKENIZER), json).unwrap();
         let t = Tokenizer::read(&dir.path().join(TOKENIZER)).unwrap();
         assert!(!t.cuts_at_line_ends());
-        let v = Vocabulary::Tokenizer(t);
+        let v = Vocabulary::Tokenizer(Box::new(t));
         assert_eq!(v.cut(), Cut::Never);
         let path = dir.path().join("t.txt");
         std::fs::write(&path, "a\nb\n".repeat(100)).unwrap();

@@ -37,8 +37,11 @@ pub fn files(dir: &Path) -> Result<Vec<PathBuf>, String> {
     Ok(out)
 }
 
+/// The index's map of tensor name → shard file.
+type WeightMap = BTreeMap<String, String>;
+
 /// The weights' file names, and the index's tensor → file map when the checkpoint is sharded.
-fn weight_files(dir: &Path) -> Result<(Vec<String>, Option<BTreeMap<String, String>>), String> {
+fn weight_files(dir: &Path) -> Result<(Vec<String>, Option<WeightMap>), String> {
     let index = dir.join(INDEX);
     if index.exists() {
         let text = crate::input::read_capped(&index, INDEX_CAP, "the checkpoint's index")?;

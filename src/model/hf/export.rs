@@ -199,7 +199,7 @@ fn tokenizer_of(plan: &Plan) -> anyhow::Result<Option<Tokenizer>> {
         return Ok(None);
     }
     Ok(match plan.read_vocabulary()? {
-        Vocabulary::Tokenizer(t) => Some(t),
+        Vocabulary::Tokenizer(t) => Some(*t),
         Vocabulary::Chars(_) | Vocabulary::Bytes => None,
     })
 }

@@ -35,7 +35,7 @@ pub fn read(j: &Json) -> Result<Transformer, String> {
         d_model: d,
         heads,
         kv_heads: Some(heads),
-        head_dim: Some(if heads > 0 { d / heads } else { 0 }),
+        head_dim: Some(d.checked_div(heads).unwrap_or(0)),
         layers: j.count("n_layer")?,
         max_positions: Some(j.count_or("n_positions", Some(1024))?),
         tied: Some(j.flag_or("tie_word_embeddings", true)?),

@@ -30,7 +30,7 @@ pub fn read(j: &Json) -> Result<Transformer, String> {
         d_model: d,
         heads,
         kv_heads: Some(j.count_or("num_key_value_heads", Some(heads))?),
-        head_dim: Some(j.count_or("head_dim", Some(if heads > 0 { d / heads } else { 0 }))?),
+        head_dim: Some(j.count_or("head_dim", Some(d.checked_div(heads).unwrap_or(0)))?),
         layers: j.count("num_hidden_layers")?,
         max_positions: Some(j.count_or("max_position_embeddings", Some(2048))?),
         tied: Some(j.flag_or("tie_word_embeddings", false)?),
