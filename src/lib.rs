@@ -2,8 +2,8 @@
 //! libtorch (`tch`) and PyTorch's collective engine (c10d).
 //!
 //! Data flows one way: [`config`] → [`plan`] → [`launch`] → ranks ([`stages`], over [`data`],
-//! [`model`] and [`strategy`]) → [`trace`]; a [`sweep`] runs a grid of plans and [`report`] turns
-//! their traces into tables and plots.
+//! [`model`] and [`strategy`]) → [`trace`]; a [`sweep`] runs a grid of plans, or a [`search`] of
+//! them, and [`report`] turns their traces into tables and plots.
 #[macro_use]
 pub mod say;
 pub mod bench;
@@ -28,6 +28,7 @@ pub mod report;
 pub mod rng;
 pub mod rundir;
 pub mod sample;
+pub mod search;
 pub mod signals;
 pub mod stages;
 pub mod strategy;

@@ -149,6 +149,62 @@ fn a_sweep_through_slurm_equals_a_local_sweep_and_skips_and_checks_like_one() {
     assert!(out.contains("2 points reproduce"), "{out}");
 }
 
+/// A random search under ASHA (rungs at 1 and 2 epochs): each run of a trial to a rung is a job,
+/// two at a time.
+const SEARCH: &str = r#"
+pipeline = "p.toml"
+
+[search]
+method = "random"
+trials = 3
+metric = "val_loss"
+seed = 4
+parallel = 2
+scheduler = "asha"
+min_epochs = 1
+
+[search.space]
+"train.lr" = { log_uniform = [0.01, 0.3] }
+
+[slurm]
+nodes = 1
+time = "10"
+"#;
+
+#[test]
+fn a_search_through_slurm_equals_the_local_search_and_continues_its_promoted_trial_in_a_job() {
+    let Some(c) = cluster() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    write(dir.path(), "search.toml", SEARCH);
+    assert_ok(&common::run(&["sweep", "search.toml", "--out", "local"], dir.path()));
+    let o = c
+        .runner()
+        .args(["sweep", "search.toml", "--out", "slurm", "--launcher", "slurm"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}\n{}", c.logs());
+    assert!(out.contains("→ rung 1 (2 epochs): continues"), "{out}");
+    let (local, slurm) = (dir.path().join("local"), dir.path().join("slurm"));
+    for file in ["table.md", "table.csv"] {
+        let read = |d: &Path| std::fs::read_to_string(d.join(file)).unwrap();
+        assert_eq!(read(&local), read(&slurm), "{file}");
+    }
+    let table = std::fs::read_to_string(slurm.join("table.md")).unwrap();
+    assert!(table.contains("1 complete, 2 stopped early"), "{table}");
+    for trial in ["trial-000", "trial-001", "trial-002"] {
+        assert_same_trace(&local.join(trial), &slurm.join(trial));
+    }
+    let promoted = ["trial-000", "trial-001", "trial-002"]
+        .into_iter()
+        .find(|t| std::fs::read_to_string(slurm.join(t).join("slurm.sh")).unwrap().contains("--resume"))
+        .expect("the promoted trial's last job resumed its run");
+    let log = std::fs::read_to_string(slurm.join(promoted).join("run.log")).unwrap();
+    assert!(log.contains("resuming run"), "{log}");
+}
+
 #[test]
 fn stopping_a_slurm_sweep_cancels_its_jobs() {
     let Some(c) = cluster() else { return };

@@ -255,7 +255,7 @@ impl RunArgs {
 
 #[derive(Debug, Args)]
 pub struct SweepArgs {
-    /// The experiment file (TOML): a pipeline, [set], [sweep] and [scaling].
+    /// The experiment file (TOML): a pipeline, [set], [sweep], [scaling] and [search].
     pub file: PathBuf,
     /// The sweep directory [default: results/<experiment file stem>]
     #[arg(long, value_name = "DIR")]

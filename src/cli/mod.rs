@@ -38,9 +38,10 @@ pub enum Command {
                             Read: docs/guide/first-run.md, docs/guide/resume.md"
     )]
     Run(RunArgs),
-    /// Run every point of an experiment's grid, then write its tables and plots.
+    /// Run every point of an experiment's grid (or a search at each), then write its tables and plots.
     #[command(
-        after_help = "Example:\n  runner sweep experiments/world_size.toml --check\n\nRead: docs/guide/sweeps.md"
+        after_help = "Examples:\n  runner sweep experiments/world_size.toml --check\n  runner sweep experiments/search.toml\n\n\
+                      Read: docs/guide/sweeps.md, docs/guide/search.md"
     )]
     Sweep(SweepArgs),
     /// Rebuild a sweep directory's tables and plots from its traces; run nothing.

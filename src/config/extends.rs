@@ -35,7 +35,7 @@ impl FileKind {
 
     /// What a file's top-level keys say it is; `None` when they do not tell (only `extends`).
     fn of(table: &toml::Table) -> Option<FileKind> {
-        const EXPERIMENT: &[&str] = &["pipeline", "set", "sweep", "scaling"];
+        const EXPERIMENT: &[&str] = &["pipeline", "set", "sweep", "scaling", "search"];
         let keys: Vec<&str> = table.keys().map(String::as_str).filter(|k| !["extends", UNSET].contains(k)).collect();
         if keys.iter().any(|k| EXPERIMENT.contains(k)) {
             Some(FileKind::Experiment)
@@ -188,10 +188,11 @@ impl Layers {
             .map(|l| (l.file.as_path(), key_line(&l.text, dotted)))
     }
 
-    /// Where `key` of table `section` is set when the key itself holds dots (a sweep axis,
-    /// `"run.seed" = [0, 1]`): the file, and the line that starts with the quoted key.
+    /// Where `key` of table `section` (dotted: `search.space`) is set when the key itself holds
+    /// dots (a sweep axis, `"run.seed" = [0, 1]`): the file, and the line that starts with the
+    /// quoted key.
     pub fn origin_of_quoted(&self, section: &str, key: &str) -> Option<(&Path, Option<usize>)> {
-        self.0.iter().rev().find(|l| l.table.get(section).and_then(|t| t.get(key)).is_some()).map(|l| {
+        self.0.iter().rev().find(|l| get(&l.table, section).and_then(|t| t.get(key)).is_some()).map(|l| {
             let quoted = [format!("\"{key}\""), format!("'{key}'")];
             let line = l.text.lines().position(|line| quoted.iter().any(|q| line.trim_start().starts_with(q.as_str())));
             (l.file.as_path(), line.map(|i| i + 1))

@@ -282,7 +282,9 @@ pub fn recipe_lengths(c: &Config, batches: usize, total: usize, bad: &mut impl F
             format!("must be after the warmup ({} optimizer steps), got {}", s.warmup, s.decay_end),
         );
     }
-    if s.warmup >= s.total && s.warmup > 0 {
+    // With decay_end the curve is defined past the run's end: a run shorter than its warmup is
+    // then the start of a longer one (a search's first rung), not a mistake.
+    if s.warmup >= s.total && s.warmup > 0 && t.schedule.decay_end.is_none() {
         let key =
             if t.schedule.warmup_epochs > 0 { "train.schedule.warmup_epochs" } else { "train.schedule.warmup_steps" };
         bad(

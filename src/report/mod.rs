@@ -1,13 +1,17 @@
 //! Reports of a sweep directory, rebuilt from its traces alone (nothing runs): the table
 //! (`table.md`, `table.csv`, `summary.parquet`) and the plots (`loss.png`, `val_accuracy.png`,
 //! `throughput.png`). [`aggregate`] reads the traces, [`stats`] holds the arithmetic, [`table`]
-//! and [`plot`] render.
+//! and [`plot`] render. A search's directory gets its own report ([`search`]: every trial,
+//! [`search_table`], [`search_plot`] and the best trial's pipeline file).
 //!
 //! ```text
 //! runner report results/world_size
 //! ```
 pub mod aggregate;
 pub mod plot;
+pub mod search;
+pub mod search_plot;
+pub mod search_table;
 pub mod stats;
 pub mod table;
 
@@ -20,6 +24,9 @@ use crate::trace::write_parquet;
 /// Rebuilds every table and plot in `dir`; returns the markdown table.
 pub fn write(dir: &Path) -> anyhow::Result<String> {
     let index = Index::read(dir)?;
+    if let Some(search) = &index.search {
+        return search::write(dir, &index, search);
+    }
     let loaded = aggregate::load(dir, &index)?;
     if loaded.points.is_empty() {
         anyhow::bail!(

@@ -25,7 +25,7 @@ const COLORS: [RGBColor; 8] = [
     RGBColor(23, 190, 207),
 ];
 
-fn color(i: usize) -> RGBColor {
+pub(super) fn color(i: usize) -> RGBColor {
     COLORS[i % COLORS.len()]
 }
 
@@ -63,10 +63,10 @@ pub fn write_all(dir: &Path, rows: &[Row]) -> anyhow::Result<Vec<&'static str>> 
     Ok(written)
 }
 
-type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
-type DrawResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+pub(super) type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
+pub(super) type DrawResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
-fn fonts() -> anyhow::Result<()> {
+pub(super) fn fonts() -> anyhow::Result<()> {
     static REGISTERED: OnceLock<bool> = OnceLock::new();
     let ok =
         *REGISTERED.get_or_init(|| register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular()).is_ok());
@@ -74,7 +74,7 @@ fn fonts() -> anyhow::Result<()> {
 }
 
 /// Draws into a temporary PNG beside `path`, then renames it over `path`.
-fn atomic_png(path: &Path, draw: impl FnOnce(&Area) -> DrawResult) -> anyhow::Result<()> {
+pub(super) fn atomic_png(path: &Path, draw: impl FnOnce(&Area) -> DrawResult) -> anyhow::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("plot");
     // The backend picks the encoder from the extension: keep `.png` last.
@@ -107,7 +107,7 @@ fn curve(values: impl Iterator<Item = Option<f64>>) -> Vec<(f64, f64)> {
 }
 
 /// A range around `values` with a margin, never empty.
-fn span(values: impl Iterator<Item = f64>, from_zero: bool) -> std::ops::Range<f64> {
+pub(super) fn span(values: impl Iterator<Item = f64>, from_zero: bool) -> std::ops::Range<f64> {
     let (lo, hi) = values.fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)));
     if lo > hi {
         return 0.0..1.0;

@@ -18,6 +18,36 @@ pub struct Index {
     /// the same settings and names both CPUs when values differ. Older sweeps lack it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numerics: Option<crate::numerics::Numerics>,
+    /// A search's settings and its trials' configurations (`points` are then its trials, each
+    /// with its grid values and searched values). Grids lack it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub search: Option<SearchIndex>,
+}
+
+/// What `runner report` needs to decide a search's promotions again from its trials' traces, and
+/// to write its best trial as a pipeline file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SearchIndex {
+    /// "random" or "tpe".
+    pub method: String,
+    pub seed: u64,
+    /// The trials planned at each point of the grid.
+    pub trials: usize,
+    /// The trace column compared, and whether lower is better.
+    pub metric: String,
+    pub minimize: bool,
+    /// ASHA's reduction factor; 1 without ASHA.
+    pub reduction_factor: usize,
+    /// What `rungs` count, "steps" or "epochs"; absent without ASHA (each trial runs its
+    /// pipeline's length, compared at its end).
+    pub unit: Option<String>,
+    pub rungs: Vec<u64>,
+    /// The searched keys with their distributions, as the experiment file writes them.
+    pub space: Vec<(String, String)>,
+    /// The pipeline file, relative to the sweep directory.
+    pub pipeline: String,
+    /// Each trial's overrides at its full budget (`key=value`), in the order of `points`.
+    pub overrides: Vec<Vec<String>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -109,7 +109,7 @@ pub struct Found {
 }
 
 impl Found {
-    fn add(&mut self, dir: &str, (differences, within, beyond): (Vec<String>, Within, f64)) {
+    pub(super) fn add(&mut self, dir: &str, (differences, within, beyond): (Vec<String>, Within, f64)) {
         self.differences.extend(differences.into_iter().map(|d| format!("{dir}: {d}")));
         if let Some((n, r)) = within {
             let (m, q) = self.within.unwrap_or((0, 0.0));
@@ -179,7 +179,7 @@ pub fn check(points: &[Point], sweep_dir: &Path, runs: &Runs, tolerance: Option<
 }
 
 /// Every difference between the traces of two run directories.
-fn compare_runs(stored: &Path, rerun: &Path, tolerance: Option<f64>) -> (Vec<String>, Within, f64) {
+pub(super) fn compare_runs(stored: &Path, rerun: &Path, tolerance: Option<f64>) -> (Vec<String>, Within, f64) {
     match (
         trace::read_parquet(&stored.join(crate::rundir::TRACE)),
         trace::read_parquet(&rerun.join(crate::rundir::TRACE)),

@@ -6,7 +6,7 @@
 //! which stops its ranks and marks the point `interrupted`; then the sweep stops.
 use std::ffi::OsString;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -171,15 +171,48 @@ pub fn resumable(point: &Point, run_dir: &Path) -> bool {
     stopped && crate::checkpoint::newest_unread(run_dir, &point.plan).is_ok_and(|found| found.is_some())
 }
 
-/// `runner run PIPELINE --set-as LABEL KEY=VALUE ... --out RUN_DIR` (or `--resume RUN_DIR`),
-/// its output in run.log. The sweep owns its points' directories: `--force`.
+/// Runs the point into `run_dir` (resuming it there when [`resumable`]) and waits for it,
+/// forwarding a stop signal to it.
 fn spawn(point: &Point, run_dir: &Path) -> anyhow::Result<()> {
+    let mut child = start(point, run_dir, resumable(point, run_dir))?;
+    let log_path = run_dir.join(LOG);
+    let mut forwarded = false;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        let sig = stop_signal();
+        if sig != 0 && !forwarded {
+            // The launcher stops its ranks, marks the point interrupted and exits.
+            forward(&child, sig);
+            forwarded = true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    if forwarded {
+        anyhow::bail!("{}", Stopped(stop_signal() as i32));
+    }
+    if !status.success() && Manifest::read(run_dir).is_err() {
+        anyhow::bail!("`runner run` {status} before writing a manifest; see {}", log_path.display());
+    }
+    Ok(())
+}
+
+/// Sends stop signal `sig` to a point's launcher.
+pub fn forward(child: &Child, sig: usize) {
+    if let Ok(sig) = nix::sys::signal::Signal::try_from(sig as i32) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), sig);
+    }
+}
+
+/// Starts `runner run PIPELINE --set-as LABEL KEY=VALUE ... --out RUN_DIR` (or, with `resume`,
+/// `--resume RUN_DIR`), its output in run.log. The sweep owns its points' directories: `--force`.
+pub fn start(point: &Point, run_dir: &Path, resume: bool) -> anyhow::Result<Child> {
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create {}", run_dir.display()))?;
     if let Some(pid) = crate::rundir::lock::holder(run_dir) {
         let pid = pid.map_or(String::new(), |p| format!(" (pid {p})"));
         anyhow::bail!("{} is in use by another runner{pid}", run_dir.display());
     }
-    let resume = resumable(point, run_dir);
     if !resume {
         // A manifest left by an earlier run must not pass for this one's.
         let _ = std::fs::remove_file(run_dir.join(crate::rundir::MANIFEST));
@@ -202,34 +235,13 @@ fn spawn(point: &Point, run_dir: &Path) -> anyhow::Result<()> {
         args.extend(["--out".into(), run_dir.into(), "--force".into()]);
     }
     let exe = std::env::current_exe().context("cannot find the runner binary to run points")?;
-    let mut child = Command::new(exe)
+    // Started from the sweep's main thread: PR_SET_PDEATHSIG in the child follows this thread.
+    Command::new(exe)
         .args(&args)
         .env(crate::launch::env::SWEEP_PID, std::process::id().to_string())
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
         .spawn()
-        .context("cannot start `runner run` for the point")?;
-    let mut forwarded = false;
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break status;
-        }
-        let sig = stop_signal();
-        if sig != 0 && !forwarded {
-            // The launcher stops its ranks, marks the point interrupted and exits.
-            if let Ok(sig) = nix::sys::signal::Signal::try_from(sig as i32) {
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), sig);
-            }
-            forwarded = true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    if forwarded {
-        anyhow::bail!("{}", Stopped(stop_signal() as i32));
-    }
-    if !status.success() && Manifest::read(run_dir).is_err() {
-        anyhow::bail!("`runner run` {status} before writing a manifest; see {}", log_path.display());
-    }
-    Ok(())
+        .context("cannot start `runner run` for the point")
 }

@@ -1,7 +1,8 @@
-//! Experiment files: which pipeline, fixed overrides (`[set]`), the grid (`[sweep]`) and how the
-//! batch and learning rate follow the world size (`[scaling]`). [`Experiment::load`] checks the
-//! file and every key; [`Experiment::points`] resolves and validates every point of the grid,
-//! reporting every bad one before anything runs.
+//! Experiment files: which pipeline, fixed overrides (`[set]`), the grid (`[sweep]`), how the
+//! batch and learning rate follow the world size (`[scaling]`) and a search run at every point
+//! of the grid (`[search]`, [`super::search`]). [`Experiment::load`] checks the file and every
+//! key; [`Experiment::points`] resolves and validates every point of the grid, reporting every
+//! bad one before anything runs.
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -30,6 +31,8 @@ struct ExperimentFile {
     /// The resources of each point's job under `runner sweep --launcher slurm`.
     #[serde(default)]
     slurm: super::slurm::Resources,
+    /// A search at every point of the grid.
+    search: Option<super::search::spec::SearchTable>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
@@ -75,6 +78,7 @@ pub struct Experiment {
     pub axes: Vec<Axis>,
     pub scaling: Scaling,
     pub slurm: super::slurm::Resources,
+    pub search: Option<super::search::spec::Spec>,
 }
 
 impl Experiment {
@@ -152,6 +156,27 @@ impl Experiment {
             }
             axes.push((layers.position(&format!("sweep.{key}")), Axis { key, values }));
         }
+        let search = raw.search.as_ref().and_then(|table| {
+            let taken: Vec<String> =
+                fixed.iter().map(|(k, _)| k.clone()).chain(axes.iter().map(|(_, a)| a.key.clone())).collect();
+            let spec = super::search::spec::Spec::check(table, &taken);
+            if let Ok(spec) = &spec {
+                for p in &spec.space.0 {
+                    if let Err(e) = super::search::check_values(&pipeline, p) {
+                        bad("search.space", &p.key, e);
+                    }
+                }
+            }
+            spec.map_err(|problems| {
+                for (key, message) in problems {
+                    match key.strip_prefix("space.") {
+                        Some(k) => bad("search.space", k, message),
+                        None => bad("search", &key, message),
+                    }
+                }
+            })
+            .ok()
+        });
         if !errors.is_empty() {
             errors.sort_by_key(|(at, _)| *at);
             let lines: Vec<String> = errors.into_iter().map(|(_, m)| m).collect();
@@ -166,6 +191,7 @@ impl Experiment {
             axes: axes.into_iter().map(|(_, a)| a).collect(),
             scaling: raw.scaling,
             slurm: raw.slurm,
+            search,
         })
     }
 
@@ -209,12 +235,14 @@ impl Experiment {
 
     /// One point's plan and the overrides (in order) that produce it.
     fn plan(&self, values: &[(String, toml::Value)]) -> Result<(Plan, Vec<Override>), String> {
-        let mut overrides: Vec<Override> = self
-            .fixed
-            .iter()
-            .map(|(k, v)| labelled(SET_LABEL, k, v))
-            .chain(values.iter().map(|(k, v)| labelled(AXIS_LABEL, k, v)))
-            .collect();
+        self.plan_of(values.iter().map(|(k, v)| labelled(AXIS_LABEL, k, v)).collect())
+    }
+
+    /// The plan of [set], then `given` (a point's axis values, a search trial's values), then
+    /// [scaling]; and the overrides (in order) that produce it.
+    pub fn plan_of(&self, given: Vec<Override>) -> Result<(Plan, Vec<Override>), String> {
+        let mut overrides: Vec<Override> =
+            self.fixed.iter().map(|(k, v)| labelled(SET_LABEL, k, v)).chain(given).collect();
         let resolved = config::resolve(&self.pipeline, &overrides).map_err(|e| e.message)?;
         let scaled = scale(self.scaling, &resolved.config)?;
         let resolved = if scaled.is_empty() {

@@ -76,6 +76,7 @@ pub fn index(experiment: &Path, axes: &[Axis], points: &[Point]) -> Index {
             .collect(),
         // What the points compute under (each `runner run` sets it from its plan).
         numerics: points.first().map(|p| crate::numerics::of_plan(p.plan.config.run.numerics, p.plan.threads_per_rank)),
+        search: None,
     }
 }
 

@@ -2,7 +2,8 @@
 //! ([`grid`]); `runner sweep` validates every point before anything runs, runs them one after
 //! another ([`execute`]) with one progress display ([`progress`]), resumes where an interrupted
 //! sweep stopped, writes the result tables and plots ([`crate::report`]), and with `--check`
-//! reruns every point to show the stored traces reproduce ([`check`]).
+//! reruns every point to show the stored traces reproduce ([`check`]). An experiment with a
+//! `[search]` table runs a search at every point of its grid instead ([`search`]).
 //!
 //! ```text
 //! runner sweep experiments/world_size.toml            # → results/world_size/
@@ -14,6 +15,7 @@ pub mod execute;
 pub mod experiment;
 pub mod grid;
 pub mod progress;
+pub mod search;
 pub mod slurm;
 
 use std::path::{Path, PathBuf};
@@ -58,6 +60,10 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
     crate::numerics::check_environment().map_err(crate::config::ConfigError::new)?;
     let experiment = Experiment::load(file)?;
     let points = experiment.points()?;
+    let search = match &experiment.search {
+        Some(spec) => Some(search::prepare(&experiment, spec, &points)?),
+        None => None,
+    };
     let runs = match opts.launcher {
         Launcher::Local => Runs::Local,
         Launcher::Slurm => Runs::Slurm(&experiment.slurm),
@@ -71,6 +77,9 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
         experiment.pipeline.display(),
         if axes.is_empty() { "no axis".to_owned() } else { axes.join(" × ") }
     );
+    if let Some(search) = &search {
+        crate::say!("at each point, {}", search::describe(search));
+    }
 
     if opts.check {
         // The index is written before any point runs: without it nothing was stored here.
@@ -90,17 +99,19 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
         if let Some(why) = &other_cpu {
             crate::say!("note: {why}; a bit-for-bit check may fail here");
         }
-        let found = check::check(&points, &dir, &runs, opts.tolerance)?;
+        let (found, what) = match &search {
+            None => (check::check(&points, &dir, &runs, opts.tolerance)?, format!("{} points", points.len())),
+            Some(search) => {
+                let (found, n) = search::check::check(&experiment, search, &points, &dir, &runs, opts.tolerance)?;
+                (found, format!("{n} trials"))
+            }
+        };
         if let Some((n, largest)) = found.within {
             crate::say!("{n} float values differ by at most {largest:e} (relative), within --tolerance");
         }
         if found.differences.is_empty() {
             let how = if opts.tolerance.is_some() { "equal within the tolerance" } else { "identical" };
-            crate::say!(
-                "\n{} points reproduce {}: every non-timing value of every trace is {how}.",
-                points.len(),
-                dir.display()
-            );
+            crate::say!("\n{what} reproduce {}: every non-timing value of every trace is {how}.", dir.display());
             return Ok(0);
         }
         let n = found.differences.len();
@@ -145,6 +156,9 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create the sweep directory {}", dir.display()))?;
     // One sweep per directory at a time.
     let _lock = crate::rundir::lock::acquire(&dir).map_err(|e| crate::config::ConfigError::new(e.message(&dir)))?;
+    if let Some(search) = &search {
+        return search::sweep(&experiment, search, &points, &dir, opts, &runs);
+    }
     grid::index(file, &experiment.axes, &points).write(&dir)?;
     let outcome = execute::run_points(&points, &dir, opts.force, opts.fail_fast, &runs)?;
     if let Some((sig, point)) = &outcome.stopped {

@@ -34,7 +34,7 @@ pub const SCRIPT: &str = "slurm.sh";
 const WARNING_S: u32 = 90;
 
 /// How often the sweep asks Slurm for its jobs' states.
-const POLL: Duration = Duration::from_millis(500);
+pub(super) const POLL: Duration = Duration::from_millis(500);
 
 /// The `[slurm]` table of an experiment file: each point's job resources.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -132,7 +132,7 @@ pub fn run_all(
             break;
         }
         let label = point.dir.clone();
-        match submit(point, run_dir, resources) {
+        match submit(point, run_dir, resources, execute::resumable(point, run_dir)) {
             Ok(id) => {
                 progress.line(&format!("{label}: submitted as job {id}"));
                 live.insert(id, (i, label, Instant::now(), String::new()));
@@ -196,7 +196,7 @@ pub fn run_all(
 }
 
 /// The point's result once its job has ended in `state`: its manifest, as a local sweep reads it.
-fn outcome(run_dir: &Path, state: &str) -> Result<(), String> {
+pub(super) fn outcome(run_dir: &Path, state: &str) -> Result<(), String> {
     let log = run_dir.join(crate::rundir::RUN_LOG);
     match Manifest::read(run_dir) {
         Ok(m) if m.status == crate::rundir::manifest::Status::Complete => Ok(()),
@@ -208,7 +208,7 @@ fn outcome(run_dir: &Path, state: &str) -> Result<(), String> {
 }
 
 /// Slurm's states in which a job will not run again.
-fn is_terminal(state: &str) -> bool {
+pub(super) fn is_terminal(state: &str) -> bool {
     !matches!(
         state,
         "PENDING"
@@ -227,15 +227,15 @@ fn is_terminal(state: &str) -> bool {
     )
 }
 
-/// Writes the point's job script into its run directory and submits it; the job's id.
-fn submit(point: &Point, run_dir: &Path, resources: &Resources) -> anyhow::Result<String> {
+/// Writes the point's job script into its run directory and submits it (continuing the run
+/// there with `resume`); the job's id.
+pub(super) fn submit(point: &Point, run_dir: &Path, resources: &Resources, resume: bool) -> anyhow::Result<String> {
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create {}", run_dir.display()))?;
     let run_dir = std::path::absolute(run_dir)?;
     if let Some(pid) = crate::rundir::lock::holder(&run_dir) {
         let pid = pid.map_or(String::new(), |p| format!(" (pid {p})"));
         anyhow::bail!("{} is in use by another runner{pid}", run_dir.display());
     }
-    let resume = execute::resumable(point, &run_dir);
     if !resume {
         // A manifest or log left by an earlier run must not pass for this one's.
         let _ = std::fs::remove_file(run_dir.join(crate::rundir::MANIFEST));
@@ -304,7 +304,7 @@ fn quote(text: &str) -> String {
 }
 
 /// The states of the given jobs (`squeue --states=all`); a job Slurm no longer lists is absent.
-fn states<'a>(ids: impl Iterator<Item = &'a String>) -> anyhow::Result<BTreeMap<String, String>> {
+pub(super) fn states<'a>(ids: impl Iterator<Item = &'a String>) -> anyhow::Result<BTreeMap<String, String>> {
     let list: Vec<&String> = ids.collect();
     if list.is_empty() {
         return Ok(BTreeMap::new());
@@ -321,7 +321,7 @@ fn states<'a>(ids: impl Iterator<Item = &'a String>) -> anyhow::Result<BTreeMap<
         .collect())
 }
 
-fn cancel<'a>(ids: impl Iterator<Item = &'a String>) {
+pub(super) fn cancel<'a>(ids: impl Iterator<Item = &'a String>) {
     let ids: Vec<&String> = ids.collect();
     if !ids.is_empty() {
         let _ = Command::new("scancel").args(ids).output();
