@@ -34,7 +34,9 @@
 #endif
 
 struct rn_store {
-  c10::intrusive_ptr<c10d::TCPStore> store;
+  // What every call goes through: the TCPStore itself, or a PrefixStore over it.
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::TCPStore> tcp;
 };
 
 struct rn_ddp {
@@ -107,7 +109,7 @@ char* rn_store_new(const char* host, uint16_t port, int is_server, int listen_fd
     opts.timeout = std::chrono::milliseconds(timeout_ms);
     if (listen_fd >= 0) opts.masterListenFd = listen_fd;
     auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
-    *out = new rn_store{store};
+    *out = new rn_store{store, store};
   });
 }
 
@@ -139,7 +141,14 @@ char* rn_store_check(rn_store* s, const char* key, int* present) {
 }
 
 char* rn_store_port(rn_store* s, uint16_t* out) {
-  return protect([&] { *out = s->store->getPort(); });
+  return protect([&] { *out = s->tcp->getPort(); });
+}
+
+char* rn_store_prefixed(rn_store* s, const char* prefix, rn_store** out) {
+  return protect([&] {
+    auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), s->store);
+    *out = new rn_store{store, s->tcp};
+  });
 }
 
 char* rn_pg_new_gloo(rn_store* s, int rank, int size, const char* device_host, int64_t timeout_ms,

@@ -39,6 +39,8 @@ char* rn_store_get(rn_store* s, const char* key, uint8_t** value, size_t* len);
 char* rn_store_add(rn_store* s, const char* key, int64_t delta, int64_t* out);
 char* rn_store_check(rn_store* s, const char* key, int* present);
 char* rn_store_port(rn_store* s, uint16_t* out);
+// A store whose keys all go under `prefix` in `s` (c10d's PrefixStore); freed on its own.
+char* rn_store_prefixed(rn_store* s, const char* prefix, rn_store** out);
 
 // device_host: address the gloo transport binds to (its peers connect to it).
 char* rn_pg_new_gloo(rn_store* s, int rank, int size, const char* device_host, int64_t timeout_ms,

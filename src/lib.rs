@@ -34,5 +34,6 @@ pub mod stages;
 pub mod strategy;
 pub mod sweep;
 pub mod tensorfile;
+pub mod testhook;
 pub mod tokenizer;
 pub mod trace;

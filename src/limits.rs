@@ -15,15 +15,19 @@ pub const MAX_LAYERS: usize = 4096;
 pub const MAX_ROWS: usize = 1 << 40;
 pub const MAX_WORLD_SIZE: usize = 1 << 16;
 pub const MAX_EPOCHS: usize = 1 << 24;
+/// `run.max_restarts`: a run that fails this often is not going to finish.
+pub const MAX_RESTARTS: usize = 1000;
 /// The environment variable that turns the memory estimate off.
 pub const NO_MEMORY_CHECK: &str = "RUNNER_NO_MEMORY_CHECK";
 
 /// Timeouts, world size, epochs, threads.
 pub fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
     let r = &c.run;
-    for (key, v, (lo, hi)) in
-        [("run.timeout_s", r.timeout_s, TIMEOUT_S), ("run.abort_after_s", r.abort_after_s, ABORT_AFTER_S)]
-    {
+    for (key, v, (lo, hi)) in [
+        ("run.timeout_s", r.timeout_s, TIMEOUT_S),
+        ("run.abort_after_s", r.abort_after_s, ABORT_AFTER_S),
+        ("run.rejoin_timeout_s", r.rejoin_timeout_s, TIMEOUT_S),
+    ] {
         if !(v >= lo && v <= hi) {
             bad(key, format!("must be between {lo} and {hi} seconds, got {v}"));
         }
@@ -33,6 +37,9 @@ pub fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
     }
     if r.world_size > MAX_WORLD_SIZE {
         bad("run.world_size", format!("must be at most {MAX_WORLD_SIZE}, got {}", r.world_size));
+    }
+    if r.max_restarts > MAX_RESTARTS {
+        bad("run.max_restarts", format!("must be at most {MAX_RESTARTS}, got {}", r.max_restarts));
     }
     if r.threads_per_rank.is_some_and(|t| t > 1024) {
         bad("run.threads_per_rank", format!("must be at most 1024, got {}", r.threads_per_rank.unwrap_or(0)));

@@ -151,3 +151,141 @@ fn nodes_with_different_configurations_all_refuse_before_any_rank_starts() {
         assert!(!run_dir.join("trace.parquet").exists());
     }
 }
+
+/// 4 ranks over 2 hosts by default; at 2 ranks, gradient accumulation keeps the global batch.
+/// 2000 rows at 4 × 8: 63 optimizer steps per epoch, a checkpoint every 5.
+const ELASTIC: &str = r#"
+[run]
+name = "elastic"
+seed = 5
+world_size = 4
+timeout_s = 30
+abort_after_s = 2
+max_restarts = 3
+rejoin_timeout_s = 3
+
+[load]
+rows = 2000
+features = 6
+classes = 3
+validation_rows = 100
+
+[wrap.model]
+hidden = [24]
+
+[train]
+epochs = 3
+batch_size = 8
+optimizer = "adam"
+lr = 0.005
+
+[checkpoint]
+every_steps = 5
+"#;
+
+/// Every tensor of two `model.safetensors` within `tol`.
+fn assert_models_close(a: &std::path::Path, b: &std::path::Path, tol: f64) {
+    let read = |d: &std::path::Path| -> std::collections::BTreeMap<String, tch::Tensor> {
+        tch::Tensor::read_safetensors(d.join("model.safetensors")).unwrap().into_iter().collect()
+    };
+    let (a, b) = (read(a), read(b));
+    assert_eq!(a.len(), b.len());
+    for ((name, x), (other, y)) in a.iter().zip(&b) {
+        assert_eq!(name, other);
+        let diff = (x - y).abs().max().double_value(&[]);
+        assert!(diff <= tol, "{name} differs by {diff}");
+    }
+}
+
+/// Rank 0's global training loss of every trace row.
+fn rank0_losses(dir: &std::path::Path) -> Vec<f64> {
+    let df = common::trace(dir);
+    let rank0 = df.filter(&df.column("rank").unwrap().u32().unwrap().equal(0)).unwrap();
+    rank0.column("global_train_loss").unwrap().f64().unwrap().into_no_null_iter().collect()
+}
+
+#[test]
+fn an_elastic_run_goes_on_without_a_lost_host_and_takes_it_back_at_a_checkpoint() {
+    let (_guard, ns, addr) = match two_hosts() {
+        Ok(hosts) => hosts,
+        Err(why) => {
+            common::cannot_run("an_elastic_run_goes_on", &format!("cannot make network namespaces ({why})"));
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "p.toml", ELASTIC);
+    // The uninterrupted run: 4 ranks on this host.
+    assert_ok(&common::run(&["run", "p.toml", "--out", "whole"], d));
+
+    let (killed, resumed) = (d.join("killed.once"), d.join("b-is-back"));
+    let node = |i: usize| {
+        let stderr = std::fs::File::create(d.join(format!("node{i}.stderr"))).unwrap();
+        Command::new("ip")
+            .args(["netns", "exec", &ns[i], env!("CARGO_BIN_EXE_runner"), "run", "p.toml", "--out", "shared"])
+            .args(["--nnodes", "1:2", "--node-rank", &i.to_string(), "--master-addr", &addr[0]])
+            .args(["--master-port", "29500"])
+            // Host b's rank 2 stops in step 12 (the launcher is killed there); at 2 ranks from
+            // the checkpoint of step 10, rank 0 waits in step 12 (its batch 23) until host b is
+            // back and waits to join.
+            .env("RUNNER_TEST_STALL_AT", format!("2:train, epoch 1, step 12@{}", killed.display()))
+            .env("RUNNER_TEST_WAIT_AT", format!("0:train, epoch 1, step 23@{}", resumed.display()))
+            .current_dir(d)
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap()
+    };
+    let wait = |what: &str, ready: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while !ready() {
+            let logs: String = (0..2)
+                .map(|i| std::fs::read_to_string(d.join(format!("node{i}.stderr"))).unwrap_or_default())
+                .collect();
+            assert!(std::time::Instant::now() < deadline, "never saw {what}:\n{logs}");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    };
+    let mut a = node(0);
+    let mut b = node(1);
+    wait("host b's rank 2 in step 12", &|| killed.exists());
+    b.kill().unwrap();
+    b.wait().unwrap();
+    let manifest = || std::fs::read_to_string(d.join("shared/manifest.json")).unwrap_or_default();
+    let at_two = || {
+        let m: serde_json::Value = serde_json::from_str(&manifest()).unwrap_or_default();
+        m["reshards"].as_array().is_some_and(|r| r.iter().any(|r| r["to"]["world_size"] == 2))
+    };
+    wait("host a going on alone", &at_two);
+    let b_log = d.join("node1.stderr");
+    std::fs::remove_file(&b_log).unwrap();
+    let mut b = node(1);
+    wait("host b waiting to join", &|| {
+        std::fs::read_to_string(&b_log).unwrap_or_default().contains("waiting for round")
+    });
+    std::fs::write(&resumed, "").unwrap();
+    let (a, b) = (a.wait().unwrap(), b.wait().unwrap());
+    let logs: String =
+        (0..2).map(|i| std::fs::read_to_string(d.join(format!("node{i}.stderr"))).unwrap_or_default()).collect();
+    assert!(a.success() && b.success(), "{a} {b}:\n{logs}");
+
+    let m: serde_json::Value = serde_json::from_str(&manifest()).unwrap();
+    assert_eq!(m["status"], "complete", "{m:#}");
+    let reshards = m["reshards"].as_array().unwrap();
+    assert_eq!(reshards.len(), 2, "{m:#}");
+    let size = |r: &serde_json::Value, k: &str| r[k]["world_size"].as_u64().unwrap();
+    assert_eq!((size(&reshards[0], "from"), size(&reshards[0], "to")), (4, 2), "{m:#}");
+    assert_eq!((size(&reshards[1], "from"), size(&reshards[1], "to")), (2, 4), "{m:#}");
+    // Host b left in step 12: the run went on at 2 ranks from the checkpoint of step 10, and took
+    // b back at a later checkpoint (every 5 steps) once it asked to join, in step 12 at the earliest.
+    assert_eq!(reshards[0]["step"], 10, "{m:#}");
+    let back = reshards[1]["step"].as_u64().unwrap();
+    assert!(back.is_multiple_of(5) && back >= 15, "{m:#}");
+    let (whole, shared) = (rank0_losses(&d.join("whole")), rank0_losses(&d.join("shared")));
+    assert_eq!(whole.len(), shared.len());
+    for (x, y) in whole.iter().zip(&shared) {
+        assert!((x - y).abs() <= 1e-5, "losses {whole:?} and {shared:?}");
+    }
+    assert_models_close(&d.join("whole"), &d.join("shared"), 1e-5);
+}

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use common::{assert_ok, run, runner, text, trace, write};
+use common::{assert_ok, copy_tree, run, runner, text, trace, write};
 use runner::sweep::check::compare;
 
 /// One rank of one thread, 1800 optimizer steps at most, a cosine schedule with warmup (which
@@ -320,19 +320,6 @@ fn bad_searches_are_refused_naming_the_key_and_the_line() {
         assert_eq!(o.status.code(), Some(2), "{file}\n{err}");
         assert!(err.contains(message), "expected\n  {message}\nin\n{err}\nfor\n{file}");
         assert!(!dir.path().join("s").exists(), "nothing runs");
-    }
-}
-
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_tree(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).unwrap();
-        }
     }
 }
 

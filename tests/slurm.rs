@@ -290,3 +290,72 @@ fn sigusr1_preempts_a_job_which_checkpoints_requeues_itself_and_ends_as_if_unint
     assert!(String::from_utf8_lossy(&shown.stdout).contains("Restarts=1"), "requeued once");
     assert_same_trace(&d.join("whole"), &d.join("o"));
 }
+
+#[test]
+fn a_failed_rank_requeues_the_job_which_resumes_and_ends_as_if_uninterrupted() {
+    let Some(c) = cluster() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let pipeline = TINY
+        .replace("rows = 600", "rows = 3000")
+        .replace("epochs = 2", "epochs = 3")
+        .replace("timeout_s = 30", "timeout_s = 30\nmax_restarts = 2")
+        + "\n[checkpoint]\nevery_steps = 20\n";
+    write(d, "p.toml", &pipeline);
+    assert_ok(&common::run(&["run", "p.toml", "--out", "whole"], d));
+    let runner = env!("CARGO_BIN_EXE_runner");
+    write(d, "job.sh", &format!("#!/bin/sh\nexec srun {runner} run p.toml --out o\n"));
+    let (log, once) = (d.join("job.log"), d.join("stalled.once"));
+    // Rank 1 stops in step 5 of epoch 2, where the test kills it.
+    let o = c
+        .command("sbatch")
+        .env("RUNNER_TEST_STALL_AT", format!("1:train, epoch 2, step 5@{}", once.display()))
+        .args(["--parsable", "--ntasks=2", "--requeue", "--open-mode=append", "--output"])
+        .arg(&log)
+        .arg("--chdir")
+        .arg(d)
+        .arg(d.join("job.sh"))
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "sbatch: {err}");
+    let id = out.trim().to_owned();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !once.exists() {
+        assert!(std::time::Instant::now() < deadline, "the job did not reach epoch 2:\n{}", c.logs());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // The job's task of rank 1: this job's runner process with SLURM_PROCID=1.
+    let task = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .find(|pid| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let has = |v: String| env.split(|b| *b == 0).any(|x| x == v.as_bytes());
+            let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+            exe == Path::new(runner) && has(format!("SLURM_JOB_ID={id}")) && has("SLURM_PROCID=1".into())
+        })
+        .expect("rank 1's task");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(task), nix::sys::signal::Signal::SIGKILL).unwrap();
+    while c.job_state(&id).as_deref() != Some("COMPLETED") {
+        let log = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(std::time::Instant::now() < deadline, "job {id} did not complete: {:?}\n{log}", c.job_state(&id));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(log.contains("a rank failed, job requeued"), "{log}");
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("o/manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["status"], "complete", "{m:#}\n{log}");
+    let restarts = m["restarts"].as_array().unwrap();
+    assert_eq!(restarts.len(), 1, "{m:#}");
+    assert_eq!(restarts[0]["by"], "slurm", "{m:#}");
+    // Rank 0's account: it lost its peer.
+    assert!(m["failures"][0]["cause"].as_str().unwrap().starts_with("rank 0: "), "{m:#}");
+    assert!(m["goodput"]["wall_s"].as_f64().unwrap() > m["goodput"]["restart_s"].as_f64().unwrap(), "{m:#}");
+    let shown = c.command("scontrol").args(["show", "job", &id]).output().unwrap();
+    assert!(String::from_utf8_lossy(&shown.stdout).contains("Restarts=1"), "requeued once");
+    assert_same_trace(&d.join("whole"), &d.join("o"));
+    let model = |o: &str| std::fs::read(d.join(o).join("model.safetensors")).unwrap();
+    assert!(model("whole") == model("o"), "model.safetensors differs");
+}

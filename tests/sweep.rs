@@ -5,7 +5,7 @@ mod common;
 use std::path::Path;
 use std::time::SystemTime;
 
-use common::{assert_ok, run, text, write, TINY};
+use common::{assert_ok, copy_tree, run, text, write, TINY};
 use polars::prelude::*;
 
 /// Two world sizes × two seeds of the tiny pipeline, two epochs each.
@@ -504,19 +504,6 @@ fn stored_numerics(sweep: &Path) -> String {
     let index: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(sweep.join("sweep.json")).unwrap()).unwrap();
     serde_json::from_value::<runner::numerics::Numerics>(index["numerics"].clone()).unwrap().to_string()
-}
-
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_tree(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).unwrap();
-        }
-    }
 }
 
 /// The committed sharding sweep reproduces in this build, debug or release: its two points at

@@ -10,6 +10,7 @@
 //! is `epoch-NNNN` at an epoch's end of an epoch run, `step-NNNNNNNN` elsewhere. It is written in
 //! `checkpoints/.<name>.tmp-PID/` and renamed into place once its index is synced: a checkpoint
 //! is one only when complete, and a kill at any moment leaves the previous one whole.
+pub mod background;
 pub mod index;
 pub mod reader;
 pub mod writer;

@@ -2,10 +2,11 @@
 //! file; every rank's list of pieces (or its failure) is all-gathered; rank 0 checks that the
 //! pieces hold every tensor once, writes and syncs the index, and renames the checkpoint's
 //! directory into place. Before anything is written, the free space is checked against the
-//! whole checkpoint.
+//! whole checkpoint. The phases ([`begin`], [`write_mine`], [`commit`]) are also those of a
+//! checkpoint written in the background ([`super::background`]).
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use tch::Tensor;
@@ -17,7 +18,7 @@ use crate::plan::Plan;
 use crate::tensorfile::{self, Entry, TensorFile};
 
 /// One rank's pieces as written: (tensor name, its whole shape, its piece).
-type Written = Vec<(String, Vec<i64>, PieceEntry)>;
+pub(super) type Written = Vec<(String, Vec<i64>, PieceEntry)>;
 
 /// Writes the checkpoint of `record.step` from every rank's `pieces` (every rank calls it, at the
 /// same point) and prunes all but the newest `keep`. With `keep` ≥ 2 the oldest are pruned to
@@ -31,6 +32,44 @@ pub fn save(
     record: Record,
     keep: usize,
 ) -> anyhow::Result<()> {
+    let begun = begin(run_dir, plan, pg, &pieces, &record, keep)?;
+    let result = (|| {
+        let written = write_mine(&begun, pg.rank(), &pieces);
+        drop(pieces);
+        // Every rank learns whether every rank wrote its file: all fail together, naming the first.
+        let results: Vec<Result<Written, String>> = all_gather_json(pg, &written)?;
+        if pg.rank() == 0 {
+            commit(run_dir, plan, &begun, results, record, keep)?;
+        } else if let Some(e) = first_error(&begun, &results) {
+            anyhow::bail!(e);
+        }
+        Ok(())
+    })();
+    if result.is_err() && pg.rank() == 0 {
+        let _ = std::fs::remove_dir_all(&begun.staging);
+    }
+    result
+}
+
+/// A checkpoint every rank has begun: its directory being written exists, and there is room.
+pub(super) struct Begun {
+    /// `checkpoints/.<name>.tmp-<rank 0's pid>/`.
+    pub staging: PathBuf,
+    pub name: String,
+    pub step: usize,
+}
+
+/// Begins the checkpoint of `record.step` on every rank (collective): rank 0 prunes, makes the
+/// directory the files go to and checks the free space against every rank's `pieces`; every rank
+/// fails with its verdict.
+pub(super) fn begin(
+    run_dir: &Path,
+    plan: &Plan,
+    pg: &ProcessGroup,
+    pieces: &[Piece],
+    record: &Record,
+    keep: usize,
+) -> anyhow::Result<Begun> {
     let (rank, name) = (pg.rank(), stem(plan, record.step));
     let ck = dir(run_dir);
     if rank == 0 {
@@ -49,27 +88,6 @@ pub fn save(
     let all: Vec<Vec<i64>> = all.iter().map(|t| Vec::<i64>::try_from(t).expect("two int64 values")).collect();
     let staging = ck.join(format!(".{name}.tmp-{}", all[0][1]));
     let total: u64 = all.iter().map(|v| v[0] as u64).sum();
-    let result = write_and_commit(run_dir, plan, pg, &staging, pieces, record, total, keep);
-    if result.is_err() && rank == 0 {
-        let _ = std::fs::remove_dir_all(&staging);
-    }
-    result
-}
-
-/// [`save`] once the directory `staging` exists: every rank's file, then rank 0's index and
-/// commit. `total`: the bytes of every rank's pieces.
-#[allow(clippy::too_many_arguments)]
-fn write_and_commit(
-    run_dir: &Path,
-    plan: &Plan,
-    pg: &ProcessGroup,
-    staging: &Path,
-    pieces: Vec<Piece>,
-    record: Record,
-    total: u64,
-    keep: usize,
-) -> anyhow::Result<()> {
-    let (rank, name, ck) = (pg.rank(), stem(plan, record.step), dir(run_dir));
     // The tensors' bytes, and room for the headers and the index with its trace rows.
     let need = total + 64 * 1024 * pg.size() as u64 + 1024 * (record.rows.len() + record.steps.len()) as u64;
     // Rank 0 looks, before any rank writes (a rank looking later would see the others' files):
@@ -77,32 +95,55 @@ fn write_and_commit(
     let verdict = if rank == 0 { check_space(run_dir, plan, &ck, record.step, need) } else { Ok(()) };
     let verdicts: Vec<Result<(), String>> = all_gather_json(pg, &verdict.map_err(|e| format!("{e:#}")))?;
     if let Some(Err(e)) = verdicts.into_iter().find(Result::is_err) {
+        if rank == 0 {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
         anyhow::bail!(e);
     }
+    Ok(Begun { staging, name, step: record.step })
+}
 
+/// Writes this rank's file of the checkpoint `begun` (none when it holds no piece).
+pub(super) fn write_mine(begun: &Begun, rank: usize, pieces: &[Piece]) -> Result<Written, String> {
     let file = format!("rank-{rank}.safetensors");
     let written = if pieces.is_empty() {
         Ok(Vec::new())
     } else {
-        write_pieces(&staging.join(&file), &file, &pieces).map_err(|e| format!("{e:#}"))
+        write_pieces(&begun.staging.join(&file), &file, pieces).map_err(|e| format!("{e:#}"))
     };
-    drop(pieces);
-    stall_if_asked(rank, record.step);
-    // Every rank learns whether every rank wrote its file: all fail together, naming the first.
-    let results: Vec<Result<Written, String>> = all_gather_json(pg, &written)?;
-    for (r, result) in results.iter().enumerate() {
-        if let Err(e) = result {
-            anyhow::bail!("the checkpoint of {} was not written: rank {r}: {e}", describe(&name));
-        }
+    // A test's kill in the middle of a checkpoint ([`crate::testhook`]).
+    crate::testhook::stall_in_checkpoint(rank, begun.step);
+    written
+}
+
+/// The first rank's failure to write its file, said for the checkpoint `begun`.
+fn first_error(begun: &Begun, results: &[Result<Written, String>]) -> Option<String> {
+    results.iter().enumerate().find_map(|(r, result)| {
+        let e = result.as_ref().err()?;
+        Some(format!("the checkpoint of {} was not written: rank {r}: {e}", describe(&begun.name)))
+    })
+}
+
+/// Rank 0, once every rank's file is written (`results`, by rank): checks that the pieces hold
+/// every tensor once, writes and syncs the index, renames the directory into place, and prunes
+/// all but the newest `keep`.
+pub(super) fn commit(
+    run_dir: &Path,
+    plan: &Plan,
+    begun: &Begun,
+    results: Vec<Result<Written, String>>,
+    record: Record,
+    keep: usize,
+) -> anyhow::Result<()> {
+    if let Some(e) = first_error(begun, &results) {
+        anyhow::bail!(e);
     }
-    if rank != 0 {
-        return Ok(());
-    }
+    let (staging, ck) = (&begun.staging, dir(run_dir));
     let pieces: Vec<(usize, Written)> =
         results.into_iter().enumerate().map(|(r, w)| (r, w.expect("checked above"))).collect();
     let index = index_of(staging, pieces, record)?;
     crate::rundir::atomic_write(&staging.join(INDEX), serde_json::to_string(&index)?.as_bytes())?;
-    let path = ck.join(&name);
+    let path = ck.join(&begun.name);
     if path.exists() {
         // Left by an earlier attempt at the same step.
         super::remove(&path);
@@ -111,17 +152,6 @@ fn write_and_commit(
     std::fs::File::open(&ck).and_then(|d| d.sync_all()).with_context(|| format!("cannot sync {}", ck.display()))?;
     prune(run_dir, plan, keep);
     Ok(())
-}
-
-/// A test hook: with `RUNNER_TEST_STALL_CHECKPOINT=R:STEP` in its environment, rank R stops for
-/// good once its file of the checkpoint of step STEP is written, before the checkpoint is
-/// committed, so that a test can kill the run in the middle of a checkpoint.
-fn stall_if_asked(rank: usize, step: usize) {
-    if std::env::var("RUNNER_TEST_STALL_CHECKPOINT").is_ok_and(|v| v == format!("{rank}:{step}")) {
-        loop {
-            std::thread::sleep(std::time::Duration::from_secs(3600));
-        }
-    }
 }
 
 /// Fails, naming the space and the last good checkpoint, when `need` bytes are not free.

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use clap::{Args, Subcommand};
 
 use crate::config::ConfigError;
+use crate::launch::elastic::Nodes;
 use crate::launch::slurm;
 use crate::launch::spawn::Topology;
 
@@ -185,10 +186,11 @@ pub struct RunArgs {
     /// results (the runner still only replaces its own files there).
     #[arg(long, conflicts_with = "resume")]
     pub force: bool,
-    /// Number of nodes, one `runner run` on each (as torchrun's --nnodes) [default: SLURM_NNODES,
-    /// else 1]
-    #[arg(long)]
-    pub nnodes: Option<usize>,
+    /// Number of nodes, one `runner run` on each (as torchrun's --nnodes): N, or MIN:MAX for an
+    /// elastic run that goes on with at least MIN nodes when some are lost, and takes them back
+    /// at a checkpoint [default: SLURM_NNODES, else 1]
+    #[arg(long, value_name = "N|MIN:MAX")]
+    pub nnodes: Option<Nodes>,
     /// This node's index, 0 to nnodes - 1; node 0 hosts the rendezvous store [default:
     /// SLURM_NODEID, else 0]
     #[arg(long)]
@@ -218,7 +220,8 @@ fn flag_or_slurm(flag: Option<usize>, name: &str, var: &str, default: usize) -> 
 
 impl RunArgs {
     pub(super) fn topology(&self, world_size: usize) -> Result<Topology, ConfigError> {
-        let (nnodes, nnodes_from) = flag_or_slurm(self.nnodes, "--nnodes", "SLURM_NNODES", 1)?;
+        let (nnodes, nnodes_from) = flag_or_slurm(self.nnodes.map(|n| n.max), "--nnodes", "SLURM_NNODES", 1)?;
+        let min_nodes = self.nnodes.map_or(nnodes, |n| n.min);
         if nnodes <= 1 {
             return Ok(Topology::single());
         }
@@ -249,7 +252,7 @@ impl RunArgs {
             (None, Ok(job)) => slurm::master_port(&job).map_err(|e| ConfigError::new(format!("{e:#}")))?,
             (None, Err(_)) => 29500,
         };
-        Ok(Topology { nnodes, node_rank, master: Some((addr, port)) })
+        Ok(Topology { nnodes, min_nodes, node_rank, master: Some((addr, port)) })
     }
 }
 

@@ -1,6 +1,7 @@
 //! The command line: `runner run`, `runner sweep`, `runner report`, `runner validate` and the
 //! rest. This module holds the commands and their dispatch; `args` the arguments of each, `run`
-//! what `runner run` does as a launcher or a rank, `resume` how a run directory is continued.
+//! what `runner run` does as a rank or before it launches, `launcher` what it does as the launcher,
+//! `resume` how a run directory is continued.
 use std::path::Path;
 
 use clap::{Parser, Subcommand};
@@ -11,6 +12,7 @@ use crate::plan::Plan;
 use crate::rundir;
 
 mod args;
+mod launcher;
 mod resume;
 mod run;
 
@@ -254,6 +256,15 @@ pub(super) fn warn_of_slow_bf16(plan: &Plan) {
             crate::say_err!("{warning}");
         }
     }
+}
+
+/// What a panic said, for the error that reports it.
+pub(crate) fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a panic".into())
 }
 
 /// The overrides of a command line: `--set-as LABEL KEY=VALUE` pairs (a sweep's), then `--set`.

@@ -28,6 +28,28 @@ pub(super) fn preempted_plan(dir: &Path, asked: &Plan, claim: Claim) -> anyhow::
     }
 }
 
+/// Under torchrun or srun, when the launcher started the ranks again after a failure
+/// (`TORCHELASTIC_RESTART_COUNT`, `SLURM_RESTART_COUNT` above 0): the plan that continues the
+/// unfinished run of `asked`'s configuration in `dir` from its newest checkpoint, with that
+/// checkpoint's step; `None` to start it over (no checkpoint yet, or no such run). A complete run
+/// is left complete.
+pub(super) fn restarted_plan(dir: &Path, asked: &Plan) -> anyhow::Result<Option<(Plan, usize)>> {
+    match Manifest::read(dir) {
+        Ok(m) if m.run_id == asked.run_id && m.status == Status::Complete => Err(ConfigError::new(format!(
+            "run {} in {} is complete: nothing is left to run; its launcher restarted it after it ended",
+            m.run_id,
+            dir.display()
+        ))
+        .into()),
+        Ok(m) if m.run_id == asked.run_id => match checkpoint::newest_unread(dir, asked).map_err(ConfigError::new)? {
+            Some(found) if found.record().step >= asked.total_steps() => Ok(Some((asked.clone(), found.record().step))),
+            Some(found) => Ok(Some((resumed_plan(dir, asked)?, found.record().step))),
+            None => Ok(None),
+        },
+        _ => Ok(None),
+    }
+}
+
 pub(super) fn say_resuming(dir: &Path) {
     if let Ok(m) = Manifest::read(dir) {
         let why = match (m.failure, m.preempted_at_step) {

@@ -1,6 +1,5 @@
 //! `runner run`: as the launcher of this node's ranks, or as one rank (of runner's own launcher,
 //! torchrun or srun).
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -10,8 +9,8 @@ use crate::config::{self, ConfigError};
 use crate::launch::agree;
 use crate::launch::env::{Launcher, RankEnv};
 use crate::launch::rank;
+use crate::launch::restart;
 use crate::launch::slurm;
-use crate::launch::spawn::{self, Topology};
 use crate::plan::Plan;
 use crate::rundir;
 use crate::rundir::lock::{self, RunLock};
@@ -19,8 +18,8 @@ use crate::rundir::manifest::{Manifest, Status};
 use crate::stages::preempt;
 use crate::trace::view;
 
-use super::resume::{preempted_plan, resumed_plan, say_resuming};
-use super::{overrides, warn_of_slow_bf16, ConfigArgs, RunArgs};
+use super::resume::{preempted_plan, restarted_plan, resumed_plan, say_resuming};
+use super::{overrides, panic_text, warn_of_slow_bf16, ConfigArgs, RunArgs};
 
 pub(super) fn run(args: &RunArgs) -> anyhow::Result<u8> {
     let claim = Claim { resume: args.resume.is_some(), force: args.force };
@@ -73,7 +72,7 @@ pub(super) fn run(args: &RunArgs) -> anyhow::Result<u8> {
     }
     let topology = args.topology(plan.world_size())?;
     warn_of_slow_bf16(&plan);
-    launch(&plan, &topology, claim, &dir)
+    super::launcher::launch(&plan, &topology, claim, &dir)
 }
 
 /// How a run takes its directory.
@@ -97,23 +96,15 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     rank::check_world_size(&plan, env)?;
     let timeout = std::time::Duration::from_secs_f64(plan.config.run.timeout_s);
     let store = std::sync::Arc::new(rank::open_store(env, timeout)?);
+    // Rank 0 under torchrun or srun: whether this attempt goes on after a failure of the run.
+    let restarting = std::cell::Cell::new(false);
     let (agreed, owned) = if env.launcher == Launcher::Runner {
         (agree::Agreed { plan, resume: claim.resume }, None)
     } else {
         let parties = agree::Parties { label: "rank", me: env.rank, count: env.world_size };
         agree::rank0_plan(&store, &plan, parties, |plan| {
             rank::check_world_size(plan, env)?;
-            let run_dir = run_dir_of(plan);
-            let (plan, resume) = match preempted_plan(&run_dir, plan, claim)? {
-                Some(resumed) => (resumed, true),
-                None => (plan.clone(), claim.resume),
-            };
-            if resume {
-                say_resuming(&run_dir);
-            }
-            let manifest = plan.manifest();
-            let lock = prepare_run_dir(&plan, &run_dir, &manifest, Claim { resume, ..claim })?;
-            Ok((agree::Agreed { plan, resume }, (lock, manifest)))
+            claim_as_rank0(plan, env, &run_dir_of(plan), claim, &restarting)
         })?
     };
     let agree::Agreed { plan, resume } = agreed;
@@ -124,7 +115,7 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     let committed = std::cell::Cell::new(!resume);
     let write = || {
         let m = manifest.as_ref().expect("rank 0 owns the run directory");
-        commit_run_dir(&plan, &run_dir, m)?;
+        rundir::commit_run_dir(&plan, &run_dir, m)?;
         committed.set(true);
         Ok(())
     };
@@ -142,8 +133,10 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
         Err(panic) => Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))),
     });
     let preempted = result.as_ref().err().and_then(|e| e.downcast_ref::<preempt::Preempted>()).copied();
-    // A resume refused before every rank accepted it leaves the run's manifest as it was.
-    if let Some(manifest) = manifest.as_mut().filter(|_| committed.get()) {
+    let mut requeue = None;
+    // A resume refused before every rank accepted it leaves the run's manifest as it was; a
+    // restart after a failure (torchrun's, a requeued srun job's) records its own failure there.
+    if let Some(manifest) = manifest.as_mut().filter(|_| committed.get() || restarting.get()) {
         match (&result, preempted) {
             (Ok(_), _) => {
                 manifest.end(Status::Complete, None);
@@ -153,9 +146,27 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
                 manifest.end(Status::Preempted, None);
                 manifest.preempted_at_step = Some(p.step);
             }
-            (Err(e), None) => manifest.end(Status::Failed, Some(format!("rank 0: {e:#}"))),
+            (Err(e), None) => {
+                manifest.end(Status::Failed, Some(format!("rank 0: {e:#}")));
+                let repeated = restart::record_rank0_failure(manifest, &run_dir, &format!("{e:#}"));
+                let slurm_restarts = manifest.restarts.iter().filter(|r| r.by == "slurm").count();
+                if env.launcher == Launcher::Srun && plan.config.run.max_restarts > 0 {
+                    requeue = Some(match (repeated, slurm_restarts < plan.config.run.max_restarts) {
+                        (true, _) => Err("it failed the same way before: a failure that repeats is not retried"),
+                        (false, false) => Err("no restart left (run.max_restarts)"),
+                        (false, true) => Ok(checkpoint::newest_unread(&run_dir, &plan).ok().flatten().is_some()),
+                    });
+                }
+            }
         }
+        manifest.account(&run_dir);
         manifest.write(&run_dir)?;
+    }
+    match requeue {
+        // Under srun rank 0 owns the run and requeues the job (the requeued one resumes).
+        Some(Ok(resumable)) => slurm::requeue("a rank failed", resumable, &run_dir),
+        Some(Err(why)) => crate::say_err!("a rank failed; the job is not requeued: {why}"),
+        None => {}
     }
     if let Some(p) = preempted {
         // Under srun rank 0 owns the run, and requeues the job once; under runner's launcher,
@@ -184,131 +195,62 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     Ok(0)
 }
 
-fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "a panic".into())
-}
-
-fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
-    crate::say!("{}", plan.data_flow());
-    for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()) {
-        crate::say!("{note}");
-    }
-    for line in crate::stages::track::plan_lines(plan, Some(run_dir)) {
-        crate::say!("{line}");
-    }
-    if let Some(sweep) = std::env::var(crate::launch::env::SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {
-        // Started by `runner sweep`: its end (even by SIGKILL) interrupts this run.
-        let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM);
-        if nix::unistd::getppid().as_raw() != sweep {
-            return Err(anyhow::anyhow!("the sweep that started this run has ended"));
-        }
+/// Rank 0 under torchrun or srun, once every rank runs the same configuration: takes the run
+/// directory (`claim_run_dir`) for `plan`, or for the plan that goes on from its checkpoint when
+/// the run was preempted, or when its launcher started the ranks again after a failure.
+/// `restarting` is set for the launcher's restart after a failure: the run is under way, and its
+/// manifest records the restart at once (its plan and configuration only once every rank
+/// accepted the resumed plan, as for any resume).
+fn claim_as_rank0(
+    plan: &Plan,
+    env: &RankEnv,
+    run_dir: &Path,
+    claim: Claim,
+    restarting: &std::cell::Cell<bool>,
+) -> anyhow::Result<(agree::Agreed, (RunLock, Manifest))> {
+    let restarted = env.restarts > 0 && !claim.resume;
+    let (plan, resume, from_step) = match preempted_plan(run_dir, plan, claim)? {
+        Some(resumed) => (resumed, true, None),
+        None if restarted => match restarted_plan(run_dir, plan)? {
+            Some((resumed, step)) => (resumed, true, Some(step)),
+            None => (plan.clone(), false, Some(0)),
+        },
+        None => (plan.clone(), claim.resume, None),
+    };
+    if resume {
+        say_resuming(run_dir);
     }
     let mut manifest = plan.manifest();
-    let _lock = prepare_run_dir(plan, run_dir, &manifest, claim)?;
-    // Every rank runs the plan resolved here, never the pipeline file again. A resume's plan
-    // waits in a temporary file until every rank accepted it: then it is the run's plan.json.
-    let plan_file =
-        if claim.resume { rundir::tmp_path(&run_dir.join(rundir::PLAN)) } else { run_dir.join(rundir::PLAN) };
-    if claim.resume {
-        plan.save(&plan_file)?;
-    }
-    let child_args: Vec<OsString> = vec![
-        "run".into(),
-        "--plan".into(),
-        plan_file.into(),
-        if claim.resume { "--resume" } else { "--out" }.into(),
-        run_dir.into(),
-    ];
-    let mut commit = || commit_run_dir(plan, run_dir, &manifest);
-    let commit: Option<&mut dyn FnMut() -> anyhow::Result<()>> = claim.resume.then_some(&mut commit);
-    // Every way the launcher ends records how: an error (a store it cannot serve or join, a
-    // configuration the other nodes do not share) or a panic is a failed run.
-    let launched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        spawn::launch(plan, topology, run_dir, &child_args, commit)
-    }))
-    .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", panic_text(&panic))));
-    // Every rank has ended: what a write cut short left (a checkpoint being written when a signal
-    // came, a temporary file, a resume's plan never accepted) goes now, not at the next start.
-    rundir::remove_unfinished(run_dir);
-    let outcome = match launched {
-        Ok(outcome) => outcome,
-        Err(e) if !claim.resume => {
-            manifest.end(Status::Failed, Some(format!("{e:#}")));
-            manifest.write(run_dir)?;
-            return Err(e);
-        }
-        Err(e) => return Err(e.context(unchanged(run_dir))),
-    };
-    if !outcome.committed && !outcome.preempted {
-        return refused_resume(&outcome, run_dir);
-    }
-    if outcome.preempted {
-        // The newest checkpoint: the one the ranks just wrote, or, when the signal came before
-        // any rank started, the one a resumed run started from (none: the run starts over).
-        let step = checkpoint::newest_unread(run_dir, plan).ok().flatten().map(|f| f.record().step);
-        manifest.end(Status::Preempted, None);
-        manifest.preempted_at_step = step;
-        manifest.write(run_dir)?;
-        let said = match (outcome.started, step) {
-            (true, Some(step)) => format!("preempted at step {step}: checkpoint written"),
-            (false, Some(step)) => format!("preempted before any rank started: it resumes from step {step}"),
-            (_, None) => "preempted before its first checkpoint".to_owned(),
-        };
-        // One requeue per job: node 0's launcher asks for it.
-        match topology.node_rank {
-            0 => slurm::requeue(&said, step.is_some(), run_dir),
-            _ => crate::say_err!("{said}; node 0 says how the run goes on"),
-        }
-        return Ok(128 + plan.config.run.preempt_signal.number() as u8);
-    }
-    if let Some(sig) = outcome.interrupted {
-        manifest.end(Status::Interrupted, None);
-        manifest.write(run_dir)?;
-        let what = if outcome.started {
-            format!("every rank was stopped; the trace keeps every finished {}", trace_unit(&plan.config))
-        } else {
-            "no rank had started; nothing was written but the run's configuration".to_owned()
-        };
-        crate::say_err!("\ninterrupted by {}: {what} in {}", crate::signals::name(sig), run_dir.display());
-        return Ok(128 + sig as u8);
-    }
-    match &outcome.failure {
-        None => {
-            manifest.end(Status::Complete, None);
-            manifest.stopped(run_dir, &plan.config.train);
-            manifest.write(run_dir)?;
-            crate::say!("  run directory: {}", run_dir.display());
-            Ok(0)
-        }
-        Some(f) => {
-            manifest.end(Status::Failed, Some(f.summary()));
-            manifest.write(run_dir)?;
-            crate::say_err!("\nerror: the run failed: {}", f.summary());
-            if !f.stderr_tail.is_empty() {
-                crate::say_err!("  last lines rank {} wrote to stderr:", f.rank);
-                for line in &f.stderr_tail {
-                    crate::say_err!("    {line}");
-                }
+    if let Ok(earlier) = Manifest::read(run_dir) {
+        let by = if env.launcher == Launcher::Srun { "slurm" } else { "torchrun" };
+        match from_step {
+            // The launcher's restart after a failure of this run.
+            Some(step) if earlier.run_id == plan.run_id => {
+                restart::record_relaunch(&mut manifest, &earlier, by, step, run_dir);
+                restarting.set(true);
             }
-            crate::say_err!(
-                "  run directory (traces keep every finished {}): {}",
-                trace_unit(&plan.config),
-                run_dir.display()
-            );
-            Ok(1)
+            _ if resume && earlier.status == Status::Preempted => manifest.carry_history(&earlier),
+            _ => {}
         }
     }
+    let lock = prepare_run_dir(&plan, run_dir, &manifest, Claim { resume, ..claim })?;
+    if resume && restarting.get() {
+        manifest.write(run_dir)?;
+    }
+    Ok((agree::Agreed { plan, resume }, (lock, manifest)))
 }
 
 /// Takes the run directory for this run: creates it, locks it (a second launcher is refused,
 /// naming the pid holding it), refuses one that is not this run's unless `--force`, removes
-/// what a fresh run replaces (only the runner's own files) and stale temporary files, and writes
-/// plan.json, config.toml and the manifest.
-fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest, claim: Claim) -> anyhow::Result<RunLock> {
+/// what a fresh run replaces (only the runner's own files) and stale temporary files, and, for a
+/// fresh run, writes plan.json, config.toml and the manifest (a resume writes them once every
+/// rank accepted its plan: [`rundir::commit_run_dir`]).
+pub(super) fn prepare_run_dir(
+    plan: &Plan,
+    run_dir: &Path,
+    manifest: &Manifest,
+    claim: Claim,
+) -> anyhow::Result<RunLock> {
     std::fs::create_dir_all(run_dir)
         .with_context(|| format!("cannot create the run directory {}", run_dir.display()))?;
     let lock = lock::acquire(run_dir).map_err(|e| ConfigError::new(e.message(run_dir)))?;
@@ -327,67 +269,9 @@ fn prepare_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest, claim: Clai
         }
         rundir::clear_for_fresh_run(run_dir);
     }
-    // A resume writes them once every rank has accepted its plan ([`commit_run_dir`]).
+    // A resume writes them once every rank has accepted its plan.
     if !claim.resume {
-        commit_run_dir(plan, run_dir, manifest)?;
+        rundir::commit_run_dir(plan, run_dir, manifest)?;
     }
     Ok(lock)
-}
-
-/// What a trace row counts, as the interrupt and failure messages name it: an epoch, or an
-/// interval of optimizer steps (a run in `train.steps` writes a row every `validate.every_steps`).
-fn trace_unit(c: &crate::config::schema::Config) -> String {
-    match c.train.steps {
-        None => "epoch".into(),
-        Some(total) => {
-            let every = c.validate.every_steps.unwrap_or(total);
-            format!("interval of {every} optimizer step{}", if every == 1 { "" } else { "s" })
-        }
-    }
-}
-
-/// Writes the run's plan.json, config.toml and manifest: before a fresh run starts its ranks; for
-/// a resume (which may extend or reshard the run), once every rank accepted its plan.
-fn commit_run_dir(plan: &Plan, run_dir: &Path, manifest: &Manifest) -> anyhow::Result<()> {
-    // Written again if the resumed run stops early.
-    let _ = std::fs::remove_file(run_dir.join(rundir::STOPPED));
-    plan.save(&run_dir.join(rundir::PLAN))?;
-    rundir::atomic_write(&run_dir.join(rundir::CONFIG), plan.annotated_toml().as_bytes())?;
-    manifest.write(run_dir)
-}
-
-/// What a resume that ended before its ranks accepted its plan left: the run directory as it was.
-fn unchanged(run_dir: &Path) -> String {
-    let status = Manifest::read(run_dir).map_or("its".to_owned(), |m| format!("{:?}", m.status).to_lowercase());
-    format!(
-        "the resume stopped before every rank had accepted its plan: {} is as it was (still {status}, its plan, \
-         configuration, trace and checkpoints untouched)",
-        run_dir.display()
-    )
-}
-
-/// How a resume ended that never had every rank accept its plan (a rank refused it or failed
-/// loading the checkpoint, or a signal came first): said, with the directory left as it was.
-fn refused_resume(outcome: &spawn::Outcome, run_dir: &Path) -> anyhow::Result<u8> {
-    if let Some(sig) = outcome.interrupted {
-        crate::say_err!("\ninterrupted by {}: {}", crate::signals::name(sig), unchanged(run_dir));
-        return Ok(128 + sig as u8);
-    }
-    match &outcome.failure {
-        Some(f) => {
-            crate::say_err!("\nerror: the resume failed: {}", f.summary());
-            if !f.stderr_tail.is_empty() {
-                crate::say_err!("  last lines rank {} wrote to stderr:", f.rank);
-                for line in &f.stderr_tail {
-                    crate::say_err!("    {line}");
-                }
-            }
-            crate::say_err!("  {}", unchanged(run_dir));
-            Ok(1)
-        }
-        None => {
-            crate::say_err!("\nerror: {}", unchanged(run_dir));
-            Ok(1)
-        }
-    }
 }

@@ -33,11 +33,17 @@ pub struct Checkpoint {
     pub every_steps: Option<usize>,
     /// Checkpoints kept; older ones are deleted.
     pub keep: usize,
+    /// Write checkpoints in the background: at the step each rank copies its share of the state
+    /// to memory and training goes on while a thread writes it; the checkpoint counts once every
+    /// rank's file is written and synced, as a synchronous one. At most one is in flight (the
+    /// next waits for it), and a kill at any moment leaves the one before whole.
+    #[serde(rename = "async", skip_serializing_if = "is_default")]
+    pub asynchronous: bool,
 }
 
 impl Default for Checkpoint {
     fn default() -> Self {
-        Checkpoint { every: 0, every_steps: None, keep: 2 }
+        Checkpoint { every: 0, every_steps: None, keep: 2, asynchronous: false }
     }
 }
 
@@ -87,6 +93,17 @@ pub struct Run {
     /// submitit uses USR2.
     #[serde(skip_serializing_if = "is_default")]
     pub preempt_signal: PreemptSignal,
+    /// Times the launcher starts every rank again after a rank fails (a non-zero exit, a signal,
+    /// a stalled step, a lost peer), each time from the newest checkpoint (from the start when
+    /// there is none yet). A failure that repeats at the same step with the same cause is not
+    /// retried. 0 (the default, as torchrun's --max-restarts): a failure ends the run.
+    #[serde(skip_serializing_if = "is_default")]
+    pub max_restarts: usize,
+    /// With `--nnodes MIN:MAX`: seconds the nodes left wait for a lost node to come back before
+    /// they go on without it (at least MIN nodes), from the newest checkpoint at the smaller
+    /// world size.
+    #[serde(skip_serializing_if = "is_default_rejoin")]
+    pub rejoin_timeout_s: f64,
     /// The numerical path of libtorch's CPU kernels: "native" (the default: this CPU's own
     /// kernels, as PyTorch runs; the same bits on the same CPU model) or "portable" (the same bits
     /// on any x86-64 CPU with AVX2: MKL_CBWR=COMPATIBLE, ATen's AVX2 kernels, oneDNN and NNPACK
@@ -122,6 +139,13 @@ impl CpuNumerics {
     fn leaves_out(&self) -> bool {
         skip(*self == CpuNumerics::stored())
     }
+}
+
+/// `run.rejoin_timeout_s`'s default: torchrun's last call for nodes of an elastic rendezvous.
+const REJOIN_TIMEOUT_S: f64 = 30.0;
+
+fn is_default_rejoin(v: &f64) -> bool {
+    skip(*v == REJOIN_TIMEOUT_S)
 }
 
 /// A signal a job scheduler sends before it stops a job (`run.preempt_signal`).
@@ -169,6 +193,8 @@ impl Default for Run {
             memory_per_rank_mb: None,
             peak_tflops: None,
             preempt_signal: PreemptSignal::Usr1,
+            max_restarts: 0,
+            rejoin_timeout_s: REJOIN_TIMEOUT_S,
             numerics: CpuNumerics::Native,
         }
     }
@@ -1179,12 +1205,14 @@ pub struct Track {
 
 impl Config {
     /// The configuration without what only records a run (TensorBoard, MLflow, step logging, the
-    /// peak MFU is measured against):
-    /// what the run id covers, since none of it changes what the run computes.
+    /// peak MFU is measured against) or how it survives failures (`run.max_restarts`,
+    /// `run.rejoin_timeout_s`, `checkpoint.async`): what the run id covers, since none of it
+    /// changes what the run computes.
     pub fn without_tracking(&self) -> Config {
         let d = Trace::default();
         let trace = Trace { tensorboard: d.tensorboard, log_every_steps: d.log_every_steps, ..self.trace.clone() };
-        let run = Run { peak_tflops: None, ..self.run.clone() };
-        Config { run, trace, track: Track::default(), ..self.clone() }
+        let run = Run { max_restarts: 0, rejoin_timeout_s: REJOIN_TIMEOUT_S, peak_tflops: None, ..self.run.clone() };
+        let checkpoint = Checkpoint { asynchronous: false, ..self.checkpoint.clone() };
+        Config { trace, track: Track::default(), run, checkpoint, ..self.clone() }
     }
 }

@@ -77,6 +77,7 @@ extern "C" {
     pub fn rn_store_add(s: *mut RnStore, key: *const c_char, delta: i64, out: *mut i64) -> *mut c_char;
     pub fn rn_store_check(s: *mut RnStore, key: *const c_char, present: *mut c_int) -> *mut c_char;
     pub fn rn_store_port(s: *mut RnStore, out: *mut u16) -> *mut c_char;
+    pub fn rn_store_prefixed(s: *mut RnStore, prefix: *const c_char, out: *mut *mut RnStore) -> *mut c_char;
 
     pub fn rn_pg_new_gloo(
         s: *mut RnStore,

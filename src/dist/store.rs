@@ -143,6 +143,22 @@ impl Store {
         self.timeout
     }
 
+    /// A view of this store whose keys all go under `prefix` (c10d's PrefixStore): one attempt
+    /// of a job restarted over the same store (torchrun's `--max-restarts`) never reads the keys
+    /// of the attempt before.
+    pub fn prefixed(&self, prefix: &str) -> Result<Store> {
+        let op = format!("store.prefixed({prefix:?})");
+        let p = key_c(prefix, &op)?;
+        let handle = self.call(op, move |raw, op| {
+            let mut out = std::ptr::null_mut();
+            // SAFETY: `raw` is a live store (its Arc is held by the caller), `p` outlives the call,
+            // and `out` is written only on success.
+            check(op, unsafe { ffi::rn_store_prefixed(raw, p.as_ptr(), &mut out) })?;
+            Ok(Arc::new(Handle(NonNull::new(out).expect("rn_store_prefixed succeeded"))))
+        })?;
+        Ok(Store { handle, timeout: self.timeout })
+    }
+
     pub(crate) fn raw(&self) -> *mut ffi::RnStore {
         self.handle.0.as_ptr()
     }

@@ -9,6 +9,18 @@ pub const LAUNCHER_PID: &str = "RUNNER_LAUNCHER_PID";
 pub const SWEEP_PID: &str = "RUNNER_SWEEP_PID";
 /// torchrun's flag for "the launcher hosts the store; every rank is a client".
 pub const AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
+/// Set on ranks by an elastic launcher ([`super::elastic`]): the prefix of the attempt's keys in
+/// the store, which outlives attempts.
+pub const STORE_PREFIX: &str = "RUNNER_STORE_PREFIX";
+/// How many times torchrun restarted this job's workers (its `--max-restarts`).
+pub const TORCHRUN_RESTARTS: &str = "TORCHELASTIC_RESTART_COUNT";
+/// How many times Slurm requeued this job.
+pub const SLURM_RESTARTS: &str = "SLURM_RESTART_COUNT";
+
+/// A count of restarts its launcher gives in `var`: 0 when absent or not a number.
+pub fn restarts(var: &str) -> usize {
+    std::env::var(var).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+}
 
 /// What started this rank.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -44,6 +56,10 @@ pub struct RankEnv {
     pub agent_store: bool,
     pub launcher_pid: Option<u32>,
     pub launcher: Launcher,
+    /// How many times the launcher started the job's ranks again (torchrun's
+    /// TORCHELASTIC_RESTART_COUNT, Slurm's SLURM_RESTART_COUNT): above 0, a run of this
+    /// configuration left unfinished in the run directory goes on from its newest checkpoint.
+    pub restarts: usize,
 }
 
 impl RankEnv {
@@ -95,6 +111,7 @@ impl RankEnv {
             agent_store,
             launcher_pid,
             launcher: if launcher_pid.is_some() { Launcher::Runner } else { Launcher::Torchrun },
+            restarts: if launcher_pid.is_some() { 0 } else { restarts(TORCHRUN_RESTARTS) },
         }))
     }
 

@@ -2,8 +2,10 @@
 //! under srun with several tasks per node) or spawns and supervises `world_size` rank processes
 //! itself.
 pub mod agree;
+pub mod elastic;
 pub mod env;
 pub mod rank;
+pub mod restart;
 pub mod slurm;
 pub mod spawn;
 pub mod watchdog;

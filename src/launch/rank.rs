@@ -115,7 +115,22 @@ fn first_line(s: &str) -> &str {
 }
 
 /// The store: a client of the launcher's (torchrun, runner) or, without one, served by rank 0.
+/// Under torchrun, and an elastic launcher, its keys go under the attempt's prefix: a restarted
+/// job meets in the same store as the attempt before, whose keys are still there.
 pub fn open_store(env: &RankEnv, timeout: Duration) -> anyhow::Result<Store> {
+    let store = joined_store(env, timeout)?;
+    let prefix = match env.launcher {
+        super::env::Launcher::Torchrun => Some(format!("runner/attempt-{}", env.restarts)),
+        super::env::Launcher::Runner => std::env::var(super::env::STORE_PREFIX).ok(),
+        super::env::Launcher::Srun => None,
+    };
+    match prefix {
+        Some(prefix) => Ok(store.prefixed(&prefix)?),
+        None => Ok(store),
+    }
+}
+
+fn joined_store(env: &RankEnv, timeout: Duration) -> anyhow::Result<Store> {
     if env.rank == 0 && !env.agent_store {
         if is_loopback(&env.master_addr) {
             let listener = TcpListener::bind(("127.0.0.1", env.master_port))

@@ -110,6 +110,7 @@ impl Step {
             agent_store: false,
             launcher_pid: None,
             launcher: super::env::Launcher::Srun,
+            restarts: super::env::restarts(super::env::SLURM_RESTARTS),
         })
     }
 }

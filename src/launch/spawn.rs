@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{self, Signal};
 use nix::unistd::Pid;
 
-use super::env::{AGENT_STORE, LAUNCHER_PID};
+use super::env::{AGENT_STORE, LAUNCHER_PID, STORE_PREFIX};
 use crate::dist::{record_exit, Store};
 use crate::plan::Plan;
 use crate::rundir::position;
@@ -36,6 +36,9 @@ pub struct Outcome {
     pub preempted: bool,
     /// Whether any rank was started.
     pub started: bool,
+    /// From the start of the launch until every rank of this node was training (its position
+    /// said so): a restart's time to get going again. `None` when they never were.
+    pub training_after: Option<Duration>,
     /// Whether the run's directory took its files: always for a fresh run; for a resume, once
     /// every rank accepted its plan (and the launcher wrote them).
     pub committed: bool,
@@ -43,9 +46,15 @@ pub struct Outcome {
 
 impl Outcome {
     /// The launcher was stopped or preempted before it started any rank.
-    fn before_start(i: crate::signals::Interruption, committed: bool) -> Outcome {
-        let interrupted = (!i.preempt).then_some(i.signal);
-        Outcome { failure: None, interrupted, preempted: i.preempt, started: false, committed }
+    pub fn before_start(i: crate::signals::Interruption, committed: bool) -> Outcome {
+        Outcome {
+            failure: None,
+            interrupted: (!i.preempt).then_some(i.signal),
+            preempted: i.preempt,
+            started: false,
+            training_after: None,
+            committed,
+        }
     }
 }
 
@@ -55,6 +64,10 @@ pub struct Failure {
     pub how: String,
     /// Stage, epoch and step the rank had reached.
     pub position: Option<String>,
+    /// Optimizer steps the run had done, as the rank last recorded.
+    pub steps_done: Option<usize>,
+    /// From the failure (for a stalled rank: its last progress) until every rank had stopped.
+    pub detect: Duration,
     pub stderr_tail: Vec<String>,
     /// Ranks killed because they had not stopped within abort_after_s, and where they were
     /// (a rank stalled in a collective shows here).
@@ -75,6 +88,19 @@ impl Failure {
         }
         s
     }
+
+    /// How it ended and the error it gave: "was killed by SIGKILL", "exited with code 1: the
+    /// training loss became NaN ..." (the rank's own `error:` line, without its rank).
+    pub fn cause(&self) -> String {
+        let error = self.stderr_tail.iter().rev().find_map(|l| l.strip_prefix("error: ")).map(|e| {
+            let without_rank = e.strip_prefix("rank ").and_then(|r| r.split_once(": ")).map(|(_, rest)| rest);
+            without_rank.unwrap_or(e).to_owned()
+        });
+        match error {
+            Some(e) => format!("{}: {e}", self.how),
+            None => self.how.clone(),
+        }
+    }
 }
 
 struct Rank {
@@ -87,7 +113,10 @@ struct Rank {
 /// world_size / nnodes ranks; node 0 hosts the store at `master`.
 #[derive(Debug, Clone)]
 pub struct Topology {
+    /// The nodes of the job (the most, for an elastic one).
     pub nnodes: usize,
+    /// The fewest it goes on with (`--nnodes MIN:MAX`); `nnodes` for a job of fixed size.
+    pub min_nodes: usize,
     pub node_rank: usize,
     /// Address and port of node 0's store; None on a single node (loopback, OS-chosen port).
     pub master: Option<(String, u16)>,
@@ -95,45 +124,88 @@ pub struct Topology {
 
 impl Topology {
     pub fn single() -> Topology {
-        Topology { nnodes: 1, node_rank: 0, master: None }
+        Topology { nnodes: 1, min_nodes: 1, node_rank: 0, master: None }
     }
 }
 
-/// `commit`: with a resume, what writes the run directory's files once the ranks accepted the
-/// plan (rank 0 says so through the store; the ranks wait for the answer).
+/// Meets the job's other nodes (the store), then starts and supervises this node's ranks
+/// ([`start`]; `commit` as there).
 pub fn launch(
     plan: &Plan,
     topology: &Topology,
     run_dir: &Path,
     child_args: &[OsString],
-    mut commit: Option<&mut dyn FnMut() -> anyhow::Result<()>>,
+    commit: Option<Commit>,
 ) -> anyhow::Result<Outcome> {
-    let mut committed = commit.is_none();
     // Ctrl-C, SIGTERM, SIGHUP, ... stop the ranks through the supervision loop below; the
     // preemption signal is forwarded to them ([`crate::signals`], set up since the first instruction).
-    let preempt_signal = plan.config.run.preempt_signal.number();
-    crate::signals::set_preempt(preempt_signal);
-    // How a rank that was preempted exits.
-    let preempted_exit = Some(128 + preempt_signal);
+    crate::signals::set_preempt(plan.config.run.preempt_signal.number());
     let world = plan.world_size();
     let per_node = world / topology.nnodes;
-    let first_rank = topology.node_rank * per_node;
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
-    // A signal ends the rendezvous' waits: the run then ends as the signal says, not as failed.
-    let stopped = |e: anyhow::Error| match crate::signals::interruption() {
-        Some(i) => Ok(Outcome::before_start(i, committed)),
-        None => Err(e),
-    };
-    let (store, master_addr, port) = match rendezvous(topology, world, timeout) {
+    let (store, addr, port) = match rendezvous(topology, world, timeout) {
         Ok(joined) => joined,
-        Err(e) => return stopped(e),
+        Err(e) => return stopped(e, commit.is_none()),
     };
     if topology.nnodes > 1 {
         let parties = super::agree::Parties { label: "node", me: topology.node_rank, count: topology.nnodes };
         if let Err(e) = super::agree::same_config(&store, plan, parties) {
-            return stopped(e);
+            return stopped(e, commit.is_none());
         }
     }
+    let meeting =
+        Meeting { store: &store, addr, port, prefix: None, first_rank: topology.node_rank * per_node, per_node, world };
+    start(plan, &meeting, run_dir, child_args, commit, &mut || {})
+}
+
+/// A signal ends the rendezvous' waits: the run then ends as the signal says, not as failed.
+/// `committed`: whether the run directory already holds this run's files (not a resume).
+pub fn stopped(e: anyhow::Error, committed: bool) -> anyhow::Result<Outcome> {
+    match crate::signals::interruption() {
+        Some(i) => Ok(Outcome::before_start(i, committed)),
+        None => Err(e),
+    }
+}
+
+/// Where this node's ranks meet the job's: the store (under the attempt's prefix), its address
+/// as the ranks reach it, and which of the `world` ranks this node runs.
+pub struct Meeting<'a> {
+    pub store: &'a Store,
+    pub addr: String,
+    pub port: u16,
+    /// The prefix of the attempt's keys in the store, when it outlives attempts (the elastic
+    /// host's); the ranks take it from [`STORE_PREFIX`].
+    pub prefix: Option<String>,
+    pub first_rank: usize,
+    pub per_node: usize,
+    pub world: usize,
+}
+
+/// What writes a resumed run's files (plan.json, config.toml, the manifest) into its directory
+/// once every rank accepted the plan ([`super::rank::Commit`]): this node's share of it (node 0's
+/// launcher writes them; another node's has nothing to write where the directory is shared, but
+/// answers all the same).
+pub type Commit<'a> = &'a mut dyn FnMut() -> anyhow::Result<()>;
+
+/// Starts this node's ranks of `plan` and supervises them until every one has ended. `commit`:
+/// with a resume, called once rank 0 said through the store that every rank accepted the plan and
+/// loaded the checkpoint; the ranks wait for every node's answer ([`super::rank::committed`]).
+/// `tick` runs at every turn of the supervision (the elastic host watches for joining nodes there).
+pub fn start(
+    plan: &Plan,
+    meeting: &Meeting,
+    run_dir: &Path,
+    child_args: &[OsString],
+    mut commit: Option<Commit>,
+    tick: &mut dyn FnMut(),
+) -> anyhow::Result<Outcome> {
+    let mut committed = commit.is_none();
+    let preempt_signal = plan.config.run.preempt_signal.number();
+    // How a rank that was preempted exits.
+    let preempted_exit = Some(128 + preempt_signal);
+    let Meeting { store, first_rank, per_node, world, .. } = *meeting;
+    let (master_addr, port) = (&meeting.addr, meeting.port);
+    let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
     if let Some(i) = crate::signals::interruption() {
         return Ok(Outcome::before_start(i, committed));
     }
@@ -150,13 +222,16 @@ pub fn launch(
             .env("LOCAL_RANK", local.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_WORLD_SIZE", per_node.to_string())
-            .env("MASTER_ADDR", &master_addr)
+            .env("MASTER_ADDR", master_addr)
             .env("MASTER_PORT", port.to_string())
             .env(AGENT_STORE, "True")
             .env(LAUNCHER_PID, std::process::id().to_string())
             .env("OMP_NUM_THREADS", plan.threads_per_rank.to_string())
             .stdin(Stdio::null())
             .stderr(Stdio::piped());
+        if let Some(prefix) = &meeting.prefix {
+            command.env(STORE_PREFIX, prefix);
+        }
         // Started with the signals blocked: one forwarded while the rank still loads waits for
         // the rank's own setup instead of killing it.
         let mut child = crate::signals::blocked(|| command.spawn())?;
@@ -176,8 +251,11 @@ pub fn launch(
         ranks.push(Rank { child, status: None, tail });
     }
 
+    let launched = Instant::now();
+    let mut training_after = None;
     let abort_after = Duration::from_secs_f64(plan.config.run.abort_after_s);
-    let mut first_failure: Option<(usize, String, Instant)> = None;
+    // The first failure: its rank, how, when it was noticed and when it began (a stall: its start).
+    let mut first_failure: Option<(usize, String, Instant, Instant)> = None;
     let mut interrupted: Option<(i32, Instant)> = None;
     let mut killed = Vec::new();
     let mut stopped_since: Vec<Option<Instant>> = vec![None; ranks.len()];
@@ -185,6 +263,7 @@ pub fn launch(
     let mut watchdog = super::watchdog::Watchdog::new(&plan.config.run, ranks.len());
     let mut preempting = false;
     loop {
+        tick();
         if crate::signals::preempted() && !preempting && interrupted.is_none() {
             preempting = true;
             for rank in ranks.iter().filter(|r| r.status.is_none()) {
@@ -200,7 +279,9 @@ pub fn launch(
         if let Some(write) = commit.as_mut().filter(|_| store.contains(super::rank::ACCEPTED).unwrap_or(false)) {
             let said = write().err().map(|e| format!("cannot write the resumed run's files: {e:#}"));
             committed = said.is_none();
-            let _ = store.set(&super::rank::committed(topology.node_rank), said.unwrap_or_default().as_bytes());
+            // This node's place among the job's (in an elastic round, among the round's nodes).
+            let node = first_rank / per_node.max(1);
+            let _ = store.set(&super::rank::committed(node), said.unwrap_or_default().as_bytes());
             commit = None;
         }
         for (local, rank) in ranks.iter_mut().enumerate() {
@@ -216,8 +297,8 @@ pub fn launch(
                 if !status.success() && !preempted && first_failure.is_none() && interrupted.is_none() {
                     let how = describe(status);
                     // Peers blocked on this rank name it in their errors.
-                    let _ = record_exit(&store, r, &how);
-                    first_failure = Some((r, how, Instant::now()));
+                    let _ = record_exit(store, r, &how);
+                    first_failure = Some((r, how, Instant::now(), Instant::now()));
                 }
             }
         }
@@ -237,7 +318,7 @@ pub fn launch(
                 let r = first_rank + local;
                 let blame = match &first_failure {
                     None => since.elapsed() >= timeout,
-                    Some((f, _, _)) => *f != r,
+                    Some((f, ..)) => *f != r,
                 };
                 if blame {
                     let mut how = format!(
@@ -245,12 +326,12 @@ pub fn launch(
                         since.elapsed().as_secs_f64()
                     );
                     match &first_failure {
-                        Some((f, then, _)) => how += &format!("; rank {f} then {then}"),
+                        Some((f, then, ..)) => how += &format!("; rank {f} then {then}"),
                         // Peers blocked on this rank name it in their errors.
-                        None => drop(record_exit(&store, r, &how)),
+                        None => drop(record_exit(store, r, &how)),
                     }
                     let at = first_failure.as_ref().map_or(Instant::now(), |f| f.2);
-                    first_failure = Some((r, how, at));
+                    first_failure = Some((r, how, at, since));
                     stall_blamed = true;
                     // A stopped rank cannot wind down: it goes now, and its peers' collectives
                     // fail at once rather than at their own timeout.
@@ -263,14 +344,17 @@ pub fn launch(
         // A rank stuck in one training step (computation that never ends) fails the run.
         if interrupted.is_none() && first_failure.is_none() {
             let running: Vec<bool> = ranks.iter().map(|r| r.status.is_none()).collect();
-            if let Some((local, how)) = watchdog.stalled(run_dir, first_rank, &running) {
+            if let Some((local, how, since)) = watchdog.stalled(run_dir, first_rank, &running) {
                 let r = first_rank + local;
                 // Peers blocked on this rank name it in their errors.
-                let _ = record_exit(&store, r, &how);
+                let _ = record_exit(store, r, &how);
                 let rank = &mut ranks[local];
                 let _ = rank.child.kill();
                 rank.status = Some(rank.child.wait()?);
-                first_failure = Some((r, how, Instant::now()));
+                first_failure = Some((r, how, Instant::now(), since));
+            }
+            if training_after.is_none() && watchdog.all_training() {
+                training_after = Some(launched.elapsed());
             }
         }
         let since = first_failure.as_ref().map(|f| f.2).or(interrupted.map(|i| i.1));
@@ -289,10 +373,13 @@ pub fn launch(
     for reader in readers {
         let _ = reader.join();
     }
-    let failure = first_failure.map(|(rank, how, _)| Failure {
+    let ended = Instant::now();
+    let failure = first_failure.map(|(rank, how, _, began)| Failure {
         rank,
         how,
         position: position::read(run_dir, rank),
+        steps_done: position::read_done(run_dir, rank),
+        detect: ended.saturating_duration_since(began),
         stderr_tail: ranks[rank - first_rank].tail.lock().unwrap().iter().cloned().collect(),
         killed,
     });
@@ -300,7 +387,7 @@ pub fn launch(
     let preempted = failure.is_none()
         && interrupted.is_none()
         && ranks.iter().any(|r| r.status.and_then(|s| s.code()) == preempted_exit);
-    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted, started: true, committed })
+    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted, started: true, training_after, committed })
 }
 
 /// The job's store: served on this node (node 0, or a single node on an OS-chosen loopback

@@ -47,10 +47,15 @@ impl Watchdog {
         self.limit.unwrap_or((self.slowest * 10).max(self.floor))
     }
 
+    /// Whether every rank was training at the last reading (a restarted run is going again).
+    pub fn all_training(&self) -> bool {
+        self.ranks.iter().all(|held| held.as_ref().is_some_and(|(text, _)| training_step(text).is_some()))
+    }
+
     /// The first of the `running` ranks (local indices; `first_rank` + index is the rank) whose
     /// training step has outlasted the limit, with what to say of it ("did not finish step 7 of
-    /// epoch 1 in 5 s ...").
-    pub fn stalled(&mut self, run_dir: &Path, first_rank: usize, running: &[bool]) -> Option<(usize, String)> {
+    /// epoch 1 in 5 s ...") and since when it has been in that step.
+    pub fn stalled(&mut self, run_dir: &Path, first_rank: usize, running: &[bool]) -> Option<(usize, String, Instant)> {
         if self.last_read.elapsed() < EVERY {
             return None;
         }
@@ -85,7 +90,7 @@ impl Watchdog {
                      forward or backward pass that does not end?)",
                     fmt_secs(limit)
                 );
-                (local, how)
+                (local, how, *since)
             })
         })
     }
@@ -132,6 +137,7 @@ mod tests {
             assert!(start.elapsed() < Duration::from_secs(10), "never named");
         };
         assert_eq!(stalled.0, 1);
+        assert!(stalled.2.elapsed() >= Duration::from_millis(300));
         assert!(stalled.1.starts_with("did not finish step 5 of epoch 1 in "), "{}", stalled.1);
         assert!(start.elapsed() >= Duration::from_millis(300));
     }

@@ -49,7 +49,15 @@ fn leaves(plan: &Plan) -> BTreeMap<String, toml::Value> {
 
 /// The keys [`crate::config::schema::Config::without_tracking`] leaves out of the comparison.
 fn is_tracking(key: &str) -> bool {
-    key.starts_with("track.") || key == "trace.tensorboard" || key == "trace.log_every_steps"
+    key.starts_with("track.")
+        || [
+            "trace.tensorboard",
+            "trace.log_every_steps",
+            "run.max_restarts",
+            "run.rejoin_timeout_s",
+            "checkpoint.async",
+        ]
+        .contains(&key)
 }
 
 /// Every leaf key of the configuration, tracking included.
@@ -166,6 +174,9 @@ impl Plan {
         (plan.config.trace.tensorboard, plan.config.trace.log_every_steps) =
             (asked.config.trace.tensorboard, asked.config.trace.log_every_steps);
         plan.config.track = asked.config.track.clone();
+        let (run, k) = (&asked.config.run, &asked.config.checkpoint);
+        (plan.config.run.max_restarts, plan.config.run.rejoin_timeout_s) = (run.max_restarts, run.rejoin_timeout_s);
+        plan.config.checkpoint.asynchronous = k.asynchronous;
         // Tracking is taken as asked: so are the sources of its keys (those at their default
         // value included, which the serialized configuration may leave out).
         plan.sources.retain(|key, _| !is_tracking(key));

@@ -29,6 +29,9 @@ pub struct PointResult {
     /// Rank 0's validation accuracy per epoch (none where it did not validate).
     pub val_acc_curve: Vec<Option<f64>>,
     pub last: Final,
+    /// What failures cost the run, when it survived any: its restarts and goodput
+    /// ([`crate::rundir::goodput`]).
+    pub failures: Option<String>,
 }
 
 /// The final epoch of one point.
@@ -138,6 +141,10 @@ fn point_result(
         loss_curve: f64s(&rank0, "global_train_loss")?.into_iter().flatten().collect(),
         val_acc_curve: f64s(&rank0, "val_acc")?,
         last,
+        failures: m.goodput.as_ref().map(|g| {
+            let n = m.restarts.len();
+            format!("{n} restart{}; {}", if n == 1 { "" } else { "s" }, g.line(m.failures.len()))
+        }),
     })
 }
 
@@ -297,7 +304,28 @@ mod tests {
                 state_bytes: Some(1000.0 / world as f64),
                 peak_rss_bytes: None,
             },
+            failures: None,
         }
+    }
+
+    #[test]
+    fn the_table_names_the_points_that_survived_failures_and_what_they_cost() {
+        let index = Index { experiment: "e.toml".into(), axes: vec![], points: vec![], numerics: None };
+        let cost = "2 restarts; goodput 93.1% of 41.2 s: 2 failures cost 2.8 s (detection 0.3 s, restarts 2.1 s, 12 \
+                    steps computed twice 0.4 s)";
+        let points = vec![
+            point(1, 0.3, 1000.0, "0.1"),
+            PointResult { failures: Some(cost.into()), ..point(2, 0.3, 1900.0, "0.1") },
+        ];
+        let loaded = Loaded { points, missing: vec![] };
+        let md = super::super::table::markdown(&index, &loaded, &rows(&loaded.points));
+        assert!(
+            md.contains(&format!(
+                "Failures the runs survived (their results are those of uninterrupted runs):\n- `w2`: {cost}\n"
+            )),
+            "{md}"
+        );
+        assert!(!md.contains("`w1`: "), "{md}");
     }
 
     #[test]

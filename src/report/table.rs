@@ -108,6 +108,14 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
             dedup(over).join("; ")
         );
     }
+    let survived: Vec<(&String, &String)> =
+        loaded.points.iter().filter_map(|p| Some((&p.dir, p.failures.as_ref()?))).collect();
+    if !survived.is_empty() {
+        out += "\nFailures the runs survived (their results are those of uninterrupted runs):\n";
+        for (dir, cost) in survived {
+            out += &format!("- `{dir}`: {cost}\n");
+        }
+    }
     if !loaded.missing.is_empty() {
         out += "\nNot in the table:\n";
         for (dir, why) in &loaded.missing {

@@ -50,6 +50,65 @@ pub struct Reshard {
     pub to: Layout,
 }
 
+/// A rank that failed, as the launcher saw it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailureRecord {
+    /// The rank that failed first, where its launcher saw it (torchrun and srun restart the
+    /// ranks themselves: there the failure is rank 0's account of it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<usize>,
+    /// The host it ran on (with its node index in a multi-node run).
+    pub node: String,
+    /// How it ended and the error it gave: "was killed by SIGKILL", "exited with code 1: the
+    /// training loss became NaN ...".
+    pub cause: String,
+    /// Where it was: "train, epoch 1, step 7", "checkpoint, epoch 2", "load".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub position: Option<String>,
+    /// Optimizer steps the run had done when it failed.
+    pub step: usize,
+    pub at: String,
+    /// Seconds from the failure until every rank had stopped (for a stalled rank, from its last
+    /// progress), where the launcher that saw it is the runner's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detect_s: Option<f64>,
+}
+
+impl FailureRecord {
+    /// Whether `other` is the same failure again: the same cause at the same step and place,
+    /// whichever rank met it first (a NaN that every rank meets names the one that said so).
+    pub fn repeats(&self, other: &FailureRecord) -> bool {
+        without_ranks(&self.cause) == without_ranks(&other.cause)
+            && self.step == other.step
+            && self.position == other.position
+    }
+
+    /// "rank 1 was killed by SIGKILL during train, epoch 1, step 7 (after step 30)".
+    pub fn summary(&self) -> String {
+        let at = self.position.as_ref().map(|p| format!(" during {p}")).unwrap_or_default();
+        let who = self.rank.map(|r| format!("rank {r} ")).unwrap_or_default();
+        format!("{who}{}{at} (after step {})", self.cause, self.step)
+    }
+}
+
+/// A restart of every rank after a failure.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RestartRecord {
+    pub at: String,
+    /// What restarted the ranks: "runner" (`run.max_restarts`), "torchrun" (its
+    /// `--max-restarts`), "slurm" (the job requeued itself).
+    pub by: String,
+    /// The step of the checkpoint it resumed from; 0: the run started over.
+    pub from_step: usize,
+    pub world_size: usize,
+    /// Optimizer steps the failed attempt had done past that checkpoint: computed twice.
+    pub recomputed_steps: usize,
+    /// Seconds from every rank stopped until the restarted ranks trained again (absent while the
+    /// restart is under way, or where they never got that far).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_s: Option<f64>,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Manifest {
     pub run_id: String,
@@ -80,6 +139,15 @@ pub struct Manifest {
     /// Each resume that changed the world size or the strategy, oldest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reshards: Vec<Reshard>,
+    /// Every rank failure, oldest first (older runners' manifests have none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failures: Vec<FailureRecord>,
+    /// Every automatic restart, oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub restarts: Vec<RestartRecord>,
+    /// What failures cost in wall time, once the run ended after one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub goodput: Option<super::goodput::Goodput>,
 }
 
 impl Manifest {
@@ -113,7 +181,20 @@ impl Manifest {
             preempted_at_step: None,
             numerics: Some(crate::numerics::current(threads_per_rank)),
             reshards: Vec::new(),
+            failures: Vec::new(),
+            restarts: Vec::new(),
+            goodput: None,
         }
+    }
+
+    /// Takes over the start time, failures and restarts of the run's earlier manifest: a run
+    /// that its launcher continues by itself (after a failure, or a preemption) is the same run,
+    /// and what its failures cost counts against its whole wall time. (A run resumed by hand with
+    /// `--resume` starts a manifest of its own.)
+    pub fn carry_history(&mut self, earlier: &Manifest) {
+        self.started_at = earlier.started_at.clone();
+        self.failures = earlier.failures.clone();
+        self.restarts = earlier.restarts.clone();
     }
 
     pub fn end(&mut self, status: Status, failure: Option<String>) {
@@ -132,6 +213,13 @@ impl Manifest {
                 None => format!("completed train.epochs = {}", train.epochs),
             },
         });
+    }
+
+    /// Once the run has ended: what its failures cost ([`super::goodput`]), with the mean step
+    /// time from its trace.
+    pub fn account(&mut self, run_dir: &Path) {
+        let ended = self.ended_at.clone().unwrap_or_else(now);
+        self.goodput = super::goodput::Goodput::of(self, &ended, super::goodput::step_seconds(run_dir));
     }
 
     pub fn write(&self, run_dir: &Path) -> anyhow::Result<()> {
@@ -163,6 +251,57 @@ impl Manifest {
     }
 }
 
+/// `text` with every "rank N" as "rank _".
+fn without_ranks(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("rank ") {
+        out.push_str(&rest[..at + 5]);
+        rest = &rest[at + 5..];
+        let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+        if digits > 0 {
+            out.push('_');
+            rest = &rest[digits..];
+        }
+    }
+    out + rest
+}
+
 fn now() -> String {
     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_repeats_with_the_same_cause_step_and_place_whichever_rank_says_so() {
+        let failure = |rank: usize, cause: &str, step: usize| FailureRecord {
+            rank: Some(rank),
+            node: "h".into(),
+            cause: cause.into(),
+            position: Some("train, epoch 1, step 2".into()),
+            step,
+            at: String::new(),
+            detect_s: None,
+        };
+        let nan = |r: usize| format!("exited with code 1: the training loss became NaN on rank {r} in epoch 1");
+        assert!(failure(0, &nan(0), 2).repeats(&failure(1, &nan(1), 2)));
+        assert!(!failure(0, &nan(0), 2).repeats(&failure(0, &nan(0), 3)));
+        assert!(!failure(0, "was killed by SIGKILL", 2).repeats(&failure(0, &nan(0), 2)));
+        assert_eq!(without_ranks("rank 12 lost rank 3; ranks 4"), "rank _ lost rank _; ranks 4");
+    }
+
+    #[test]
+    fn an_older_manifest_without_failures_reads_as_before() {
+        let old = r#"{"run_id": "a", "name": "n", "status": "complete", "runner_version": "0.1.0",
+            "git_commit": null, "libtorch_version": "2.13.0", "host": "h", "cores": 2, "world_size": 2,
+            "threads_per_rank": 1, "pipeline": "p.toml", "started_at": "t", "ended_at": "u", "failure": null}"#;
+        let m: Manifest = serde_json::from_str(old).unwrap();
+        assert!(m.failures.is_empty() && m.restarts.is_empty() && m.goodput.is_none());
+        // And a manifest without failures writes none of the new fields.
+        let text = serde_json::to_string(&m).unwrap();
+        assert!(!text.contains("failures") && !text.contains("restarts") && !text.contains("goodput"), "{text}");
+    }
 }

@@ -13,6 +13,7 @@ use anyhow::Context;
 use tch::{nn, Tensor};
 
 use super::train::{Partial, Trainer};
+use crate::checkpoint::background::InFlight;
 use crate::checkpoint::{Found, Piece, Reader, Record};
 use crate::dist::ProcessGroup;
 use crate::plan::Plan;
@@ -20,7 +21,20 @@ use crate::strategy::Strategy;
 use crate::tensorfile::{self, Entry};
 use crate::trace::{EpochRow, StepRow};
 
-/// Writes the checkpoint after `done` optimizer steps (every rank calls it). `partial`: this
+/// The checkpoint this rank is writing in the background, if one is in flight
+/// (`checkpoint.async`).
+#[derive(Default)]
+pub struct Background(Option<InFlight>);
+
+impl Background {
+    /// Waits for the checkpoint in flight, if any: its failure is this rank's.
+    pub fn wait(&mut self) -> anyhow::Result<()> {
+        self.0.take().map_or(Ok(()), InFlight::wait)
+    }
+}
+
+/// Writes the checkpoint after `done` optimizer steps (every rank calls it), once the one in
+/// flight in `background` is done; in the background itself when `asynchronous`. `partial`: this
 /// rank's buffers of the interval in progress, when the checkpoint falls inside one.
 #[allow(clippy::too_many_arguments)]
 pub fn save(
@@ -32,13 +46,16 @@ pub fn save(
     rows: &[EpochRow],
     steps: &[StepRow],
     partial: Option<Partial>,
+    background: &mut Background,
+    asynchronous: bool,
 ) -> anyhow::Result<()> {
+    trainer.position.set("checkpoint", trainer.clock.epoch(done - 1), 0);
+    background.wait()?;
     let clock = &trainer.clock;
     let epoch = clock.epoch(done - 1);
     // Every rank takes part: the bucket layout is read on each (it is the same on all).
     let buckets = trainer.wrapped.strategy.bucket_layout()?;
     let partial = partial.map(|mine| gather_partials(pg, mine)).transpose()?;
-    trainer.position.set("checkpoint", epoch, 0);
     let position = if clock.random {
         format!("random windows, step {done}")
     } else {
@@ -68,7 +85,13 @@ pub fn save(
         pieces.push(Piece::whole(name("weights"), &Tensor::from_slice(&p.weights)));
         pieces.push(Piece::whole(name("norms"), &Tensor::from_slice(&p.norms)));
     }
-    crate::checkpoint::save(run_dir, plan, pg, pieces, record, plan.config.checkpoint.keep)
+    let keep = plan.config.checkpoint.keep;
+    if asynchronous {
+        background.0 = Some(crate::checkpoint::background::save(run_dir, plan, pg, pieces, record, keep)?);
+        Ok(())
+    } else {
+        crate::checkpoint::save(run_dir, plan, pg, pieces, record, keep)
+    }
 }
 
 /// Every rank's buffers of the unfinished interval, gathered to every rank (rank 0 writes them).

@@ -74,6 +74,7 @@ pub fn run(
     let mut tracker = Tracker::start(plan, run_dir, rank);
     let mut trainer = train::Trainer::new(plan, pg, device, &data, &normalizer, wrapped, progress, position);
     let clock = trainer.clock.clone();
+    trainer.position.done(done);
 
     // Early stopping's state is a function of the validations so far: a resumed run replays them.
     let mut stopper = c.train.early_stop.as_ref().map(recipe::EarlyStopper::new);
@@ -86,19 +87,28 @@ pub fn run(
     }
     let mut preempted = None;
     let mut agreement = preempt::Agreement::new(pg, device);
+    let mut background = checkpoint::Background::default();
     while done < clock.total {
         let interval = clock.interval_of(done);
         let mut iv = trainer.begin(interval.clone(), done, partial.take());
         while done < interval.end {
             trainer.train(&mut iv, done..done + 1)?;
             done += 1;
+            trainer.position.done(done);
             preempted = agreement.after_step(done)?;
             if tracker.wants_step(done) {
                 tracker.step(done, iv.last_step(trainer.wrapped.optimizer.lr()));
             }
             if done < interval.end && (preempted.is_some() || checkpoint_due(plan, &clock, done)) {
+                if preempted.is_none() && preempt::rejoin_wanted(pg, device)? {
+                    preempted = Some(preempt::REJOINING);
+                }
                 trainer.check_variables(done)?;
-                checkpoint::save(&trainer, plan, pg, run_dir, done, &rows, &steps, Some(iv.partial()))?;
+                // A preemption's checkpoint is complete before the rank stops.
+                let asynchronous = c.checkpoint.asynchronous && preempted.is_none();
+                let partial = Some(iv.partial());
+                let b = &mut background;
+                checkpoint::save(&trainer, plan, pg, run_dir, done, &rows, &steps, partial, b, asynchronous)?;
                 if let Some(signal) = preempted {
                     trainer.progress.finish();
                     return Err(preempt::Preempted { step: done, signal }.into());
@@ -123,7 +133,12 @@ pub fn run(
             checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::BEST_MODEL)?;
         }
         if checkpoint_due(plan, &clock, done) || (preempted.is_some() && done < clock.total) {
-            checkpoint::save(&trainer, plan, pg, run_dir, done, &rows, &steps, None)?;
+            if preempted.is_none() && done < clock.total && preempt::rejoin_wanted(pg, device)? {
+                preempted = Some(preempt::REJOINING);
+            }
+            let asynchronous = c.checkpoint.asynchronous && preempted.is_none();
+            let b = &mut background;
+            checkpoint::save(&trainer, plan, pg, run_dir, done, &rows, &steps, None, b, asynchronous)?;
         }
         if verdict == Some(recipe::Verdict::Stop) {
             if rank == 0 {
@@ -140,6 +155,7 @@ pub fn run(
     }
     trainer.progress.finish();
     trainer.position.set("write model", clock.epoch(done.max(1) - 1), 0);
+    background.wait()?;
     let w = &trainer.wrapped;
     checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::MODEL)?;
     tracker.finish(run_dir);

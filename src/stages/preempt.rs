@@ -34,6 +34,25 @@ pub fn watch(signal: crate::config::schema::PreemptSignal) {
     }
 }
 
+/// The key an elastic launcher sets in the attempt's store when a node waits to join
+/// ([`crate::launch::elastic`]): the ranks stop at their next checkpoint, as if preempted.
+pub const REJOIN: &str = "runner/elastic/rejoin";
+/// What a rank stopped for a joining node says, where a preempted one names its signal.
+pub const REJOINING: &str = "a node joining";
+
+/// At a checkpoint: whether every rank stops after it because a node waits to join. Rank 0 reads
+/// the store and the ranks agree in one small all-reduce; nothing at all outside an elastic
+/// launcher's ranks.
+pub fn rejoin_wanted(pg: &ProcessGroup, device: tch::Device) -> anyhow::Result<bool> {
+    static ELASTIC: OnceLock<bool> = OnceLock::new();
+    if !*ELASTIC.get_or_init(|| std::env::var(crate::launch::env::STORE_PREFIX).is_ok()) {
+        return Ok(false);
+    }
+    let mine = pg.rank() == 0 && pg.store().contains(REJOIN)?;
+    let flag = Tensor::from_slice(&[mine as u8 as f64]).to_device(device);
+    Ok(pg.all_reduce_start(flag, ReduceOp::Max)?.wait()?.double_value(&[0]) > 0.0)
+}
+
 /// Training time between two rounds of the ranks' agreement.
 const ROUND: Duration = Duration::from_millis(50);
 
