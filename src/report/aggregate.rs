@@ -310,7 +310,7 @@ mod tests {
 
     #[test]
     fn the_table_names_the_points_that_survived_failures_and_what_they_cost() {
-        let index = Index { experiment: "e.toml".into(), axes: vec![], points: vec![], numerics: None };
+        let index = Index { experiment: "e.toml".into(), axes: vec![], points: vec![], numerics: None, search: None };
         let cost = "2 restarts; goodput 93.1% of 41.2 s: 2 failures cost 2.8 s (detection 0.3 s, restarts 2.1 s, 12 \
                     steps computed twice 0.4 s)";
         let points = vec![
