@@ -66,6 +66,24 @@ pub fn trained_model(run_dir: &Path) -> anyhow::Result<std::path::PathBuf> {
     anyhow::bail!("{} has no {}: {why}", run_dir.display(), crate::rundir::MODEL)
 }
 
+/// The run's trained model (its model.safetensors) built on `device` for inference: every layer,
+/// every variable loaded; the module and the variables it computes with.
+pub fn trained_module(
+    plan: &Plan,
+    run_dir: &Path,
+    device: tch::Device,
+) -> anyhow::Result<(nn::VarStore, Box<dyn nn::ModuleT + 'static>)> {
+    let arch = plan.model();
+    let vs = nn::VarStore::new(device);
+    let model = arch.build(&vs.root(), 0..arch.layers().len(), &crate::model::BuildContext::new(plan.config.run.seed));
+    let weights = crate::model::read_weights(&trained_model(run_dir)?, &crate::model::sorted_parameters(arch.as_ref()))
+        .map_err(anyhow::Error::msg)?;
+    for (name, mut var) in vs.variables() {
+        tch::no_grad(|| var.copy_(&weights[&name]));
+    }
+    Ok((vs, model))
+}
+
 /// Rank 0 writes `preprocessing.json` with every rank's statistics; every rank takes part.
 pub fn save(plan: &Plan, pg: &ProcessGroup, normalizer: &Normalizer, run_dir: &Path) -> anyhow::Result<()> {
     let (offset, scale) = normalizer.parts();

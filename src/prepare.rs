@@ -1,135 +1,162 @@
-//! `runner prepare text FILE --out DIR`: nanoGPT's character-level `prepare.py` for any UTF-8
-//! text. The vocabulary is the text's characters in sorted order; the first 90% of the
-//! characters are `train.bin`, the rest `val.bin` (token ids as little-endian uint16, what
-//! `load.source = "tokens"` and nanoGPT's `np.memmap(..., dtype=np.uint16)` read), and
-//! `meta.json` holds `vocab_size`, `itos` and `stoi` (nanoGPT writes them to meta.pkl).
-use std::collections::BTreeMap;
+//! `runner prepare text FILE --out DIR`: a UTF-8 text turned into token files, as nanoGPT's
+//! `prepare.py` scripts make them. `--tokenizer` chooses the vocabulary:
+//! - `chars` (the default): nanoGPT's character-level prepare.py, the text's distinct characters
+//!   in sorted order, written to `meta.json` (`vocab_size`, `itos`, `stoi`; nanoGPT pickles them);
+//! - `bpe` with `--vocab N`: a byte-level BPE of at most N tokens trained on the text (Hugging
+//!   Face's `tokenizers`), written to `tokenizer.json`;
+//! - a tokenizer.json FILE: any Hugging Face tokenizer, copied to `tokenizer.json`.
+//!
+//! The text is encoded whole (in pieces with the same ids, [`crate::tokenizer::pieces`], so that
+//! its size is not bound by memory); the first 90% of its tokens are `train`, the rest `val`
+//! (nanoGPT's split, `int(n * 0.9)`): `train.bin` and `val.bin` of little-endian uint16 ids
+//! while the vocabulary fits 16 bits (what `load.source = "tokens"` and nanoGPT's
+//! `np.memmap(..., dtype=np.uint16)` read), `train.npy` and `val.npy` of uint32 past 65,536 ids.
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use serde::{Deserialize, Serialize};
 
 use crate::config::ConfigError;
+use crate::data::tokens::{token_file_name, TokenWriter, UINT16_IDS};
+use crate::tokenizer::{Meta, Tokenizer, Vocabulary, META, TOKENIZER};
 
-/// The file beside a token file that names its characters.
-pub const META: &str = "meta.json";
-
-/// The vocabulary of a token file: `meta.json` beside it.
-pub fn meta_beside(file: &Path) -> PathBuf {
-    file.parent().unwrap_or(Path::new(".")).join(META)
+/// The vocabulary `runner prepare text` makes or takes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Choice {
+    /// The text's characters (meta.json).
+    Chars,
+    /// A byte-level BPE of at most `vocab` tokens, trained on the text (tokenizer.json).
+    Bpe { vocab: usize },
+    /// This tokenizer.json.
+    File(PathBuf),
 }
 
-/// A character vocabulary as nanoGPT's prepare.py writes it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Meta {
-    pub vocab_size: usize,
-    /// Token id (as a string, JSON's keys) → character.
-    pub itos: BTreeMap<String, String>,
-    pub stoi: BTreeMap<String, u32>,
-}
-
-impl Meta {
-    /// The vocabulary of `text`: its distinct characters, sorted (Python's `sorted(set(data))`).
-    pub fn of(text: &str) -> Meta {
-        let mut chars: Vec<char> = text.chars().collect();
-        chars.sort_unstable();
-        chars.dedup();
-        let itos = chars.iter().enumerate().map(|(i, c)| (i.to_string(), c.to_string())).collect();
-        let stoi = chars.iter().enumerate().map(|(i, c)| (c.to_string(), i as u32)).collect();
-        Meta { vocab_size: chars.len(), itos, stoi }
-    }
-
-    /// Reads `meta.json` (nanoGPT's keys), checking that itos and stoi agree.
-    pub fn read(path: &Path) -> anyhow::Result<Meta> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let meta: Meta = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not a vocabulary (vocab_size, itos, stoi)", path.display()))?;
-        let consistent = meta.itos.len() == meta.vocab_size
-            && meta.stoi.len() == meta.vocab_size
-            && meta.itos.iter().all(|(i, c)| meta.stoi.get(c).map(|s| s.to_string()).as_deref() == Some(i.as_str()));
-        anyhow::ensure!(consistent, "{}: itos, stoi and vocab_size disagree", path.display());
-        Ok(meta)
-    }
-
-    /// The ids of `text`; a character outside the vocabulary is an error naming it.
-    pub fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
-        text.chars()
-            .map(|c| {
-                self.stoi
-                    .get(&c.to_string())
-                    .copied()
-                    .with_context(|| format!("{c:?} is not in the vocabulary ({} characters)", self.vocab_size))
-            })
-            .collect()
-    }
-
-    /// The text of `ids`; an id outside the vocabulary is an error.
-    pub fn decode(&self, ids: &[i64]) -> anyhow::Result<String> {
-        ids.iter()
-            .map(|i| {
-                self.itos
-                    .get(&i.to_string())
-                    .map(String::as_str)
-                    .with_context(|| format!("token id {i} is outside the vocabulary ({} characters)", self.vocab_size))
-            })
-            .collect()
+impl Choice {
+    /// `--tokenizer` and `--vocab` as given.
+    pub fn of(tokenizer: &str, vocab: Option<usize>) -> Result<Choice, ConfigError> {
+        let choice = match tokenizer {
+            "chars" => Choice::Chars,
+            "bpe" => match vocab {
+                Some(vocab) => return Ok(Choice::Bpe { vocab }),
+                None => return Err(ConfigError::new("--tokenizer bpe needs --vocab N, the most tokens it may have")),
+            },
+            file => Choice::File(PathBuf::from(file)),
+        };
+        match vocab {
+            Some(_) => Err(ConfigError::new(format!(
+                "--vocab sizes a BPE trained on the text (--tokenizer bpe); --tokenizer {tokenizer} has its own vocabulary"
+            ))),
+            None => Ok(choice),
+        }
     }
 }
 
-/// The files `runner prepare text` writes into its `--out` folder.
-pub const OUTPUTS: [&str; 3] = ["train.bin", "val.bin", META];
+/// Every file `runner prepare text` may write into its `--out` folder.
+pub const OUTPUTS: [&str; 6] = ["train.bin", "val.bin", META, TOKENIZER, "train.npy", "val.npy"];
 
-/// Writes train.bin, val.bin and meta.json for `file` into `out`, all three or none; prints what
-/// it wrote. Files already there are replaced only with `force`, and never the input itself.
-pub fn text(file: &Path, out: &Path, force: bool) -> anyhow::Result<u8> {
+/// Writes the token files and the vocabulary of `file` into `out`, all or none, and prints what it
+/// wrote. Files already there are replaced only with `force` (then the other files of an earlier
+/// prepare go too), and never the input itself.
+pub fn text(file: &Path, out: &Path, force: bool, choice: &Choice) -> anyhow::Result<u8> {
     crate::input::regular_file(file).map_err(anyhow::Error::msg)?;
-    let outputs: Vec<PathBuf> = OUTPUTS.iter().map(|name| out.join(name)).collect();
-    check_outputs(file, out, &outputs, force)?;
-    let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
-    let data = String::from_utf8(bytes).map_err(|e| {
-        anyhow::anyhow!(
-            "{} is not UTF-8 text (byte {}): convert it first",
-            file.display(),
-            e.utf8_error().valid_up_to()
-        )
-    })?;
-    let meta = Meta::of(&data);
-    anyhow::ensure!(meta.vocab_size > 0, "{} is empty: there is nothing to prepare", file.display());
-    anyhow::ensure!(
-        meta.vocab_size <= 1 << 16,
-        "{} has {} distinct characters, more than uint16 token ids hold (65536)",
-        file.display(),
-        meta.vocab_size
-    );
-    let ids = meta.encode(&data)?;
-    // prepare.py: data[:int(n*0.9)] and data[int(n*0.9):], in characters.
-    let cut = (ids.len() as f64 * 0.9) as usize;
-    anyhow::ensure!(
-        cut > 0 && cut < ids.len(),
-        "{} holds {} character{}: train.bin (the first 90%) and val.bin (the rest) need one each at least; give a \
-         longer text",
-        file.display(),
-        ids.len(),
-        if ids.len() == 1 { "" } else { "s" }
-    );
+    let known: Vec<PathBuf> = OUTPUTS.iter().map(|name| out.join(name)).collect();
+    check_outputs(file, out, &known, force)?;
+    // One pass checks the text (UTF-8, not empty) and gathers its characters.
+    let mut chars = std::collections::BTreeSet::new();
+    let mut count = 0u64;
+    let bytes =
+        crate::tokenizer::pieces(file, crate::tokenizer::Cut::Anywhere, crate::tokenizer::PIECE, &mut |piece| {
+            count += piece.chars().count() as u64;
+            if *choice == Choice::Chars {
+                chars.extend(piece.chars());
+            }
+            Ok(())
+        })?;
+    anyhow::ensure!(bytes > 0, "{} is empty: there is nothing to prepare", file.display());
+    let (vocabulary, vocabulary_file) = match choice {
+        Choice::Chars => {
+            let meta = Meta::of_chars(chars);
+            anyhow::ensure!(
+                meta.vocab_size <= UINT16_IDS,
+                "{} has {} distinct characters, more than uint16 token ids hold ({UINT16_IDS})",
+                file.display(),
+                meta.vocab_size
+            );
+            let json = serde_json::to_string_pretty(&meta)? + "\n";
+            (Vocabulary::Chars(meta), (META, json.into_bytes()))
+        }
+        Choice::Bpe { vocab } => {
+            let t = Tokenizer::train_bpe(file, *vocab, &out.join(TOKENIZER))?;
+            let json = t.to_json()?.into_bytes();
+            (Vocabulary::Tokenizer(Box::new(t)), (TOKENIZER, json))
+        }
+        Choice::File(path) => {
+            let t = Tokenizer::read(path)?;
+            let json = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+            (Vocabulary::Tokenizer(Box::new(t)), (TOKENIZER, json))
+        }
+    };
+    let size = vocabulary.size();
+    let names = [token_file_name("train", size), token_file_name("val", size)];
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    let bin = |ids: &[u32]| -> Vec<u8> { ids.iter().flat_map(|&i| (i as u16).to_le_bytes()).collect() };
-    let json = serde_json::to_string_pretty(&meta)? + "\n";
     let mut staged = Staged::default();
-    for (path, bytes) in outputs.iter().zip([bin(&ids[..cut]), bin(&ids[cut..]), json.into_bytes()]) {
-        staged.write(path, &bytes)?;
+    let (train, val) = write_split(&vocabulary, file, out, &names, &mut staged, count)?;
+    staged.write(&out.join(vocabulary_file.0), &vocabulary_file.1)?;
+    let written: Vec<PathBuf> = [&names[0], &names[1], vocabulary_file.0].iter().map(|n| out.join(n)).collect();
+    staged.commit(out, &known.into_iter().filter(|p| !written.contains(p)).collect::<Vec<_>>())?;
+    let [t, v] = &names;
+    let (f, o) = (file.display(), out.display());
+    match &vocabulary {
+        Vocabulary::Chars(_) => crate::say!(
+            "{f}: {} characters, vocabulary of {size}; {t} {train} tokens, {v} {val} tokens, {META} in {o}",
+            train + val
+        ),
+        _ => {
+            let made = match choice {
+                Choice::Bpe { vocab } => {
+                    format!("a byte-level BPE of {size} token ids trained on it (at most {vocab})")
+                }
+                Choice::File(path) => format!("the tokenizer of {}, {size} token ids", path.display()),
+                Choice::Chars => unreachable!("characters are said above"),
+            };
+            crate::say!(
+                "{f}: {count} characters, {} tokens; {made}; {t} {train} tokens, {v} {val} tokens, {TOKENIZER} in {o}",
+                train + val
+            )
+        }
     }
-    staged.commit()?;
-    crate::say!(
-        "{}: {} characters, vocabulary of {}; train.bin {} tokens, val.bin {} tokens, meta.json in {}",
-        file.display(),
-        ids.len(),
-        meta.vocab_size,
-        cut,
-        ids.len() - cut,
-        out.display()
-    );
     Ok(0)
+}
+
+/// Encodes `file` into the staged token files `names` (train, val) in `out`: every id into the
+/// first, then the last 10% moved to the second. Returns their token counts.
+fn write_split(
+    vocabulary: &Vocabulary,
+    file: &Path,
+    out: &Path,
+    names: &[String; 2],
+    staged: &mut Staged,
+    chars: u64,
+) -> anyhow::Result<(u64, u64)> {
+    let [train, val] = names.clone().map(|n| out.join(n));
+    let cannot = |path: &Path| format!("cannot write {}", path.display());
+    let mut w = TokenWriter::create(&staged.place(&train), vocabulary.size()).with_context(|| cannot(&train))?;
+    vocabulary.encode_file(file, &mut |ids| w.push(ids).with_context(|| cannot(&train)))?;
+    let n = w.count();
+    let cut = (n as f64 * 0.9) as u64;
+    if cut == 0 || cut == n {
+        let what = match vocabulary {
+            Vocabulary::Chars(_) => format!("holds {chars} character{}", if chars == 1 { "" } else { "s" }),
+            _ => format!("encodes to {n} token{}", if n == 1 { "" } else { "s" }),
+        };
+        anyhow::bail!(
+            "{} {what}: {} (the first 90%) and {} (the rest) need one each at least; give a longer text",
+            file.display(),
+            names[0],
+            names[1]
+        );
+    }
+    let rest = TokenWriter::create(&staged.place(&val), vocabulary.size()).with_context(|| cannot(&val))?;
+    w.split_off(cut, rest).with_context(|| format!("cannot write {} and {}", train.display(), val.display()))
 }
 
 /// Refuses outputs that are the input itself (whatever `force` says), and outputs that exist
@@ -170,10 +197,16 @@ struct Staged {
 }
 
 impl Staged {
-    fn write(&mut self, path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-        use std::io::Write;
+    /// The temporary name to write `path` under; the file becomes `path` at [`Staged::commit`].
+    fn place(&mut self, path: &Path) -> PathBuf {
         let tmp = crate::rundir::tmp_path(path);
         self.files.push((tmp.clone(), path.to_owned()));
+        tmp
+    }
+
+    fn write(&mut self, path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+        use std::io::Write;
+        let tmp = self.place(path);
         (|| -> std::io::Result<()> {
             let mut f = std::fs::File::create(&tmp)?;
             f.write_all(bytes)?;
@@ -182,13 +215,16 @@ impl Staged {
         .with_context(|| format!("cannot write {}", path.display()))
     }
 
-    fn commit(mut self) -> anyhow::Result<()> {
+    /// Renames every file into place in `dir`, then removes `stale` (an earlier prepare's other files).
+    fn commit(mut self, dir: &Path, stale: &[PathBuf]) -> anyhow::Result<()> {
         for (tmp, path) in std::mem::take(&mut self.files) {
             std::fs::rename(&tmp, &path).with_context(|| format!("cannot write {}", path.display()))?;
-            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
-            }
         }
+        for path in stale.iter().filter(|p| p.symlink_metadata().is_ok()) {
+            std::fs::remove_file(path).with_context(|| format!("cannot remove {}", path.display()))?;
+        }
+        // The renames and removals last past a crash.
+        let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
         Ok(())
     }
 }
@@ -198,23 +234,5 @@ impl Drop for Staged {
         for (tmp, _) in &self.files {
             let _ = std::fs::remove_file(tmp);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_vocabulary_is_the_sorted_characters_and_round_trips() {
-        let meta = Meta::of("hello, wörld\n");
-        assert_eq!(meta.vocab_size, 11);
-        assert_eq!(meta.itos["0"], "\n");
-        assert_eq!(meta.stoi["ö"], 10);
-        let ids = meta.encode("wörld").unwrap();
-        let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
-        assert_eq!(meta.decode(&ids).unwrap(), "wörld");
-        assert!(meta.encode("x").unwrap_err().to_string().contains("'x' is not in the vocabulary"));
-        assert!(meta.decode(&[11]).is_err());
     }
 }

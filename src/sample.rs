@@ -2,21 +2,21 @@
 //! `sample.py` makes it. The context is cropped to the last `seq_len` tokens, the last
 //! position's logits divided by the temperature, all but the `top_k` largest set to -inf, and
 //! the next token drawn from their softmax; the draws come from the runner's generator seeded by
-//! `--seed`, so a sample is the same on every machine. The vocabulary is the run's: `meta.json`
-//! beside its token file (`runner prepare text` writes it; the plan recorded its digest), or
-//! bytes for `load.source = "text"`. Each token is written as it is drawn; on a terminal, control
-//! characters are shown escaped (`\x1b`), and a reader that goes away (`| head`) ends the sampling.
+//! `--seed`, so a sample is the same on every machine. The vocabulary is the run's
+//! ([`Plan::read_vocabulary`]): `tokenizer.json` or `meta.json` beside its token file (`runner
+//! prepare text` writes them; the plan recorded the digest), or bytes for `load.source = "text"`.
+//! Each token is written as soon as it completes a character; on a terminal, control characters
+//! are shown escaped (`\x1b`), and a reader that goes away (`| head`) ends the sampling.
 use std::io::{IsTerminal, Write};
 use std::path::Path;
 
 use anyhow::Context;
-use tch::{nn, Kind, Tensor};
+use tch::{Kind, Tensor};
 
-use crate::config::schema::{Model, Source};
-use crate::data::SourceSpec;
+use crate::config::schema::Model;
 use crate::plan::Plan;
-use crate::prepare::Meta;
 use crate::rng::Rng;
+use crate::tokenizer::Vocabulary;
 
 /// What to sample.
 #[derive(Debug, Clone)]
@@ -29,89 +29,37 @@ pub struct Options {
     pub seed: u64,
 }
 
-/// How a run's token ids map to text.
-enum Vocabulary {
-    /// Characters from meta.json.
-    Chars(Meta),
-    /// Bytes (`load.source = "text"`), decoded as UTF-8 (invalid sequences as U+FFFD).
-    Bytes,
+/// The text of the tokens drawn so far, given out as it completes: the vocabulary decodes the
+/// prompt and every token drawn after it, and the text past what was given out before is new
+/// (held back while it ends in an incomplete character, U+FFFD).
+struct Decoded<'v> {
+    vocab: &'v Vocabulary,
+    ids: Vec<u32>,
+    /// Bytes of the decoded text given out (the prompt's at first).
+    shown: usize,
 }
 
-impl Vocabulary {
-    fn of(plan: &Plan, model_vocab: usize) -> anyhow::Result<Vocabulary> {
-        let SourceSpec::Tokens(spec) = &plan.data.source else {
-            anyhow::bail!(
-                "this run trained on generated tokens, which have no text: sample a run of a token or text file"
-            );
-        };
-        if spec.source == Source::Text {
-            return Ok(Vocabulary::Bytes);
-        }
-        let file = &spec.train.files[0].path;
-        let path = crate::prepare::meta_beside(file);
-        anyhow::ensure!(
-            path.exists(),
-            "no {} beside {}: the token ids have no characters to decode to (runner prepare text writes one)",
-            crate::prepare::META,
-            file.display()
-        );
-        if let Some(then) = &plan.vocabulary {
-            let now = crate::plan::InputFile::read(&then.key, &path).map_err(anyhow::Error::msg)?;
-            anyhow::ensure!(
-                now.digest == then.digest,
-                "{} is not the vocabulary this run trained with: it changed since (digest {} then, {} now); put back \
-                 the meta.json that was made with the token file",
-                path.display(),
-                then.digest,
-                now.digest
-            );
-        }
-        let meta = Meta::read(&path)?;
-        anyhow::ensure!(
-            meta.vocab_size <= model_vocab,
-            "{} names {} characters, more than the model's {} token ids (wrap.model.vocab): it is not this run's \
-             vocabulary",
-            path.display(),
-            meta.vocab_size,
-            model_vocab
-        );
-        Ok(Vocabulary::Chars(meta))
+impl<'v> Decoded<'v> {
+    fn new(vocab: &'v Vocabulary, prompt: &[u32]) -> anyhow::Result<Decoded<'v>> {
+        Ok(Decoded { vocab, ids: prompt.to_vec(), shown: vocab.decode(prompt)?.len() })
     }
 
-    fn encode(&self, text: &str) -> anyhow::Result<Vec<i64>> {
-        match self {
-            Vocabulary::Chars(m) => Ok(m.encode(text).context("--prompt")?.into_iter().map(i64::from).collect()),
-            Vocabulary::Bytes => Ok(text.bytes().map(i64::from).collect()),
+    /// The new text once `id` is drawn (empty while a character is incomplete).
+    fn next(&mut self, id: u32) -> anyhow::Result<String> {
+        self.ids.push(id);
+        let text = self.vocab.decode(&self.ids)?;
+        if text.ends_with('\u{fffd}') || !text.is_char_boundary(self.shown) || text.len() < self.shown {
+            return Ok(String::new());
         }
+        let new = text[self.shown..].to_owned();
+        self.shown = text.len();
+        Ok(new)
     }
 
-    /// Token ids 0..size have text.
-    fn size(&self) -> usize {
-        match self {
-            Vocabulary::Chars(m) => m.vocab_size,
-            Vocabulary::Bytes => 256,
-        }
-    }
-
-    /// The text of one more token: a character, or the bytes completed so far (bytes wait in
-    /// `pending` until they make a character; invalid ones come out as U+FFFD).
-    fn decode_next(&self, id: i64, pending: &mut Vec<u8>) -> anyhow::Result<String> {
-        match self {
-            Vocabulary::Chars(m) => m.decode(&[id]),
-            Vocabulary::Bytes => {
-                pending.push(id as u8);
-                match std::str::from_utf8(pending) {
-                    Ok(text) => {
-                        let text = text.to_owned();
-                        pending.clear();
-                        Ok(text)
-                    }
-                    // An incomplete character: more bytes may complete it.
-                    Err(e) if e.error_len().is_none() => Ok(String::new()),
-                    Err(_) => Ok(String::from_utf8_lossy(&std::mem::take(pending)).into_owned()),
-                }
-            }
-        }
+    /// What is left: an incomplete character, as U+FFFD.
+    fn rest(&self) -> anyhow::Result<String> {
+        let text = self.vocab.decode(&self.ids)?;
+        Ok(text.get(self.shown..).unwrap_or_default().to_owned())
     }
 }
 
@@ -127,29 +75,17 @@ pub fn sample(run_dir: &Path, o: &Options) -> anyhow::Result<u8> {
         show(o.temperature)
     );
     anyhow::ensure!(o.top_k >= 1, "--top-k must be at least 1");
-    let vocab = Vocabulary::of(&plan, t.vocab)?;
-    let mut ids = vocab.encode(&o.prompt)?;
-    anyhow::ensure!(!ids.is_empty(), "--prompt is empty: give the model at least one character to continue");
-    if let Some(id) = ids.iter().find(|&&i| i as usize >= t.vocab) {
-        anyhow::bail!("--prompt: token id {id} is outside the model's vocab ({})", t.vocab);
-    }
+    let vocab = plan.read_vocabulary()?;
+    let prompt_ids = vocab.encode(&o.prompt).context("--prompt")?;
+    anyhow::ensure!(!prompt_ids.is_empty(), "--prompt is empty: give the model at least one character to continue");
+    let mut ids: Vec<i64> = prompt_ids.iter().map(|&i| i64::from(i)).collect();
     // Only ids with text are drawn (a model's vocab may be larger than its data's).
     let drawable = vocab.size().min(t.vocab);
     tch::set_num_threads(plan.threads_per_rank as i32);
-    let arch = plan.model();
-    let vs = nn::VarStore::new(tch::Device::Cpu);
-    let model = arch.build(&vs.root(), 0..arch.layers().len(), &crate::model::BuildContext::new(plan.config.run.seed));
-    let weights = crate::model::read_weights(
-        &crate::predict::trained_model(run_dir)?,
-        &crate::model::sorted_parameters(arch.as_ref()),
-    )
-    .map_err(anyhow::Error::msg)?;
-    for (name, mut var) in vs.variables() {
-        tch::no_grad(|| var.copy_(&weights[&name]));
-    }
+    let (_vs, model) = crate::predict::trained_module(&plan, run_dir, tch::Device::Cpu)?;
     let mut out = Writer::new();
     let mut rng = Rng::new(o.seed, SAMPLE_STREAM);
-    let mut pending = Vec::new();
+    let mut decoded = Decoded::new(&vocab, &prompt_ids)?;
     // The prompt goes out with the first token: a temperature that leaves nothing to draw from
     // is said before anything is printed.
     let mut prompt = Some(o.prompt.as_str());
@@ -160,14 +96,13 @@ pub fn sample(run_dir: &Path, o: &Options) -> anyhow::Result<u8> {
         let logits: Vec<f64> = Vec::try_from(logits.narrow(0, 0, drawable as i64).to_kind(Kind::Double))?;
         let id = draw(&logits, o.temperature, o.top_k, &mut rng)? as i64;
         ids.push(id);
-        let text = prompt.take().unwrap_or_default().to_owned() + &vocab.decode_next(id, &mut pending)?;
+        let text = prompt.take().unwrap_or_default().to_owned() + &decoded.next(id as u32)?;
         // The reader went away (`| head -c 100`): nothing more is wanted.
         if out.write(&text).is_err() {
             return Ok(0);
         }
     }
-    let rest = String::from_utf8_lossy(&pending).into_owned();
-    let _ = out.write(&(prompt.unwrap_or_default().to_owned() + &rest + "\n"));
+    let _ = out.write(&(prompt.unwrap_or_default().to_owned() + &decoded.rest()? + "\n"));
     Ok(0)
 }
 
@@ -270,10 +205,11 @@ mod tests {
     #[test]
     fn control_characters_are_escaped_and_bytes_decode_as_they_complete() {
         assert_eq!(escape_controls("a\x1b[2Jb\n\tc\u{85}é"), "a\\x1b[2Jb\n\tc\\u{85}é");
-        let mut pending = Vec::new();
         let v = Vocabulary::Bytes;
-        let parts: Vec<String> = "é!".bytes().map(|b| v.decode_next(b as i64, &mut pending).unwrap()).collect();
+        let mut d = Decoded::new(&v, &[b'>' as u32]).unwrap();
+        let parts: Vec<String> = "é!".bytes().map(|b| d.next(b as u32).unwrap()).collect();
         assert_eq!(parts, ["", "é", "!"]);
-        assert_eq!(v.decode_next(0xff, &mut pending).unwrap(), "\u{fffd}");
+        assert_eq!(d.next(0xc3).unwrap(), "");
+        assert_eq!(d.rest().unwrap(), "\u{fffd}");
     }
 }

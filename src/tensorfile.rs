@@ -199,6 +199,18 @@ impl TensorFile {
         crate::checked::tensor(&bytes, &row_shape, kind).map_err(|e| format!("`{name}`: {e}"))
     }
 
+    /// `count` runs of `len` bytes, `stride` bytes apart, the first at byte `start` of the file
+    /// (a block of columns of a matrix), in one buffer: only those bytes are read.
+    pub fn read_strided(&self, start: u64, stride: u64, len: u64, count: u64) -> Result<Vec<u8>, String> {
+        let mut out = vec![0u8; (len * count) as usize];
+        if len > 0 {
+            for (i, run) in out.chunks_mut(len as usize).enumerate() {
+                self.file.read_exact_at(run, start + i as u64 * stride).map_err(|e| format!("cannot read it: {e}"))?;
+            }
+        }
+        Ok(out)
+    }
+
     /// `name` as a tensor, refused when larger than `limit` bytes or of a type libtorch lacks.
     pub fn tensor(&self, name: &str, limit: u64) -> Result<Tensor, String> {
         let info = self.info(name).ok_or_else(|| format!("it holds no `{name}`"))?;

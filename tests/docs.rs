@@ -155,7 +155,8 @@ fn words(line: &str) -> Vec<String> {
     out
 }
 
-const SUBCOMMANDS: &[&str] = &["run", "validate", "data", "sweep", "report", "bench", "predict", "prepare", "schema"];
+const SUBCOMMANDS: &[&str] =
+    &["run", "validate", "data", "sweep", "report", "bench", "predict", "eval", "export", "prepare", "schema"];
 
 /// The `runner` commands in a line of shell (joined by `&&` or `;`), each as its arguments after
 /// `runner`; a comment, a pipe or a redirection cut off.
@@ -464,18 +465,22 @@ fn files_of(cli: &Cli, sandbox: &mut Sandbox) -> Vec<PathBuf> {
         Command::Sweep(a) => (vec![&a.file], a.out.iter().collect()),
         Command::Report(a) => (vec![&a.dir], vec![]),
         Command::Predict(a) => (std::iter::once(&a.run_dir).chain(&a.data).collect(), a.out.iter().collect()),
+        Command::Eval(a) => (a.run_dir.iter().chain(&a.data).collect(), vec![]),
         Command::Prepare(PrepareCommand::Text { file, out, .. }) => (vec![file], vec![out]),
+        Command::Export(a) => (vec![&a.run_dir], vec![&a.hf]),
         Command::Schema(_) | Command::Bench(_) => (vec![], vec![]),
     };
     let missing: Vec<PathBuf> = reads.into_iter().filter(|p| !placeholder(p) && !sandbox.exists(p)).cloned().collect();
     if missing.is_empty() {
-        if let Command::Prepare(PrepareCommand::Text { file, out, .. }) = &cli.command {
+        if let Command::Prepare(PrepareCommand::Text { file, out, tokenizer, vocab, .. }) = &cli.command {
             // Run for real: a later pipeline of the page reads what it makes.
             let o = runner()
                 .args(["prepare", "text"])
                 .arg(file)
                 .arg("--out")
                 .arg(out)
+                .args(["--tokenizer", tokenizer])
+                .args(vocab.iter().flat_map(|v| ["--vocab".to_owned(), v.to_string()]))
                 .current_dir(sandbox.path())
                 .output()
                 .unwrap();

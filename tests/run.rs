@@ -38,6 +38,7 @@ const SCHEMA: &[(&str, DataType)] = &[
     ("perplexity", DataType::Float64),
     ("val_perplexity", DataType::Float64),
     ("tokens_per_s", DataType::Float64),
+    ("mfu", DataType::Float64),
     ("lr", DataType::Float64),
     ("grad_norm_mean", DataType::Float64),
     ("grad_norm_max", DataType::Float64),

@@ -68,12 +68,14 @@ fn assert_close(got: &BTreeMap<String, Tensor>, want: &BTreeMap<String, Tensor>,
 fn ddp_over_two_ranks_equals_one_rank_with_twice_the_batch_and_the_trace_has_perplexity() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", LM);
-    let o = run(&["run", "p.toml", "--out", "one", "--set", "train.batch_size=16"], dir.path());
+    // A peak of 1 MFLOP/s: MFU is the model's training FLOPs per second over it.
+    let peak = ["--set", "run.peak_tflops=0.000001"];
+    let o = run(&[&["run", "p.toml", "--out", "one", "--set", "train.batch_size=16"][..], &peak].concat(), dir.path());
     assert_ok(&o);
     let (stdout, _) = text(&o);
     assert!(stdout.contains("Transformer LM (vocab 32, d_model 16, 2 heads, 3 blocks, context 8)"), "{stdout}");
     assert!(stdout.contains("128 training + 16 validation windows of 8 + 1 tokens, vocab 32"), "{stdout}");
-    assert!(stdout.contains(" ppl ") && stdout.contains("tokens/s per rank"), "{stdout}");
+    assert!(stdout.contains(" ppl ") && stdout.contains("tokens/s per rank  MFU "), "{stdout}");
     let two = ["run", "p.toml", "--out", "two", "--set", "run.world_size=2", "--set", "train.batch_size=8"];
     assert_ok(&run(&two, dir.path()));
 
@@ -94,6 +96,15 @@ fn ddp_over_two_ranks_equals_one_rank_with_twice_the_batch_and_the_trace_has_per
     let samples: Vec<f64> = df.column("samples_per_s").unwrap().f64().unwrap().into_no_null_iter().collect();
     assert!(tokens.iter().zip(&samples).all(|(t, s)| (t - 8.0 * s).abs() < 1e-6 * t));
     assert_eq!(df.column("val_perplexity").unwrap().null_count(), 2, "validation on rank 0 only");
+    // MFU against the peak measured on this CPU: a fraction.
+    let mfu: Vec<f64> = df.column("mfu").unwrap().f64().unwrap().into_no_null_iter().collect();
+    assert!(mfu.len() == 4 && mfu.iter().all(|m| *m > 0.0 && *m < 1.0), "{mfu:?}");
+    // Against run.peak_tflops: per window of 8 tokens, 3 × (3 blocks × (2 × 8 × 12 × 16² + 4 × 8² ×
+    // 16) + the head's 2 × 8 × 16 × 32) = 503808 FLOPs.
+    let df = trace(&dir.path().join("one"));
+    let mfu: Vec<f64> = df.column("mfu").unwrap().f64().unwrap().into_no_null_iter().collect();
+    let samples: Vec<f64> = df.column("samples_per_s").unwrap().f64().unwrap().into_no_null_iter().collect();
+    assert!(mfu.iter().zip(&samples).all(|(m, s)| (m - s * 503808.0 / 1e6).abs() < 1e-9 * m), "{mfu:?}");
 }
 
 #[test]

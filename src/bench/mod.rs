@@ -345,10 +345,11 @@ fn run_torch_fsdp2(
         .arg(&result)
         .env("OMP_NUM_THREADS", threads.to_string())
         .env_remove("MKL_CBWR");
-    if t.tied {
+    let spec = crate::model::transformer::Spec::of(t);
+    if spec.tied {
         cmd.arg("--tied");
     }
-    if !t.bias {
+    if !spec.bias {
         cmd.arg("--no-bias");
     }
     if w.bf16 {

@@ -283,8 +283,8 @@ pub fn all() -> Vec<Workload> {
                 layers: 2,
                 seq_len: 64,
                 dropout: 0.0,
-                tied: true,
-                bias: true,
+                tied: Some(true),
+                ..Default::default()
             }),
             rows: 2048,
             batch: 16,
@@ -317,8 +317,8 @@ pub fn all() -> Vec<Workload> {
                 layers: 6,
                 seq_len: 64,
                 dropout: 0.0,
-                tied: false,
-                bias: true,
+                tied: Some(false),
+                ..Default::default()
             }),
             rows: 256,
             batch: 8,

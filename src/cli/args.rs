@@ -18,19 +18,29 @@ pub struct SchemaArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum PrepareCommand {
-    /// A UTF-8 text as nanoGPT's character-level prepare.py makes it: train.bin and val.bin
-    /// (uint16 ids, the first 90% of the characters and the rest) and meta.json (the vocabulary).
-    #[command(after_help = "Example:\n  runner prepare text pipelines/data/tempest.txt --out data/book\n\n\
+    /// A UTF-8 text as nanoGPT's prepare.py makes it: train.bin and val.bin (uint16 ids, the
+    /// first 90% of the tokens and the rest; train.npy and val.npy of uint32 past 65,536 ids)
+    /// and the vocabulary: meta.json (characters) or tokenizer.json.
+    #[command(after_help = "Examples:\n  runner prepare text pipelines/data/tempest.txt --out data/book\n  \
+                            runner prepare text pipelines/data/tempest.txt --out data/bpe --tokenizer bpe --vocab 1024\n\n\
                             Read: docs/guide/language-models.md")]
     Text {
         /// The text file.
         file: PathBuf,
-        /// The folder the three files go to (created if missing).
+        /// The folder the files go to (created if missing).
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
-        /// Replace train.bin, val.bin or meta.json already in DIR.
+        /// Replace the files of an earlier prepare in DIR.
         #[arg(long)]
         force: bool,
+        /// The vocabulary: `chars` (the text's characters, meta.json), `bpe` (a byte-level BPE
+        /// trained on the text, tokenizer.json; needs --vocab), or a Hugging Face tokenizer.json
+        /// file (copied to DIR/tokenizer.json).
+        #[arg(long, value_name = "chars|bpe|FILE", default_value = "chars")]
+        tokenizer: String,
+        /// The most tokens the BPE may have (with --tokenizer bpe).
+        #[arg(long, value_name = "N")]
+        vocab: Option<usize>,
     },
 }
 
@@ -68,6 +78,41 @@ pub struct PredictArgs {
     /// Seeds the draws: the same seed, the same text.
     #[arg(long, default_value_t = 1337, requires = "prompt")]
     pub seed: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// The run directory (results/<name>/<run-id>) of a finished transformer.
+    pub run_dir: PathBuf,
+    /// Write a Hugging Face model directory here (config.json, model.safetensors): what
+    /// transformers' from_pretrained, vLLM and lm-eval load. It must not exist, or be empty.
+    #[arg(long, value_name = "OUT_DIR")]
+    pub hf: PathBuf,
+    /// Shards of at most this size past it, with model.safetensors.index.json ("5GB", "200MB").
+    #[arg(long, value_name = "SIZE", default_value = crate::model::hf::export::DEFAULT_SHARD)]
+    pub max_shard_size: String,
+}
+
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// The run directory of a language model (results/<name>/<run-id>).
+    #[arg(required_unless_present = "job")]
+    pub run_dir: Option<PathBuf>,
+    /// A token file (.bin of uint16 ids, .npy) or a UTF-8 text, encoded with the run's tokenizer.
+    #[arg(required_unless_present = "job")]
+    pub data: Option<PathBuf>,
+    /// Ranks sharing the windows [default: the run's run.world_size]
+    #[arg(long, value_name = "N")]
+    pub world_size: Option<usize>,
+    /// Windows per forward pass on each rank [default: the run's train.batch_size]
+    #[arg(long, value_name = "N")]
+    pub batch_size: Option<usize>,
+    /// Print the results as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// The evaluation a launcher saved (`runner eval` passes it to the ranks it spawns).
+    #[arg(long, value_name = "JOB_JSON", hide = true, conflicts_with_all = ["run_dir", "data"])]
+    pub job: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -75,6 +75,16 @@ pub enum Command {
                             runner predict results/book --prompt \"PROSPERO:\" --tokens 200\n\n\
                             Read: docs/guide/your-data.md, docs/guide/language-models.md")]
     Predict(PredictArgs),
+    /// Write a finished run's model in another format: a Hugging Face model directory.
+    #[command(after_help = "Example:\n  runner export results/book/<run-id> --hf book-hf\n\n\
+                            Read: docs/guide/hugging-face.md")]
+    Export(ExportArgs),
+    /// A language model's loss, perplexity and accuracy on a token file or a text, over ranks
+    /// that share its windows; the file is read where it lies, never loaded.
+    #[command(after_help = "Examples:\n  runner eval results/book data/book/val.bin\n  \
+                            runner eval results/book more_text.txt --world-size 2 --json\n\n\
+                            Read: docs/guide/language-models.md")]
+    Eval(EvalArgs),
     /// Make data files for the runner from other formats.
     #[command(subcommand)]
     Prepare(PrepareCommand),
@@ -102,7 +112,15 @@ pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
             Some(resolved(&args.file, &args.set, &args.set_as))
         }
         Command::Predict(args) => Some(resolved(&args.run_dir.join(rundir::CONFIG), &[], &[])),
-        Command::Sweep(_) | Command::Bench(_) | Command::Schema(_) | Command::Report(_) | Command::Prepare(_) => None,
+        // Its ranks inherit the MKL_CBWR the launcher set.
+        Command::Eval(args) if args.job.is_some() => None,
+        Command::Eval(args) => args.run_dir.as_ref().map(|d| resolved(&d.join(rundir::CONFIG), &[], &[])),
+        Command::Sweep(_)
+        | Command::Bench(_)
+        | Command::Schema(_)
+        | Command::Report(_)
+        | Command::Prepare(_)
+        | Command::Export(_) => None,
     }
 }
 
@@ -113,6 +131,7 @@ pub fn signal_role(cli: &Cli) -> crate::signals::Role {
     match &cli.command {
         Command::Run(args) if args.plan.is_some() || !matches!(RankEnv::from_env(), Ok(None)) => Role::Rank,
         Command::Run(_) => Role::Launcher,
+        Command::Eval(args) if args.job.is_none() => Role::Launcher,
         _ => Role::Other,
     }
 }
@@ -167,7 +186,23 @@ pub fn main(cli: Cli) -> u8 {
             ),
             (None, None) => unreachable!("clap requires DATA or --prompt"),
         },
-        Command::Prepare(PrepareCommand::Text { file, out, force }) => crate::prepare::text(&file, &out, force),
+        Command::Eval(args) => match (&args.job, &args.run_dir, &args.data) {
+            (Some(job), _, _) => crate::eval::rank(job),
+            (None, Some(run_dir), Some(data)) => crate::eval::eval(
+                run_dir,
+                data,
+                &crate::eval::Options { world_size: args.world_size, batch_size: args.batch_size, json: args.json },
+            ),
+            _ => unreachable!("clap requires RUN_DIR and DATA without --job"),
+        },
+        Command::Prepare(PrepareCommand::Text { file, out, force, tokenizer, vocab }) => {
+            crate::prepare::Choice::of(&tokenizer, vocab)
+                .map_err(anyhow::Error::from)
+                .and_then(|choice| crate::prepare::text(&file, &out, force, &choice))
+        }
+        Command::Export(args) => crate::model::hf::export::parse_size(&args.max_shard_size)
+            .map_err(|e| anyhow::Error::new(ConfigError::new(format!("--max-shard-size: {e}"))))
+            .and_then(|max| crate::model::hf::export::export(&args.run_dir, &args.hf, max)),
         Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
             quick: args.quick,
             repetitions: if args.quick { 1 } else { args.repetitions as usize },

@@ -79,6 +79,14 @@ pub struct Run {
     /// strategies and world sizes that fit; `wrap.strategy = "auto"` chooses by it. Absent:
     /// unchecked (the plan still checks the whole estimate against this machine's memory).
     pub memory_per_rank_mb: Option<f64>,
+    /// The peak matrix-product rate of one rank's device, in TFLOP/s, over which a transformer's
+    /// model FLOPs utilisation (MFU: its training FLOPs per second over this peak) is reported in
+    /// the trace and the progress line. Absent: on CPU, measured when the rank starts (square
+    /// matrix products on the rank's threads in the run's precision, about 0.25 s); on CUDA, the
+    /// dense rate of the GPU's model from the runner's table (H100, H200, B200, A100, L40S, L4),
+    /// no MFU for a GPU it does not list. Changes no result: the run id leaves it out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_tflops: Option<f64>,
     /// The signal that preempts the run: every rank finishes its step, a checkpoint is written
     /// at that step, the manifest says `preempted`, and under Slurm the job requeues itself and
     /// resumes there. `#SBATCH --signal=USR1@90` sends SIGUSR1 90 s before the time limit;
@@ -183,6 +191,7 @@ impl Default for Run {
             abort_after_s: 5.0,
             step_timeout_s: None,
             memory_per_rank_mb: None,
+            peak_tflops: None,
             preempt_signal: PreemptSignal::Usr1,
             max_restarts: 0,
             rejoin_timeout_s: REJOIN_TIMEOUT_S,
@@ -430,7 +439,9 @@ pub struct Wrap {
     /// DDP gradient bucket size, in MiB.
     pub bucket_cap_mb: f64,
     /// Initial weights: an .npz or .safetensors file with one tensor per parameter
-    /// (`layer0.weight`, `layer0.bias`, ...), relative to the pipeline file; default: from run.seed.
+    /// (`layer0.weight`, `layer0.bias`, ...), or for a transformer a Hugging Face model directory
+    /// (config.json with model.safetensors or its shards; GPT2LMHeadModel or LlamaForCausalLM,
+    /// whose config.json gives [wrap.model]), relative to the pipeline file; default: from run.seed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init: Option<PathBuf>,
     /// Under DDP, batch norm with batch statistics all-reduced across ranks (torch's SyncBatchNorm);
@@ -681,35 +692,140 @@ pub struct Torchscript {
     pub path: PathBuf,
 }
 
-/// `kind = "transformer"`: token and position embeddings, `layers` pre-norm blocks (causal
-/// self-attention with `heads` heads, then an MLP of width 4 × `d_model`), a final layer norm and
-/// an output head over the vocabulary.
+/// `kind = "transformer"`: a decoder-only language model: token embeddings, `layers` pre-norm
+/// blocks (causal self-attention, then an MLP), a final norm and an output head over the
+/// vocabulary. `family` sets the defaults of the block's parts, GPT-2's or Llama's; each part can
+/// be set on its own.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Transformer {
+    /// The defaults of the parts left unset: "gpt2" (learned positions, LayerNorm, a GELU MLP of
+    /// 4 × d_model, biases, the head tied to the embedding) or "llama" (rotary positions, RMSNorm,
+    /// a SwiGLU MLP, no biases, a head of its own).
+    #[serde(skip_serializing_if = "is_default")]
+    pub family: Family,
     /// Token ids 0..vocab (256 for `load.source = "text"`).
     pub vocab: usize,
     /// Width of the embeddings and of every block.
     pub d_model: usize,
-    /// Attention heads per block; must divide d_model.
+    /// Attention (query) heads per block; must divide d_model unless head_dim is set.
     pub heads: usize,
+    /// Key and value heads per block (grouped-query attention: each serves heads / kv_heads
+    /// query heads); must divide heads. Default: heads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_heads: Option<usize>,
+    /// Width of each attention head. Default: d_model / heads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
     /// Transformer blocks.
     pub layers: usize,
     /// Tokens per window (the context length); the data is cut into windows of seq_len + 1.
     pub seq_len: usize,
+    /// The longest context the model takes: the rows of the learned position table (at least
+    /// seq_len), and what an export records. Default: seq_len.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_positions: Option<usize>,
     /// Dropout probability on the embeddings, the attention weights and each residual branch.
     pub dropout: f64,
     /// The output head is the token embedding (transposed) instead of a matrix of its own.
-    pub tied: bool,
-    /// Biases in the linear layers and layer norms; false: weights only (nanoGPT's default).
-    #[serde(skip_serializing_if = "is_true")]
-    pub bias: bool,
+    /// Default: by family (gpt2 true, llama false).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tied: Option<bool>,
+    /// Biases in the linear layers (and in LayerNorm); false: weights only (nanoGPT's and
+    /// Llama's choice). Default: by family (gpt2 true, llama false).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bias: Option<bool>,
+    /// The norm before each block's attention and MLP and before the head: "layernorm" or
+    /// "rmsnorm" (no mean subtracted, no bias). Default: by family (gpt2 "layernorm", llama
+    /// "rmsnorm").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub norm: Option<Norm>,
+    /// The norms' epsilon, added to the variance. Default: by family (gpt2 1e-5, llama 1e-6, as
+    /// transformers' configurations).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub norm_eps: Option<f64>,
+    /// How the model knows positions: "learned" (a table of max_positions × d_model added to the
+    /// token embeddings) or "rope" (rotary embeddings of the queries and keys, in Hugging Face's
+    /// rotate-half layout). Default: by family (gpt2 "learned", llama "rope").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub positions: Option<Positions>,
+    /// RoPE's base wavelength (`positions = "rope"`). Default: 10000.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// The MLP: "gelu" (exact GELU), "gelu_tanh" (its tanh approximation, GPT-2's own) or
+    /// "swiglu" (silu(x W_gate) × x W_up, then W_down). Default: by family (gpt2 "gelu", as
+    /// nanoGPT; llama "swiglu").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mlp: Option<FeedForward>,
+    /// The MLP's hidden width. Default: 4 × d_model with GELU; with SwiGLU, 2/3 of that rounded
+    /// up to a multiple of 256 (Llama's rule).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mlp_hidden: Option<usize>,
 }
 
 impl Default for Transformer {
     fn default() -> Self {
-        Transformer { vocab: 256, d_model: 64, heads: 4, layers: 2, seq_len: 64, dropout: 0.0, tied: true, bias: true }
+        Transformer {
+            family: Family::Gpt2,
+            vocab: 256,
+            d_model: 64,
+            heads: 4,
+            kv_heads: None,
+            head_dim: None,
+            layers: 2,
+            seq_len: 64,
+            max_positions: None,
+            dropout: 0.0,
+            tied: None,
+            bias: None,
+            norm: None,
+            norm_eps: None,
+            positions: None,
+            rope_theta: None,
+            mlp: None,
+            mlp_hidden: None,
+        }
     }
+}
+
+/// The family of a transformer: the defaults of its parts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// GPT-2's (and nanoGPT's) block.
+    #[default]
+    Gpt2,
+    /// Llama's block.
+    Llama,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Norm {
+    /// Mean and variance normalised, then scaled (and shifted, with biases).
+    Layernorm,
+    /// Root mean square normalised, then scaled.
+    Rmsnorm,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Positions {
+    /// A learned embedding per position, added to the token embeddings.
+    Learned,
+    /// Rotary position embeddings of the queries and keys.
+    Rope,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FeedForward {
+    /// Two linear layers around an exact GELU.
+    Gelu,
+    /// Two linear layers around GELU's tanh approximation (GPT-2's `gelu_new`).
+    GeluTanh,
+    /// A gated linear unit with SiLU: three matrices.
+    Swiglu,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -1088,14 +1204,14 @@ pub struct Track {
 }
 
 impl Config {
-    /// The configuration without what only records a run (TensorBoard, MLflow, step logging)
-    /// or how it survives failures (`run.max_restarts`, `run.rejoin_timeout_s`, `checkpoint.async`):
-    /// what the run id
-    /// covers, since none of it changes what the run computes.
+    /// The configuration without what only records a run (TensorBoard, MLflow, step logging, the
+    /// peak MFU is measured against) or how it survives failures (`run.max_restarts`,
+    /// `run.rejoin_timeout_s`, `checkpoint.async`): what the run id covers, since none of it
+    /// changes what the run computes.
     pub fn without_tracking(&self) -> Config {
         let d = Trace::default();
         let trace = Trace { tensorboard: d.tensorboard, log_every_steps: d.log_every_steps, ..self.trace.clone() };
-        let run = Run { max_restarts: 0, rejoin_timeout_s: REJOIN_TIMEOUT_S, ..self.run.clone() };
+        let run = Run { max_restarts: 0, rejoin_timeout_s: REJOIN_TIMEOUT_S, peak_tflops: None, ..self.run.clone() };
         let checkpoint = Checkpoint { asynchronous: false, ..self.checkpoint.clone() };
         Config { trace, track: Track::default(), run, checkpoint, ..self.clone() }
     }

@@ -4,6 +4,8 @@
 //! of `config::schema::Model` (matched in [`architecture`] and [`check`]).
 pub mod batchnorm;
 pub mod cnn;
+pub mod hf;
+mod init;
 pub mod mlp;
 pub mod optim;
 pub mod partition;
@@ -20,6 +22,7 @@ use tch::Tensor;
 
 use crate::config::schema::{Model, Torchscript};
 use batchnorm::StatsGroup;
+pub use init::{load_init, InitWeights};
 pub use weights::read_weights;
 
 /// What building a model's layers takes besides its configuration and shapes.

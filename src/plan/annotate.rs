@@ -40,6 +40,11 @@ pub fn annotated_toml(plan: &Plan) -> String {
         let v = match files.len() {
             0 => v,
             1 if !v.is_array() => files.into_iter().next().expect("one file"),
+            // A directory of files (a Hugging Face checkpoint): the directory.
+            _ if !v.is_array() => match plan.inputs.iter().find(|f| f.key == key).and_then(|f| f.path.parent()) {
+                Some(dir) => toml::Value::String(dir.display().to_string()),
+                None => v,
+            },
             _ => toml::Value::Array(files),
         };
         out += &format!("{name} = {v}  # {from}\n");

@@ -18,6 +18,7 @@ pub mod schedule;
 mod stages;
 mod strategy;
 mod values;
+mod vocabulary;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -73,8 +74,9 @@ pub struct Plan {
     /// With `wrap.strategy = "auto"`: the strategy the plan chose (config.wrap holds it) and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auto: Option<String>,
-    /// The vocabulary beside a token file (`meta.json`), which `runner predict --prompt` decodes
-    /// with: recorded to tell it from another file, and left out of the run id.
+    /// The vocabulary beside a token file (`tokenizer.json` or `meta.json`), which `runner predict
+    /// --prompt` and `runner eval` encode and decode with ([`Plan::read_vocabulary`]):
+    /// recorded to tell it from another file, and left out of the run id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vocabulary: Option<InputFile>,
     /// Each resume that changed the world size or the strategy (into the manifest).
@@ -106,6 +108,8 @@ impl Plan {
 
     fn build(resolved: Resolved, resuming: Option<&Resuming>) -> Result<Plan, ConfigError> {
         let Resolved { config: mut c, mut sources, file, extends } = resolved;
+        let base = file.parent().map(PathBuf::from).unwrap_or_default();
+        let imported = model::import_hf(&mut c, &mut sources, &base);
         // Values the plan sets itself (wrap.strategy = "auto"), with where they came from.
         let mut chosen: Vec<(&str, String)> = Vec::new();
         let mut errors = Vec::new();
@@ -114,9 +118,11 @@ impl Plan {
             let from = sources.get(key).map(String::as_str).unwrap_or("default");
             errors.push(format!("`{key}` ({from}): {msg}"))
         };
+        for (key, problem) in imported {
+            bad(&key, problem);
+        }
         values::run_values(&c, &mut bad);
         values::track_values(&c.track, &mut bad);
-        let base = file.parent().map(PathBuf::from).unwrap_or_default();
         let data = data::spec(&c, &base, &mut bad);
         // Out-of-bounds model sizes leave no architecture: nothing below computes a shape from them.
         let model_ok = crate::model::check(&c.wrap.model, &mut bad);
@@ -126,7 +132,7 @@ impl Plan {
         let model = model::model_parts(&c, &base, data.as_ref(), layout.as_ref(), model_ok, &mut bad);
         let mut files: Vec<(&str, Option<PathBuf>)> =
             data.iter().flat_map(|d| d.inputs()).map(|(k, p)| (k, Some(p))).collect();
-        files.push(("wrap.init", model.init_weights.clone()));
+        files.extend(model.init_files.iter().map(|p| ("wrap.init", Some(p.clone()))));
         files.extend(model.files.iter().map(|(k, p)| (*k, Some(p.clone()))));
         let inputs = input::digests(files, &mut bad);
 
@@ -214,6 +220,7 @@ impl Plan {
             _ => None,
         };
         drop(planner);
+        let vocabulary = vocabulary::record(&c, &base, &mut bad);
         if !errors.is_empty() {
             let n = errors.len();
             let head =
@@ -223,7 +230,7 @@ impl Plan {
         let (data, layout, stages) = (data.expect("checked"), layout.expect("checked"), stages.expect("checked"));
         sources.extend(chosen.into_iter().map(|(k, v)| (k.to_owned(), v)));
         Ok(Plan {
-            vocabulary: vocabulary(&data),
+            vocabulary,
             batch_per_rank: layout.split_batch.unwrap_or(c.train.batch_size),
             threads_per_rank: values::threads_per_rank(&c),
             parameters: layer_parameters.iter().sum(),
@@ -417,12 +424,4 @@ impl Plan {
 /// The first 0-dimensional (scalar) trainable parameter of the model, which FSDP cannot shard.
 fn scalar_parameter(arch: &dyn Architecture) -> Option<String> {
     arch.parameters(0..arch.layers().len()).into_iter().find(|(_, shape)| shape.is_empty()).map(|(name, _)| name)
-}
-
-/// `meta.json` beside a token file, when there is one (not for `load.source = "text"`, whose
-/// vocabulary is bytes).
-fn vocabulary(data: &DataSpec) -> Option<InputFile> {
-    let crate::data::SourceSpec::Tokens(spec) = &data.source else { return None };
-    let path = crate::prepare::meta_beside(&spec.train.files.first()?.path);
-    (spec.source == Source::Tokens && path.is_file()).then(|| InputFile::read("vocabulary", &path).ok()).flatten()
 }

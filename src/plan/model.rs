@@ -1,5 +1,7 @@
 //! The model against the data, on the plan: its architecture, SyncBatchNorm's preconditions,
-//! the initial weights and the model's own files.
+//! the initial weights (a weights file, or a Hugging Face checkpoint whose config.json gives
+//! `[wrap.model]`) and the model's own files.
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::config::schema::*;
@@ -13,6 +15,8 @@ use super::probe;
 pub(super) struct ModelParts {
     pub arch: Option<Box<dyn Architecture>>,
     pub init_weights: Option<PathBuf>,
+    /// The files `wrap.init` names: the file, or a checkpoint's config.json and weights.
+    pub init_files: Vec<PathBuf>,
     pub files: Vec<(&'static str, PathBuf)>,
 }
 
@@ -40,12 +44,96 @@ pub(super) fn model_parts(
         sync_batchnorm(c, arch.as_ref(), bad);
     }
     let init_weights = c.wrap.init.as_ref().map(|rel| base.join(rel));
-    if let (Some(path), Some(arch)) = (&init_weights, &arch) {
-        if let Err(e) = crate::model::weights::check(path, &crate::model::sorted_parameters(arch.as_ref())) {
-            bad("wrap.init", e);
+    let mut init_files = init_weights.iter().cloned().collect();
+    match (&init_weights, &arch, &c.wrap.model) {
+        (Some(dir), Some(_), Model::Transformer(t)) if crate::model::hf::is_model_dir(dir) => {
+            match hf_checkpoint(dir, t) {
+                Ok(files) => init_files = files,
+                Err(e) => bad("wrap.init", e),
+            }
+        }
+        (Some(path), Some(arch), _) => {
+            if let Err(e) = crate::model::weights::check(path, &crate::model::sorted_parameters(arch.as_ref())) {
+                bad("wrap.init", e);
+            }
+        }
+        _ => {}
+    }
+    ModelParts { arch, init_weights, init_files, files: crate::model::files(&model) }
+}
+
+/// A Hugging Face checkpoint's tensors checked against the model (their headers alone); its
+/// files. A config.json that cannot be read was reported by [`import_hf`].
+fn hf_checkpoint(dir: &Path, t: &Transformer) -> Result<Vec<PathBuf>, String> {
+    use crate::model::hf;
+    let Ok((arch, _)) = hf::read_config(dir) else { return Ok(Vec::new()) };
+    hf::Checkpoint::open(dir, arch, &crate::model::transformer::Spec::of(t))?;
+    hf::checkpoint::files(dir)
+}
+
+/// The source that values read from a checkpoint's config.json show.
+const FROM_CHECKPOINT: &str = "wrap.init config.json";
+
+/// With `wrap.init` naming a Hugging Face model directory, `[wrap.model]` becomes the model its
+/// config.json describes (the keys a file, the environment or `--set` gave must agree with it;
+/// `seq_len` and `dropout` stay the run's own), and `sources` says where those values came from.
+/// Returns the problems found, by key.
+pub(super) fn import_hf(c: &mut Config, sources: &mut BTreeMap<String, String>, base: &Path) -> Vec<(String, String)> {
+    let Some(dir) = c.wrap.init.as_ref().map(|rel| base.join(rel)).filter(|p| crate::model::hf::is_model_dir(p)) else {
+        return Vec::new();
+    };
+    let (arch, theirs) = match crate::model::hf::read_config(&dir) {
+        Ok(read) => read,
+        Err(e) => return vec![("wrap.init".into(), e)],
+    };
+    let given = |sources: &BTreeMap<String, String>, key: &str| sources.get(key).is_some_and(|s| s != "default");
+    let ours = match &c.wrap.model {
+        Model::Transformer(t) => t.clone(),
+        // No kind given: the checkpoint's.
+        _ if !given(sources, "wrap.model.kind") => Transformer::default(),
+        other => {
+            let kind = toml::Value::try_from(other).ok().and_then(|v| v.get("kind").cloned());
+            let kind = kind.map(|k| k.to_string()).unwrap_or_default();
+            return vec![(
+                "wrap.model.kind".into(),
+                format!(
+                    "is {kind}, but wrap.init is a Hugging Face checkpoint of a {} (a transformer); remove \
+                     wrap.model.kind or set it to \"transformer\"",
+                    arch.class()
+                ),
+            )];
+        }
+    };
+    let table = |t: &Transformer| {
+        crate::config::schema::with_every_key(|| toml::Value::try_from(t)).expect("a model serializes")
+    };
+    let (mine, checkpoint) = (table(&ours), table(&theirs));
+    let mut problems = Vec::new();
+    for (name, value) in checkpoint.as_table().into_iter().flatten() {
+        if name == "seq_len" || name == "dropout" {
+            continue;
+        }
+        let key = format!("wrap.model.{name}");
+        let set = given(sources, &key);
+        match mine.get(name) {
+            Some(v) if set && v != value => problems.push((
+                key,
+                format!(
+                    "is {v}, but {} ({}) makes it {value}: remove it from [wrap.model] (the checkpoint sets it), or give another \
+                     wrap.init",
+                    dir.join(crate::model::hf::CONFIG).display(),
+                    arch.class()
+                ),
+            )),
+            _ if !set => {
+                sources.insert(key, FROM_CHECKPOINT.into());
+            }
+            _ => {}
         }
     }
-    ModelParts { arch, init_weights, files: crate::model::files(&model) }
+    c.wrap.model = Model::Transformer(Transformer { seq_len: ours.seq_len, dropout: ours.dropout, ..theirs });
+    sources.insert("wrap.model.kind".into(), FROM_CHECKPOINT.into());
+    problems
 }
 
 /// `wrap.sync_batchnorm` needs batch norm layers the runner owns, in replicas.

@@ -2,6 +2,7 @@
 //! receives what the previous one produced and the part of the plan it owns.
 pub mod checkpoint;
 mod clock;
+pub mod mfu;
 pub mod preempt;
 pub mod recipe;
 mod rows;
@@ -231,9 +232,10 @@ fn interval_line(plan: &Plan, clock: &train::Clock, done: usize, rows: &[EpochRo
     };
     let lm = match r0.tokens_per_s {
         Some(tokens) => format!(
-            "  ppl {:.2}{}  {tokens:.0} tokens/s per rank",
+            "  ppl {:.2}{}  {tokens:.0} tokens/s per rank{}",
             r0.global_train_loss.exp(),
-            r0.val_perplexity.map(|p| format!("  val ppl {p:.2}")).unwrap_or_default()
+            r0.val_perplexity.map(|p| format!("  val ppl {p:.2}")).unwrap_or_default(),
+            r0.mfu.map(|m| format!("  MFU {:.1}%", 100.0 * m)).unwrap_or_default()
         ),
         None => String::new(),
     };

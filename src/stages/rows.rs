@@ -35,10 +35,12 @@ pub(super) struct RankEpoch {
     pub(super) grad_bytes: f64,
     pub(super) optim_bytes: f64,
     pub(super) peak_rss_bytes: f64,
+    /// Model FLOPs utilisation (NaN where unknown).
+    pub(super) mfu: f64,
 }
 
 impl RankEpoch {
-    const FIELDS: usize = 21;
+    const FIELDS: usize = 22;
 
     fn to_array(self) -> [f64; Self::FIELDS] {
         let RankEpoch {
@@ -63,6 +65,7 @@ impl RankEpoch {
             grad_bytes,
             optim_bytes,
             peak_rss_bytes,
+            mfu,
         } = self;
         [
             loss_sum,
@@ -86,12 +89,13 @@ impl RankEpoch {
             grad_bytes,
             optim_bytes,
             peak_rss_bytes,
+            mfu,
         ]
     }
 
     fn from_slice(v: &[f64]) -> RankEpoch {
-        let [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble, lr, grad_norm_mean, grad_norm_max, val_f1, val_rmse, val_mae, val_r2, param_bytes, grad_bytes, optim_bytes, peak_rss_bytes] =
-            v.try_into().expect("21 values per rank");
+        let [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble, lr, grad_norm_mean, grad_norm_max, val_f1, val_rmse, val_mae, val_r2, param_bytes, grad_bytes, optim_bytes, peak_rss_bytes, mfu] =
+            v.try_into().expect("22 values per rank");
         RankEpoch {
             loss_sum,
             correct,
@@ -114,6 +118,7 @@ impl RankEpoch {
             grad_bytes,
             optim_bytes,
             peak_rss_bytes,
+            mfu,
         }
     }
 }
@@ -205,6 +210,7 @@ pub(super) fn gather_epoch_rows(
                 perplexity: None,
                 val_perplexity: None,
                 tokens_per_s: None,
+                mfu: opt(f.mfu),
                 lr: f.lr,
                 grad_norm_mean: opt(f.grad_norm_mean),
                 grad_norm_max: opt(f.grad_norm_max),

@@ -30,6 +30,7 @@ pub fn row_scalars(r: &EpochRow) -> Vec<(String, f64)> {
         ("val/perplexity", r.val_perplexity),
         ("throughput/samples_per_s", Some(r.samples_per_s)),
         ("throughput/tokens_per_s", r.tokens_per_s),
+        ("throughput/mfu", r.mfu),
         ("time/epoch_s", Some(r.epoch_s)),
     ];
     all.into_iter().filter_map(|(k, v)| Some((k.to_owned(), v?))).collect()

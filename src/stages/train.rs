@@ -62,6 +62,8 @@ pub struct Trainer<'a, 'pg> {
     pub progress: Progress,
     pub position: Position,
     pub clock: Clock,
+    /// A transformer's model FLOPs utilisation, where the device's peak is known.
+    pub mfu: Option<super::mfu::Mfu>,
     /// The epoch whose rows are ready, and its rows.
     epoch_rows: Option<(usize, EpochRows)>,
 }
@@ -116,7 +118,8 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
         position: Position,
     ) -> Trainer<'a, 'pg> {
         let clock = Clock::of(plan);
-        Trainer { plan, pg, device, data, normalizer, wrapped, progress, position, clock, epoch_rows: None }
+        let mfu = super::mfu::Mfu::of(plan, device);
+        Trainer { plan, pg, device, data, normalizer, wrapped, progress, position, clock, mfu, epoch_rows: None }
     }
 
     /// Rows trained in steps `steps` of the interval starting at `start` (batch sizes vary at an
@@ -291,7 +294,8 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                     if rank == 0 {
                         let loss = s.per_sample.as_ref().map(|p| p.mean(Kind::Double).double_value(&[]));
                         let done = if c.train.steps.is_some() { step + 1 } else { b + 1 };
-                        self.progress.step(done, loss, self.samples_per_s(iv));
+                        let rate = self.samples_per_s(iv);
+                        self.progress.step(done, loss, rate, self.mfu.map(|m| m.at(rate)));
                     }
                 }
             }
@@ -370,6 +374,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
         mine.grad_bytes = state.gradients as f64;
         mine.optim_bytes = state.optimizer as f64;
         mine.peak_rss_bytes = crate::dist::peak_resident_bytes() as f64;
+        mine.mfu = self.mfu.map_or(f64::NAN, |m| m.at(mine.samples / mine.epoch_s));
         let stages = self.wrapped.strategy.pipeline_ranks(self.plan);
         let train_s = iv.train_s.as_secs_f64();
         mine.bubble = if stages.is_some() { iv.wait.as_secs_f64() / train_s } else { f64::NAN };

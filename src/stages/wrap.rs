@@ -1,9 +1,9 @@
 //! Stage 4, wrap: the model from `[wrap.model]` (the layers this rank holds, each seeded from
 //! (seed, layer) alone, so every rank and every strategy starts from the same weights, or read
 //! from `wrap.init`, which holds every parameter and buffer under the names `model.safetensors`
-//! uses), its strategy (DDP, FSDP, a pipeline stage, or none; DDP and FSDP broadcast the
-//! buffers) and its optimizer, over the parameters this rank holds (under FSDP, its shards,
-//! built and read one unit at a time: [`wrap_sharded`]).
+//! uses, or is a Hugging Face checkpoint), its strategy (DDP, FSDP, a pipeline stage, or none;
+//! DDP and FSDP broadcast the buffers) and its optimizer, over the parameters this rank holds
+//! (under FSDP, its shards, built and read one unit at a time: [`wrap_sharded`]).
 use std::sync::Arc;
 
 use tch::nn::{self, ModuleT};
@@ -13,7 +13,7 @@ use crate::config::schema::WrapStrategy;
 use crate::dist::{ProcessGroup, Sharded};
 use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::Optimizer;
-use crate::model::weights::WeightsFile;
+use crate::model::InitWeights;
 use crate::model::{Architecture, BuildContext};
 use crate::plan::Plan;
 use crate::strategy::fsdp::{Fsdp, ShardedModel};
@@ -51,11 +51,7 @@ pub fn wrap<'pg>(
     if let Some(path) = &plan.init_weights {
         // The file holds the whole model; a pipeline stage takes its own layers from it, one
         // tensor at a time.
-        let mut file = WeightsFile::open(path)?;
-        for (name, mut var) in vs.variables() {
-            let saved = file.whole(&name, &var)?;
-            tch::no_grad(|| var.copy_(&saved));
-        }
+        crate::model::load_init(path, &c.wrap.model, &vs)?;
     }
     let params = crate::model::parameters_in_module_order(arch.as_ref(), layers.clone(), &vs);
     let vars = vs.variables();
@@ -101,7 +97,7 @@ fn wrap_sharded<'pg>(
     let vars = vs.variables();
     let buffers: Vec<(String, Tensor)> =
         arch.buffers(all.clone()).into_iter().map(|(name, _)| (name.clone(), vars[&name].shallow_clone())).collect();
-    let mut init = plan.init_weights.as_deref().map(WeightsFile::open).transpose()?;
+    let mut init = plan.init_weights.as_deref().map(|p| InitWeights::open(p, &c.wrap.model)).transpose()?;
     if let Some(file) = init.as_mut() {
         // Before the strategy broadcasts rank 0's buffers: every rank reads them, whole.
         for (name, var) in &buffers {

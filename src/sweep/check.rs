@@ -17,7 +17,7 @@ use crate::trace;
 /// Columns of trace.parquet that measure time (and the process's resident memory, which
 /// depends on the allocator's history): they differ from run to run by nature.
 pub const TIMING_COLUMNS: &[&str] =
-    &["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "tokens_per_s", "peak_rss_bytes"];
+    &["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "tokens_per_s", "mfu", "peak_rss_bytes"];
 
 /// Columns added to trace.parquet after traces were committed (the training recipe's, the memory
 /// columns): a stored trace without them is compared on the others; one that has them is
@@ -355,6 +355,7 @@ mod tests {
             perplexity: None,
             val_perplexity: None,
             tokens_per_s: None,
+            mfu: None,
             lr: 0.1,
             grad_norm_mean: None,
             grad_norm_max: None,

@@ -65,6 +65,11 @@ pub struct EpochRow {
     pub val_perplexity: Option<f64>,
     #[serde(default)]
     pub tokens_per_s: Option<f64>,
+    /// Transformers: model FLOPs utilisation, the model's training FLOPs per second on the rank
+    /// over its device's peak (`run.peak_tflops`, or measured), a fraction; null where no peak
+    /// is known or for other models.
+    #[serde(default)]
+    pub mfu: Option<f64>,
     /// The learning rate of the epoch's last optimizer step.
     #[serde(default)]
     pub lr: f64,
@@ -141,6 +146,7 @@ pub const EPOCH_COLUMNS: &[&str] = &[
     "perplexity",
     "val_perplexity",
     "tokens_per_s",
+    "mfu",
     "lr",
     "grad_norm_mean",
     "grad_norm_max",
@@ -179,6 +185,7 @@ pub fn epochs_frame(run_id: &str, rows: &[EpochRow]) -> PolarsResult<DataFrame> 
         Column::new("perplexity".into(), rows.iter().map(|r| r.perplexity).collect::<Vec<_>>()),
         Column::new("val_perplexity".into(), rows.iter().map(|r| r.val_perplexity).collect::<Vec<_>>()),
         Column::new("tokens_per_s".into(), rows.iter().map(|r| r.tokens_per_s).collect::<Vec<_>>()),
+        Column::new("mfu".into(), rows.iter().map(|r| r.mfu).collect::<Vec<_>>()),
         f(|r| r.lr).with_name("lr".into()),
         Column::new("grad_norm_mean".into(), rows.iter().map(|r| r.grad_norm_mean).collect::<Vec<_>>()),
         Column::new("grad_norm_max".into(), rows.iter().map(|r| r.grad_norm_max).collect::<Vec<_>>()),

@@ -43,7 +43,8 @@ impl Progress {
     }
 
     /// `done`: batches of the epoch (epoch runs) or optimizer steps of the run (step runs).
-    pub fn step(&self, done: usize, loss: Option<f64>, samples_per_s: f64) {
+    /// `mfu`: a transformer's model FLOPs utilisation at that rate.
+    pub fn step(&self, done: usize, loss: Option<f64>, samples_per_s: f64, mfu: Option<f64>) {
         if let Some(bar) = &self.bar {
             bar.set_position(done as u64);
             if let Some(loss) = loss {
@@ -51,7 +52,8 @@ impl Progress {
                     Some(t) => format!("{:.0} tokens/s", samples_per_s * t as f64),
                     None => format!("{samples_per_s:.0} samples/s"),
                 };
-                bar.set_message(format!("loss {loss:.4}  {rate}"));
+                let mfu = mfu.map(|m| format!("  MFU {:.1}%", 100.0 * m)).unwrap_or_default();
+                bar.set_message(format!("loss {loss:.4}  {rate}{mfu}"));
             }
         }
     }

@@ -125,6 +125,7 @@ mod tests {
             perplexity: None,
             val_perplexity: None,
             tokens_per_s: None,
+            mfu: None,
             lr: 0.1,
             grad_norm_mean: None,
             grad_norm_max: None,

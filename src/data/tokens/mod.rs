@@ -22,9 +22,11 @@ use crate::config::schema::{Sampling, Source};
 
 mod spec;
 mod windows;
+mod write;
 
 pub use spec::spec;
 pub use windows::*;
+pub use write::*;
 
 /// One file of a token stream: where its ids start and how wide each is.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -252,6 +254,14 @@ fn first_bad_id(bytes: &[u8], dtype: Dtype, vocab: usize) -> Result<Option<usize
     }
     let bad = t.lt(lowest as i64).logical_or(&t.ge(limit.min(i64::MAX as i128) as i64));
     Ok(Some(bad.nonzero().int64_value(&[0, 0]) as usize))
+}
+
+/// The files `paths`, opened and scanned (every id below `vocab`), as one stream; the first
+/// problem found is the error.
+pub fn scanned_stream(paths: &[PathBuf], source: Source, vocab: usize) -> Result<Stream, String> {
+    let mut problem = None;
+    let stream = stream("", paths, source, vocab, &mut |_: &str, e: String| problem = Some(e));
+    stream.ok_or_else(|| problem.unwrap_or_default())
 }
 
 /// The files of `key`, opened and scanned, as one stream.

@@ -1,0 +1,254 @@
+//! `runner export RUN_DIR --hf OUT_DIR`: a finished run's transformer as a Hugging Face model
+//! directory, as `save_pretrained` writes one: `config.json`, `model.safetensors` (or shards
+//! `model-0000i-of-0000N.safetensors` and `model.safetensors.index.json` past
+//! `--max-shard-size`), float32, under the class's own names and layouts, and the run's
+//! tokenizer (`tokenizer.json` and a `tokenizer_config.json` naming `PreTrainedTokenizerFast`, so
+//! that `AutoTokenizer` gives the runner's ids) where it has one. The directory is written beside
+//! OUT_DIR and renamed into place once complete: an export is whole or absent.
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use anyhow::Context;
+use serde_json::{json, Value};
+use tch::{Kind, Tensor};
+
+use super::{Arch, Mapping, CONFIG, INDEX, WEIGHTS};
+use crate::config::schema::Model;
+use crate::model::transformer::Spec;
+use crate::plan::Plan;
+use crate::tensorfile::{Entry, TensorFile};
+use crate::tokenizer::{Tokenizer, Vocabulary, END_OF_TEXT, TOKENIZER};
+
+/// transformers' own default shard size.
+pub const DEFAULT_SHARD: &str = "50GB";
+
+/// "50GB", "200MB", "10KB" or a number of bytes (decimal units, as transformers reads them).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+    let scale = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        _ => return Err(format!("{text:?} is not a size: give bytes, or a number with KB, MB or GB (\"5GB\")")),
+    };
+    match digits.parse::<u64>().ok().and_then(|n| n.checked_mul(scale)) {
+        Some(n) if n > 0 => Ok(n),
+        _ => Err(format!("{text:?} is not a size: give bytes, or a number with KB, MB or GB (\"5GB\")")),
+    }
+}
+
+/// One tensor of the export: the rows of one of the model's parameters it holds.
+struct Out<'m> {
+    name: String,
+    mapping: &'m Mapping,
+    /// Its first row in the parameter.
+    offset: i64,
+    part: &'m super::Part,
+}
+
+impl Out<'_> {
+    fn shape(&self) -> Vec<i64> {
+        self.part.stored_shape(&self.mapping.shape)
+    }
+
+    fn bytes(&self) -> u64 {
+        self.shape().iter().product::<i64>() as u64 * 4
+    }
+
+    /// Its values, from the run's model file.
+    fn tensor(&self, model: &TensorFile) -> anyhow::Result<Tensor> {
+        let whole = model.tensor(&self.mapping.ours, u64::MAX).map_err(anyhow::Error::msg)?;
+        let rows = whole.to_kind(Kind::Float).narrow(0, self.offset, self.part.rows);
+        Ok(if self.part.transposed { rows.tr().contiguous() } else { rows.contiguous() })
+    }
+}
+
+/// Writes `run_dir`'s model to `out` as a Hugging Face checkpoint, shards of at most
+/// `max_shard` bytes.
+pub fn export(run_dir: &Path, out: &Path, max_shard: u64) -> anyhow::Result<u8> {
+    let plan = Plan::load(&run_dir.join(crate::rundir::PLAN))?;
+    let Model::Transformer(t) = &plan.config.wrap.model else {
+        anyhow::bail!("export --hf writes a language model, but this run trained a {}", plan.model().describe());
+    };
+    let spec = Spec::of(t);
+    let arch = Arch::of(&spec).map_err(|e| anyhow::anyhow!("{e}: Hugging Face has no class for it"))?;
+    let model_path = crate::predict::trained_model(run_dir)?;
+    let model = TensorFile::open(&model_path).map_err(|e| anyhow::anyhow!("{}: {e}", model_path.display()))?;
+    let shapes = crate::model::sorted_parameters(plan.model().as_ref());
+    for (name, shape) in &shapes {
+        let found = model.info(name).map(|i| i.shape.iter().map(|&d| d as i64).collect::<Vec<i64>>());
+        anyhow::ensure!(
+            found.as_ref() == Some(shape),
+            "{} does not hold the run's model: `{name}` is {found:?}, the plan's {shape:?}",
+            model_path.display()
+        );
+    }
+    if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
+        anyhow::bail!("{} already exists and is not empty: give a new directory", out.display());
+    }
+    let mappings = arch.mappings(&spec, if arch == Arch::Gpt2 { "transformer." } else { "" });
+    let tensors: Vec<Out> = mappings
+        .iter()
+        .flat_map(|m| {
+            let mut offset = 0;
+            m.parts.iter().map(move |part| {
+                let o = Out { name: part.name.clone(), mapping: m, offset, part };
+                offset += part.rows;
+                o
+            })
+        })
+        .collect();
+    let tokenizer = tokenizer_of(&plan)?;
+    let tmp = crate::rundir::tmp_path(out);
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let written = write_dir(&tmp, arch, &spec, &tensors, &model, max_shard).and_then(|mut files| {
+        if let Some(t) = &tokenizer {
+            files.extend(write_tokenizer(&tmp, t, &spec)?);
+        }
+        Ok(files)
+    });
+    let files = match written {
+        Ok(files) => files,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
+    if out.exists() {
+        std::fs::remove_dir(out).with_context(|| format!("cannot replace the empty {}", out.display()))?;
+    }
+    std::fs::rename(&tmp, out).with_context(|| format!("cannot rename {} to {}", tmp.display(), out.display()))?;
+    let bytes: u64 = tensors.iter().map(Out::bytes).sum();
+    crate::say!(
+        "exported {} ({}, {} tensors, {:.1} MB in {}) to {}",
+        plan.model().describe(),
+        arch.class(),
+        tensors.len(),
+        bytes as f64 / 1e6,
+        files.join(", "),
+        out.display()
+    );
+    Ok(0)
+}
+
+/// The checkpoint's files in `dir`: config.json, then the shards (and their index); their names.
+fn write_dir(
+    dir: &Path,
+    arch: Arch,
+    spec: &Spec,
+    tensors: &[Out],
+    model: &TensorFile,
+    max_shard: u64,
+) -> anyhow::Result<Vec<String>> {
+    let mut config = arch.write(spec);
+    config.insert("dtype".into(), json!("float32"));
+    // No special token but a tokenizer's end of text: generation stops only there, or at its length.
+    config.insert("bos_token_id".into(), Value::Null);
+    config.insert("eos_token_id".into(), Value::Null);
+    crate::rundir::atomic_write(&dir.join(CONFIG), (serde_json::to_string_pretty(&config)? + "\n").as_bytes())?;
+    // Shards in the model's order, each as full as the size allows (one tensor at least).
+    let mut shards: Vec<Vec<&Out>> = vec![Vec::new()];
+    let mut size = 0;
+    for t in tensors {
+        let last = shards.last_mut().expect("a shard");
+        if !last.is_empty() && size + t.bytes() > max_shard {
+            shards.push(vec![t]);
+            size = t.bytes();
+        } else {
+            last.push(t);
+            size += t.bytes();
+        }
+    }
+    let n = shards.len();
+    let name = |i: usize| if n == 1 { WEIGHTS.to_owned() } else { format!("model-{:05}-of-{n:05}.safetensors", i + 1) };
+    let mut weight_map = BTreeMap::new();
+    for (i, shard) in shards.iter().enumerate() {
+        let entries = shard
+            .iter()
+            .map(|t| {
+                weight_map.insert(t.name.clone(), name(i));
+                Entry {
+                    name: t.name.clone(),
+                    kind: Kind::Float,
+                    shape: t.shape(),
+                    bytes: Box::new(move || Ok(crate::tensorfile::bytes_of(&t.tensor(model)?))),
+                }
+            })
+            .collect();
+        let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+        crate::tensorfile::write(&dir.join(name(i)), Some(metadata), entries)?;
+    }
+    let mut files = vec![CONFIG.to_owned()];
+    files.extend((0..n).map(name));
+    if n > 1 {
+        let total: u64 = tensors.iter().map(Out::bytes).sum();
+        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        crate::rundir::atomic_write(&dir.join(INDEX), (serde_json::to_string_pretty(&index)? + "\n").as_bytes())?;
+        files.push(INDEX.to_owned());
+    }
+    Ok(files)
+}
+
+/// The run's tokenizer, when its vocabulary is a tokenizer.json (characters and bytes have no
+/// Hugging Face form); refused when it changed since the run.
+fn tokenizer_of(plan: &Plan) -> anyhow::Result<Option<Tokenizer>> {
+    if plan.vocabulary.is_none() {
+        return Ok(None);
+    }
+    Ok(match plan.read_vocabulary()? {
+        Vocabulary::Tokenizer(t) => Some(*t),
+        Vocabulary::Chars(_) | Vocabulary::Bytes => None,
+    })
+}
+
+/// `tokenizer.json` as the run had it, and the `tokenizer_config.json` that makes
+/// `AutoTokenizer` load it as it is (no token added to the texts it encodes); the end-of-text
+/// token, where the vocabulary has one, as the end of a sequence. Their names.
+fn write_tokenizer(dir: &Path, t: &Tokenizer, spec: &Spec) -> anyhow::Result<Vec<String>> {
+    let bytes = std::fs::read(t.path()).with_context(|| format!("cannot read {}", t.path().display()))?;
+    crate::rundir::atomic_write(&dir.join(TOKENIZER), &bytes)?;
+    let end = (t.encode(END_OF_TEXT)?.len() == 1).then_some(END_OF_TEXT);
+    let config = json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": spec.max_positions,
+        "clean_up_tokenization_spaces": false,
+        "add_bos_token": false,
+        "add_eos_token": false,
+        "bos_token": end,
+        "eos_token": end,
+    });
+    crate::rundir::atomic_write(
+        &dir.join(TOKENIZER_CONFIG),
+        (serde_json::to_string_pretty(&config)? + "\n").as_bytes(),
+    )?;
+    if let Some(end) = end {
+        // The model's config names the same token by id.
+        let id = t.encode(end)?[0];
+        let path = dir.join(CONFIG);
+        let mut config: serde_json::Map<String, Value> = serde_json::from_slice(&std::fs::read(&path)?)?;
+        config.insert("bos_token_id".into(), json!(id));
+        config.insert("eos_token_id".into(), json!(id));
+        crate::rundir::atomic_write(&path, (serde_json::to_string_pretty(&config)? + "\n").as_bytes())?;
+    }
+    Ok(vec![TOKENIZER.to_owned(), TOKENIZER_CONFIG.to_owned()])
+}
+
+/// The tokenizer's settings for transformers.
+const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_as_transformers_reads_them() {
+        assert_eq!(parse_size("50GB"), Ok(50_000_000_000));
+        assert_eq!(parse_size("200MB"), Ok(200_000_000));
+        assert_eq!(parse_size("10 kb"), Ok(10_000));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("0").is_err() && parse_size("5TB").is_err() && parse_size("GB").is_err());
+    }
+}
