@@ -205,7 +205,7 @@ impl TensorFile {
         let mut out = vec![0u8; (len * count) as usize];
         if len > 0 {
             for (i, run) in out.chunks_mut(len as usize).enumerate() {
-                self.file.read_exact_at(run, start + i as u64 * stride).map_err(|e| format!("cannot read it: {e}"))?;
+                self.read_into(run, start + i as u64 * stride)?;
             }
         }
         Ok(out)

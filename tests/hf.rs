@@ -12,7 +12,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{assert_ok, reference_python, run, text, write};
+use common::{assert_ok, reference_python, run, runner, text, write};
 use polars::prelude::ChunkCompareEq;
 use runner::config::schema::Model;
 use tch::{nn, Kind, Tensor};
@@ -229,8 +229,31 @@ fn the_llama_finetune_workflow_exports_to_transformers_with_the_same_ids_logits_
 
     let short = ["train.steps=6", "train.schedule.warmup_steps=2", "validate.every_steps=6", "validate.batches=2"];
     let sets: Vec<&str> = short.iter().flat_map(|s| ["--set", s]).collect();
-    let o = run(&[&["run", "pipelines/llama_finetune.toml", "--out", "tuned"][..], &sets].concat(), p);
+    // Under FSDP at 2 ranks each rank reads only its rows of the checkpoint's shards.
+    let counts = p.join("read");
+    std::fs::create_dir_all(&counts).unwrap();
+    let o = runner()
+        .args([&["run", "pipelines/llama_finetune.toml", "--out", "tuned"][..], &sets].concat())
+        .env("RUNNER_TEST_READ_BYTES", &counts)
+        .current_dir(p)
+        .output()
+        .unwrap();
     assert_ok(&o);
+    let total: u64 = std::fs::read_dir(p.join("models/tiny-llama"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|f| f.extension().is_some_and(|e| e == "safetensors"))
+        .map(|f| {
+            let bytes = std::fs::read(&f).unwrap();
+            bytes.len() as u64 - 8 - u64::from_le_bytes(bytes[..8].try_into().unwrap())
+        })
+        .sum();
+    let ranks: Vec<u64> =
+        (0..2).map(|r| std::fs::read_to_string(counts.join(format!("rank-{r}"))).unwrap().parse().unwrap()).collect();
+    for (r, &bytes) in ranks.iter().enumerate() {
+        assert!(bytes * 100 <= total * 55, "rank {r} read {bytes} of the checkpoint's {total} bytes");
+    }
+    assert!(ranks.iter().sum::<u64>() >= total, "the ranks read {ranks:?}, the checkpoint holds {total} bytes");
     let o = run(&["export", "tuned", "--hf", "out", "--max-shard-size", "200KB"], p);
     assert_ok(&o);
     let (stdout, _) = text(&o);

@@ -41,11 +41,14 @@ fn predict_from_the_best_model_and_from_npz_arrays() {
     assert_ok(&run(&["run", "p.toml", "--out", "r"], dir.path()));
     let r = dir.path().join("r");
     // The validation rows, as a csv of the file's columns and as arrays of the model's inputs.
-    let split: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(r.join("split.json")).unwrap()).unwrap();
-    let rows: Vec<usize> = split["validation"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+    let split: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(r.join("split.json")).unwrap()).unwrap();
+    let rows: Vec<usize> =
+        split["validation"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
     let text_of = std::fs::read_to_string(data("wine.csv")).unwrap();
     let lines: Vec<&str> = text_of.lines().collect();
-    let csv: String = std::iter::once(lines[0]).chain(rows.iter().map(|&i| lines[i + 1])).collect::<Vec<_>>().join("\n");
+    let csv: String =
+        std::iter::once(lines[0]).chain(rows.iter().map(|&i| lines[i + 1])).collect::<Vec<_>>().join("\n");
     write(dir.path(), "val.csv", &(csv + "\n"));
     let pre: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(r.join("preprocessing.json")).unwrap()).unwrap();
@@ -97,8 +100,14 @@ fn predict_from_the_best_model_and_from_npz_arrays() {
     // that is the run's.
     for (args, expected) in [
         (&["predict", "r", "val.npz", "--model", "best"][..], ""),
-        (&["predict", "r", "val.csv", "--set", "normalize.method=\"none\""][..], "it takes only load.missing and load.delimiter"),
-        (&["predict", "r", "val.csv", "--set", "load.missing=\"mean\""][..], "the run fitted no mean of its training rows"),
+        (
+            &["predict", "r", "val.csv", "--set", "normalize.method=\"none\""][..],
+            "it takes only load.missing and load.delimiter",
+        ),
+        (
+            &["predict", "r", "val.csv", "--set", "load.missing=\"mean\""][..],
+            "the run fitted no mean of its training rows",
+        ),
     ] {
         let o = run(args, dir.path());
         if expected.is_empty() {
@@ -148,8 +157,13 @@ fn the_data_preview_shows_each_stage_per_rank_with_statistics() {
     let mut seen: Vec<usize> = Vec::new();
     for block in out.split("2 shard").skip(1) {
         let body = block.split("3 normalize").next().unwrap();
-        assert_eq!(body.lines().filter(|l| l.trim_start().chars().next().is_some_and(|c| c.is_ascii_digit())).count(), 3);
-        seen.extend(body.lines().skip(2).take(3).map(|l| l.split_whitespace().next().unwrap().parse::<usize>().unwrap()));
+        assert_eq!(
+            body.lines().filter(|l| l.trim_start().chars().next().is_some_and(|c| c.is_ascii_digit())).count(),
+            3
+        );
+        seen.extend(
+            body.lines().skip(2).take(3).map(|l| l.split_whitespace().next().unwrap().parse::<usize>().unwrap()),
+        );
     }
     seen.sort();
     seen.dedup();
@@ -182,7 +196,8 @@ fn a_key_is_removed_through_extends_and_from_the_command_line() {
     assert_eq!(step.iter().max(), Some(&200), "{step:?}");
     let config = std::fs::read_to_string(dir.path().join("r/config.toml")).unwrap();
     assert!(config.contains("steps = 200  # --set train.steps=200"), "{config}");
-    let id = |out: &str| out.lines().find(|l| l.starts_with("run ")).unwrap().split(['(', ')']).nth(1).unwrap().to_owned();
+    let id =
+        |out: &str| out.lines().find(|l| l.starts_with("run ")).unwrap().split(['(', ')']).nth(1).unwrap().to_owned();
     let child = format!(
         "extends = \"{}\"\nunset = [\"train.epochs\"]\n\n[train]\nsteps = 200\n\n[validate]\nevery_steps = 100\n",
         ddp.display()

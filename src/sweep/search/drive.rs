@@ -220,7 +220,9 @@ impl Study<'_> {
         };
         let secs = took.as_secs_f64();
         match failure {
-            Some(why) if execute::stop_signal() != 0 => crate::say!("  {}: interrupted after {secs:.1} s ({why})", job.label),
+            Some(why) if execute::stop_signal() != 0 => {
+                crate::say!("  {}: interrupted after {secs:.1} s ({why})", job.label)
+            }
             Some(why) => {
                 crate::say!("  {}: FAILED in {secs:.1} s: {why}", job.label);
                 out.failed.push((trial.dir.clone(), why.clone()));
@@ -268,7 +270,8 @@ fn start(
         // Its directory says so, for the report (which reads run directories only).
         let mut m = crate::rundir::manifest::Manifest::start("", &trial.dir, &experiment.pipeline, 0, 0);
         m.end(crate::rundir::manifest::Status::Failed, Some(why.clone()));
-        if let Err(e) = std::fs::create_dir_all(&run_dir).map_err(anyhow::Error::from).and_then(|()| m.write(&run_dir)) {
+        if let Err(e) = std::fs::create_dir_all(&run_dir).map_err(anyhow::Error::from).and_then(|()| m.write(&run_dir))
+        {
             crate::say_err!("warning: cannot record {}'s failure: {e:#}", trial.dir);
         }
         return Started::Failed(why);
