@@ -99,7 +99,7 @@ def learning_rate(a, step, total):
     if step < a.warmup_steps:
         return a.lr * (step + 1) / a.warmup_steps
     after = step - a.warmup_steps
-    decay_end = total - 1 if a.decay_end is None else a.decay_end
+    decay_end = total if a.decay_end is None else a.decay_end
     t = min(after / max(decay_end - a.warmup_steps, 1), 1.0)
     if a.schedule == "linear":
         return a.min_lr + (a.lr - a.min_lr) * (1.0 - t)

@@ -64,7 +64,8 @@ impl ArrayFile {
             ArrayFile::Npz(zip) => {
                 let mut member = zip.by_name(&format!("{name}.npy")).map_err(|_| format!("it holds no `{name}`"))?;
                 let (kind, shape) = npy_header(&mut member).map_err(|e| format!("member `{name}`: {e}"))?;
-                let (row_shape, skip, want) = row_bytes(&shape, kind, &rows).map_err(|e| format!("`{name}`: {e}"))?;
+                let (row_shape, skip, want) =
+                    crate::tensorfile::row_bytes(&shape, kind, &rows).map_err(|e| format!("`{name}`: {e}"))?;
                 let skipped = std::io::copy(&mut member.by_ref().take(skip), &mut std::io::sink());
                 let mut data = Vec::new();
                 let read = skipped.and_then(|_| member.take(want).read_to_end(&mut data));
@@ -79,21 +80,6 @@ impl ArrayFile {
             }
         }
     }
-}
-
-/// For rows `rows` of an array of `shape` and `kind`: their shape, the bytes before them and
-/// their bytes; or why they are not rows of it.
-pub fn row_bytes(shape: &[i64], kind: Kind, rows: &Range<i64>) -> Result<(Vec<i64>, u64, u64), String> {
-    let total = shape.first().copied().unwrap_or(1);
-    if !(0 <= rows.start && rows.start <= rows.end && rows.end <= total) {
-        return Err(format!("rows {}..{} asked of an array of {total}", rows.start, rows.end));
-    }
-    let row = shape_bytes(shape.get(1..).unwrap_or(&[]), kind)?;
-    let mut out = shape.to_vec();
-    if let Some(d0) = out.first_mut() {
-        *d0 = rows.end - rows.start;
-    }
-    Ok((out, row * rows.start as u64, row * (rows.end - rows.start) as u64))
 }
 
 /// The tensor kind of a `.npy` dtype; libtorch's unsigned kinds wider than a byte have none.
@@ -130,7 +116,7 @@ fn visit_npz(path: &Path, limit: u64, f: Visit) -> Result<(), String> {
 /// One `.npy` stream: its header's shape must account for every byte after it.
 fn read_npy_member(mut r: impl Read, limit: u64) -> Result<Tensor, String> {
     let (kind, shape) = npy_header(&mut r)?;
-    let want = shape_bytes(&shape, kind)?;
+    let want = crate::tensorfile::shape_bytes(&shape, kind)?;
     if want > limit {
         return Err(format!("shape {shape:?} is {want} bytes, larger than any weight of the model"));
     }
@@ -172,13 +158,6 @@ fn npy_header(mut r: impl Read) -> Result<(Kind, Vec<i64>), String> {
     let kind = npy_kind(dtype).ok_or(format!("holds {dtype:?} values, not floats (float32 or float64)"))?;
     let shape: Vec<i64> = shape.iter().map(|&d| i64::try_from(d).unwrap_or(-1)).collect();
     Ok((kind, shape))
-}
-
-/// Bytes of `shape` of `kind`, or why it is no shape.
-fn shape_bytes(shape: &[i64], kind: Kind) -> Result<u64, String> {
-    let n = shape.iter().try_fold(1u64, |n, &d| u64::try_from(d).ok().and_then(|d| n.checked_mul(d)));
-    n.and_then(|n| n.checked_mul(kind.elt_size_in_bytes() as u64))
-        .ok_or(format!("shape {shape:?} is not a shape of an array that fits in memory"))
 }
 
 /// A `.safetensors` file (through [`crate::tensorfile`]), each tensor read at its own bytes.
