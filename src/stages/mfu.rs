@@ -30,9 +30,10 @@ impl Mfu {
             (Some(tflops), _) => tflops * 1e12,
             (None, tch::Device::Cpu) => {
                 let kind = if bf16 { tch::Kind::BFloat16 } else { tch::Kind::Float };
-                // Products of at most 1024²: 12 MB held, not the 48 MB of 2048² (a small model's
-                // rank would show them in its peak memory).
-                let peak = crate::bench::peak::matmul_peak_up_to(plan.threads_per_rank, kind, PROBE, 1024);
+                // Products of at most 512²: 3 MB held (and MKL's packing buffers for that size),
+                // not the 12 MB of 1024² that a small model's rank showed in its peak memory,
+                // beyond the plan's estimate; single-precision GEMM is near its peak at 512².
+                let peak = crate::bench::peak::matmul_peak_up_to(plan.threads_per_rank, kind, PROBE, 512);
                 // The probe leaves the rank's own thread count as it found it.
                 tch::set_num_threads(plan.threads_per_replica() as i32);
                 peak
