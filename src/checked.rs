@@ -56,6 +56,15 @@ pub fn fail(msg: String) -> ! {
     std::panic::resume_unwind(Box::new(Failure(msg)))
 }
 
+/// What a panic said, for the error that reports it.
+pub fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a panic".into())
+}
+
 #[cfg(test)]
 pub(crate) mod fuzz {
     //! A fuzz harness for any reader of files: mutated bytes, cut files and lying lengths must

@@ -15,6 +15,7 @@ pub mod data;
 pub mod device;
 pub mod dist;
 pub mod eval;
+pub mod export;
 pub mod input;
 pub mod launch;
 pub mod limits;

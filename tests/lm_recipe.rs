@@ -176,7 +176,7 @@ fn the_shakespeare_pipeline_validates_trains_and_samples_deterministically_from_
     for part in [
         "Transformer LM (vocab 73, d_model 128, 4 heads, 4 blocks, context 64, head tied to the embedding, no biases)",
         "2000 steps of 12 per rank (12 global), adamw (betas 0.9, 0.99; weight decay 0.1 on matrices) lr 0.001",
-        "cosine 0.001 → 0.0001 over 1901 steps, after 100 warmup steps from 9.9010e-6",
+        "cosine 0.001 → 0.0001 over 1900 steps, after 100 warmup steps from 9.9010e-6",
         "clip to global norm 1 after averaging",
         "every 250 step(s) (20 batches of 12, the same every time)",
     ] {

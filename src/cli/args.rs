@@ -89,7 +89,7 @@ pub struct ExportArgs {
     #[arg(long, value_name = "OUT_DIR")]
     pub hf: PathBuf,
     /// Shards of at most this size past it, with model.safetensors.index.json ("5GB", "200MB").
-    #[arg(long, value_name = "SIZE", default_value = crate::model::hf::export::DEFAULT_SHARD)]
+    #[arg(long, value_name = "SIZE", default_value = crate::export::DEFAULT_SHARD)]
     pub max_shard_size: String,
 }
 

@@ -200,9 +200,9 @@ pub fn main(cli: Cli) -> u8 {
                 .map_err(anyhow::Error::from)
                 .and_then(|choice| crate::prepare::text(&file, &out, force, &choice))
         }
-        Command::Export(args) => crate::model::hf::export::parse_size(&args.max_shard_size)
+        Command::Export(args) => crate::export::parse_size(&args.max_shard_size)
             .map_err(|e| anyhow::Error::new(ConfigError::new(format!("--max-shard-size: {e}"))))
-            .and_then(|max| crate::model::hf::export::export(&args.run_dir, &args.hf, max)),
+            .and_then(|max| crate::export::export(&args.run_dir, &args.hf, max)),
         Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
             quick: args.quick,
             repetitions: if args.quick { 1 } else { args.repetitions as usize },
@@ -256,15 +256,6 @@ pub(super) fn warn_of_slow_bf16(plan: &Plan) {
             crate::say_err!("{warning}");
         }
     }
-}
-
-/// What a panic said, for the error that reports it.
-pub(crate) fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "a panic".into())
 }
 
 /// The overrides of a command line: `--set-as LABEL KEY=VALUE` pairs (a sweep's), then `--set`.

@@ -19,7 +19,8 @@ use crate::stages::preempt;
 use crate::trace::view;
 
 use super::resume::{preempted_plan, restarted_plan, resumed_plan, say_resuming};
-use super::{overrides, panic_text, warn_of_slow_bf16, ConfigArgs, RunArgs};
+use super::{overrides, warn_of_slow_bf16, ConfigArgs, RunArgs};
+use crate::checked::panic_text;
 
 pub(super) fn run(args: &RunArgs) -> anyhow::Result<u8> {
     let claim = Claim { resume: args.resume.is_some(), force: args.force };
@@ -115,7 +116,7 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     let committed = std::cell::Cell::new(!resume);
     let write = || {
         let m = manifest.as_ref().expect("rank 0 owns the run directory");
-        rundir::commit_run_dir(&plan, &run_dir, m)?;
+        plan.commit_run_dir(&run_dir, m)?;
         committed.set(true);
         Ok(())
     };
@@ -244,7 +245,7 @@ fn claim_as_rank0(
 /// naming the pid holding it), refuses one that is not this run's unless `--force`, removes
 /// what a fresh run replaces (only the runner's own files) and stale temporary files, and, for a
 /// fresh run, writes plan.json, config.toml and the manifest (a resume writes them once every
-/// rank accepted its plan: [`rundir::commit_run_dir`]).
+/// rank accepted its plan: [`Plan::commit_run_dir`]).
 pub(super) fn prepare_run_dir(
     plan: &Plan,
     run_dir: &Path,
@@ -271,7 +272,7 @@ pub(super) fn prepare_run_dir(
     }
     // A resume writes them once every rank has accepted its plan.
     if !claim.resume {
-        rundir::commit_run_dir(plan, run_dir, manifest)?;
+        plan.commit_run_dir(run_dir, manifest)?;
     }
     Ok(lock)
 }

@@ -258,7 +258,7 @@ impl Attempt for Host<'_> {
                 }
             };
             let args = child_args(&file, self.run_dir, resume);
-            let mut write = || rundir::commit_run_dir(&plan, self.run_dir, manifest);
+            let mut write = || plan.commit_run_dir(self.run_dir, manifest);
             let commit: Option<spawn::Commit> = resume.then_some(&mut write);
             let outcome = launch_guarded(|| spawn::start(&plan, &meeting, self.run_dir, &args, commit, &mut watch));
             rundir::remove_unfinished(self.run_dir);

@@ -10,8 +10,8 @@ pub const SWEEP_PID: &str = "RUNNER_SWEEP_PID";
 /// torchrun's flag for "the launcher hosts the store; every rank is a client".
 pub const AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
 /// Set on ranks by an elastic launcher ([`super::elastic`]): the prefix of the attempt's keys in
-/// the store, which outlives attempts.
-pub const STORE_PREFIX: &str = "RUNNER_STORE_PREFIX";
+/// the store, which outlives attempts (named where the ranks' loop reads it).
+pub use crate::stages::preempt::STORE_PREFIX;
 /// How many times torchrun restarted this job's workers (its `--max-restarts`).
 pub const TORCHRUN_RESTARTS: &str = "TORCHELASTIC_RESTART_COUNT";
 /// How many times Slurm requeued this job.

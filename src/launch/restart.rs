@@ -9,7 +9,7 @@
 //!
 //! Every attempt that resumes, the user's `--resume` and a restart alike, commits as one: its ranks
 //! run the plan from a temporary file, and plan.json, config.toml and the manifest take it only
-//! once every rank accepted the plan and loaded the checkpoint ([`crate::rundir::commit_run_dir`]).
+//! once every rank accepted the plan and loaded the checkpoint ([`Plan::commit_run_dir`]).
 //! A restart's failure and the restart itself go into the manifest at once (the run is under way);
 //! a restart whose ranks fail before accepting its plan is one more failure of the run. The user's
 //! own resume refused so is not retried: the run directory stays as it was.
@@ -56,7 +56,7 @@ pub struct Local<'a> {
 impl Attempt for Local<'_> {
     fn run(&mut self, plan: Plan, resume: bool, manifest: &mut Manifest) -> anyhow::Result<(Plan, Outcome)> {
         let args = child_args(&pending_plan(self.run_dir, &plan, resume)?, self.run_dir, resume);
-        let mut write = || rundir::commit_run_dir(&plan, self.run_dir, manifest);
+        let mut write = || plan.commit_run_dir(self.run_dir, manifest);
         let commit: Option<spawn::Commit> = resume.then_some(&mut write);
         let outcome = launch_guarded(|| spawn::launch(&plan, self.topology, self.run_dir, &args, commit));
         rundir::remove_unfinished(self.run_dir);
@@ -201,7 +201,7 @@ pub fn child_args(plan_file: &Path, run_dir: &Path, resume: bool) -> Vec<OsStrin
 /// A launch whose panic is a failed run, as any error is.
 pub fn launch_guarded(launch: impl FnOnce() -> anyhow::Result<Outcome>) -> anyhow::Result<Outcome> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(launch))
-        .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", crate::cli::panic_text(&panic))))
+        .unwrap_or_else(|panic| Err(anyhow::anyhow!("the launcher panicked: {}", crate::checked::panic_text(&panic))))
 }
 
 /// Before a restart: without a checkpoint (`resuming` false), the run starts over, so what the

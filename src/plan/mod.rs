@@ -312,6 +312,19 @@ impl Plan {
         crate::rundir::atomic_write(path, json.as_bytes())
     }
 
+    /// Writes the run's plan.json, config.toml and manifest: before a fresh run starts its ranks;
+    /// for a resume (which may extend, reshard or restart the run), once every rank accepted its
+    /// plan and loaded the checkpoint, so that a resume that fails first leaves the directory as
+    /// it was.
+    pub fn commit_run_dir(&self, run_dir: &Path, manifest: &crate::rundir::manifest::Manifest) -> anyhow::Result<()> {
+        use crate::rundir::{atomic_write, CONFIG, PLAN, STOPPED};
+        // Written again if the resumed run stops early.
+        let _ = std::fs::remove_file(run_dir.join(STOPPED));
+        self.save(&run_dir.join(PLAN))?;
+        atomic_write(&run_dir.join(CONFIG), self.annotated_toml().as_bytes())?;
+        manifest.write(run_dir)
+    }
+
     /// The `run.numerics` of the plan saved at `path`, read before the process computes anything
     /// (the plan itself is loaded and checked later); the default where it cannot be read (the
     /// load then says why).

@@ -72,7 +72,12 @@ pub fn seconds_between(from: &str, to: &str) -> Option<f64> {
 /// The mean seconds per optimizer step of the run in `run_dir`, from rank 0's rows of its trace
 /// (their training time over the steps they cover); `None` without a trace.
 pub fn step_seconds(run_dir: &Path) -> Option<f64> {
-    let df = crate::trace::read_parquet(&run_dir.join(super::TRACE)).ok()?;
+    // Read here, not through crate::trace (which writes into run directories: no cycle).
+    let file = std::fs::File::open(run_dir.join(super::TRACE)).ok()?;
+    let df = {
+        use polars::prelude::{ParquetReader, SerReader};
+        ParquetReader::new(file).finish().ok()?
+    };
     let ranks = df.column("rank").ok()?.u32().ok()?.clone();
     let seconds = df.column("epoch_s").ok()?.f64().ok()?.clone();
     let steps = df.column("step").ok()?.u64().ok()?.clone();

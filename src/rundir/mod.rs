@@ -137,17 +137,6 @@ pub fn remove_stale(run_dir: &Path) {
     }
 }
 
-/// Writes the run's plan.json, config.toml and manifest: before a fresh run starts its ranks; for
-/// a resume (which may extend, reshard or restart the run), once every rank accepted its plan and
-/// loaded the checkpoint, so that a resume that fails first leaves the directory as it was.
-pub fn commit_run_dir(plan: &crate::plan::Plan, run_dir: &Path, manifest: &manifest::Manifest) -> anyhow::Result<()> {
-    // Written again if the resumed run stops early.
-    let _ = std::fs::remove_file(run_dir.join(STOPPED));
-    plan.save(&run_dir.join(PLAN))?;
-    atomic_write(&run_dir.join(CONFIG), plan.annotated_toml().as_bytes())?;
-    manifest.write(run_dir)
-}
-
 /// Removes what writes cut short left: temporary files, checkpoints being written (and one whose
 /// index a prune removed first). Called once no rank of the run is alive: before ranks start, and
 /// by the launcher after they all ended, however they ended.

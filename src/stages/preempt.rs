@@ -13,6 +13,10 @@ use tch::Tensor;
 
 use crate::dist::{Pending, ProcessGroup, ReduceOp};
 
+/// Set on ranks by an elastic launcher (`crate::launch::elastic`): the prefix of the attempt's
+/// keys in the store, which outlives attempts; its presence makes the run elastic.
+pub const STORE_PREFIX: &str = "RUNNER_STORE_PREFIX";
+
 /// How a preempted rank ends: the step of the checkpoint it took part in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("preempted at step {step} by {signal}")]
@@ -45,7 +49,7 @@ pub const REJOINING: &str = "a node joining";
 /// launcher's ranks.
 pub fn rejoin_wanted(pg: &ProcessGroup, device: tch::Device) -> anyhow::Result<bool> {
     static ELASTIC: OnceLock<bool> = OnceLock::new();
-    if !*ELASTIC.get_or_init(|| std::env::var(crate::launch::env::STORE_PREFIX).is_ok()) {
+    if !*ELASTIC.get_or_init(|| std::env::var(STORE_PREFIX).is_ok()) {
         return Ok(false);
     }
     let mine = pg.rank() == 0 && pg.store().contains(REJOIN)?;

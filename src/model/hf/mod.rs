@@ -12,7 +12,6 @@
 //! permutation; GPT-2's `Conv1D` weights are stored transposed and are read column-wise.
 pub mod checkpoint;
 mod config;
-pub mod export;
 mod gpt2;
 mod llama;
 
@@ -97,7 +96,7 @@ impl Arch {
     }
 
     /// The `config.json` of a model of `spec`.
-    fn write(self, spec: &Spec) -> serde_json::Map<String, serde_json::Value> {
+    pub fn write(self, spec: &Spec) -> serde_json::Map<String, serde_json::Value> {
         match self {
             Arch::Gpt2 => gpt2::write(spec),
             Arch::Llama => llama::write(spec),

@@ -12,8 +12,8 @@ use anyhow::Context;
 use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 
-use super::{Arch, Mapping, CONFIG, INDEX, WEIGHTS};
 use crate::config::schema::Model;
+use crate::model::hf::{Arch, Mapping, Part, CONFIG, INDEX, WEIGHTS};
 use crate::model::transformer::Spec;
 use crate::plan::Plan;
 use crate::tensorfile::{Entry, TensorFile};
@@ -45,7 +45,7 @@ struct Out<'m> {
     mapping: &'m Mapping,
     /// Its first row in the parameter.
     offset: i64,
-    part: &'m super::Part,
+    part: &'m Part,
 }
 
 impl Out<'_> {
