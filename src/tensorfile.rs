@@ -337,6 +337,28 @@ pub fn write(path: &Path, metadata: Option<HashMap<String, String>>, mut entries
     result.map_err(|e| e.context(format!("cannot write {}", path.display())))
 }
 
+/// For rows `rows` of an array of `shape` and `kind`: their shape, the bytes before them and
+/// their bytes; or why they are not rows of it.
+pub fn row_bytes(shape: &[i64], kind: Kind, rows: &Range<i64>) -> Result<(Vec<i64>, u64, u64), String> {
+    let total = shape.first().copied().unwrap_or(1);
+    if !(0 <= rows.start && rows.start <= rows.end && rows.end <= total) {
+        return Err(format!("rows {}..{} asked of an array of {total}", rows.start, rows.end));
+    }
+    let row = shape_bytes(shape.get(1..).unwrap_or(&[]), kind)?;
+    let mut out = shape.to_vec();
+    if let Some(d0) = out.first_mut() {
+        *d0 = rows.end - rows.start;
+    }
+    Ok((out, row * rows.start as u64, row * (rows.end - rows.start) as u64))
+}
+
+/// Bytes of `shape` of `kind`, or why it is no shape.
+pub fn shape_bytes(shape: &[i64], kind: Kind) -> Result<u64, String> {
+    let n = shape.iter().try_fold(1u64, |n, &d| u64::try_from(d).ok().and_then(|d| n.checked_mul(d)));
+    n.and_then(|n| n.checked_mul(kind.elt_size_in_bytes() as u64))
+        .ok_or(format!("shape {shape:?} is not a shape of an array that fits in memory"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -379,26 +401,4 @@ mod tests {
         assert!(format!("{e:#}").contains("gather failed"), "{e:#}");
         assert!(!path.exists());
     }
-}
-
-/// For rows `rows` of an array of `shape` and `kind`: their shape, the bytes before them and
-/// their bytes; or why they are not rows of it.
-pub fn row_bytes(shape: &[i64], kind: Kind, rows: &Range<i64>) -> Result<(Vec<i64>, u64, u64), String> {
-    let total = shape.first().copied().unwrap_or(1);
-    if !(0 <= rows.start && rows.start <= rows.end && rows.end <= total) {
-        return Err(format!("rows {}..{} asked of an array of {total}", rows.start, rows.end));
-    }
-    let row = shape_bytes(shape.get(1..).unwrap_or(&[]), kind)?;
-    let mut out = shape.to_vec();
-    if let Some(d0) = out.first_mut() {
-        *d0 = rows.end - rows.start;
-    }
-    Ok((out, row * rows.start as u64, row * (rows.end - rows.start) as u64))
-}
-
-/// Bytes of `shape` of `kind`, or why it is no shape.
-pub fn shape_bytes(shape: &[i64], kind: Kind) -> Result<u64, String> {
-    let n = shape.iter().try_fold(1u64, |n, &d| u64::try_from(d).ok().and_then(|d| n.checked_mul(d)));
-    n.and_then(|n| n.checked_mul(kind.elt_size_in_bytes() as u64))
-        .ok_or(format!("shape {shape:?} is not a shape of an array that fits in memory"))
 }

@@ -57,6 +57,17 @@ fn without_source_locations(text: &str) -> String {
     out + rest
 }
 
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.peer {
+            Some(p) => write!(f, "{} failed because rank {} {}: {}", self.op, p.rank, p.how, self.message),
+            None => write!(f, "{} failed: {}", self.op, self.message),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,14 +83,3 @@ mod tests {
         assert_eq!(Error::new("x", "[a.cc:] b [c]").message, "[a.cc:] b [c]");
     }
 }
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.peer {
-            Some(p) => write!(f, "{} failed because rank {} {}: {}", self.op, p.rank, p.how, self.message),
-            None => write!(f, "{} failed: {}", self.op, self.message),
-        }
-    }
-}
-
-impl std::error::Error for Error {}
