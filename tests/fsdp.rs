@@ -379,10 +379,11 @@ fn auto_picks_ddp_zero2_zero3_or_the_pipeline_by_the_memory_limit_and_says_why()
         run(&args, dir.path())
     };
     for (limit, chose) in [
-        ("7", "chose DDP: it holds 6.2 MiB"),
-        ("5.5", "chose FSDP (ZeRO-2): it holds 5.2 MiB"),
-        ("4", "chose FSDP (ZeRO-3): it holds 3.9 MiB"),
-        ("3.2", "chose the pipeline: it holds 3.1 MiB"),
+        // A rank needs 184 MiB besides its training state (activations, data, libtorch).
+        ("190", "chose DDP: a rank needs 190 MiB, training state 6.2 MiB"),
+        ("189", "chose FSDP (ZeRO-2): a rank needs 188 MiB, training state 4.9 MiB at once"),
+        ("188", "chose FSDP (ZeRO-3): a rank needs 187 MiB, training state 3.9 MiB at once"),
+        ("187", "chose the pipeline: a rank needs 187 MiB, training state 3.1 MiB"),
     ] {
         let o = validate(limit);
         assert_ok(&o);
@@ -390,24 +391,24 @@ fn auto_picks_ddp_zero2_zero3_or_the_pipeline_by_the_memory_limit_and_says_why()
         assert!(stdout.contains(&format!("wrap.strategy = \"auto\": {chose}")), "{limit}: {stdout}");
         assert!(stdout.contains(&format!("within run.memory_per_rank_mb = {limit}")), "{limit}: {stdout}");
     }
-    let o = validate("4");
-    assert!(text(&o).0.contains(", while DDP would hold 6.2 MiB, FSDP (ZeRO-2) would hold 5.2 MiB"), "{}", text(&o).0);
+    let o = validate("188");
+    assert!(text(&o).0.contains(", while DDP would need 190 MiB, FSDP (ZeRO-2) would need 188 MiB"), "{}", text(&o).0);
     // And the chosen strategy is the one that runs.
     let o = run(
-        &["run", "p.toml", "--out", "auto", "--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=4"],
+        &["run", "p.toml", "--out", "auto", "--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=188"],
         dir.path(),
     );
     assert_ok(&o);
     assert!(text(&o).0.contains("FSDP (ZeRO-3): each rank holds 1/2 of every parameter"), "{}", text(&o).0);
 
-    let o = validate("2.5");
+    let o = validate("186.5");
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(
         text(&o).1.trim(),
         "error: p.toml: invalid configuration:\n  `wrap.strategy` (--set wrap.strategy=\"auto\"): no strategy fits \
-         run.memory_per_rank_mb = 2.5 at world size 2: DDP would hold 6.2 MiB, FSDP (ZeRO-2) would hold 5.2 MiB, FSDP \
-         (ZeRO-3) would hold 3.9 MiB, the pipeline would hold 3.1 MiB; FSDP (ZeRO-3) fits from run.world_size = 4 \
-         (2.3 MiB a rank), the pipeline fits from run.world_size = 3 (2.4 MiB a rank): raise run.world_size, or use a \
+         run.memory_per_rank_mb = 186.5 at world size 2: DDP would need 190 MiB, FSDP (ZeRO-2) would need 188 MiB, FSDP \
+         (ZeRO-3) would need 187 MiB, the pipeline would need 187 MiB; FSDP (ZeRO-3) fits from run.world_size = 3 (186 \
+         MiB a rank), the pipeline fits from run.world_size = 3 (186 MiB a rank): raise run.world_size, or use a \
          smaller model"
     );
 }
@@ -416,15 +417,16 @@ fn auto_picks_ddp_zero2_zero3_or_the_pipeline_by_the_memory_limit_and_says_why()
 fn a_memory_limit_ddp_cannot_meet_names_where_fsdp_and_the_pipeline_fit() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", MEM);
-    let o = run(&["validate", "p.toml", "--set", "run.memory_per_rank_mb=2.5"], dir.path());
+    let o = run(&["validate", "p.toml", "--set", "run.memory_per_rank_mb=186.5"], dir.path());
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(
         text(&o).1.trim(),
-        "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=2.5): each rank \
-         would hold 6.2 MiB (parameters 1.6 MiB, gradients 1.6 MiB, optimizer 3.1 MiB) of training state under DDP at \
-         world size 2, more than the 2.5 MiB a rank may hold; wrap.strategy = \"fsdp\" fits from run.world_size = 4 \
-         (2.3 MiB a rank), or wrap.strategy = \"pipeline\" fits from run.world_size = 3 (2.4 MiB on its heaviest \
-         rank); wrap.strategy = \"auto\" picks the first strategy that fits"
+        "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=186.5): each \
+         rank would need 190 MiB: 6.2 MiB (parameters 1.6 MiB, gradients 1.6 MiB, optimizer 3.1 MiB) of training state \
+         and 184 MiB besides (activations, data, libtorch), under DDP at world size 2, more than the 186.5 MiB a rank \
+         may use; wrap.strategy = \"fsdp\" fits from run.world_size = 3 (186 MiB a rank), or wrap.strategy = \
+         \"pipeline\" fits from run.world_size = 3 (186 MiB on its heaviest rank); wrap.strategy = \"auto\" picks the \
+         first strategy that fits"
     );
     // Under FSDP at 4 ranks it fits, and the plan says what a rank holds.
     let o = run(
@@ -432,7 +434,7 @@ fn a_memory_limit_ddp_cannot_meet_names_where_fsdp_and_the_pipeline_fit() {
             "validate",
             "p.toml",
             "--set",
-            "run.memory_per_rank_mb=2.5",
+            "run.memory_per_rank_mb=186.5",
             "--set",
             "run.world_size=4",
             "--set",

@@ -83,8 +83,8 @@ fn the_keys_a_resume_may_change_work_however_they_are_set() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     write(d, "lm.toml", LM);
-    // auto chooses ZeRO-2 under this limit (DDP would hold 4.9 MiB, ZeRO-2 4.2 MiB).
-    let auto = ["--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=4.5"];
+    // auto chooses ZeRO-2 under this limit (a rank needs 192 MiB under DDP, 191 under ZeRO-2).
+    let auto = ["--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=191.5"];
     let o = run(&[&["run", "lm.toml", "--out", "z2"][..], &auto].concat(), d);
     assert_ok(&o);
     assert!(text(&o).0.contains("wrap.strategy = \"auto\": chose FSDP (ZeRO-2)"), "{}", text(&o).0);
@@ -262,7 +262,7 @@ fn shared_and_scalar_torchscript_parameters_under_fsdp() {
     assert_says(&o, 2, &[want], "scalar, run");
     assert!(!d.join("s/manifest.json").exists());
     let o =
-        run(&["validate", "scalar.toml", "--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=100"], d);
+        run(&["validate", "scalar.toml", "--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=500"], d);
     assert_ok(&o);
     assert!(text(&o).0.contains("wrap.strategy = \"auto\": chose DDP"), "{}", text(&o).0);
 }
@@ -483,15 +483,16 @@ fn auto_and_the_memory_advice_name_only_what_the_run_could_use() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     write(d, "lm.toml", LM);
-    // DDP 4.9 MiB, ZeRO-2 4.2, ZeRO-3 3.2; the pipeline would hold 2.6 MiB, untied.
-    let auto = ["--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=3"];
+    // A rank needs 192 MiB under DDP, 191 under ZeRO-2 and ZeRO-3 (3.2 MiB of training state);
+    // the pipeline would need less, untied.
+    let auto = ["--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=190.4"];
     let o = run(&[&["validate", "lm.toml"][..], &auto].concat(), d);
     assert_says(
         &o,
         2,
-        &["`wrap.strategy` (--set wrap.strategy=\"auto\"): no strategy fits run.memory_per_rank_mb = 3 at world size 2: \
-           DDP would hold 4.9 MiB, FSDP (ZeRO-2) would hold 4.2 MiB, FSDP (ZeRO-3) would hold 3.2 MiB; FSDP (ZeRO-3) \
-           fits from run.world_size = 3 (2.5 MiB a rank): raise run.world_size, or use a smaller model"],
+        &["`wrap.strategy` (--set wrap.strategy=\"auto\"): no strategy fits run.memory_per_rank_mb = 190.4 at world size \
+           2: DDP would need 192 MiB, FSDP (ZeRO-2) would need 191 MiB, FSDP (ZeRO-3) would need 191 MiB; FSDP (ZeRO-3) \
+           fits from run.world_size = 3 (190 MiB a rank): raise run.world_size, or use a smaller model"],
         "auto, tied",
     );
     assert!(!text(&o).1.contains("pipeline"), "{}", text(&o).1);
@@ -500,13 +501,14 @@ fn auto_and_the_memory_advice_name_only_what_the_run_could_use() {
     assert!(text(&o).0.contains("wrap.strategy = \"auto\": chose the pipeline"), "{}", text(&o).0);
     // On resume the global batch (2 ranks × 4 = 8) stays: world size 3 is not advised.
     assert_ok(&run(&["run", "lm.toml", "--out", "r", "--set", "wrap.strategy=\"fsdp\""], d));
-    let o = run(&["run", "--resume", "r", "--set", "train.epochs=2", "--set", "run.memory_per_rank_mb=3"], d);
+    let o = run(&["run", "--resume", "r", "--set", "train.epochs=2", "--set", "run.memory_per_rank_mb=190.4"], d);
     assert_says(
         &o,
         2,
-        &["`run.memory_per_rank_mb` (--set run.memory_per_rank_mb=3): each rank would hold 3.2 MiB (parameters 1.1 \
-           MiB, gradients 1.0 MiB, optimizer 1.2 MiB) of training state under FSDP (ZeRO-3) at world size 2, more \
-           than the 3 MiB a rank may hold; FSDP (ZeRO-3) fits from run.world_size = 4"],
+        &["`run.memory_per_rank_mb` (--set run.memory_per_rank_mb=190.4): each rank would need 191 MiB: 3.2 MiB at \
+           once (parameters up to 1.1 MiB, gradients up to 1.0 MiB, optimizer 1.2 MiB) of training state and 187 MiB \
+           besides (activations, data, libtorch), under FSDP (ZeRO-3) at world size 2, more than the 190.4 MiB a rank \
+           may use; FSDP (ZeRO-3) fits from run.world_size = 4"],
         "resume advice",
     );
     assert!(!text(&o).1.contains("pipeline"), "{}", text(&o).1);

@@ -313,6 +313,8 @@ fn portable_runs_are_the_same_whatever_kernels_the_environment_asks_for() {
             let (a, b) = (dir.path().join(&mine), dir.path().join(&lower));
             assert_same_trace(&a, &b);
             assert!(model_bytes(&a) == model_bytes(&b), "{kind} under {strategy}: the models differ");
+            // Each of these small models at 2 ranks: the plan's memory is the process's.
+            assert_estimate_holds(&a);
             let kernels = &manifest(&b)["numerics"]["kernels"];
             assert_eq!(kernels["aten"], "AVX2", "{kernels}");
             assert_eq!(kernels["onednn"], false, "{kernels}");

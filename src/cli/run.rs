@@ -181,6 +181,10 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     if env.rank == 0 {
         let by_step = plan.config.train.steps.is_some();
         crate::say!("\n{}", view::epoch_table(&rows, by_step));
+        let memory = view::memory_line(&rows, plan.memory.as_ref());
+        if !memory.is_empty() {
+            crate::say!("{memory}\n");
+        }
         let pipeline = view::pipeline_table(&rows);
         if !pipeline.is_empty() {
             crate::say!("  per rank, mean of the epochs (bubble: share of the training time spent waiting in send/recv)\n{pipeline}");

@@ -73,10 +73,11 @@ pub struct Run {
     /// the rank and the step; absent: 10 × the slowest step so far, and at least `timeout_s`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step_timeout_s: Option<f64>,
-    /// MiB of training state one rank may hold (its parameters, their gradients and the
-    /// optimizer's state, as the strategy holds them: whole under DDP, a stage's under a pipeline,
-    /// shards plus the layers gathered at once under FSDP), checked on the plan, which names the
-    /// strategies and world sizes that fit; `wrap.strategy = "auto"` chooses by it. Absent:
+    /// MiB of memory one rank may use: the plan's whole-process estimate, its training state
+    /// (parameters, their gradients and the optimizer's state, as the strategy holds them: whole
+    /// under DDP, a stage's under a pipeline, shards plus the layers gathered at once under FSDP)
+    /// and what it needs besides (activations, data, libtorch), checked on the plan, which names
+    /// the strategies and world sizes that fit; `wrap.strategy = "auto"` chooses by it. Absent:
     /// unchecked (the plan still checks the whole estimate against this machine's memory).
     pub memory_per_rank_mb: Option<f64>,
     /// The peak matrix-product rate of one rank's device, in TFLOP/s, over which a transformer's
@@ -495,8 +496,8 @@ pub enum WrapStrategy {
     /// of its gradient and of the optimizer's state, and gathers a layer's parameters just
     /// before they are used; gradients and losses as DDP's.
     Fsdp,
-    /// The plan picks: DDP where the whole training state fits run.memory_per_rank_mb (or this
-    /// machine's memory shared by its ranks), else FSDP keeping parameters gathered from forward
+    /// The plan picks: DDP where a rank with the whole training state fits run.memory_per_rank_mb
+    /// (or this machine's memory shared by its ranks), else FSDP keeping parameters gathered from forward
     /// to backward (ZeRO-2), else FSDP gathering them again for the backward pass (ZeRO-3), else
     /// the pipeline; it prints which and why.
     Auto,

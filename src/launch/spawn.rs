@@ -346,6 +346,15 @@ pub fn start(
             let running: Vec<bool> = ranks.iter().map(|r| r.status.is_none()).collect();
             if let Some((local, how, since)) = watchdog.stalled(run_dir, first_rank, &running) {
                 let r = first_rank + local;
+                // The step that never ends may be a stopped rank's, caught here a moment before
+                // the stop's own timeout: the stop is the cause.
+                let how = match stopped_since[local] {
+                    Some(s) => format!(
+                        "was stopped (SIGSTOP or a debugger) for {:.1} s and stalled the job",
+                        s.elapsed().as_secs_f64()
+                    ),
+                    None => how,
+                };
                 // Peers blocked on this rank name it in their errors.
                 let _ = record_exit(store, r, &how);
                 let rank = &mut ranks[local];

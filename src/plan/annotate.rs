@@ -37,11 +37,12 @@ pub fn annotated_toml(plan: &Plan) -> String {
             .filter(|f| f.key == key)
             .map(|f| toml::Value::String(f.path.display().to_string()))
             .collect();
+        let glob = v.as_str().is_some_and(|s| s.contains(['*', '?', '[']));
         let v = match files.len() {
             0 => v,
-            1 if !v.is_array() => files.into_iter().next().expect("one file"),
+            1 if !v.is_array() && !glob => files.into_iter().next().expect("one file"),
             // A directory of files (a Hugging Face checkpoint): the directory.
-            _ if !v.is_array() => match plan.inputs.iter().find(|f| f.key == key).and_then(|f| f.path.parent()) {
+            _ if !v.is_array() && !glob => match plan.inputs.iter().find(|f| f.key == key).and_then(|f| f.path.parent()) {
                 Some(dir) => toml::Value::String(dir.display().to_string()),
                 None => v,
             },

@@ -399,7 +399,6 @@ impl Plan {
         let dims = |v: &[i64]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" × ");
         let mb = micro_size(self.batch_per_rank, c.wrap.pipeline.micro_batches);
         let w = self.pipeline_ranks();
-        let limit = c.run.memory_per_rank_mb.map(|l| format!(" of {l} allowed")).unwrap_or_default();
         (0..w)
             .map(|r| {
                 let s = &self.stages[r];
@@ -422,13 +421,13 @@ impl Plan {
                     )
                     .collect();
                 let p = self.rank_parameters(r);
-                // Parameters, gradients and optimizer state (the limit is on all three).
+                // Parameters, gradients and optimizer state.
                 let state = p as f64 * 4.0 * (2.0 + super::memory::optimizer_slots(c));
                 vec![
                     label,
                     format!("{mb} × {} {from}", dims(&input)),
                     format!(
-                        "{} ({}): {p} parameters, {} MiB of training state{limit}",
+                        "{} ({}): {p} parameters, {} MiB of training state",
                         crate::model::layers_text(s),
                         layer_widths.join("-"),
                         fmt_mib(state)

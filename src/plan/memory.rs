@@ -1,7 +1,8 @@
 //! The training state one rank holds under each strategy, from the model's shapes: parameters,
-//! gradients and the optimizer's state, at the rank's peak. `run.memory_per_rank_mb` limits it,
-//! `wrap.strategy = "auto"` chooses by it, `runner validate` prints it, and the trace's memory
-//! columns measure the same three parts on every rank.
+//! gradients and the optimizer's state, at the rank's peak. `runner validate` prints it, and the
+//! trace's memory columns measure the same three parts on every rank. `run.memory_per_rank_mb`
+//! limits it with what a rank needs besides (`limits::estimate`: the whole process), and
+//! `wrap.strategy = "auto"` chooses by that.
 //!
 //! - DDP (and "none"): the whole model, its gradients and the optimizer's state on every rank.
 //! - FSDP: 1/world_size of each (every parameter's rows padded to a multiple of the world size),
@@ -55,26 +56,35 @@ impl fmt::Display for Layout {
     }
 }
 
-/// Bytes of training state on one rank at its peak.
+/// Bytes of training state on one rank at its peak: each part's most, and the most held at once.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct State {
     pub parameters: f64,
     pub gradients: f64,
     pub optimizer: f64,
+    /// The most held at once, where the parts peak at different moments (FSDP's parameters at
+    /// the end of the forward pass, its gradients in the backward pass); absent: their sum.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at_once: Option<f64>,
 }
 
 impl State {
+    fn whole(parameters: f64, gradients: f64, optimizer: f64) -> State {
+        State { parameters, gradients, optimizer, at_once: None }
+    }
+
     pub fn total(&self) -> f64 {
-        self.parameters + self.gradients + self.optimizer
+        self.at_once.unwrap_or(self.parameters + self.gradients + self.optimizer)
     }
 }
 
 impl fmt::Display for State {
     /// "1.49 GiB (parameters 381 MiB, gradients 381 MiB, optimizer 763 MiB)".
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (at_once, up_to) = if self.at_once.is_some() { (" at once", "up to ") } else { ("", "") };
         write!(
             f,
-            "{} (parameters {}, gradients {}, optimizer {})",
+            "{}{at_once} (parameters {up_to}{}, gradients {up_to}{}, optimizer {})",
             size(self.total()),
             size(self.parameters),
             size(self.gradients),
@@ -136,10 +146,10 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
     let layers = shapes.layers.len();
     let all: f64 = (0..layers).map(|l| shapes.values(l)).sum();
     match layout {
-        Layout::Replica => State { parameters: F * all, gradients: F * all, optimizer: F * slots * all },
+        Layout::Replica => State::whole(F * all, F * all, F * slots * all),
         Layout::Pipeline => {
             let p = heaviest.unwrap_or(usize::MAX) as f64;
-            State { parameters: F * p, gradients: F * p, optimizer: F * slots * p }
+            State::whole(F * p, F * p, F * slots * p)
         }
         Layout::Fsdp { zero3 } => {
             let shards: f64 = (0..layers).map(|l| shapes.shard(l, world).0).sum();
@@ -148,8 +158,7 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
             // every layer before it still waiting for its backward), plus an all-gather buffer:
             // of its own units, or of the next layer's (prefetched one layer ahead, forward and
             // backward).
-            let gathered = (0..layers)
-                .map(|l| {
+            let gathered_at = |l: usize| {
                     let reads = &shapes.reads[l];
                     let near = [l.checked_sub(1), Some(l), (l + 1 < layers).then_some(l + 1)];
                     let buffer = near.into_iter().flatten().flat_map(|n| &shapes.reads[n]).map(|&u| padded(u));
@@ -164,23 +173,30 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
                         (0..=l).map(padded).sum()
                     };
                     held + buffer.fold(0.0, f64::max)
-                })
-                .fold(0.0, f64::max);
+            };
+            let gathered = (0..layers).map(gathered_at).fold(0.0, f64::max);
             // In the backward pass, layers in reverse, one at a time: the shards' gradients of
             // the layers after it, its reduce-scatter input (its padded whole), and either a
             // whole gradient arriving into that input or, while the reduction runs, the output
             // its rows come back in (over gloo, with the all-to-all's buffer, another padded
             // whole: see csrc/fsdp.cpp).
             let shard = |l: usize| shapes.shard(l, world).0;
-            let reduce = (0..layers)
-                .map(|l| {
-                    let after: f64 = (l + 1..layers).map(shard).sum();
-                    let arriving = shapes.layers[l].iter().map(|&(r, v)| (r * v) as f64).fold(0.0, f64::max);
-                    let received = if gloo && world > 1 { padded(l) } else { 0.0 };
-                    after + padded(l) + arriving.max(shard(l) + received)
-                })
-                .fold(shards, f64::max);
-            State { parameters: F * (shards + gathered), gradients: F * reduce, optimizer: F * slots * shards }
+            let reducing_at = |l: usize| {
+                let after: f64 = (l + 1..layers).map(shard).sum();
+                let arriving = shapes.layers[l].iter().map(|&(r, v)| (r * v) as f64).fold(0.0, f64::max);
+                let received = if gloo && world > 1 { padded(l) } else { 0.0 };
+                after + padded(l) + arriving.max(shard(l) + received)
+            };
+            let reduce = (0..layers).map(reducing_at).fold(shards, f64::max);
+            // At once: in the forward pass, the gathered layers beside the gradients' shards; in
+            // the backward pass at layer l, what is still gathered there beside its reduction.
+            let moment = (0..layers).map(|l| gathered_at(l) + shards.max(reducing_at(l))).fold(0.0, f64::max);
+            State {
+                parameters: F * (shards + gathered),
+                gradients: F * reduce,
+                optimizer: F * slots * shards,
+                at_once: Some(F * (shards + moment + slots * shards)),
+            }
         }
     }
 }
@@ -206,6 +222,9 @@ pub struct Planner<'a> {
     pub pipeline_copies: usize,
     /// The collectives run over gloo (the CPU backend).
     pub gloo: bool,
+    /// Bytes the heaviest rank needs besides its training state at a world size: activations,
+    /// data, libtorch (`limits::estimate`). A limit is on the whole: the state and this.
+    pub besides: Box<dyn Fn(usize) -> f64 + 'a>,
 }
 
 impl Planner<'_> {
@@ -239,16 +258,21 @@ impl Planner<'_> {
         Some(s)
     }
 
+    /// Bytes a rank of `world` needs that holds `state`: the state and everything besides.
+    pub fn needs(&self, state: &State, world: usize) -> f64 {
+        state.total() + (self.besides)(world)
+    }
+
     /// The smallest world size from `from` at which `layout` holds at most `limit` bytes a rank
     /// (and, data-parallel, keeps the global batch).
     pub fn fits_from(&self, layout: Layout, limit: f64, from: usize) -> Option<(usize, State)> {
         let keeps = |w: usize| layout == Layout::Pipeline || self.global_batch.is_none_or(|g| g.is_multiple_of(w));
         (from.max(1)..=MAX_SEARCH)
             .filter(|&w| keeps(w))
-            .find_map(|w| self.state(layout, w, None).filter(|s| s.total() <= limit).map(|s| (w, s)))
+            .find_map(|w| self.state(layout, w, None).filter(|s| self.needs(s, w) <= limit).map(|s| (w, s)))
     }
 
-    /// What to do when `layout` at `world` ranks holds more than `limit` bytes a rank: the
+    /// What to do when `layout` at `world` ranks needs more than `limit` bytes a rank: the
     /// strategies that fit, and from which world size.
     pub fn advice(&self, layout: Layout, world: usize, limit: f64) -> String {
         let mut ways = Vec::new();
@@ -258,7 +282,7 @@ impl Planner<'_> {
             // The strategy in use is asked only at more ranks.
             let from = if candidate == layout { world + 1 } else { world };
             let Some((w, s)) = self.fits_from(candidate, limit, from) else { continue };
-            let (s, strategy) = (size(s.total()), format!("wrap.strategy = \"{name}\""));
+            let (s, strategy) = (size(self.needs(&s, w)), format!("wrap.strategy = \"{name}\""));
             ways.push(match (candidate == layout, w == world) {
                 (true, _) => format!("{candidate} fits from run.world_size = {w} ({s} {what})"),
                 (false, true) => format!("{strategy} fits at this world size ({s} {what})"),
@@ -274,7 +298,7 @@ impl Planner<'_> {
         format!("{}; wrap.strategy = \"auto\" picks the first strategy that fits", ways.join(", or "))
     }
 
-    /// `wrap.strategy = "auto"` at `world` ranks with `limit` bytes of training state a rank:
+    /// `wrap.strategy = "auto"` at `world` ranks with `limit` bytes a rank:
     /// the first of DDP, FSDP (ZeRO-2), FSDP (ZeRO-3) and the pipeline that fits, and why; or
     /// why none does.
     pub fn choose(&self, world: usize, limit: f64, limit_text: &str) -> Result<(Layout, String), String> {
@@ -282,17 +306,23 @@ impl Planner<'_> {
         let mut tried = Vec::new();
         for layout in order {
             let Some(s) = self.state(layout, world, None) else { continue };
-            if s.total() <= limit {
+            let needs = size(self.needs(&s, world));
+            if self.needs(&s, world) <= limit {
                 let before = if tried.is_empty() { String::new() } else { format!(", while {}", tried.join(", ")) };
-                return Ok((layout, format!("chose {layout}: it holds {s} a rank, within {limit_text}{before}")));
+                return Ok((
+                    layout,
+                    format!(
+                        "chose {layout}: a rank needs {needs}, training state {s}, within {limit_text}{before}"
+                    ),
+                ));
             }
-            tried.push(format!("{layout} would hold {}", size(s.total())));
+            tried.push(format!("{layout} would need {needs}"));
         }
         let more: Vec<String> = [Layout::Fsdp { zero3: true }, Layout::Pipeline]
             .into_iter()
             .filter_map(|layout| {
                 let (w, s) = self.fits_from(layout, limit, world + 1)?;
-                Some(format!("{layout} fits from run.world_size = {w} ({} a rank)", size(s.total())))
+                Some(format!("{layout} fits from run.world_size = {w} ({} a rank)", size(self.needs(&s, w))))
             })
             .collect();
         let advice = match more.is_empty() {
@@ -320,7 +350,8 @@ mod tests {
         let s = mlp();
         let all = (64 * 10 + 64 + 64 * 64 + 64 + 4 * 64 + 4) as f64;
         let ddp = state(&s, Layout::Replica, 4, 2.0, None, true);
-        assert_eq!(ddp, State { parameters: 4.0 * all, gradients: 4.0 * all, optimizer: 8.0 * all });
+        assert_eq!(ddp, State::whole(4.0 * all, 4.0 * all, 8.0 * all));
+        assert_eq!(ddp.total(), 16.0 * all);
         let fsdp = state(&s, Layout::Fsdp { zero3: true }, 4, 2.0, None, true);
         // No row count here is uneven over 4 ranks: the shards are exactly a quarter.
         assert_eq!(fsdp.optimizer, ddp.optimizer / 4.0);

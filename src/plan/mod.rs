@@ -148,11 +148,18 @@ impl Plan {
             pipeline_copies: c.wrap.pipeline.replicas,
             gloo: c.run.backend == Backend::Gloo,
             global_batch: resuming.map(|r| r.global_batch).or(c.train.global_batch_size),
+            besides: match (&data, &layout) {
+                (Some(d), Some(l)) => {
+                    let c = c.clone();
+                    Box::new(move |w| strategy::besides_state(&c, d, l, a.as_ref(), w))
+                }
+                _ => Box::new(|_| 0.0),
+            },
         });
         strategy::strategy_keys(&c, &sources, resuming.map(|r| r.own_config.as_str()), &mut bad);
         let mut auto = None;
-        if let (WrapStrategy::Auto, Some(planner), Some(d), Some(l)) = (c.wrap.strategy, &planner, &data, &layout) {
-            match strategy::choose_strategy(&c, planner, d, l) {
+        if let (WrapStrategy::Auto, Some(planner), true) = (c.wrap.strategy, &planner, data.is_some() && layout.is_some()) {
+            match strategy::choose_strategy(&c, planner) {
                 Ok((layout, why)) => {
                     (c.wrap.strategy, c.wrap.fsdp.reshard_after_forward) = match layout {
                         memory::Layout::Replica => (WrapStrategy::Ddp, true),

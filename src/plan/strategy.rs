@@ -19,17 +19,41 @@ pub(super) fn memory_estimate(
     state: f64,
     bad: &mut impl FnMut(&str, String),
 ) -> crate::limits::Estimate {
-    let batch = layout.split_batch.unwrap_or(c.train.batch_size);
-    let layers = arch.layers();
-    let outputs = layers.iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
-    let held = layers.iter().map(|l| l.held).sum::<usize>();
-    let estimate = crate::limits::estimate(c, d, state, d.input_size() + outputs, held, batch);
+    let estimate = estimate(c, d, layout, arch, state);
     let model_key = match c.wrap.model {
         Model::Transformer(_) => "wrap.model.d_model",
         _ => "wrap.model.hidden",
     };
     crate::limits::check_memory(&estimate, c.run.world_size, model_key, bad);
     estimate
+}
+
+/// Bytes the heaviest rank of `world` needs besides its training state: activations, data,
+/// libtorch.
+pub(super) fn besides_state(
+    c: &Config,
+    d: &DataSpec,
+    layout: &ShardLayout,
+    arch: &dyn Architecture,
+    world: usize,
+) -> f64 {
+    let mut c = c.clone();
+    c.run.world_size = world;
+    estimate(&c, d, layout, arch, 0.0).per_rank()
+}
+
+fn estimate(
+    c: &Config,
+    d: &DataSpec,
+    layout: &ShardLayout,
+    arch: &dyn Architecture,
+    state: f64,
+) -> crate::limits::Estimate {
+    let batch = layout.split_batch.unwrap_or(c.train.batch_size);
+    let layers = arch.layers();
+    let outputs = layers.iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
+    let held = layers.iter().map(|l| l.held).sum::<usize>();
+    crate::limits::estimate(c, d, state, d.input_size() + outputs, held, batch)
 }
 
 /// Keys only one strategy reads, set under another (the pipeline's are checked with its stages):
@@ -66,8 +90,9 @@ pub(super) fn strategy_keys(
     }
 }
 
-/// `run.memory_per_rank_mb` against the training state the heaviest rank holds under the
-/// configured strategy; the refusal names the strategies and world sizes that fit.
+/// `run.memory_per_rank_mb` against what the heaviest rank needs under the configured strategy:
+/// its training state and everything besides; the refusal names the strategies and world sizes
+/// that fit.
 // `!(x > 0.0)` is meant: it also rejects NaN, which `x <= 0.0` would let through.
 #[allow(clippy::neg_cmp_op_on_partial_ord)]
 pub(super) fn check_memory_limit(
@@ -83,19 +108,21 @@ pub(super) fn check_memory_limit(
     let (bytes, w) = (limit * 1048576.0, c.run.world_size);
     let layout = memory::Layout::of(c);
     let Some(state) = planner.state(layout, w, Some(stages)) else { return };
-    if state.total() <= bytes {
+    if planner.needs(&state, w) <= bytes {
         return;
     }
     let who = match layout {
         memory::Layout::Pipeline => {
             let params = |r: &Range<usize>| planner.layer_parameters[r.clone()].iter().sum::<usize>();
             let (rank, heaviest) = stages.iter().enumerate().rev().max_by_key(|(_, r)| params(r)).expect("stages");
-            format!("rank {rank} ({}) would hold", crate::model::layers_text(heaviest))
+            format!("rank {rank} ({}) would need", crate::model::layers_text(heaviest))
         }
-        _ => "each rank would hold".to_string(),
+        _ => "each rank would need".to_string(),
     };
     let advice = match (layout, &c.wrap.pipeline.stages) {
-        (memory::Layout::Pipeline, Some(_)) if planner.state(layout, w, None).is_some_and(|s| s.total() <= bytes) => {
+        (memory::Layout::Pipeline, Some(_))
+            if planner.state(layout, w, None).is_some_and(|s| planner.needs(&s, w) <= bytes) =>
+        {
             "leave wrap.pipeline.stages out: the split balanced by parameters fits".to_string()
         }
         _ => planner.advice(layout, w, bytes),
@@ -107,21 +134,17 @@ pub(super) fn check_memory_limit(
     bad(
         "run.memory_per_rank_mb",
         format!(
-            "{who} {state} of training state under {under} at world size {w}, more than the {limit} MiB a rank may \
-             hold; {advice}"
+            "{who} {}: {state} of training state and {} besides (activations, data, libtorch), under {under} at \
+             world size {w}, more than the {limit} MiB a rank may use; {advice}",
+            crate::limits::size(planner.needs(&state, w)),
+            crate::limits::size((planner.besides)(w))
         ),
     );
 }
 
-/// `wrap.strategy = "auto"`: the first strategy whose training state fits
-/// `run.memory_per_rank_mb`, or else this machine's available memory shared by the ranks (less
-/// what a rank needs besides: activations, data, libtorch).
-pub(super) fn choose_strategy(
-    c: &Config,
-    planner: &memory::Planner,
-    d: &DataSpec,
-    layout: &ShardLayout,
-) -> Result<(memory::Layout, String), String> {
+/// `wrap.strategy = "auto"`: the first strategy whose rank fits `run.memory_per_rank_mb`, or else
+/// this machine's available memory shared by the ranks.
+pub(super) fn choose_strategy(c: &Config, planner: &memory::Planner) -> Result<(memory::Layout, String), String> {
     let w = c.run.world_size;
     if let Some(limit) = c.run.memory_per_rank_mb {
         if !(limit > 0.0 && limit.is_finite()) {
@@ -132,21 +155,13 @@ pub(super) fn choose_strategy(
     let Some(available) = crate::limits::available_memory() else {
         return Ok((memory::Layout::Replica, "chose DDP: this machine's memory cannot be read".into()));
     };
-    let batch = layout.split_batch.unwrap_or(c.train.batch_size);
-    let arch = crate::model::architecture(&c.wrap.model, &d.input, d.task.outputs());
-    let layers = arch.layers();
-    let outputs = layers.iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
-    let held = layers.iter().map(|l| l.held).sum::<usize>();
-    let besides = crate::limits::estimate(c, d, 0.0, d.input_size() + outputs, held, batch).per_rank();
-    let share = available / w as f64 - besides;
     planner.choose(
         w,
-        share,
+        available / w as f64,
         &format!(
-            "this machine's {} available over {w} rank{} (less {} a rank for activations, data and libtorch)",
+            "this machine's {} available over {w} rank{}",
             crate::limits::size(available),
-            if w == 1 { "" } else { "s" },
-            crate::limits::size(besides)
+            if w == 1 { "" } else { "s" }
         ),
     )
 }

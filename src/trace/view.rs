@@ -66,6 +66,22 @@ pub fn pipeline_table(rows: &[EpochRow]) -> String {
     table(&["rank", "compute s", "epoch s", "bubble"], &body)
 }
 
+/// Each rank's peak resident memory as measured (the trace's `peak_rss_bytes`) beside the plan's
+/// estimate for it: "  peak memory: rank 0 192 MiB (estimated 190 MiB), rank 1 …". Empty
+/// where neither is known.
+pub fn memory_line(rows: &[EpochRow], estimate: Option<&crate::limits::Estimate>) -> String {
+    let ranks = rows.iter().map(|r| r.rank).max();
+    let (Some(last), Some(e)) = (ranks, estimate) else { return String::new() };
+    let peaks: Vec<String> = (0..=last)
+        .map(|rank| {
+            let peak = rows.iter().filter(|r| r.rank == rank).map(|r| r.peak_rss_bytes).max().unwrap_or(0);
+            let size = crate::limits::size;
+            format!("rank {rank} {} (estimated {})", size(peak as f64), size(e.per_rank()))
+        })
+        .collect();
+    format!("  peak memory: {}", peaks.join(", "))
+}
+
 /// A text chart of `values` (one column per epoch), `height` rows high, like the seed pages'.
 pub fn chart(label: &str, values: &[f64], height: usize) -> String {
     if values.is_empty() {

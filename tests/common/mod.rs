@@ -213,6 +213,31 @@ pub fn assert_same_trace(a: &Path, b: &Path) {
     }
 }
 
+/// The plan's whole-process estimate of each rank's memory (plan.json's `memory`: the training
+/// state, activations, data and libtorch) is within 15% of every rank's measured peak resident
+/// memory (the trace's `peak_rss_bytes`).
+pub fn assert_estimate_holds(run_dir: &Path) {
+    use polars::prelude::*;
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("plan.json")).unwrap()).unwrap();
+    let part = |k: &str| plan["memory"][k].as_f64().unwrap();
+    let estimate: f64 = ["model", "activations", "data", "base"].iter().map(|k| part(k)).sum();
+    let t = trace(run_dir);
+    let ranks = t.column("rank").unwrap().cast(&DataType::UInt64).unwrap();
+    let peaks = t.column("peak_rss_bytes").unwrap().u64().unwrap().clone();
+    for (rank, peak) in ranks.u64().unwrap().into_no_null_iter().zip(peaks.into_no_null_iter()) {
+        let off = (estimate - peak as f64) / peak as f64;
+        assert!(
+            off.abs() <= 0.15,
+            "{} rank {rank}: estimated {:.0} MiB, peak {:.0} MiB ({:+.1}%)",
+            run_dir.display(),
+            estimate / 1048576.0,
+            peak as f64 / 1048576.0,
+            100.0 * off
+        );
+    }
+}
+
 /// A run directory's trace.parquet, read back by polars.
 pub fn trace(dir: &Path) -> polars::prelude::DataFrame {
     use polars::prelude::{ParquetReader, SerReader};
