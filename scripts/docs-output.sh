@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rewrites every printed output of README.md and docs/ from the current binary: each ```console
 # block's output after its `$` lines, and the stored snapshots of the long runs
-# (tests/docs-output/NAME.txt) that `cargo test --test docs_output` checks the pages against.
+# (tests/docs-output/NAME.txt) that `cargo test --test integration docs_output::` checks the pages against.
 # A block's `...` elisions are kept where what they stand between is still found.
 #
 #   scripts/docs-output.sh            # release build (the timings the pages show), every block
@@ -15,4 +15,4 @@ if [[ "${1:-}" == "--debug" ]]; then
     profile=()
 fi
 export LIBTORCH="${LIBTORCH:-$PWD/.deps/libtorch}"
-SNAPSHOTS=overwrite DOCS_OUTPUT=all cargo test "${profile[@]}" --test docs_output -- --nocapture
+SNAPSHOTS=overwrite DOCS_OUTPUT=all cargo test "${profile[@]}" --test integration docs_output:: -- --nocapture

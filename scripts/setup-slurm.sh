@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what the Slurm tests (tests/slurm.rs) start: Debian's slurm-wlm (slurmctld, slurmd,
+# Installs what the Slurm tests (tests/integration/slurm.rs) start: Debian's slurm-wlm (slurmctld, slurmd,
 # srun, sbatch, squeue, sacct, scancel, scontrol) and munge, its authentication daemon.
 # Called by scripts/setup.sh --tests. System packages need root: as root (CI) they are installed
 # with apt-get; otherwise this says what to run and returns without failing, and the Slurm tests

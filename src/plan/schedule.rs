@@ -169,7 +169,7 @@ mod tests {
             assert!((1..100).all(|i| i <= 10 || s.lr(i) < s.lr(i - 1)), "{kind:?} falls");
         }
         // torch's CosineAnnealingLR(T_max = 100) at T_cur = 99 (the unit test of its closed form;
-        // tests/recipe.rs checks a run's trace against torch itself).
+        // tests/integration/recipe.rs checks a run's trace against torch itself).
         let c = sched(ScheduleKind::Cosine, 0);
         let torch = 0.01 + (0.1 - 0.01) * (1.0 + (std::f64::consts::PI * 99.0 / 100.0).cos()) / 2.0;
         assert!((c.lr(99) - torch).abs() < 1e-15, "{} against {torch}", c.lr(99));

@@ -1,0 +1,217 @@
+//! FSDP without the whole model on any rank: built one unit at a time, it starts from DDP's
+//! initial weights bit for bit; `wrap.init` and a resume read each rank's share of the file, not
+//! the whole; under an operating-system memory limit that DDP cannot meet, FSDP trains to DDP's
+//! losses; and the plan's whole-process estimate is within 15% of every rank's measured peak.
+use crate::common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::{assert_estimate_holds, assert_ok, runner, text, write};
+use tch::Tensor;
+
+/// A transformer of 8 blocks whose vocabulary of 66 rows 4 ranks do not divide, at 4 ranks.
+const MODEL: &str = r#"
+[run]
+name = "fsdp-memory"
+seed = 5
+world_size = 4
+timeout_s = 120
+
+[load]
+rows = 64
+validation_rows = 8
+
+[normalize]
+method = "none"
+
+[wrap.model]
+kind = "transformer"
+vocab = 66
+d_model = 64
+heads = 4
+layers = 8
+seq_len = 16
+tied = false
+
+[train]
+steps = 2
+batch_size = 4
+optimizer = "adamw"
+
+[validate]
+every_steps = 2
+"#;
+
+/// Runs `p.toml` in `dir` into `out` with `sets` and the environment `env`.
+fn train(dir: &Path, out: &str, sets: &[&str], env: &[(&str, &Path)]) {
+    let mut c = runner();
+    c.args(["run", "p.toml", "--out", out]).current_dir(dir);
+    for s in sets {
+        c.args(["--set", s]);
+    }
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    assert_ok(&c.output().unwrap());
+}
+
+fn tensors(path: &Path) -> BTreeMap<String, Tensor> {
+    Tensor::read_safetensors(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).into_iter().collect()
+}
+
+/// Bytes of tensor data each of `ranks` ranks read (`RUNNER_TEST_READ_BYTES`).
+fn bytes_read(dir: &Path, ranks: usize) -> Vec<u64> {
+    (0..ranks).map(|r| std::fs::read_to_string(dir.join(format!("rank-{r}"))).unwrap().parse().unwrap()).collect()
+}
+
+/// Bytes of tensor data in a `.safetensors` file: the file less its 8-byte length and header.
+fn data_bytes(path: &Path) -> u64 {
+    let bytes = std::fs::read(path).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    bytes.len() as u64 - 8 - header
+}
+
+/// Each of 4 ranks read about a quarter of `total` bytes (its rows, rounded up per tensor), and
+/// together every byte once.
+fn assert_shares(read: &[u64], total: u64, what: &str) {
+    for (r, &b) in read.iter().enumerate() {
+        assert!(b as f64 <= 0.27 * total as f64, "{what}: rank {r} read {b} bytes of {total}: {read:?}");
+    }
+    let sum: u64 = read.iter().sum();
+    assert!(sum >= total && sum as f64 <= 1.02 * total as f64, "{what}: the ranks read {sum} bytes of {total}");
+}
+
+/// Every tensor of `b` is `a`'s, bit for bit, and they hold the same names.
+fn assert_same(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, what: &str) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}");
+    for (name, t) in a {
+        assert!(t.kind() == b[name].kind() && t.equal(&b[name]), "{what}: `{name}` differs");
+    }
+}
+
+#[test]
+fn built_by_units_fsdp_starts_from_ddps_weights_and_wrap_init_reads_each_ranks_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "p.toml", MODEL);
+    let fsdp = "wrap.strategy=\"fsdp\"";
+    for (out, sets) in [("ddp", vec![]), ("fsdp", vec![fsdp])] {
+        let dump = d.join(format!("{out}-start"));
+        std::fs::create_dir_all(&dump).unwrap();
+        train(d, out, &sets, &[("RUNNER_TEST_DUMP_LOADED", &dump)]);
+        assert_estimate_holds(&d.join(out));
+    }
+    // What every rank started from, whole (under FSDP its shards gathered), is DDP's to the bit.
+    let ddp = tensors(&d.join("ddp-start/rank-0.safetensors"));
+    for r in 0..4 {
+        assert_same(&ddp, &tensors(&d.join(format!("fsdp-start/rank-{r}.safetensors"))), &format!("rank {r}"));
+    }
+
+    // wrap.init: each rank reads its rows of every parameter, and starts from the file's values.
+    let init = d.join("ddp/model.safetensors");
+    let (read, dump) = (d.join("init-read"), d.join("init-start"));
+    std::fs::create_dir_all(&read).unwrap();
+    std::fs::create_dir_all(&dump).unwrap();
+    let init_key = format!("wrap.init=\"{}\"", init.display());
+    train(d, "init", &[fsdp, &init_key], &[("RUNNER_TEST_READ_BYTES", &read), ("RUNNER_TEST_DUMP_LOADED", &dump)]);
+    assert_shares(&bytes_read(&read, 4), data_bytes(&init), "wrap.init");
+    let started = tensors(&dump.join("rank-2.safetensors"));
+    let file = tensors(&init);
+    for (name, t) in &file {
+        assert!(started[name].equal(t), "`{name}` of wrap.init is not what the run started from");
+    }
+}
+
+#[test]
+fn an_fsdp_run_resumed_at_4_ranks_reads_each_ranks_share_of_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "p.toml", &format!("{MODEL}\n[checkpoint]\nevery_steps = 2\n"));
+    train(d, "run", &["wrap.strategy=\"fsdp\""], &[]);
+    let ckpt = d.join("run/checkpoints/step-00000002");
+    let total: u64 = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .map(|p| data_bytes(&p))
+        .sum();
+    let read = d.join("read");
+    std::fs::create_dir_all(&read).unwrap();
+    let o = runner()
+        .args(["run", "--resume", "run", "--set", "train.steps=3"])
+        .env("RUNNER_TEST_READ_BYTES", &read)
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    assert!(text(&o).0.contains("resuming run"), "{}", text(&o).0);
+    assert_shares(&bytes_read(&read, 4), total, "resume");
+}
+
+/// Bytes of private writable memory a rank may map: RLIMIT_DATA, set with `prlimit --data` on
+/// the launcher and inherited by every rank it starts. Why this limit: it counts what a process
+/// writes into (heap, anonymous mappings, thread stacks), about its resident size, and none of
+/// libtorch's file mappings, which `--as` (the address space) would count by the gigabyte with
+/// nothing resident behind them; a cgroup's `memory.max` needs a writable cgroup tree, which
+/// neither this machine nor most CI runners give a test.
+const LIMIT: u64 = 500 << 20;
+
+/// A transformer of 12 blocks of width 512 (38M parameters) at 4 ranks: under DDP its training
+/// state alone is 577 MiB a rank, more than `LIMIT`; under FSDP a rank holds 193 MiB of state
+/// and peaks at about 410 MiB resident.
+fn limited_model() -> String {
+    MODEL
+        .replace("d_model = 64", "d_model = 512")
+        .replace("heads = 4", "heads = 8")
+        .replace("layers = 8", "layers = 12")
+}
+
+fn run_limited(dir: &Path, out: &str, strategy: &str) -> std::process::Output {
+    let runner = env!("CARGO_BIN_EXE_runner");
+    let mut c = std::process::Command::new("prlimit");
+    c.arg(format!("--data={LIMIT}")).args(["--", runner, "run", "p.toml", "--out", out]).current_dir(dir);
+    c.args(["--set", &format!("wrap.strategy=\"{strategy}\"")]);
+    // The tests' own environment must not leak into the runs (as common::runner).
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("RUNNER_") || k.starts_with("SLURM_")) {
+        c.env_remove(k);
+    }
+    c.output().expect("prlimit (util-linux) starts")
+}
+
+/// A u64 column of a run's trace, every rank's rows.
+fn column(dir: &Path, col: &str) -> Vec<u64> {
+    common::trace(dir).column(col).unwrap().u64().unwrap().into_no_null_iter().collect()
+}
+
+#[test]
+fn under_a_memory_limit_ddp_cannot_meet_fsdp_trains_to_ddps_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "p.toml", &limited_model());
+    // The oracle, without the limit.
+    train(d, "ddp", &[], &[]);
+    assert_estimate_holds(&d.join("ddp"));
+    let state: u64 = ["param_bytes", "grad_bytes", "optim_bytes"].iter().map(|c| column(&d.join("ddp"), c)[0]).sum();
+    assert!(state > LIMIT, "DDP's training state is {state} bytes a rank: the limit must not hold it");
+
+    let o = run_limited(d, "ddp-limited", "ddp");
+    assert_eq!(o.status.code(), Some(1), "DDP under the limit: {}", text(&o).1);
+    assert!(text(&o).1.contains("can't allocate memory"), "{}", text(&o).1);
+
+    let o = run_limited(d, "fsdp-limited", "fsdp");
+    assert_ok(&o);
+    let losses = |out: &str| -> Vec<f64> {
+        let t = common::trace(&d.join(out));
+        t.column("global_train_loss").unwrap().f64().unwrap().into_no_null_iter().collect()
+    };
+    // Every rank's rows hold the global loss.
+    let (ddp, fsdp) = (losses("ddp"), losses("fsdp-limited"));
+    assert_eq!(ddp.len(), fsdp.len());
+    for (a, b) in ddp.iter().zip(&fsdp) {
+        assert!(((a - b) / a).abs() <= 1e-5, "FSDP under the limit: loss {b}, DDP's {a}");
+    }
+    let peak = column(&d.join("fsdp-limited"), "peak_rss_bytes").into_iter().max().unwrap();
+    assert!(peak < LIMIT, "a rank peaked at {peak} bytes resident");
+    assert_estimate_holds(&d.join("fsdp-limited"));
+}
