@@ -269,45 +269,45 @@ const CASES: &[Case] = &[
     Case {
         name: "a model over the memory a rank may use, on one rank",
         file: "",
-        args: &["--set", "run.world_size=1", "--set", "wrap.strategy=\"none\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=181.5"],
+        args: &["--set", "run.world_size=1", "--set", "wrap.strategy=\"none\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=153.5"],
         env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=181.5): each rank would \
-                   need 184 MiB: 2.0 MiB (parameters 1.0 MiB, gradients 1.0 MiB, optimizer 0.0 MiB) of training state and 182 \
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=153.5): each rank would \
+                   need 156 MiB: 2.0 MiB (parameters 1.0 MiB, gradients 1.0 MiB, optimizer 0.0 MiB) of training state and 154 \
                    MiB besides (activations, data, libtorch), under wrap.strategy = \"none\" at world size 1, more than the \
-                   181.5 MiB a rank may use; wrap.strategy = \"fsdp\" fits from run.world_size = 32 (181 MiB a rank), or \
-                   wrap.strategy = \"pipeline\" fits from run.world_size = 4 (181 MiB on its heaviest rank); wrap.strategy = \
+                   153.5 MiB a rank may use; wrap.strategy = \"fsdp\" fits from run.world_size = 32 (153 MiB a rank), or \
+                   wrap.strategy = \"pipeline\" fits from run.world_size = 4 (153 MiB on its heaviest rank); wrap.strategy = \
                    \"auto\" picks the first strategy that fits",
     },
     Case {
         name: "the same model in a pipeline of one stage",
         file: "",
-        args: &["--set", "run.world_size=1", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=181.5"],
+        args: &["--set", "run.world_size=1", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=153.5"],
         env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=181.5): rank 0 (layers 0-3) \
-                   would need 184 MiB: 2.0 MiB (parameters 1.0 MiB, gradients 1.0 MiB, optimizer 0.0 MiB) of training state \
-                   and 182 MiB besides (activations, data, libtorch), under the pipeline at world size 1, more than the 181.5 \
-                   MiB a rank may use; wrap.strategy = \"fsdp\" fits from run.world_size = 32 (181 MiB a rank), or the \
-                   pipeline fits from run.world_size = 4 (181 MiB on its heaviest rank); wrap.strategy = \"auto\" picks the \
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=153.5): rank 0 (layers 0-3) \
+                   would need 156 MiB: 2.0 MiB (parameters 1.0 MiB, gradients 1.0 MiB, optimizer 0.0 MiB) of training state \
+                   and 154 MiB besides (activations, data, libtorch), under the pipeline at world size 1, more than the 153.5 \
+                   MiB a rank may use; wrap.strategy = \"fsdp\" fits from run.world_size = 32 (153 MiB a rank), or the \
+                   pipeline fits from run.world_size = 4 (153 MiB on its heaviest rank); wrap.strategy = \"auto\" picks the \
                    first strategy that fits",
     },
     Case {
         name: "a layer over the memory one rank may use",
         file: "",
-        args: &["--set", "run.world_size=4", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=180"],
+        args: &["--set", "run.world_size=4", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=152"],
         env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=180): rank 0 (layer 0) would \
-                   need 181 MiB: 0.5 MiB (parameters 0.3 MiB, gradients 0.3 MiB, optimizer 0.0 MiB) of training state and 181 \
-                   MiB besides (activations, data, libtorch), under the pipeline at world size 4, more than the 180 MiB a rank \
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=152): rank 0 (layer 0) would \
+                   need 153 MiB: 0.5 MiB (parameters 0.3 MiB, gradients 0.3 MiB, optimizer 0.0 MiB) of training state and 153 \
+                   MiB besides (activations, data, libtorch), under the pipeline at world size 4, more than the 152 MiB a rank \
                    may use; no strategy fits it on up to 4096 ranks: use a smaller model, or a higher run.memory_per_rank_mb",
     },
     Case {
         name: "explicit stages that overload a rank",
         file: "",
-        args: &["--set", "run.world_size=2", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "wrap.pipeline.stages=[[0], [1, 2, 3]]", "--set", "run.memory_per_rank_mb=182"],
+        args: &["--set", "run.world_size=2", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "wrap.pipeline.stages=[[0], [1, 2, 3]]", "--set", "run.memory_per_rank_mb=154"],
         env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=182): rank 1 (layers 1-3) \
-                   would need 182 MiB: 1.5 MiB (parameters 0.8 MiB, gradients 0.8 MiB, optimizer 0.0 MiB) of training state \
-                   and 181 MiB besides (activations, data, libtorch), under the pipeline at world size 2, more than the 182 MiB \
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=154): rank 1 (layers 1-3) \
+                   would need 154 MiB: 1.5 MiB (parameters 0.8 MiB, gradients 0.8 MiB, optimizer 0.0 MiB) of training state \
+                   and 153 MiB besides (activations, data, libtorch), under the pipeline at world size 2, more than the 154 MiB \
                    a rank may use; leave wrap.pipeline.stages out: the split balanced by parameters fits",
     },
     Case {

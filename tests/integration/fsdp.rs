@@ -379,11 +379,11 @@ fn auto_picks_ddp_zero2_zero3_or_the_pipeline_by_the_memory_limit_and_says_why()
         run(&args, dir.path())
     };
     for (limit, chose) in [
-        // A rank needs 184 MiB besides its training state (activations, data, libtorch).
-        ("190", "chose DDP: a rank needs 190 MiB, training state 6.2 MiB"),
-        ("189", "chose FSDP (ZeRO-2): a rank needs 188 MiB, training state 4.9 MiB at once"),
-        ("188", "chose FSDP (ZeRO-3): a rank needs 187 MiB, training state 3.9 MiB at once"),
-        ("187", "chose the pipeline: a rank needs 187 MiB, training state 3.1 MiB"),
+        // A rank needs 156 MiB besides its training state (activations, data, libtorch).
+        ("162", "chose DDP: a rank needs 162 MiB, training state 6.2 MiB"),
+        ("161", "chose FSDP (ZeRO-2): a rank needs 160 MiB, training state 4.9 MiB at once"),
+        ("160", "chose FSDP (ZeRO-3): a rank needs 159 MiB, training state 3.9 MiB at once"),
+        ("159", "chose the pipeline: a rank needs 159 MiB, training state 3.1 MiB"),
     ] {
         let o = validate(limit);
         assert_ok(&o);
@@ -391,24 +391,24 @@ fn auto_picks_ddp_zero2_zero3_or_the_pipeline_by_the_memory_limit_and_says_why()
         assert!(stdout.contains(&format!("wrap.strategy = \"auto\": {chose}")), "{limit}: {stdout}");
         assert!(stdout.contains(&format!("within run.memory_per_rank_mb = {limit}")), "{limit}: {stdout}");
     }
-    let o = validate("188");
-    assert!(text(&o).0.contains(", while DDP would need 190 MiB, FSDP (ZeRO-2) would need 188 MiB"), "{}", text(&o).0);
+    let o = validate("160");
+    assert!(text(&o).0.contains(", while DDP would need 162 MiB, FSDP (ZeRO-2) would need 160 MiB"), "{}", text(&o).0);
     // And the chosen strategy is the one that runs.
     let o = run(
-        &["run", "p.toml", "--out", "auto", "--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=188"],
+        &["run", "p.toml", "--out", "auto", "--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=160"],
         dir.path(),
     );
     assert_ok(&o);
     assert!(text(&o).0.contains("FSDP (ZeRO-3): each rank holds 1/2 of every parameter"), "{}", text(&o).0);
 
-    let o = validate("186.5");
+    let o = validate("158.5");
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(
         text(&o).1.trim(),
         "error: p.toml: invalid configuration:\n  `wrap.strategy` (--set wrap.strategy=\"auto\"): no strategy fits \
-         run.memory_per_rank_mb = 186.5 at world size 2: DDP would need 190 MiB, FSDP (ZeRO-2) would need 188 MiB, FSDP \
-         (ZeRO-3) would need 187 MiB, the pipeline would need 187 MiB; FSDP (ZeRO-3) fits from run.world_size = 3 (186 \
-         MiB a rank), the pipeline fits from run.world_size = 3 (186 MiB a rank): raise run.world_size, or use a \
+         run.memory_per_rank_mb = 158.5 at world size 2: DDP would need 162 MiB, FSDP (ZeRO-2) would need 160 MiB, FSDP \
+         (ZeRO-3) would need 159 MiB, the pipeline would need 159 MiB; FSDP (ZeRO-3) fits from run.world_size = 3 (158 \
+         MiB a rank), the pipeline fits from run.world_size = 3 (158 MiB a rank): raise run.world_size, or use a \
          smaller model"
     );
 }
@@ -417,15 +417,15 @@ fn auto_picks_ddp_zero2_zero3_or_the_pipeline_by_the_memory_limit_and_says_why()
 fn a_memory_limit_ddp_cannot_meet_names_where_fsdp_and_the_pipeline_fit() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", MEM);
-    let o = run(&["validate", "p.toml", "--set", "run.memory_per_rank_mb=186.5"], dir.path());
+    let o = run(&["validate", "p.toml", "--set", "run.memory_per_rank_mb=158.5"], dir.path());
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(
         text(&o).1.trim(),
-        "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=186.5): each \
-         rank would need 190 MiB: 6.2 MiB (parameters 1.6 MiB, gradients 1.6 MiB, optimizer 3.1 MiB) of training state \
-         and 184 MiB besides (activations, data, libtorch), under DDP at world size 2, more than the 186.5 MiB a rank \
-         may use; wrap.strategy = \"fsdp\" fits from run.world_size = 3 (186 MiB a rank), or wrap.strategy = \
-         \"pipeline\" fits from run.world_size = 3 (186 MiB on its heaviest rank); wrap.strategy = \"auto\" picks the \
+        "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=158.5): each \
+         rank would need 162 MiB: 6.2 MiB (parameters 1.6 MiB, gradients 1.6 MiB, optimizer 3.1 MiB) of training state \
+         and 156 MiB besides (activations, data, libtorch), under DDP at world size 2, more than the 158.5 MiB a rank \
+         may use; wrap.strategy = \"fsdp\" fits from run.world_size = 3 (158 MiB a rank), or wrap.strategy = \
+         \"pipeline\" fits from run.world_size = 3 (158 MiB on its heaviest rank); wrap.strategy = \"auto\" picks the \
          first strategy that fits"
     );
     // Under FSDP at 4 ranks it fits, and the plan says what a rank holds.
@@ -434,7 +434,7 @@ fn a_memory_limit_ddp_cannot_meet_names_where_fsdp_and_the_pipeline_fit() {
             "validate",
             "p.toml",
             "--set",
-            "run.memory_per_rank_mb=186.5",
+            "run.memory_per_rank_mb=158.5",
             "--set",
             "run.world_size=4",
             "--set",

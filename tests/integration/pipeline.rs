@@ -86,7 +86,7 @@ fn the_trace_has_every_rank_s_compute_time_and_bubble_and_the_pipeline_s_metrics
 #[test]
 fn a_model_over_the_memory_a_rank_may_use_runs_split_over_4_ranks() {
     // Four layers of 65792 parameters (0.502 MiB of parameters and gradients each as float32,
-    // SGD keeps no state), 2.008 MiB in all; a rank needs about 181 MiB besides (activations,
+    // SGD keeps no state), 2.008 MiB in all; a rank needs about 153 MiB besides (activations,
     // data, libtorch): the limit admits one layer's state, not four. tests/integration/config_errors.rs has
     // the refusals on one rank.
     let dir = tempfile::tempdir().unwrap();
@@ -99,7 +99,7 @@ fn a_model_over_the_memory_a_rank_may_use_runs_split_over_4_ranks() {
         "--set",
         "wrap.model.hidden=[256, 256, 256]",
         "--set",
-        "run.memory_per_rank_mb=181.5",
+        "run.memory_per_rank_mb=153.5",
         "--set",
         "train.epochs=1",
     ];
@@ -120,7 +120,7 @@ fn a_model_over_the_memory_a_rank_may_use_runs_split_over_4_ranks() {
     let o = run(&[&["validate", "p.toml", "--set", "run.world_size=4"][..], &big].concat(), dir.path());
     assert_eq!(o.status.code(), Some(2), "DDP holds the whole model on every rank");
     assert!(
-        text(&o).1.contains("each rank would need 183 MiB: 2.0 MiB (parameters 1.0 MiB, gradients 1.0 MiB"),
+        text(&o).1.contains("each rank would need 155 MiB: 2.0 MiB (parameters 1.0 MiB, gradients 1.0 MiB"),
         "{}",
         text(&o).1
     );
