@@ -42,10 +42,12 @@ pub fn annotated_toml(plan: &Plan) -> String {
             0 => v,
             1 if !v.is_array() && !glob => files.into_iter().next().expect("one file"),
             // A directory of files (a Hugging Face checkpoint): the directory.
-            _ if !v.is_array() && !glob => match plan.inputs.iter().find(|f| f.key == key).and_then(|f| f.path.parent()) {
-                Some(dir) => toml::Value::String(dir.display().to_string()),
-                None => v,
-            },
+            _ if !v.is_array() && !glob => {
+                match plan.inputs.iter().find(|f| f.key == key).and_then(|f| f.path.parent()) {
+                    Some(dir) => toml::Value::String(dir.display().to_string()),
+                    None => v,
+                }
+            }
             _ => toml::Value::Array(files),
         };
         out += &format!("{name} = {v}  # {from}\n");

@@ -159,20 +159,20 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
             // of its own units, or of the next layer's (prefetched one layer ahead, forward and
             // backward).
             let gathered_at = |l: usize| {
-                    let reads = &shapes.reads[l];
-                    let near = [l.checked_sub(1), Some(l), (l + 1 < layers).then_some(l + 1)];
-                    let buffer = near.into_iter().flatten().flat_map(|n| &shapes.reads[n]).map(|&u| padded(u));
-                    let held: f64 = if zero3 {
-                        // A unit another layer reads later (a tied embedding) stays gathered.
-                        let kept: f64 = (0..l)
-                            .filter(|u| !reads.contains(u) && shapes.reads[l..].iter().any(|r| r.contains(u)))
-                            .map(padded)
-                            .sum();
-                        reads.iter().map(|&u| padded(u)).sum::<f64>() + kept
-                    } else {
-                        (0..=l).map(padded).sum()
-                    };
-                    held + buffer.fold(0.0, f64::max)
+                let reads = &shapes.reads[l];
+                let near = [l.checked_sub(1), Some(l), (l + 1 < layers).then_some(l + 1)];
+                let buffer = near.into_iter().flatten().flat_map(|n| &shapes.reads[n]).map(|&u| padded(u));
+                let held: f64 = if zero3 {
+                    // A unit another layer reads later (a tied embedding) stays gathered.
+                    let kept: f64 = (0..l)
+                        .filter(|u| !reads.contains(u) && shapes.reads[l..].iter().any(|r| r.contains(u)))
+                        .map(padded)
+                        .sum();
+                    reads.iter().map(|&u| padded(u)).sum::<f64>() + kept
+                } else {
+                    (0..=l).map(padded).sum()
+                };
+                held + buffer.fold(0.0, f64::max)
             };
             let gathered = (0..layers).map(gathered_at).fold(0.0, f64::max);
             // In the backward pass, layers in reverse, one at a time: the shards' gradients of
@@ -311,9 +311,7 @@ impl Planner<'_> {
                 let before = if tried.is_empty() { String::new() } else { format!(", while {}", tried.join(", ")) };
                 return Ok((
                     layout,
-                    format!(
-                        "chose {layout}: a rank needs {needs}, training state {s}, within {limit_text}{before}"
-                    ),
+                    format!("chose {layout}: a rank needs {needs}, training state {s}, within {limit_text}{before}"),
                 ));
             }
             tried.push(format!("{layout} would need {needs}"));

@@ -158,7 +158,9 @@ impl Plan {
         });
         strategy::strategy_keys(&c, &sources, resuming.map(|r| r.own_config.as_str()), &mut bad);
         let mut auto = None;
-        if let (WrapStrategy::Auto, Some(planner), true) = (c.wrap.strategy, &planner, data.is_some() && layout.is_some()) {
+        if let (WrapStrategy::Auto, Some(planner), true) =
+            (c.wrap.strategy, &planner, data.is_some() && layout.is_some())
+        {
             match strategy::choose_strategy(&c, planner) {
                 Ok((layout, why)) => {
                     (c.wrap.strategy, c.wrap.fsdp.reshard_after_forward) = match layout {

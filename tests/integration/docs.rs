@@ -23,29 +23,11 @@ use std::path::{Path, PathBuf};
 
 use clap::error::ErrorKind;
 use clap::Parser;
-use common::{runner, text};
+use common::{pages, runner, text};
 use runner::cli::{Cli, Command, PrepareCommand};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// README.md and every page under docs/, in a stable order.
-fn pages() -> Vec<PathBuf> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
-        entries.sort();
-        for p in entries {
-            if p.is_dir() {
-                walk(&p, out);
-            } else if p.extension().is_some_and(|e| e == "md") {
-                out.push(p);
-            }
-        }
-    }
-    let mut out = vec![root().join("README.md")];
-    walk(&root().join("docs"), &mut out);
-    out
 }
 
 /// What a page holds, in order: code blocks, and the paragraphs of prose between them.

@@ -15,6 +15,8 @@
 //! docs/development.md). A block may elide lines with `...` on a line of its own (kept when
 //! regenerated) and characters with `[..]`.
 
+use crate::common::pages;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -23,24 +25,6 @@ use snapbox::Redactions;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// README.md and every page under docs/, in a stable order.
-fn pages() -> Vec<PathBuf> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
-        entries.sort();
-        for p in entries {
-            if p.is_dir() {
-                walk(&p, out);
-            } else if p.extension().is_some_and(|e| e == "md") {
-                out.push(p);
-            }
-        }
-    }
-    let mut out = vec![root().join("README.md")];
-    walk(&root().join("docs"), &mut out);
-    out
 }
 
 /// A fenced block of a page: its info string, its lines, and where they are in the page

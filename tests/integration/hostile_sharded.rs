@@ -10,14 +10,10 @@
 //! died of a signal.
 use crate::common;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Output;
 
-use polars::prelude::ChunkCompareEq;
-
-use common::{assert_ok, children, reference_python, run, runner, text, trace, write, TINY};
-use tch::Tensor;
+use common::{assert_close_runs, assert_ok, children, reference_python, run, runner, text, trace, write, TINY};
 
 /// `o` ended with `code`, saying every one of `want` on stderr, with nothing of a crash.
 fn assert_says(o: &Output, code: i32, want: &[&str], case: &str) {
@@ -199,34 +195,6 @@ fn corpus(dir: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/make_hostile.py");
     let o = std::process::Command::new(reference_python()).arg(script).arg(dir).output().unwrap();
     assert!(o.status.success(), "make_hostile.py failed: {}", String::from_utf8_lossy(&o.stderr));
-}
-
-/// A column of the trace's rank-0 rows.
-fn rank0(dir: &Path, col: &str) -> Vec<f64> {
-    let df = trace(dir);
-    let mask = df.column("rank").unwrap().u32().unwrap().equal(0);
-    df.filter(&mask).unwrap().column(col).unwrap().f64().unwrap().into_no_null_iter().collect()
-}
-
-/// `a` and `b` end within `tol`: the trace's global losses (relative) and every tensor of
-/// model.safetensors (absolute).
-fn assert_close_runs(a: &Path, b: &Path, tol: f64) {
-    for col in ["global_train_loss", "val_loss"] {
-        let (x, y) = (rank0(a, col), rank0(b, col));
-        assert_eq!(x.len(), y.len(), "{col}");
-        for (e, (x, y)) in x.iter().zip(&y).enumerate() {
-            assert!(((x - y) / y).abs() <= tol, "{col}, row {e}: {x} against {y}");
-        }
-    }
-    let model = |d: &Path| -> BTreeMap<String, Tensor> {
-        Tensor::read_safetensors(d.join("model.safetensors")).unwrap().into_iter().collect()
-    };
-    let (x, y) = (model(a), model(b));
-    assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>());
-    for (name, t) in &x {
-        let diff = (t - &y[name]).abs().max().double_value(&[]);
-        assert!(diff <= tol, "model.safetensors `{name}` differs by {diff}");
-    }
 }
 
 /// A module sharing one weight between two layers is one parameter under FSDP (sharded once,

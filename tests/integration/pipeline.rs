@@ -113,10 +113,7 @@ fn a_model_over_the_memory_a_rank_may_use_runs_split_over_4_ranks() {
     );
     assert_ok(&o);
     let (stdout, _) = text(&o);
-    assert!(
-        stdout.contains("layer 3 (256-256): 65792 parameters, 0.502 MiB of training state "),
-        "{stdout}"
-    );
+    assert!(stdout.contains("layer 3 (256-256): 65792 parameters, 0.502 MiB of training state "), "{stdout}");
     let o = run(&[&["validate", "p.toml", "--set", "run.world_size=4"][..], &big].concat(), dir.path());
     assert_eq!(o.status.code(), Some(2), "DDP holds the whole model on every rank");
     assert!(

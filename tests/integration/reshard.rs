@@ -12,8 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use common::{assert_ok, reference_python, run, runner, text, trace, write};
-use polars::prelude::*;
+use common::{assert_close_runs, assert_ok, reference_python, run, runner, text, trace, write};
 use tch::Tensor;
 
 /// An MLP over epochs without dropout (dropout masks are drawn per rank): 3000 rows, a global
@@ -155,34 +154,6 @@ fn assert_loaded_exactly(saved: &BTreeMap<String, Tensor>, dump: &Path, ranks: u
     let expected: std::collections::BTreeSet<String> =
         saved.keys().filter(|n| !n.starts_with("trace.")).cloned().collect();
     assert_eq!(seen, expected, "the ranks together loaded every tensor of the checkpoint");
-}
-
-/// A column of the trace's rank-0 rows.
-fn rank0(dir: &Path, col: &str) -> Vec<f64> {
-    let df = trace(dir);
-    let mask = df.column("rank").unwrap().u32().unwrap().equal(0);
-    df.filter(&mask).unwrap().column(col).unwrap().f64().unwrap().into_no_null_iter().collect()
-}
-
-/// `a` and `b` end within `tol`: the trace's global losses (relative) and every tensor of
-/// model.safetensors (absolute).
-fn assert_close_runs(a: &Path, b: &Path, tol: f64) {
-    for col in ["global_train_loss", "val_loss"] {
-        let (x, y) = (rank0(a, col), rank0(b, col));
-        assert_eq!(x.len(), y.len(), "{col}");
-        for (e, (x, y)) in x.iter().zip(&y).enumerate() {
-            assert!(((x - y) / y).abs() <= tol, "{col}, row {e}: {x} against {y}");
-        }
-    }
-    let model = |d: &Path| -> BTreeMap<String, Tensor> {
-        Tensor::read_safetensors(d.join("model.safetensors")).unwrap().into_iter().collect()
-    };
-    let (x, y) = (model(a), model(b));
-    assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>());
-    for (name, t) in &x {
-        let diff = (t - &y[name]).abs().max().double_value(&[]);
-        assert!(diff <= tol, "model.safetensors `{name}` differs by {diff}");
-    }
 }
 
 /// The training samples of epoch `epoch` over the rows of the ranks that measure them (the

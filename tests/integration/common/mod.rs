@@ -289,3 +289,50 @@ pub fn copy_tree(from: &Path, to: &Path) {
         }
     }
 }
+
+/// A column of the trace's rank-0 rows.
+pub fn rank0(dir: &Path, col: &str) -> Vec<f64> {
+    use polars::prelude::ChunkCompareEq;
+    let df = trace(dir);
+    let mask = df.column("rank").unwrap().u32().unwrap().equal(0);
+    df.filter(&mask).unwrap().column(col).unwrap().f64().unwrap().into_no_null_iter().collect()
+}
+
+/// `a` and `b` end within `tol`: the trace's global losses (relative) and every tensor of
+/// model.safetensors (absolute).
+pub fn assert_close_runs(a: &Path, b: &Path, tol: f64) {
+    for col in ["global_train_loss", "val_loss"] {
+        let (x, y) = (rank0(a, col), rank0(b, col));
+        assert_eq!(x.len(), y.len(), "{col}");
+        for (e, (x, y)) in x.iter().zip(&y).enumerate() {
+            assert!(((x - y) / y).abs() <= tol, "{col}, row {e}: {x} against {y}");
+        }
+    }
+    let model = |d: &Path| -> std::collections::BTreeMap<String, tch::Tensor> {
+        tch::Tensor::read_safetensors(d.join("model.safetensors")).unwrap().into_iter().collect()
+    };
+    let (x, y) = (model(a), model(b));
+    assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>());
+    for (name, t) in &x {
+        let diff = (t - &y[name]).abs().max().double_value(&[]);
+        assert!(diff <= tol, "model.safetensors `{name}` differs by {diff}");
+    }
+}
+
+/// README.md and every page under docs/, in a stable order.
+pub fn pages() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+        entries.sort();
+        for p in entries {
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|e| e == "md") {
+                out.push(p);
+            }
+        }
+    }
+    let mut out = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")];
+    walk(&Path::new(env!("CARGO_MANIFEST_DIR")).join("docs"), &mut out);
+    out
+}
