@@ -25,7 +25,10 @@ compared with a real `runner sweep` of the same random search under ASHA with 2 
 
 Needs Optuna 5 and pyarrow (not the tests' Python):
     .deps/reference/bin/python -m venv /tmp/optuna && /tmp/optuna/bin/pip install optuna==5.0.0 pyarrow
-    /tmp/optuna/bin/python benches/reference/search_optuna.py /tmp/search-bench [SEEDS] [TRIALS]
+    /tmp/optuna/bin/python benches/reference/search_optuna.py /tmp/search-bench [SEEDS] [TRIALS] [SEARCHES]
+
+SEARCHES (comma-separated) runs only those, without the replay; `runner-asha@N` is ASHA with N
+trials, e.g. `runner-asha@26,runner-full` compares ASHA within a third of the full search's compute.
 """
 import json
 import math
@@ -202,24 +205,27 @@ def main():
     out = Path(sys.argv[1])
     seeds = [int(s) for s in (sys.argv[2] if len(sys.argv) > 2 else "0,1,2").split(",")]
     trials = int(sys.argv[3]) if len(sys.argv) > 3 else 20
+    searches = sys.argv[4].split(",") if len(sys.argv) > 4 else ["runner-asha", "optuna-sh", "runner-full", "optuna-full"]
     out.mkdir(parents=True, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     print(f"runner: {RUNNER}; Optuna {optuna.__version__}; {trials} trials; seeds {seeds}", flush=True)
     rows = []
     for seed in seeds:
-        for name in ["runner-asha", "optuna-sh", "runner-full", "optuna-full"]:
+        for name in searches:
             d = out / f"{name}-{seed}"
-            if name.startswith("runner"):
+            # runner-asha@N: ASHA with N trials (the full searches keep TRIALS).
+            base, n = (name.split("@")[0], int(name.split("@")[1])) if "@" in name else (name, trials)
+            if base.startswith("runner"):
                 exp = out / f"{name}-{seed}.toml"
-                experiment(exp, "tpe", trials, seed, asha=name.endswith("asha"))
+                experiment(exp, "tpe", n, seed, asha=base.endswith("asha"))
                 best, steps, wall = run_sweep(exp, d)
             else:
-                best, steps, wall = run_optuna(d, trials, seed, prune=name.endswith("sh"))
+                best, steps, wall = run_optuna(d, n, seed, prune=base.endswith("sh"))
             rows.append((name, seed, best, steps, wall))
             print(f"{name:12s} seed {seed}: best val_loss {best:.4f}, {steps} steps, {wall:.0f} s", flush=True)
     print("\n| search | seeds | best val loss at 9 epochs, mean ± std | optimizer steps, mean | wall time, mean |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for name in ["runner-asha", "optuna-sh", "runner-full", "optuna-full"]:
+    for name in searches:
         mine = [r for r in rows if r[0] == name]
         b = [r[2] for r in mine]
         mean = sum(b) / len(b)
@@ -227,6 +233,8 @@ def main():
         print(f"| {name} | {len(b)} | {mean:.4f} ± {std:.4f} | {sum(r[3] for r in mine) / len(b):.0f} | "
               f"{sum(r[4] for r in mine) / len(b):.0f} s |")
 
+    if len(sys.argv) > 4:
+        return
     # Ordered against asynchronous ASHA, replayed on a random search run to the full budget.
     exp = out / "random-full.toml"
     experiment(exp, "random", trials, seeds[0], asha=False)

@@ -125,7 +125,7 @@ mod tests {
         let (mut points, mut known) = (Vec::new(), Vec::new());
         for t in 0..trials {
             let point = sampler.propose(&space, seed, t, &known, &points);
-            known.push(Observation { score: objective(&point), point: point.clone() });
+            known.push(Observation { score: objective(&point), point: point.clone(), rung: 0 });
             points.push(point);
         }
         known.iter().map(|o| o.score).fold(f64::INFINITY, f64::min)

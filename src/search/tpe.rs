@@ -27,10 +27,12 @@ pub struct Tpe {
     pub startup: usize,
 }
 
-/// A finished trial as the sampler sees it: its point and its score (lower is better).
+/// A finished trial as the sampler sees it: its point, the rung it reached (0 without a
+/// scheduler) and its score there (lower is better).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Observation {
     pub point: Vec<f64>,
+    pub rung: usize,
     pub score: f64,
 }
 
@@ -66,8 +68,12 @@ impl Tpe {
             return None;
         }
         let mut order: Vec<usize> = (0..history.len()).collect();
-        // Ties go to the older trial (a stable sort).
-        order.sort_by(|a, b| history[*a].score.total_cmp(&history[*b].score));
+        // The highest rung first, then the best score there (Optuna ranks its pruned trials by
+        // the step they reached); ties go to the older trial (a stable sort).
+        order.sort_by(|a, b| {
+            let (a, b) = (&history[*a], &history[*b]);
+            b.rung.cmp(&a.rung).then(a.score.total_cmp(&b.score))
+        });
         let n_below = gamma(history.len());
         let (mut below, mut above) = (order[..n_below].to_vec(), order[n_below..].to_vec());
         // Each group in trial order: the weights favour the newest.
@@ -291,7 +297,7 @@ mod tests {
         let history: Vec<Observation> = (0..20)
             .map(|i| {
                 let x = i as f64 / 19.0;
-                Observation { point: vec![x], score: (x - 0.8).abs() }
+                Observation { point: vec![x], rung: 0, score: (x - 0.8).abs() }
             })
             .collect();
         let tpe = Tpe { startup: 10 };

@@ -126,7 +126,7 @@ fn resnet18_under_fsdp_gives_ddps_losses_and_model() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     python(&[d.to_str().unwrap()]);
-    write(d, "p.toml", &RESNET.replace("epochs = 2", "steps = 20"));
+    write(d, "p.toml", &RESNET.replace("epochs = 2", "steps = 8"));
     let steps = ["--set", "validate.every_steps=1", "--set", "checkpoint.every=0"];
     assert_ok(&run(&[&["run", "p.toml", "--out", "ddp"], steps.as_slice()].concat(), d));
     let o =
@@ -139,7 +139,7 @@ fn resnet18_under_fsdp_gives_ddps_losses_and_model() {
     );
     let (a, b) = (trace(&d.join("ddp")), trace(&d.join("fsdp")));
     let (x, y) = (column(&a, "global_train_loss"), column(&b, "global_train_loss"));
-    assert_eq!(x.len(), 2 * 20);
+    assert_eq!(x.len(), 2 * 8);
     for (i, (p, q)) in x.iter().zip(&y).enumerate() {
         assert!((p - q).abs() <= 1e-5 * p.abs(), "row {i}: {q} against DDP's {p}");
     }

@@ -2,8 +2,8 @@
 //! now, recompute every promotion from the results ([`crate::search::asha::decide`]), start the
 //! runs still to do (promotions first) while fewer than `parallel` run, wait for one to end, read
 //! its trial's results from its trace, and again. A decision depends on results only, never on
-//! which run ended first: TPE proposes trial t from the first-rung results of the trials before
-//! t − lag, and a rung promotes in the order trials entered it.
+//! which run ended first: TPE proposes trial t from the trials before t − lag, each at the
+//! highest rung their own promotions take it to, and a rung promotes in the order trials entered it.
 use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
@@ -53,24 +53,41 @@ impl<'a> Study<'a> {
         Study { at, trials: vec![], results: vec![], failures: vec![], busy: vec![], fresh: vec![] }
     }
 
-    /// Whether the next trial may be proposed: it learns from the first-rung results of the
-    /// trials before it less `lag`, so those must be in.
+    /// Whether the next trial may be proposed: it learns from [`Study::history`], so that must be in.
     fn can_propose(&self, search: &Search) -> bool {
-        let (t, s) = (self.trials.len(), &search.spec);
-        t < s.trials && (!s.sampler.learns() || self.results[..t.saturating_sub(s.lag)].iter().all(|r| r[0].is_some()))
+        let s = &search.spec;
+        self.trials.len() < s.trials && (!s.sampler.learns() || self.history(search).is_some())
+    }
+
+    /// What the sampler learns from when it proposes the next trial t: the trials before t − lag,
+    /// each at the highest rung that the promotions among those trials alone take it to, ranked
+    /// by that rung first (as Optuna's TPE ranks a pruned trial by the step it reached, then by
+    /// its value). Those promotions depend on these trials' results only, so the history is the
+    /// same whatever order the runs end in. `None` while one of those runs has no result yet.
+    fn history(&self, search: &Search) -> Option<Vec<Observation>> {
+        let s = &search.spec;
+        let m = self.trials.len().saturating_sub(s.lag);
+        let d = asha::decide(search.scheduler.eta(), &self.results[..m], m, s.minimize);
+        let mut reached = vec![0; m];
+        for (k, entrants) in d.entrants.iter().enumerate() {
+            for &t in entrants {
+                self.results[t][k]?;
+                reached[t] = k;
+            }
+        }
+        let observe = |(i, &rung): (usize, &usize)| match self.results[i][rung] {
+            Some(o @ Outcome::Value(v)) if !v.is_nan() => {
+                Some(Observation { point: self.trials[i].point.clone(), rung, score: asha::score(o, s.minimize) })
+            }
+            _ => None,
+        };
+        Some(reached.iter().enumerate().filter_map(observe).collect())
     }
 
     /// Proposes the next trial and reads what its directory already holds.
     fn propose(&mut self, experiment: &Experiment, search: &Search, sweep_dir: &Path, grid: bool, force: bool) {
         let (t, s) = (self.trials.len(), &search.spec);
-        let known: Vec<Observation> = (0..t.saturating_sub(s.lag))
-            .filter_map(|i| match self.results[i][0] {
-                Some(o @ Outcome::Value(v)) if !v.is_nan() => {
-                    Some(Observation { point: self.trials[i].point.clone(), score: asha::score(o, s.minimize) })
-                }
-                _ => None,
-            })
-            .collect();
+        let known = if s.sampler.learns() { self.history(search).unwrap_or_default() } else { vec![] };
         let earlier: Vec<Vec<f64>> = self.trials.iter().map(|x| x.point.clone()).collect();
         let point = s.sampler.propose(&s.space, s.seed, t, &known, &earlier);
         let dir = super::trial_dir(self.at, grid, s.trials, t);
