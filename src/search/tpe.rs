@@ -67,13 +67,7 @@ impl Tpe {
         if history.len() < self.startup.max(1) {
             return None;
         }
-        let mut order: Vec<usize> = (0..history.len()).collect();
-        // The highest rung first, then the best score there (Optuna ranks its pruned trials by
-        // the step they reached); ties go to the older trial (a stable sort).
-        order.sort_by(|a, b| {
-            let (a, b) = (&history[*a], &history[*b]);
-            b.rung.cmp(&a.rung).then(a.score.total_cmp(&b.score))
-        });
+        let order = ranked(history);
         let n_below = gamma(history.len());
         let (mut below, mut above) = (order[..n_below].to_vec(), order[n_below..].to_vec());
         // Each group in trial order: the weights favour the newest.
@@ -101,6 +95,17 @@ impl Tpe {
             .collect();
         Some(point)
     }
+}
+
+/// The observations best first: the highest rung first, then the best score there (Optuna ranks
+/// its pruned trials by the step they reached); ties go to the older trial (a stable sort).
+fn ranked(history: &[Observation]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..history.len()).collect();
+    order.sort_by(|a, b| {
+        let (a, b) = (&history[*a], &history[*b]);
+        b.rung.cmp(&a.rung).then(a.score.total_cmp(&b.score))
+    });
+    order
 }
 
 /// One key's Parzen estimator: a weighted mixture of kernels, the prior last.
@@ -255,6 +260,13 @@ fn pick(weights: &[f64], u: f64) -> usize {
 mod tests {
     use super::*;
     use crate::search::space::Param;
+
+    #[test]
+    fn a_trial_that_reached_a_higher_rung_ranks_above_better_scores_at_lower_rungs() {
+        let o = |rung, score| Observation { point: vec![0.0], rung, score };
+        let history = [o(0, 0.1), o(1, 0.9), o(2, 0.5), o(1, 0.3), o(0, 0.1)];
+        assert_eq!(ranked(&history), [2, 3, 1, 0, 4]);
+    }
 
     #[test]
     fn optunas_gamma_weights_and_bandwidths() {
