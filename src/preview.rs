@@ -108,9 +108,9 @@ fn table(x: &Tensor, y: &Tensor, row_ids: &[i64], names: &[String], rows: usize)
     let shown = rows.min(x.size()[0] as usize);
     let values = |t: &Tensor| -> Vec<f64> { Vec::try_from(t.contiguous().view([-1])).unwrap_or_default() };
     let y1 = if y.dim() > 1 { y.select(1, 0) } else { y.shallow_clone() };
-    for i in 0..shown {
+    for (i, id) in row_ids.iter().enumerate().take(shown) {
         let row = values(&x.get(i as i64));
-        let mut line = vec![row_ids[i].to_string()];
+        let mut line = vec![id.to_string()];
         line.extend(cols.iter().map(|&j| fmt(row[j])));
         line.push(fmt(y1.get(i as i64).to_kind(Kind::Double).double_value(&[])));
         lines.push(line);

@@ -201,6 +201,12 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
     }
 }
 
+/// A pipeline stage: the layers it holds.
+pub type Stage = std::ops::Range<usize>;
+
+/// Whether a model takes the given pipeline stages.
+pub type Cuts<'a> = Box<dyn Fn(&[Stage]) -> bool + 'a>;
+
 /// The most ranks the searches below try.
 const MAX_SEARCH: usize = 4096;
 
@@ -211,7 +217,7 @@ pub struct Planner<'a> {
     pub slots: f64,
     /// Whether the model takes these pipeline stages (one opaque module, or a tied head away
     /// from its embedding, takes none).
-    pub cuts: Box<dyn Fn(&[std::ops::Range<usize>]) -> bool + 'a>,
+    pub cuts: Cuts<'a>,
     /// Whether FSDP can shard every parameter (none is 0-dimensional).
     pub shards: bool,
     /// The global batch every step must keep (`train.global_batch_size`, or a resumed run's):

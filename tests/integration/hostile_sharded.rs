@@ -296,7 +296,8 @@ fn a_checkpoint_record_that_does_not_hold_is_refused_before_any_rank_starts() {
                    resume from that one, or start a new run";
     let checksum = "checkpoint epoch 2 (r/checkpoints/epoch-0002) cannot be resumed: its record (where the run stood: \
                     the step, the layout, the trace's rows) fails its checksum";
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut serde_json::Value)>, String)> = vec![
+    type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, String)> = vec![
         ("emptied rows", Box::new(|i| i["record"]["rows"] = serde_json::json!([])), checksum.to_owned()),
         (
             "emptied rows, no checksum",
