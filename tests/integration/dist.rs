@@ -378,6 +378,9 @@ fn parity(pg: &ProcessGroup, dir: &std::path::Path) {
 }
 
 fn early_exit(pg: ProcessGroup) {
+    // Every rank's group is whole first: a rank that left while another was still connecting
+    // its mesh would fail that rank's group creation, not the collective under test.
+    pg.barrier().unwrap();
     if pg.rank() == pg.size() - 1 {
         drop(pg);
         std::process::exit(0);
