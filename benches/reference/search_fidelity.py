@@ -6,11 +6,8 @@ trial at 9 epochs ranked earlier. ASHA can only find what its first rungs rank w
 
     RUNNER=target/release/runner /tmp/optuna/bin/python benches/reference/search_fidelity.py OUT [SEEDS]
 """
-import json
 import sys
 from pathlib import Path
-
-import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import search_optuna as so  # noqa: E402
@@ -37,11 +34,7 @@ def main():
         exp, d = out / f"random-{seed}.toml", out / f"random-{seed}"
         so.experiment(exp, "random", 20, seed, asha=False)
         so.run_sweep(exp, d)
-        losses = []
-        for p in json.loads((d / "sweep.json").read_text())["points"]:
-            t = pq.read_table(d / p["dir"] / "trace.parquet").to_pydict()
-            v = {t["epoch"][i]: t["val_loss"][i] for i in range(len(t["epoch"])) if t["rank"][i] == 0}
-            losses.append([v[e] for e in so.RUNGS])
+        losses, _ = so.full_trials(d)
         e1, e3, e9 = ([x[k] for x in losses] for k in range(3))
         best = min(range(len(e9)), key=lambda i: e9[i])
         print(f"seed {seed}: Spearman(1 epoch, 9) = {spearman(e1, e9):.2f}, Spearman(3, 9) = {spearman(e3, e9):.2f}; "

@@ -104,6 +104,18 @@ def run_sweep(exp, out):
     return best, steps, wall
 
 
+def full_trials(sweep_dir):
+    """A sweep run to the full budget: each trial's loss at every rung, and its seconds an epoch."""
+    index = json.loads((sweep_dir / "sweep.json").read_text())
+    values, seconds = [], []
+    for p in index["points"]:
+        t = pq.read_table(sweep_dir / p["dir"] / "trace.parquet").to_pydict()
+        r0 = [i for i in range(len(t["epoch"])) if t["rank"][i] == 0]
+        values.append([next(t["val_loss"][i] for i in r0 if t["epoch"][i] == e) for e in RUNGS])
+        seconds.append(sum(t["epoch_s"][i] for i in r0) / len(r0))
+    return values, seconds
+
+
 def run_optuna(out, trials, seed, prune):
     out.mkdir(parents=True, exist_ok=True)
     spent = {"steps": 0}
@@ -240,12 +252,7 @@ def main():
     experiment(exp, "random", trials, seeds[0], asha=False)
     run_sweep(exp, out / "random-full")
     index = json.loads((out / "random-full" / "sweep.json").read_text())
-    values, seconds = [], []
-    for p in index["points"]:
-        t = pq.read_table(out / "random-full" / p["dir"] / "trace.parquet").to_pydict()
-        r0 = [i for i in range(len(t["epoch"])) if t["rank"][i] == 0]
-        values.append([next(t["val_loss"][i] for i in r0 if t["epoch"][i] == e) for e in RUNGS])
-        seconds.append(sum(t["epoch_s"][i] for i in r0) / len(r0))
+    values, seconds = full_trials(out / "random-full")
     # A run's time beyond its epochs: the process, the plan, the data, the checkpoints (median).
     dirs = [p["dir"] for p in index["points"]]
     jobs = [j.split(",") for j in (out / "random-full" / "search_jobs.csv").read_text().splitlines()[1:]]
