@@ -32,7 +32,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
         exp, d = out / f"random-{seed}.toml", out / f"random-{seed}"
-        so.experiment(exp, "random", 20, seed, asha=False)
+        so.experiment(exp, "random", 20, seed, None)
         so.run_sweep(exp, d)
         losses, _ = so.full_trials(d)
         e1, e3, e9 = ([x[k] for x in losses] for k in range(3))

@@ -7,6 +7,7 @@ width (a choice of three) and the dropout (uniform). Four searches of the same n
 for each seed:
 
 - runner-asha:   `runner sweep` with method = "tpe" and ASHA (rungs at 1, 3 and 9 epochs, η = 3);
+                 (runner-sha, not run by default: the same with synchronous successive halving);
 - optuna-sh:     Optuna's TPESampler with its SuccessiveHalvingPruner (min_resource 1 epoch,
                  reduction_factor 3), driving `runner run` as a subprocess: a trial runs to 1
                  epoch, reports, and unless pruned continues the same run (--resume) to 3, then 9;
@@ -17,18 +18,20 @@ All run one trial at a time, with Optuna's defaults on both sides (10 random sta
 candidates). Reported per search: the best validation loss at 9 epochs, the optimizer steps of all
 trials, and the wall time.
 
-Then the cost of deciding ASHA's promotions at fixed points (a rung in the order trials entered it)
-against fully asynchronous ASHA: a random search run to the full budget gives every trial's loss at
-1, 3 and 9 epochs and its time per epoch; both schedulers are replayed on them with P workers (each
-run costing the process start measured here plus its epochs), and the replay of the ordered one is
-compared with a real `runner sweep` of the same random search under ASHA with 2 at a time.
+Then the cost of deciding promotions at fixed points (ASHA's in the order trials entered a rung;
+successive halving's once a rung is whole) against fully asynchronous ASHA: a random search run
+to the full budget gives every trial's loss at 1, 3 and 9 epochs and its time per epoch; the
+schedulers are replayed on them with P workers (each run costing the process start measured here
+plus its epochs), and the replay of the ordered one is compared with a real `runner sweep` of the
+same random search under ASHA with 2 at a time.
 
 Needs Optuna 5 and pyarrow (not the tests' Python):
     .deps/reference/bin/python -m venv /tmp/optuna && /tmp/optuna/bin/pip install optuna==5.0.0 pyarrow
     /tmp/optuna/bin/python benches/reference/search_optuna.py /tmp/search-bench [SEEDS] [TRIALS] [SEARCHES]
 
 SEARCHES (comma-separated) runs only those, without the replay; `runner-asha@N` is ASHA with N
-trials, e.g. `runner-asha@26,runner-full` compares ASHA within a third of the full search's compute.
+trials, e.g. `runner-asha@26,runner-full` compares ASHA within a third of the full search's compute;
+`runner-sha` (and `runner-sha@N`) is synchronous successive halving.
 """
 import json
 import math
@@ -54,11 +57,12 @@ SPACE = '''"train.lr" = { log_uniform = [0.0003, 0.1] }
 HIDDEN = ["[32]", "[64, 64]", "[128, 128]"]
 
 
-def experiment(path, method, trials, seed, asha, parallel=1):
+def experiment(path, method, trials, seed, scheduler, parallel=1):
+    """`scheduler`: "asha", "sha", or None (every trial to the full budget)."""
     sets = "\n".join(f'"{k}" = {v}' for k, v in FIXED.items())
     sched = (
-        f'scheduler = "asha"\nmin_epochs = {RUNGS[0]}\nmax_epochs = {RUNGS[-1]}\nreduction_factor = 3\n'
-        if asha
+        f'scheduler = "{scheduler}"\nmin_epochs = {RUNGS[0]}\nmax_epochs = {RUNGS[-1]}\nreduction_factor = 3\n'
+        if scheduler
         else ""
     )
     text = f'''pipeline = "{PIPELINE}"
@@ -150,8 +154,9 @@ def run_optuna(out, trials, seed, prune):
     return study.best_value, spent["steps"], time.time() - start
 
 
-def decide(results, eta):
-    """The runner's rule: each rung promotes in the order trials entered it (src/search/asha.rs)."""
+def decide(results, eta, synchronous=False):
+    """The runner's rules (src/search/halving.rs): ASHA's promotes after each prefix of the order
+    trials entered a rung; successive halving's once every trial of the rung has its result."""
     entrants = [list(range(len(results)))]
     for k in range(len(RUNGS) - 1):
         promoted, seen = [], []
@@ -159,14 +164,17 @@ def decide(results, eta):
             if results[t][k] is None:
                 break
             seen.append((results[t][k], place, t))
-            while len(promoted) < len(seen) // eta:
+            whole = len(seen) == len(entrants[k])  # a later rung is entered all at once
+            quota = len(seen) // eta if not synchronous or whole else 0
+            while len(promoted) < quota:
                 promoted.append(min(s for s in seen if s[2] not in promoted)[2])
         entrants.append(promoted)
     return entrants
 
 
-def replay(values, seconds, start_s, workers, ordered, eta=3):
-    """The makespan of ASHA over the trials' known losses, with `workers` at a time: each run of
+def replay(values, seconds, start_s, workers, ordered, eta=3, synchronous=False):
+    """The makespan of ASHA (ordered: the runner's; or asynchronous), or with `synchronous` of
+    successive halving, over the trials' known losses, with `workers` at a time: each run of
     trial t from rung k-1 to rung k lasts start_s + its epochs × seconds[t]."""
     n = len(values)
     known = [[None] * len(RUNGS) for _ in range(n)]
@@ -177,7 +185,7 @@ def replay(values, seconds, start_s, workers, ordered, eta=3):
         while len(running) < workers:
             job = None
             if ordered:
-                entrants = decide(known, eta)
+                entrants = decide(known, eta, synchronous)
                 taken = {(t, k) for _, t, k in running}
                 for k in reversed(range(len(RUNGS))):
                     for t in entrants[k]:
@@ -229,7 +237,7 @@ def main():
             base, n = (name.split("@")[0], int(name.split("@")[1])) if "@" in name else (name, trials)
             if base.startswith("runner"):
                 exp = out / f"{name}-{seed}.toml"
-                experiment(exp, "tpe", n, seed, asha=base.endswith("asha"))
+                experiment(exp, "tpe", n, seed, {"runner-asha": "asha", "runner-sha": "sha"}.get(base))
                 best, steps, wall = run_sweep(exp, d)
             else:
                 best, steps, wall = run_optuna(d, n, seed, prune=base.endswith("sh"))
@@ -249,7 +257,7 @@ def main():
         return
     # Ordered against asynchronous ASHA, replayed on a random search run to the full budget.
     exp = out / "random-full.toml"
-    experiment(exp, "random", trials, seeds[0], asha=False)
+    experiment(exp, "random", trials, seeds[0], None)
     run_sweep(exp, out / "random-full")
     index = json.loads((out / "random-full" / "sweep.json").read_text())
     values, seconds = full_trials(out / "random-full")
@@ -259,17 +267,20 @@ def main():
     extra = sorted(float(j[4]) - RUNGS[-1] * seconds[dirs.index(j[0])] for j in jobs)
     start_s = extra[len(extra) // 2]
     exp = out / "random-asha.toml"
-    experiment(exp, "random", trials, seeds[0], asha=True, parallel=2)
+    experiment(exp, "random", trials, seeds[0], "asha", parallel=2)
     _, _, measured = run_sweep(exp, out / "random-asha")
     print(f"\nASHA replayed on the {trials} trials of a random search (seed {seeds[0]}): each run costs "
           f"{start_s:.2f} s to start plus {sum(seconds) / len(seconds):.3f} s an epoch (mean)")
     print(f"real `runner sweep` under ASHA, 2 at a time: {measured:.1f} s; its replay: "
           f"{replay(values, seconds, start_s, 2, True)[0]:.1f} s")
-    print("\n| workers | ordered ASHA (runner) | asynchronous ASHA | ordered ÷ asynchronous | busy, ordered | busy, async |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| workers | ordered ASHA (runner) | successive halving (runner) | asynchronous ASHA | ordered ÷ async | "
+          "SH ÷ async | busy: ordered, SH, async |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for workers in [1, 2, 4, 8]:
-        (a, ua), (b, ub) = replay(values, seconds, start_s, workers, True), replay(values, seconds, start_s, workers, False)
-        print(f"| {workers} | {a:.1f} s | {b:.1f} s | {a / b:.3f} | {ua:.0%} | {ub:.0%} |")
+        (a, ua) = replay(values, seconds, start_s, workers, True)
+        (c, uc) = replay(values, seconds, start_s, workers, True, synchronous=True)
+        (b, ub) = replay(values, seconds, start_s, workers, False)
+        print(f"| {workers} | {a:.1f} s | {c:.1f} s | {b:.1f} s | {a / b:.3f} | {c / b:.3f} | {ua:.0%}, {uc:.0%}, {ub:.0%} |")
 
 
 if __name__ == "__main__":

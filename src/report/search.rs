@@ -1,6 +1,6 @@
 //! A search's report, rebuilt from its trials' traces: each trial's metric at each rung is read
 //! from its trace ([`trace_of`]), the promotions are decided again from them
-//! ([`crate::search::asha::decide`], as the search decided them), and every trial is listed with
+//! ([`crate::search::halving::decide`], as the search decided them), and every trial is listed with
 //! its values, the budget it reached, its metric there and its status (`table.md`, `table.csv`,
 //! `summary.parquet`), with the plots ([`super::search_plot`]) and the best trial as a pipeline
 //! file to run again (`best.toml`).
@@ -11,7 +11,7 @@ use polars::prelude::*;
 use crate::rundir::atomic_write;
 use crate::rundir::index::{Index, SearchIndex};
 use crate::rundir::manifest::{Manifest, Status as RunStatus};
-use crate::search::asha::{self, Outcome, Status};
+use crate::search::halving::{self, Outcome, Status};
 
 /// Where a search's trials are compared.
 #[derive(Debug, Clone, Copy)]
@@ -139,7 +139,7 @@ pub fn trials(dir: &Path, index: &Index, search: &SearchIndex) -> Vec<Trial> {
     for group in groups(&out) {
         let members: Vec<usize> = (0..out.len()).filter(|i| out[*i].group == group).collect();
         let results: Vec<Vec<Option<Outcome>>> = members.iter().map(|i| out[*i].trace.outcomes.clone()).collect();
-        let decisions = asha::decide(search.reduction_factor.max(1), &results, search.trials, search.minimize);
+        let decisions = halving::decide(search.rule(), &results, search.trials, search.minimize);
         for (t, &i) in members.iter().enumerate() {
             out[i].status = decisions.status(t, &results[t]);
         }
@@ -167,7 +167,7 @@ fn best_of(trials: &[&Trial], minimize: bool) -> Option<usize> {
         |t: &Trial| t.trace.outcomes.iter().rposition(|o| matches!(o, Some(Outcome::Value(v)) if !v.is_nan()));
     let top = trials.iter().filter_map(|t| reached(t)).max()?;
     (0..trials.len()).filter(|i| reached(trials[*i]) == Some(top)).min_by(|a, b| {
-        let score = |i: usize| asha::score(trials[i].trace.outcomes[top].expect("reached"), minimize);
+        let score = |i: usize| halving::score(trials[i].trace.outcomes[top].expect("reached"), minimize);
         score(*a).total_cmp(&score(*b)).then(a.cmp(b))
     })
 }

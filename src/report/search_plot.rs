@@ -1,8 +1,8 @@
 //! A search's plots: `search_progress.png`, the best metric against the optimizer steps spent
 //! (every trial's result at every rung as a dot, the best full-budget result so far as a line),
 //! and `search_parameters.png`, each searched key against the metric its trials reached.
-//! The steps are counted in the order one worker would have run the trials' rungs (ASHA's:
-//! promotions first), so the plot is the same whatever ran the search.
+//! The steps are counted in the order one worker would have run the trials' rungs (the
+//! scheduler's: promotions first), so the plot is the same whatever ran the search.
 use std::path::Path;
 
 use plotters::prelude::*;
@@ -10,7 +10,7 @@ use plotters::prelude::*;
 use super::plot::{atomic_png, color, fonts, span, Area, DrawResult};
 use super::search::{groups, reached, Trial};
 use crate::rundir::index::SearchIndex;
-use crate::search::asha::{self, Outcome};
+use crate::search::halving::{self, Outcome};
 
 /// Writes both plots; returns their names.
 pub fn write_all(dir: &Path, search: &SearchIndex, trials: &[Trial]) -> anyhow::Result<Vec<&'static str>> {
@@ -35,7 +35,7 @@ pub fn compute_order(search: &SearchIndex, trials: &[&Trial]) -> Vec<(usize, usi
     let mut known = vec![vec![None; rungs]; results.len()];
     let (mut order, mut spent) = (Vec::new(), 0u64);
     loop {
-        let d = asha::decide(search.reduction_factor.max(1), &known, search.trials, search.minimize);
+        let d = halving::decide(search.rule(), &known, search.trials, search.minimize);
         let Some((t, k)) = d.pending(&known).into_iter().find(|(t, k)| results[*t][*k].is_some()) else { break };
         known[t][k] = results[t][k];
         let steps = &trials[t].trace.steps;

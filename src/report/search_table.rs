@@ -6,19 +6,22 @@ use polars::prelude::*;
 
 use super::search::{groups, reached, short, status_text, Trial};
 use crate::rundir::index::{Index, SearchIndex};
-use crate::search::asha::{Outcome, Status};
+use crate::search::halving::{Outcome, Status};
 
 /// The page: what was searched and how, then a table per grid point.
 pub fn markdown(index: &Index, search: &SearchIndex, trials: &[Trial]) -> String {
     let method = if search.method == "tpe" { "TPE" } else { "Random" };
     let unit = search.unit.as_deref().unwrap_or("steps");
+    let rungs = search.rungs.iter().map(u64::to_string).collect::<Vec<_>>().join(", ");
+    let eta = search.reduction_factor;
     let how = match search.unit {
+        Some(_) if search.synchronous => format!(
+            "successive halving with rungs at {rungs} {unit} (reduction factor {eta}): each rung, once every trial \
+             has reached it, promotes its best 1/{eta}"
+        ),
         Some(_) => format!(
-            "ASHA with rungs at {} {unit} (reduction factor {}): each rung promotes its best 1/{} in the order \
-             trials entered it",
-            search.rungs.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
-            search.reduction_factor,
-            search.reduction_factor
+            "ASHA with rungs at {rungs} {unit} (reduction factor {eta}): each rung promotes its best 1/{eta} in the \
+             order trials entered it"
         ),
         None => "every trial run to the pipeline's length".to_owned(),
     };

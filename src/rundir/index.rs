@@ -36,8 +36,12 @@ pub struct SearchIndex {
     /// The trace column compared, and whether lower is better.
     pub metric: String,
     pub minimize: bool,
-    /// ASHA's reduction factor; 1 without ASHA.
+    /// Successive halving's reduction factor; 1 without it.
     pub reduction_factor: usize,
+    /// Whether a rung promotes only once it is whole (`scheduler = "sha"`) rather than as ASHA
+    /// does (absent in sweeps written before "sha" existed: ASHA).
+    #[serde(default)]
+    pub synchronous: bool,
     /// What `rungs` count, "steps" or "epochs"; absent without ASHA (each trial runs its
     /// pipeline's length, compared at its end).
     pub unit: Option<String>,
@@ -48,6 +52,13 @@ pub struct SearchIndex {
     pub pipeline: String,
     /// Each trial's overrides at its full budget (`key=value`), in the order of `points`.
     pub overrides: Vec<Vec<String>>,
+}
+
+impl SearchIndex {
+    /// How its rungs promoted.
+    pub fn rule(&self) -> crate::search::halving::Rule {
+        crate::search::halving::Rule { eta: self.reduction_factor.max(1), synchronous: self.synchronous }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,17 +1,18 @@
 //! Searches as pure functions: what to try next ([`Sampler`]: random or TPE) and when a trial
-//! stops ([`Scheduler`]: every trial to the full budget, or ASHA), separate as Optuna's samplers
+//! stops ([`Scheduler`]: every trial to the full budget, or successive halving, synchronous or
+//! asynchronous), separate as Optuna's samplers
 //! and pruners are. Nothing here runs or reads anything: a search's every proposal and decision
 //! is a function of its seed and its trials' results, so that it is the same whatever ran the
 //! trials and in whichever order they finished. `runner sweep` runs searches
 //! ([`crate::sweep::search`]); `runner report` rebuilds their tables from the traces with
-//! [`asha::decide`].
-pub mod asha;
+//! [`halving::decide`].
+pub mod halving;
 pub mod math;
 pub mod space;
 pub mod tpe;
 
 use crate::rng::Rng;
-pub use asha::Outcome;
+pub use halving::Outcome;
 pub use space::{Distribution, Param, Space};
 pub use tpe::{Observation, Tpe};
 
@@ -29,9 +30,9 @@ pub enum Sampler {
 pub enum Scheduler {
     /// Every trial runs the pipeline's whole budget.
     Full,
-    /// Successive halving at the rungs' budgets (the last the full one), the best 1/eta of each
-    /// rung promoted ([`asha`]).
-    Asha { rungs: Vec<u64>, eta: usize },
+    /// Successive halving at the rungs' budgets (the last the full one), the best 1/η of each
+    /// rung promoted by `rule` ([`halving`]).
+    Halving { rungs: Vec<u64>, rule: halving::Rule },
 }
 
 impl Scheduler {
@@ -39,15 +40,15 @@ impl Scheduler {
     pub fn rungs(&self) -> usize {
         match self {
             Scheduler::Full => 1,
-            Scheduler::Asha { rungs, .. } => rungs.len(),
+            Scheduler::Halving { rungs, .. } => rungs.len(),
         }
     }
 
-    /// The reduction factor (1: no trial is stopped early).
-    pub fn eta(&self) -> usize {
+    /// How rungs promote (without rungs: a reduction factor of 1, no trial stopped early).
+    pub fn rule(&self) -> halving::Rule {
         match self {
-            Scheduler::Full => 1,
-            Scheduler::Asha { eta, .. } => *eta,
+            Scheduler::Full => halving::Rule { eta: 1, synchronous: false },
+            Scheduler::Halving { rule, .. } => *rule,
         }
     }
 }

@@ -76,6 +76,31 @@ fn setup(parallel: usize) -> tempfile::TempDir {
     dir
 }
 
+/// Each trial's row of table.csv: its name, its value at each rung (600 and 1800 steps), its status.
+fn rows(sweep: &Path) -> Vec<(String, Option<f64>, Option<f64>, String)> {
+    let csv = read(&sweep.join("table.csv"));
+    let head: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let col = |name: &str| head.iter().position(|h| *h == name).unwrap_or_else(|| panic!("{name} in {head:?}"));
+    let (at600, at1800, status) = (col("val_loss_at_600"), col("val_loss_at_1800"), col("status"));
+    csv.lines()
+        .skip(1)
+        .map(|line| {
+            // The searched values hold no comma here but the hidden sizes' lists, quoted.
+            let mut cells: Vec<String> = Vec::new();
+            let mut quoted = false;
+            for piece in line.split(',') {
+                match cells.last_mut() {
+                    Some(last) if quoted => *last += &format!(",{piece}"),
+                    _ => cells.push(piece.to_owned()),
+                }
+                quoted ^= piece.matches('"').count() % 2 == 1;
+            }
+            let value = |i: usize| cells[i].parse::<f64>().ok();
+            (cells[0].clone(), value(at600), value(at1800), cells[status].clone())
+        })
+        .collect()
+}
+
 /// The search run once, one trial at a time, for the tests that compare with it.
 fn reference() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
@@ -136,11 +161,36 @@ fn the_same_seed_gives_the_same_trials_promotions_and_table_with_one_or_three_at
     let started = out.lines().position(|l| l.contains("trial-002 → rung 0 (600 steps): starts")).unwrap();
     let first_done = out.lines().position(|l| l.contains("(600 steps): val_loss")).unwrap();
     assert!(started < first_done, "{out}");
+}
 
-    let o = run(&["sweep", "e.toml", "--out", "s", "--check"], dir.path());
+/// `scheduler = "sha"`: nothing is promoted until the whole first rung is in, then the best
+/// third of all six trials (ASHA compares each with the trials that entered before it), three at
+/// a time. (`--check` of a search: `the_committed_search_reproduces`.)
+#[test]
+fn successive_halving_promotes_the_best_of_the_whole_rung_once_it_is_in() {
+    let dir = setup(3);
+    let file = experiment(3).replace("scheduler = \"asha\"", "scheduler = \"sha\"");
+    write(dir.path(), "e.toml", &file);
+    let o = run(&["sweep", "e.toml", "--out", "s"], dir.path());
     assert_ok(&o);
     let (out, _) = text(&o);
-    assert!(out.contains("6 trials reproduce s: every non-timing value of every trace is identical."), "{out}");
+    assert!(out.contains("successive halving at 600, 1800 steps (reduction factor 3), 3 at a time"), "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    let last_rung0 = lines.iter().rposition(|l| l.contains("(600 steps): val_loss")).unwrap();
+    let first_rung1 = lines.iter().position(|l| l.contains("→ rung 1 (1800 steps): continues")).unwrap();
+    assert!(last_rung0 < first_rung1, "a promotion before the rung was whole:\n{out}");
+    let sweep = dir.path().join("s");
+    let rows = rows(&sweep);
+    let mut by_loss: Vec<&(String, Option<f64>, Option<f64>, String)> = rows.iter().collect();
+    by_loss.sort_by(|a, b| a.1.unwrap().total_cmp(&b.1.unwrap()));
+    for (i, (name, _, at1800, status)) in by_loss.iter().enumerate() {
+        assert_eq!(at1800.is_some(), i < 2, "{name} ({status}): the best two of six go on\n{rows:?}");
+        assert_eq!(status.contains("stopped at rung 0"), i >= 2, "{name}: {status}");
+    }
+    let table = read(&sweep.join("table.md"));
+    assert!(table.contains("successive halving with rungs at 600, 1800 steps"), "{table}");
+    let config = read(&sweep.join(&by_loss[0].0).join("config.toml"));
+    assert!(config.contains("decay_end = 1799  # search [sha]"), "{config}");
 }
 
 /// The first trial that reached the full budget was run to 600 steps, then resumed to 1800 from
@@ -276,7 +326,7 @@ fn report_rebuilds_the_search_from_its_traces() {
 #[test]
 fn bad_searches_are_refused_naming_the_key_and_the_line() {
     let lr = "\"train.lr\" = { log_uniform = [0.001, 0.1] }";
-    let cases: [(&str, &str, &str); 6] = [
+    let cases: [(&str, &str, &str); 7] = [
         (
             "trials = 5\nmetric = \"val_loss\"",
             "\"train.lr\" = { uniform = [0.1, 0.01] }",
@@ -297,6 +347,11 @@ fn bad_searches_are_refused_naming_the_key_and_the_line() {
             lr,
             "e.toml:6: scheduler = \"asha\" needs a budget: min_steps (optimizer steps) or min_epochs, the first \
              rung's, and max_steps or max_epochs, the full one (default: the pipeline's train.steps or train.epochs)",
+        ),
+        (
+            "trials = 5\nmetric = \"val_loss\"\nscheduler = \"sha\"\nmax_steps = 90",
+            lr,
+            "e.toml:6: scheduler = \"sha\" needs a budget: min_steps (optimizer steps) or min_epochs",
         ),
         (
             "trials = 5\nmetric = \"val_loss\"\nscheduler = \"asha\"\nmin_steps = 10\nreduction_factor = 1",

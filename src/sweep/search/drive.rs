@@ -1,5 +1,5 @@
 //! The search's loop, at every grid point at once: propose the trials the sampler may propose
-//! now, recompute every promotion from the results ([`crate::search::asha::decide`]), start the
+//! now, recompute every promotion from the results ([`crate::search::halving::decide`]), start the
 //! runs still to do (promotions first) while fewer than `parallel` run, wait for one to end, read
 //! its trial's results from its trace, and again. A decision depends on results only, never on
 //! which run ended first: TPE proposes trial t from the trials before t − lag, each at the
@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime};
 use super::pool::{Job, Pool};
 use super::trial::Trial;
 use super::Search;
-use crate::search::asha::{self, Outcome};
+use crate::search::halving::{self, Outcome};
 use crate::search::Observation;
 use crate::sweep::grid::Point;
 use crate::sweep::{execute, Experiment, Runs};
@@ -64,10 +64,14 @@ impl<'a> Study<'a> {
     /// by that rung first (as Optuna's TPE ranks a pruned trial by the step it reached, then by
     /// its value). Those promotions depend on these trials' results only, so the history is the
     /// same whatever order the runs end in. `None` while one of those runs has no result yet.
+    /// ASHA's promotions among a prefix of the trials are the search's own; successive halving
+    /// promotes only once every trial is in, so before that its history is the first rung's.
     fn history(&self, search: &Search) -> Option<Vec<Observation>> {
         let s = &search.spec;
         let m = self.trials.len().saturating_sub(s.lag);
-        let d = asha::decide(search.scheduler.eta(), &self.results[..m], m, s.minimize);
+        let rule = search.scheduler.rule();
+        let planned = if rule.synchronous { s.trials } else { m };
+        let d = halving::decide(rule, &self.results[..m], planned, s.minimize);
         let mut reached = vec![0; m];
         for (k, entrants) in d.entrants.iter().enumerate() {
             for &t in entrants {
@@ -77,7 +81,7 @@ impl<'a> Study<'a> {
         }
         let observe = |(i, &rung): (usize, &usize)| match self.results[i][rung] {
             Some(o @ Outcome::Value(v)) if !v.is_nan() => {
-                Some(Observation { point: self.trials[i].point.clone(), rung, score: asha::score(o, s.minimize) })
+                Some(Observation { point: self.trials[i].point.clone(), rung, score: halving::score(o, s.minimize) })
             }
             _ => None,
         };
@@ -106,12 +110,12 @@ impl<'a> Study<'a> {
 
     /// The runs still to do and not running: (trial, rung), promotions first.
     fn pending(&self, search: &Search) -> Vec<(usize, usize)> {
-        let d = asha::decide(search.scheduler.eta(), &self.results, search.spec.trials, search.spec.minimize);
+        let d = halving::decide(search.scheduler.rule(), &self.results, search.spec.trials, search.spec.minimize);
         d.pending(&self.results).into_iter().filter(|(t, _)| !self.busy[*t]).collect()
     }
 
     fn finished(&self, search: &Search) -> bool {
-        asha::decide(search.scheduler.eta(), &self.results, search.spec.trials, search.spec.minimize).finished()
+        halving::decide(search.scheduler.rule(), &self.results, search.spec.trials, search.spec.minimize).finished()
     }
 
     fn fail(&mut self, t: usize, rung: usize, why: String) {

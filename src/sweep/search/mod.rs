@@ -27,28 +27,37 @@ use crate::config::schema::{Config, ScheduleKind};
 use crate::config::ConfigError;
 use crate::report::search::At;
 use crate::rundir::index::{Index, IndexPoint, SearchIndex};
+use crate::search::halving::Rule;
 use crate::search::{Param, Scheduler};
 
 /// The source config.toml names for a trial's searched values.
 pub const SEARCH_LABEL: &str = "search [search.space]";
-/// The source of the keys ASHA sets on a trial (its budget, validation and checkpoints at rungs).
-pub const ASHA_LABEL: &str = "search [asha]";
 
 /// A search ready to run at the grid's points.
 #[derive(Debug, Clone)]
 pub struct Search {
     pub spec: Spec,
     pub scheduler: Scheduler,
-    /// What the rungs count (ASHA only).
+    /// What the rungs count (successive halving only).
     pub unit: Option<Unit>,
 }
 
 impl Search {
-    /// The rungs' budgets (none without ASHA).
+    /// The rungs' budgets (none without successive halving).
     pub fn rungs(&self) -> &[u64] {
         match &self.scheduler {
             Scheduler::Full => &[],
-            Scheduler::Asha { rungs, .. } => rungs,
+            Scheduler::Halving { rungs, .. } => rungs,
+        }
+    }
+
+    /// The source config.toml names for the keys the scheduler sets on a trial (its budget,
+    /// validation and checkpoints at rungs).
+    pub fn rung_label(&self) -> &'static str {
+        if self.scheduler.rule().synchronous {
+            "search [sha]"
+        } else {
+            "search [asha]"
         }
     }
 
@@ -61,7 +70,7 @@ impl Search {
         }
     }
 
-    /// The keys ASHA sets on every trial of a point whose configuration is `c`: a trace row (with
+    /// The keys the scheduler sets on every trial of a point whose configuration is `c`: a trace row (with
     /// validation) and a checkpoint at every rung, unless the pipeline has its own.
     fn rung_keys(&self, c: &Config) -> Vec<(String, toml::Value)> {
         let (Some(unit), Some(&min)) = (self.unit, self.rungs().first()) else { return vec![] };
@@ -83,7 +92,7 @@ impl Search {
         out
     }
 
-    /// Whether a trial's learning-rate schedule depends on its run's length, so that ASHA pins
+    /// Whether a trial's learning-rate schedule depends on its run's length, so that the scheduler pins
     /// it to the full budget's (`train.schedule.decay_end`).
     fn pins_schedule(c: &Config) -> bool {
         let s = &c.train.schedule;
@@ -107,7 +116,7 @@ pub fn check_values(pipeline: &Path, param: &Param) -> Result<(), String> {
     Ok(())
 }
 
-/// The search of `experiment` at its grid's `points`: ASHA's rungs from its budget and the
+/// The search of `experiment` at its grid's `points`: the rungs from its budget and the
 /// pipeline's length, each point's configuration checked against what a search needs of it.
 pub fn prepare(experiment: &Experiment, spec: &Spec, points: &[Point]) -> Result<Search, ConfigError> {
     let fail = |m: String| Err(ConfigError::new(format!("{}: [search] {m}", experiment.file.display())));
@@ -117,7 +126,7 @@ pub fn prepare(experiment: &Experiment, spec: &Spec, points: &[Point]) -> Result
         }
         return Ok(Search { spec: spec.clone(), scheduler: Scheduler::Full, unit: None });
     };
-    let unit = budget.unit;
+    let (unit, name) = (budget.unit, budget.scheduler());
     let length = |p: &Point| match unit {
         Unit::Steps => p.plan.config.train.steps.map(|s| s as u64),
         Unit::Epochs => p.plan.config.train.steps.is_none().then_some(p.plan.config.train.epochs as u64),
@@ -149,19 +158,19 @@ pub fn prepare(experiment: &Experiment, spec: &Spec, points: &[Point]) -> Result
         let from = |key: &str| p.plan.sources.get(key).map_or("default".to_owned(), |s| s.clone());
         let why = if c.train.early_stop.is_some() {
             Some(format!(
-                "train.early_stop ({}) stops trials by its own rule; ASHA decides when they stop: remove one",
+                "train.early_stop ({}) stops trials by its own rule; {name} decides when they stop: remove one",
                 from("train.early_stop")
             ))
         } else if unit == Unit::Steps && c.train.steps.is_none() && from("train.epochs") != "default" {
             Some(format!(
-                "ASHA's budget counts steps (min_steps), but the pipeline gives its length as train.epochs = {} ({}): \
+                "{name}'s budget counts steps (min_steps), but the pipeline gives its length as train.epochs = {} ({}): \
                  give it as train.steps, or give the budget in epochs (min_epochs)",
                 c.train.epochs,
                 from("train.epochs")
             ))
         } else if unit == Unit::Epochs && c.train.steps.is_some() {
             Some(format!(
-                "ASHA's budget counts epochs (min_epochs), but the pipeline counts train.steps ({}): give the budget \
+                "{name}'s budget counts epochs (min_epochs), but the pipeline counts train.steps ({}): give the budget \
                  in steps (min_steps)",
                 from("train.steps")
             ))
@@ -173,8 +182,9 @@ pub fn prepare(experiment: &Experiment, spec: &Spec, points: &[Point]) -> Result
             return fail(format!("{at}{why}"));
         }
     }
-    let rungs = crate::search::asha::rungs(budget.min, max, budget.eta);
-    Ok(Search { spec: spec.clone(), scheduler: Scheduler::Asha { rungs, eta: budget.eta as usize }, unit: Some(unit) })
+    let rungs = crate::search::halving::rungs(budget.min, max, budget.eta);
+    let rule = Rule { eta: budget.eta as usize, synchronous: budget.synchronous };
+    Ok(Search { spec: spec.clone(), scheduler: Scheduler::Halving { rungs, rule }, unit: Some(unit) })
 }
 
 /// Why the trace rows (with the metric) would not fall on every rung: they must, for a trial's
@@ -192,7 +202,7 @@ fn cadence(c: &Config, unit: Unit, min: u64, metric: &str, from: &dyn Fn(&str) -
         Unit::Steps => c.validate.every_steps.filter(|n| !min.is_multiple_of(*n as u64)).map(|n| {
             format!(
                 "validate.every_steps = {n} ({}) does not divide min_steps = {min}: every rung must end on a trace row; \
-                 leave it out (ASHA then writes one at every {min} steps) or make it divide {min}",
+                 leave it out (the search then writes one at every {min} steps) or make it divide {min}",
                 from("validate.every_steps")
             )
         }),
@@ -262,7 +272,8 @@ pub fn index(
             trials: spec.trials,
             metric: spec.metric.clone(),
             minimize: spec.minimize,
-            reduction_factor: search.scheduler.eta(),
+            reduction_factor: search.scheduler.rule().eta,
+            synchronous: search.scheduler.rule().synchronous,
             unit: search.unit.map(|u| u.name().to_owned()),
             rungs: search.rungs().to_vec(),
             space: spec.space.0.iter().map(|p| (p.key.clone(), p.dist.describe())).collect(),
@@ -319,10 +330,12 @@ pub fn describe(search: &Search) -> String {
         crate::search::Sampler::Tpe(t) => format!("TPE (random for its first {}; lag {})", t.startup, s.lag),
     };
     let scheduler = match (&search.scheduler, search.unit) {
-        (Scheduler::Asha { rungs, eta }, Some(unit)) => format!(
-            "ASHA at {} {} (reduction factor {eta})",
+        (Scheduler::Halving { rungs, rule }, Some(unit)) => format!(
+            "{} at {} {} (reduction factor {})",
+            if rule.synchronous { "successive halving" } else { "ASHA" },
             rungs.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
-            unit.name()
+            unit.name(),
+            rule.eta
         ),
         _ => "each to its full length".to_owned(),
     };

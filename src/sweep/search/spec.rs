@@ -11,7 +11,7 @@
 //! direction = "minimize"      # default: the metric's own (losses minimise, accuracies maximise)
 //! seed = 0
 //! parallel = 3                # trials at a time
-//! scheduler = "asha"          # default "none": every trial to the pipeline's length
+//! scheduler = "asha"          # or "sha"; default "none": every trial to the pipeline's length
 //! min_steps = 30              # or min_epochs
 //! max_steps = 270             # default: the pipeline's train.steps
 //! reduction_factor = 3
@@ -76,10 +76,24 @@ pub enum Direction {
 pub enum SchedulerKind {
     #[default]
     None,
+    /// Asynchronous successive halving: a rung promotes after each prefix of its entrants.
     Asha,
+    /// Synchronous successive halving: a rung promotes once it is whole.
+    Sha,
 }
 
-/// What ASHA's budgets count.
+impl SchedulerKind {
+    /// As the file writes it.
+    pub fn key(self) -> &'static str {
+        match self {
+            SchedulerKind::None => "none",
+            SchedulerKind::Asha => "asha",
+            SchedulerKind::Sha => "sha",
+        }
+    }
+}
+
+/// What successive halving's budgets count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unit {
     Steps,
@@ -113,14 +127,26 @@ impl Unit {
     }
 }
 
-/// ASHA's budget as the file gives it: the unit, the first rung, the full budget (absent: the
-/// pipeline's), the reduction factor.
+/// Successive halving's budget as the file gives it: the unit, the first rung, the full budget
+/// (absent: the pipeline's), the reduction factor, and whether a rung waits until it is whole.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Budget {
     pub unit: Unit,
     pub min: u64,
     pub max: Option<u64>,
     pub eta: u64,
+    pub synchronous: bool,
+}
+
+impl Budget {
+    /// The scheduler's name in messages.
+    pub fn scheduler(&self) -> &'static str {
+        if self.synchronous {
+            "successive halving"
+        } else {
+            "ASHA"
+        }
+    }
 }
 
 /// The `[search]` table checked on its own.
@@ -128,7 +154,7 @@ pub struct Budget {
 pub struct Spec {
     pub space: Space,
     pub sampler: Sampler,
-    /// ASHA's budget; `None`: every trial runs the pipeline's length.
+    /// Successive halving's budget; `None`: every trial runs the pipeline's length.
     pub budget: Option<Budget>,
     pub trials: usize,
     pub metric: String,
@@ -290,7 +316,7 @@ fn distributions(prefix: &str, table: &toml::Table, out: &mut Vec<(String, toml:
     }
 }
 
-/// ASHA's keys, or their absence without ASHA.
+/// Successive halving's keys, or their absence without it.
 fn budget(raw: &SearchTable, bad: &mut impl FnMut(&str, String)) -> Option<Budget> {
     let given = [
         ("min_steps", raw.min_steps),
@@ -304,7 +330,9 @@ fn budget(raw: &SearchTable, bad: &mut impl FnMut(&str, String)) -> Option<Budge
             if v.is_some() {
                 bad(
                     key,
-                    format!("{key} is for scheduler = \"asha\" (without it every trial runs the pipeline's length)"),
+                    format!(
+                        "{key} is for scheduler = \"asha\" or \"sha\" (without one every trial runs the pipeline's length)"
+                    ),
                 );
             }
         }
@@ -321,7 +349,7 @@ fn budget(raw: &SearchTable, bad: &mut impl FnMut(&str, String)) -> Option<Budge
     }
     let (unit, min, max) = match (raw.min_steps, raw.min_epochs) {
         (Some(_), Some(_)) => {
-            bad("min_epochs", "give ASHA's budget in steps (min_steps) or in epochs (min_epochs), not both".into());
+            bad("min_epochs", "give the budget in steps (min_steps) or in epochs (min_epochs), not both".into());
             return None;
         }
         (Some(min), None) => (Unit::Steps, min, raw.max_steps),
@@ -329,9 +357,11 @@ fn budget(raw: &SearchTable, bad: &mut impl FnMut(&str, String)) -> Option<Budge
         (None, None) => {
             bad(
                 "scheduler",
-                "scheduler = \"asha\" needs a budget: min_steps (optimizer steps) or min_epochs, the first rung's, and \
-                 max_steps or max_epochs, the full one (default: the pipeline's train.steps or train.epochs)"
-                    .into(),
+                format!(
+                    "scheduler = \"{}\" needs a budget: min_steps (optimizer steps) or min_epochs, the first rung's, \
+                     and max_steps or max_epochs, the full one (default: the pipeline's train.steps or train.epochs)",
+                    raw.scheduler.key()
+                ),
             );
             return None;
         }
@@ -353,7 +383,8 @@ fn budget(raw: &SearchTable, bad: &mut impl FnMut(&str, String)) -> Option<Budge
             format!("max_{0} = {max} must be above min_{0} = {min}, or there is nothing to stop early", unit.name()),
         );
     }
-    (eta >= 2 && min > 0).then_some(Budget { unit, min, max, eta })
+    let synchronous = raw.scheduler == SchedulerKind::Sha;
+    (eta >= 2 && min > 0).then_some(Budget { unit, min, max, eta, synchronous })
 }
 
 #[cfg(test)]
@@ -377,7 +408,7 @@ mod tests {
             "trials = 8\nmetric = \"val_loss\"\nscheduler = \"asha\"\nmin_steps = 10\n[space.train]\nlr = { uniform = [0.01, 0.1] }\n",
         )
         .unwrap();
-        assert_eq!(s.budget, Some(Budget { unit: Unit::Steps, min: 10, max: None, eta: 3 }));
+        assert_eq!(s.budget, Some(Budget { unit: Unit::Steps, min: 10, max: None, eta: 3, synchronous: false }));
         assert_eq!(s.space.0[0].key, "train.lr");
     }
 
@@ -392,6 +423,14 @@ mod tests {
         assert!(e[0].1.contains("is measured time or memory"), "{}", e[0].1);
         let e = check(&format!("trials = 8\nmetric = \"lr\"\nmin_steps = 3\n{SPACE}")).unwrap_err();
         assert_eq!(e[0].1, "metric = \"lr\": say whether to minimize or maximize it (direction = \"minimize\")");
-        assert_eq!(e[1].1, "min_steps is for scheduler = \"asha\" (without it every trial runs the pipeline's length)");
+        assert_eq!(
+            e[1].1,
+            "min_steps is for scheduler = \"asha\" or \"sha\" (without one every trial runs the pipeline's length)"
+        );
+        let e = check(&format!("trials = 8\nmetric = \"val_loss\"\nscheduler = \"sha\"\n{SPACE}")).unwrap_err();
+        assert!(e[0].1.starts_with("scheduler = \"sha\" needs a budget: min_steps"), "{}", e[0].1);
+        let s =
+            check(&format!("trials = 8\nmetric = \"val_loss\"\nscheduler = \"sha\"\nmin_epochs = 1\n{SPACE}")).unwrap();
+        assert_eq!(s.budget, Some(Budget { unit: Unit::Epochs, min: 1, max: None, eta: 3, synchronous: true }));
     }
 }

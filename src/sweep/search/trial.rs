@@ -1,5 +1,5 @@
 //! One trial: its values, the configuration of its run to each rung ([set], the grid point's
-//! values, the searched values, ASHA's keys, then the rung's budget), and what its run directory
+//! values, the searched values, the scheduler's keys, then the rung's budget), and what its run directory
 //! holds. A trial's identity is the run id of its run to the first rung: a promotion resumes that
 //! run (`runner run --resume` with the next rung's `train.steps`), which keeps its id.
 //!
@@ -10,7 +10,7 @@
 //! the first 30 steps of one over 90).
 use std::path::Path;
 
-use super::{Search, ASHA_LABEL, SEARCH_LABEL};
+use super::{Search, SEARCH_LABEL};
 use crate::config::Override;
 use crate::plan::Plan;
 use crate::report::search::{trace_of, TrialTrace};
@@ -28,7 +28,7 @@ pub struct Trial {
     /// The sampler's floats, and the searched keys' values they stand for.
     pub point: Vec<f64>,
     pub values: Vec<(String, toml::Value)>,
-    /// What its runs are given before the budget (the point's axis values, its values, ASHA's keys).
+    /// What its runs are given before the budget (the point's axis values, its values, the scheduler's keys).
     given: Vec<Override>,
     /// The grid point's values.
     axes: Vec<(String, toml::Value)>,
@@ -50,7 +50,7 @@ impl Trial {
         let values = search.spec.space.values(&point);
         let mut given: Vec<Override> = at.values.iter().map(|(k, v)| labelled(AXIS_LABEL, k, v)).collect();
         given.extend(values.iter().map(|(k, v)| labelled(SEARCH_LABEL, k, v)));
-        given.extend(search.rung_keys(&at.plan.config).iter().map(|(k, v)| labelled(ASHA_LABEL, k, v)));
+        given.extend(search.rung_keys(&at.plan.config).iter().map(|(k, v)| labelled(search.rung_label(), k, v)));
         let mut trial = Trial {
             index,
             dir,
@@ -70,7 +70,7 @@ impl Trial {
                         Unit::Epochs => max * first.optimizer_steps_per_epoch() as u64,
                     };
                     let end = toml::Value::Integer(total as i64 - 1);
-                    trial.given.push(labelled(ASHA_LABEL, "train.schedule.decay_end", &end));
+                    trial.given.push(labelled(search.rung_label(), "train.schedule.decay_end", &end));
                 }
             }
         }
@@ -87,7 +87,7 @@ impl Trial {
 
     fn budget(&self, search: &Search, rung: usize) -> Option<Override> {
         let unit = search.unit?;
-        Some(labelled(ASHA_LABEL, unit.key(), &toml::Value::Integer(search.rungs()[rung] as i64)))
+        Some(labelled(search.rung_label(), unit.key(), &toml::Value::Integer(search.rungs()[rung] as i64)))
     }
 
     fn plan(&self, experiment: &Experiment, search: &Search, rung: usize) -> Result<Plan, String> {
