@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::index::Record;
-use super::writer::{self, Begun, Written};
+use super::writer::{self, Begun, Staged, Written};
 use super::Piece;
 use crate::dist::{ProcessGroup, Store};
 use crate::plan::Plan;
@@ -49,8 +49,8 @@ pub fn save(
 ) -> anyhow::Result<InFlight> {
     let begun = writer::begin(run_dir, plan, pg, &pieces, &record, keep)?;
     // The training goes on with the tensors the pieces may share (a CPU parameter is its own
-    // piece): the thread writes a copy taken now.
-    let pieces: Vec<Piece> = pieces.into_iter().map(|p| Piece { tensor: p.tensor.copy(), ..p }).collect();
+    // piece): the thread writes a copy of their bytes taken now, the file's bytes as they are.
+    let pieces: Vec<Staged> = pieces.into_iter().map(Staged::copied).collect();
     let job = Job {
         run_dir: run_dir.to_path_buf(),
         plan: plan.clone(),
@@ -81,9 +81,8 @@ struct Job {
 const POLL: Duration = Duration::from_millis(5);
 
 impl Job {
-    fn run(self, begun: Begun, pieces: Vec<Piece>, record: Record) -> anyhow::Result<()> {
-        let written = writer::write_mine(&begun, self.rank, &pieces);
-        drop(pieces);
+    fn run(self, begun: Begun, pieces: Vec<Staged>, record: Record) -> anyhow::Result<()> {
+        let written = writer::write_mine(&begun, self.rank, pieces);
         self.store.set(&key(&begun, self.rank), serde_json::to_string(&written)?.as_bytes())?;
         if self.rank != 0 {
             return written.map(drop).map_err(anyhow::Error::msg);

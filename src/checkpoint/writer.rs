@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use tch::Tensor;
 
-use super::index::{Index, PieceEntry, Record, Role, TensorEntry, FORMAT};
+use super::index::{rows_of, Index, PieceEntry, Record, Role, TensorEntry, FORMAT};
 use super::{describe, dir, list, prune, stem, Piece, INDEX};
 use crate::dist::ProcessGroup;
 use crate::plan::Plan;
@@ -19,6 +19,46 @@ use crate::tensorfile::{self, Entry, TensorFile};
 
 /// One rank's pieces as written: (tensor name, its whole shape, its piece).
 pub(super) type Written = Vec<(String, Vec<i64>, PieceEntry)>;
+
+/// A piece as its rank's file takes it: its place in its tensor, and its bytes.
+pub(super) struct Staged {
+    name: String,
+    /// The whole tensor's shape, the piece's first row in it, the piece's own shape and type.
+    shape: Vec<i64>,
+    offset: i64,
+    size: Vec<i64>,
+    kind: tch::Kind,
+    data: Data,
+}
+
+enum Data {
+    /// Read from the tensor when the file is written (a checkpoint written at the step).
+    Read(Tensor),
+    /// Copied out at the step (one written in the background while its tensors train on): the
+    /// file is written from this copy, with no second one.
+    Copied(Vec<u8>),
+}
+
+impl Staged {
+    /// `piece`, read when written.
+    pub(super) fn read(piece: Piece) -> Staged {
+        let (size, kind) = (piece.tensor.size(), piece.tensor.kind());
+        Staged {
+            name: piece.name,
+            shape: piece.shape,
+            offset: piece.offset,
+            size,
+            kind,
+            data: Data::Read(piece.tensor),
+        }
+    }
+
+    /// `piece`, its bytes copied now.
+    pub(super) fn copied(piece: Piece) -> Staged {
+        let bytes = tensorfile::bytes_of(&piece.tensor);
+        Staged { data: Data::Copied(bytes), ..Staged::read(piece) }
+    }
+}
 
 /// Writes the checkpoint of `record.step` from every rank's `pieces` (every rank calls it, at the
 /// same point) and prunes all but the newest `keep`. With `keep` ≥ 2 the oldest are pruned to
@@ -34,8 +74,7 @@ pub fn save(
 ) -> anyhow::Result<()> {
     let begun = begin(run_dir, plan, pg, &pieces, &record, keep)?;
     let result = (|| {
-        let written = write_mine(&begun, pg.rank(), &pieces);
-        drop(pieces);
+        let written = write_mine(&begun, pg.rank(), pieces.into_iter().map(Staged::read).collect());
         // Every rank learns whether every rank wrote its file: all fail together, naming the first.
         let results: Vec<Result<Written, String>> = all_gather_json(pg, &written)?;
         if pg.rank() == 0 {
@@ -104,7 +143,7 @@ pub(super) fn begin(
 }
 
 /// Writes this rank's file of the checkpoint `begun` (none when it holds no piece).
-pub(super) fn write_mine(begun: &Begun, rank: usize, pieces: &[Piece]) -> Result<Written, String> {
+pub(super) fn write_mine(begun: &Begun, rank: usize, pieces: Vec<Staged>) -> Result<Written, String> {
     let file = format!("rank-{rank}.safetensors");
     let written = if pieces.is_empty() {
         Ok(Vec::new())
@@ -179,41 +218,48 @@ fn free_bytes(dir: &Path) -> Option<u64> {
 
 /// Writes `pieces` to `path` (one entry per tensor, under the tensor's name), synced; returns
 /// where each lies and its checksum.
-fn write_pieces(path: &Path, file: &str, pieces: &[Piece]) -> anyhow::Result<Written> {
+fn write_pieces(path: &Path, file: &str, pieces: Vec<Staged>) -> anyhow::Result<Written> {
+    let mut seen = std::collections::HashSet::new();
+    if let Some(p) = pieces.iter().find(|p| !seen.insert(&p.name)) {
+        anyhow::bail!("two pieces of `{}` on one rank", p.name);
+    }
     let sums: RefCell<BTreeMap<String, String>> = RefCell::default();
+    let mut placed = Vec::with_capacity(pieces.len());
     let mut entries = Vec::with_capacity(pieces.len());
     for p in pieces {
-        let (name, t, sums) = (&p.name, &p.tensor, &sums);
+        placed.push((p.name.clone(), p.shape, p.offset, rows_of(&p.size)));
+        let (name, sums) = (p.name.clone(), &sums);
+        let mut data = Some(p.data);
         entries.push(Entry {
-            name: name.clone(),
-            kind: t.kind(),
-            shape: t.size(),
+            name: p.name,
+            kind: p.kind,
+            shape: p.size,
             bytes: Box::new(move || {
-                let bytes = tensorfile::bytes_of(t);
+                let bytes = match data.take() {
+                    Some(Data::Read(t)) => tensorfile::bytes_of(&t),
+                    Some(Data::Copied(bytes)) => bytes,
+                    None => anyhow::bail!("`{name}`'s bytes asked twice"),
+                };
                 sums.borrow_mut().insert(name.clone(), format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)));
                 Ok(bytes)
             }),
         });
     }
-    let mut seen = std::collections::HashSet::new();
-    if let Some(p) = pieces.iter().find(|p| !seen.insert(&p.name)) {
-        anyhow::bail!("two pieces of `{}` on one rank", p.name);
-    }
     tensorfile::write(path, None, entries)?;
     let f = TensorFile::open(path).map_err(|e| anyhow::anyhow!("{} as written: {e}", path.display()))?;
     let sums = sums.into_inner();
-    Ok(pieces
-        .iter()
-        .map(|p| {
-            let range = f.range(&p.name).expect("written");
+    Ok(placed
+        .into_iter()
+        .map(|(name, shape, offset, rows)| {
+            let range = f.range(&name).expect("written");
             let entry = PieceEntry {
                 file: file.to_owned(),
-                offset: p.offset,
-                rows: p.rows(),
+                offset,
+                rows,
                 bytes: [range.start, range.end],
-                xxh3: sums[&p.name].clone(),
+                xxh3: sums[&name].clone(),
             };
-            (p.name.clone(), p.shape.clone(), entry)
+            (name, shape, entry)
         })
         .collect())
 }
