@@ -31,7 +31,7 @@ Needs Optuna 5 and pyarrow (not the tests' Python):
 
 SEARCHES (comma-separated) runs only those, without the replay; `runner-asha@N` is ASHA with N
 trials, e.g. `runner-asha@26,runner-full` compares ASHA within a third of the full search's compute;
-`runner-sha` (and `runner-sha@N`) is synchronous successive halving.
+`runner-sha` (and `runner-sha@N`) is synchronous successive halving; `replay` runs the replay.
 """
 import json
 import math
@@ -230,6 +230,8 @@ def main():
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     print(f"runner: {RUNNER}; Optuna {optuna.__version__}; {trials} trials; seeds {seeds}", flush=True)
     rows = []
+    replaying = len(sys.argv) <= 4 or "replay" in searches
+    searches = [s for s in searches if s != "replay"]
     for seed in seeds:
         for name in searches:
             d = out / f"{name}-{seed}"
@@ -253,7 +255,7 @@ def main():
         print(f"| {name} | {len(b)} | {mean:.4f} ± {std:.4f} | {sum(r[3] for r in mine) / len(b):.0f} | "
               f"{sum(r[4] for r in mine) / len(b):.0f} s |")
 
-    if len(sys.argv) > 4:
+    if not replaying:
         return
     # Ordered against asynchronous ASHA, replayed on a random search run to the full budget.
     exp = out / "random-full.toml"

@@ -1,11 +1,10 @@
 //! Searches as pure functions: what to try next ([`Sampler`]: random or TPE) and when a trial
 //! stops ([`Scheduler`]: every trial to the full budget, or successive halving, synchronous or
-//! asynchronous), separate as Optuna's samplers
-//! and pruners are. Nothing here runs or reads anything: a search's every proposal and decision
-//! is a function of its seed and its trials' results, so that it is the same whatever ran the
-//! trials and in whichever order they finished. `runner sweep` runs searches
-//! ([`crate::sweep::search`]); `runner report` rebuilds their tables from the traces with
-//! [`halving::decide`].
+//! asynchronous), separate as Optuna's samplers and pruners are. Nothing here runs or reads
+//! anything: a search's every proposal and decision is a function of its seed and its trials'
+//! results, so that it is the same whatever ran the trials and in whichever order they finished.
+//! `runner sweep` runs searches ([`crate::sweep::search`]); `runner report` rebuilds their tables
+//! from the traces with [`halving::decide`].
 pub mod halving;
 pub mod math;
 pub mod space;

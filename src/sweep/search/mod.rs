@@ -10,6 +10,7 @@
 //! the trials' traces, so an interrupted search resumes where it stopped (finished rungs are not
 //! run again), and the same seed gives the same trials, promotions and table whatever the
 //! parallelism and the order in which trials finish.
+pub mod budget;
 pub mod check;
 pub mod drive;
 pub mod pool;
@@ -18,7 +19,8 @@ pub mod trial;
 
 use std::path::{Path, PathBuf};
 
-use spec::{Spec, Unit};
+use budget::Unit;
+use spec::Spec;
 
 use super::experiment::labelled;
 use super::grid::Point;

@@ -17,7 +17,7 @@ use crate::report::search::{trace_of, TrialTrace};
 use crate::rundir::manifest::{Manifest, Status};
 use crate::sweep::experiment::{labelled, AXIS_LABEL};
 use crate::sweep::grid::Point;
-use crate::sweep::search::spec::Unit;
+use crate::sweep::search::budget::Unit;
 use crate::sweep::Experiment;
 
 #[derive(Debug, Clone)]
