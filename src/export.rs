@@ -174,7 +174,7 @@ fn write_dir(
                     name: t.name.clone(),
                     kind: Kind::Float,
                     shape: t.shape(),
-                    bytes: Box::new(move || Ok(crate::tensorfile::bytes_of(&t.tensor(model)?))),
+                    bytes: Box::new(move || Ok(crate::tensorfile::bytes_of(&t.tensor(model)?).into())),
                 }
             })
             .collect();

@@ -64,9 +64,15 @@ pub fn kind_of(dtype: Dtype) -> Option<Kind> {
 
 /// A tensor's bytes as the format stores them (little-endian, C order), from any device.
 pub fn bytes_of(t: &Tensor) -> Vec<u8> {
+    bytes_into(t, Vec::new())
+}
+
+/// [`bytes_of`] into `out`, whose memory is reused where it is the size already (a buffer
+/// written before costs no new pages: a page fault each is what a fresh one of gigabytes costs).
+pub fn bytes_into(t: &Tensor, mut out: Vec<u8>) -> Vec<u8> {
     let t = t.to_device(tch::Device::Cpu).contiguous();
     let numel = t.numel();
-    let mut out = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+    out.resize(numel * t.kind().elt_size_in_bytes(), 0);
     t.copy_data_u8(&mut out, numel);
     out
 }
@@ -230,13 +236,14 @@ pub struct Entry<'a> {
     pub name: String,
     pub kind: Kind,
     pub shape: Vec<i64>,
-    pub bytes: Box<dyn FnMut() -> anyhow::Result<Vec<u8>> + 'a>,
+    /// Its bytes, when the writer reaches it: made then, or lent (a copy the caller keeps).
+    pub bytes: Box<dyn FnMut() -> anyhow::Result<Cow<'a, [u8]>> + 'a>,
 }
 
 impl<'a> Entry<'a> {
     /// An entry whose bytes are `t`'s (copied to the CPU when written).
     pub fn of(name: String, t: &'a Tensor) -> Entry<'a> {
-        Entry { name, kind: t.kind(), shape: t.size(), bytes: Box::new(move || Ok(bytes_of(t))) }
+        Entry { name, kind: t.kind(), shape: t.size(), bytes: Box::new(move || Ok(bytes_of(t).into())) }
     }
 }
 
@@ -285,7 +292,7 @@ impl View for Lazy<'_, '_> {
         }
         self.next.set(self.index + 1);
         match (self.entry.borrow_mut().bytes)() {
-            Ok(b) if b.len() == self.len => Cow::Owned(b),
+            Ok(b) if b.len() == self.len => b,
             Ok(b) => {
                 let name = &self.entry.borrow().name;
                 fail(anyhow::anyhow!("`{name}` gave {} bytes, its shape holds {}", b.len(), self.len))

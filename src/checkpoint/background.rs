@@ -14,43 +14,57 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::index::Record;
-use super::writer::{self, Begun, Staged, Written};
+use super::writer::{self, Begun, Spare, Staged, Written};
 use super::Piece;
 use crate::dist::{ProcessGroup, Store};
 use crate::plan::Plan;
 
 /// A checkpoint being written by this rank's thread.
 pub struct InFlight {
-    thread: JoinHandle<anyhow::Result<()>>,
+    thread: JoinHandle<(anyhow::Result<()>, Spare)>,
     name: String,
 }
 
+/// The memory the copies of a rank's last checkpoint written in the background took, kept for
+/// the next to copy into (its pages are then in place: faulting in a fresh copy of gigabytes is
+/// most of what the copy costs). Held between checkpoints, as torchtitan's pinned staging buffers
+/// are; the peak is the same, since the copy exists while it is written anyway.
+#[derive(Default)]
+pub struct Copies(Spare);
+
 impl InFlight {
     /// Waits until this rank's part is done (rank 0: the checkpoint is committed) and says how it
-    /// went.
-    pub fn wait(self) -> anyhow::Result<()> {
+    /// went; the copies it was written from go back to `copies`.
+    pub fn wait(self, copies: &mut Copies) -> anyhow::Result<()> {
         match self.thread.join() {
-            Ok(result) => result,
+            Ok((result, spare)) => {
+                copies.0 = spare;
+                result
+            }
             Err(_) => anyhow::bail!("the thread writing the checkpoint {} panicked", self.name),
         }
     }
 }
 
 /// Begins the checkpoint of `record.step` on every rank (collective) and hands this rank's
-/// `pieces`, copied, to a thread that writes them; rank 0's thread commits it once every rank's
-/// file is written.
+/// `pieces`, copied (into `copies` where they fit), to a thread that writes them; rank 0's
+/// thread commits it once every rank's file is written.
 pub fn save(
     run_dir: &std::path::Path,
     plan: &Plan,
     pg: &ProcessGroup,
     pieces: Vec<Piece>,
+    copies: &mut Copies,
     record: Record,
     keep: usize,
 ) -> anyhow::Result<InFlight> {
     let begun = writer::begin(run_dir, plan, pg, &pieces, &record, keep)?;
     // The training goes on with the tensors the pieces may share (a CPU parameter is its own
     // piece): the thread writes a copy of their bytes taken now, the file's bytes as they are.
-    let pieces: Vec<Staged> = pieces.into_iter().map(Staged::copied).collect();
+    // A checkpoint's pieces are the last one's, in the same order: each reuses its copy.
+    let mut spare = std::mem::take(&mut copies.0).into_iter();
+    let pieces: Vec<Staged> = pieces.into_iter().map(|p| Staged::copied(p, spare.next().unwrap_or_default())).collect();
+    drop(spare);
     let job = Job {
         run_dir: run_dir.to_path_buf(),
         plan: plan.clone(),
@@ -81,8 +95,13 @@ struct Job {
 const POLL: Duration = Duration::from_millis(5);
 
 impl Job {
-    fn run(self, begun: Begun, pieces: Vec<Staged>, record: Record) -> anyhow::Result<()> {
-        let written = writer::write_mine(&begun, self.rank, pieces);
+    fn run(self, begun: Begun, pieces: Vec<Staged>, record: Record) -> (anyhow::Result<()>, Spare) {
+        let (written, spare) = writer::write_mine(&begun, self.rank, pieces);
+        (self.publish(begun, written, record), spare)
+    }
+
+    /// Publishes what this rank wrote; rank 0 commits the checkpoint once every rank has.
+    fn publish(&self, begun: Begun, written: Result<Written, String>, record: Record) -> anyhow::Result<()> {
         self.store.set(&key(&begun, self.rank), serde_json::to_string(&written)?.as_bytes())?;
         if self.rank != 0 {
             return written.map(drop).map_err(anyhow::Error::msg);

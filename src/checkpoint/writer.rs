@@ -4,6 +4,7 @@
 //! directory into place. Before anything is written, the free space is checked against the
 //! whole checkpoint. The phases ([`begin`], [`write_mine`], [`commit`]) are also those of a
 //! checkpoint written in the background ([`super::background`]).
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -22,40 +23,43 @@ pub(super) type Written = Vec<(String, Vec<i64>, PieceEntry)>;
 
 /// A piece as its rank's file takes it: its place in its tensor, and its bytes.
 pub(super) struct Staged {
+    place: Place,
+    data: Data,
+}
+
+/// Where a piece lies: its tensor's name and whole shape, its first row there, its own shape
+/// and type.
+struct Place {
     name: String,
-    /// The whole tensor's shape, the piece's first row in it, the piece's own shape and type.
     shape: Vec<i64>,
     offset: i64,
     size: Vec<i64>,
     kind: tch::Kind,
-    data: Data,
 }
 
 enum Data {
     /// Read from the tensor when the file is written (a checkpoint written at the step).
     Read(Tensor),
     /// Copied out at the step (one written in the background while its tensors train on): the
-    /// file is written from this copy, with no second one.
+    /// file is written from this copy, with no second one, and the copy is kept for the next.
     Copied(Vec<u8>),
 }
+
+/// The copies a checkpoint written in the background was written from, for the next one to copy
+/// into (each piece's, in the order of its pieces).
+pub(super) type Spare = Vec<Vec<u8>>;
 
 impl Staged {
     /// `piece`, read when written.
     pub(super) fn read(piece: Piece) -> Staged {
         let (size, kind) = (piece.tensor.size(), piece.tensor.kind());
-        Staged {
-            name: piece.name,
-            shape: piece.shape,
-            offset: piece.offset,
-            size,
-            kind,
-            data: Data::Read(piece.tensor),
-        }
+        let place = Place { name: piece.name, shape: piece.shape, offset: piece.offset, size, kind };
+        Staged { place, data: Data::Read(piece.tensor) }
     }
 
-    /// `piece`, its bytes copied now.
-    pub(super) fn copied(piece: Piece) -> Staged {
-        let bytes = tensorfile::bytes_of(&piece.tensor);
+    /// `piece`, its bytes copied now into `buffer` (reused where it is the size already).
+    pub(super) fn copied(piece: Piece, buffer: Vec<u8>) -> Staged {
+        let bytes = tensorfile::bytes_into(&piece.tensor, buffer);
         Staged { data: Data::Copied(bytes), ..Staged::read(piece) }
     }
 }
@@ -74,7 +78,7 @@ pub fn save(
 ) -> anyhow::Result<()> {
     let begun = begin(run_dir, plan, pg, &pieces, &record, keep)?;
     let result = (|| {
-        let written = write_mine(&begun, pg.rank(), pieces.into_iter().map(Staged::read).collect());
+        let (written, _) = write_mine(&begun, pg.rank(), pieces.into_iter().map(Staged::read).collect());
         // Every rank learns whether every rank wrote its file: all fail together, naming the first.
         let results: Vec<Result<Written, String>> = all_gather_json(pg, &written)?;
         if pg.rank() == 0 {
@@ -142,17 +146,19 @@ pub(super) fn begin(
     Ok(Begun { staging, name, step: record.step })
 }
 
-/// Writes this rank's file of the checkpoint `begun` (none when it holds no piece).
-pub(super) fn write_mine(begun: &Begun, rank: usize, pieces: Vec<Staged>) -> Result<Written, String> {
+/// Writes this rank's file of the checkpoint `begun` (none when it holds no piece); gives back
+/// the copies it was written from.
+pub(super) fn write_mine(begun: &Begun, rank: usize, pieces: Vec<Staged>) -> (Result<Written, String>, Spare) {
     let file = format!("rank-{rank}.safetensors");
-    let written = if pieces.is_empty() {
-        Ok(Vec::new())
+    let (written, spare) = if pieces.is_empty() {
+        (Ok(Vec::new()), Vec::new())
     } else {
-        write_pieces(&begun.staging.join(&file), &file, pieces).map_err(|e| format!("{e:#}"))
+        let (written, spare) = write_pieces(&begun.staging.join(&file), &file, pieces);
+        (written.map_err(|e| format!("{e:#}")), spare)
     };
     // A test's kill in the middle of a checkpoint ([`crate::testhook`]).
     crate::testhook::stall_in_checkpoint(rank, begun.step);
-    written
+    (written, spare)
 }
 
 /// The first rank's failure to write its file, said for the checkpoint `begun`.
@@ -217,49 +223,52 @@ fn free_bytes(dir: &Path) -> Option<u64> {
 }
 
 /// Writes `pieces` to `path` (one entry per tensor, under the tensor's name), synced; returns
-/// where each lies and its checksum.
-fn write_pieces(path: &Path, file: &str, pieces: Vec<Staged>) -> anyhow::Result<Written> {
+/// where each lies and its checksum, and the copies it was written from.
+fn write_pieces(path: &Path, file: &str, pieces: Vec<Staged>) -> (anyhow::Result<Written>, Spare) {
+    let (placed, data): (Vec<Place>, Vec<Data>) = pieces.into_iter().map(|p| (p.place, p.data)).unzip();
+    let written = write_placed(path, file, &placed, &data);
+    let spare = data.into_iter().filter_map(|d| if let Data::Copied(b) = d { Some(b) } else { None }).collect();
+    (written, spare)
+}
+
+/// [`write_pieces`] of pieces `placed` with their `data`.
+fn write_placed(path: &Path, file: &str, placed: &[Place], data: &[Data]) -> anyhow::Result<Written> {
     let mut seen = std::collections::HashSet::new();
-    if let Some(p) = pieces.iter().find(|p| !seen.insert(&p.name)) {
+    if let Some(p) = placed.iter().find(|p| !seen.insert(&p.name)) {
         anyhow::bail!("two pieces of `{}` on one rank", p.name);
     }
     let sums: RefCell<BTreeMap<String, String>> = RefCell::default();
-    let mut placed = Vec::with_capacity(pieces.len());
-    let mut entries = Vec::with_capacity(pieces.len());
-    for p in pieces {
-        placed.push((p.name.clone(), p.shape, p.offset, rows_of(&p.size)));
-        let (name, sums) = (p.name.clone(), &sums);
-        let mut data = Some(p.data);
-        entries.push(Entry {
-            name: p.name,
-            kind: p.kind,
-            shape: p.size,
+    let entries = placed.iter().zip(data).map(|(Place { name, size, kind, .. }, data)| {
+        let sums = &sums;
+        Entry {
+            name: name.clone(),
+            kind: *kind,
+            shape: size.clone(),
             bytes: Box::new(move || {
-                let bytes = match data.take() {
-                    Some(Data::Read(t)) => tensorfile::bytes_of(&t),
-                    Some(Data::Copied(bytes)) => bytes,
-                    None => anyhow::bail!("`{name}`'s bytes asked twice"),
+                let bytes: Cow<[u8]> = match data {
+                    Data::Read(t) => tensorfile::bytes_of(t).into(),
+                    Data::Copied(bytes) => bytes.as_slice().into(),
                 };
                 sums.borrow_mut().insert(name.clone(), format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)));
                 Ok(bytes)
             }),
-        });
-    }
-    tensorfile::write(path, None, entries)?;
+        }
+    });
+    tensorfile::write(path, None, entries.collect())?;
     let f = TensorFile::open(path).map_err(|e| anyhow::anyhow!("{} as written: {e}", path.display()))?;
     let sums = sums.into_inner();
     Ok(placed
-        .into_iter()
-        .map(|(name, shape, offset, rows)| {
-            let range = f.range(&name).expect("written");
+        .iter()
+        .map(|p| {
+            let range = f.range(&p.name).expect("written");
             let entry = PieceEntry {
                 file: file.to_owned(),
-                offset,
-                rows,
+                offset: p.offset,
+                rows: rows_of(&p.size),
                 bytes: [range.start, range.end],
-                xxh3: sums[&name].clone(),
+                xxh3: sums[&p.name].clone(),
             };
-            (name, shape, entry)
+            (p.name.clone(), p.shape.clone(), entry)
         })
         .collect())
 }

@@ -13,7 +13,7 @@ use anyhow::Context;
 use tch::{nn, Tensor};
 
 use super::train::{Partial, Trainer};
-use crate::checkpoint::background::InFlight;
+use crate::checkpoint::background::{Copies, InFlight};
 use crate::checkpoint::{Found, Piece, Reader, Record};
 use crate::dist::ProcessGroup;
 use crate::plan::Plan;
@@ -24,12 +24,12 @@ use crate::trace::{EpochRow, StepRow};
 /// The checkpoint this rank is writing in the background, if one is in flight
 /// (`checkpoint.async`).
 #[derive(Default)]
-pub struct Background(Option<InFlight>);
+pub struct Background(Option<InFlight>, Copies);
 
 impl Background {
     /// Waits for the checkpoint in flight, if any: its failure is this rank's.
     pub fn wait(&mut self) -> anyhow::Result<()> {
-        self.0.take().map_or(Ok(()), InFlight::wait)
+        self.0.take().map_or(Ok(()), |f| f.wait(&mut self.1))
     }
 }
 
@@ -88,7 +88,8 @@ pub fn save(
     }
     let keep = plan.config.checkpoint.keep;
     if asynchronous {
-        background.0 = Some(crate::checkpoint::background::save(run_dir, plan, pg, pieces, record, keep)?);
+        let copies = &mut background.1;
+        background.0 = Some(crate::checkpoint::background::save(run_dir, plan, pg, pieces, copies, record, keep)?);
         Ok(())
     } else {
         crate::checkpoint::save(run_dir, plan, pg, pieces, record, keep)
@@ -253,7 +254,7 @@ pub fn write_model(
             kind: t.kind,
             shape: t.shape.clone(),
             bytes: Box::new(move || {
-                Ok(strategy.gather_tensor(pg, vs, t)?.map_or(Vec::new(), |x| tensorfile::bytes_of(&x)))
+                Ok(strategy.gather_tensor(pg, vs, t)?.map_or(Vec::new(), |x| tensorfile::bytes_of(&x)).into())
             }),
         })
         .collect();
