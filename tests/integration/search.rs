@@ -76,28 +76,18 @@ fn setup(parallel: usize) -> tempfile::TempDir {
     dir
 }
 
-/// Each trial's row of table.csv: its name, its value at each rung (600 and 1800 steps), its status.
+/// Each trial's row of summary.parquet (table.csv's frame): its name, its value at each rung
+/// (600 and 1800 steps), its status.
 fn rows(sweep: &Path) -> Vec<(String, Option<f64>, Option<f64>, String)> {
-    let csv = read(&sweep.join("table.csv"));
-    let head: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
-    let col = |name: &str| head.iter().position(|h| *h == name).unwrap_or_else(|| panic!("{name} in {head:?}"));
-    let (at600, at1800, status) = (col("val_loss_at_600"), col("val_loss_at_1800"), col("status"));
-    csv.lines()
-        .skip(1)
-        .map(|line| {
-            // The searched values hold no comma here but the hidden sizes' lists, quoted.
-            let mut cells: Vec<String> = Vec::new();
-            let mut quoted = false;
-            for piece in line.split(',') {
-                match cells.last_mut() {
-                    Some(last) if quoted => *last += &format!(",{piece}"),
-                    _ => cells.push(piece.to_owned()),
-                }
-                quoted ^= piece.matches('"').count() % 2 == 1;
-            }
-            let value = |i: usize| cells[i].parse::<f64>().ok();
-            (cells[0].clone(), value(at600), value(at1800), cells[status].clone())
-        })
+    use polars::prelude::{ParquetReader, SerReader};
+    let file = std::fs::File::open(sweep.join("summary.parquet")).expect("summary.parquet");
+    let frame = ParquetReader::new(file).finish().unwrap();
+    let text = |name: &str| frame.column(name).unwrap().str().unwrap().clone();
+    let value = |name: &str| frame.column(name).unwrap().f64().unwrap().clone();
+    let (trial, status) = (text("trial"), text("status"));
+    let (at600, at1800) = (value("val_loss_at_600"), value("val_loss_at_1800"));
+    (0..frame.height())
+        .map(|i| (trial.get(i).unwrap().to_owned(), at600.get(i), at1800.get(i), status.get(i).unwrap().to_owned()))
         .collect()
 }
 
