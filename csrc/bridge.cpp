@@ -29,6 +29,8 @@
 #include <torch/csrc/distributed/c10d/logger.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #ifdef RUNNER_NCCL
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -81,12 +83,12 @@ c10d::ReduceOp reduce_op(int op) {
 }
 
 void set_backend(rn_pg* out, c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                 c10::intrusive_ptr<c10d::Backend> backend, c10::DeviceType device,
+                 c10::intrusive_ptr<c10d::Backend> backend, std::initializer_list<c10::DeviceType> devices,
                  c10d::ProcessGroup::BackendType type) {
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
   pg->setDefaultBackend(type);
   backend->setGroupUid("runner");
-  pg->setBackend(device, type, backend);
+  for (auto device : devices) pg->setBackend(device, type, backend);
   out->pg = pg;
   out->backend = backend;
 }
@@ -165,7 +167,9 @@ char* rn_pg_new_gloo_group(rn_store* s, const char* prefix, int rank, int size, 
     opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(device_host));
     auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
     auto pg = std::make_unique<rn_pg>();
-    set_backend(pg.get(), store, rank, size, backend, c10::DeviceType::CPU,
+    // Gloo serves CUDA tensors too (through host memory), as init_process_group("gloo")
+    // registers it: the Reducer of ranks that share a GPU asks the group for CUDA's backend.
+    set_backend(pg.get(), store, rank, size, backend, {c10::DeviceType::CPU, c10::DeviceType::CUDA},
                 c10d::ProcessGroup::BackendType::GLOO);
     *out = pg.release();
   });
@@ -189,7 +193,7 @@ char* rn_pg_new_nccl(rn_store* s, int rank, int size, int device_index, int64_t 
     auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
     backend->setBoundDeviceId(device);
     auto pg = std::make_unique<rn_pg>();
-    set_backend(pg.get(), store, rank, size, backend, c10::DeviceType::CUDA,
+    set_backend(pg.get(), store, rank, size, backend, {c10::DeviceType::CUDA},
                 c10d::ProcessGroup::BackendType::NCCL);
     pg->pg->setBoundDeviceId(device);
     pg->coalesce_p2p = true;
@@ -474,6 +478,45 @@ char* rn_cpu_kernels(int pin, char** capability, int* onednn, int* nnpack) {
     *onednn = context.userEnabledMkldnn() ? 1 : 0;
     *nnpack = context.userEnabledNNPACK() ? 1 : 0;
   });
+}
+
+char* rn_cuda_device(int index, char** name, int* major, int* minor, int64_t* total_bytes, int* processors) {
+#ifdef RUNNER_NCCL
+  return protect([&] {
+    int count = c10::cuda::device_count();
+    if (index < 0 || index >= count) {
+      throw std::invalid_argument("cuda:" + std::to_string(index) + " does not exist: " + std::to_string(count) +
+                                  " CUDA device(s) visible");
+    }
+    const cudaDeviceProp* p = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(index));
+    *name = copy_message(p->name);
+    *major = p->major;
+    *minor = p->minor;
+    *total_bytes = static_cast<int64_t>(p->totalGlobalMem);
+    *processors = p->multiProcessorCount;
+  });
+#else
+  (void)index, (void)name, (void)major, (void)minor, (void)total_bytes, (void)processors;
+  return copy_message("CUDA devices need runner built with `--features cuda`");
+#endif
+}
+
+char* rn_cuda_peak_memory(int index, int reset, int64_t* allocated, int64_t* reserved) {
+#ifdef RUNNER_NCCL
+  return protect([&] {
+    namespace alloc = c10::cuda::CUDACachingAllocator;
+    auto device = static_cast<c10::DeviceIndex>(index);
+    // Index 0 of the stat arrays is the aggregate over small and large pools, as
+    // torch.cuda.max_memory_allocated() reads it.
+    auto stats = alloc::getDeviceStats(device);
+    *allocated = stats.allocated_bytes[0].peak;
+    *reserved = stats.reserved_bytes[0].peak;
+    if (reset) alloc::resetPeakStats(device);
+  });
+#else
+  (void)index, (void)reset, (void)allocated, (void)reserved;
+  return copy_message("CUDA memory needs runner built with `--features cuda`");
+#endif
 }
 
 char* rn_autocast_bf16(int enabled) {

@@ -114,6 +114,16 @@ char* rn_set_autocast_dtype(int device_type, int scalar_type);
 // those paths are on.
 char* rn_cpu_kernels(int pin, char** capability, int* onednn, int* nnpack);
 
+// What libtorch sees of CUDA device `index`: its name (*name, freed with rn_free_string), compute
+// capability, memory and multiprocessor count (torch.cuda.get_device_properties). An error in a
+// build without CUDA, or for a device that does not exist.
+char* rn_cuda_device(int index, char** name, int* major, int* minor, int64_t* total_bytes, int* processors);
+
+// The most memory libtorch's CUDA caching allocator has handed out (*allocated) and held from the
+// driver (*reserved) on device `index` since the start or the last reset, in bytes
+// (torch.cuda.max_memory_allocated / max_memory_reserved); reset = 1 then starts the peaks over.
+char* rn_cuda_peak_memory(int index, int reset, int64_t* allocated, int64_t* reserved);
+
 // Autocast to bfloat16 on this thread, on CPU and CUDA (torch.autocast(device, dtype=torch.bfloat16)
 // for the device the tensors are on): enabled = 1 enters a region, enabled = 0 leaves it (clearing
 // the cache of cast weights when the outermost region ends, as torch does, so updated weights are

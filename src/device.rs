@@ -98,3 +98,59 @@ pub fn elapsed(device: tch::Device, since: Instant) -> std::time::Duration {
     synchronize(device);
     since.elapsed()
 }
+
+/// What libtorch sees of the GPUs, printed under the plan of a run on `cuda`: the libtorch the
+/// runner loaded, then each device's name, compute capability, memory and multiprocessors
+/// (torch.cuda.get_device_properties). Nothing on the CPU.
+pub fn notes(device: Device) -> Vec<String> {
+    if device != Device::Cuda {
+        return Vec::new();
+    }
+    let count = cuda_device_count();
+    let mut lines = vec![format!(
+        "  cuda: libtorch {} sees {count} GPU(s){}",
+        env!("RUNNER_LIBTORCH_VERSION"),
+        if tch::Cuda::cudnn_is_available() { ", cuDNN available" } else { "" }
+    )];
+    for index in 0..count {
+        lines.push(match crate::dist::cuda_device(index) {
+            Ok(d) => format!(
+                "    cuda:{index}  {}  compute capability {}.{}, {}, {} multiprocessors",
+                d.name,
+                d.capability.0,
+                d.capability.1,
+                crate::limits::size(d.total_bytes as f64),
+                d.multiprocessors
+            ),
+            Err(e) => format!("    cuda:{index}  (its properties could not be read: {e})"),
+        });
+    }
+    lines
+}
+
+/// Rank 0's line at the end of a run on a GPU: the most its tensors held at once and the most the
+/// caching allocator reserved (torch.cuda.max_memory_allocated / max_memory_reserved), beside the
+/// plan's estimate of the parts that live on the device (the training state and the
+/// activations). `None` on the CPU.
+pub fn peak_line(device: tch::Device, estimate: Option<&crate::limits::Estimate>) -> Option<String> {
+    let tch::Device::Cuda(index) = device else {
+        return None;
+    };
+    let size = |b: f64| crate::limits::size(b);
+    Some(match crate::dist::cuda_peak_memory(index, false) {
+        Ok(peak) => format!(
+            "  peak GPU memory on cuda:{index} (rank 0): {} allocated, {} reserved by libtorch's caching allocator{}",
+            size(peak.allocated as f64),
+            size(peak.reserved as f64),
+            estimate
+                .map(|e| format!(
+                    "; the plan estimated {} (training state {}, activations {})",
+                    size(e.model + e.activations),
+                    size(e.model),
+                    size(e.activations)
+                ))
+                .unwrap_or_default()
+        ),
+        Err(e) => format!("  peak GPU memory on cuda:{index}: not read ({e})"),
+    })
+}

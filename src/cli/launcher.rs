@@ -18,7 +18,8 @@ use super::run::{prepare_run_dir, Claim};
 
 pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
     crate::say!("{}", plan.data_flow());
-    for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()) {
+    let device = crate::device::notes(plan.config.run.device);
+    for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()).chain(device) {
         crate::say!("{note}");
     }
     for line in crate::stages::track::plan_lines(plan, Some(run_dir)) {

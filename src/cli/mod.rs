@@ -277,7 +277,8 @@ fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
         crate::say!("extends: {}\n", chain.join(" → "));
     }
     crate::say!("{}", plan.data_flow().trim_end_matches('\n'));
-    for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()) {
+    let device = crate::device::notes(plan.config.run.device);
+    for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()).chain(device) {
         crate::say!("{note}");
     }
     warn_of_slow_bf16(&plan);

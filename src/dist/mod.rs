@@ -24,6 +24,7 @@
 //! pg.all_reduce(&mut t, ReduceOp::Sum)?;
 //! # Ok(()) }
 //! ```
+mod cuda;
 mod ddp;
 mod error;
 mod ffi;
@@ -35,6 +36,7 @@ mod process_group;
 mod script;
 mod store;
 
+pub use cuda::{cuda_device, cuda_peak_memory, CudaDevice, CudaPeak};
 pub use ddp::{Ddp, ReducerTimes};
 pub use error::{Error, PeerExit, Result};
 pub use fsdp::{ShardStats, Sharded, Units};
