@@ -99,6 +99,40 @@ pub fn elapsed(device: tch::Device, since: Instant) -> std::time::Duration {
     since.elapsed()
 }
 
+/// The timer of one training step's phases (batch, forward, loss, backward, update). On a GPU,
+/// waiting for the device at every phase boundary drains its queue 8 times a step: 10 to 16% of
+/// a GPT-2-small step on an H200 (docs/gpus.md). So only a traced step (`trace.step_every`),
+/// whose phases are recorded one by one, waits at each; any other reads the host's clock there,
+/// and waits once, at the step's end ([`elapsed`]), so that each step's total stays right while
+/// its split between phases is the launches'. On the CPU both are the same.
+#[derive(Debug, Clone, Copy)]
+pub struct StepTimer {
+    device: tch::Device,
+    traced: bool,
+}
+
+impl StepTimer {
+    /// `traced`: the step trace records this step, its phases timed one by one.
+    pub fn new(device: tch::Device, traced: bool) -> StepTimer {
+        StepTimer { device, traced }
+    }
+
+    pub fn traced(&self) -> bool {
+        self.traced
+    }
+
+    pub fn now(&self) -> Instant {
+        if self.traced {
+            synchronize(self.device);
+        }
+        Instant::now()
+    }
+
+    pub fn elapsed(&self, since: Instant) -> std::time::Duration {
+        self.now() - since
+    }
+}
+
 /// What libtorch sees of the GPUs, printed under the plan of a run on `cuda`: the libtorch the
 /// runner loaded, then each device's name, compute capability, memory and multiprocessors
 /// (torch.cuda.get_device_properties). Nothing on the CPU.

@@ -232,9 +232,10 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                 let global = (step * self.clock.accumulate + b - batches.start) as i64;
                 tch::manual_seed((c.run.seed as i64) ^ ((rank as i64) << 32) ^ global.wrapping_mul(0x9E37_79B9));
                 let sampled = c.trace.step_every > 0 && (global as usize).is_multiple_of(c.trace.step_every);
-                let t0 = device::now(dev);
+                let timer = device::StepTimer::new(dev, sampled);
+                let t0 = timer.now();
                 let (xb, yb, wb) = self.batch(epoch, b)?;
-                let t1 = device::now(dev);
+                let t1 = timer.now();
                 let len = yb.size()[0];
                 let (first, last) = (b == batches.start, b + 1 == batches.end);
                 let w_ = &mut self.wrapped;
@@ -244,8 +245,8 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                 // Each batch's share of the step's mean loss: its rows over the step's rows.
                 let scale = if self.clock.accumulate == 1 { 1.0 } else { len as f64 / step_rows as f64 };
                 let micro = Micro { scale, sync: last };
-                let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, sampled, micro)?;
-                let t2 = device::now(dev);
+                let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, timer, micro)?;
+                let t2 = timer.now();
                 if last {
                     // The optimizer's step count is the schedule's clock: restored by a checkpoint.
                     w_.optimizer.set_lr(schedule.lr(w_.optimizer.steps()));
@@ -255,6 +256,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                     }
                     w_.optimizer.step()?;
                 }
+                // The step's end waits for the device on every step: its total is right.
                 let update = device::elapsed(dev, t2);
                 let at = iv.filled as i64;
                 tch::no_grad(|| {

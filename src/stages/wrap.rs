@@ -109,7 +109,7 @@ fn wrap_sharded<'pg>(
     let sharded = Arc::new(sharding);
     let model: Box<dyn ModuleT + 'pg> = Box::new(ShardedModel::new(layers, sharded.clone()));
     let held: Vec<Tensor> = buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
-    let mut strategy = Fsdp::new(plan, pg, device, sharded, names, shapes, &held, ctx.batch_norm.clone())?;
+    let mut strategy = Fsdp::new(plan, pg, sharded, names, shapes, &held, ctx.batch_norm.clone())?;
     if let Some(file) = init.as_mut() {
         strategy.load_rows(|name, rows, shard| file.rows(name, rows, shard))?;
     }

@@ -72,7 +72,6 @@ pub struct Fsdp<'pg> {
     shapes: Vec<Vec<i64>>,
     shards: Vec<Tensor>,
     task: Task,
-    device: tch::Device,
     precision: Precision,
     /// The model's buffers, broadcast from rank 0 (with more than one rank).
     buffers: Vec<Tensor>,
@@ -81,11 +80,9 @@ pub struct Fsdp<'pg> {
 
 impl<'pg> Fsdp<'pg> {
     /// `names` and `shapes`: the parameters' in module order, as `sharded` holds them.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         plan: &Plan,
         pg: &'pg ProcessGroup,
-        device: tch::Device,
         sharded: Arc<Sharded<'pg>>,
         names: Vec<String>,
         shapes: Vec<Vec<i64>>,
@@ -103,7 +100,6 @@ impl<'pg> Fsdp<'pg> {
             shapes,
             shards,
             task: plan.data.task,
-            device,
             precision: plan.config.train.precision,
             buffers,
             batch_norm,
@@ -121,9 +117,15 @@ impl<'pg> Fsdp<'pg> {
 
     /// Forward, loss and backward of one batch; the gradients, averaged over the ranks, are added
     /// to the shards' (every batch is reduce-scattered, accumulation sums the shards).
-    pub fn step(&mut self, model: &dyn ModuleT, x: &Tensor, y: &Tensor, micro: Micro) -> anyhow::Result<StepOut> {
-        let dev = self.device;
-        let t0 = device::now(dev);
+    pub fn step(
+        &mut self,
+        model: &dyn ModuleT,
+        x: &Tensor,
+        y: &Tensor,
+        timer: device::StepTimer,
+        micro: Micro,
+    ) -> anyhow::Result<StepOut> {
+        let t0 = timer.now();
         let before = self.sharded.stats(false)?;
         if micro.sync {
             super::broadcast_from_rank0(self.pg, &self.buffers)?;
@@ -132,14 +134,14 @@ impl<'pg> Fsdp<'pg> {
         if let Some(e) = self.batch_norm.as_ref().and_then(|g| g.failure()) {
             return Err(e.into());
         }
-        let t1 = device::now(dev);
+        let t1 = timer.now();
         let (per_sample, loss) = super::scaled_loss(self.task, &out, y, micro.scale);
-        let t2 = device::now(dev);
+        let t2 = timer.now();
         loss.f_backward().map_err(|e| {
             self.pg.explain(crate::dist::Error::new("backward (gather and reduce-scatter)", e.to_string()))
         })?;
         self.sharded.finish_backward()?;
-        let backward = device::elapsed(dev, t2);
+        let backward = timer.elapsed(t2);
         let after = self.sharded.stats(false)?;
         // The time this step spent waiting for all-gathers and reduce-scatters.
         let comm = (after.gather_wait + after.reduce_wait).saturating_sub(before.gather_wait + before.reduce_wait);

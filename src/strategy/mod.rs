@@ -167,12 +167,12 @@ impl<'pg> Strategy<'pg> {
         optimizer: &mut Optimizer,
         x: &Tensor,
         y: &Tensor,
-        sampled: bool,
+        timer: crate::device::StepTimer,
         micro: Micro,
     ) -> anyhow::Result<StepOut> {
         match self {
-            Strategy::Replica(r) => r.step(model, optimizer, x, y, sampled, micro),
-            Strategy::Fsdp(f) => f.step(model, x, y, micro),
+            Strategy::Replica(r) => r.step(model, optimizer, x, y, timer, micro),
+            Strategy::Fsdp(f) => f.step(model, x, y, timer, micro),
             Strategy::Pipeline(stage) => {
                 let mut out = stage.train_step(model, x, y, y.size()[0], micro.scale)?;
                 if micro.sync {

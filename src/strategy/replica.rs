@@ -121,16 +121,16 @@ impl<'pg> Replica<'pg> {
         })
     }
 
-    /// `sampled`: the step trace records this step (the Reducer has timed it). The gradients add
-    /// to those of the batches before it in the optimizer step; DDP averages them on the last
-    /// (`micro.sync`), as torch's `no_sync` does.
+    /// `timer`: the step's (traced: the step trace records it, and the Reducer has timed it). The
+    /// gradients add to those of the batches before it in the optimizer step; DDP averages them on
+    /// the last (`micro.sync`), as torch's `no_sync` does.
     pub fn step(
         &mut self,
         model: &dyn ModuleT,
         _optimizer: &mut Optimizer,
         x: &Tensor,
         y: &Tensor,
-        sampled: bool,
+        timer: device::StepTimer,
         micro: Micro,
     ) -> anyhow::Result<StepOut> {
         if micro.sync || self.ddp.is_none() {
@@ -139,8 +139,7 @@ impl<'pg> Replica<'pg> {
         if self.threads.is_some() {
             return self.step_threads(model, x, y, micro);
         }
-        let dev = self.device;
-        let t0 = device::now(dev);
+        let t0 = timer.now();
         if let Some(ddp) = self.ddp.as_mut() {
             ddp.set_sync(micro.sync);
             ddp.prepare_forward()?;
@@ -153,17 +152,17 @@ impl<'pg> Replica<'pg> {
         if let Some(e) = self.batch_norm.as_ref().and_then(|g| g.failure()) {
             return Err(e.into());
         }
-        let t1 = device::now(dev);
+        let t1 = timer.now();
         let (per_sample, loss) = super::scaled_loss(self.task, &out, y, micro.scale);
-        let t2 = device::now(dev);
+        let t2 = timer.now();
         if let Some(ddp) = self.ddp.as_mut() {
             ddp.prepare_backward()?;
         }
         loss.f_backward()
             .map_err(|e| self.pg.explain(crate::dist::Error::new("backward (gradient all-reduce)", e.to_string())))?;
-        let backward = device::elapsed(dev, t2);
+        let backward = timer.elapsed(t2);
         let times = match self.ddp.as_mut() {
-            Some(ddp) if micro.sync && (sampled || self.iteration <= 10) => ddp.reducer_times(self.iteration)?,
+            Some(ddp) if micro.sync && (timer.traced() || self.iteration <= 10) => ddp.reducer_times(self.iteration)?,
             _ => None,
         };
         Ok(StepOut {
