@@ -18,6 +18,7 @@ mod fsdp;
 mod fsdp2_twin;
 mod fsdp_memory;
 mod gpu;
+mod gpu_check;
 mod hf;
 mod hostile;
 mod hostile_files;

@@ -1,0 +1,360 @@
+"""The GPU check (docs/gpus.md), run by scripts/gpu-check.sh: the runner's own pipelines on a GPU,
+each against an oracle, and a GPT-2-small-sized transformer beside the same model in PyTorch.
+
+    python3 scripts/gpu_check.py --runner RUNNER --out DIR [--cpu]
+
+Sections (each runs on, records PASS or FAIL with its numbers, and never stops the others):
+  env        nvidia-smi, the driver, torch's version, libtorch's view of the device (the plan's notes)
+  ddp        pipelines/ddp.toml at world size 1 on cuda over NCCL against its CPU run (close: other kernels)
+  fsdp       the same with wrap.strategy = "fsdp" on cuda over NCCL, against DDP on cuda
+  shared     2 ranks sharing the GPU over gloo with CUDA tensors (two launchers, one rank each: NCCL
+             refuses two ranks on one GPU), DDP and FSDP, against DDP on 2 CPU ranks
+  bf16       pipelines/transformer_ddp.toml on cuda in bfloat16 against float32 on cuda
+  gpt2       a GPT-2-small-sized transformer (124M parameters, 1024 context) for a few hundred
+             steps: tokens/s, MFU, peak device memory against the plan's estimate; then the same
+             shapes in PyTorch (benches/reference/gpt_throughput.py) with this machine's torch
+  pipeline   pipelines/pipeline_parallel.toml with 2 stages over gloo on CUDA tensors (two launchers)
+             against its CPU run
+
+--cpu runs every section on the CPU (cuda -> cpu, nccl -> gloo, GPT-2 shrunk to a few seconds), so
+the check itself is tested where no GPU is. Writes DIR/report.md (the summary) and DIR/log.txt
+(every command and its output); exits 1 if any section failed.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import pyarrow.parquet as pq
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PIPELINES = os.path.join(ROOT, "pipelines")
+MIB = 1 << 20
+
+
+class Check:
+    def __init__(self, runner, out, cpu):
+        self.runner = os.path.abspath(runner)
+        self.out = out
+        self.cpu = cpu
+        self.device = "cpu" if cpu else "cuda"
+        self.nccl = "gloo" if cpu else "nccl"
+        self.work = tempfile.mkdtemp(prefix="gpu-check-")
+        self.log = open(os.path.join(out, "log.txt"), "w")
+        self.lines = []
+        self.failed = []
+
+    def say(self, text):
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def record(self, text):
+        self.log.write(text + "\n")
+        self.log.flush()
+
+    def sh(self, args, timeout=300, check=True, env=None):
+        """Runs a command, its output into the log; returns its stdout and stderr together."""
+        self.record(f"\n$ {' '.join(args)}")
+        start = time.time()
+        p = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=self.work, env=env)
+        text = p.stdout + p.stderr
+        self.record(text + f"[exit {p.returncode} after {time.time() - start:.1f} s]")
+        if check and p.returncode != 0:
+            raise RuntimeError(f"`{' '.join(args[:3])} ...` exited {p.returncode}:\n{tail(text)}")
+        return text
+
+    def run(self, name, pipeline, sets, timeout=300):
+        """`runner run PIPELINE --set ... --out WORK/NAME`; returns the run directory and its output."""
+        out = os.path.join(self.work, name)
+        args = [self.runner, "run", pipeline, "--out", out]
+        for s in sets:
+            args += ["--set", s]
+        return out, self.sh(args, timeout)
+
+    def run_shared(self, name, pipeline, sets, timeout=300):
+        """Two launchers on this machine, one rank each, both on cuda:0 (LOCAL_RANK 0), over gloo:
+        the way several ranks share one GPU, since NCCL refuses two ranks on one device."""
+        port = free_port()
+        procs = []
+        for node in (0, 1):
+            args = [self.runner, "run", pipeline, "--out", os.path.join(self.work, f"{name}{node}")]
+            for s in sets + ["run.world_size=2", "run.backend=gloo"]:
+                args += ["--set", s]
+            args += ["--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1"]
+            args += ["--master-port", str(port)]
+            self.record(f"\n$ {' '.join(args)} &")
+            procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.work))
+        texts = []
+        for node, p in enumerate(procs):
+            text, _ = p.communicate(timeout=timeout)
+            self.record(f"[node {node}]\n{text}[exit {p.returncode}]")
+            if p.returncode != 0:
+                for q in procs:
+                    q.kill()
+                raise RuntimeError(f"node {node} of {name} exited {p.returncode}:\n{tail(text)}")
+            texts.append(text)
+        return os.path.join(self.work, f"{name}0"), texts[0]
+
+    def section(self, name, body):
+        self.say(f"\n## {name}\n")
+        start = time.time()
+        try:
+            body()
+            self.say(f"\n**PASS** ({time.time() - start:.0f} s)")
+        except Exception as e:  # a section's failure is recorded; the others still run
+            self.failed.append(name)
+            self.record(traceback.format_exc())
+            self.say(f"\n**FAIL** ({time.time() - start:.0f} s): {str(e).strip()}")
+
+    def compare(self, what, a, b, tol, fail=True):
+        """Epoch by epoch, the largest relative difference of two runs' losses; fails above `tol`
+        (with `fail`; otherwise only says so)."""
+        worst = 0.0
+        self.say(f"{what}:\n\n| epoch | {a[0]} | {b[0]} | relative difference |\n| ---: | ---: | ---: | ---: |")
+        for i, (x, y) in enumerate(zip(a[1], b[1])):
+            d = abs(x - y) / max(abs(y), 1e-12)
+            worst = max(worst, d)
+            self.say(f"| {i + 1} | {x:.9g} | {y:.9g} | {d:.2e} |")
+        if len(a[1]) != len(b[1]) or not a[1]:
+            raise RuntimeError(f"{what}: {len(a[1])} epochs against {len(b[1])}")
+        self.say(f"\nlargest relative difference {worst:.2e} ({'tolerance' if fail else 'for information; expected below'} {tol:.0e})\n")
+        if worst > tol and fail:
+            raise RuntimeError(f"{what}: losses differ by {worst:.2e} relative, above {tol:.0e}")
+
+    # --- the sections -----------------------------------------------------------------------------
+
+    def env(self):
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            text = self.sh([smi, "--query-gpu=name,driver_version,memory.total,compute_cap", "--format=csv"], 60, check=False)
+            self.say("nvidia-smi:\n\n```\n" + text.strip() + "\n```")
+        else:
+            self.say("nvidia-smi: not on the PATH")
+        probe = "import torch; print('torch', torch.__version__, '| cuda', torch.version.cuda, '| sees', torch.cuda.device_count(), 'GPU(s)', *(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))"
+        self.say("python3's torch: `" + self.sh([sys.executable, "-c", probe], 120).strip() + "`")
+        try:
+            self.say("runner: `" + self.sh([self.runner, "--version"], 60).strip() + "`")
+        except RuntimeError:
+            # What the loader found and did not: the first thing to read when the bundle cannot start.
+            self.say("the runner does not start; its libraries:\n\n```\n" + self.sh(["ldd", self.runner], 60, check=False).strip() + "\n```")
+            raise
+        sets = [f"run.device={self.device}", f"run.backend={self.nccl}", "run.world_size=1"]
+        args = [self.runner, "validate", os.path.join(PIPELINES, "ddp.toml")]
+        for s in sets:
+            args += ["--set", s]
+        text = self.sh(args, 120)
+        notes = [l for l in text.splitlines() if "cuda" in l or "libtorch" in l]
+        self.say("the runner's view (`runner validate`):\n\n```\n" + "\n".join(notes or ["(no device lines)"]) + "\n```")
+
+    def mlp(self):
+        """pipelines/ddp.toml less its DDP-only key (wrap.bucket_cap_mb, which FSDP refuses and
+        which changes no result), so that DDP and FSDP run the same file."""
+        path = os.path.join(self.work, "mlp.toml")
+        if not os.path.exists(path):
+            text = open(os.path.join(PIPELINES, "ddp.toml")).read()
+            with open(path, "w") as f:
+                f.write(text.replace("bucket_cap_mb = 25\n", ""))
+        return path
+
+    def drift(self, name, pipeline, sets_gpu, sets_cpu, run_gpu=None, sgd_lr=0.05):
+        """The same run on the GPU and on the CPU. With SGD, close: the kernels round otherwise
+        by about 1e-7 a product, and SGD keeps it so (a deep network, the pipeline's, needs a
+        small `sgd_lr`: at 0.05 merely ATEN_CPU_CAPABILITY=default moves its first epoch's loss by
+        2e-3 on a CPU). With the file's Adam, for information only: Adam's first steps divide
+        gradients near zero by their own tiny scale, and the difference grows."""
+        run_gpu = run_gpu or self.run
+        sgd = ["train.optimizer=sgd", f"train.lr={sgd_lr}"]
+        for optimizer, sets, fail in (("sgd", sgd, True), ("adam", [], False)):
+            gpu, _ = run_gpu(f"{name}_{optimizer}_gpu", pipeline, sets_gpu + sets)
+            cpu, _ = self.run(f"{name}_{optimizer}_cpu", pipeline, sets_cpu + sets)
+            label = f"{os.path.basename(pipeline)}, {optimizer}, global_train_loss"
+            self.compare(label, (self.device, losses(gpu, "global_train_loss")), ("cpu", losses(cpu, "global_train_loss")), 1e-4 if fail else 2e-2, fail)
+
+    def ddp(self):
+        gpu = ["run.world_size=1", f"run.device={self.device}", f"run.backend={self.nccl}"]
+        self.drift("ddp", self.mlp(), gpu, ["run.world_size=1"])
+
+    def fsdp(self):
+        sets = ["run.world_size=1", f"run.device={self.device}", f"run.backend={self.nccl}"]
+        fsdp, _ = self.run("fsdp_gpu", self.mlp(), sets + ["wrap.strategy=fsdp"])
+        ddp = os.path.join(self.work, "ddp_adam_gpu")
+        if not os.path.exists(os.path.join(ddp, "trace.parquet")):
+            ddp, _ = self.run("ddp_gpu", self.mlp(), sets)
+        self.compare("FSDP against DDP, world size 1, global_train_loss", ("fsdp", losses(fsdp, "global_train_loss")), ("ddp", losses(ddp, "global_train_loss")), 1e-5)
+
+    def shared(self):
+        ddp = self.mlp()
+        sgd = ["train.optimizer=sgd", "train.lr=0.05"]
+        cpu, _ = self.run("ddp_cpu2", ddp, ["run.world_size=2"] + sgd)
+        want = ("ddp, 2 CPU ranks", losses(cpu, "global_train_loss"))
+        for strategy in ("ddp", "fsdp"):
+            run, _ = self.run_shared(f"shared_{strategy}", ddp, [f"run.device={self.device}", f"wrap.strategy={strategy}"] + sgd)
+            self.compare(f"{strategy}, sgd, 2 ranks on one {self.device} over gloo, global_train_loss", (strategy, losses(run, "global_train_loss")), want, 1e-4)
+
+    def bf16(self):
+        lm = os.path.join(PIPELINES, "transformer_ddp.toml")
+        sets = ["run.world_size=1", f"run.device={self.device}", f"run.backend={self.nccl}", "train.epochs=2"]
+        if self.cpu:  # bfloat16 products are slow on a CPU: fewer windows
+            sets.append("load.rows=128")
+        # SGD keeps the two close enough to compare; Adam's drift is shown for information.
+        for optimizer, extra, fail in (("sgd", ["train.optimizer=sgd", "train.lr=0.1"], True), ("adamw", [], False)):
+            f32, _ = self.run(f"lm_{optimizer}_f32", lm, sets + extra)
+            b16, _ = self.run(f"lm_{optimizer}_bf16", lm, sets + extra + ["train.precision=bf16"])
+            self.compare(f"transformer_ddp.toml, {optimizer}, bf16 against float32, global_train_loss", ("bf16", losses(b16, "global_train_loss")), ("float32", losses(f32, "global_train_loss")), 2e-2, fail)
+
+    def gpt2(self):
+        if self.cpu:  # a few seconds' worth of the same run
+            shape = dict(vocab=512, d_model=64, heads=4, layers=2, seq_len=128, batch=4, steps=20, every=5)
+        else:
+            shape = dict(vocab=50304, d_model=768, heads=12, layers=12, seq_len=1024, batch=8, steps=300, every=50)
+        import numpy as np
+
+        tokens = os.path.join(self.work, "tokens.bin")
+        np.random.default_rng(0).integers(0, shape["vocab"], 4_000_000, dtype=np.uint16).tofile(tokens)
+        toml = os.path.join(self.work, "gpt2.toml")
+        with open(toml, "w") as f:
+            f.write(GPT2.format(device=self.device, backend=self.nccl, tokens=tokens, **shape))
+        run, out = self.run("gpt2", toml, [], timeout=400)
+        rows = epochs(run)
+        # The first interval holds the warm-up (kernel selection, the caching allocator's growth).
+        steady = rows[1:] or rows
+        tps = sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2]
+        mfu = [r["mfu"] for r in steady if r["mfu"] is not None]
+        mfu = sorted(mfu)[len(mfu) // 2] if mfu else None
+        peak = [l.strip() for l in out.splitlines() if "peak GPU memory" in l or "peak memory" in l]
+        params = shape_parameters(shape)
+        self.say(f"{params / 1e6:.1f}M parameters, batch {shape['batch']} × {shape['seq_len']} tokens, bf16, AdamW, {shape['steps']} steps")
+        self.say(f"\n| | tokens/s | MFU | peak memory |\n| --- | ---: | ---: | --- |")
+        self.say(f"| runner (median of {len(steady)} intervals of {shape['every']} steps) | {tps:,.0f} | {fmt_mfu(mfu)} | {'; '.join(peak) or 'not printed'} |")
+        twin = os.path.join(ROOT, "benches", "reference", "gpt_throughput.py")
+        args = [sys.executable, twin, tokens, "--vocab", str(shape["vocab"]), "--d-model", str(shape["d_model"])]
+        args += ["--heads", str(shape["heads"]), "--layers", str(shape["layers"]), "--seq-len", str(shape["seq_len"])]
+        args += ["--batch", str(shape["batch"]), "--steps", str(shape["steps"]), "--bf16", "--device", self.device]
+        if not self.cpu:
+            args += ["--peak-tflops", "989.4"]
+        py = json.loads(self.sh(args, 400).strip().splitlines()[-1])
+        memory = f"{py['peak_allocated_bytes'] / MIB:,.0f} MiB allocated, {py['peak_reserved_bytes'] / MIB:,.0f} MiB reserved" if "peak_allocated_bytes" in py else "-"
+        self.say(f"| PyTorch {py['torch']} (same shapes, fused AdamW) | {py['tokens_per_s']:,.0f} | {fmt_mfu(py['mfu'])} | {memory} |")
+        # The runner waits for the device once a step (at each phase of a traced step, 1 in
+        # trace.step_every = 20): src/device.rs, StepTimer.
+        synced = json.loads(self.sh(args + ["--syncs-per-step", "1"], 400).strip().splitlines()[-1])
+        self.say(f"| PyTorch, waiting for the device once a step as the runner does | {synced['tokens_per_s']:,.0f} | {fmt_mfu(synced['mfu'])} | |")
+        self.say(f"\nrunner ÷ PyTorch tokens/s: {tps / py['tokens_per_s']:.2f} (÷ PyTorch waiting as the runner: {tps / synced['tokens_per_s']:.2f})")
+
+    def pipeline(self):
+        pp = os.path.join(PIPELINES, "pipeline_parallel.toml")
+        sets = ["train.epochs=2"]
+        self.drift("pp", pp, sets + [f"run.device={self.device}"], sets + ["run.world_size=2"], self.run_shared, sgd_lr=0.005)
+
+
+GPT2 = """# The GPU check's GPT-2-small-sized run (scripts/gpu_check.py).
+[run]
+name = "gpt2_check"
+seed = 0
+world_size = 1
+device = "{device}"
+backend = "{backend}"
+timeout_s = 600
+
+[load]
+source = "tokens"
+path = "{tokens}"
+validation_path = "{tokens}"
+sampling = "random"
+
+[normalize]
+method = "none"
+
+[wrap]
+strategy = "ddp"
+
+[wrap.model]
+kind = "transformer"
+vocab = {vocab}
+d_model = {d_model}
+heads = {heads}
+layers = {layers}
+seq_len = {seq_len}
+dropout = 0.0
+tied = true
+bias = true
+
+[train]
+steps = {steps}
+batch_size = {batch}
+optimizer = "adamw"
+lr = 6e-4
+betas = [0.9, 0.95]
+weight_decay = 0.1
+clip_grad_norm = 1.0
+precision = "bf16"
+
+[validate]
+every_steps = {every}
+batches = 1
+"""
+
+
+def shape_parameters(s):
+    d, layers = s["d_model"], s["layers"]
+    block = 2 * 2 * d + 3 * d * d + 3 * d + d * d + d + 4 * d * d + 4 * d + 4 * d * d + d
+    return s["vocab"] * d + s["seq_len"] * d + layers * block + 2 * d
+
+
+def fmt_mfu(m):
+    return "-" if m is None else f"{100 * m:.1f}%"
+
+
+def epochs(run):
+    t = pq.read_table(os.path.join(run, "trace.parquet")).to_pylist()
+    return [r for r in t if r["rank"] == 0]
+
+
+def losses(run, col):
+    return [r[col] for r in epochs(run)]
+
+
+def tail(text, n=15):
+    return "\n".join(text.strip().splitlines()[-n:])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runner", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated sections (default: all)")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    c = Check(a.runner, a.out, a.cpu)
+    c.say(f"# GPU check{' (--cpu: every step on the CPU)' if a.cpu else ''}\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {socket.gethostname()}")
+    build = os.path.join(os.path.dirname(c.runner), "BUILD")
+    if os.path.exists(build):
+        c.say("\nthe bundle:\n\n```\n" + open(build).read().strip() + "\n```")
+    sections = [("env", c.env), ("ddp", c.ddp), ("fsdp", c.fsdp), ("shared", c.shared), ("bf16", c.bf16), ("gpt2", c.gpt2), ("pipeline", c.pipeline)]
+    only = [s for s in a.only.split(",") if s]
+    for name, body in sections:
+        if not only or name in only:
+            c.section(name, body)
+    c.say(f"\n## Summary\n\n{'all sections passed' if not c.failed else 'failed: ' + ', '.join(c.failed)}")
+    with open(os.path.join(a.out, "report.md"), "w") as f:
+        f.write("\n".join(c.lines) + "\n")
+    shutil.rmtree(c.work, ignore_errors=True)
+    sys.exit(1 if c.failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+//! The GPU check (scripts/gpu_check.py, docs/gpus.md) in its `--cpu` mode with this build's
+//! runner: the script that runs on a lent GPU machine is tested where no GPU is, so that it does
+//! not rot between the rare times one is lent.
+use crate::common;
+
+use std::process::Command;
+
+#[test]
+fn the_gpu_check_runs_its_sections_on_the_cpu_and_writes_its_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("report");
+    let sections = ["env", "fsdp", "shared", "gpt2"];
+    let o = Command::new(common::reference_python())
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu_check.py"))
+        .args(["--runner", env!("CARGO_BIN_EXE_runner"), "--cpu", "--only", &sections.join(",")])
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let report = std::fs::read_to_string(out.join("report.md")).unwrap_or_default();
+    assert!(o.status.success(), "{}\n{report}\n{}", common::text(&o).0, common::text(&o).1);
+    for section in sections {
+        assert!(report.contains(&format!("## {section}\n")), "no section {section}:\n{report}");
+    }
+    assert_eq!(report.matches("**PASS**").count(), sections.len(), "{report}");
+    assert!(report.contains("all sections passed"), "{report}");
+    // Each comparison printed its epochs, and the throughput table has both sides.
+    assert!(report.contains("| 5 | "), "{report}");
+    assert!(report.contains("runner ÷ PyTorch tokens/s"), "{report}");
+    let log = std::fs::read_to_string(out.join("log.txt")).unwrap();
+    assert!(log.contains("--nnodes 2 --node-rank 1"), "the shared section ran two launchers:\n{log}");
+}
