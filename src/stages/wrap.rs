@@ -45,7 +45,7 @@ pub fn wrap<'pg>(
     let batch_norm = plan.syncs_batch_norm().then(|| StatsGroup::new(pg));
     let ctx = BuildContext { seed: c.run.seed, batch_norm: batch_norm.clone() };
     if c.wrap.strategy == WrapStrategy::Fsdp {
-        return wrap_sharded(plan, pg, device, vs, arch.as_ref(), &ctx);
+        return wrap_sharded(plan, pg, vs, arch.as_ref(), &ctx);
     }
     let model = arch.build(&vs.root(), layers.clone(), &ctx);
     if let Some(path) = &plan.init_weights {
@@ -77,7 +77,6 @@ pub fn wrap<'pg>(
 fn wrap_sharded<'pg>(
     plan: &Plan,
     pg: &'pg ProcessGroup,
-    device: tch::Device,
     vs: nn::VarStore,
     arch: &dyn Architecture,
     ctx: &BuildContext<'pg>,
