@@ -501,7 +501,7 @@ char* rn_cuda_device(int index, char** name, int* major, int* minor, int64_t* to
 #endif
 }
 
-char* rn_cuda_peak_memory(int index, int reset, int64_t* allocated, int64_t* reserved) {
+char* rn_cuda_peak_memory(int index, int64_t* allocated, int64_t* reserved) {
 #ifdef RUNNER_NCCL
   return protect([&] {
     namespace alloc = c10::cuda::CUDACachingAllocator;
@@ -511,10 +511,9 @@ char* rn_cuda_peak_memory(int index, int reset, int64_t* allocated, int64_t* res
     auto stats = alloc::getDeviceStats(device);
     *allocated = stats.allocated_bytes[0].peak;
     *reserved = stats.reserved_bytes[0].peak;
-    if (reset) alloc::resetPeakStats(device);
   });
 #else
-  (void)index, (void)reset, (void)allocated, (void)reserved;
+  (void)index, (void)allocated, (void)reserved;
   return copy_message("CUDA memory needs runner built with `--features cuda`");
 #endif
 }

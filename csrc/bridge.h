@@ -120,9 +120,9 @@ char* rn_cpu_kernels(int pin, char** capability, int* onednn, int* nnpack);
 char* rn_cuda_device(int index, char** name, int* major, int* minor, int64_t* total_bytes, int* processors);
 
 // The most memory libtorch's CUDA caching allocator has handed out (*allocated) and held from the
-// driver (*reserved) on device `index` since the start or the last reset, in bytes
-// (torch.cuda.max_memory_allocated / max_memory_reserved); reset = 1 then starts the peaks over.
-char* rn_cuda_peak_memory(int index, int reset, int64_t* allocated, int64_t* reserved);
+// driver (*reserved) on device `index` since the process started, in bytes
+// (torch.cuda.max_memory_allocated / max_memory_reserved).
+char* rn_cuda_peak_memory(int index, int64_t* allocated, int64_t* reserved);
 
 // Autocast to bfloat16 on this thread, on CPU and CUDA (torch.autocast(device, dtype=torch.bfloat16)
 // for the device the tensors are on): enabled = 1 enters a region, enabled = 0 leaves it (clearing

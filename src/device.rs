@@ -171,7 +171,7 @@ pub fn peak_line(device: tch::Device, estimate: Option<&crate::limits::Estimate>
         return None;
     };
     let size = |b: f64| crate::limits::size(b);
-    Some(match crate::dist::cuda_peak_memory(index, false) {
+    Some(match crate::dist::cuda_peak_memory(index) {
         Ok(peak) => format!(
             "  peak GPU memory on cuda:{index} (rank 0): {} allocated, {} reserved by libtorch's caching allocator{}",
             size(peak.allocated as f64),

@@ -5,11 +5,13 @@ runner's run beside it.
 
     python3 gpt_throughput.py TOKENS.bin --vocab 50304 --d-model 768 --heads 12 --layers 12
         --seq-len 1024 --batch 8 --steps 300 [--bf16] [--device cuda] [--peak-tflops 989.4]
+        [--syncs-per-step N]
 
 What nanoGPT does and this does too: windows at random offsets of a memory-mapped uint16 file,
 copied to the GPU from pinned memory without blocking; bfloat16 autocast; AdamW with
 fused=True; gradient clipping at 1.0; one optimizer step per batch. Timed after 10 warm-up steps,
-synchronised at both ends. Prints one JSON line: tokens per second, model FLOPs utilisation
+synchronised at both ends; --syncs-per-step N also waits for the device N times a step (at most
+8, at the phase ends), as a loop that times its phases does. Prints one JSON line: tokens per second, model FLOPs utilisation
 (the runner's FLOPs count: 3 × (layers × (2 T × matrices + 4 T² × d) + 2 T d V) per window) and the
 peak memory libtorch's caching allocator handed out (torch.cuda.max_memory_allocated).
 """

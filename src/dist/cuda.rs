@@ -38,13 +38,11 @@ pub struct CudaPeak {
     pub reserved: u64,
 }
 
-/// The peaks on `cuda:index` since the process started or the last `reset`.
-pub fn cuda_peak_memory(index: usize, reset: bool) -> Result<CudaPeak> {
+/// The peaks on `cuda:index` since the process started.
+pub fn cuda_peak_memory(index: usize) -> Result<CudaPeak> {
     let (mut allocated, mut reserved) = (0i64, 0i64);
     // SAFETY: out-pointers to locals; the bridge catches what libtorch throws.
-    check("cuda_peak_memory", unsafe {
-        ffi::rn_cuda_peak_memory(index as i32, reset as i32, &mut allocated, &mut reserved)
-    })?;
+    check("cuda_peak_memory", unsafe { ffi::rn_cuda_peak_memory(index as i32, &mut allocated, &mut reserved) })?;
     Ok(CudaPeak { allocated: allocated.max(0) as u64, reserved: reserved.max(0) as u64 })
 }
 
@@ -54,7 +52,7 @@ mod tests {
     fn without_the_cuda_feature_both_say_what_is_missing() {
         let err = super::cuda_device(0).unwrap_err().to_string();
         assert!(err.contains("--features cuda"), "{err}");
-        let err = super::cuda_peak_memory(0, false).unwrap_err().to_string();
+        let err = super::cuda_peak_memory(0).unwrap_err().to_string();
         assert!(err.contains("--features cuda"), "{err}");
     }
 }
