@@ -9,7 +9,9 @@ use std::process::Command;
 fn the_gpu_check_runs_its_sections_on_the_cpu_and_writes_its_report() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("report");
-    let sections = ["env", "fsdp", "shared", "gpt2"];
+    // The shared section (two launchers) is left to `scripts/gpu-bundle.sh --tests`, which runs
+    // every section on the CPU before a GPU is used: here it would add a third to the time.
+    let sections = ["env", "fsdp", "gpt2"];
     let o = Command::new(common::reference_python())
         .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu_check.py"))
         .args(["--runner", env!("CARGO_BIN_EXE_runner"), "--cpu", "--only", &sections.join(",")])
@@ -27,6 +29,4 @@ fn the_gpu_check_runs_its_sections_on_the_cpu_and_writes_its_report() {
     // Each comparison printed its epochs, and the throughput table has both sides.
     assert!(report.contains("| 5 | "), "{report}");
     assert!(report.contains("runner ÷ PyTorch tokens/s"), "{report}");
-    let log = std::fs::read_to_string(out.join("log.txt")).unwrap();
-    assert!(log.contains("--nnodes 2 --node-rank 1"), "the shared section ran two launchers:\n{log}");
 }
