@@ -1,11 +1,9 @@
 //! `.safetensors` files, every one the runner reads or writes (checkpoints' tensor files,
-//! `model.safetensors`, `wrap.init`, the tensors source), through the `safetensors` crate: its
-//! header type and its writer. A file is opened by its header alone and each tensor is read at
+//! `model.safetensors`, `wrap.init`, the tensors source), with the `safetensors` crate's header
+//! type. Files are written as the crate writes them, with direct I/O ([`write`]). A file is opened by its header alone and each tensor is read at
 //! its own byte range, so a reader holds one tensor at a time, never the whole file. Nothing in
 //! a header is trusted: the entries must tile the data exactly (the crate's own rule, checked
 //! here because the crate checks it only over a whole file in memory).
-use std::borrow::Cow;
-use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::fs::File;
 use std::ops::Range;
@@ -13,8 +11,13 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use safetensors::tensor::{Dtype, Metadata, TensorInfo, View};
+use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use tch::{Kind, Tensor};
+
+mod direct;
+mod write;
+
+pub use write::{sort_for_layout, write, Entry};
 
 /// The largest header read: real ones are a few kB per hundred tensors (the crate's own bound).
 const MAX_HEADER: u64 = 100_000_000;
@@ -83,7 +86,10 @@ pub struct TensorFile {
     path: PathBuf,
     /// Where the data starts (8 + the header's length).
     data_start: u64,
-    header: Metadata,
+    /// The header's entries by name, built once: the crate's `Metadata::tensors` builds a new map
+    /// of every name at each call, which made looking up each of a file's N tensors cost N².
+    tensors: HashMap<String, TensorInfo>,
+    metadata: Option<HashMap<String, String>>,
 }
 
 impl TensorFile {
@@ -107,7 +113,9 @@ impl TensorFile {
         }
         let header: Metadata = serde_json::from_slice(&text)
             .map_err(|e| format!("its header is not the JSON of a .safetensors file ({e})"))?;
-        let f = TensorFile { file, path: path.to_owned(), data_start: 8 + header_len, header };
+        let tensors = header.tensors().into_iter().map(|(name, info)| (name, info.clone())).collect();
+        let metadata = header.metadata().clone();
+        let f = TensorFile { file, path: path.to_owned(), data_start: 8 + header_len, tensors, metadata };
         f.check_tiling(len - 8 - header_len)?;
         Ok(f)
     }
@@ -144,18 +152,18 @@ impl TensorFile {
 
     /// The entries in the order of their bytes in the file.
     pub fn entries(&self) -> Vec<(String, &TensorInfo)> {
-        let mut v: Vec<(String, &TensorInfo)> = self.header.tensors().into_iter().collect();
+        let mut v: Vec<(String, &TensorInfo)> = self.tensors.iter().map(|(name, info)| (name.clone(), info)).collect();
         v.sort_by_key(|(_, info)| info.data_offsets);
         v
     }
 
     pub fn info(&self, name: &str) -> Option<&TensorInfo> {
-        self.header.tensors().get(name).copied()
+        self.tensors.get(name)
     }
 
     /// The header's `__metadata__` (string → string).
     pub fn metadata(&self) -> Option<&HashMap<String, String>> {
-        self.header.metadata().as_ref()
+        self.metadata.as_ref()
     }
 
     /// Where `name`'s bytes lie in the file (from its first byte).
@@ -230,120 +238,6 @@ impl TensorFile {
     }
 }
 
-/// One tensor to write: its name, element type and shape, and a function giving its bytes when
-/// the writer reaches it (so that a writer holds one tensor's bytes at a time).
-pub struct Entry<'a> {
-    pub name: String,
-    pub kind: Kind,
-    pub shape: Vec<i64>,
-    /// Its bytes, when the writer reaches it: made then, or lent (a copy the caller keeps).
-    pub bytes: Box<dyn FnMut() -> anyhow::Result<Cow<'a, [u8]>> + 'a>,
-}
-
-impl<'a> Entry<'a> {
-    /// An entry whose bytes are `t`'s (copied to the CPU when written).
-    pub fn of(name: String, t: &'a Tensor) -> Entry<'a> {
-        Entry { name, kind: t.kind(), shape: t.size(), bytes: Box::new(move || Ok(bytes_of(t).into())) }
-    }
-}
-
-/// The order in which the format lays tensors out, and [`write`] asks for their bytes: by
-/// element type (widest first), then by name. Callers whose byte functions are collectives
-/// (every rank calls them in turn) sort their entries with it.
-pub fn sort_for_layout(entries: &mut [Entry]) {
-    entries.sort_by(|a, b| layout_key(b).cmp(&layout_key(a)).then_with(|| a.name.cmp(&b.name)));
-}
-
-fn layout_key(e: &Entry) -> Option<Dtype> {
-    dtype_of(e.kind)
-}
-
-/// A tensor the crate's writer reaches: its bytes are produced when it asks, in the order of
-/// [`sort_for_layout`]; the first error is kept (the writer itself cannot return one).
-struct Lazy<'w, 'a> {
-    index: usize,
-    dtype: Dtype,
-    shape: Vec<usize>,
-    len: usize,
-    entry: &'w RefCell<Entry<'a>>,
-    next: &'w Cell<usize>,
-    failure: &'w RefCell<Option<anyhow::Error>>,
-}
-
-impl View for Lazy<'_, '_> {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    fn data(&self) -> Cow<'_, [u8]> {
-        let fail = |e: anyhow::Error| {
-            self.failure.borrow_mut().get_or_insert(e);
-            Cow::Owned(vec![0u8; self.len])
-        };
-        if self.failure.borrow().is_some() {
-            return Cow::Owned(vec![0u8; self.len]);
-        }
-        if self.next.get() != self.index {
-            return fail(anyhow::anyhow!("the safetensors writer asked for its tensors out of order"));
-        }
-        self.next.set(self.index + 1);
-        match (self.entry.borrow_mut().bytes)() {
-            Ok(b) if b.len() == self.len => b,
-            Ok(b) => {
-                let name = &self.entry.borrow().name;
-                fail(anyhow::anyhow!("`{name}` gave {} bytes, its shape holds {}", b.len(), self.len))
-            }
-            Err(e) => fail(e),
-        }
-    }
-
-    fn data_len(&self) -> usize {
-        self.len
-    }
-}
-
-/// Writes `entries` to `path` (replacing it), sorted by [`sort_for_layout`] and asked for their
-/// bytes in that order, with `metadata` in the header; syncs the file. On an error the file is
-/// removed.
-pub fn write(path: &Path, metadata: Option<HashMap<String, String>>, mut entries: Vec<Entry>) -> anyhow::Result<()> {
-    sort_for_layout(&mut entries);
-    let mut shapes = Vec::with_capacity(entries.len());
-    for e in &entries {
-        let dtype =
-            dtype_of(e.kind).ok_or_else(|| anyhow::anyhow!("`{}` is {:?}: no safetensors type", e.name, e.kind))?;
-        let shape: Vec<usize> = e.shape.iter().map(|&d| d.max(0) as usize).collect();
-        let len = shape.iter().product::<usize>() * dtype.size();
-        shapes.push((dtype, shape, len));
-    }
-    let names: Vec<String> = entries.iter().map(|e| e.name.clone()).collect();
-    let cells: Vec<RefCell<Entry>> = entries.into_iter().map(RefCell::new).collect();
-    let (next, failure) = (Cell::new(0), RefCell::new(None));
-    let views = shapes.into_iter().zip(&cells).enumerate().map(|(index, ((dtype, shape, len), entry))| Lazy {
-        index,
-        dtype,
-        shape,
-        len,
-        entry,
-        next: &next,
-        failure: &failure,
-    });
-    let written = safetensors::serialize_to_file(names.iter().zip(views), &metadata, path)
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .and_then(|()| Ok(File::open(path)?.sync_all()?));
-    let result = match (written, failure.into_inner()) {
-        (_, Some(e)) | (Err(e), None) => Err(e),
-        (Ok(()), None) => Ok(()),
-    };
-    if result.is_err() {
-        let _ = std::fs::remove_file(path);
-    }
-    result.map_err(|e| e.context(format!("cannot write {}", path.display())))
-}
-
 /// For rows `rows` of an array of `shape` and `kind`: their shape, the bytes before them and
 /// their bytes; or why they are not rows of it.
 pub fn row_bytes(shape: &[i64], kind: Kind, rows: &Range<i64>) -> Result<(Vec<i64>, u64, u64), String> {
@@ -364,48 +258,4 @@ pub fn shape_bytes(shape: &[i64], kind: Kind) -> Result<u64, String> {
     let n = shape.iter().try_fold(1u64, |n, &d| u64::try_from(d).ok().and_then(|d| n.checked_mul(d)));
     n.and_then(|n| n.checked_mul(kind.elt_size_in_bytes() as u64))
         .ok_or(format!("shape {shape:?} is not a shape of an array that fits in memory"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tensors_written_read_back_by_byte_range_and_in_the_layout_order() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.safetensors");
-        let a = Tensor::arange(6, (Kind::Float, tch::Device::Cpu)).view([2, 3]);
-        let b = Tensor::from(7i64);
-        let c = Tensor::ones([4], (Kind::Double, tch::Device::Cpu));
-        let entries = vec![Entry::of("z.a".into(), &a), Entry::of("b".into(), &b), Entry::of("c".into(), &c)];
-        let meta = HashMap::from([("k".to_owned(), "v".to_owned())]);
-        write(&path, Some(meta), entries).unwrap();
-        let f = TensorFile::open(&path).unwrap();
-        let names: Vec<String> = f.entries().into_iter().map(|(n, _)| n).collect();
-        // Int64 and float64 (8 bytes) before float32; then by name.
-        assert_eq!(names, ["b", "c", "z.a"]);
-        assert!(f.tensor("z.a", 1 << 20).unwrap().equal(&a));
-        assert_eq!(f.tensor("b", 1 << 20).unwrap().int64_value(&[]), 7);
-        assert_eq!(f.metadata().unwrap()["k"], "v");
-        let r = f.range("c").unwrap();
-        assert_eq!(r.end - r.start, 32);
-        // tch's own reader agrees.
-        let theirs: HashMap<String, Tensor> = Tensor::read_safetensors(&path).unwrap().into_iter().collect();
-        assert!(theirs["c"].equal(&c));
-    }
-
-    #[test]
-    fn a_failing_byte_function_leaves_no_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.safetensors");
-        let entry = Entry {
-            name: "x".into(),
-            kind: Kind::Float,
-            shape: vec![2],
-            bytes: Box::new(|| Err(anyhow::anyhow!("gather failed"))),
-        };
-        let e = write(&path, None, vec![entry]).unwrap_err();
-        assert!(format!("{e:#}").contains("gather failed"), "{e:#}");
-        assert!(!path.exists());
-    }
 }
