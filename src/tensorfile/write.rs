@@ -147,7 +147,8 @@ mod tests {
         let bytes: Vec<(&str, Vec<u8>, Dtype, Vec<usize>)> = [("w", &a), ("b", &b), ("a.c", &c)]
             .map(|(n, t)| (n, bytes_of(t), dtype_of(t.kind()).unwrap(), t.size().iter().map(|&d| d as usize).collect()))
             .into();
-        let views = bytes.iter().map(|(n, b, d, s)| (*n, safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()));
+        let views =
+            bytes.iter().map(|(n, b, d, s)| (*n, safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()));
         assert_eq!(std::fs::read(&path).unwrap(), safetensors::serialize(views, &Some(meta)).unwrap());
     }
 
