@@ -101,7 +101,9 @@ mod tests {
     /// have direct I/O, the file is written with it.
     #[test]
     fn any_length_is_written_whole_and_exact() {
-        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR").to_owned() + "/target").unwrap();
+        let target = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+        std::fs::create_dir_all(&target).unwrap();
+        let dir = tempfile::tempdir_in(target).unwrap();
         let kind = nix::sys::statfs::statfs(dir.path()).unwrap().filesystem_type();
         let has_direct = [nix::sys::statfs::EXT4_SUPER_MAGIC, nix::sys::statfs::XFS_SUPER_MAGIC].contains(&kind);
         for len in [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, CHUNK - 3, CHUNK, CHUNK + ALIGN + 5, 2 * CHUNK + 17] {

@@ -1,8 +1,8 @@
 //! `.safetensors` files, every one the runner reads or writes (checkpoints' tensor files,
 //! `model.safetensors`, `wrap.init`, the tensors source), with the `safetensors` crate's header
-//! type. Files are written as the crate writes them, with direct I/O ([`write`]). A file is opened by its header alone and each tensor is read at
-//! its own byte range, so a reader holds one tensor at a time, never the whole file. Nothing in
-//! a header is trusted: the entries must tile the data exactly (the crate's own rule, checked
+//! type. Files are written as the crate writes them, with direct I/O ([`write`]). A file is
+//! opened by its header alone and each tensor is read at its own byte range, so a reader holds
+//! one tensor at a time, never the whole file. Nothing in a header is trusted: the entries must tile the data exactly (the crate's own rule, checked
 //! here because the crate checks it only over a whole file in memory).
 use std::collections::HashMap;
 use std::fs::File;

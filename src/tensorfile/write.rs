@@ -45,40 +45,45 @@ fn layout_key(e: &Entry) -> Option<Dtype> {
 /// removed.
 pub fn write(path: &Path, metadata: Option<HashMap<String, String>>, mut entries: Vec<Entry>) -> anyhow::Result<()> {
     sort_for_layout(&mut entries);
-    let result = header(&metadata, &entries).and_then(|header| {
+    let result = (|| {
+        let layout = entries.iter().map(layout_of).collect::<anyhow::Result<Vec<_>>>()?;
+        let header = header(&metadata, &entries, &layout)?;
         let mut file = DirectFile::create(path)?;
         file.write_all(&(header.len() as u64).to_le_bytes())?;
         file.write_all(&header)?;
-        for e in &mut entries {
-            let want = info(e)?.1;
+        for (e, (_, _, want)) in entries.iter_mut().zip(&layout) {
             let bytes = (e.bytes)()?;
-            anyhow::ensure!(bytes.len() == want, "`{}` gave {} bytes, its shape holds {want}", e.name, bytes.len());
+            anyhow::ensure!(bytes.len() == *want, "`{}` gave {} bytes, its shape holds {want}", e.name, bytes.len());
             file.write_all(&bytes)?;
         }
         Ok(file.finish()?)
-    });
+    })();
     if result.is_err() {
         let _ = std::fs::remove_file(path);
     }
     result.map_err(|e| e.context(format!("cannot write {}", path.display())))
 }
 
-/// An entry's element type and byte length.
-fn info(e: &Entry) -> anyhow::Result<(Dtype, usize)> {
+/// An entry's element type, shape and byte length in the format.
+fn layout_of(e: &Entry) -> anyhow::Result<(Dtype, Vec<usize>, usize)> {
     let dtype = dtype_of(e.kind).ok_or_else(|| anyhow::anyhow!("`{}` is {:?}: no safetensors type", e.name, e.kind))?;
-    let len = e.shape.iter().map(|&d| d.max(0) as usize).product::<usize>() * dtype.size();
-    Ok((dtype, len))
+    let shape: Vec<usize> = e.shape.iter().map(|&d| d.max(0) as usize).collect();
+    let len = shape.iter().product::<usize>() * dtype.size();
+    Ok((dtype, shape, len))
 }
 
-/// The header of `entries` laid out in order: its JSON as the crate writes it (`__metadata__`
-/// first), padded with spaces to a multiple of 8 bytes.
-fn header(metadata: &Option<HashMap<String, String>>, entries: &[Entry]) -> anyhow::Result<Vec<u8>> {
+/// The header of `entries` laid out in order (`layout`: each one's [`layout_of`]): its JSON as
+/// the crate writes it (`__metadata__` first), padded with spaces to a multiple of 8 bytes.
+fn header(
+    metadata: &Option<HashMap<String, String>>,
+    entries: &[Entry],
+    layout: &[(Dtype, Vec<usize>, usize)],
+) -> anyhow::Result<Vec<u8>> {
     let mut tensors = Vec::with_capacity(entries.len());
     let mut offset = 0;
-    for e in entries {
-        let (dtype, len) = info(e)?;
-        let shape = e.shape.iter().map(|&d| d.max(0) as usize).collect();
-        tensors.push((e.name.as_str(), TensorInfo { dtype, shape, data_offsets: (offset, offset + len) }));
+    for (e, (dtype, shape, len)) in entries.iter().zip(layout) {
+        let info = TensorInfo { dtype: *dtype, shape: shape.clone(), data_offsets: (offset, offset + len) };
+        tensors.push((e.name.as_str(), info));
         offset += len;
     }
     let mut json = serde_json::to_vec(&Header { metadata, tensors })?;
@@ -104,6 +109,7 @@ impl Serialize for Header<'_> {
         map.end()
     }
 }
+
 #[cfg(test)]
 mod tests {
     use super::super::TensorFile;
