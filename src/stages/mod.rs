@@ -117,6 +117,7 @@ pub fn run(
                 }
             }
         }
+        checkpoint::memory_counters(rank, "interval")?;
         crate::dist::memory::phase();
         let out = trainer.finish(iv)?;
         let epoch = clock.epoch(done - 1);
