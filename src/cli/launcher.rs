@@ -18,6 +18,15 @@ use super::run::{prepare_run_dir, Claim};
 
 pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
     announce(plan, run_dir);
+    if let Some((addr, port)) = topology.master.as_ref().filter(|_| topology.nnodes > 1) {
+        let from = topology.engine.as_ref().map(|e| format!(", from {e}")).unwrap_or_default();
+        crate::say!(
+            "nodes: {} × {} ranks, this is node {}; node 0 at {addr}:{port}{from}",
+            topology.nnodes,
+            plan.world_size() / topology.nnodes,
+            topology.node_rank
+        );
+    }
     if let Some(sweep) = std::env::var(crate::launch::env::SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {
         // Started by `runner sweep`: its end (even by SIGKILL) interrupts this run.
         let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM);

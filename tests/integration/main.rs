@@ -12,6 +12,7 @@ mod config_errors;
 mod dist;
 mod docs;
 mod docs_output;
+mod engines;
 mod eval;
 mod extends;
 mod fsdp;
