@@ -42,6 +42,7 @@ mod run;
 mod rundir;
 mod search;
 mod slurm;
+mod slurm_hosts;
 mod steps;
 mod supervision;
 mod sweep;
