@@ -105,9 +105,19 @@ fn number(var: &dyn Fn(&str) -> Option<String>, name: &str, what: &str) -> Resul
     Ok(Some(Said { value, from: format!("{name}={value}") }))
 }
 
-fn nodes(var: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<Said<Nodes>>, String> {
+/// A number of nodes; with `elastic`, also torchrun's MIN:MAX.
+fn nodes(
+    var: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+    engine: &str,
+    elastic: bool,
+) -> Result<Option<Said<Nodes>>, String> {
     let Some(v) = var(name) else { return Ok(None) };
-    let value: Nodes = v.trim().parse().map_err(|e| format!("{name}={v:?}: {e} (the number of nodes, or MIN:MAX)"))?;
+    let value = match v.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Nodes { min: n, max: n },
+        _ if elastic && v.contains(':') => v.trim().parse().map_err(|e| format!("{name}={v:?}: {e}"))?,
+        _ => return Err(format!("{name}={v:?} is not a number (it gives --nnodes under {engine})")),
+    };
     Ok(Some(Said { value, from: format!("{name}={}", v.trim()) }))
 }
 
@@ -123,7 +133,7 @@ fn text(var: &dyn Fn(&str) -> Option<String>, name: &str) -> Option<Said<String>
 
 /// A batch script's or a task's Slurm job (not a step of srun, which [`slurm::Step`] reads).
 fn slurm_said(var: &dyn Fn(&str) -> Option<String>) -> Result<Option<Layout>, String> {
-    let nnodes = nodes(var, "SLURM_NNODES")?;
+    let nnodes = nodes(var, "SLURM_NNODES", "Slurm", false)?;
     if nnodes.is_none() {
         return Ok(None);
     }
@@ -158,7 +168,7 @@ fn trainjob_said(var: &dyn Fn(&str) -> Option<String>) -> Result<Option<Layout>,
     };
     Ok(Some(Layout {
         engines: vec!["Kubeflow TrainJob"],
-        nnodes: nodes(var, "PET_NNODES")?,
+        nnodes: nodes(var, "PET_NNODES", "Kubeflow TrainJob", true)?,
         node_rank: number(var, "PET_NODE_RANK", "the node's index")?,
         master_addr: text(var, "PET_MASTER_ADDR"),
         master_port: port(var, "PET_MASTER_PORT")?,
@@ -261,7 +271,8 @@ mod tests {
     #[test]
     fn malformed_values_are_named() {
         let err = layout(&[("PET_NNODES", "two")]).unwrap_err();
-        assert!(err.starts_with("PET_NNODES=\"two\""), "{err}");
+        assert_eq!(err, "PET_NNODES=\"two\" is not a number (it gives --nnodes under Kubeflow TrainJob)");
+        assert_eq!(layout(&[("PET_NNODES", "1:3")]).unwrap().nnodes.unwrap().value, Nodes { min: 1, max: 3 });
         let err = layout(&[("PET_MASTER_PORT", "99999")]).unwrap_err();
         assert!(err.contains("PET_MASTER_PORT=\"99999\" is not a port number"), "{err}");
         assert_eq!(layout(&[]).unwrap(), Layout::default());
