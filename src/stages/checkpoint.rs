@@ -278,7 +278,7 @@ pub fn write_model(
     let path = run_dir.join(file);
     let tmp = crate::rundir::tmp_path(&path);
     // The preprocessing travels in the model file's metadata: the file alone is usable.
-    let pre = std::fs::read_to_string(run_dir.join(crate::predict::PREPROCESSING)).ok();
+    let pre = std::fs::read_to_string(run_dir.join(crate::rundir::PREPROCESSING)).ok();
     let meta = pre.map(|p| HashMap::from([("runner.preprocessing".to_owned(), p)]));
     tensorfile::write(&tmp, meta, entries)?;
     crate::rundir::commit(&tmp, &path)
