@@ -40,7 +40,7 @@ fn compare(dir: &Path, name: &str, x: &Tensor) -> bool {
 }
 
 fn windows(dir: &Path) -> Tensor {
-    let _ = tch::manual_seed(5);
+    tch::manual_seed(5);
     let ids = Tensor::randint(256, [4, SEQ as i64 + 1], (Kind::Int64, tch::Device::Cpu));
     let (x, y) = (ids.narrow(1, 0, SEQ as i64), ids.narrow(1, 1, SEQ as i64));
     save_windows(&dir.join("windows.safetensors"), &(x.contiguous(), y.contiguous()));
