@@ -95,7 +95,8 @@ pub struct ExportArgs {
 
 #[derive(Debug, Args)]
 pub struct EvalArgs {
-    /// The run directory of a language model (results/<name>/<run-id>).
+    /// The run directory of a language model (results/<name>/<run-id>), or a Hugging Face model
+    /// directory (config.json and its weights; a text is encoded with its tokenizer.json).
     #[arg(required_unless_present = "job")]
     pub run_dir: Option<PathBuf>,
     /// A token file (.bin of uint16 ids, .npy) or a UTF-8 text, encoded with the run's tokenizer.
@@ -104,9 +105,12 @@ pub struct EvalArgs {
     /// Ranks sharing the windows [default: the run's run.world_size]
     #[arg(long, value_name = "N")]
     pub world_size: Option<usize>,
-    /// Windows per forward pass on each rank [default: the run's train.batch_size]
+    /// Windows per forward pass on each rank [default: the run's train.batch_size; 8 for a model directory]
     #[arg(long, value_name = "N")]
     pub batch_size: Option<usize>,
+    /// Tokens per window [default: the run's wrap.model.seq_len; a model directory's max_position_embeddings]
+    #[arg(long, value_name = "N")]
+    pub seq_len: Option<usize>,
     /// Print the results as one JSON object.
     #[arg(long)]
     pub json: bool,

@@ -21,6 +21,7 @@ mod fsdp_memory;
 mod gpu;
 mod gpu_check;
 mod hf;
+mod hf_files;
 mod hostile;
 mod hostile_files;
 mod hostile_sharded;
