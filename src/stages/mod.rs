@@ -136,7 +136,7 @@ pub fn run(
         if verdict == Some(recipe::Verdict::Improved) {
             trainer.position.set("write best model", epoch, 0);
             let w = &trainer.wrapped;
-            checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::BEST_MODEL)?;
+            checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::BEST_MODEL, done)?;
         }
         if checkpoint_due(plan, &clock, done) || (preempted.is_some() && done < clock.total) {
             if preempted.is_none() && done < clock.total && preempt::rejoin_wanted(pg, device)? {
@@ -163,7 +163,7 @@ pub fn run(
     trainer.position.set("write model", clock.epoch(done.max(1) - 1), 0);
     background.wait()?;
     let w = &trainer.wrapped;
-    checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::MODEL)?;
+    checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::MODEL, done)?;
     tracker.finish(run_dir);
     Ok(rows)
 }
