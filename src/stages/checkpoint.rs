@@ -56,6 +56,7 @@ pub fn save(
     let epoch = clock.epoch(done - 1);
     // Every rank takes part: the bucket layout is read on each (it is the same on all).
     let buckets = trainer.wrapped.strategy.bucket_layout()?;
+    let interval_s = partial.as_ref().map(|mine| mine.seconds);
     let partial = partial.map(|mine| gather_partials(pg, mine)).transpose()?;
     let position = if clock.random {
         format!("random windows, step {done}")
@@ -75,6 +76,7 @@ pub fn save(
         steps: steps.to_vec(),
         buckets,
         partial: partial.is_some(),
+        interval_s,
     };
     let w = &trainer.wrapped;
     let mut pieces = w.strategy.state_pieces(plan, pg, &w.vs, &w.optimizer)?;
@@ -123,6 +125,7 @@ fn gather_partials(pg: &ProcessGroup, mine: Partial) -> anyhow::Result<Vec<Parti
                 correct: part(1),
                 weights: part(2),
                 norms: v[3 * rows..3 * rows + norms].to_vec(),
+                seconds: 0.0,
             }
         })
         .collect())
@@ -215,6 +218,8 @@ fn partial_for(reader: &Reader, plan: &Plan, rank: usize) -> anyhow::Result<Opti
             correct: f32s("correct")?,
             weights: f32s("weights")?,
             norms: floats(format!("trace.partial.{k}.norms"))?,
+            // Rank 0's time so far (a checkpoint of an older runner does not say: 0).
+            seconds: r.interval_s.unwrap_or(0.0),
         })
     };
     let old = r.layout;
@@ -223,7 +228,8 @@ fn partial_for(reader: &Reader, plan: &Plan, rank: usize) -> anyhow::Result<Opti
     }
     let per_copy = old.ranks_per_copy.max(1);
     let (old_copies, new_copies) = (old.world_size / per_copy, plan.layout.world_size);
-    let mut folded = Partial { norms: load(0)?.norms, ..Partial::default() };
+    let first = load(0)?;
+    let mut folded = Partial { norms: first.norms, seconds: first.seconds, ..Partial::default() };
     for k in (plan.replica(rank)..old_copies).step_by(new_copies) {
         let p = load(k * per_copy + per_copy - 1)?;
         folded.losses.extend(p.losses);
