@@ -58,7 +58,9 @@ pub fn trace_of(run_dir: &Path, at: At, metric: &str, failures: bool) -> TrialTr
     let n = at.rungs();
     let mut out = TrialTrace { outcomes: vec![None; n], steps: vec![None; n], failure: None };
     let manifest = Manifest::read(run_dir).ok();
-    if let Ok(rows) = rank0_rows(run_dir, metric) {
+    let committed = committed_step(run_dir, manifest.as_ref());
+    if let Ok(mut rows) = rank0_rows(run_dir, metric) {
+        rows.retain(|row| committed.is_none_or(|last| row.step <= last));
         for k in 0..n {
             let row = match at {
                 At::End => rows.last().filter(|_| manifest.as_ref().is_some_and(|m| m.status == RunStatus::Complete)),
@@ -86,6 +88,23 @@ pub fn trace_of(run_dir: &Path, at: At, metric: &str, failures: bool) -> TrialTr
         }
     }
     out
+}
+
+/// The last step whose rows count as done in `run_dir` (`None`: all of them): a rung is done
+/// only once its checkpoint and its model are committed. A run that is not complete (a promotion
+/// stopped after its last trace row, before its final checkpoint and model) counts up to the
+/// step its model.safetensors was written after, and nothing without one; a model file of an
+/// older runner, which does not say its step, counts every row as before.
+fn committed_step(run_dir: &Path, manifest: Option<&Manifest>) -> Option<u64> {
+    if manifest.is_none_or(|m| m.status == RunStatus::Complete) {
+        return None;
+    }
+    let model = run_dir.join(crate::rundir::MODEL);
+    if !model.exists() {
+        return Some(0);
+    }
+    let file = crate::tensorfile::TensorFile::open(&model).ok()?;
+    file.metadata()?.get(crate::predict::MODEL_STEP)?.parse().ok()
 }
 
 struct Row {
