@@ -295,10 +295,10 @@ pub fn sweep(
     opts: &super::Options,
     runs: &super::Runs,
 ) -> anyhow::Result<u8> {
-    let mut write_index = |studies: &[drive::Study]| -> anyhow::Result<()> {
+    let mut write_index = |studies: &[drive::Study], ran: bool| -> anyhow::Result<()> {
         let trials: Vec<(&Point, &trial::Trial)> =
             studies.iter().flat_map(|s| s.trials.iter().map(move |t| (s.at, t))).collect();
-        index(experiment, search, dir, points, &trials).write(dir)
+        index(experiment, search, dir, points, &trials).write(dir, ran)
     };
     let how = drive::Options { force: opts.force, fail_fast: opts.fail_fast };
     let finished = drive::run(experiment, search, points, dir, runs, how, &mut write_index)?;
