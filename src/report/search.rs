@@ -177,9 +177,13 @@ pub fn reached(trace: &TrialTrace) -> Option<(usize, Outcome)> {
     trace.outcomes.iter().enumerate().rev().find_map(|(k, o)| o.map(|o| (k, o)))
 }
 
-/// The status as the table says it.
+/// The status as the table says it; a failure's whole reason, its lines joined (a message's first
+/// line is often only "invalid configuration:").
 pub fn status_text(t: &Trial) -> String {
-    let why = || t.trace.failure.as_deref().and_then(|f| f.lines().next()).unwrap_or("see its run.log").to_owned();
+    let why = || match t.trace.failure.as_deref().map(one_line) {
+        Some(why) if !why.is_empty() => why,
+        _ => "see its run.log".to_owned(),
+    };
     let text = match t.status {
         Status::Complete => "complete".to_owned(),
         Status::Stopped(k) => format!("stopped at rung {k}"),
@@ -192,6 +196,11 @@ pub fn status_text(t: &Trial) -> String {
     } else {
         text
     }
+}
+
+/// A message of several lines as one: each line trimmed, empty ones dropped.
+fn one_line(text: &str) -> String {
+    text.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
 }
 
 /// A number with four significant digits, as the table shows it.
@@ -294,5 +303,25 @@ mod tests {
         assert_eq!(short("64"), "64");
         assert_eq!(short("[64, 32]"), "[64, 32]");
         assert_eq!(relative_up("../pipelines/p.toml", "world_size=2"), "../../pipelines/p.toml");
+    }
+
+    #[test]
+    fn a_failed_trial_shows_its_whole_reason() {
+        let failure =
+            "p.toml: invalid configuration:\n  `train.lr` (search [search.space] train.lr=-1.0): must be above 0\n";
+        let trace =
+            TrialTrace { outcomes: vec![Some(Outcome::Failed)], steps: vec![None], failure: Some(failure.into()) };
+        let t = Trial {
+            group: String::new(),
+            dir: "trial-000".into(),
+            values: vec![],
+            trace,
+            status: Status::Failed(0),
+            best: false,
+        };
+        assert_eq!(
+            status_text(&t),
+            "failed at rung 0: p.toml: invalid configuration: `train.lr` (search [search.space] train.lr=-1.0): must be above 0"
+        );
     }
 }

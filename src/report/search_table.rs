@@ -115,7 +115,8 @@ fn table(search: &SearchIndex, trials: &[&Trial]) -> String {
             Some((k, o)) => (budget_of(search, t, k), value_text(o)),
             None => ("—".into(), "—".into()),
         };
-        cells.extend([budget, value, status_text(t)]);
+        // A reason may hold a `|`, which would end the cell.
+        cells.extend([budget, value, status_text(t).replace('|', "\\|")]);
         out += &format!("| {} |\n", cells.join(" | "));
     }
     out

@@ -380,3 +380,26 @@ fn the_committed_search_reproduces() {
         "{out}"
     );
 }
+
+/// A value the pipeline's plan refuses (a world size of 0, a learning rate below 0) is refused
+/// before the first trial, each with its whole reason: a trial does not fail on it later.
+#[test]
+fn every_choice_and_range_end_is_planned_before_the_first_trial() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", PIPELINE);
+    let space = "\"run.world_size\" = { choice = [0, 1] }\n\"train.lr\" = { uniform = [-0.5, 0.1] }\n";
+    let file = format!("pipeline = \"p.toml\"\n\n[search]\nmethod = \"random\"\ntrials = 2\nmetric = \"val_loss\"\n\n[search.space]\n{space}");
+    write(dir.path(), "e.toml", &file);
+    let o = run(&["sweep", "e.toml", "--out", "s"], dir.path());
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    for line in [
+        "e.toml: [search.space] gives 2 values that cannot run; nothing was run.",
+        "  `run.world_size` = 0 (one of its choices) cannot run:\n    p.toml: invalid configuration:\n      \
+         `run.world_size` (search [search.space] run.world_size=0): must be at least 1",
+        "  `train.lr` = -0.5 (its low end) cannot run:",
+    ] {
+        assert!(err.contains(line), "expected\n{line}\nin\n{err}");
+    }
+    assert!(!dir.path().join("s").exists(), "nothing runs");
+}
