@@ -15,6 +15,15 @@ struct Case {
 
 const CASES: &[Case] = &[
     Case {
+        name: "a peak no device has",
+        file: "",
+        args: &["--set", "run.peak_tflops=1e-30"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `run.peak_tflops` (--set run.peak_tflops=1e-30): must be between \
+                   0.001 (1 GFLOP/s) and 1000000 TFLOP/s, got 1e-30: give the device's peak matrix-product rate in \
+                   TFLOP/s (989 for an H100's dense bfloat16), or leave it out to measure it",
+    },
+    Case {
         name: "misspelled key in the file",
         file: "[validate]\nevry = 2\n",
         args: &[],

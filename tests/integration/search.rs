@@ -316,7 +316,7 @@ fn report_rebuilds_the_search_from_its_traces() {
 #[test]
 fn bad_searches_are_refused_naming_the_key_and_the_line() {
     let lr = "\"train.lr\" = { log_uniform = [0.001, 0.1] }";
-    let cases: [(&str, &str, &str); 7] = [
+    let cases: [(&str, &str, &str); 8] = [
         (
             "trials = 5\nmetric = \"val_loss\"",
             "\"train.lr\" = { uniform = [0.1, 0.01] }",
@@ -353,6 +353,12 @@ fn bad_searches_are_refused_naming_the_key_and_the_line() {
             "\"wrap.model.hidden\" = { choice = [[8], [16]] }\n\"train.optimizer\" = { choice = [\"sgd\", \"adam\"] }",
             "e.toml:5: trials = 5, but the space holds 4 points (integers and choices only) and random search draws \
              each at most once: give trials ≤ 4, or run every point as a grid with [sweep]",
+        ),
+        (
+            "trials = 100000000000\nmetric = \"val_loss\"",
+            lr,
+            "e.toml:4: trials = 100000000000: at most 10000 at each point (each is a run directory of its own): give \
+             fewer, or run several searches with other seeds",
         ),
     ];
     for (keys, space, message) in cases {
@@ -402,4 +408,26 @@ fn every_choice_and_range_end_is_planned_before_the_first_trial() {
         assert!(err.contains(line), "expected\n{line}\nin\n{err}");
     }
     assert!(!dir.path().join("s").exists(), "nothing runs");
+}
+
+/// `direction` against the metric's own is accepted (the file may mean it), and the sweep's
+/// first lines say so.
+#[test]
+fn a_direction_against_the_metric_is_said_before_the_search() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", PIPELINE);
+    let file = "pipeline = \"p.toml\"\n\n[search]\ntrials = 3\nmetric = \"val_loss\"\ndirection = \"maximize\"\n\n\
+                [search.space]\n\"train.lr\" = { log_uniform = [0.01, 0.1] }\n";
+    write(dir.path(), "e.toml", file);
+    // --check of a sweep never run: the plan is said, then nothing runs.
+    let o = run(&["sweep", "e.toml", "--out", "s", "--check"], dir.path());
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}\n{err}");
+    assert!(
+        out.contains(
+            "optimising val_loss (higher is better)\nnote: direction = \"maximize\" on val_loss, which is minimized by \
+             default: the search keeps the trials with the highest val_loss\n"
+        ),
+        "{out}"
+    );
 }

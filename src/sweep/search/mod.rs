@@ -317,8 +317,26 @@ pub fn sweep(
     Ok(if table.is_ok() { 0 } else { 1 })
 }
 
-/// The line `runner sweep` starts with: the search, its scheduler and its parallelism.
+/// The line `runner sweep` starts with: the search, its scheduler and its parallelism; and a
+/// note where `direction` goes against the metric's own (accepted: the file may mean it).
 pub fn describe(search: &Search) -> String {
+    let s = &search.spec;
+    let own = spec::direction_of(&s.metric).map(|d| d == spec::Direction::Minimize);
+    let note = match own {
+        Some(own) if own != s.minimize => format!(
+            "\nnote: direction = \"{}\" on {}, which is {}d by default: the search keeps the trials with the {} {}",
+            if s.minimize { "minimize" } else { "maximize" },
+            s.metric,
+            if own { "minimize" } else { "maximize" },
+            if s.minimize { "lowest" } else { "highest" },
+            s.metric
+        ),
+        _ => String::new(),
+    };
+    summary(search) + &note
+}
+
+fn summary(search: &Search) -> String {
     let s = &search.spec;
     let method = match s.sampler {
         crate::search::Sampler::Random => "random".to_owned(),
