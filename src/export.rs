@@ -79,7 +79,8 @@ impl Out<'_> {
 pub fn export(run_dir: &Path, out: &Path, max_shard: u64) -> anyhow::Result<u8> {
     let plan = Plan::load(&run_dir.join(crate::rundir::PLAN))?;
     let Model::Transformer(t) = &plan.config.wrap.model else {
-        anyhow::bail!("export --hf writes a language model, but this run trained a {}", plan.model().describe());
+        let why = format!("export --hf writes a language model, but this run trained a {}", plan.model().describe());
+        return Err(crate::config::ConfigError::new(why).into());
     };
     let spec = Spec::of(t);
     let arch = Arch::of(&spec).map_err(|e| anyhow::anyhow!("{e}: Hugging Face has no class for it"))?;
@@ -95,7 +96,8 @@ pub fn export(run_dir: &Path, out: &Path, max_shard: u64) -> anyhow::Result<u8> 
         );
     }
     if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
-        anyhow::bail!("{} already exists and is not empty: give a new directory", out.display());
+        let why = format!("{} already exists and is not empty: give a new directory", out.display());
+        return Err(crate::config::ConfigError::new(why).into());
     }
     let mappings = arch.mappings(&spec, if arch == Arch::Gpt2 { "transformer." } else { "" });
     let tensors: Vec<Out> = mappings

@@ -76,7 +76,8 @@ pub struct Results {
 pub fn eval(run_dir: &Path, data: &Path, o: &Options) -> anyhow::Result<u8> {
     let plan = Plan::load(&run_dir.join(crate::rundir::PLAN))?;
     let Model::Transformer(t) = &plan.config.wrap.model else {
-        anyhow::bail!("runner eval measures a language model, not this run's {}", plan.model().describe());
+        let why = format!("runner eval measures a language model, not this run's {}", plan.model().describe());
+        return Err(ConfigError::new(why).into());
     };
     crate::predict::trained_model(run_dir)?;
     let world = o.world_size.unwrap_or(plan.world_size());
@@ -91,13 +92,15 @@ pub fn eval(run_dir: &Path, data: &Path, o: &Options) -> anyhow::Result<u8> {
     let tmp = tempfile::Builder::new().prefix("runner-eval-").tempdir().context("cannot make a temporary folder")?;
     let (stream, seq_len) = (token_stream(&plan, t.vocab, data, tmp.path())?, t.seq_len);
     let windows = stream.windows(seq_len);
-    anyhow::ensure!(
-        windows > 0,
-        "{} holds {} tokens, and one window needs seq_len + 1 = {}",
-        data.display(),
-        stream.len,
-        seq_len + 1
-    );
+    if windows == 0 {
+        let why = format!(
+            "{} holds {} tokens, and one window needs seq_len + 1 = {}: give a longer text",
+            data.display(),
+            stream.len,
+            seq_len + 1
+        );
+        return Err(ConfigError::new(why).into());
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = plan.config.run.threads_per_rank.unwrap_or((cores / world).max(1));
     let job = Job {

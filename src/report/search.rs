@@ -222,12 +222,13 @@ pub fn short(text: &str) -> String {
 pub fn write(dir: &Path, index: &Index, search: &SearchIndex) -> anyhow::Result<String> {
     let trials = trials(dir, index, search);
     if trials.iter().all(|t| reached(&t.trace).is_none()) {
-        anyhow::bail!(
+        let why = format!(
             "{} has no trial with a result to report on ({} trials: run `runner sweep {}` first)",
             dir.display(),
             trials.len(),
             index.experiment
         );
+        return Err(crate::config::ConfigError::new(why).into());
     }
     let md = super::search_table::markdown(index, search, &trials);
     let mut frame = super::search_table::frame(search, &trials)?;
