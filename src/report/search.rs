@@ -275,7 +275,8 @@ fn best_toml(index: &Index, search: &SearchIndex, i: usize, trial: &Trial) -> an
         _ => String::new(),
     };
     let head = format!(
-        "# The best trial of {} ({}: {result}), as a pipeline file written by `runner report`:\n\
+        "# The best trial of {} ({}: {result}), as a pipeline file that `runner sweep` and `runner report` write\n\
+         # from the trials' traces:\n\
          # `runner run` it to train the same run again, to the trial's full budget.\n\
          extends = {}\n\n",
         index.experiment,
