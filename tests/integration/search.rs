@@ -431,3 +431,27 @@ fn a_direction_against_the_metric_is_said_before_the_search() {
         "{out}"
     );
 }
+
+/// table.md says which trial is best and why it is not the lowest value in the table; best.toml
+/// names both commands that write it (`runner sweep` does, after the search, as `runner report`).
+#[test]
+fn the_report_explains_its_best_trial() {
+    let committed = Path::new(env!("CARGO_MANIFEST_DIR")).join("results/search");
+    let dir = tempfile::tempdir().unwrap();
+    copy_tree(&committed, &dir.path().join("search"));
+    assert_ok(&run(&["report", "search"], dir.path()));
+    let table = read(&dir.path().join("search/table.md"));
+    assert!(
+        table.contains(
+            "The best is the lowest val_loss among the trials at the highest rung reached (9 epochs), not across the \
+             table: a trial stopped at a lower rung shows its value after a shorter run.\n"
+        ),
+        "{table}"
+    );
+    let best = read(&dir.path().join("search/best.toml"));
+    assert!(
+        best.contains("as a pipeline file that `runner sweep` and `runner report` write\n# from the trials' traces:"),
+        "{best}"
+    );
+    assert!(!best.contains("written by `runner report`"), "{best}");
+}
