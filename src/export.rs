@@ -22,20 +22,29 @@ use crate::tokenizer::{Tokenizer, Vocabulary, END_OF_TEXT, TOKENIZER};
 /// transformers' own default shard size.
 pub const DEFAULT_SHARD: &str = "50GB";
 
-/// "50GB", "200MB", "10KB" or a number of bytes (decimal units, as transformers reads them).
+/// A size as transformers' `convert_file_size_to_int` reads one: "50GB", "200MB", "10KB"
+/// (decimal), "5GiB", "200MiB", "1KiB" (binary), the units in any case but a decimal one ending
+/// in a lower-case `b`, which counts bits ("5Gb" is 625000000 bytes); here also a bare number of
+/// bytes.
 pub fn parse_size(text: &str) -> Result<u64, String> {
+    let bad =
+        || format!("{text:?} is not a size: give a whole number with GB, MB, KB, GiB, MiB or KiB (\"5GB\"), or bytes");
     let t = text.trim();
     let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
-    let scale = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "KB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
-        _ => return Err(format!("{text:?} is not a size: give bytes, or a number with KB, MB or GB (\"5GB\")")),
+    let (scale, bits) = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => (1, false),
+        "KIB" => (1 << 10, false),
+        "MIB" => (1 << 20, false),
+        "GIB" => (1 << 30, false),
+        "KB" => (1_000, unit.ends_with('b')),
+        "MB" => (1_000_000, unit.ends_with('b')),
+        "GB" => (1_000_000_000, unit.ends_with('b')),
+        _ => return Err(bad()),
     };
-    match digits.parse::<u64>().ok().and_then(|n| n.checked_mul(scale)) {
+    let bytes = digits.parse::<u64>().ok().and_then(|n| n.checked_mul(scale)).map(|n| if bits { n / 8 } else { n });
+    match bytes {
         Some(n) if n > 0 => Ok(n),
-        _ => Err(format!("{text:?} is not a size: give bytes, or a number with KB, MB or GB (\"5GB\")")),
+        _ => Err(bad()),
     }
 }
 
@@ -70,7 +79,8 @@ impl Out<'_> {
 pub fn export(run_dir: &Path, out: &Path, max_shard: u64) -> anyhow::Result<u8> {
     let plan = Plan::load(&run_dir.join(crate::rundir::PLAN))?;
     let Model::Transformer(t) = &plan.config.wrap.model else {
-        anyhow::bail!("export --hf writes a language model, but this run trained a {}", plan.model().describe());
+        let why = format!("export --hf writes a language model, but this run trained a {}", plan.model().describe());
+        return Err(crate::config::ConfigError::new(why).into());
     };
     let spec = Spec::of(t);
     let arch = Arch::of(&spec).map_err(|e| anyhow::anyhow!("{e}: Hugging Face has no class for it"))?;
@@ -86,7 +96,8 @@ pub fn export(run_dir: &Path, out: &Path, max_shard: u64) -> anyhow::Result<u8> 
         );
     }
     if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
-        anyhow::bail!("{} already exists and is not empty: give a new directory", out.display());
+        let why = format!("{} already exists and is not empty: give a new directory", out.display());
+        return Err(crate::config::ConfigError::new(why).into());
     }
     let mappings = arch.mappings(&spec, if arch == Arch::Gpt2 { "transformer." } else { "" });
     let tensors: Vec<Out> = mappings
@@ -247,8 +258,17 @@ mod tests {
     fn sizes_read_as_transformers_reads_them() {
         assert_eq!(parse_size("50GB"), Ok(50_000_000_000));
         assert_eq!(parse_size("200MB"), Ok(200_000_000));
-        assert_eq!(parse_size("10 kb"), Ok(10_000));
+        assert_eq!(parse_size("10KB"), Ok(10_000));
         assert_eq!(parse_size("4096"), Ok(4096));
-        assert!(parse_size("0").is_err() && parse_size("5TB").is_err() && parse_size("GB").is_err());
+        // transformers' binary units, and its bits: a decimal unit ending in a lower-case b
+        // (convert_file_size_to_int gives 1024, 2097152, 3221225472, 1250 and 625000000).
+        assert_eq!(parse_size("1KiB"), Ok(1024));
+        assert_eq!(parse_size("2mib"), Ok(2 << 20));
+        assert_eq!(parse_size("3GiB"), Ok(3 << 30));
+        assert_eq!(parse_size("10 kb"), Ok(1250));
+        assert_eq!(parse_size("5Gb"), Ok(625_000_000));
+        for bad in ["0", "5TB", "GB", "1.5GB", "1 TiB"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -211,7 +211,8 @@ struct Inputs {
 }
 
 fn read_inputs(plan: &Plan, data: &Path, options: &Options) -> anyhow::Result<Inputs> {
-    crate::input::regular_file(data).map_err(anyhow::Error::msg)?;
+    // A data file that cannot be read is the command line's mistake, as a missing pipeline file is.
+    crate::input::regular_file(data).map_err(crate::config::ConfigError::new)?;
     let ext = data.extension().and_then(|e| e.to_str()).unwrap_or_default().to_ascii_lowercase();
     if ext == "npy" || ext == "npz" {
         anyhow::ensure!(

@@ -57,7 +57,8 @@ pub const OUTPUTS: [&str; 6] = ["train.bin", "val.bin", META, TOKENIZER, "train.
 /// wrote. Files already there are replaced only with `force` (then the other files of an earlier
 /// prepare go too), and never the input itself.
 pub fn text(file: &Path, out: &Path, force: bool, choice: &Choice) -> anyhow::Result<u8> {
-    crate::input::regular_file(file).map_err(anyhow::Error::msg)?;
+    // The text named on the command line: a missing one is a usage error (2), as a missing pipeline file.
+    crate::input::regular_file(file).map_err(ConfigError::new)?;
     let known: Vec<PathBuf> = OUTPUTS.iter().map(|name| out.join(name)).collect();
     check_outputs(file, out, &known, force)?;
     // One pass checks the text (UTF-8, not empty) and gathers its characters.
@@ -71,7 +72,9 @@ pub fn text(file: &Path, out: &Path, force: bool, choice: &Choice) -> anyhow::Re
             }
             Ok(())
         })?;
-    anyhow::ensure!(bytes > 0, "{} is empty: there is nothing to prepare", file.display());
+    if bytes == 0 {
+        return Err(ConfigError::new(format!("{} is empty: there is nothing to prepare", file.display())).into());
+    }
     let (vocabulary, vocabulary_file) = match choice {
         Choice::Chars => {
             let meta = Meta::of_chars(chars);
@@ -148,12 +151,13 @@ fn write_split(
             Vocabulary::Chars(_) => format!("holds {chars} character{}", if chars == 1 { "" } else { "s" }),
             _ => format!("encodes to {n} token{}", if n == 1 { "" } else { "s" }),
         };
-        anyhow::bail!(
+        let why = format!(
             "{} {what}: {} (the first 90%) and {} (the rest) need one each at least; give a longer text",
             file.display(),
             names[0],
             names[1]
         );
+        return Err(ConfigError::new(why).into());
     }
     let rest = TokenWriter::create(&staged.place(&val), vocabulary.size()).with_context(|| cannot(&val))?;
     w.split_off(cut, rest).with_context(|| format!("cannot write {} and {}", train.display(), val.display()))

@@ -67,17 +67,22 @@ impl<'v> Decoded<'v> {
 pub fn sample(run_dir: &Path, o: &Options) -> anyhow::Result<u8> {
     let plan = Plan::load(&run_dir.join(crate::rundir::PLAN))?;
     let Model::Transformer(t) = &plan.config.wrap.model else {
-        anyhow::bail!("--prompt samples a language model, but this run trained a {}", plan.model().describe());
+        let why = format!("--prompt samples a language model, but this run trained a {}", plan.model().describe());
+        return Err(crate::config::ConfigError::new(why).into());
     };
-    anyhow::ensure!(
-        o.temperature > 0.0 && o.temperature.is_finite(),
-        "--temperature must be a finite number above 0, got {}",
-        show(o.temperature)
-    );
-    anyhow::ensure!(o.top_k >= 1, "--top-k must be at least 1");
+    // The command line's mistakes: exit code 2, as every usage error.
+    let usage = |why: String| -> anyhow::Error { crate::config::ConfigError::new(why).into() };
+    if !(o.temperature > 0.0 && o.temperature.is_finite()) {
+        return Err(usage(format!("--temperature must be a finite number above 0, got {}", show(o.temperature))));
+    }
+    if o.top_k < 1 {
+        return Err(usage("--top-k must be at least 1".into()));
+    }
     let vocab = plan.read_vocabulary()?;
     let prompt_ids = vocab.encode(&o.prompt).context("--prompt")?;
-    anyhow::ensure!(!prompt_ids.is_empty(), "--prompt is empty: give the model at least one character to continue");
+    if prompt_ids.is_empty() {
+        return Err(usage("--prompt is empty: give the model at least one character to continue".into()));
+    }
     let mut ids: Vec<i64> = prompt_ids.iter().map(|&i| i64::from(i)).collect();
     // Only ids with text are drawn (a model's vocab may be larger than its data's).
     let drawable = vocab.size().min(t.vocab);
@@ -161,11 +166,12 @@ fn draw(logits: &[f64], temperature: f64, top_k: usize, rng: &mut Rng) -> anyhow
     let scaled: Vec<f64> = logits.iter().map(|l| l / temperature).collect();
     if scaled.iter().any(|l| !l.is_finite()) {
         let largest = logits.iter().fold(0.0f64, |m, l| m.max(l.abs()));
-        anyhow::bail!(
+        let why = format!(
             "--temperature {} divides the logits (up to {largest:.3} in size) past the largest float; give a larger \
              temperature",
             show(temperature)
         );
+        return Err(crate::config::ConfigError::new(why).into());
     }
     let mut sorted = scaled.clone();
     sorted.sort_by(|a, b| b.total_cmp(a));

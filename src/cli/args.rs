@@ -88,7 +88,8 @@ pub struct ExportArgs {
     /// transformers' from_pretrained, vLLM and lm-eval load. It must not exist, or be empty.
     #[arg(long, value_name = "OUT_DIR")]
     pub hf: PathBuf,
-    /// Shards of at most this size past it, with model.safetensors.index.json ("5GB", "200MB").
+    /// Shards of at most this size past it, with model.safetensors.index.json ("5GB", "200MB", "512MiB", as
+    /// transformers reads sizes).
     #[arg(long, value_name = "SIZE", default_value = crate::export::DEFAULT_SHARD)]
     pub max_shard_size: String,
 }

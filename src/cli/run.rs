@@ -265,6 +265,11 @@ pub(super) fn prepare_run_dir(
     manifest: &Manifest,
     claim: Claim,
 ) -> anyhow::Result<RunLock> {
+    if run_dir.exists() && !run_dir.is_dir() {
+        let why =
+            format!("{} is a file, not a directory: give --out a directory (new, or this run's)", run_dir.display());
+        return Err(ConfigError::new(why).into());
+    }
     std::fs::create_dir_all(run_dir)
         .with_context(|| format!("cannot create the run directory {}", run_dir.display()))?;
     let lock = lock::acquire(run_dir).map_err(|e| ConfigError::new(e.message(run_dir)))?;

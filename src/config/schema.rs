@@ -85,7 +85,8 @@ pub struct Run {
     /// the trace and the progress line. Absent: on CPU, measured when the rank starts (square
     /// matrix products on the rank's threads in the run's precision, about 0.25 s); on CUDA, the
     /// dense rate of the GPU's model from the runner's table (H100, H200, B200, A100, L40S, L4),
-    /// no MFU for a GPU it does not list. Changes no result: the run id leaves it out.
+    /// no MFU for a GPU it does not list. Between 0.001 and 1000000. Changes no result: the run id
+    /// leaves it out.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_tflops: Option<f64>,
     /// The signal that preempts the run: every rank finishes its step, a checkpoint is written

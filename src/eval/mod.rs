@@ -156,7 +156,8 @@ pub fn eval(run_dir: &Path, data: &Path, o: &Options) -> anyhow::Result<u8> {
 /// (default: the run's) tokens.
 fn run_stream(plan: &Plan, run_dir: &Path, data: &Path, seq_len: Option<usize>, tmp: &Path) -> anyhow::Result<Stream> {
     let Model::Transformer(t) = &plan.config.wrap.model else {
-        anyhow::bail!("runner eval measures a language model, not this run's {}", plan.model().describe());
+        let why = format!("runner eval measures a language model, not this run's {}", plan.model().describe());
+        return Err(ConfigError::new(why).into());
     };
     crate::predict::trained_model(run_dir)?;
     let max = crate::model::transformer::Spec::of(t).max_positions;
@@ -172,13 +173,15 @@ fn run_stream(plan: &Plan, run_dir: &Path, data: &Path, seq_len: Option<usize>, 
 
 /// A stream that holds at least one window of `seq_len` + 1 tokens.
 fn enough(stream: &Stream, data: &Path, seq_len: usize) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        stream.windows(seq_len) > 0,
-        "{} holds {} tokens, and one window needs seq_len + 1 = {}",
-        data.display(),
-        stream.len,
-        seq_len + 1
-    );
+    if stream.windows(seq_len) == 0 {
+        let why = format!(
+            "{} holds {} tokens, and one window needs seq_len + 1 = {}: give a longer text",
+            data.display(),
+            stream.len,
+            seq_len + 1
+        );
+        return Err(ConfigError::new(why).into());
+    }
     Ok(())
 }
 

@@ -2,7 +2,7 @@
 //! per rank.
 use super::Plan;
 use crate::config::schema::*;
-use crate::trace::view::table;
+use crate::trace::view::{fitted_table, terminal_width};
 
 impl Plan {
     pub fn data_flow(&self) -> String {
@@ -44,6 +44,7 @@ impl Plan {
             self.validate_op(),
             "val loss, val accuracy".into(),
         ]);
+        rows.push(self.checkpoint_row());
         format!(
             "run {} ({}): {w} rank{} × {} thread{}\n\n{}{}",
             c.run.name,
@@ -51,7 +52,7 @@ impl Plan {
             if w == 1 { "" } else { "s" },
             self.threads_per_rank,
             if self.threads_per_rank == 1 { "" } else { "s" },
-            table(&["stage", "input", "operation", "output"], &rows),
+            fitted_table(&["stage", "input", "operation", "output"], &rows, terminal_width()),
             self.bubble_note() + &self.memory_note()
         )
     }

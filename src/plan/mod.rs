@@ -12,6 +12,7 @@ pub mod memory;
 mod model;
 mod probe;
 mod recipe;
+mod recovery;
 mod resume;
 mod saved;
 pub mod schedule;

@@ -33,8 +33,15 @@ pub(super) fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
     if c.run.name.is_empty() || c.run.name.contains(['/', '\\']) || c.run.name.starts_with('.') {
         bad("run.name", format!("{:?} cannot name a directory: use letters, digits, '-' and '_'", c.run.name));
     }
-    if let Some(peak) = c.run.peak_tflops.filter(|p| !(*p > 0.0 && *p <= 1e6)) {
-        bad("run.peak_tflops", format!("must be above 0 and at most 1000000 TFLOP/s, got {peak}"));
+    // Below 1 GFLOP/s no device computes: such a peak reports an MFU of billions of percent.
+    if let Some(peak) = c.run.peak_tflops.filter(|p| !(*p >= 1e-3 && *p <= 1e6)) {
+        bad(
+            "run.peak_tflops",
+            format!(
+                "must be between 0.001 (1 GFLOP/s) and 1000000 TFLOP/s, got {peak:?}: give the device's peak \
+                 matrix-product rate in TFLOP/s (989 for an H100's dense bfloat16), or leave it out to measure it"
+            ),
+        );
     }
     // This build and this machine against run.device / run.backend (see crate::device).
     for (key, msg) in crate::device::refusals(c.run.backend, c.run.device) {

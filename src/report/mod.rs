@@ -29,12 +29,13 @@ pub fn write(dir: &Path) -> anyhow::Result<String> {
     }
     let loaded = aggregate::load(dir, &index)?;
     if loaded.points.is_empty() {
-        anyhow::bail!(
+        let why = format!(
             "{} has no completed point to report on ({} points: run `runner sweep {}` first)",
             dir.display(),
             index.points.len(),
             index.experiment
         );
+        return Err(crate::config::ConfigError::new(why).into());
     }
     let rows = aggregate::rows(&loaded.points);
     let md = table::markdown(&index, &loaded, &rows);

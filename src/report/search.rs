@@ -196,9 +196,13 @@ pub fn reached(trace: &TrialTrace) -> Option<(usize, Outcome)> {
     trace.outcomes.iter().enumerate().rev().find_map(|(k, o)| o.map(|o| (k, o)))
 }
 
-/// The status as the table says it.
+/// The status as the table says it; a failure's whole reason, its lines joined (a message's first
+/// line is often only "invalid configuration:").
 pub fn status_text(t: &Trial) -> String {
-    let why = || t.trace.failure.as_deref().and_then(|f| f.lines().next()).unwrap_or("see its run.log").to_owned();
+    let why = || match t.trace.failure.as_deref().map(one_line) {
+        Some(why) if !why.is_empty() => why,
+        _ => "see its run.log".to_owned(),
+    };
     let text = match t.status {
         Status::Complete => "complete".to_owned(),
         Status::Stopped(k) => format!("stopped at rung {k}"),
@@ -211,6 +215,11 @@ pub fn status_text(t: &Trial) -> String {
     } else {
         text
     }
+}
+
+/// A message of several lines as one: each line trimmed, empty ones dropped.
+fn one_line(text: &str) -> String {
+    text.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
 }
 
 /// A number with four significant digits, as the table shows it.
@@ -232,12 +241,13 @@ pub fn short(text: &str) -> String {
 pub fn write(dir: &Path, index: &Index, search: &SearchIndex) -> anyhow::Result<String> {
     let trials = trials(dir, index, search);
     if trials.iter().all(|t| reached(&t.trace).is_none()) {
-        anyhow::bail!(
+        let why = format!(
             "{} has no trial with a result to report on ({} trials: run `runner sweep {}` first)",
             dir.display(),
             trials.len(),
             index.experiment
         );
+        return Err(crate::config::ConfigError::new(why).into());
     }
     let md = super::search_table::markdown(index, search, &trials);
     let mut frame = super::search_table::frame(search, &trials)?;
@@ -284,7 +294,8 @@ fn best_toml(index: &Index, search: &SearchIndex, i: usize, trial: &Trial) -> an
         _ => String::new(),
     };
     let head = format!(
-        "# The best trial of {} ({}: {result}), as a pipeline file written by `runner report`:\n\
+        "# The best trial of {} ({}: {result}), as a pipeline file that `runner sweep` and `runner report` write\n\
+         # from the trials' traces:\n\
          # `runner run` it to train the same run again, to the trial's full budget.\n\
          extends = {}\n\n",
         index.experiment,
@@ -313,5 +324,25 @@ mod tests {
         assert_eq!(short("64"), "64");
         assert_eq!(short("[64, 32]"), "[64, 32]");
         assert_eq!(relative_up("../pipelines/p.toml", "world_size=2"), "../../pipelines/p.toml");
+    }
+
+    #[test]
+    fn a_failed_trial_shows_its_whole_reason() {
+        let failure =
+            "p.toml: invalid configuration:\n  `train.lr` (search [search.space] train.lr=-1.0): must be above 0\n";
+        let trace =
+            TrialTrace { outcomes: vec![Some(Outcome::Failed)], steps: vec![None], failure: Some(failure.into()) };
+        let t = Trial {
+            group: String::new(),
+            dir: "trial-000".into(),
+            values: vec![],
+            trace,
+            status: Status::Failed(0),
+            best: false,
+        };
+        assert_eq!(
+            status_text(&t),
+            "failed at rung 0: p.toml: invalid configuration: `train.lr` (search [search.space] train.lr=-1.0): must be above 0"
+        );
     }
 }

@@ -89,6 +89,17 @@ fn summary(search: &SearchIndex, trials: &[&Trial]) -> String {
             search.metric,
             if best.group.is_empty() { String::new() } else { format!("{}/", best.group) }
         );
+        if search.rungs.len() > 1 {
+            // A trial stopped early shows its value after fewer steps: it may look better.
+            out += &format!(
+                "The best is the {} {} among the trials at the highest rung reached ({} {}), not across the \
+                 table: a trial stopped at a lower rung shows its value after a shorter run.\n",
+                if search.minimize { "lowest" } else { "highest" },
+                search.metric,
+                search.rungs[k],
+                search.unit.as_deref().unwrap_or("steps")
+            );
+        }
     }
     out
 }
@@ -115,7 +126,8 @@ fn table(search: &SearchIndex, trials: &[&Trial]) -> String {
             Some((k, o)) => (budget_of(search, t, k), value_text(o)),
             None => ("—".into(), "—".into()),
         };
-        cells.extend([budget, value, status_text(t)]);
+        // A reason may hold a `|`, which would end the cell.
+        cells.extend([budget, value, status_text(t).replace('|', "\\|")]);
         out += &format!("| {} |\n", cells.join(" | "));
     }
     out

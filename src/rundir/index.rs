@@ -71,9 +71,22 @@ pub struct IndexPoint {
 pub const INDEX: &str = "sweep.json";
 
 impl Index {
-    pub fn write(&self, dir: &Path) -> anyhow::Result<()> {
-        let json = serde_json::to_string_pretty(self)? + "\n";
-        crate::rundir::atomic_write(&dir.join(INDEX), json.as_bytes())
+    /// Writes `sweep.json` in `dir`. `ran`: whether a run of the sweep ran on this machine now.
+    /// Until one has, a stored index keeps its `numerics`: they name the machine its stored runs
+    /// ran on, and a sweep that runs nothing must leave a committed result byte for byte as it
+    /// was (a file that would not change is not written again).
+    pub fn write(mut self, dir: &Path, ran: bool) -> anyhow::Result<()> {
+        let path = dir.join(INDEX);
+        if !ran {
+            if let Ok(stored) = Index::read(dir) {
+                self.numerics = stored.numerics;
+            }
+        }
+        let json = serde_json::to_string_pretty(&self)? + "\n";
+        if std::fs::read(&path).is_ok_and(|old| old == json.as_bytes()) {
+            return Ok(());
+        }
+        crate::rundir::atomic_write(&path, json.as_bytes())
     }
 
     /// A missing or unreadable index is the user's mistake (the wrong directory): exit code 2.

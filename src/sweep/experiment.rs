@@ -162,7 +162,7 @@ impl Experiment {
             let spec = super::search::spec::Spec::check(table, &taken);
             if let Ok(spec) = &spec {
                 for p in &spec.space.0 {
-                    if let Err(e) = super::search::check_values(&pipeline, p) {
+                    if let Err(e) = super::search::bounds::check_values(&pipeline, p) {
                         bad("search.space", &p.key, e);
                     }
                 }

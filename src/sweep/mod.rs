@@ -159,7 +159,10 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
     if let Some(search) = &search {
         return search::sweep(&experiment, search, &points, &dir, opts, &runs);
     }
-    grid::index(file, &experiment.axes, &points).write(&dir)?;
+    // Written before any point runs (--check needs it); its numerics are this machine's only
+    // where a point will run here.
+    let runs_here = points.iter().any(|p| opts.force || !execute::is_complete(p, &dir.join(&p.dir)));
+    grid::index(file, &experiment.axes, &points).write(&dir, runs_here)?;
     let outcome = execute::run_points(&points, &dir, opts.force, opts.fail_fast, &runs)?;
     if let Some((sig, point)) = &outcome.stopped {
         match runs {

@@ -1,25 +1,95 @@
-//! The seed pages' views in the terminal: a table with aligned columns, the epoch trace with a
-//! small text chart of the loss.
+//! The seed pages' views in the terminal: a table with aligned columns (fitted to the terminal's
+//! width where there is one, [`fitted_table`]), the epoch trace with a small text chart of the loss.
 use super::EpochRow;
 
-/// Renders rows under a header as an aligned text table.
+/// Renders rows under a header as an aligned text table, each row on one line.
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    fitted_table(header, rows, None)
+}
+
+/// The width a wide table is fitted to: `COLUMNS` where it is set, the terminal's where standard
+/// output is one. `None` otherwise (a pipe, a file, the docs' snapshots): each row then takes one
+/// line, as wide as its cells, the same wherever it runs.
+pub fn terminal_width() -> Option<usize> {
+    let columns = std::env::var("COLUMNS").ok().and_then(|c| c.trim().parse::<usize>().ok());
+    if let Some(n) = columns.filter(|n| *n > 0) {
+        return Some(n);
+    }
+    let term = console::Term::stdout();
+    term.is_term().then(|| term.size_checked()).flatten().map(|(_, cols)| cols as usize)
+}
+
+/// As [`table`], but within `width` columns where one is given and the table is wider: the
+/// widest columns narrow (none below its header or 12 characters) and their cells wrap at spaces
+/// onto lines of their own.
+pub fn fitted_table(header: &[&str], rows: &[Vec<String>], width: Option<usize>) -> String {
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.chars().count());
         }
     }
-    let line = |cells: Vec<&str>| {
+    if let Some(width) = width {
+        narrow(&mut widths, header, width);
+    }
+    let line = |cells: &[String]| {
         let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
         format!("  {}\n", padded.join("  ").trim_end())
     };
-    let mut out = line(header.to_vec());
-    out += &line(widths.iter().map(|w| "─".repeat(*w)).collect::<Vec<_>>().iter().map(String::as_str).collect());
+    let row_lines = |cells: Vec<&str>| {
+        let wrapped: Vec<Vec<String>> = cells.iter().zip(&widths).map(|(c, w)| wrap(c, *w)).collect();
+        let height = wrapped.iter().map(Vec::len).max().unwrap_or(1);
+        (0..height)
+            .map(|i| line(&wrapped.iter().map(|c| c.get(i).cloned().unwrap_or_default()).collect::<Vec<_>>()))
+            .collect::<String>()
+    };
+    let mut out = row_lines(header.to_vec());
+    out += &line(&widths.iter().map(|w| "─".repeat(*w)).collect::<Vec<_>>());
     for row in rows {
-        out += &line(row.iter().map(String::as_str).collect());
+        out += &row_lines(row.iter().map(String::as_str).collect());
     }
     out
+}
+
+/// Narrows the widest columns, one character at a time, until the table (its indent and gaps
+/// included) fits `width` or every column is at its floor.
+fn narrow(widths: &mut [usize], header: &[&str], width: usize) {
+    let floor: Vec<usize> = widths.iter().zip(header).map(|(w, h)| (*w).min(h.chars().count().max(12))).collect();
+    let room = width.saturating_sub(2 * widths.len());
+    while widths.iter().sum::<usize>() > room {
+        let Some(i) = (0..widths.len()).filter(|i| widths[*i] > floor[*i]).max_by_key(|i| widths[*i]) else {
+            break;
+        };
+        widths[i] -= 1;
+    }
+}
+
+/// `text` as lines of at most `width` characters, broken at spaces (a longer word is cut); a
+/// text that fits stays as it is.
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    if text.chars().count() <= width {
+        return vec![text.to_owned()];
+    }
+    let mut lines: Vec<String> = Vec::new();
+    let mut current = String::new();
+    for word in text.split(' ').filter(|w| !w.is_empty()) {
+        let mut word: Vec<char> = word.chars().collect();
+        let used = current.chars().count();
+        if used > 0 && used + 1 + word.len() <= width {
+            current.push(' ');
+            current.extend(&word);
+            continue;
+        }
+        if used > 0 {
+            lines.push(std::mem::take(&mut current));
+        }
+        while word.len() > width.max(1) {
+            lines.push(word.drain(..width.max(1)).collect());
+        }
+        current = word.into_iter().collect();
+    }
+    lines.push(current);
+    lines
 }
 
 /// The trace of rank 0's rows: global training metrics and validation, a row per epoch (or, for
@@ -103,6 +173,25 @@ pub fn chart(label: &str, values: &[f64], height: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_wide_table_fits_the_width_its_cells_wrapped_at_spaces() {
+        let long = "every 1 epoch(s) and after the last, written in the background while training goes on".to_owned();
+        let rows =
+            vec![vec!["  checkpoint".to_owned(), long.clone()], vec!["1 load".to_owned(), "synthetic".to_owned()]];
+        let natural = super::table(&["stage", "operation"], &rows);
+        assert_eq!(natural.lines().nth(2).unwrap(), format!("    checkpoint  {long}"));
+        assert_eq!(super::fitted_table(&["stage", "operation"], &rows, Some(200)), natural);
+        let fitted = super::fitted_table(&["stage", "operation"], &rows, Some(40));
+        assert!(fitted.lines().all(|l| l.chars().count() <= 40), "{fitted}");
+        assert_eq!(
+            fitted,
+            "  stage         operation\n  ────────────  ────────────────────────\n    \
+             checkpoint  every 1 epoch(s) and\n                after the last, written\n                in the background while\n                training goes on\n  \
+             1 load        synthetic\n"
+        );
+        assert_eq!(super::wrap("abcdefghij k", 4), ["abcd", "efgh", "ij k"]);
+    }
+
     use super::*;
 
     #[test]

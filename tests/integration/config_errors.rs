@@ -15,6 +15,15 @@ struct Case {
 
 const CASES: &[Case] = &[
     Case {
+        name: "a peak no device has",
+        file: "",
+        args: &["--set", "run.peak_tflops=1e-30"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `run.peak_tflops` (--set run.peak_tflops=1e-30): must be between \
+                   0.001 (1 GFLOP/s) and 1000000 TFLOP/s, got 1e-30: give the device's peak matrix-product rate in \
+                   TFLOP/s (989 for an H100's dense bfloat16), or leave it out to measure it",
+    },
+    Case {
         name: "misspelled key in the file",
         file: "[validate]\nevry = 2\n",
         args: &[],
@@ -410,4 +419,43 @@ fn a_missing_pipeline_file_is_named() {
         text(&out).1.trim_end(),
         "error: cannot read the pipeline file nope.toml: No such file or directory (os error 2)"
     );
+}
+
+/// The command line's mistakes, whichever command: exit code 2 (as a missing pipeline file or a
+/// run directory without a plan), the message, and nothing written.
+#[test]
+fn usage_errors_of_every_command_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    write(p, "p.toml", TINY);
+    let o =
+        runner().current_dir(p).args(["run", "p.toml", "--out", "r", "--set", "run.world_size=1"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o).1);
+    std::fs::create_dir(p.join("s")).unwrap();
+    write(p, "s/sweep.json", r#"{"experiment": "e.toml", "axes": [], "points": []}"#);
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["export", "r", "--hf", "out"],
+            "error: export --hf writes a language model, but this run trained a MLP 5-16-3",
+        ),
+        (&["eval", "r", "p.toml"], "error: runner eval measures a language model, not this run's MLP 5-16-3"),
+        (
+            &["predict", "r", "--prompt", "to be"],
+            "error: --prompt samples a language model, but this run trained a MLP",
+        ),
+        (&["predict", "r", "missing.csv"], "error: cannot read missing.csv: No such file or directory"),
+        (
+            &["prepare", "text", "missing.txt", "--out", "out"],
+            "error: cannot read missing.txt: No such file or directory",
+        ),
+        (&["run", "p.toml", "--out", "p.toml"], "error: p.toml is a file, not a directory: give --out a directory"),
+        (&["report", "s"], "error: s has no completed point to report on (0 points: run `runner sweep e.toml` first)"),
+    ];
+    for (args, message) in cases {
+        let o = runner().current_dir(p).args(*args).output().unwrap();
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(message), "{args:?}: expected\n{message}\nin\n{err}");
+        assert!(!p.join("out").exists(), "{args:?} wrote out");
+    }
 }

@@ -120,7 +120,7 @@ fn eval_gives_the_run_s_validation_loss_and_pytorch_s_at_world_sizes_1_2_and_3()
     write(p, "short.txt", "ROMEO.");
     std::fs::write(p.join("big.bin"), [44u8, 1, 0, 0]).unwrap();
     for (args, code, says) in [
-        (&["lm", "short.txt"][..], 1, "error: short.txt holds 2 tokens, and one window needs seq_len + 1 = 17"),
+        (&["lm", "short.txt"][..], 2, "error: short.txt holds 2 tokens, and one window needs seq_len + 1 = 17"),
         (&["lm", "big.bin"][..], 2, "error: big.bin holds token id 300 (at position 0), but wrap.model.vocab is 300"),
         (&["lm", "data/val.bin", "--world-size", "0"][..], 2, "error: --world-size must be 1 to "),
         (&["data", "data/val.bin"][..], 2, "error: cannot read the run's plan data/plan.json: "),

@@ -428,3 +428,35 @@ fn checkpoints_that_do_not_fit_are_refused_by_key_and_file() {
     assert!(err.contains("`wrap.model.family` (--set wrap.model.family=\"gpt2\"): is \"gpt2\", but good/config.json (LlamaForCausalLM) makes it \"llama\""), "{err}");
     assert!(!err.contains("wrap.model.tied"), "an agreeing key is no problem: {err}");
 }
+
+/// What transformers reads otherwise than a plain checkpoint: quantized weights are refused by
+/// name; `hidden_act = "swish"` is transformers' SiLU, so the model is the same.
+#[test]
+fn quantized_weights_are_refused_and_swish_is_silu() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    write(p, "book.txt", &"to be, or not to be. ".repeat(40));
+    let quantized = LLAMA.replace(
+        "\"vocab_size\"",
+        "\"quantization_config\": {\"quant_method\": \"bitsandbytes\", \"load_in_4bit\": true}, \"vocab_size\"",
+    );
+    checkpoint(p, "q", &quantized, &llama_tensors());
+    let err = refused(p, "q", &[]);
+    assert!(
+        err.contains(
+            "q/config.json: has a `quantization_config` (quant_method \"bitsandbytes\"): its weights are quantized, \
+             and the runner reads only full-precision weights"
+        ),
+        "{err}"
+    );
+    checkpoint(
+        p,
+        "swish",
+        &LLAMA.replace("\"vocab_size\"", "\"hidden_act\": \"swish\", \"vocab_size\""),
+        &llama_tensors(),
+    );
+    write(p, "p.toml", &TWIN.replace("INIT", "swish"));
+    let o = run(&["validate", "p.toml"], p);
+    assert_ok(&o);
+    assert!(text(&o).0.contains("RoPE, SwiGLU MLP of 12)"), "{}", text(&o).0);
+}

@@ -495,7 +495,7 @@ fn prepare_never_replaces_its_input_or_files_it_was_not_told_to_and_writes_all_t
     ] {
         write(d, "x.txt", text);
         let e = ended(&mut cmd(d, &["prepare", "text", "x.txt", "--out", "short"]), bound);
-        refused(&e, 1, says);
+        refused(&e, 2, says);
         assert!(!d.join("short/train.bin").exists() && !d.join("short/val.bin").exists());
     }
 }
@@ -636,9 +636,9 @@ fn predict_streams_stops_with_its_reader_checks_its_vocabulary_and_names_an_unfi
 
     // Temperatures that leave no distribution to draw from.
     let e = ended(&mut predict(&["--temperature", "inf"]), bound);
-    refused(&e, 1, "error: --temperature must be a finite number above 0, got inf");
+    refused(&e, 2, "error: --temperature must be a finite number above 0, got inf");
     let e = ended(&mut predict(&["--temperature", "1e-320"]), bound);
-    refused(&e, 1, "error: --temperature 1e-320 divides the logits (up to ");
+    refused(&e, 2, "error: --temperature 1e-320 divides the logits (up to ");
     assert!(e.err.contains("past the largest float; give a larger temperature"), "{}", e.err);
 
     // Another vocabulary beside the token file: refused by its digest, whatever its size.

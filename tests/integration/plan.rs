@@ -261,3 +261,34 @@ fn validate_shows_the_memory_estimate_counting_what_layers_keep_for_backward() {
     let (plain, dropout) = (activations_mib("0.0"), activations_mib("0.1"));
     assert!(dropout > plain, "with dropout {dropout} MiB, without {plain} MiB");
 }
+
+/// The plan says when checkpoints are written, how, and what a failed rank does; its table fits
+/// `COLUMNS` (cells wrapped at spaces), and without a terminal or `COLUMNS` each row is one line.
+#[test]
+fn the_plan_shows_checkpoints_and_restarts_and_fits_columns() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", SMALL);
+    let args = ["validate", "p.toml", "--set", "checkpoint.async=true", "--set", "run.max_restarts=3"];
+    let o = run(&args, dir.path());
+    assert_ok(&o);
+    let (out, _) = text(&o);
+    let row = out.lines().find(|l| l.trim_start().starts_with("checkpoint ")).expect("a checkpoint row");
+    assert!(
+        row.contains(
+            "model, optimizer, data position  every 1 epoch(s) and after the last, written in the background while \
+             training goes on (checkpoint.async), the 2 newest kept; a failed rank: every rank starts again from the \
+             newest checkpoint, up to 3 time(s) (run.max_restarts)  RUN_DIR/checkpoints/"
+        ),
+        "{out}"
+    );
+    let table =
+        |out: &str| -> Vec<String> { out.lines().skip(2).take_while(|l| !l.is_empty()).map(str::to_owned).collect() };
+    assert!(table(&out).iter().any(|l| l.chars().count() > 150), "unfitted without a terminal:\n{out}");
+    let o = common::runner().args(args).env("COLUMNS", "90").current_dir(dir.path()).output().unwrap();
+    assert_ok(&o);
+    let (fitted, _) = text(&o);
+    let lines = table(&fitted);
+    assert!(lines.iter().all(|l| l.chars().count() <= 90), "{fitted}");
+    let words = |t: &[String]| t.join(" ").split_whitespace().filter(|w| !w.starts_with('─')).count();
+    assert_eq!(words(&lines), words(&table(&out)), "every word kept:\n{fitted}");
+}

@@ -316,7 +316,7 @@ fn report_rebuilds_the_search_from_its_traces() {
 #[test]
 fn bad_searches_are_refused_naming_the_key_and_the_line() {
     let lr = "\"train.lr\" = { log_uniform = [0.001, 0.1] }";
-    let cases: [(&str, &str, &str); 7] = [
+    let cases: [(&str, &str, &str); 8] = [
         (
             "trials = 5\nmetric = \"val_loss\"",
             "\"train.lr\" = { uniform = [0.1, 0.01] }",
@@ -354,6 +354,12 @@ fn bad_searches_are_refused_naming_the_key_and_the_line() {
             "e.toml:5: trials = 5, but the space holds 4 points (integers and choices only) and random search draws \
              each at most once: give trials ≤ 4, or run every point as a grid with [sweep]",
         ),
+        (
+            "trials = 100000000000\nmetric = \"val_loss\"",
+            lr,
+            "e.toml:4: trials = 100000000000: at most 10000 at each point (each is a run directory of its own): give \
+             fewer, or run several searches with other seeds",
+        ),
     ];
     for (keys, space, message) in cases {
         let dir = tempfile::tempdir().unwrap();
@@ -379,4 +385,73 @@ fn the_committed_search_reproduces() {
         out.contains("trials reproduce results/search: every non-timing value of every trace is identical."),
         "{out}"
     );
+}
+
+/// A value the pipeline's plan refuses (a world size of 0, a learning rate below 0) is refused
+/// before the first trial, each with its whole reason: a trial does not fail on it later.
+#[test]
+fn every_choice_and_range_end_is_planned_before_the_first_trial() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", PIPELINE);
+    let space = "\"run.world_size\" = { choice = [0, 1] }\n\"train.lr\" = { uniform = [-0.5, 0.1] }\n";
+    let file = format!("pipeline = \"p.toml\"\n\n[search]\nmethod = \"random\"\ntrials = 2\nmetric = \"val_loss\"\n\n[search.space]\n{space}");
+    write(dir.path(), "e.toml", &file);
+    let o = run(&["sweep", "e.toml", "--out", "s"], dir.path());
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    for line in [
+        "e.toml: [search.space] gives 2 values that cannot run; nothing was run.",
+        "  `run.world_size` = 0 (one of its choices) cannot run:\n    p.toml: invalid configuration:\n      \
+         `run.world_size` (search [search.space] run.world_size=0): must be at least 1",
+        "  `train.lr` = -0.5 (its low end) cannot run:",
+    ] {
+        assert!(err.contains(line), "expected\n{line}\nin\n{err}");
+    }
+    assert!(!dir.path().join("s").exists(), "nothing runs");
+}
+
+/// `direction` against the metric's own is accepted (the file may mean it), and the sweep's
+/// first lines say so.
+#[test]
+fn a_direction_against_the_metric_is_said_before_the_search() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", PIPELINE);
+    let file = "pipeline = \"p.toml\"\n\n[search]\ntrials = 3\nmetric = \"val_loss\"\ndirection = \"maximize\"\n\n\
+                [search.space]\n\"train.lr\" = { log_uniform = [0.01, 0.1] }\n";
+    write(dir.path(), "e.toml", file);
+    // --check of a sweep never run: the plan is said, then nothing runs.
+    let o = run(&["sweep", "e.toml", "--out", "s", "--check"], dir.path());
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}\n{err}");
+    assert!(
+        out.contains(
+            "optimising val_loss (higher is better)\nnote: direction = \"maximize\" on val_loss, which is minimized by \
+             default: the search keeps the trials with the highest val_loss\n"
+        ),
+        "{out}"
+    );
+}
+
+/// table.md says which trial is best and why it is not the lowest value in the table; best.toml
+/// names both commands that write it (`runner sweep` does, after the search, as `runner report`).
+#[test]
+fn the_report_explains_its_best_trial() {
+    let committed = Path::new(env!("CARGO_MANIFEST_DIR")).join("results/search");
+    let dir = tempfile::tempdir().unwrap();
+    copy_tree(&committed, &dir.path().join("search"));
+    assert_ok(&run(&["report", "search"], dir.path()));
+    let table = read(&dir.path().join("search/table.md"));
+    assert!(
+        table.contains(
+            "The best is the lowest val_loss among the trials at the highest rung reached (9 epochs), not across the \
+             table: a trial stopped at a lower rung shows its value after a shorter run.\n"
+        ),
+        "{table}"
+    );
+    let best = read(&dir.path().join("search/best.toml"));
+    assert!(
+        best.contains("as a pipeline file that `runner sweep` and `runner report` write\n# from the trials' traces:"),
+        "{best}"
+    );
+    assert!(!best.contains("written by `runner report`"), "{best}");
 }

@@ -525,3 +525,49 @@ fn the_committed_sharding_sweep_reproduces() {
         "{stdout}"
     );
 }
+
+/// Every file of a sweep directory but the run locks, by path, with its bytes.
+fn files_of(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let path = e.unwrap().path();
+            if path.is_dir() {
+                todo.push(path);
+            } else if path.file_name().unwrap() != ".runner.lock" {
+                let name = path.strip_prefix(dir).unwrap().display().to_string();
+                out.insert(name, std::fs::read(&path).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// A sweep (a grid, then a search) made on another machine and committed: `runner sweep` here,
+/// with every point already complete, runs nothing and leaves every file byte for byte as it
+/// was: sweep.json still names the CPU its runs ran on.
+#[test]
+fn a_sweep_that_runs_nothing_leaves_its_committed_results_unchanged() {
+    let grid = "pipeline = \"p.toml\"\n[set]\n\"run.world_size\" = 1\n\"train.epochs\" = 1\n";
+    let search = format!(
+        "{grid}\n[search]\nmethod = \"random\"\ntrials = 2\nmetric = \"val_loss\"\n\n[search.space]\n\
+         \"train.lr\" = {{ log_uniform = [0.01, 0.1] }}\n"
+    );
+    for experiment in [grid.to_owned(), search] {
+        let dir = setup(&experiment);
+        assert_ok(&run(&["sweep", "e.toml", "--out", "s"], dir.path()));
+        let index = dir.path().join("s/sweep.json");
+        let here = std::fs::read_to_string(&index).unwrap();
+        let cpu = serde_json::from_str::<serde_json::Value>(&here).unwrap()["numerics"]["cpu"].clone();
+        let elsewhere = here.replace(&cpu.to_string(), "\"Another CPU, where the sweep was committed\"");
+        assert_ne!(here, elsewhere, "the index names this machine's CPU");
+        std::fs::write(&index, elsewhere).unwrap();
+        let committed = files_of(&dir.path().join("s"));
+        let o = run(&["sweep", "e.toml", "--out", "s"], dir.path());
+        assert_ok(&o);
+        let now = files_of(&dir.path().join("s"));
+        let changed: Vec<&String> = now.keys().filter(|f| committed.get(*f) != now.get(*f)).collect();
+        assert!(changed.is_empty() && now.len() == committed.len(), "{experiment}\nchanged: {changed:?}");
+    }
+}

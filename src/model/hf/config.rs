@@ -75,6 +75,15 @@ pub fn read_config(dir: &Path) -> Result<(Arch, Transformer), String> {
         Err(e) => return Err(at(format!("not JSON ({e})"))),
     };
     let json = Json { map };
+    if let Some(q) = json.get("quantization_config") {
+        // Reading such weights as plain tensors would give another model, or none.
+        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("unnamed");
+        return Err(at(format!(
+            "has a `quantization_config` (quant_method \"{method}\"): its weights are quantized, and the runner reads \
+             only full-precision weights (float32, bfloat16, float16): give the unquantized model, or save a \
+             dequantized copy with transformers (`model.dequantize()`, then `save_pretrained`)"
+        )));
+    }
     let arch = architecture(&json).map_err(at)?;
     let mut model = arch.read(&json).map_err(|e| at(format!("{} {e}", arch.class())))?;
     if model.tied == Some(true) && super::checkpoint::head_apart(dir, arch, &model)? {

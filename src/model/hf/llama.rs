@@ -13,9 +13,10 @@ use crate::model::transformer::Spec;
 pub fn read(j: &Json) -> Result<Transformer, String> {
     let d = j.count("hidden_size")?;
     let heads = j.count("num_attention_heads")?;
+    // transformers maps "swish" to the same SiLU.
     let act = j.text_or("hidden_act", "silu")?;
-    if act != "silu" {
-        return Err(format!("has hidden_act \"{act}\"; the runner's SwiGLU takes \"silu\""));
+    if !matches!(act, "silu" | "swish") {
+        return Err(format!("has hidden_act \"{act}\"; the runner's SwiGLU takes \"silu\" (or \"swish\", the same)"));
     }
     let (attention_bias, mlp_bias) = (j.flag_or("attention_bias", false)?, j.flag_or("mlp_bias", false)?);
     if attention_bias != mlp_bias {

@@ -32,9 +32,9 @@ pub fn check(
         Runs::Slurm(_) => tempfile::Builder::new().prefix(".check-").tempdir_in(sweep_dir)?,
     };
     crate::say!("rerunning the search into {}", scratch.path().display());
-    let mut write_index = |studies: &[drive::Study]| -> anyhow::Result<()> {
+    let mut write_index = |studies: &[drive::Study], ran: bool| -> anyhow::Result<()> {
         let trials: Vec<_> = studies.iter().flat_map(|s| s.trials.iter().map(move |t| (s.at, t))).collect();
-        super::index(experiment, search, scratch.path(), points, &trials).write(scratch.path())
+        super::index(experiment, search, scratch.path(), points, &trials).write(scratch.path(), ran)
     };
     let how = drive::Options { force: true, fail_fast: false };
     let finished = drive::run(experiment, search, points, scratch.path(), runs, how, &mut write_index)?;

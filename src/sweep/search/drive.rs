@@ -127,7 +127,7 @@ impl<'a> Study<'a> {
 }
 
 /// Runs the search at every point of `points` into `sweep_dir`; `index` rewrites sweep.json
-/// whenever trials are proposed.
+/// whenever trials are proposed, told whether a run has started.
 pub fn run(
     experiment: &Experiment,
     search: &Search,
@@ -135,7 +135,7 @@ pub fn run(
     sweep_dir: &Path,
     runs: &Runs,
     opts: Options,
-    index: &mut dyn FnMut(&[Study]) -> anyhow::Result<()>,
+    index: &mut dyn FnMut(&[Study], bool) -> anyhow::Result<()>,
 ) -> anyhow::Result<Finished> {
     let grid = !experiment.axes.is_empty();
     let mut studies: Vec<Study> = points.iter().map(Study::new).collect();
@@ -151,7 +151,7 @@ pub fn run(
             }
         }
         if proposed {
-            index(&studies)?;
+            index(&studies, out.runs > 0)?;
         }
         let stopping = execute::stop_signal() != 0 || (opts.fail_fast && !out.failed.is_empty());
         let (blocked, failed) = match stopping {
@@ -181,7 +181,7 @@ pub fn run(
             break;
         }
     }
-    index(&studies)?;
+    index(&studies, out.runs > 0)?;
     out.done = out.stopped.is_none() && studies.iter().all(|s| s.finished(search));
     Ok(out)
 }

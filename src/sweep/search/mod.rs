@@ -10,6 +10,7 @@
 //! the trials' traces, so an interrupted search resumes where it stopped (finished rungs are not
 //! run again), and the same seed gives the same trials, promotions and table whatever the
 //! parallelism and the order in which trials finish.
+pub mod bounds;
 pub mod budget;
 pub mod check;
 pub mod drive;
@@ -22,7 +23,6 @@ use std::path::{Path, PathBuf};
 use budget::Unit;
 use spec::Spec;
 
-use super::experiment::labelled;
 use super::grid::Point;
 use super::Experiment;
 use crate::config::schema::{Config, ScheduleKind};
@@ -30,7 +30,7 @@ use crate::config::ConfigError;
 use crate::report::search::At;
 use crate::rundir::index::{Index, IndexPoint, SearchIndex};
 use crate::search::halving::Rule;
-use crate::search::{Param, Scheduler};
+use crate::search::Scheduler;
 
 /// The source config.toml names for a trial's searched values.
 pub const SEARCH_LABEL: &str = "search [search.space]";
@@ -74,7 +74,7 @@ impl Search {
 
     /// The keys the scheduler sets on every trial of a point whose configuration is `c`: a trace row (with
     /// validation) and a checkpoint at every rung, unless the pipeline has its own.
-    fn rung_keys(&self, c: &Config) -> Vec<(String, toml::Value)> {
+    pub(super) fn rung_keys(&self, c: &Config) -> Vec<(String, toml::Value)> {
         let (Some(unit), Some(&min)) = (self.unit, self.rungs().first()) else { return vec![] };
         let mut out = Vec::new();
         let min = toml::Value::Integer(min as i64);
@@ -103,24 +103,17 @@ impl Search {
     }
 }
 
-/// Whether every value `param` can take resolves against the pipeline (its key exists and takes
-/// values of that type): the bounds, or every choice. The first problem, as the resolver says it.
-pub fn check_values(pipeline: &Path, param: &Param) -> Result<(), String> {
-    use crate::search::Distribution::*;
-    let values: Vec<toml::Value> = match &param.dist {
-        Uniform { low, high } | LogUniform { low, high } => vec![(*low).into(), (*high).into()],
-        Int { low, high } | LogInt { low, high } => vec![(*low).into(), (*high).into()],
-        Choice(values) => values.clone(),
-    };
-    for v in values {
-        crate::config::resolve(pipeline, &[labelled(SEARCH_LABEL, &param.key, &v)]).map_err(|e| e.message)?;
-    }
-    Ok(())
+/// The search of `experiment` at its grid's `points`: the rungs from its budget and the
+/// pipeline's length, each point's configuration checked against what a search needs of it, and
+/// every value the search can give planned at every point ([`bounds::plan_every_value`]).
+pub fn prepare(experiment: &Experiment, spec: &Spec, points: &[Point]) -> Result<Search, ConfigError> {
+    let search = scheduled(experiment, spec, points)?;
+    bounds::plan_every_value(experiment, &search, points)?;
+    Ok(search)
 }
 
-/// The search of `experiment` at its grid's `points`: the rungs from its budget and the
-/// pipeline's length, each point's configuration checked against what a search needs of it.
-pub fn prepare(experiment: &Experiment, spec: &Spec, points: &[Point]) -> Result<Search, ConfigError> {
+/// The search with its scheduler's rungs, each point's configuration checked against them.
+fn scheduled(experiment: &Experiment, spec: &Spec, points: &[Point]) -> Result<Search, ConfigError> {
     let fail = |m: String| Err(ConfigError::new(format!("{}: [search] {m}", experiment.file.display())));
     let Some(budget) = spec.budget else {
         if spec.metric.starts_with("val_") && points.iter().any(|p| p.plan.config.validate.every == 0) {
@@ -286,10 +279,10 @@ pub fn sweep(
     opts: &super::Options,
     runs: &super::Runs,
 ) -> anyhow::Result<u8> {
-    let mut write_index = |studies: &[drive::Study]| -> anyhow::Result<()> {
+    let mut write_index = |studies: &[drive::Study], ran: bool| -> anyhow::Result<()> {
         let trials: Vec<(&Point, &trial::Trial)> =
             studies.iter().flat_map(|s| s.trials.iter().map(move |t| (s.at, t))).collect();
-        index(experiment, search, dir, points, &trials).write(dir)
+        index(experiment, search, dir, points, &trials).write(dir, ran)
     };
     let how = drive::Options { force: opts.force, fail_fast: opts.fail_fast };
     let finished = drive::run(experiment, search, points, dir, runs, how, &mut write_index)?;
@@ -315,8 +308,26 @@ pub fn sweep(
     Ok(if table.is_ok() { 0 } else { 1 })
 }
 
-/// The line `runner sweep` starts with: the search, its scheduler and its parallelism.
+/// The line `runner sweep` starts with: the search, its scheduler and its parallelism; and a
+/// note where `direction` goes against the metric's own (accepted: the file may mean it).
 pub fn describe(search: &Search) -> String {
+    let s = &search.spec;
+    let own = spec::direction_of(&s.metric).map(|d| d == spec::Direction::Minimize);
+    let note = match own {
+        Some(own) if own != s.minimize => format!(
+            "\nnote: direction = \"{}\" on {}, which is {}d by default: the search keeps the trials with the {} {}",
+            if s.minimize { "minimize" } else { "maximize" },
+            s.metric,
+            if own { "minimize" } else { "maximize" },
+            if s.minimize { "lowest" } else { "highest" },
+            s.metric
+        ),
+        _ => String::new(),
+    };
+    summary(search) + &note
+}
+
+fn summary(search: &Search) -> String {
     let s = &search.spec;
     let method = match s.sampler {
         crate::search::Sampler::Random => "random".to_owned(),

@@ -99,9 +99,13 @@ pub fn metrics() -> Vec<&'static str> {
         .collect()
 }
 
+/// The most trials a search runs at each point: each is a run directory, and TPE's proposals
+/// cost more with every trial before.
+pub const MAX_TRIALS: usize = 10_000;
+
 /// The direction a metric is optimised in when the file does not say: losses and errors down,
 /// accuracies and scores up.
-fn direction_of(metric: &str) -> Option<Direction> {
+pub fn direction_of(metric: &str) -> Option<Direction> {
     let down = ["loss", "perplexity", "rmse", "mae", "grad_norm", "bytes"];
     let up = ["acc", "f1", "r2"];
     if down.iter().any(|d| metric.contains(d)) {
@@ -121,6 +125,16 @@ impl Spec {
         let mut bad = |key: &str, message: String| errors.push((key.to_owned(), message));
         if raw.trials == 0 {
             bad("trials", "trials = 0: give the number of trials to run, at least 1".into());
+        }
+        if raw.trials > MAX_TRIALS {
+            bad(
+                "trials",
+                format!(
+                    "trials = {}: at most {MAX_TRIALS} at each point (each is a run directory of its own): give \
+                     fewer, or run several searches with other seeds",
+                    raw.trials
+                ),
+            );
         }
         if raw.parallel == 0 {
             bad("parallel", "parallel = 0: give how many trials run at a time, at least 1".into());
