@@ -280,7 +280,7 @@ fn best_toml(index: &Index, search: &SearchIndex, i: usize, trial: &Trial) -> an
 /// best.toml in the sweep directory's `sub` names it: relative to best.toml, the file that sets it
 /// there. `pipeline` is relative to the sweep directory; other keys and absolute paths are kept.
 fn rebased(key: &str, value: toml::Value, pipeline: &str, sub: &str) -> toml::Value {
-    if !crate::config::extends::PATH_KEYS.contains(&key) {
+    if !crate::config::paths::PATH_KEYS.contains(&key) {
         return value;
     }
     let dir = Path::new(pipeline).parent().unwrap_or(Path::new(""));
