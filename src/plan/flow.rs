@@ -52,7 +52,7 @@ impl Plan {
             self.threads_per_rank,
             if self.threads_per_rank == 1 { "" } else { "s" },
             table(&["stage", "input", "operation", "output"], &rows),
-            self.bubble_note() + &self.memory_note()
+            self.bubble_note() + &self.memory_note() + &super::mesh::note(&self.config)
         )
     }
 

@@ -25,6 +25,7 @@ mod hostile_files;
 mod hostile_sharded;
 mod hostile_turn;
 mod lm_recipe;
+mod mesh;
 mod mlflow;
 mod models;
 mod multinode;
