@@ -162,7 +162,8 @@ pub(super) fn check(c: &Config, sources: &BTreeMap<String, String>, bad: &mut im
     if m.pipeline.is_some_and(|p| p > 1) && !pipeline {
         bad("wrap.mesh.pipeline", "splits the layers into stages, which only wrap.strategy = \"pipeline\" does; set it, or leave wrap.mesh.pipeline out".into());
     }
-    if pipeline && set("wrap.pipeline.replicas") {
+    // By value, as stages.rs compares the pipeline's keys: replicas = 1 says nothing the mesh does not.
+    if pipeline && c.wrap.pipeline.replicas != 1 {
         bad(
             "wrap.pipeline.replicas",
             "says how many copies of the pipeline run, as wrap.mesh.data does; with [wrap.mesh] set, \
@@ -276,6 +277,39 @@ mod tests {
         assert_eq!(Shape::of(&c), replicas);
         // A copy of the pipeline is stage-consecutive ranks, as `r % stages` always gave.
         assert_eq!(replicas.groups(Dim::Data), [[0, 2], [1, 3]]);
+    }
+
+    /// The problems `check` finds in `c`, with `wrap.mesh.tensor` given.
+    fn problems(c: &Config) -> Vec<String> {
+        let sources = BTreeMap::from([("wrap.mesh.tensor".to_owned(), "--set".to_owned())]);
+        let mut out = Vec::new();
+        check(c, &sources, &mut |key: &str, msg: String| out.push(format!("{key}: {msg}")));
+        out
+    }
+
+    #[test]
+    fn a_transformer_names_each_part_the_tensor_ranks_cannot_split() {
+        let mut c = Config::default();
+        c.run.world_size = 4;
+        c.wrap.mesh.tensor = Some(4);
+        let t = crate::config::schema::Transformer {
+            heads: 6,
+            kv_heads: Some(2),
+            vocab: 65,
+            mlp_hidden: Some(96),
+            ..Default::default()
+        };
+        c.wrap.model = Model::Transformer(t);
+        assert_eq!(
+            problems(&c),
+            [
+                "wrap.mesh.tensor: 4 tensor ranks cannot split wrap.model.heads = 6 evenly; the degrees that divide it: 1, 2, 3, 6",
+                "wrap.mesh.tensor: 4 tensor ranks cannot split wrap.model.kv_heads = 2 evenly; the degrees that divide it: 1, 2",
+                "wrap.mesh.tensor: 4 tensor ranks cannot split wrap.model.vocab = 65 evenly; the degrees that divide it: 1, 5, 13",
+            ]
+        );
+        c.wrap.model = Model::Torchscript(crate::config::schema::Torchscript { path: "m.pt".into() });
+        assert!(problems(&c)[0].contains("a TorchScript module is one opaque graph"), "{:?}", problems(&c));
     }
 
     #[test]

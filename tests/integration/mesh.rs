@@ -78,3 +78,30 @@ fn the_pipeline_dimension_alone_gives_the_copies() {
     assert_ok(&o);
     assert!(text(&o).0.contains("mesh: data 2 × tensor 1 × pipeline 2"), "{}", text(&o).0);
 }
+
+#[test]
+fn a_mesh_spelled_pipeline_resumes_and_ends_as_the_uninterrupted_run() {
+    // The resume plans again from the run's config.toml (wrap.mesh.data and replicas = 1 in it).
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let mesh = [
+        "--set",
+        "run.world_size=4",
+        "--set",
+        "wrap.strategy=\"pipeline\"",
+        "--set",
+        "wrap.mesh.data=2",
+        "--set",
+        "wrap.model.hidden=[16, 16]",
+        "--set",
+        "checkpoint.every=1",
+    ];
+    let go = |args: &[&str]| assert_ok(&run(args, dir.path()));
+    go(&[&["run", "p.toml", "--out", "whole"][..], &mesh].concat());
+    go(&[&["run", "p.toml", "--out", "cut", "--set", "train.epochs=1"][..], &mesh].concat());
+    go(&["run", "--resume", "cut", "--set", "train.epochs=2"]);
+    let (whole, cut) = (model(&dir.path().join("whole")), model(&dir.path().join("cut")));
+    for (name, want) in &whole {
+        assert!(cut[name].equal(want), "`{name}` differs from the uninterrupted run's");
+    }
+}
