@@ -45,6 +45,7 @@ mod slurm;
 mod steps;
 mod supervision;
 mod sweep;
+mod tensor_parallel;
 mod thread_replicas;
 mod tokenizer;
 mod track;
