@@ -118,7 +118,7 @@ fn pipeline_stages(
             if ranges.len() != w {
                 let from = sources.get("run.world_size").map(String::as_str).unwrap_or("default");
                 let ranks = if meshed {
-                    format!("wrap.mesh.pipeline is {w}")
+                    format!("the mesh's pipeline dimension is {w} ([wrap.mesh])")
                 } else if p.replicas == 1 {
                     format!("run.world_size ({from}) is {w}")
                 } else {

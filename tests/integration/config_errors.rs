@@ -368,6 +368,14 @@ const CASES: &[Case] = &[
                    stages, which only wrap.strategy = \"pipeline\" does; set it, or leave wrap.mesh.pipeline out",
     },
     Case {
+        name: "stages that do not match the mesh's pipeline dimension",
+        file: "",
+        args: &["--set", "run.world_size=4", "--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.model.hidden=[16, 16, 16]", "--set", "wrap.mesh.data=2", "--set", "wrap.pipeline.stages=[[0], [1], [2, 3]]"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.pipeline.stages` (--set wrap.pipeline.stages=[[0], [1], [2, 3]]): \
+                   lists 3 stages but the mesh's pipeline dimension is 2 ([wrap.mesh]); a pipeline has one stage per rank",
+    },
+    Case {
         name: "a pipeline's copies given twice",
         file: "",
         args: &["--set", "run.world_size=4", "--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.model.hidden=[16, 16]", "--set", "wrap.mesh.data=2", "--set", "wrap.pipeline.replicas=2"],
