@@ -541,32 +541,43 @@ char* rn_autocast_bf16(int enabled) {
 }  // extern "C"
 
 namespace {
-// Sum over the ranks, forward and backward: d(sum_r x_r)/d(x_r) applied to the gradients every
-// rank's loss sends back, i.e. the all-reduced gradient.
+void all_reduce_sum(rn_pg* pg, at::Tensor& t) {
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  pg->backend->allreduce(ts, opts)->wait();
+}
+
+// An all-reduced sum in either direction of autograd, or both: forward and backward, the sum over
+// the ranks of a value every rank's loss depends on (SyncBatchNorm's statistics); backward only,
+// the identity whose input's gradient sums every rank's (Megatron's copy into the tensor-parallel
+// region, before a column-parallel layer); forward only, the sum of partial results whose
+// gradient each rank already holds whole (Megatron's reduce out of the region, after a
+// row-parallel layer).
 struct AllReduceSum : public torch::autograd::Function<AllReduceSum> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t pg) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t pg,
+                            bool in_forward, bool in_backward) {
     ctx->saved_data["pg"] = pg;
-    std::vector<at::Tensor> ts{x.detach().clone()};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    reinterpret_cast<rn_pg*>(pg)->backend->allreduce(ts, opts)->wait();
-    return ts[0];
+    ctx->saved_data["in_backward"] = in_backward;
+    at::Tensor t = x.detach().clone();
+    if (in_forward) all_reduce_sum(reinterpret_cast<rn_pg*>(pg), t);
+    return t;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto* pg = reinterpret_cast<rn_pg*>(ctx->saved_data["pg"].toInt());
-    std::vector<at::Tensor> ts{grads[0].contiguous().clone()};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    pg->backend->allreduce(ts, opts)->wait();
-    return {ts[0], at::Tensor()};
+    at::Tensor g = grads[0].contiguous().clone();
+    if (ctx->saved_data["in_backward"].toBool()) {
+      all_reduce_sum(reinterpret_cast<rn_pg*>(ctx->saved_data["pg"].toInt()), g);
+    }
+    return {g, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 }  // namespace
 
-extern "C" char* rn_all_reduce_sum_autograd(rn_pg* pg, void* input, void** out) {
+extern "C" char* rn_all_reduce_sum_autograd(rn_pg* pg, void* input, int in_forward, int in_backward, void** out) {
   return protect([&] {
-    at::Tensor r = AllReduceSum::apply(tensor(input), reinterpret_cast<int64_t>(pg));
+    at::Tensor r = AllReduceSum::apply(tensor(input), reinterpret_cast<int64_t>(pg), in_forward != 0,
+                                       in_backward != 0);
     *out = new at::Tensor(std::move(r));
   });
 }

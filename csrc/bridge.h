@@ -130,10 +130,12 @@ char* rn_cuda_peak_memory(int index, int64_t* allocated, int64_t* reserved);
 // cast afresh).
 char* rn_autocast_bf16(int enabled);
 
-// The sum of `input` over every rank of pg, as a new tensor (*out, owned by the caller, freed as a
-// tch Tensor) that autograd differentiates: its backward pass all-reduces the incoming gradient too
-// (the collective SyncBatchNorm runs in both directions).
-char* rn_all_reduce_sum_autograd(rn_pg* pg, void* input, void** out);
+// A new tensor (*out, owned by the caller, freed as a tch Tensor) that autograd differentiates:
+// `input` summed over every rank of pg where in_forward is non-zero (else a copy of it), its
+// incoming gradient summed over the ranks where in_backward is (else passed back as it is).
+// Both: the collective SyncBatchNorm runs; backward only / forward only: the two conjugate
+// collectives around a tensor-parallel layer pair (Megatron's f and g).
+char* rn_all_reduce_sum_autograd(rn_pg* pg, void* input, int in_forward, int in_backward, void** out);
 
 // A TorchScript module (torch.jit.save's archive) loaded onto device (a c10::DeviceType, with
 // device_index): tch's CModule lists its parameters but not its buffers, which the runner

@@ -467,6 +467,9 @@ pub struct Wrap {
     /// strategy = "fsdp" only.
     #[serde(skip_serializing_if = "Fsdp::is_default")]
     pub fsdp: Fsdp,
+    /// How the ranks are arranged: data × tensor × pipeline = run.world_size.
+    #[serde(skip_serializing_if = "Mesh::is_default")]
+    pub mesh: Mesh,
 }
 
 impl Default for Wrap {
@@ -480,7 +483,34 @@ impl Default for Wrap {
             model: Model::default(),
             pipeline: Pipeline::default(),
             fsdp: Fsdp::default(),
+            mesh: Mesh::default(),
         }
+    }
+}
+
+/// `[wrap.mesh]`: the ranks as a grid of data × tensor × pipeline = run.world_size, one process
+/// group per dimension; rank = (data index × pipeline + pipeline index) × tensor + tensor index
+/// (a tensor group's ranks are consecutive, then a pipeline's). A dimension left out is worked
+/// out from the others: tensor 1; pipeline world_size / wrap.pipeline.replicas under
+/// wrap.strategy = "pipeline", else 1; data the rest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct Mesh {
+    /// Copies of the model, each on its own shard of the data (what wrap.strategy does across
+    /// them: DDP's averaging, a pipeline's per-stage averaging).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data: Option<usize>,
+    /// Ranks each layer is split across (tensor parallelism; not built yet: refused above 1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensor: Option<usize>,
+    /// Stages of a pipeline (wrap.strategy = "pipeline"; replaces wrap.pipeline.replicas).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<usize>,
+}
+
+impl Mesh {
+    fn is_default(&self) -> bool {
+        skip(*self == Mesh::default())
     }
 }
 

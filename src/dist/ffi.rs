@@ -205,7 +205,13 @@ extern "C" {
         processors: *mut c_int,
     ) -> *mut c_char;
     pub fn rn_cuda_peak_memory(index: c_int, allocated: *mut i64, reserved: *mut i64) -> *mut c_char;
-    pub fn rn_all_reduce_sum_autograd(pg: *mut RnPg, input: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
+    pub fn rn_all_reduce_sum_autograd(
+        pg: *mut RnPg,
+        input: *mut c_void,
+        in_forward: c_int,
+        in_backward: c_int,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
 
     pub fn rn_script_load(
         path: *const c_char,

@@ -264,12 +264,38 @@ impl ProcessGroup {
     /// all-reduces the gradient (every rank's loss depends on every rank's `t`). SyncBatchNorm's
     /// statistics go through it.
     pub fn all_reduce_sum_autograd(&self, t: &Tensor) -> Result<Tensor> {
-        let name = "all_reduce_sum_autograd";
+        self.sum_autograd("all_reduce_sum_autograd", t, true, true)
+    }
+
+    /// `t` as it is, as a new tensor whose gradient autograd sums over the ranks: the input of a
+    /// column-parallel layer, each rank's slice of whose outputs depends on all of `t`
+    /// (Megatron's copy into the tensor-parallel region).
+    pub fn copy_to_ranks_autograd(&self, t: &Tensor) -> Result<Tensor> {
+        self.sum_autograd("copy_to_ranks_autograd", t, false, true)
+    }
+
+    /// The sum of the ranks' partial `t` (a row-parallel layer's outputs), as a new tensor whose
+    /// gradient passes back as it is: every rank holds the whole gradient of the sum already
+    /// (Megatron's reduce out of the tensor-parallel region).
+    pub fn sum_from_ranks_autograd(&self, t: &Tensor) -> Result<Tensor> {
+        self.sum_autograd("sum_from_ranks_autograd", t, true, false)
+    }
+
+    /// `t` summed over the ranks in the forward pass, its gradient in the backward pass, where asked.
+    fn sum_autograd(&self, name: &str, t: &Tensor, in_forward: bool, in_backward: bool) -> Result<Tensor> {
         let t = t.contiguous();
         let mut out = std::ptr::null_mut();
         // SAFETY: `t` is live for the blocking call; on success `out` is a new at::Tensor that the
         // returned Tensor owns (tch frees it).
-        let err = unsafe { ffi::rn_all_reduce_sum_autograd(self.raw(), t.as_ptr() as *mut c_void, &mut out) };
+        let err = unsafe {
+            ffi::rn_all_reduce_sum_autograd(
+                self.raw(),
+                t.as_ptr() as *mut c_void,
+                in_forward.into(),
+                in_backward.into(),
+                &mut out,
+            )
+        };
         self.result(name, err)?;
         // SAFETY: the bridge allocated `out` with `new at::Tensor`, what tch's handles are.
         Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })

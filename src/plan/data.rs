@@ -70,7 +70,8 @@ pub(super) fn shard_layout(c: &Config, d: &DataSpec, bad: &mut impl FnMut(&str, 
         return None;
     }
     // A pipeline's ranks share one copy of the model: each copy walks its own shard.
-    let replicas = if c.wrap.strategy == WrapStrategy::Pipeline { c.wrap.pipeline.replicas.max(1) } else { w };
+    // With tensor = 1 (the only degree built), the mesh's data dimension is every rank but a pipeline's.
+    let replicas = super::mesh::Shape::of(c).data;
     let layout = match (c.shard.strategy, t.global_batch_size) {
         (ShardStrategy::Dataset, None) => ShardLayout::new(d.rows, replicas, c.shard.drop_last),
         (ShardStrategy::Dataset, Some(_)) => {

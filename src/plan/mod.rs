@@ -9,6 +9,7 @@ mod data;
 mod flow;
 mod input;
 pub mod memory;
+pub mod mesh;
 mod model;
 mod probe;
 mod recipe;
@@ -146,7 +147,7 @@ impl Plan {
             // A stage split the model refuses (a tied head away from its embedding) is none.
             cuts: Box::new(move |stages| a.check_stages(stages).is_ok()),
             shards: scalar_parameter(a.as_ref()).is_none(),
-            pipeline_copies: c.wrap.pipeline.replicas,
+            pipeline_copies: mesh::Shape::of(&c).data,
             gloo: c.run.backend == Backend::Gloo,
             global_batch: resuming.map(|r| r.global_batch).or(c.train.global_batch_size),
             besides: match (&data, &layout) {
@@ -158,6 +159,7 @@ impl Plan {
             },
         });
         strategy::strategy_keys(&c, &sources, resuming.map(|r| r.own_config.as_str()), &mut bad);
+        mesh::check(&c, &sources, &mut bad);
         let mut auto = None;
         if let (WrapStrategy::Auto, Some(planner), true) =
             (c.wrap.strategy, &planner, data.is_some() && layout.is_some())
@@ -364,6 +366,11 @@ impl Plan {
         })?;
         plan.check_saved().map_err(|e| ConfigError::new(format!("{}: {e}", path.display())))?;
         Ok(plan)
+    }
+
+    /// The device mesh: how many ranks each dimension has, and which ranks form each group.
+    pub fn mesh(&self) -> mesh::Shape {
+        mesh::Shape::of(&self.config)
     }
 
     pub fn is_pipeline(&self) -> bool {

@@ -50,7 +50,8 @@ fn pipeline_stages(
     bad: &mut impl FnMut(&str, String),
 ) -> Option<Vec<Range<usize>>> {
     let p = &c.wrap.pipeline;
-    if p.replicas == 0 || !c.run.world_size.is_multiple_of(p.replicas) {
+    let meshed = c.wrap.mesh != Mesh::default();
+    if !meshed && (p.replicas == 0 || !c.run.world_size.is_multiple_of(p.replicas)) {
         bad(
             "wrap.pipeline.replicas",
             format!(
@@ -60,8 +61,12 @@ fn pipeline_stages(
         );
         return None;
     }
-    // The stages of one copy; the copies repeat them.
-    let w = c.run.world_size / p.replicas;
+    // The stages of one copy; the copies repeat them. A mesh whose product is off is mesh::check's.
+    let mesh = super::mesh::Shape::of(c);
+    if mesh.ranks() != c.run.world_size {
+        return None;
+    }
+    let w = mesh.pipeline;
     if c.shard.strategy == ShardStrategy::Batch {
         bad(
             "shard.strategy",
@@ -112,7 +117,9 @@ fn pipeline_stages(
             };
             if ranges.len() != w {
                 let from = sources.get("run.world_size").map(String::as_str).unwrap_or("default");
-                let ranks = if p.replicas == 1 {
+                let ranks = if meshed {
+                    format!("the mesh's pipeline dimension is {w} ([wrap.mesh])")
+                } else if p.replicas == 1 {
                     format!("run.world_size ({from}) is {w}")
                 } else {
                     format!("each of the {} copies has {w} ranks (run.world_size ({from}) / replicas)", p.replicas)
@@ -138,5 +145,5 @@ fn pipeline_stages(
         }
         None => crate::model::partition::balanced(layer_parameters, w),
     }?;
-    Some((0..c.run.world_size).map(|r| stages[r % w].clone()).collect())
+    Some((0..c.run.world_size).map(|r| stages[mesh.coords(r).pipeline].clone()).collect())
 }

@@ -73,6 +73,22 @@ fn average_gradients(group: &ProcessGroup, params: &[Tensor]) -> anyhow::Result<
     Ok(())
 }
 
+/// `pg`'s rank's group along the mesh dimension `dim` (every rank calls it at the same point, for
+/// the same dimensions): `None` where the dimension is one rank.
+fn mesh_group(
+    pg: &ProcessGroup,
+    mesh: &crate::plan::mesh::Shape,
+    dim: crate::plan::mesh::Dim,
+) -> crate::dist::Result<Option<ProcessGroup>> {
+    let size = mesh.size(dim);
+    if size == 1 {
+        return Ok(None);
+    }
+    let members = mesh.group(pg.rank(), dim);
+    // Named by the group's first rank: one name per group, the same on each of its members.
+    pg.subgroup(&format!("{dim:?}{}", members[0]).to_lowercase(), &members).map(Some)
+}
+
 /// What one training step measured on this rank.
 #[derive(Default)]
 pub struct StepOut {

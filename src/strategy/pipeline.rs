@@ -5,8 +5,8 @@
 //! Parameter gradients accumulate over the micro-batches and each rank then updates its own
 //! layers once per batch, so a step equals one process's step on the whole batch.
 //!
-//! With `replicas` copies of the pipeline (consecutive ranks each, own shard of the data), each
-//! stage's gradients are then averaged over its copies in a group of just those ranks.
+//! With several copies of the pipeline (`wrap.mesh.data`: consecutive ranks each, own shard of
+//! the data), each stage's gradients are then averaged over its copies in the mesh's data group.
 //!
 //! Every rank knows every shape from the plan (the batch's rows, the widths at its boundaries), so
 //! nothing but the tensors themselves is sent. Sends and receives are blocking; the time a rank
@@ -70,7 +70,8 @@ impl<'pg> Stage<'pg> {
         let layers = &plan.stages[rank];
         let (in_shape, out_shape) = plan.stage_shapes(layers);
         let stages = plan.pipeline_ranks();
-        let stage = rank % stages;
+        let mesh = plan.mesh();
+        let stage = mesh.coords(rank).pipeline;
         let arch = plan.model();
         let owners = (0..stages)
             .flat_map(|r| {
@@ -80,12 +81,7 @@ impl<'pg> Stage<'pg> {
                 names.into_iter().map(move |(name, _)| (name, r))
             })
             .collect();
-        let replicas = if plan.world_size() > stages {
-            let members: Vec<usize> = (stage..plan.world_size()).step_by(stages).collect();
-            Some(pg.subgroup(&format!("stage{stage}"), &members)?)
-        } else {
-            None
-        };
+        let replicas = super::mesh_group(pg, &mesh, crate::plan::mesh::Dim::Data)?;
         Ok(Stage {
             pg,
             rank,

@@ -336,6 +336,63 @@ const CASES: &[Case] = &[
                    lists 3 stages but each of the 2 copies has 2 ranks (run.world_size (--set run.world_size=4) / replicas); \
                    a pipeline has one stage per rank",
     },
+    Case {
+        name: "a mesh whose product is not the world size",
+        file: "",
+        args: &["--set", "run.world_size=4", "--set", "wrap.mesh.tensor=3"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.mesh.tensor` (--set wrap.mesh.tensor=3): data = 1 × tensor = 3 × \
+                   pipeline = 1 is 3 ranks, but run.world_size = 4; tensor × pipeline must divide it: use one of 1, 2, 4",
+    },
+    Case {
+        name: "a mesh's data dimension that does not fill the world",
+        file: "[wrap.mesh]\ndata = 3\n",
+        args: &["--set", "run.world_size=4"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.mesh.data` (file p.toml:21): data = 3 × tensor = 1 × pipeline = 1 is 3 \
+                   ranks, but run.world_size = 4; use data = 4 (or leave it out: it is worked out)",
+    },
+    Case {
+        name: "hidden widths the tensor ranks cannot split",
+        file: "",
+        args: &["--set", "wrap.mesh.tensor=2", "--set", "wrap.model.hidden=[16, 5]"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.mesh.tensor` (--set wrap.mesh.tensor=2): 2 tensor ranks cannot split \
+                   wrap.model.hidden = 5 evenly; the degrees that divide it: 1, 5",
+    },
+    Case {
+        name: "tensor parallelism, not built yet",
+        file: "",
+        args: &["--set", "wrap.mesh.tensor=2"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.mesh.tensor` (--set wrap.mesh.tensor=2): tensor parallelism is not \
+                   built yet (docs/parallelism.md); use tensor = 1, or split the 2 ranks another way (wrap.mesh.data)",
+    },
+    Case {
+        name: "a pipeline dimension without a pipeline",
+        file: "",
+        args: &["--set", "wrap.mesh.pipeline=2"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.mesh.pipeline` (--set wrap.mesh.pipeline=2): splits the layers into \
+                   stages, which only wrap.strategy = \"pipeline\" does; set it, or leave wrap.mesh.pipeline out",
+    },
+    Case {
+        name: "stages that do not match the mesh's pipeline dimension",
+        file: "",
+        args: &["--set", "run.world_size=4", "--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.model.hidden=[16, 16, 16]", "--set", "wrap.mesh.data=2", "--set", "wrap.pipeline.stages=[[0], [1], [2, 3]]"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.pipeline.stages` (--set wrap.pipeline.stages=[[0], [1], [2, 3]]): \
+                   lists 3 stages but the mesh's pipeline dimension is 2 ([wrap.mesh]); a pipeline has one stage per rank",
+    },
+    Case {
+        name: "a pipeline's copies given twice",
+        file: "",
+        args: &["--set", "run.world_size=4", "--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.model.hidden=[16, 16]", "--set", "wrap.mesh.data=2", "--set", "wrap.pipeline.replicas=2"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.pipeline.replicas` (--set wrap.pipeline.replicas=2): says how many \
+                   copies of the pipeline run, as wrap.mesh.data does; with [wrap.mesh] set, remove wrap.pipeline.replicas and \
+                   give the copies as wrap.mesh.data",
+    },
 ];
 
 /// What a build without the `cuda` feature says to GPU configurations: the command that builds

@@ -60,6 +60,15 @@ fn collectives_are_right_for_world_sizes_1_to_4() {
 }
 
 #[test]
+fn a_megatron_split_mlp_equals_the_whole_one_at_2_and_4_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    for world in [2, 4] {
+        let (outputs, _) = run_world("tensor_parallel", world, dir.path());
+        assert_all_ok(&format!("tensor_parallel at world size {world}"), &outputs);
+    }
+}
+
+#[test]
 fn ddp_replicas_stay_bit_identical() {
     let dir = tempfile::tempdir().unwrap();
     let (outputs, _) = run_world("ddp_identical", 3, dir.path());
@@ -189,6 +198,7 @@ fn worker_entry() {
         "sync_bn" => sync_bn(&pg),
         "parity" => parity(&pg, &dir),
         "early_exit" => early_exit(pg),
+        "tensor_parallel" => crate::tensor_parallel::column_then_row(&pg),
         "loopback" => {
             pg.barrier().unwrap();
             assert_loopback_only(std::process::id());
