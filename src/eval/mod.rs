@@ -78,7 +78,7 @@ pub fn eval(run_dir: &Path, data: &Path, o: &Options) -> anyhow::Result<u8> {
     let Model::Transformer(t) = &plan.config.wrap.model else {
         anyhow::bail!("runner eval measures a language model, not this run's {}", plan.model().describe());
     };
-    crate::predict::trained_model(run_dir)?;
+    crate::rundir::model::trained_model(run_dir)?;
     let world = o.world_size.unwrap_or(plan.world_size());
     if world == 0 || world > crate::limits::MAX_WORLD_SIZE {
         return Err(ConfigError::new(format!("--world-size must be 1 to {}", crate::limits::MAX_WORLD_SIZE)).into());
