@@ -21,6 +21,7 @@ pub mod goodput;
 pub mod index;
 pub mod lock;
 pub mod manifest;
+pub mod model;
 pub mod position;
 
 use std::io::Write;

@@ -292,6 +292,77 @@ fn a_search_killed_mid_rung_resumes_and_ends_with_the_uninterrupted_table() {
     }
 }
 
+/// Killed after a promoted trial's last trace row, before its final checkpoint and model: the
+/// rung is not done (its model is the first rung's), and the rerun finishes it.
+#[test]
+fn a_search_killed_before_a_promoted_trial_s_final_checkpoint_finishes_that_trial() {
+    use nix::sys::signal::{kill, Signal};
+    let dir = setup(1);
+    let (s, stalled) = (dir.path().join("s"), dir.path().join("stalled"));
+    // The first trial to reach the checkpoint of step 1800 stops for good in it, once.
+    let mut sweep = runner()
+        .args(["sweep", "e.toml", "--out", "s"])
+        .env("RUNNER_TEST_STALL_CHECKPOINT", format!("0:1800@{}", stalled.display()))
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while !stalled.exists() {
+        assert!(Instant::now() < deadline && sweep.try_wait().unwrap().is_none(), "no trial reached step 1800");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let victim = trials(&s)
+        .into_iter()
+        .find(|t| {
+            std::fs::read_dir(t.join("checkpoints"))
+                .unwrap()
+                .any(|e| e.unwrap().file_name().to_string_lossy().starts_with(".step-00001800"))
+        })
+        .expect("the trial writing its checkpoint of step 1800");
+    kill(nix::unistd::Pid::from_raw(sweep.id() as i32), Signal::SIGKILL).unwrap();
+    sweep.wait().unwrap();
+    let stopped = Instant::now();
+    while runner::rundir::lock::holder(&victim).is_some() {
+        assert!(stopped.elapsed() < Duration::from_secs(20), "{} stays locked", victim.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let steps = trace(&victim).column("step").unwrap().cast(&polars::prelude::DataType::UInt64).unwrap();
+    let last = (0..steps.len()).filter_map(|i| steps.u64().unwrap().get(i)).max();
+    assert_eq!(last, Some(1800), "the trace's last row is written");
+
+    let o = run(&["sweep", "e.toml", "--out", "s"], dir.path());
+    assert_ok(&o);
+    let (out, _) = text(&o);
+    let name = victim.file_name().unwrap().to_string_lossy();
+    assert!(out.contains(&format!("{name} → rung 1 (1800 steps): continues")), "{out}");
+    assert!(read(&victim.join("manifest.json")).contains("\"status\": \"complete\""));
+    let reference = reference().join("s");
+    for file in ["table.md", "table.csv"] {
+        assert_eq!(read(&reference.join(file)), read(&s.join(file)), "{file}");
+    }
+}
+
+/// `--check` compares each trial's model too: one whose trace is the rerun's but whose weights
+/// are not is a difference.
+#[test]
+fn check_of_a_search_finds_a_model_that_differs_where_the_traces_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    common::copy_tree(reference(), dir.path());
+    let s = dir.path().join("s");
+    let model = trials(&s).into_iter().map(|t| t.join("model.safetensors")).find(|m| m.is_file()).unwrap();
+    let mut bytes = std::fs::read(&model).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&model, bytes).unwrap();
+    let o = run(&["sweep", "e.toml", "--out", "s", "--check"], dir.path());
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}{err}");
+    assert!(format!("{out}{err}").contains("model.safetensors: `"), "{out}{err}");
+    assert!(format!("{out}{err}").contains("differs between the stored model and the rerun's"), "{out}{err}");
+}
+
 #[test]
 fn report_rebuilds_the_search_from_its_traces() {
     let dir = tempfile::tempdir().unwrap();

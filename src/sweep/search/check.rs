@@ -1,8 +1,10 @@
 //! `runner sweep FILE --check` of a search: the whole search runs again from nothing into a
 //! temporary directory (under Slurm, one in the sweep directory that every node sees), with the
 //! same parallelism, and is compared with the stored one: the same trials with the same values,
-//! and every non-timing value of every trial's trace ([`crate::sweep::check`]'s comparison).
-//! Equal traces give equal promotions and an equal table, which are computed from them.
+//! and every non-timing value of every trial's trace ([`crate::sweep::check`]'s comparison),
+//! and its model.safetensors where the stored trial keeps one (a committed search may leave its
+//! weights out). Equal traces give equal promotions and an equal table, which are computed from
+//! them; equal models say that each trial's last rung was finished, not only traced.
 use std::path::Path;
 
 use super::{drive, Search};
@@ -10,6 +12,7 @@ use crate::rundir::index::Index;
 use crate::sweep::check::{compare_runs, Found};
 use crate::sweep::grid::Point;
 use crate::sweep::{Experiment, Runs};
+use crate::tensorfile::TensorFile;
 
 /// Every difference between the stored search in `sweep_dir` and a rerun, and how many trials
 /// were compared.
@@ -68,7 +71,11 @@ pub fn check(
         let (a, b) = (sweep_dir.join(&p.dir), scratch.path().join(&q.dir));
         let ran = |d: &Path| d.join(crate::rundir::TRACE).is_file();
         let this = match (ran(&a), ran(&b)) {
-            (true, true) => compare_runs(&a, &b, tolerance),
+            (true, true) => {
+                let (mut differences, within, beyond) = compare_runs(&a, &b, tolerance);
+                differences.extend(compare_models(&a, &b, tolerance));
+                (differences, within, beyond)
+            }
             (false, false) => (vec![], None, 0.0),
             (true, false) => (vec!["the stored trial ran, the rerun's did not".into()], None, 0.0),
             (false, true) => (vec!["the rerun's trial ran, the stored one did not".into()], None, 0.0),
@@ -79,4 +86,42 @@ pub fn check(
         found.differences.push(format!("{}: proposed by the rerun, not stored", q.dir));
     }
     Ok((found, compared))
+}
+
+/// Every difference between the models of two trial directories, tensor by tensor (their
+/// metadata aside): bit for bit, or within the relative `tolerance`. None where the stored trial
+/// keeps no model.safetensors.
+fn compare_models(stored: &Path, rerun: &Path, tolerance: Option<f64>) -> Vec<String> {
+    let (a, b) = (stored.join(crate::rundir::MODEL), rerun.join(crate::rundir::MODEL));
+    if !a.is_file() {
+        return vec![];
+    }
+    let (a, b) = match (TensorFile::open(&a), TensorFile::open(&b)) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) => return vec![format!("the stored model.safetensors cannot be read: {e}")],
+        (_, Err(e)) => return vec![format!("the rerun's model.safetensors cannot be read: {e}")],
+    };
+    let names = |f: &TensorFile| f.entries().into_iter().map(|(n, _)| n).collect::<std::collections::BTreeSet<_>>();
+    if names(&a) != names(&b) {
+        return vec!["model.safetensors: the stored model and the rerun's hold other tensors".into()];
+    }
+    let mut out = Vec::new();
+    for name in names(&a) {
+        let differs = match tolerance {
+            None => a.bytes(&name, u64::MAX).ok() != b.bytes(&name, u64::MAX).ok(),
+            Some(tol) => match (a.tensor(&name, u64::MAX), b.tensor(&name, u64::MAX)) {
+                (Ok(x), _) if x.numel() == 0 => false,
+                (Ok(x), Ok(y)) if x.size() == y.size() => {
+                    let (x, y) = (x.to_kind(tch::Kind::Double), y.to_kind(tch::Kind::Double));
+                    let scale = x.abs().max().double_value(&[]).max(f64::MIN_POSITIVE);
+                    (x - y).abs().max().double_value(&[]) / scale > tol
+                }
+                _ => true,
+            },
+        };
+        if differs {
+            out.push(format!("model.safetensors: `{name}` differs between the stored model and the rerun's"));
+        }
+    }
+    out
 }
