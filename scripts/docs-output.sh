@@ -6,6 +6,7 @@
 #
 #   scripts/docs-output.sh            # release build (the timings the pages show), every block
 #   scripts/docs-output.sh --debug    # debug build: faster to build, slower to run
+#   scripts/docs-output.sh [--debug] docs/guide/language-models.md   # only the pages whose path holds this
 #
 # Then review `git diff README.md docs tests/docs-output` and commit. See docs/development.md.
 set -euo pipefail
@@ -13,6 +14,8 @@ cd "$(dirname "$0")/.."
 profile=(--release)
 if [[ "${1:-}" == "--debug" ]]; then
     profile=()
+    shift
 fi
+export DOCS_PAGE="${1:-}"
 export LIBTORCH="${LIBTORCH:-$PWD/.deps/libtorch}"
 SNAPSHOTS=overwrite DOCS_OUTPUT=all cargo test "${profile[@]}" --test integration docs_output:: -- --nocapture

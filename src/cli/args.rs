@@ -5,7 +5,7 @@ use clap::{Args, Subcommand};
 
 use crate::config::ConfigError;
 use crate::launch::elastic::Nodes;
-use crate::launch::slurm;
+use crate::launch::engines;
 use crate::launch::spawn::Topology;
 
 #[derive(Debug, Args)]
@@ -96,7 +96,8 @@ pub struct ExportArgs {
 
 #[derive(Debug, Args)]
 pub struct EvalArgs {
-    /// The run directory of a language model (results/<name>/<run-id>).
+    /// The run directory of a language model (results/<name>/<run-id>), or a Hugging Face model
+    /// directory (config.json and its weights; a text is encoded with its tokenizer.json).
     #[arg(required_unless_present = "job")]
     pub run_dir: Option<PathBuf>,
     /// A token file (.bin of uint16 ids, .npy) or a UTF-8 text, encoded with the run's tokenizer.
@@ -105,9 +106,12 @@ pub struct EvalArgs {
     /// Ranks sharing the windows [default: the run's run.world_size]
     #[arg(long, value_name = "N")]
     pub world_size: Option<usize>,
-    /// Windows per forward pass on each rank [default: the run's train.batch_size]
+    /// Windows per forward pass on each rank [default: the run's train.batch_size; 8 for a model directory]
     #[arg(long, value_name = "N")]
     pub batch_size: Option<usize>,
+    /// Tokens per window [default: the run's wrap.model.seq_len; a model directory's max_position_embeddings]
+    #[arg(long, value_name = "N")]
+    pub seq_len: Option<usize>,
     /// Print the results as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -189,45 +193,66 @@ pub struct RunArgs {
     pub force: bool,
     /// Number of nodes, one `runner run` on each (as torchrun's --nnodes): N, or MIN:MAX for an
     /// elastic run that goes on with at least MIN nodes when some are lost, and takes them back
-    /// at a checkpoint [default: SLURM_NNODES, else 1]
+    /// at a checkpoint [default: SLURM_NNODES, PET_NNODES or SKYPILOT_NUM_NODES, else 1]
     #[arg(long, value_name = "N|MIN:MAX")]
     pub nnodes: Option<Nodes>,
     /// This node's index, 0 to nnodes - 1; node 0 hosts the rendezvous store [default:
-    /// SLURM_NODEID, else 0]
+    /// SLURM_NODEID, PET_NODE_RANK or SKYPILOT_NODE_RANK, else 0]
     #[arg(long)]
     pub node_rank: Option<usize>,
-    /// Node 0's address, reachable from every node (needed with --nnodes > 1).
+    /// Node 0's address, reachable from every node (needed with --nnodes > 1) [default: the
+    /// first host of SLURM_JOB_NODELIST, PET_MASTER_ADDR, or the first of SKYPILOT_NODE_IPS]
     #[arg(long, value_name = "HOST")]
     pub master_addr: Option<String>,
     /// The port of node 0's rendezvous store [default: under Slurm, 15000 + the job id's last
-    /// four digits; otherwise 29500]
+    /// four digits; PET_MASTER_PORT; otherwise 29500]
     #[arg(long, value_name = "PORT")]
     pub master_port: Option<u16>,
 }
 
-/// A count given as a flag, or else by a Slurm variable: its value and how to name it.
-fn flag_or_slurm(flag: Option<usize>, name: &str, var: &str, default: usize) -> Result<(usize, String), ConfigError> {
-    if let Some(n) = flag {
-        return Ok((n, format!("{name} {n}")));
-    }
-    match std::env::var(var).ok().filter(|v| !v.trim().is_empty()) {
-        Some(v) => match v.trim().parse::<usize>() {
-            Ok(n) => Ok((n, format!("{var}={n}"))),
-            Err(_) => Err(ConfigError::new(format!("{var}={v:?} is not a number (it gives {name} under Slurm)"))),
-        },
-        None => Ok((default, format!("{name} {default}"))),
+/// A value given as a flag, or else by an engine's variable, or else a default: the value and
+/// how to name it in a message.
+fn flag_or_engine<T: Clone + std::fmt::Display>(
+    flag: Option<T>,
+    name: &str,
+    engine: Option<&engines::Said<T>>,
+    default: T,
+) -> (T, String) {
+    match (flag, engine) {
+        (Some(v), _) => (v.clone(), format!("{name} {v}")),
+        (None, Some(said)) => (said.value.clone(), said.from.clone()),
+        (None, None) => (default.clone(), format!("{name} {default}")),
     }
 }
 
 impl RunArgs {
+    /// The job's nodes: from the flags, else from the engine that started this node (Slurm,
+    /// Kubeflow TrainJob, SkyPilot: [`engines`]), else one node.
     pub(super) fn topology(&self, world_size: usize) -> Result<Topology, ConfigError> {
-        let (nnodes, nnodes_from) = flag_or_slurm(self.nnodes.map(|n| n.max), "--nnodes", "SLURM_NNODES", 1)?;
-        let min_nodes = self.nnodes.map_or(nnodes, |n| n.min);
+        let fail = |m: String| Err(ConfigError::new(m));
+        let said = engines::from_env().map_err(ConfigError::new)?;
+        let nodes = self.nnodes.or(said.nnodes.as_ref().map(|s| s.value));
+        let nnodes = nodes.map_or(1, |n| n.max);
+        let nnodes_from = match (&self.nnodes, &said.nnodes) {
+            (Some(_), _) | (_, None) => format!("--nnodes {nnodes}"),
+            (None, Some(s)) => s.from.clone(),
+        };
+        if let Some(per_node) = &said.per_node {
+            if per_node.value * nnodes != world_size {
+                return fail(format!(
+                    "{} over {nnodes_from} nodes starts {} ranks, but run.world_size is {world_size}: set \
+                     run.world_size = {}, or start {} ranks per node",
+                    per_node.from,
+                    per_node.value * nnodes,
+                    per_node.value * nnodes,
+                    world_size / nnodes.max(1)
+                ));
+            }
+        }
         if nnodes <= 1 {
             return Ok(Topology::single());
         }
-        let (node_rank, node_from) = flag_or_slurm(self.node_rank, "--node-rank", "SLURM_NODEID", 0)?;
-        let fail = |m: String| Err(ConfigError::new(m));
+        let (node_rank, node_from) = flag_or_engine(self.node_rank, "--node-rank", said.node_rank.as_ref(), 0);
         if node_rank >= nnodes {
             return fail(format!("{node_from} must be below {nnodes_from}"));
         }
@@ -236,24 +261,12 @@ impl RunArgs {
                 "run.world_size ({world_size}) must divide evenly over {nnodes_from} (ranks per node)"
             ));
         }
-        // Under Slurm, node 0 is the job's first host.
-        let addr = match (&self.master_addr, std::env::var("SLURM_JOB_NODELIST")) {
-            (Some(addr), _) => addr.clone(),
-            (None, Ok(list)) => slurm::expand_nodelist(&list).map(|hosts| hosts[0].clone()).map_err(|e| {
-                ConfigError::new(format!("SLURM_JOB_NODELIST={list:?}: {e:#}; pass --master-addr HOST"))
-            })?,
-            (None, Err(_)) => {
-                return fail(format!(
-                    "{nnodes_from} needs --master-addr, the address of node 0 that every node can reach"
-                ))
-            }
+        let Some(addr) = self.master_addr.clone().or(said.master_addr.as_ref().map(|s| s.value.clone())) else {
+            return fail(format!("{nnodes_from} needs --master-addr, the address of node 0 that every node can reach"));
         };
-        let port = match (self.master_port, std::env::var("SLURM_JOB_ID")) {
-            (Some(port), _) => port,
-            (None, Ok(job)) => slurm::master_port(&job).map_err(|e| ConfigError::new(format!("{e:#}")))?,
-            (None, Err(_)) => 29500,
-        };
-        Ok(Topology { nnodes, min_nodes, node_rank, master: Some((addr, port)) })
+        let (port, _) = flag_or_engine(self.master_port, "--master-port", said.master_port.as_ref(), 29500);
+        let min_nodes = nodes.map_or(nnodes, |n| n.min);
+        Ok(Topology { nnodes, min_nodes, node_rank, master: Some((addr, port)), engine: said.describe() })
     }
 }
 

@@ -17,13 +17,15 @@ use super::resume::resumed_plan;
 use super::run::{prepare_run_dir, Claim};
 
 pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
-    crate::say!("{}", plan.data_flow());
-    let device = crate::device::notes(plan.config.run.device);
-    for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()).chain(device) {
-        crate::say!("{note}");
-    }
-    for line in crate::stages::track::plan_lines(plan, Some(run_dir)) {
-        crate::say!("{line}");
+    announce(plan, run_dir);
+    if let Some((addr, port)) = topology.master.as_ref().filter(|_| topology.nnodes > 1) {
+        let from = topology.engine.as_ref().map(|e| format!(", from {e}")).unwrap_or_default();
+        crate::say!(
+            "nodes: {} × {} ranks, this is node {}; node 0 at {addr}:{port}{from}",
+            topology.nnodes,
+            plan.world_size() / topology.nnodes,
+            topology.node_rank
+        );
     }
     if let Some(sweep) = std::env::var(crate::launch::env::SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {
         // Started by `runner sweep`: its end (even by SIGKILL) interrupts this run.
@@ -94,6 +96,19 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
             manifest.write(run_dir)?;
             Err(e)
         }
+    }
+}
+
+/// What a run says before its ranks start: the plan (with its run id), its notes and where it
+/// tracks. Said by the launcher, or by rank 0 under torchrun or srun.
+pub(super) fn announce(plan: &Plan, run_dir: &Path) {
+    crate::say!("{}", plan.data_flow());
+    let device = crate::device::notes(plan.config.run.device);
+    for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()).chain(device) {
+        crate::say!("{note}");
+    }
+    for line in crate::stages::track::plan_lines(plan, Some(run_dir)) {
+        crate::say!("{line}");
     }
 }
 

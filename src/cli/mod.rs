@@ -82,7 +82,8 @@ pub enum Command {
     /// A language model's loss, perplexity and accuracy on a token file or a text, over ranks
     /// that share its windows; the file is read where it lies, never loaded.
     #[command(after_help = "Examples:\n  runner eval results/book data/book/val.bin\n  \
-                            runner eval results/book more_text.txt --world-size 2 --json\n\n\
+                            runner eval results/book more_text.txt --world-size 2 --json\n  \
+                            runner eval models/tiny-llama data/tempest-bpe/val.bin --seq-len 128\n\n\
                             Read: docs/guide/language-models.md")]
     Eval(EvalArgs),
     /// Make data files for the runner from other formats.
@@ -191,7 +192,12 @@ pub fn main(cli: Cli) -> u8 {
             (None, Some(run_dir), Some(data)) => crate::eval::eval(
                 run_dir,
                 data,
-                &crate::eval::Options { world_size: args.world_size, batch_size: args.batch_size, json: args.json },
+                &crate::eval::Options {
+                    world_size: args.world_size,
+                    batch_size: args.batch_size,
+                    seq_len: args.seq_len,
+                    json: args.json,
+                },
             ),
             _ => unreachable!("clap requires RUN_DIR and DATA without --job"),
         },

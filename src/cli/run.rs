@@ -110,6 +110,9 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     };
     let agree::Agreed { plan, resume } = agreed;
     let run_dir = run_dir_of(&plan);
+    if env.rank == 0 && env.launcher != Launcher::Runner {
+        super::launcher::announce(&plan, &run_dir);
+    }
     let (_lock, mut manifest) = owned.unzip();
     // A fresh run's directory took its files before any rank started; a resume's take them once
     // every rank accepted the plan (rank 0 owns them here, under torchrun or srun).
@@ -199,6 +202,9 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
         if let Some(line) = crate::device::peak_line(plan.device(env.local_rank), plan.memory.as_ref()) {
             crate::say!("{line}");
         }
+        if env.launcher != Launcher::Runner {
+            crate::say!("  run directory: {}", run_dir.display());
+        }
     }
     Ok(0)
 }
@@ -276,6 +282,15 @@ pub(super) fn prepare_run_dir(
                     "--out {} is not this run's directory: {why}; choose another --out, or pass --force to run there \
                      anyway (only the runner's own files are replaced)",
                     run_dir.display()
+                ))
+                .into());
+            }
+            if let Some(ended) = rundir::completed(run_dir) {
+                return Err(ConfigError::new(format!(
+                    "{dir} holds this configuration's complete run (ended {ended}): a fresh run would replace its \
+                     model and traces. It is kept as it is; to run again elsewhere give --out DIR, to extend it \
+                     --resume {dir} with a larger train.epochs or train.steps, or pass --force to replace it",
+                    dir = run_dir.display()
                 ))
                 .into());
             }

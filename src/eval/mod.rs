@@ -1,5 +1,6 @@
 //! `runner eval RUN_DIR DATA`: a trained language model's loss, perplexity and next-token
-//! accuracy on a token file or a text, and the tokens per second it took. DATA is cut as
+//! accuracy on a token file or a text, and the tokens per second it took; or of a Hugging Face
+//! model directory's weights, before any training ([`hf`]). DATA is cut as
 //! validation cuts a token stream: windows of seq_len + 1 tokens at stride seq_len, every whole
 //! one (the loss is the mean over windows of each window's mean cross-entropy, the validation
 //! loss's definition, so that evaluating a run's validation file gives its validation loss).
@@ -11,6 +12,7 @@
 //! `runner run`, this process launches `--world-size` rank processes ([`crate::launch::spawn`],
 //! supervised the same way), which share the windows in contiguous blocks, read them where
 //! they lie, each with the whole model on its device in float32, and all-reduce their sums.
+mod hf;
 mod rank;
 
 use std::path::{Path, PathBuf};
@@ -33,6 +35,8 @@ pub struct Options {
     pub world_size: Option<usize>,
     /// Windows per forward pass on each rank (default: the run's train.batch_size).
     pub batch_size: Option<usize>,
+    /// Tokens per window (default: the run's seq_len, a directory's max_position_embeddings).
+    pub seq_len: Option<usize>,
     /// Print the results as one JSON object.
     pub json: bool,
 }
@@ -40,7 +44,12 @@ pub struct Options {
 /// What the launcher hands its ranks (a JSON file in its temporary folder).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Job {
+    /// The run directory, or the Hugging Face model directory.
     run_dir: PathBuf,
+    /// The plan the ranks start under and build the model of.
+    plan: PathBuf,
+    /// Whether the model is the plan's initial weights (a model directory's), not a run's trained model.
+    initial: bool,
     stream: Stream,
     seq_len: usize,
     /// Whole windows in the stream.
@@ -72,39 +81,40 @@ pub struct Results {
     pub tokens_per_s: f64,
 }
 
-/// Evaluates the run in `run_dir` on `data`.
+/// Evaluates the run in `run_dir` (or the Hugging Face model directory) on `data`.
 pub fn eval(run_dir: &Path, data: &Path, o: &Options) -> anyhow::Result<u8> {
-    let plan = Plan::load(&run_dir.join(crate::rundir::PLAN))?;
-    let Model::Transformer(t) = &plan.config.wrap.model else {
-        let why = format!("runner eval measures a language model, not this run's {}", plan.model().describe());
-        return Err(ConfigError::new(why).into());
+    crate::input::regular_file(data).map_err(ConfigError::new)?;
+    let tmp = tempfile::Builder::new().prefix("runner-eval-").tempdir().context("cannot make a temporary folder")?;
+    let initial = hf::is_model_dir(run_dir);
+    let (plan, stream, plan_file) = if initial {
+        let (plan, stream) = hf::prepare(run_dir, data, o.seq_len, tmp.path())?;
+        let file = tmp.path().join(crate::rundir::PLAN);
+        plan.save(&file)?;
+        (plan, stream, file)
+    } else {
+        let file = run_dir.join(crate::rundir::PLAN);
+        let plan = Plan::load(&file)?;
+        let stream = run_stream(&plan, run_dir, data, o.seq_len, tmp.path())?;
+        (plan, stream, file)
     };
-    crate::predict::trained_model(run_dir)?;
+    // Both kinds were checked to be transformers, at this seq_len (a directory's plan has it).
+    let Model::Transformer(t) = &plan.config.wrap.model else { unreachable!("checked to be a transformer") };
+    let seq_len = o.seq_len.unwrap_or(t.seq_len);
     let world = o.world_size.unwrap_or(plan.world_size());
     if world == 0 || world > crate::limits::MAX_WORLD_SIZE {
         return Err(ConfigError::new(format!("--world-size must be 1 to {}", crate::limits::MAX_WORLD_SIZE)).into());
     }
-    let batch = o.batch_size.unwrap_or(plan.config.train.batch_size);
+    let batch = o.batch_size.unwrap_or(if initial { hf::BATCH } else { plan.config.train.batch_size });
     if batch == 0 {
         return Err(ConfigError::new("--batch-size must be at least 1 window").into());
     }
-    crate::input::regular_file(data).map_err(ConfigError::new)?;
-    let tmp = tempfile::Builder::new().prefix("runner-eval-").tempdir().context("cannot make a temporary folder")?;
-    let (stream, seq_len) = (token_stream(&plan, t.vocab, data, tmp.path())?, t.seq_len);
     let windows = stream.windows(seq_len);
-    if windows == 0 {
-        let why = format!(
-            "{} holds {} tokens, and one window needs seq_len + 1 = {}: give a longer text",
-            data.display(),
-            stream.len,
-            seq_len + 1
-        );
-        return Err(ConfigError::new(why).into());
-    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = plan.config.run.threads_per_rank.unwrap_or((cores / world).max(1));
     let job = Job {
         run_dir: run_dir.to_owned(),
+        plan: plan_file,
+        initial,
         stream: stream.clone(),
         seq_len,
         windows,
@@ -140,6 +150,40 @@ pub fn eval(run_dir: &Path, data: &Path, o: &Options) -> anyhow::Result<u8> {
         say(&results);
     }
     Ok(0)
+}
+
+/// The trained model of the run in `run_dir` and `data` as its stream of windows of `seq_len`
+/// (default: the run's) tokens.
+fn run_stream(plan: &Plan, run_dir: &Path, data: &Path, seq_len: Option<usize>, tmp: &Path) -> anyhow::Result<Stream> {
+    let Model::Transformer(t) = &plan.config.wrap.model else {
+        let why = format!("runner eval measures a language model, not this run's {}", plan.model().describe());
+        return Err(ConfigError::new(why).into());
+    };
+    crate::predict::trained_model(run_dir)?;
+    let max = crate::model::transformer::Spec::of(t).max_positions;
+    if let Some(n) = seq_len.filter(|&n| n == 0 || n > max) {
+        return Err(
+            ConfigError::new(format!("--seq-len {n}: the run's model takes windows of 1 to {max} tokens")).into()
+        );
+    }
+    let stream = token_stream(plan, t.vocab, data, tmp)?;
+    enough(&stream, data, seq_len.unwrap_or(t.seq_len))?;
+    Ok(stream)
+}
+
+/// A stream that holds at least one window of `seq_len` + 1 tokens (a shorter one is the
+/// command line's mistake: exit code 2).
+fn enough(stream: &Stream, data: &Path, seq_len: usize) -> anyhow::Result<()> {
+    if stream.windows(seq_len) == 0 {
+        let why = format!(
+            "{} holds {} tokens, and one window needs seq_len + 1 = {}: give a longer text",
+            data.display(),
+            stream.len,
+            seq_len + 1
+        );
+        return Err(ConfigError::new(why).into());
+    }
+    Ok(())
 }
 
 /// `data` as a stream of token ids below `vocab`: a token file as it is; a text as bytes for a

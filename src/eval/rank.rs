@@ -20,7 +20,7 @@ pub fn rank(job_file: &Path) -> anyhow::Result<u8> {
         crate::launch::rank::die_with_launcher(pid);
     }
     let job: Job = serde_json::from_str(&std::fs::read_to_string(job_file)?)?;
-    let plan = Plan::load(&job.run_dir.join(crate::rundir::PLAN))?;
+    let plan = Plan::load(&job.plan)?;
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
     let store = Arc::new(crate::launch::rank::open_store(&env, timeout)?);
     let pg = ProcessGroup::new(Backend::Gloo, store, env.rank, env.world_size, "127.0.0.1", timeout)?;
@@ -45,7 +45,10 @@ fn evaluate(job: &Job, plan: &Plan, pg: &ProcessGroup, local_rank: usize, tmp: &
     let device = plan.device(local_rank);
     crate::device::check_rank(device)?;
     tch::set_num_threads(job.threads as i32);
-    let (_vs, model) = crate::predict::trained_module(plan, &job.run_dir, device)?;
+    let (_vs, model) = match job.initial {
+        true => super::hf::module(plan, device)?,
+        false => crate::predict::trained_module(plan, &job.run_dir, device)?,
+    };
     let task = plan.data.task;
     let windows =
         crate::data::tokens::Windows::open(&job.stream, job.seq_len, job.windows).map_err(anyhow::Error::msg)?;

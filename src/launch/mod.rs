@@ -3,6 +3,7 @@
 //! itself.
 pub mod agree;
 pub mod elastic;
+pub mod engines;
 pub mod env;
 pub mod rank;
 pub mod restart;

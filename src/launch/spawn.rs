@@ -120,11 +120,13 @@ pub struct Topology {
     pub node_rank: usize,
     /// Address and port of node 0's store; None on a single node (loopback, OS-chosen port).
     pub master: Option<(String, u16)>,
+    /// The engine whose variables gave the layout, and which ones ([`super::engines`]).
+    pub engine: Option<String>,
 }
 
 impl Topology {
     pub fn single() -> Topology {
-        Topology { nnodes: 1, min_nodes: 1, node_rank: 0, master: None }
+        Topology { nnodes: 1, min_nodes: 1, node_rank: 0, master: None, engine: None }
     }
 }
 

@@ -447,8 +447,7 @@ impl Plan {
         }
         if let Some((state, ddp)) = &self.state {
             let layout = super::memory::Layout::of(&self.config);
-            let versus =
-                ddp.map(|d| format!("; DDP would hold {}", crate::limits::size(d.total()))).unwrap_or_default();
+            let versus = ddp.map(|d| versus_ddp(layout, state, &d, self.world_size())).unwrap_or_default();
             note += &format!("  training state under {layout}: {state} per rank{versus}\n");
         }
         if let Some(why) = &self.auto {
@@ -528,4 +527,30 @@ fn optimizer_text(t: &Train, given: impl Fn(&str) -> bool) -> String {
 /// Bytes as MiB with three decimals.
 fn fmt_mib(bytes: f64) -> String {
     format!("{:.3}", bytes / 1048576.0)
+}
+
+/// How a layout's training state compares with DDP's. Under FSDP, why the saving is less than
+/// 1 - 1/N of DDP's: beside its shards a rank holds what is in flight at its peak, the units
+/// gathered whole (computing and prefetched) and the whole gradients of the unit being reduced.
+fn versus_ddp(
+    layout: super::memory::Layout,
+    state: &super::memory::State,
+    ddp: &super::memory::State,
+    world: usize,
+) -> String {
+    let (held, whole) = (state.total(), ddp.total());
+    let size = crate::limits::size;
+    if !matches!(layout, super::memory::Layout::Fsdp { .. }) || world < 2 || held >= whole {
+        return format!("; DDP would hold {}", size(whole));
+    }
+    let shards = whole / world as f64;
+    format!(
+        "; DDP would hold {}, so FSDP saves {} ({:.0}%), not 1 - 1/{world} of it: beside its shards ({}) a rank \
+         holds {} in flight at its peak (units gathered whole, gradients being reduced)",
+        size(whole),
+        size(whole - held),
+        100.0 * (whole - held) / whole,
+        size(shards),
+        size((held - shards).max(0.0))
+    )
 }

@@ -101,6 +101,15 @@ pub fn foreign(run_dir: &Path, run_id: &str) -> Option<String> {
     }
 }
 
+/// When `run_dir` holds a complete run, when it ended: a fresh run there would replace its
+/// results, which only `--force` may do.
+pub fn completed(run_dir: &Path) -> Option<String> {
+    match manifest::Manifest::read_raw(run_dir) {
+        Ok(Some(m)) if m.status == manifest::Status::Complete => Some(m.ended_at.unwrap_or(m.started_at)),
+        _ => None,
+    }
+}
+
 /// Removes the files a fresh (not resumed) run replaces: traces, model, checkpoints, positions,
 /// temporary files. Only names the runner writes; anything else in the directory is left alone.
 pub fn clear_for_fresh_run(run_dir: &Path) {

@@ -169,17 +169,27 @@ pub fn resume(found: &Found, plan: &Plan, rank: usize, wrapped: &mut super::wrap
 ///   rank's share;
 /// - with `RUNNER_TEST_MEMORY=DIR`, each rank writes to `DIR/rank-R` its tensor block cache's
 ///   counters ([`crate::dist::memory::stats`]) and its peak resident bytes so far: what building
-///   the model left mapped, cached and in use (docs/fsdp.md measures it).
+///   the model left mapped, cached and in use; and to `DIR/rank-R.interval`, the same at the end
+///   of each interval's steps, whose peaks say what the cache held beside the tensors in use
+///   (docs/fsdp.md measures both).
 pub fn test_hooks(plan: &Plan, rank: usize, wrapped: &super::wrap::Wrapped) -> anyhow::Result<()> {
     if let Ok(dir) = std::env::var("RUNNER_TEST_READ_BYTES") {
         std::fs::write(Path::new(&dir).join(format!("rank-{rank}")), tensorfile::data_read().to_string())?;
     }
-    if let Ok(dir) = std::env::var("RUNNER_TEST_MEMORY") {
-        let (stats, peak) = (crate::dist::memory::stats()?, crate::dist::peak_resident_bytes());
-        std::fs::write(Path::new(&dir).join(format!("rank-{rank}")), format!("{stats:?} peak_resident: {peak}\n"))?;
-    }
+    memory_counters(rank, "")?;
     if let Ok(dir) = std::env::var("RUNNER_TEST_DUMP_LOADED") {
         dump_loaded(Path::new(&dir), plan, rank, wrapped)?;
+    }
+    Ok(())
+}
+
+/// With `RUNNER_TEST_MEMORY=DIR`: the block cache's counters and the peak resident bytes so far,
+/// to `DIR/rank-R` (`when` empty) or `DIR/rank-R.WHEN`.
+pub fn memory_counters(rank: usize, when: &str) -> anyhow::Result<()> {
+    if let Ok(dir) = std::env::var("RUNNER_TEST_MEMORY") {
+        let (stats, peak) = (crate::dist::memory::stats()?, crate::dist::peak_resident_bytes());
+        let name = if when.is_empty() { format!("rank-{rank}") } else { format!("rank-{rank}.{when}") };
+        std::fs::write(Path::new(&dir).join(name), format!("{stats:?} peak_resident: {peak}\n"))?;
     }
     Ok(())
 }
@@ -268,7 +278,7 @@ pub fn write_model(
     let path = run_dir.join(file);
     let tmp = crate::rundir::tmp_path(&path);
     // The preprocessing travels in the model file's metadata: the file alone is usable.
-    let pre = std::fs::read_to_string(run_dir.join(crate::predict::PREPROCESSING)).ok();
+    let pre = std::fs::read_to_string(run_dir.join(crate::rundir::PREPROCESSING)).ok();
     let meta = pre.map(|p| HashMap::from([("runner.preprocessing".to_owned(), p)]));
     tensorfile::write(&tmp, meta, entries)?;
     crate::rundir::commit(&tmp, &path)

@@ -67,7 +67,7 @@ pub fn run(
     checkpoint::test_hooks(plan, rank, &wrapped)?;
     let checkpoint::Resumed { mut rows, mut steps, mut done, mut partial } = resumed;
     accept()?;
-    crate::predict::save(plan, pg, &normalizer, run_dir)?;
+    crate::data::preprocessing::write(plan, pg, &normalizer, run_dir)?;
     let epochs = c.train.steps.is_none().then_some(c.train.epochs);
     let len = if epochs.is_some() { plan.steps_per_epoch() } else { plan.total_steps() };
     let seq_len = plan.data.task.is_language_model().then(|| plan.data.input[0]);
@@ -117,6 +117,7 @@ pub fn run(
                 }
             }
         }
+        checkpoint::memory_counters(rank, "interval")?;
         crate::dist::memory::phase();
         let out = trainer.finish(iv)?;
         let epoch = clock.epoch(done - 1);

@@ -409,7 +409,9 @@ fn every_printed_output_of_the_docs_is_what_the_command_prints_now() {
     let action = if overwrite() { Action::Overwrite } else { Action::Verify };
     let assert = snapbox::Assert::new().action(action).redact_with(r.clone());
     let mut problems = Vec::new();
-    for page in pages() {
+    // DOCS_PAGE=PATH (scripts/docs-output.sh PATH) checks or rewrites the pages whose path holds it.
+    let only = std::env::var("DOCS_PAGE").unwrap_or_default();
+    for page in pages().into_iter().filter(|p| p.to_string_lossy().contains(&only)) {
         problems.extend(check_page(&page, &r, &assert));
     }
     assert!(
@@ -417,6 +419,35 @@ fn every_printed_output_of_the_docs_is_what_the_command_prints_now() {
         "{} blocks differ from what their commands print (scripts/docs-output.sh rewrites them):\n\n{}",
         problems.len(),
         problems.join("\n\n")
+    );
+}
+
+/// Output shown after a `$ ... runner ...` line outside a ```` ```console ```` block would escape
+/// the check above: every such block is found, so a page cannot show an output no test compares.
+#[test]
+fn every_block_that_shows_a_runner_command_with_its_output_is_a_checked_block() {
+    let mut unchecked = Vec::new();
+    for page in pages() {
+        let shown = page.strip_prefix(root()).unwrap().display().to_string();
+        for block in blocks(&std::fs::read_to_string(&page).unwrap()) {
+            if block.lang() == "console" {
+                continue;
+            }
+            for step in steps(&block.body) {
+                let runs_runner = step.command.split_whitespace().any(|w| w == "runner" || w.ends_with("/runner"));
+                if runs_runner && step.shown.iter().any(|l| !l.trim().is_empty()) {
+                    unchecked.push(format!("{shown}:{}: `$ {}`", block.start, step.command));
+                }
+            }
+        }
+    }
+    assert!(
+        unchecked.is_empty(),
+        "{} blocks show a runner command with its output but are not ```console blocks, so no test compares \
+         that output with what the command prints: make each a ```console block (```console long=NAME for a \
+         run of minutes, then scripts/docs-output.sh PAGE), or show the command alone:\n{}",
+        unchecked.len(),
+        unchecked.join("\n")
     );
 }
 

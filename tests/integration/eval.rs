@@ -131,3 +131,67 @@ fn eval_gives_the_run_s_validation_loss_and_pytorch_s_at_world_sizes_1_2_and_3()
         assert!(err.starts_with(says), "{args:?}: {err}");
     }
 }
+
+/// `ids` of `text` as Python's `tokenizers` encodes it with `tokenizer`, written as a .bin of uint16.
+fn encode_in_python(dir: &Path, tokenizer: &str, file: &str, bin: &str) {
+    const SCRIPT: &str = "import sys, numpy as np\nfrom tokenizers import Tokenizer\n\
+        ids = Tokenizer.from_file(sys.argv[1]).encode(open(sys.argv[2], encoding='utf-8').read()).ids\n\
+        np.array(ids, dtype=np.uint16).tofile(sys.argv[3])\n";
+    let o =
+        Command::new(reference_python()).args(["-c", SCRIPT, tokenizer, file, bin]).current_dir(dir).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o).1);
+}
+
+#[test]
+fn eval_of_a_hugging_face_directory_gives_transformers_loss_on_the_same_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    write(p, "play.txt", &play(30, "through yonder window"));
+    assert_ok(&run(&["prepare", "text", "play.txt", "--out", "data", "--tokenizer", "bpe", "--vocab", "300"], p));
+    crate::hf::python(p, &["make", "--arch", "llama", "--out", "base", "--vocab", "300", "--positions", "32"]);
+    let x = tch::Tensor::zeros([1, 16], (tch::Kind::Int64, tch::Device::Cpu));
+    crate::hf::save_windows(&p.join("w.safetensors"), &(x.shallow_clone(), x));
+    let transformers = |bin: &str| {
+        let args = ["check", "base", "--windows", "w.safetensors", "--logits-out", "l.safetensors", "--prompt", "1"];
+        crate::hf::python(p, &[&args[..], &["--new", "1", "--eval-data", bin, "--seq-len", "16"]].concat())["eval"]
+            .clone()
+    };
+
+    // The base model's loss on token ids, at any world size, as transformers computes it.
+    let theirs = transformers("data/val.bin");
+    for world in ["1", "2"] {
+        let ours = eval(p, &["base", "data/val.bin", "--seq-len", "16", "--world-size", world]);
+        assert!(close(&ours, &theirs, "loss", 1e-5), "{ours}\n{theirs}");
+        assert_eq!(ours["windows"], theirs["windows"]);
+        let tokens = ours["tokens"].as_f64().unwrap();
+        assert!((ours["accuracy"].as_f64().unwrap() - theirs["accuracy"].as_f64().unwrap()).abs() <= 1.0 / tokens);
+    }
+    // Windows as long as the model's max_position_embeddings unless --seq-len says otherwise.
+    assert_eq!(eval(p, &["base", "data/val.bin"])["seq_len"], 32);
+
+    // A text: encoded with the directory's tokenizer.json, refused without one.
+    write(p, "other.txt", &play(6, "ünseen"));
+    let o = run(&["eval", "base", "other.txt"], p);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+    assert!(
+        text(&o).1.starts_with(
+            "error: other.txt is a text, but base has no tokenizer.json to encode it with: give token ids"
+        ),
+        "{}",
+        text(&o).1
+    );
+    std::fs::copy(p.join("data/tokenizer.json"), p.join("base/tokenizer.json")).unwrap();
+    let ours = eval(p, &["base", "other.txt", "--seq-len", "16"]);
+    encode_in_python(p, "base/tokenizer.json", "other.txt", "other.bin");
+    let theirs = transformers("other.bin");
+    assert!(close(&ours, &theirs, "loss", 1e-5), "{ours}\n{theirs}");
+    assert_eq!(ours["windows"], theirs["windows"]);
+
+    let o = run(&["eval", "base", "data/val.bin", "--seq-len", "33"], p);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+    assert!(
+        text(&o).1.starts_with("error: --seq-len 33: base/config.json takes windows of 1 to 32 tokens"),
+        "{}",
+        text(&o).1
+    );
+}

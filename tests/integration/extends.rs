@@ -169,3 +169,52 @@ fn an_experiment_file_extends_another() {
     assert_eq!(config_line(&r, "train", "epochs"), "epochs = 1  # experiment [set] train.epochs=1");
     assert!(config_line(&r, "run", "seed").starts_with("seed = 7  # sweep axis"), "{}", config_line(&r, "run", "seed"));
 }
+
+/// A pipeline with file paths, in its own folder beside its data.
+const WITH_FILES: &str = r#"[run]
+name = "files"
+
+[load]
+source = "text"
+path = "data/book.txt"
+validation_path = "data/val.txt"
+
+[normalize]
+method = "none"
+
+[wrap.model]
+kind = "transformer"
+vocab = 256
+d_model = 8
+heads = 2
+layers = 1
+seq_len = 8
+
+[train]
+steps = 2
+batch_size = 2
+"#;
+
+#[test]
+fn a_path_resolves_against_the_file_that_set_it_through_the_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir_all(d.join("p/data")).unwrap();
+    std::fs::create_dir_all(d.join("res/shf")).unwrap();
+    write(&d.join("p"), "hf.toml", WITH_FILES);
+    write(&d.join("p/data"), "book.txt", &"to be, or not to be. ".repeat(20));
+    write(&d.join("p/data"), "val.txt", &"that is the question. ".repeat(10));
+    // What a search writes in its folder: best.toml extends the pipeline, with the trial's values.
+    write(&d.join("res/shf"), "best.toml", "extends = \"../../p/hf.toml\"\n\n[train]\nlr = 0.01\n");
+    let o = run(&["run", "res/shf/best.toml", "--out", "r"], d);
+    assert_ok(&o);
+    let line = config_line(&d.join("r"), "load", "path");
+    assert!(line.ends_with("/p/data/book.txt\"  # file p/hf.toml:6"), "{line}");
+    // A path the extending file sets is its own; the base's others still resolve against the base.
+    write(&d.join("res"), "val.txt", &"whether 'tis nobler. ".repeat(10));
+    write(&d.join("res/shf"), "own.toml", "extends = \"best.toml\"\n\n[load]\nvalidation_path = \"../val.txt\"\n");
+    let o = run(&["validate", "res/shf/own.toml"], d);
+    assert_ok(&o);
+    // res/val.txt: 210 bytes, 26 windows of 8 + 1 (p/data/val.txt would make 27).
+    assert!(text(&o).0.contains("52 training + 26 validation windows"), "{}", text(&o).0);
+}

@@ -18,13 +18,13 @@ use runner::config::schema::Model;
 use tch::{nn, Kind, Tensor};
 
 /// Windows of `SEQ` + 1 tokens: `ROWS` to train on, `VAL` held out.
-const SEQ: usize = 16;
+pub(crate) const SEQ: usize = 16;
 const ROWS: usize = 16;
 const VAL: usize = 4;
 const STEPS: usize = 20;
 
 /// One step per epoch on all 16 windows: the same batch as the twin's at every step.
-const TWIN: &str = r#"
+pub(crate) const TWIN: &str = r#"
 [run]
 name = "twin"
 seed = 3
@@ -59,7 +59,7 @@ rows = 4
 "#;
 
 /// Runs the twin script; its JSON line.
-fn python(dir: &Path, args: &[&str]) -> serde_json::Value {
+pub(crate) fn python(dir: &Path, args: &[&str]) -> serde_json::Value {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf_twin.py");
     let o = Command::new(reference_python())
         .arg(script)
@@ -74,7 +74,7 @@ fn python(dir: &Path, args: &[&str]) -> serde_json::Value {
 }
 
 /// The first `n` windows of `tokens` at stride SEQ: inputs and next tokens, as the runner cuts them.
-fn windows(tokens: &[i64], n: usize) -> (Tensor, Tensor) {
+pub(crate) fn windows(tokens: &[i64], n: usize) -> (Tensor, Tensor) {
     let cut = |shift: usize| -> Vec<i64> {
         (0..n).flat_map(|i| tokens[i * SEQ + shift..i * SEQ + shift + SEQ].to_vec()).collect()
     };
@@ -82,17 +82,17 @@ fn windows(tokens: &[i64], n: usize) -> (Tensor, Tensor) {
     (Tensor::from_slice(&cut(0)).view(shape), Tensor::from_slice(&cut(1)).view(shape))
 }
 
-fn save_windows(path: &Path, (x, y): &(Tensor, Tensor)) {
+pub(crate) fn save_windows(path: &Path, (x, y): &(Tensor, Tensor)) {
     Tensor::write_safetensors(&[("x", x), ("y", y)], path).unwrap();
 }
 
-fn read(path: &Path, name: &str) -> Tensor {
+pub(crate) fn read(path: &Path, name: &str) -> Tensor {
     Tensor::read_safetensors(path).unwrap().into_iter().find(|(n, _)| n == name).unwrap().1
 }
 
 /// The runner's logits on `x` for `model` with the weights of `init` (a checkpoint directory or
 /// a weights file), computed by its own model code and loader.
-fn runner_logits(model: &Model, init: &Path, x: &Tensor) -> Tensor {
+pub(crate) fn runner_logits(model: &Model, init: &Path, x: &Tensor) -> Tensor {
     let arch = runner::model::architecture(model, &[SEQ], 0);
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let net = arch.build(&vs.root(), 0..arch.layers().len(), &runner::model::BuildContext::new(0));
@@ -106,7 +106,7 @@ fn run_model(run_dir: &Path) -> Model {
     plan.config.wrap.model
 }
 
-fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
+pub(crate) fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
     assert_eq!(a.size(), b.size(), "{what}");
     let diff = (a - b).abs().max().double_value(&[]);
     assert!(diff < tol, "{what}: logits differ by up to {diff}");
@@ -314,7 +314,7 @@ fn the_llama_finetune_workflow_exports_to_transformers_with_the_same_ids_logits_
 }
 
 /// A checkpoint directory written here: `config` and one tensor per (name, shape).
-fn checkpoint(dir: &Path, name: &str, config: &str, tensors: &[(String, Vec<i64>)]) -> PathBuf {
+pub(crate) fn checkpoint(dir: &Path, name: &str, config: &str, tensors: &[(String, Vec<i64>)]) -> PathBuf {
     let d = dir.join(name);
     std::fs::create_dir_all(&d).unwrap();
     std::fs::write(d.join("config.json"), config).unwrap();
@@ -325,7 +325,7 @@ fn checkpoint(dir: &Path, name: &str, config: &str, tensors: &[(String, Vec<i64>
 }
 
 /// A Llama of width 8 (2 heads of 4, 1 key/value head), 1 block, SwiGLU of 12: its tensors.
-fn llama_tensors() -> Vec<(String, Vec<i64>)> {
+pub(crate) fn llama_tensors() -> Vec<(String, Vec<i64>)> {
     let l = "model.layers.0";
     [
         ("model.embed_tokens.weight", vec![256, 8]),
@@ -346,12 +346,12 @@ fn llama_tensors() -> Vec<(String, Vec<i64>)> {
     .collect()
 }
 
-const LLAMA: &str = r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 8,
+pub(crate) const LLAMA: &str = r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 8,
  "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1, "intermediate_size": 12,
  "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}"#;
 
 /// `runner validate` with `wrap.init = NAME`: refused (exit 2), its message.
-fn refused(dir: &Path, init: &str, extra: &[&str]) -> String {
+pub(crate) fn refused(dir: &Path, init: &str, extra: &[&str]) -> String {
     write(dir, "p.toml", &TWIN.replace("INIT", init));
     let mut args = vec!["validate", "p.toml"];
     for s in extra {

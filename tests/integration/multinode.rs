@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use common::{assert_ok, text, write, TINY};
 use polars::prelude::*;
 
-struct Namespaces(Vec<String>);
+pub(crate) struct Namespaces(Vec<String>);
 
 impl Drop for Namespaces {
     fn drop(&mut self) {
@@ -29,7 +29,7 @@ fn ip(args: &[&str]) -> Result<(), String> {
 }
 
 /// Two hosts, a and b, at 10.231.N.1 and .2; `None` (with the reason) where this cannot be done.
-fn two_hosts() -> Result<(Namespaces, [String; 2], [String; 2]), String> {
+pub(crate) fn two_hosts() -> Result<(Namespaces, [String; 2], [String; 2]), String> {
     if !nix::unistd::geteuid().is_root() {
         return Err("not running as root".into());
     }

@@ -177,6 +177,47 @@ fn under_torchrun_variables_each_process_is_one_rank() {
     assert!(run_dir.join("config.toml").exists());
 }
 
+/// Under torchrun, rank 0 says what the launcher says (the plan with its run id, the run
+/// directory); a complete run's directory is never replaced by a fresh run, whichever launcher
+/// starts it, unless `--force`.
+#[test]
+fn a_torchrun_run_names_its_directory_and_a_complete_run_is_never_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let both = |port: u16| -> Vec<std::process::Output> {
+        let ranks: Vec<_> = (0..2).map(|r| torchrun_rank(dir.path(), port, r, &[])).collect();
+        ranks.into_iter().map(|c| c.wait_with_output().unwrap()).collect()
+    };
+    let first = both(port());
+    assert!(first.iter().all(|o| o.status.success()), "{}", String::from_utf8_lossy(&first[1].stderr));
+    let validate = run(&["validate", "p.toml"], dir.path());
+    let (plan, _) = text(&validate);
+    let header = plan.lines().find(|l| l.starts_with("run ")).expect("validate prints the run id").to_owned();
+    let (rank0, _) = text(&first[0]);
+    let (rank1, _) = text(&first[1]);
+    assert!(rank0.contains(&header) && rank0.contains("  run directory: o"), "{rank0}");
+    assert!(!rank1.contains(&header) && !rank1.contains("run directory"), "only rank 0 speaks: {rank1}");
+    let model = std::fs::read(dir.path().join("o/model.safetensors")).unwrap();
+    let trace_bytes = std::fs::read(dir.path().join("o/trace.parquet")).unwrap();
+    // The same configuration again, under torchrun and under runner's own launcher: refused.
+    let again = both(port());
+    for (r, o) in again.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "rank {r}: {err}");
+        assert!(err.contains("o holds this configuration's complete run") && err.contains("--force"), "{err}");
+    }
+    let own = run(&["run", "p.toml", "--out", "o"], dir.path());
+    let (_, err) = text(&own);
+    assert_eq!(own.status.code(), Some(2), "{err}");
+    assert!(err.contains("complete run") && err.contains("--resume o"), "{err}");
+    assert_eq!(std::fs::read(dir.path().join("o/model.safetensors")).unwrap(), model, "the model is kept");
+    assert_eq!(std::fs::read(dir.path().join("o/trace.parquet")).unwrap(), trace_bytes, "the trace is kept");
+    assert!(std::fs::read_to_string(dir.path().join("o/manifest.json")).unwrap().contains("\"status\": \"complete\""));
+    // --force replaces it, as asked.
+    assert_ok(&run(&["run", "p.toml", "--out", "o", "--force"], dir.path()));
+}
+
 #[test]
 fn under_torchrun_variables_a_rank_whose_configuration_differs_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();

@@ -114,9 +114,13 @@ fn out_on_a_directory_that_is_not_this_runs_is_refused_unless_force_and_only_run
     assert_eq!(std::fs::read_to_string(d.join("o/checkpoints/keep.me")).unwrap(), "mine");
     assert!(!d.join("o/checkpoints/epoch-0009.json").exists(), "a stale checkpoint of the runner's is replaced");
 
-    // Another configuration's run directory: refused; the same configuration: a rerun.
+    // Another configuration's run directory: refused; the same configuration's complete run:
+    // refused too (a fresh run would replace it), unless --force.
     assert_ok(&run(&["run", "p.toml", "--out", "r"], d));
-    assert_ok(&run(&["run", "p.toml", "--out", "r"], d));
+    let again = run(&["run", "p.toml", "--out", "r"], d);
+    assert_eq!(again.status.code(), Some(2), "{}", text(&again).1);
+    assert!(text(&again).1.contains("r holds this configuration's complete run"), "{}", text(&again).1);
+    assert_ok(&run(&["run", "p.toml", "--out", "r", "--force"], d));
     let other = run(&["run", "p.toml", "--out", "r", "--set", "run.seed=4"], d);
     let (_, err) = text(&other);
     assert_eq!(other.status.code(), Some(2), "{err}");

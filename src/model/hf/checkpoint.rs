@@ -17,6 +17,12 @@ use crate::tensorfile::TensorFile;
 /// The most an index may hold: real ones are a few hundred kB.
 const INDEX_CAP: u64 = 64 << 20;
 
+/// The output head's tensor, in every architecture the runner reads.
+const HEAD: &str = "lm_head.weight";
+
+/// Rows compared at a time when a head and an embedding are checked for equal values.
+const COMPARED_ROWS: i64 = 4096;
+
 /// An open checkpoint, its tensors located, as the model's parameters.
 pub struct Checkpoint {
     dir: PathBuf,
@@ -41,7 +47,12 @@ pub fn files(dir: &Path) -> Result<Vec<PathBuf>, String> {
 type WeightMap = BTreeMap<String, String>;
 
 /// The weights' file names, and the index's tensor → file map when the checkpoint is sharded.
+/// A directory holding both `model.safetensors` and an index is read as transformers'
+/// `from_pretrained` reads it: the single file, the shards left alone.
 fn weight_files(dir: &Path) -> Result<(Vec<String>, Option<WeightMap>), String> {
+    if dir.join(WEIGHTS).exists() {
+        return Ok((vec![WEIGHTS.to_owned()], None));
+    }
     let index = dir.join(INDEX);
     if index.exists() {
         let text = crate::input::read_capped(&index, INDEX_CAP, "the checkpoint's index")?;
@@ -61,9 +72,6 @@ fn weight_files(dir: &Path) -> Result<(Vec<String>, Option<WeightMap>), String> 
         }
         return Ok((names, Some(map)));
     }
-    if dir.join(WEIGHTS).exists() {
-        return Ok((vec![WEIGHTS.to_owned()], None));
-    }
     let pickled = dir.join("pytorch_model.bin").exists();
     Err(format!(
         "{} holds neither {WEIGHTS} nor {INDEX}{}",
@@ -75,6 +83,17 @@ fn weight_files(dir: &Path) -> Result<(Vec<String>, Option<WeightMap>), String> 
             ""
         }
     ))
+}
+
+/// Whether the checkpoint in `dir` of `t` (whose config.json ties the head to the embedding)
+/// holds a head of its own: transformers' rule (`tie_weights` in `from_pretrained`) for a file
+/// that holds both `lm_head.weight` and the embedding is to tie them when their values are equal
+/// and to keep them apart when they differ (the config is wrong about the file). A checkpoint
+/// that does not fit an untied model is no such file: its problems are reported when it is opened.
+pub fn head_apart(dir: &Path, arch: Arch, t: &crate::config::schema::Transformer) -> Result<bool, String> {
+    let untied = Spec::of(&crate::config::schema::Transformer { tied: Some(false), ..t.clone() });
+    let Ok(ckpt) = Checkpoint::open(dir, arch, &untied) else { return Ok(false) };
+    Ok(!ckpt.same_values("tok.weight", "head.weight", untied.vocab as i64)?)
 }
 
 /// "`a`, `b` and 3 more".
@@ -114,8 +133,15 @@ impl Checkpoint {
             }
         }
         let prefix = if located.keys().any(|n| n.starts_with("transformer.")) { "transformer." } else { "" };
-        let mappings: BTreeMap<String, Mapping> =
+        let mut mappings: BTreeMap<String, Mapping> =
             arch.mappings(spec, prefix).into_iter().map(|m| (m.ours.clone(), m)).collect();
+        // A tied model saved with its head and without its embedding: transformers ties the
+        // embedding to the head that is there (`tie_weights` swaps source and target).
+        if let Some(tok) = mappings.get_mut("tok.weight").filter(|_| spec.tied) {
+            if !located.contains_key(&tok.parts[0].name) && located.contains_key(HEAD) {
+                tok.parts[0].name = HEAD.to_owned();
+            }
+        }
         let ckpt = Checkpoint { dir: dir.to_owned(), files, located, mappings, read: Cell::new(0) };
         ckpt.check(arch, spec)?;
         Ok(ckpt)
@@ -141,8 +167,9 @@ impl Checkpoint {
                 }
             }
         }
-        // A tied head's own copy is dropped, as transformers drops it.
-        let tolerated = |n: &str| arch.ignored(n) || (spec.tied && n == "lm_head.weight");
+        // A tied head's own copy holds the embedding's values ([`head_apart`] unties a head that
+        // does not): transformers ties it, and so does the model.
+        let tolerated = |n: &str| arch.ignored(n) || (spec.tied && n == HEAD);
         let mut extra: Vec<String> =
             self.located.keys().filter(|n| !wanted.contains(&n.as_str()) && !tolerated(n)).cloned().collect();
         missing.sort();
@@ -159,6 +186,18 @@ impl Checkpoint {
             return Ok(());
         }
         Err(format!("{} does not fit its config.json ({}): {}", self.dir.display(), arch.class(), problems.join("; ")))
+    }
+
+    /// Whether rows `rows` of parameters `a` and `b` hold the same values, compared a block of
+    /// rows at a time.
+    fn same_values(&self, a: &str, b: &str, rows: i64) -> Result<bool, String> {
+        for from in (0..rows).step_by(COMPARED_ROWS as usize) {
+            let block = from..(from + COMPARED_ROWS).min(rows);
+            if !self.rows(a, block.clone())?.equal(&self.rows(b, block)?) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Bytes of weights read so far.

@@ -85,7 +85,10 @@ pub fn read_config(dir: &Path) -> Result<(Arch, Transformer), String> {
         )));
     }
     let arch = architecture(&json).map_err(at)?;
-    let model = arch.read(&json).map_err(|e| at(format!("{} {e}", arch.class())))?;
+    let mut model = arch.read(&json).map_err(|e| at(format!("{} {e}", arch.class())))?;
+    if model.tied == Some(true) && super::checkpoint::head_apart(dir, arch, &model)? {
+        model.tied = Some(false);
+    }
     Ok((arch, model))
 }
 

@@ -46,7 +46,6 @@ impl Spec {
             FeedForward::Gelu | FeedForward::GeluTanh => 4 * t.d_model,
         });
         let positions = t.positions.unwrap_or(if llama { Positions::Rope } else { Positions::Learned });
-        let max_positions = t.max_positions.unwrap_or(t.seq_len);
         Spec {
             family: t.family,
             vocab: t.vocab,
@@ -56,8 +55,7 @@ impl Spec {
             head_dim: t.head_dim.unwrap_or(t.d_model / t.heads.max(1)),
             layers: t.layers,
             seq_len: t.seq_len,
-            // Rotary positions reach any position: a longer context only raises what an export records.
-            max_positions: if positions == Positions::Rope { max_positions.max(t.seq_len) } else { max_positions },
+            max_positions: t.max_positions.unwrap_or(t.seq_len),
             hidden,
             dropout: t.dropout,
             tied: t.tied.unwrap_or(!llama),
@@ -162,14 +160,20 @@ pub fn check(t: &Transformer, bad: &mut impl FnMut(&str, String)) -> bool {
         );
         ok = false;
     }
-    if ok && s.positions == Positions::Learned && s.max_positions < s.seq_len {
+    if ok && s.max_positions < s.seq_len {
+        // Rotary positions compute any position, but a model made for max_positions was never
+        // trained past them, and an export would record the longer context as its own.
+        let why = match s.positions {
+            Positions::Learned => "the learned position table has no row for the later tokens of a window".to_owned(),
+            Positions::Rope => format!(
+                "the model takes at most {} positions (a Hugging Face checkpoint's max_position_embeddings); set \
+                 wrap.model.seq_len to at most {}",
+                s.max_positions, s.max_positions
+            ),
+        };
         bad(
             "wrap.model.max_positions",
-            format!(
-                "{} positions are fewer than seq_len = {}: the learned position table has no row for the later \
-                 tokens of a window",
-                s.max_positions, s.seq_len
-            ),
+            format!("{} positions are fewer than seq_len = {}: {why}", s.max_positions, s.seq_len),
         );
     }
     if ok && s.positions == Positions::Rope && !s.head_dim.is_multiple_of(2) {
@@ -242,6 +246,12 @@ mod tests {
             problems(Transformer { max_positions: Some(32), ..t.clone() }),
             ["wrap.model.max_positions: 32 positions are fewer than seq_len = 64: the learned position table has no \
               row for the later tokens of a window"]
+        );
+        let llama = Transformer { family: Family::Llama, max_positions: Some(32), ..t.clone() };
+        assert_eq!(
+            problems(llama),
+            ["wrap.model.max_positions: 32 positions are fewer than seq_len = 64: the model takes at most 32 positions \
+              (a Hugging Face checkpoint's max_position_embeddings); set wrap.model.seq_len to at most 32"]
         );
         let rope = Transformer { positions: Some(Positions::Rope), heads: 1, head_dim: Some(3), ..t.clone() };
         assert_eq!(

@@ -225,16 +225,7 @@ pub fn trial_dir(point: &Point, grid: bool, trials: usize, t: usize) -> String {
 /// `to` relative to the directory `from` (both made absolute): how best.toml names the pipeline.
 pub fn relative(from: &Path, to: &Path) -> PathBuf {
     let abs = |p: &Path| crate::config::extends::normalize(&std::path::absolute(p).unwrap_or_else(|_| p.to_owned()));
-    let (from, to) = (abs(from), abs(to));
-    let common = from.components().zip(to.components()).take_while(|(a, b)| a == b).count();
-    let mut out = PathBuf::new();
-    for _ in from.components().skip(common) {
-        out.push("..");
-    }
-    for c in to.components().skip(common) {
-        out.push(c);
-    }
-    out
+    crate::config::extends::relative(&abs(from), &abs(to))
 }
 
 /// `sweep.json` of a search: its trials as points (grid values, then searched values), with the
