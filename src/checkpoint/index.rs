@@ -100,6 +100,11 @@ pub struct Record {
     /// Mid-interval: every rank's buffers of the unfinished interval are the tensors
     /// `trace.partial.R.{losses,correct,weights,norms}`, R < the layout's world size.
     pub partial: bool,
+    /// Mid-interval: the seconds rank 0 had trained the interval for (its time so far), which a
+    /// resumed run adds to its own, so that the interval's steps are each timed once (kept out
+    /// of the tensor files: two writes of the same state hold the same bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval_s: Option<f64>,
 }
 
 impl Record {

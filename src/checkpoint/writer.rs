@@ -67,7 +67,9 @@ impl Staged {
 /// Writes the checkpoint of `record.step` from every rank's `pieces` (every rank calls it, at the
 /// same point) and prunes all but the newest `keep`. With `keep` ≥ 2 the oldest are pruned to
 /// `keep - 1` before writing (the newest stays as the last good one), so `keep` checkpoints'
-/// worth of disk is enough; with `keep` = 1 the new one is complete before the old one goes.
+/// worth of disk and the model's is enough (each checkpoint checks that the model written at the
+/// run's end still fits beside it); with `keep` = 1 the new one is complete before the old one
+/// goes.
 pub fn save(
     run_dir: &Path,
     plan: &Plan,
@@ -127,15 +129,20 @@ pub(super) fn begin(
     // Rank 0's pid names the directory being written; the gather is also the barrier after which
     // it exists.
     let mine: u64 = pieces.iter().map(Piece::bytes).sum();
-    let all = pg.all_gather(&Tensor::from_slice(&[mine as i64, std::process::id() as i64]))?;
-    let all: Vec<Vec<i64>> = all.iter().map(|t| Vec::<i64>::try_from(t).expect("two int64 values")).collect();
+    let model: std::collections::HashSet<&str> = record.parameters.iter().map(|(n, _)| n.as_str()).collect();
+    let mine_model: u64 = pieces.iter().filter(|p| model.contains(p.name.as_str())).map(Piece::bytes).sum();
+    let all = pg.all_gather(&Tensor::from_slice(&[mine as i64, std::process::id() as i64, mine_model as i64]))?;
+    let all: Vec<Vec<i64>> = all.iter().map(|t| Vec::<i64>::try_from(t).expect("three int64 values")).collect();
     let staging = ck.join(format!(".{name}.tmp-{}", all[0][1]));
     let total: u64 = all.iter().map(|v| v[0] as u64).sum();
     // The tensors' bytes, and room for the headers and the index with its trace rows.
     let need = total + 64 * 1024 * pg.size() as u64 + 1024 * (record.rows.len() + record.steps.len()) as u64;
+    // The model file still to come at the run's end (its parameters, with room for its header
+    // and buffers): a later checkpoint takes the place of one pruned, the model takes its own.
+    let model = all.iter().map(|v| v[2] as u64).sum::<u64>() + 64 * 1024;
     // Rank 0 looks, before any rank writes (a rank looking later would see the others' files):
     // every rank then fails with its verdict.
-    let verdict = if rank == 0 { check_space(run_dir, plan, &ck, record.step, need) } else { Ok(()) };
+    let verdict = if rank == 0 { check_space(run_dir, plan, &ck, record.step, need, model) } else { Ok(()) };
     let verdicts: Vec<Result<(), String>> = all_gather_json(pg, &verdict.map_err(|e| format!("{e:#}")))?;
     if let Some(Err(e)) = verdicts.into_iter().find(Result::is_err) {
         if rank == 0 {
@@ -199,20 +206,41 @@ pub(super) fn commit(
     Ok(())
 }
 
-/// Fails, naming the space and the last good checkpoint, when `need` bytes are not free.
-fn check_space(run_dir: &Path, plan: &Plan, ck: &Path, step: usize, need: u64) -> anyhow::Result<()> {
+/// Fails, naming the space and the last good checkpoint, when `need` bytes for the checkpoint
+/// and `model` bytes for the model written at the run's end are not free.
+fn check_space(run_dir: &Path, plan: &Plan, ck: &Path, step: usize, need: u64, model: u64) -> anyhow::Result<()> {
     let Some(free) = free_bytes(ck) else { return Ok(()) };
-    if free >= need {
+    if free >= need + model {
         return Ok(());
     }
     let last = list(run_dir, plan).pop().map_or("none yet".to_owned(), |(_, name)| describe(&name));
+    let mib = |bytes: u64| bytes as f64 / 1048576.0;
     anyhow::bail!(
-        "not enough free space for the checkpoint of {}: it needs about {:.1} MiB, {:.1} MiB are free on {}; the last \
-         good checkpoint ({last}) is kept: free some space and resume with --resume",
+        "not enough free space for the checkpoint of {} and the model written at the run's end: they need about \
+         {:.1} MiB (the checkpoint {:.1} MiB, the model {:.1} MiB), {:.1} MiB are free on {}; the last good checkpoint \
+         ({last}) is kept: free some space (or lower checkpoint.keep) and resume with --resume",
         describe(&stem(plan, step)),
-        need as f64 / 1048576.0,
-        free as f64 / 1048576.0,
+        mib(need + model),
+        mib(need),
+        mib(model),
+        mib(free),
         ck.display()
+    )
+}
+
+/// Fails before training when the model file written at the run's end (`model` bytes) would
+/// not fit on the file system holding `run_dir`: better now than after every step is trained.
+pub fn check_model_space(run_dir: &Path, model: u64) -> anyhow::Result<()> {
+    let Some(free) = free_bytes(run_dir) else { return Ok(()) };
+    if free >= model {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "not enough free space for the model this run writes at its end: it needs about {:.1} MiB, {:.1} MiB are \
+         free on {}: free some space, or run with --out on another file system",
+        model as f64 / 1048576.0,
+        free as f64 / 1048576.0,
+        run_dir.display()
     )
 }
 

@@ -128,7 +128,7 @@ impl Layers {
             let top = chain.last().and_then(|l| l.file.parent()).map(Path::to_path_buf).unwrap_or_default();
             for layer in &mut chain {
                 let dir = layer.file.parent().map(Path::to_path_buf).unwrap_or_default();
-                rebase_paths(&mut layer.table, &dir, &top);
+                super::paths::rebase(&mut layer.table, &dir, &top);
             }
         }
         let layers = Layers(chain);
@@ -362,51 +362,6 @@ pub fn key_line(text: &str, dotted: &str) -> Option<usize> {
     None
 }
 
-/// The pipeline keys that name files, each relative to the file that sets it.
-pub const PATH_KEYS: [&str; 5] = ["load.path", "load.labels", "load.validation_path", "wrap.init", "wrap.model.path"];
-
-/// Rewrites the relative paths of `table` (a file in `dir`) to name the same files from `top`,
-/// the directory of the file that extends it. Paths of a file in `top` itself are left as
-/// written (what runs recorded stays the same); absolute paths are kept.
-fn rebase_paths(table: &mut toml::Table, dir: &Path, top: &Path) {
-    let absolute = |p: &Path| normalize(&std::path::absolute(p.join(".")).unwrap_or_else(|_| p.to_owned()));
-    if absolute(dir) == absolute(top) {
-        return;
-    }
-    let rebase = |v: &mut toml::Value| {
-        if let Some(path) = v.as_str().map(Path::new).filter(|p| p.is_relative()) {
-            *v = toml::Value::String(relative(&absolute(top), &absolute(&dir.join(path))).display().to_string());
-        }
-    };
-    for key in PATH_KEYS {
-        match get_mut(table, key) {
-            Some(toml::Value::Array(paths)) => paths.iter_mut().for_each(rebase),
-            Some(v) => rebase(v),
-            None => {}
-        }
-    }
-}
-
-fn get_mut<'a>(table: &'a mut toml::Table, dotted: &str) -> Option<&'a mut toml::Value> {
-    match dotted.split_once('.') {
-        None => table.get_mut(dotted),
-        Some((head, rest)) => get_mut(table.get_mut(head)?.as_table_mut()?, rest),
-    }
-}
-
-/// `to` relative to the directory `from`, both absolute and normalized.
-pub fn relative(from: &Path, to: &Path) -> PathBuf {
-    let common = from.components().zip(to.components()).take_while(|(a, b)| a == b).count();
-    let mut out = PathBuf::new();
-    for _ in from.components().skip(common) {
-        out.push("..");
-    }
-    for c in to.components().skip(common) {
-        out.push(c);
-    }
-    out
-}
-
 /// `experiments/../pipelines/ddp.toml` → `pipelines/ddp.toml`, without touching the disk.
 pub fn normalize(path: &Path) -> PathBuf {
     let mut out = PathBuf::new();
@@ -468,23 +423,6 @@ mod tests {
         assert_eq!(key_line(text, "sweep.run.world_size"), Some(7));
         assert_eq!(key_line(text, "sweep.train.lr"), None);
         assert_eq!(key_line(text, "sweep.run"), Some(6), "a table, at its header");
-    }
-
-    #[test]
-    fn a_base_s_relative_paths_are_rewritten_to_name_the_same_files_from_the_extending_file() {
-        let mut t = table(
-            "[load]\npath = [\"data/a.bin\", \"/abs/b.bin\"]\nvalidation_path = \"../v.bin\"\n[wrap]\ninit = \"m\"\n\
-             [train]\nlr = 1\n",
-        );
-        rebase_paths(&mut t, Path::new("p"), Path::new("res/shf"));
-        let want = table(
-            "[load]\npath = [\"../../p/data/a.bin\", \"/abs/b.bin\"]\nvalidation_path = \"../../v.bin\"\n[wrap]\n\
-             init = \"../../p/m\"\n[train]\nlr = 1\n",
-        );
-        assert_eq!(t, want);
-        let mut same = table("[load]\npath = \"./data/a.bin\"\n");
-        rebase_paths(&mut same, Path::new("p/."), Path::new("p"));
-        assert_eq!(same, table("[load]\npath = \"./data/a.bin\"\n"), "a file beside it: as written");
     }
 
     #[test]

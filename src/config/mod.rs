@@ -1,7 +1,8 @@
 //! Configuration: the TOML schema ([`schema`], serde types only), files that extend a base
-//! ([`extends`]), layering with figment ([`resolve`]), and the reference of every key generated from
+//! ([`extends`]; their paths, [`paths`]), layering with figment ([`resolve`]), and the reference of every key generated from
 //! the schema ([`reference`]). `crate::plan` turns a resolved configuration into the validated plan.
 pub mod extends;
+pub mod paths;
 pub mod reference;
 pub mod resolve;
 pub mod schema;

@@ -58,7 +58,9 @@ pub fn trace_of(run_dir: &Path, at: At, metric: &str, failures: bool) -> TrialTr
     let n = at.rungs();
     let mut out = TrialTrace { outcomes: vec![None; n], steps: vec![None; n], failure: None };
     let manifest = Manifest::read(run_dir).ok();
-    if let Ok(rows) = rank0_rows(run_dir, metric) {
+    let committed = committed_step(run_dir, manifest.as_ref());
+    if let Ok(mut rows) = rank0_rows(run_dir, metric) {
+        rows.retain(|row| committed.is_none_or(|last| row.step <= last));
         for k in 0..n {
             let row = match at {
                 At::End => rows.last().filter(|_| manifest.as_ref().is_some_and(|m| m.status == RunStatus::Complete)),
@@ -86,6 +88,23 @@ pub fn trace_of(run_dir: &Path, at: At, metric: &str, failures: bool) -> TrialTr
         }
     }
     out
+}
+
+/// The last step whose rows count as done in `run_dir` (`None`: all of them): a rung is done
+/// only once its checkpoint and its model are committed. A run that is not complete (a promotion
+/// stopped after its last trace row, before its final checkpoint and model) counts up to the
+/// step its model.safetensors was written after, and nothing without one; a model file of an
+/// older runner, which does not say its step, counts every row as before.
+fn committed_step(run_dir: &Path, manifest: Option<&Manifest>) -> Option<u64> {
+    if manifest.is_none_or(|m| m.status == RunStatus::Complete) {
+        return None;
+    }
+    let model = run_dir.join(crate::rundir::MODEL);
+    if !model.exists() {
+        return Some(0);
+    }
+    let file = crate::tensorfile::TensorFile::open(&model).ok()?;
+    file.metadata()?.get(crate::predict::MODEL_STEP)?.parse().ok()
 }
 
 struct Row {
@@ -266,7 +285,8 @@ fn best_toml(index: &Index, search: &SearchIndex, i: usize, trial: &Trial) -> an
                 .as_table_mut()
                 .ok_or_else(|| anyhow::anyhow!("sweep.json sets both {part} and a key below it"))?;
         }
-        t.insert(parts[parts.len() - 1].to_owned(), value["v"].clone());
+        let value = rebased(key.trim(), value["v"].clone(), &search.pipeline, &trial.group);
+        t.insert(parts[parts.len() - 1].to_owned(), value);
     }
     let result = match reached(&trial.trace) {
         Some((k, Outcome::Value(v))) => {
@@ -284,6 +304,27 @@ fn best_toml(index: &Index, search: &SearchIndex, i: usize, trial: &Trial) -> an
         toml::Value::String(relative_up(&search.pipeline, &trial.group))
     );
     Ok(head + &toml::to_string(&table)?)
+}
+
+/// A path a trial's override set (relative to the pipeline file, as a `--set` path is), as the
+/// best.toml in the sweep directory's `sub` names it: relative to best.toml, the file that sets it
+/// there. `pipeline` is relative to the sweep directory; other keys and absolute paths are kept.
+fn rebased(key: &str, value: toml::Value, pipeline: &str, sub: &str) -> toml::Value {
+    if !crate::config::paths::PATH_KEYS.contains(&key) {
+        return value;
+    }
+    let dir = Path::new(pipeline).parent().unwrap_or(Path::new(""));
+    let one = |v: toml::Value| match v.as_str().map(Path::new).filter(|p| p.is_relative()) {
+        Some(p) => toml::Value::String(relative_up(
+            &crate::config::extends::normalize(&dir.join(p)).display().to_string(),
+            sub,
+        )),
+        None => v,
+    };
+    match value {
+        toml::Value::Array(paths) => toml::Value::Array(paths.into_iter().map(one).collect()),
+        v => one(v),
+    }
 }
 
 /// `path` (relative to the sweep directory) as seen from its subdirectory `sub`.
@@ -305,6 +346,10 @@ mod tests {
         assert_eq!(short("64"), "64");
         assert_eq!(short("[64, 32]"), "[64, 32]");
         assert_eq!(relative_up("../pipelines/p.toml", "world_size=2"), "../../pipelines/p.toml");
+        let path = |s: &str| toml::Value::String(s.into());
+        assert_eq!(rebased("load.path", path("data/a.bin"), "../p/p.toml", "world_size=2"), path("../../p/data/a.bin"));
+        assert_eq!(rebased("wrap.init", path("/abs/m"), "../p/p.toml", ""), path("/abs/m"));
+        assert_eq!(rebased("run.name", path("data/a.bin"), "../p/p.toml", ""), path("data/a.bin"));
     }
 
     #[test]

@@ -75,12 +75,11 @@ pub struct FailureRecord {
 }
 
 impl FailureRecord {
-    /// Whether `other` is the same failure again: the same cause at the same step and place,
-    /// whichever rank met it first (a NaN that every rank meets names the one that said so).
+    /// Whether `other` is the same failure again: the same kind of cause ([`kind_of`]) at the
+    /// same step and place, whichever rank met it first (a NaN that every rank meets names the
+    /// one that said so) and whichever process wrote the file it failed on.
     pub fn repeats(&self, other: &FailureRecord) -> bool {
-        without_ranks(&self.cause) == without_ranks(&other.cause)
-            && self.step == other.step
-            && self.position == other.position
+        kind_of(&self.cause) == kind_of(&other.cause) && self.step == other.step && self.position == other.position
     }
 
     /// "rank 1 was killed by SIGKILL during train, epoch 1, step 7 (after step 30)".
@@ -252,17 +251,20 @@ impl Manifest {
 }
 
 /// `text` with every "rank N" as "rank _".
-fn without_ranks(text: &str) -> String {
+/// The kind of a failure's `cause`: its text with every number that names one instance of it
+/// masked (a rank, a process id in a temporary file's name, a port, a size), keeping those that
+/// name the kind itself (an exit code, an OS error number). Two attempts that fail alike differ
+/// in such numbers ("rank 1" or "rank 3" saying so, `.model.safetensors.tmp-<pid>`).
+fn kind_of(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
-    while let Some(at) = rest.find("rank ") {
-        out.push_str(&rest[..at + 5]);
-        rest = &rest[at + 5..];
+    while let Some(at) = rest.find(|c: char| c.is_ascii_digit()) {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
         let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
-        if digits > 0 {
-            out.push('_');
-            rest = &rest[digits..];
-        }
+        let names_the_kind = out.ends_with("code ") || out.ends_with("os error ");
+        out.push_str(if names_the_kind { &rest[..digits] } else { "_" });
+        rest = &rest[digits..];
     }
     out + rest
 }
@@ -290,7 +292,30 @@ mod tests {
         assert!(failure(0, &nan(0), 2).repeats(&failure(1, &nan(1), 2)));
         assert!(!failure(0, &nan(0), 2).repeats(&failure(0, &nan(0), 3)));
         assert!(!failure(0, "was killed by SIGKILL", 2).repeats(&failure(0, &nan(0), 2)));
-        assert_eq!(without_ranks("rank 12 lost rank 3; ranks 4"), "rank _ lost rank _; ranks 4");
+        assert_eq!(kind_of("rank 12 lost rank 3; ranks 4"), "rank _ lost rank _; ranks _");
+    }
+
+    #[test]
+    fn a_failure_repeats_whatever_process_ids_its_message_carries_but_not_another_exit_or_os_error() {
+        let failure = |cause: &str| FailureRecord {
+            rank: Some(0),
+            node: "h".into(),
+            cause: cause.into(),
+            position: Some("write model, epoch 4".into()),
+            step: 8,
+            at: String::new(),
+            detect_s: None,
+        };
+        let full = |pid: u32, errno: u32| {
+            format!(
+                "exited with code 1: cannot write /r/.model.safetensors.tmp-{pid}: No space left (os error {errno})"
+            )
+        };
+        assert!(failure(&full(4121, 28)).repeats(&failure(&full(4377, 28))));
+        assert!(!failure(&full(4121, 28)).repeats(&failure(&full(4121, 5))));
+        let code = |c: u32| format!("exited with code {c}: store at 127.0.0.1:{} closed", 40000 + c);
+        assert!(failure(&code(1)).repeats(&failure(&code(1).replace("40001", "51234"))));
+        assert!(!failure(&code(1)).repeats(&failure(&code(2))));
     }
 
     #[test]

@@ -56,6 +56,7 @@ pub fn save(
     let epoch = clock.epoch(done - 1);
     // Every rank takes part: the bucket layout is read on each (it is the same on all).
     let buckets = trainer.wrapped.strategy.bucket_layout()?;
+    let interval_s = partial.as_ref().map(|mine| mine.seconds);
     let partial = partial.map(|mine| gather_partials(pg, mine)).transpose()?;
     let position = if clock.random {
         format!("random windows, step {done}")
@@ -75,6 +76,7 @@ pub fn save(
         steps: steps.to_vec(),
         buckets,
         partial: partial.is_some(),
+        interval_s,
     };
     let w = &trainer.wrapped;
     let mut pieces = w.strategy.state_pieces(plan, pg, &w.vs, &w.optimizer)?;
@@ -123,6 +125,7 @@ fn gather_partials(pg: &ProcessGroup, mine: Partial) -> anyhow::Result<Vec<Parti
                 correct: part(1),
                 weights: part(2),
                 norms: v[3 * rows..3 * rows + norms].to_vec(),
+                seconds: 0.0,
             }
         })
         .collect())
@@ -225,6 +228,8 @@ fn partial_for(reader: &Reader, plan: &Plan, rank: usize) -> anyhow::Result<Opti
             correct: f32s("correct")?,
             weights: f32s("weights")?,
             norms: floats(format!("trace.partial.{k}.norms"))?,
+            // Rank 0's time so far (a checkpoint of an older runner does not say: 0).
+            seconds: r.interval_s.unwrap_or(0.0),
         })
     };
     let old = r.layout;
@@ -233,7 +238,8 @@ fn partial_for(reader: &Reader, plan: &Plan, rank: usize) -> anyhow::Result<Opti
     }
     let per_copy = old.ranks_per_copy.max(1);
     let (old_copies, new_copies) = (old.world_size / per_copy, plan.layout.world_size);
-    let mut folded = Partial { norms: load(0)?.norms, ..Partial::default() };
+    let first = load(0)?;
+    let mut folded = Partial { norms: first.norms, seconds: first.seconds, ..Partial::default() };
     for k in (plan.replica(rank)..old_copies).step_by(new_copies) {
         let p = load(k * per_copy + per_copy - 1)?;
         folded.losses.extend(p.losses);
@@ -243,9 +249,10 @@ fn partial_for(reader: &Reader, plan: &Plan, rank: usize) -> anyhow::Result<Opti
     Ok(Some(folded))
 }
 
-/// Writes the trained model (every parameter and buffer, under PyTorch's names) to `file`
-/// (`model.safetensors`, `model.best.safetensors`) in the run directory, with the preprocessing
-/// in its metadata. Every rank calls it: the strategy gathers each tensor to rank 0 in turn, in
+/// Writes the trained model after `step` optimizer steps (every parameter and buffer, under
+/// PyTorch's names) to `file` (`model.safetensors`, `model.best.safetensors`) in the run
+/// directory, with the preprocessing and the step in its metadata (the step tells a reader
+/// whether the run went on past this model: [`crate::predict::trained_model`]). Every rank calls it: the strategy gathers each tensor to rank 0 in turn, in
 /// the order the file lays them out, so no rank holds more than its share and one tensor.
 pub fn write_model(
     plan: &Plan,
@@ -254,6 +261,7 @@ pub fn write_model(
     vs: &nn::VarStore,
     run_dir: &Path,
     file: &str,
+    step: usize,
 ) -> anyhow::Result<()> {
     crate::dist::memory::phase();
     let tensors = strategy.model_tensors(plan, vs);
@@ -279,7 +287,8 @@ pub fn write_model(
     let tmp = crate::rundir::tmp_path(&path);
     // The preprocessing travels in the model file's metadata: the file alone is usable.
     let pre = std::fs::read_to_string(run_dir.join(crate::rundir::PREPROCESSING)).ok();
-    let meta = pre.map(|p| HashMap::from([("runner.preprocessing".to_owned(), p)]));
-    tensorfile::write(&tmp, meta, entries)?;
+    let mut meta = HashMap::from([(crate::predict::MODEL_STEP.to_owned(), step.to_string())]);
+    meta.extend(pre.map(|p| ("runner.preprocessing".to_owned(), p)));
+    tensorfile::write(&tmp, Some(meta), entries)?;
     crate::rundir::commit(&tmp, &path)
 }

@@ -68,6 +68,9 @@ pub fn run(
     let checkpoint::Resumed { mut rows, mut steps, mut done, mut partial } = resumed;
     accept()?;
     crate::data::preprocessing::write(plan, pg, &normalizer, run_dir)?;
+    if rank == 0 {
+        crate::checkpoint::writer::check_model_space(run_dir, model_file_bytes(plan, &wrapped))?;
+    }
     let epochs = c.train.steps.is_none().then_some(c.train.epochs);
     let len = if epochs.is_some() { plan.steps_per_epoch() } else { plan.total_steps() };
     let seq_len = plan.data.task.is_language_model().then(|| plan.data.input[0]);
@@ -134,7 +137,7 @@ pub fn run(
         if verdict == Some(recipe::Verdict::Improved) {
             trainer.position.set("write best model", epoch, 0);
             let w = &trainer.wrapped;
-            checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::BEST_MODEL)?;
+            checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::BEST_MODEL, done)?;
         }
         if checkpoint_due(plan, &clock, done) || (preempted.is_some() && done < clock.total) {
             if preempted.is_none() && done < clock.total && preempt::rejoin_wanted(pg, device)? {
@@ -161,9 +164,18 @@ pub fn run(
     trainer.position.set("write model", clock.epoch(done.max(1) - 1), 0);
     background.wait()?;
     let w = &trainer.wrapped;
-    checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::MODEL)?;
+    checkpoint::write_model(plan, pg, &w.strategy, &w.vs, run_dir, crate::rundir::MODEL, done)?;
     tracker.finish(run_dir);
     Ok(rows)
+}
+
+/// About the bytes of the model file written at the run's end (its tensors, and room for its
+/// header).
+fn model_file_bytes(plan: &Plan, w: &wrap::Wrapped) -> u64 {
+    let tensors = w.strategy.model_tensors(plan, &w.vs);
+    let bytes =
+        |t: &crate::strategy::ModelTensor| t.shape.iter().product::<i64>() as u64 * t.kind.elt_size_in_bytes() as u64;
+    tensors.iter().map(bytes).sum::<u64>() + 64 * 1024
 }
 
 /// Fitted once, on the rank's first-epoch shard (training rows only); token ids are never scaled.

@@ -36,6 +36,8 @@ pub struct Partial {
     pub correct: Vec<f32>,
     pub weights: Vec<f32>,
     pub norms: Vec<f64>,
+    /// Seconds the interval has trained for so far (this rank's, or rank 0's read back).
+    pub seconds: f64,
 }
 
 /// What one interval produced; rank 0 receives every rank's rows.
@@ -101,6 +103,7 @@ impl Buffers {
             correct: take(&self.correct),
             weights: take(&self.weights),
             norms: self.norms.clone(),
+            seconds: 0.0,
         }
     }
 }
@@ -190,6 +193,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
     /// may be more or fewer than this rank's share of those steps).
     pub fn begin(&self, steps: Range<usize>, from: usize, partial: Option<Partial>) -> Interval {
         let filled = partial.as_ref().map_or(0, |p| p.losses.len());
+        let before = Duration::from_secs_f64(partial.as_ref().map_or(0.0, |p| p.seconds.max(0.0)));
         let rows = filled + self.rows_in(from..steps.end);
         let batches: usize = steps.clone().map(|s| self.clock.batches(s).len()).sum();
         Interval {
@@ -198,6 +202,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
             filled,
             checked: filled,
             start: Instant::now(),
+            before,
             train_s: Duration::ZERO,
             compute_s: 0.0,
             comm: Duration::ZERO,
@@ -323,7 +328,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
     }
 
     fn samples_per_s(&self, iv: &Interval) -> f64 {
-        iv.filled as f64 / iv.start.elapsed().as_secs_f64()
+        iv.filled as f64 / iv.seconds()
     }
 
     /// Ends the interval: reduces its buffers, validates when due, and all-gathers every rank's row.
@@ -342,7 +347,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
             0 => (f64::NAN, f64::NAN),
             k => (norms.iter().sum::<f64>() / k as f64, norms.iter().copied().fold(f64::MIN, f64::max)),
         };
-        mine.epoch_s = iv.start.elapsed().as_secs_f64();
+        mine.epoch_s = iv.seconds();
         mine.compute_s = iv.compute_s;
         let b = &iv.buffers;
         mine.samples = b.weights.sum(Kind::Double).double_value(&[]);
@@ -400,6 +405,9 @@ pub struct Interval {
     filled: usize,
     checked: usize,
     start: Instant,
+    /// The time an earlier attempt trained the interval for, up to the checkpoint this one
+    /// resumed from: the steps after it are timed here, each step once.
+    before: Duration,
     train_s: Duration,
     compute_s: f64,
     comm: Duration,
@@ -428,7 +436,12 @@ impl Interval {
 
     /// What a checkpoint in the middle of the interval saves of it.
     pub fn partial(&self) -> Partial {
-        self.buffers.partial(self.filled)
+        Partial { seconds: self.seconds(), ..self.buffers.partial(self.filled) }
+    }
+
+    /// Seconds the interval has trained for, an earlier attempt's before its checkpoint included.
+    fn seconds(&self) -> f64 {
+        (self.before + self.start.elapsed()).as_secs_f64()
     }
 }
 

@@ -101,7 +101,9 @@ impl Serialize for Header<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let mut map = serializer.serialize_map(Some(self.tensors.len() + self.metadata.is_some() as usize))?;
         if let Some(metadata) = self.metadata {
-            map.serialize_entry("__metadata__", metadata)?;
+            // Sorted by key: the same model gives the same bytes whatever the map's order.
+            let sorted: std::collections::BTreeMap<&String, &String> = metadata.iter().collect();
+            map.serialize_entry("__metadata__", &sorted)?;
         }
         for (name, info) in &self.tensors {
             map.serialize_entry(name, info)?;

@@ -278,6 +278,38 @@ fn a_disk_that_holds_the_kept_checkpoints_is_enough_and_a_full_one_is_named_befo
     assert!(tmp.is_empty(), "{tmp:?}");
 }
 
+/// A disk that holds the kept checkpoints but not the model written at the end: the run is
+/// refused at the checkpoint that would leave no room for the model, not after all its training.
+#[test]
+fn a_disk_without_room_for_the_final_model_is_named_at_a_checkpoint_not_after_training() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", SIZED);
+    assert_ok(&run(&["run", "p.toml", "--out", "full"], dir.path()));
+    let full = dir.path().join("full");
+    let model = full.join("model.safetensors").metadata().unwrap().len().div_ceil(4096) * 4096;
+    // Room for everything the finished run holds but half its model.
+    let disk = match SmallDisk::new((pages(&full) - model / 2) / 1024) {
+        Ok(d) => d,
+        Err(why) => {
+            common::cannot_run(
+                "a_disk_without_room_for_the_final_model",
+                &format!("cannot mount a small tmpfs ({why})"),
+            );
+            return;
+        }
+    };
+    let out = disk.0.path().join("o");
+    let o = run(&["run", "p.toml", "--out", out.to_str().unwrap()], dir.path());
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("not enough free space for the checkpoint of epoch 2 and the model written at the run's end"),
+        "{err}"
+    );
+    assert!(err.contains("the last good checkpoint (epoch 1) is kept"), "{err}");
+    assert!(!out.join("checkpoints/epoch-0004").exists(), "the run trained to its end before failing");
+}
+
 /// Under FSDP (every rank writes its own rows of each tensor), a killed run resumed at the same
 /// world size ends bit for bit as an uninterrupted one.
 #[test]

@@ -195,3 +195,55 @@ fn eval_of_a_hugging_face_directory_gives_transformers_loss_on_the_same_tokens()
         text(&o).1
     );
 }
+
+/// A complete run extended with `--resume --set train.steps=...` and stopped before its end: its
+/// model.safetensors is the older run's. `eval`, `export` and `predict` refuse it, naming the
+/// checkpoint of the run's newest state; the resumed run, once complete, serves again.
+#[test]
+fn a_run_extended_past_its_model_and_stopped_is_not_served_with_the_older_model() {
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    write(p, "play.txt", &play(30, "through yonder window"));
+    assert_ok(&run(&["prepare", "text", "play.txt", "--out", "data", "--tokenizer", "bpe", "--vocab", "300"], p));
+    write(p, "lm.toml", &LM.replace("[validate]", "[checkpoint]\nevery_steps = 4\n\n[validate]"));
+    assert_ok(&run(&["run", "lm.toml", "--out", "lm"], p));
+
+    // Extended to 24 steps; rank 0 stops for good in the checkpoint of step 20, and the launcher
+    // is interrupted once the checkpoint of step 16 is committed.
+    let mut launcher = common::runner()
+        .args(["run", "--resume", "lm", "--set", "train.steps=24"])
+        .env("RUNNER_TEST_STALL_CHECKPOINT", "0:20")
+        .current_dir(p)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let marker = p.join("lm/checkpoints/step-00000016/index.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !marker.exists() {
+        assert!(Instant::now() < deadline, "no checkpoint of step 16");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pid = nix::unistd::Pid::from_raw(launcher.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert_eq!(launcher.wait().unwrap().code(), Some(143));
+
+    let newest = "is not the model of the run's newest state: it was written after step 12, and the run went on to \
+                  its checkpoint of step 16";
+    for args in [
+        &["eval", "lm", "data/val.bin"][..],
+        &["export", "lm", "--hf", "hf"][..],
+        &["predict", "lm", "--prompt", "ROMEO", "--tokens", "4"][..],
+    ] {
+        let o = run(args, p);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(newest) && err.contains("runner run --resume lm finishes the run"), "{args:?}: {err}");
+    }
+    assert!(!p.join("hf").exists());
+
+    // Finished, the run serves its newest model.
+    assert_ok(&run(&["run", "--resume", "lm"], p));
+    eval(p, &["lm", "data/val.bin"]);
+}

@@ -218,3 +218,25 @@ fn a_path_resolves_against_the_file_that_set_it_through_the_chain() {
     // res/val.txt: 210 bytes, 26 windows of 8 + 1 (p/data/val.txt would make 27).
     assert!(text(&o).0.contains("52 training + 26 validation windows"), "{}", text(&o).0);
 }
+
+#[test]
+fn the_best_toml_of_a_search_over_a_pipeline_with_file_paths_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir_all(d.join("p/data")).unwrap();
+    std::fs::create_dir_all(d.join("e")).unwrap();
+    write(&d.join("p"), "hf.toml", WITH_FILES);
+    write(&d.join("p/data"), "book.txt", &"to be, or not to be. ".repeat(20));
+    write(&d.join("p/data"), "other.txt", &"the rest is silence. ".repeat(20));
+    write(&d.join("p/data"), "val.txt", &"that is the question. ".repeat(10));
+    // The space holds a path too: a trial's `--set load.path=...` is relative to the pipeline.
+    let experiment =
+        "pipeline = \"../p/hf.toml\"\n\n[search]\nmethod = \"random\"\ntrials = 2\nmetric = \"val_loss\"\n\
+                      seed = 1\n\n[search.space]\n\"train.lr\" = { choice = [0.01, 0.1] }\n\
+                      \"load.path\" = { choice = [\"data/book.txt\", \"data/other.txt\"] }\n";
+    write(&d.join("e"), "s.toml", experiment);
+    assert_ok(&run(&["sweep", "e/s.toml", "--out", "res/shf"], d));
+    let best = std::fs::read_to_string(d.join("res/shf/best.toml")).unwrap();
+    assert!(best.contains("path = \"../../p/data/"), "{best}");
+    assert_ok(&run(&["run", "res/shf/best.toml", "--out", "again"], d));
+}

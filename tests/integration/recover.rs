@@ -333,3 +333,46 @@ fn torchrun_restarting_its_workers_resumes_from_the_newest_checkpoint() {
     let from = restarts[0]["from_step"].as_u64().unwrap();
     assert!(from >= 20 && from.is_multiple_of(10), "{m:#}");
 }
+
+/// A restart from a checkpoint near an epoch's end: the epoch's row times its steps once each
+/// (those before the checkpoint in the failed attempt, the rest in the restarted one), so its
+/// throughput is the uninterrupted epochs', not the whole epoch's samples over two steps' time.
+#[test]
+fn an_epoch_restarted_from_a_checkpoint_near_its_end_keeps_its_throughput() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let wide = CHAOS.replace("hidden = [16]", "hidden = [256, 256]").replace("every_steps = 10", "every_steps = 36");
+    write(d, "p.toml", &wide);
+    // Rank 0 holds at the step after the checkpoint of step 36 (of 38 in epoch 1) until it is
+    // killed; its restart goes past it.
+    let past = d.join("past");
+    let env = [("RUNNER_TEST_WAIT_AT", format!("0:train, epoch 1, step 37@{}", past.display()))];
+    let launched = Launched::start(d, "cut", &[], &env);
+    let run_dir = d.join("cut");
+    wait_for(&launched, "the checkpoint of step 36", || {
+        run_dir.join("checkpoints/step-00000036/index.json").exists().then_some(())
+    });
+    let rank0 = wait_for(&launched, "rank 0 holding at step 37", || {
+        position(&run_dir, 0).filter(|(text, _)| text.starts_with("train, epoch 1, step 37"))?;
+        rank_pid(launched.child.id(), 0)
+    });
+    kill(rank0);
+    std::fs::write(&past, "").unwrap();
+    let (code, err) = launched.finish();
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("restarting every rank from the checkpoint of step 36"), "{err}");
+
+    let trace = common::trace(&run_dir);
+    let rank = trace.column("rank").unwrap().cast(&polars::prelude::DataType::Int64).unwrap();
+    let column = |name: &str| -> Vec<f64> {
+        let c = trace.column(name).unwrap().f64().unwrap().clone();
+        (0..trace.height()).filter(|&i| rank.i64().unwrap().get(i) == Some(0)).map(|i| c.get(i).unwrap()).collect()
+    };
+    let (rate, seconds) = (column("samples_per_s"), column("epoch_s"));
+    eprintln!("rank 0: samples_per_s {rate:?}, epoch_s {seconds:?}");
+    assert_eq!(rate.len(), 3, "three epochs: {rate:?}");
+    // Untouched, epoch 1 would take about as long as epochs 2 and 3; timed over its two rerun
+    // steps alone, it would be some 19 times faster.
+    let others = (rate[1] + rate[2]) / 2.0;
+    assert!(rate[0] < 3.0 * others, "epoch 1's throughput {} against {others} (epoch_s {seconds:?})", rate[0]);
+}

@@ -225,7 +225,7 @@ pub fn trial_dir(point: &Point, grid: bool, trials: usize, t: usize) -> String {
 /// `to` relative to the directory `from` (both made absolute): how best.toml names the pipeline.
 pub fn relative(from: &Path, to: &Path) -> PathBuf {
     let abs = |p: &Path| crate::config::extends::normalize(&std::path::absolute(p).unwrap_or_else(|_| p.to_owned()));
-    crate::config::extends::relative(&abs(from), &abs(to))
+    crate::config::paths::relative(&abs(from), &abs(to))
 }
 
 /// `sweep.json` of a search: its trials as points (grid values, then searched values), with the
