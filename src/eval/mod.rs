@@ -171,7 +171,8 @@ fn run_stream(plan: &Plan, run_dir: &Path, data: &Path, seq_len: Option<usize>, 
     Ok(stream)
 }
 
-/// A stream that holds at least one window of `seq_len` + 1 tokens.
+/// A stream that holds at least one window of `seq_len` + 1 tokens (a shorter one is the
+/// command line's mistake: exit code 2).
 fn enough(stream: &Stream, data: &Path, seq_len: usize) -> anyhow::Result<()> {
     if stream.windows(seq_len) == 0 {
         let why = format!(
