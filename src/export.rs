@@ -84,7 +84,7 @@ pub fn export(run_dir: &Path, out: &Path, max_shard: u64) -> anyhow::Result<u8> 
     };
     let spec = Spec::of(t);
     let arch = Arch::of(&spec).map_err(|e| anyhow::anyhow!("{e}: Hugging Face has no class for it"))?;
-    let model_path = crate::rundir::model::trained_model(run_dir)?;
+    let model_path = crate::checkpoint::model::trained_model(run_dir)?;
     let model = TensorFile::open(&model_path).map_err(|e| anyhow::anyhow!("{}: {e}", model_path.display()))?;
     let shapes = crate::model::sorted_parameters(plan.model().as_ref());
     for (name, shape) in &shapes {

@@ -24,6 +24,7 @@ pub mod numerics;
 pub mod plan;
 pub mod predict;
 pub mod prepare;
+pub mod preprocessing;
 pub mod preview;
 pub mod report;
 pub mod rng;

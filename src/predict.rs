@@ -1,6 +1,6 @@
 //! The trained model outside training: the run's model, built for inference, and `runner
 //! predict RUN_DIR DATA`, which applies the preprocessing the run fitted
-//! ([`crate::data::preprocessing`]) and the model to a csv or parquet file.
+//! ([`crate::preprocessing`]) and the model to a csv or parquet file.
 use std::path::Path;
 
 use anyhow::Context;
@@ -12,7 +12,7 @@ use crate::data::columns::{Columns, Feature, Labels};
 use crate::data::normalize::Normalizer;
 use crate::plan::Plan;
 
-use crate::data::preprocessing::Preprocessing;
+use crate::preprocessing::Preprocessing;
 use crate::rundir::PREPROCESSING;
 
 /// The run's trained model (its model.safetensors) built on `device` for inference: every layer,
@@ -26,7 +26,7 @@ pub fn trained_module(
     let vs = nn::VarStore::new(device);
     let model = arch.build(&vs.root(), 0..arch.layers().len(), &crate::model::BuildContext::new(plan.config.run.seed));
     let weights = crate::model::read_weights(
-        &crate::rundir::model::trained_model(run_dir)?,
+        &crate::checkpoint::model::trained_model(run_dir)?,
         &crate::model::sorted_parameters(arch.as_ref()),
     )
     .map_err(anyhow::Error::msg)?;
@@ -72,7 +72,7 @@ pub const PREDICT_KEYS: &[&str] = &["load.missing", "load.delimiter"];
 /// The weights file `choice` names in `run_dir`.
 fn weights_file(run_dir: &Path, choice: &ModelChoice) -> anyhow::Result<std::path::PathBuf> {
     match choice {
-        ModelChoice::Final => crate::rundir::model::trained_model(run_dir),
+        ModelChoice::Final => crate::checkpoint::model::trained_model(run_dir),
         ModelChoice::Best => {
             let path = run_dir.join(crate::rundir::BEST_MODEL);
             anyhow::ensure!(

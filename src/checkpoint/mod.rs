@@ -12,6 +12,7 @@
 //! is one only when complete, and a kill at any moment leaves the previous one whole.
 pub mod background;
 pub mod index;
+pub mod model;
 pub mod reader;
 pub mod writer;
 

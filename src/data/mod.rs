@@ -8,7 +8,6 @@ pub mod columns;
 pub mod file;
 pub mod normalize;
 pub mod npy;
-pub mod preprocessing;
 pub mod shard;
 pub mod split;
 pub mod synthetic;

@@ -159,7 +159,7 @@ fn run_stream(plan: &Plan, run_dir: &Path, data: &Path, seq_len: Option<usize>, 
         let why = format!("runner eval measures a language model, not this run's {}", plan.model().describe());
         return Err(ConfigError::new(why).into());
     };
-    crate::rundir::model::trained_model(run_dir)?;
+    crate::checkpoint::model::trained_model(run_dir)?;
     let max = crate::model::transformer::Spec::of(t).max_positions;
     if let Some(n) = seq_len.filter(|&n| n == 0 || n > max) {
         return Err(

@@ -147,7 +147,8 @@ impl Plan {
             // A stage split the model refuses (a tied head away from its embedding) is none.
             cuts: Box::new(move |stages| a.check_stages(stages).is_ok()),
             shards: scalar_parameter(a.as_ref()).is_none(),
-            pipeline_copies: mesh::Shape::of(&c).data,
+            // The copies a pipeline of this configuration would run (auto weighs it too).
+            pipeline_copies: c.wrap.mesh.data.unwrap_or(c.wrap.pipeline.replicas),
             gloo: c.run.backend == Backend::Gloo,
             global_batch: resuming.map(|r| r.global_batch).or(c.train.global_batch_size),
             besides: match (&data, &layout) {

@@ -104,7 +104,7 @@ fn committed_step(run_dir: &Path, manifest: Option<&Manifest>) -> Option<u64> {
         return Some(0);
     }
     let file = crate::tensorfile::TensorFile::open(&model).ok()?;
-    file.metadata()?.get(crate::rundir::model::MODEL_STEP)?.parse().ok()
+    file.metadata()?.get(crate::checkpoint::model::MODEL_STEP)?.parse().ok()
 }
 
 struct Row {

@@ -21,7 +21,6 @@ pub mod goodput;
 pub mod index;
 pub mod lock;
 pub mod manifest;
-pub mod model;
 pub mod position;
 
 use std::io::Write;

@@ -252,7 +252,7 @@ fn partial_for(reader: &Reader, plan: &Plan, rank: usize) -> anyhow::Result<Opti
 /// Writes the trained model after `step` optimizer steps (every parameter and buffer, under
 /// PyTorch's names) to `file` (`model.safetensors`, `model.best.safetensors`) in the run
 /// directory, with the preprocessing and the step in its metadata (the step tells a reader
-/// whether the run went on past this model: [`crate::rundir::model::trained_model`]). Every rank calls it: the strategy gathers each tensor to rank 0 in turn, in
+/// whether the run went on past this model: [`crate::checkpoint::model::trained_model`]). Every rank calls it: the strategy gathers each tensor to rank 0 in turn, in
 /// the order the file lays them out, so no rank holds more than its share and one tensor.
 pub fn write_model(
     plan: &Plan,
@@ -287,7 +287,7 @@ pub fn write_model(
     let tmp = crate::rundir::tmp_path(&path);
     // The preprocessing travels in the model file's metadata: the file alone is usable.
     let pre = std::fs::read_to_string(run_dir.join(crate::rundir::PREPROCESSING)).ok();
-    let mut meta = HashMap::from([(crate::rundir::model::MODEL_STEP.to_owned(), step.to_string())]);
+    let mut meta = HashMap::from([(crate::checkpoint::model::MODEL_STEP.to_owned(), step.to_string())]);
     meta.extend(pre.map(|p| ("runner.preprocessing".to_owned(), p)));
     tensorfile::write(&tmp, Some(meta), entries)?;
     crate::rundir::commit(&tmp, &path)

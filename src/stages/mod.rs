@@ -67,7 +67,7 @@ pub fn run(
     checkpoint::test_hooks(plan, rank, &wrapped)?;
     let checkpoint::Resumed { mut rows, mut steps, mut done, mut partial } = resumed;
     accept()?;
-    crate::data::preprocessing::write(plan, pg, &normalizer, run_dir)?;
+    crate::preprocessing::write(plan, pg, &normalizer, run_dir)?;
     if rank == 0 {
         crate::checkpoint::writer::check_model_space(run_dir, model_file_bytes(plan, &wrapped))?;
     }
