@@ -62,8 +62,9 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
         if checkpoint::newest_unread(run_dir, plan).map_err(anyhow::Error::msg)?.is_some() {
             return Ok((resumed_plan(run_dir, &asked)?, true));
         }
-        // No checkpoint yet: the run starts over at this size, still as the run it is.
-        Ok((Plan { run_id: plan.run_id.clone(), started_with: plan.started_with.clone(), ..asked }, false))
+        // No checkpoint yet: the run starts over at this size, still as the run it is
+        // ([`elastic::resized`] keeps its id and the values it started with).
+        Ok((asked, false))
     };
     let (supervised, committed) = if rounds {
         let (addr, port) = topology.master.clone().expect("several nodes have a master");

@@ -107,12 +107,19 @@ pub fn resized(plan: &Plan, world: usize) -> anyhow::Result<Plan> {
         }
     }
     let mut sources = plan.sources.clone();
+    let mut started_with = plan.started_with.clone();
+    let first = serde_json::to_value(c).ok();
     for key in &changed {
         sources.insert((*key).to_owned(), format!("--nnodes (elastic, at world size {world})"));
+        // The run stays the run it is: its id is that of the configuration it started with.
+        let value = first.as_ref().and_then(|v| key.split('.').try_fold(v, |v, k| v.get(k)));
+        let value = value.and_then(|v| toml::Value::try_from(v).ok());
+        started_with.entry((*key).to_owned()).or_insert(value);
     }
     let resolved =
         crate::config::Resolved { config, sources, file: plan.pipeline_file.clone(), extends: plan.extends.clone() };
     let asked = Plan::new(resolved).map_err(|e| anyhow::anyhow!("at world size {world}: {e}"))?;
+    let asked = Plan { run_id: plan.run_id.clone(), started_with, ..asked };
     anyhow::ensure!(
         asked.global_batch() == g,
         "at world size {world} the global batch would be {} samples, not the run's {g}",
@@ -384,6 +391,11 @@ mod tests {
         let half = resized(&p, 2).unwrap();
         assert_eq!((half.world_size(), half.config.train.accumulate, half.global_batch()), (2, 2, 32));
         assert_eq!(half.sources["train.accumulate"], "--nnodes (elastic, at world size 2)");
+        // Still the run it is: its ranks load it from plan.json (a run may start below MAX nodes).
+        assert_eq!(half.run_id, p.run_id);
+        let file = dir.path().join("plan.json");
+        half.save(&file).unwrap();
+        assert_eq!(Plan::load(&file).unwrap().config.run.world_size, 2);
         // 32 samples over 3 copies: neither the accumulation nor the batch divides.
         let e = resized(&p, 3).unwrap_err().to_string();
         assert!(e.contains("cannot keep its global batch of 32 samples"), "{e}");

@@ -289,3 +289,24 @@ fn an_elastic_run_goes_on_without_a_lost_host_and_takes_it_back_at_a_checkpoint(
     }
     assert_models_close(&d.join("whole"), &d.join("shared"), 1e-5);
 }
+
+/// Issue 51: an elastic run started with fewer than MAX nodes (node 1 never comes) runs at the
+/// smaller world size from its first round; its ranks once refused plan.json as edited.
+#[test]
+fn an_elastic_run_starts_below_max_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let o = common::run(
+        &["run", "p.toml", "--set", "run.world_size=4", "--set", "run.timeout_s=2", "--out", "x"]
+            .into_iter()
+            .chain(["--nnodes", "1:2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", &port])
+            .collect::<Vec<_>>(),
+        dir.path(),
+    );
+    let (_, err) = text(&o);
+    assert_ok(&o);
+    assert!(err.contains("1 of 2 nodes: the run goes on at world size 2"), "{err}");
+    let manifest = std::fs::read_to_string(dir.path().join("x/manifest.json")).unwrap();
+    assert!(manifest.contains("\"status\": \"complete\""), "{manifest}");
+}
