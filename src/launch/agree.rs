@@ -134,13 +134,13 @@ fn never(e: crate::dist::Error, store: &Store, what: &str, how: &str) -> anyhow:
     anyhow::anyhow!("{what} within run.timeout_s ({} s): {how}", store.timeout().as_secs_f64())
 }
 
-type FlatConfig = BTreeMap<String, String>;
+pub type FlatConfig = BTreeMap<String, String>;
 
 const RUN_ID_KEY: &str = "run id (configuration and wrap.init file)";
 
 /// The resolved configuration as dotted keys and JSON values, plus the run id (which also
 /// covers the initial-weights file's bytes).
-fn flat_config(plan: &Plan) -> FlatConfig {
+pub fn flat_config(plan: &Plan) -> FlatConfig {
     fn walk(prefix: &str, v: &serde_json::Value, out: &mut FlatConfig) {
         match v {
             serde_json::Value::Object(map) => {
@@ -162,8 +162,16 @@ fn flat_config(plan: &Plan) -> FlatConfig {
 /// Each key whose value differs between participants, with every participant's value; `None`
 /// when all agree.
 fn differences(all: &[FlatConfig], label: &str) -> Option<String> {
-    let keys: BTreeSet<&String> = all.iter().flat_map(|n| n.keys()).collect();
-    let differ: Vec<&String> = keys.into_iter().filter(|k| all.iter().any(|n| n.get(*k) != all[0].get(*k))).collect();
+    let numbered: Vec<(usize, &FlatConfig)> = all.iter().enumerate().collect();
+    differences_of(&numbered, label)
+}
+
+/// [`differences`] of the participants named by their numbers (an elastic round's nodes).
+pub fn differences_of(all: &[(usize, &FlatConfig)], label: &str) -> Option<String> {
+    let all: Vec<(usize, &FlatConfig)> = all.to_vec();
+    let keys: BTreeSet<&String> = all.iter().flat_map(|(_, n)| n.keys()).collect();
+    let differ: Vec<&String> =
+        keys.into_iter().filter(|k| all.iter().any(|(_, n)| n.get(*k) != all[0].1.get(*k))).collect();
     // The run id differs whenever a key does: it is news only alone (a different wrap.init file).
     let only_id = differ.len() == 1;
     let lines: Vec<String> = differ
@@ -172,7 +180,6 @@ fn differences(all: &[FlatConfig], label: &str) -> Option<String> {
         .map(|k| {
             let values: Vec<String> = all
                 .iter()
-                .enumerate()
                 .map(|(i, n)| format!("{label} {i}: {}", n.get(k).map_or("(absent)", String::as_str)))
                 .collect();
             format!("{k}: {}", values.join(", "))

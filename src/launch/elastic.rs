@@ -75,6 +75,8 @@ enum Verdict {
     Go { members: Vec<usize>, plan: String, file: std::path::PathBuf, resume: bool },
     /// The run is over: why, and whether it is complete.
     Stop { why: String, complete: bool },
+    /// The nodes do not run the same configuration: each differing key with every node's value.
+    Refuse { why: String },
 }
 
 /// The configuration of `plan`'s run at `world` ranks with the same global batch: gradient
@@ -142,8 +144,11 @@ pub struct Host<'a> {
     /// The next round.
     round: usize,
     at_size: AtSize<'a>,
-    /// How the run ended, for the nodes still waiting for a round.
+    /// How the run ended, for the nodes still waiting for a round; `None` once they were told.
     ended: Option<(String, bool)>,
+    /// The run's configuration as node 0 started it: what every joining node must run.
+    config: super::agree::FlatConfig,
+    refused: bool,
 }
 
 impl<'a> Host<'a> {
@@ -161,7 +166,20 @@ impl<'a> Host<'a> {
             .with_context(|| format!("cannot listen on {addr}:{port} (--master-addr must be this node's address)"))?;
         let store = Store::serve(listener, plan.world_size(), timeout)?;
         let per_node = plan.world_size() / nodes.max;
-        Ok(Host { store, addr: addr.to_owned(), port, run_dir, nodes, per_node, round: 0, at_size, ended: None })
+        let config = super::agree::flat_config(plan);
+        Ok(Host {
+            store,
+            addr: addr.to_owned(),
+            port,
+            run_dir,
+            nodes,
+            per_node,
+            round: 0,
+            at_size,
+            ended: None,
+            config,
+            refused: false,
+        })
     }
 
     /// Says how the run ended to the nodes that wait for another round.
@@ -201,6 +219,26 @@ impl<'a> Host<'a> {
         }
     }
 
+    /// Refuses the round, on every node, when a node that joined runs another configuration
+    /// than node 0 (the run's own, as it started: a resized round's plan is node 0's to make).
+    fn same_config(&mut self, round: usize, members: &[usize]) -> anyhow::Result<()> {
+        let mut all = vec![(0, self.config.clone())];
+        for &node in &members[1..] {
+            let said = self.store.get(&join_key(round, node))?;
+            all.push((
+                node,
+                serde_json::from_slice(&said).with_context(|| format!("node {node} sent no configuration"))?,
+            ));
+        }
+        let numbered: Vec<(usize, &super::agree::FlatConfig)> = all.iter().map(|(n, c)| (*n, c)).collect();
+        let Some(why) = super::agree::differences_of(&numbered, "node") else { return Ok(()) };
+        self.publish(round, &Verdict::Refuse { why: why.clone() })?;
+        self.refused = true;
+        // The store ends with this process: it stays until every other node has read the verdict.
+        std::thread::sleep(Duration::from_secs(1));
+        Err(ConfigError::new(why).into())
+    }
+
     fn publish(&self, round: usize, verdict: &Verdict) -> anyhow::Result<()> {
         Ok(self.store.set(&verdict_key(round), serde_json::to_string(verdict)?.as_bytes())?)
     }
@@ -218,6 +256,7 @@ impl Attempt for Host<'_> {
                 Ok(members) => members,
                 Err(stopped) => return Ok((plan, stopped)),
             };
+            self.same_config(round, &members)?;
             let world = members.len() * self.per_node;
             if world != plan.world_size() {
                 (plan, resume) = (self.at_size)(&plan, world)?;
@@ -282,6 +321,9 @@ impl Attempt for Host<'_> {
 
 impl Drop for Host<'_> {
     fn drop(&mut self) {
+        if self.refused {
+            return;
+        }
         let (why, complete) = self.ended.take().unwrap_or(("node 0's launcher ended".into(), false));
         let _ = self.publish(self.round, &Verdict::Stop { why, complete });
     }
@@ -297,7 +339,8 @@ pub fn follow(plan: &Plan, me: usize, master: (&str, u16), nodes: Nodes, run_dir
     let per_node = plan.world_size() / nodes.max;
     loop {
         let round: usize = String::from_utf8_lossy(&store.get(OPEN)?).parse().context("node 0's round")?;
-        store.set(&join_key(round, me), b"1")?;
+        // Its configuration, which node 0 compares with its own before the round.
+        store.set(&join_key(round, me), serde_json::to_string(&super::agree::flat_config(plan))?.as_bytes())?;
         crate::say_err!("node {me}: waiting for round {round} of the run");
         let verdict = loop {
             if let Some(i) = crate::signals::interruption() {
@@ -314,6 +357,7 @@ pub fn follow(plan: &Plan, me: usize, master: (&str, u16), nodes: Nodes, run_dir
                 crate::say_err!("node {me}: {why}");
                 return Ok(if complete { 0 } else { 1 });
             }
+            Verdict::Refuse { why } => return Err(ConfigError::new(format!("node {me}: {why}")).into()),
             Verdict::Go { members, plan, file, resume } => (members, plan, file, resume),
         };
         let Some(index) = members.iter().position(|&n| n == me) else { continue };

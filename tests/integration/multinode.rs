@@ -310,3 +310,36 @@ fn an_elastic_run_starts_below_max_nodes() {
     let manifest = std::fs::read_to_string(dir.path().join("x/manifest.json")).unwrap();
     assert!(manifest.contains("\"status\": \"complete\""), "{manifest}");
 }
+
+/// Issue 51: a node of an elastic run started with another `--set` is refused with exit 2 on
+/// every node, naming the key and each node's value, before any rank starts (node 0 once waited
+/// and failed 41 s later; node 1 exited 1 naming only run ids).
+#[test]
+fn nodes_of_an_elastic_run_with_different_configurations_all_refuse_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let node = |rank: &str, lr: &str| {
+        common::runner()
+            .args(["run", "p.toml", "--set", "run.world_size=4", "--set", "run.timeout_s=10", "--out", "x"])
+            .args(["--set", &format!("train.lr={lr}")])
+            .args(["--nnodes", "1:2", "--node-rank", rank, "--master-addr", "127.0.0.1", "--master-port", &port])
+            .current_dir(dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let started = std::time::Instant::now();
+    let a = node("0", "0.01");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let b = node("1", "0.05");
+    for (n, o) in [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()].iter().enumerate() {
+        let (_, err) = text(o);
+        assert_eq!(o.status.code(), Some(2), "node {n}: {err}");
+        assert!(err.contains("the nodes do not run the same configuration"), "node {n}: {err}");
+        assert!(err.contains("train.lr: node 0: 0.01, node 1: 0.05"), "node {n}: {err}");
+    }
+    assert!(started.elapsed().as_secs() < 10, "refused at once, not after the round's wait: {:?}", started.elapsed());
+    assert!(!dir.path().join("x/trace.parquet").exists(), "no rank trained");
+}
