@@ -97,6 +97,9 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     rank::check_world_size(&plan, env)?;
     let timeout = std::time::Duration::from_secs_f64(plan.config.run.timeout_s);
     let store = std::sync::Arc::new(rank::open_store(env, timeout)?);
+    // Each rank's host, which rank 0 records in the manifest under torchrun or srun.
+    store.set(&host_key(env.rank), crate::rundir::manifest::hostname().as_bytes())?;
+    let hosts_store = store.clone();
     // Rank 0 under torchrun or srun: whether this attempt goes on after a failure of the run.
     let restarting = std::cell::Cell::new(false);
     let (agreed, owned) = if env.launcher == Launcher::Runner {
@@ -141,6 +144,7 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     // A resume refused before every rank accepted it leaves the run's manifest as it was; a
     // restart after a failure (torchrun's, a requeued srun job's) records its own failure there.
     if let Some(manifest) = manifest.as_mut().filter(|_| committed.get() || restarting.get()) {
+        manifest.hosts = rank_hosts(&hosts_store, env.world_size);
         match (&result, preempted) {
             (Ok(_), _) => {
                 manifest.end(Status::Complete, None);
@@ -302,4 +306,17 @@ pub(super) fn prepare_run_dir(
         plan.commit_run_dir(run_dir, manifest)?;
     }
     Ok(lock)
+}
+
+fn host_key(rank: usize) -> String {
+    format!("runner/host/{rank}")
+}
+
+/// Each rank's host, as the ranks said it in the store at their start ("?" for one that did not).
+fn rank_hosts(store: &crate::dist::Store, world: usize) -> Vec<String> {
+    let said = |r: usize| -> Option<String> {
+        let bytes = store.contains(&host_key(r)).ok()?.then(|| store.get(&host_key(r)).ok()).flatten()?;
+        Some(String::from_utf8_lossy(&bytes).into_owned())
+    };
+    (0..world).map(|r| said(r).unwrap_or_else(|| "?".into())).collect()
 }

@@ -225,7 +225,7 @@ fn newest_step(run_dir: &Path, plan: &Plan) -> usize {
 
 /// This host's name, with its node index in a multi-node run.
 fn node_name(topology: &Topology) -> String {
-    let host = nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
+    let host = crate::rundir::manifest::hostname();
     match topology.nnodes {
         1 => host,
         _ => format!("node {} ({host})", topology.node_rank),

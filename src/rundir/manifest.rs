@@ -147,6 +147,15 @@ pub struct Manifest {
     /// What failures cost in wall time, once the run ended after one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub goodput: Option<super::goodput::Goodput>,
+    /// Each rank's host, by rank, where the ranks are not all `host`'s: recorded by rank 0 under
+    /// torchrun or srun.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
+}
+
+/// This machine's host name, as the manifest records it.
+pub fn hostname() -> String {
+    nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
 impl Manifest {
@@ -168,7 +177,7 @@ impl Manifest {
             runner_version: env!("CARGO_PKG_VERSION").into(),
             git_commit,
             libtorch_version: env!("RUNNER_LIBTORCH_VERSION").into(),
-            host: nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default(),
+            host: hostname(),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             world_size,
             threads_per_rank,
@@ -183,6 +192,7 @@ impl Manifest {
             failures: Vec::new(),
             restarts: Vec::new(),
             goodput: None,
+            hosts: Vec::new(),
         }
     }
 

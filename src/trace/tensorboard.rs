@@ -25,7 +25,7 @@ impl EventWriter {
     pub fn create(run_dir: &Path) -> std::io::Result<EventWriter> {
         let dir = run_dir.join(crate::rundir::TENSORBOARD);
         std::fs::create_dir_all(&dir)?;
-        let host = nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
+        let host = crate::rundir::manifest::hostname();
         let name = format!("events.out.tfevents.{:010}.{host}.{}.0", now() as u64, std::process::id());
         let path = dir.join(name);
         let file = File::options().create_new(true).write(true).open(&path)?;

@@ -147,8 +147,12 @@ fn a_job_of_two_hosts_trains_as_one_host_does() {
     // Slurm placed it on two hosts, named as a host list; node 0's launcher found the first.
     let nodes = h.job(&id, "NodeList");
     assert!(nodes.starts_with("node[") && nodes.contains('-'), "two hosts, as a range: {nodes}");
-    let manifest = std::fs::read_to_string(run.join("manifest.json")).unwrap();
-    assert!(manifest.contains("\"host\": \"node"), "rank 0 ran on a cluster host: {manifest}");
+    // The manifest records each rank's host: two ranks on each of the job's two hosts.
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("manifest.json")).unwrap()).unwrap();
+    let hosts: Vec<&str> = manifest["hosts"].as_array().unwrap().iter().map(|h| h.as_str().unwrap()).collect();
+    let expanded = runner::launch::slurm::expand_nodelist(&nodes).unwrap();
+    assert_eq!(hosts, [&expanded[0], &expanded[0], &expanded[1], &expanded[1]], "{manifest}");
     assert_eq!(
         std::fs::read(run.join("model.safetensors")).unwrap(),
         uninterrupted(dir.path(), "local", 2),
