@@ -58,6 +58,11 @@ fn join_key(round: usize, node: usize) -> String {
     format!("runner/elastic/{round}/join/{node}")
 }
 
+/// How many nodes read a round's refusal (node 0 waits for them before its store ends).
+fn refused_key(round: usize) -> String {
+    format!("runner/elastic/{round}/refused-read")
+}
+
 fn verdict_key(round: usize) -> String {
     format!("runner/elastic/{round}/verdict")
 }
@@ -235,7 +240,10 @@ impl<'a> Host<'a> {
         self.publish(round, &Verdict::Refuse { why: why.clone() })?;
         self.refused = true;
         // The store ends with this process: it stays until every other node has read the verdict.
-        std::thread::sleep(Duration::from_secs(1));
+        let deadline = Instant::now() + self.store.timeout();
+        while self.store.add(&refused_key(round), 0)? < members.len() as i64 - 1 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         Err(ConfigError::new(why).into())
     }
 
@@ -357,7 +365,10 @@ pub fn follow(plan: &Plan, me: usize, master: (&str, u16), nodes: Nodes, run_dir
                 crate::say_err!("node {me}: {why}");
                 return Ok(if complete { 0 } else { 1 });
             }
-            Verdict::Refuse { why } => return Err(ConfigError::new(format!("node {me}: {why}")).into()),
+            Verdict::Refuse { why } => {
+                store.add(&refused_key(round), 1)?;
+                return Err(ConfigError::new(format!("node {me}: {why}")).into());
+            }
             Verdict::Go { members, plan, file, resume } => (members, plan, file, resume),
         };
         let Some(index) = members.iter().position(|&n| n == me) else { continue };
