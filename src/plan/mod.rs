@@ -407,12 +407,25 @@ impl Plan {
         (self.threads_per_rank / self.thread_replicas()).max(1)
     }
 
+    /// Whose dropout masks `rank` draws: its own, but under tensor parallelism those of its data
+    /// index (every rank of a tensor group drops the same values of the activations they share,
+    /// the masks DDP's rank of that index draws).
+    pub fn dropout_rank(&self, rank: usize) -> usize {
+        let mesh = self.mesh();
+        if mesh.tensor > 1 {
+            mesh.coords(rank).data
+        } else {
+            rank
+        }
+    }
+
     /// Which shard of the data `rank` walks: its own, or its pipeline's.
     pub fn replica(&self, rank: usize) -> usize {
         if self.is_pipeline() {
             rank / self.pipeline_ranks()
         } else {
-            rank
+            // The ranks of a tensor group hold one copy between them.
+            self.mesh().coords(rank).data
         }
     }
 

@@ -13,12 +13,13 @@ use crate::config::schema::WrapStrategy;
 use crate::dist::{ProcessGroup, Sharded};
 use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::Optimizer;
+use crate::model::tensor_group::TensorGroup;
 use crate::model::InitWeights;
 use crate::model::{Architecture, BuildContext};
 use crate::plan::Plan;
 use crate::strategy::fsdp::{Fsdp, ShardedModel};
 use crate::strategy::threads::ThreadReplicas;
-use crate::strategy::Strategy;
+use crate::strategy::{MeshGroups, Strategy};
 
 pub struct Wrapped<'pg> {
     pub vs: nn::VarStore,
@@ -33,6 +34,7 @@ pub struct Wrapped<'pg> {
 pub fn wrap<'pg>(
     plan: &Plan,
     pg: &'pg ProcessGroup,
+    groups: &'pg MeshGroups,
     device: tch::Device,
     buckets: Option<&[Vec<usize>]>,
 ) -> anyhow::Result<Wrapped<'pg>> {
@@ -43,7 +45,8 @@ pub fn wrap<'pg>(
     // With wrap.sync_batchnorm under DDP or FSDP, batch norm's statistics cover the data-parallel
     // group: every rank of the job. The step reports a failed collective.
     let batch_norm = plan.syncs_batch_norm().then(|| StatsGroup::new(pg));
-    let ctx = BuildContext { seed: c.run.seed, batch_norm: batch_norm.clone() };
+    let tensor = groups.tensor().map(TensorGroup::new);
+    let ctx = BuildContext { seed: c.run.seed, batch_norm, tensor };
     if c.wrap.strategy == WrapStrategy::Fsdp {
         return wrap_sharded(plan, pg, vs, arch.as_ref(), &ctx);
     }
@@ -51,7 +54,10 @@ pub fn wrap<'pg>(
     if let Some(path) = &plan.init_weights {
         // The file holds the whole model; a pipeline stage takes its own layers from it, one
         // tensor at a time.
-        crate::model::load_init(path, &c.wrap.model, &vs)?;
+        match &ctx.tensor {
+            Some(group) => load_init_slices(path, plan, arch.as_ref(), &vs, group)?,
+            None => crate::model::load_init(path, &c.wrap.model, &vs)?,
+        }
     }
     let params = crate::model::parameters_in_module_order(arch.as_ref(), layers.clone(), &vs);
     let vars = vs.variables();
@@ -63,9 +69,41 @@ pub fn wrap<'pg>(
             ThreadReplicas::new(arch.as_ref(), layers, &params, replicas, plan.threads_per_replica(), task, precision)
         })
         .transpose()?;
-    let strategy = Strategy::new(plan, pg, device, &params, &buffers, buckets, batch_norm, threads)?;
+    let strategy = Strategy::new(plan, pg, groups, device, &params, &buffers, buckets, &ctx, threads)?;
     let optimizer = Optimizer::new(&c.train, crate::model::named_trainable(&vs));
     Ok(Wrapped { vs, model, strategy, optimizer })
+}
+
+/// `wrap.init` under tensor parallelism: each rank reads its slice of every split parameter (the
+/// rows it holds, where it holds rows; a column slice is cut from the whole) and the rest whole.
+fn load_init_slices(
+    path: &std::path::Path,
+    plan: &Plan,
+    arch: &dyn Architecture,
+    vs: &nn::VarStore,
+    group: &TensorGroup,
+) -> anyhow::Result<()> {
+    let mut file = InitWeights::open(path, &plan.config.wrap.model)?;
+    let shapes: std::collections::HashMap<String, Vec<i64>> =
+        crate::model::sorted_parameters(arch).into_iter().collect();
+    for (name, mut var) in vs.variables() {
+        let values = match arch.tensor_slice(&name, group.rank(), group.size()) {
+            None => file.whole(&name, &var)?,
+            Some(slice) => {
+                let like = Tensor::empty(shapes[&name].as_slice(), (var.kind(), tch::Device::Cpu));
+                if slice.dim == 0 {
+                    let rows: anyhow::Result<Vec<Tensor>> =
+                        slice.ranges.iter().map(|r| file.rows(&name, r.clone(), &like)).collect();
+                    Tensor::cat(&rows?, 0)
+                } else {
+                    slice.cut(&file.whole(&name, &like)?)
+                }
+            }
+        };
+        tch::no_grad(|| var.f_copy_(&values))
+            .map_err(|e| anyhow::anyhow!("`{name}`: {}", crate::checked::torch_message(&e)))?;
+    }
+    Ok(())
 }
 
 /// Under FSDP no rank ever holds the whole model: each layer is built (its weights drawn from its
