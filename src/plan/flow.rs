@@ -369,7 +369,7 @@ impl Plan {
         let arch = self.model();
         let layers = arch.layers();
         let units = crate::model::shard_units(arch.as_ref());
-        let shapes = super::memory::Shapes::of(arch.as_ref());
+        let shapes = super::memory::Shapes::of(arch.as_ref(), 1);
         let w = self.world_size() as i64;
         let mut unit = 0;
         let mut rows = Vec::new();

@@ -141,7 +141,7 @@ impl Plan {
         let arch = model.arch;
         let layer_parameters = arch.as_ref().map(|a| crate::model::layer_parameters(a.as_ref())).unwrap_or_default();
         let planner = arch.as_ref().map(|a| memory::Planner {
-            shapes: memory::Shapes::of(a.as_ref()),
+            shapes: memory::Shapes::of(a.as_ref(), mesh::Shape::of(&c).tensor),
             layer_parameters: &layer_parameters,
             slots: memory::optimizer_slots(&c),
             // A stage split the model refuses (a tied head away from its embedding) is none.

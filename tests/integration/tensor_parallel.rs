@@ -107,6 +107,19 @@ fn gpt2_and_llama_split_over_2_tensor_ranks_train_as_one_process_dropout_include
             "{stdout}"
         );
         crate::common::assert_close_runs(&dir.path().join(&split), &dir.path().join(&one), 1e-5);
+        // Each rank holds half of every split matrix, and the norms, embeddings and head whole.
+        let model = tch::Tensor::read_safetensors(dir.path().join(&one).join("model.safetensors")).unwrap();
+        let split_part = |n: &str| ["qkv.", "proj.weight", "fc.", "out.weight"].iter().any(|p| n.contains(p));
+        let bytes = |keep: &dyn Fn(&str) -> bool| -> f64 {
+            model.iter().filter(|(n, _)| keep(n)).map(|(_, t)| 4.0 * t.numel() as f64).sum()
+        };
+        let want = bytes(&|n: &str| !split_part(n)) + bytes(&|n: &str| split_part(n)) / 2.0;
+        let df = crate::common::trace(&dir.path().join(&split));
+        let held: Vec<u64> = df.column("param_bytes").unwrap().u64().unwrap().into_no_null_iter().collect();
+        assert!(
+            held.iter().all(|&b| b as f64 == want),
+            "{name}: the ranks hold {held:?} bytes of parameters, not {want}"
+        );
     }
 }
 
