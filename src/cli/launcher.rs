@@ -6,11 +6,14 @@
 use std::path::Path;
 
 use crate::checkpoint;
+use crate::launch::agree;
 use crate::launch::elastic::{self, Nodes};
+use crate::launch::nodes;
 use crate::launch::restart::{self, Supervised};
 use crate::launch::slurm;
 use crate::launch::spawn::{self, Topology};
 use crate::plan::Plan;
+use crate::rundir::lock::RunLock;
 use crate::rundir::manifest::{Manifest, Status};
 
 use super::resume::resumed_plan;
@@ -46,8 +49,21 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
         Ok(Some(earlier)) if claim.resume && earlier.status == Status::Preempted => manifest.carry_history(&earlier),
         _ => {}
     }
+    // Over several nodes of a fixed size, the nodes meet before any of them takes a directory:
+    // node 0 owns the run directory ([`nodes`]).
+    let mut met = None;
+    if topology.nnodes > 1 && !rounds {
+        let timeout = std::time::Duration::from_secs_f64(plan.config.run.timeout_s);
+        match spawn::rendezvous(topology, plan.world_size(), timeout) {
+            Ok(joined) => met = Some(joined),
+            Err(e) => return before_any_rank(e),
+        }
+    }
     // A fresh run's files are written here; a resume's once its ranks accepted it.
-    let _lock = prepare_run_dir(plan, run_dir, &manifest, claim)?;
+    let _lock = match take_run_dir(plan, topology, run_dir, &manifest, claim, &mut met)? {
+        Taken::Lock(lock) => lock,
+        Taken::Followed(code) => return Ok(code),
+    };
     let resumed = |plan: &Plan| -> anyhow::Result<Option<(Plan, usize)>> {
         let Some(found) = checkpoint::newest_unread(run_dir, plan).map_err(anyhow::Error::msg)? else {
             return Ok(None);
@@ -80,7 +96,7 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
         }
         (supervised, committed)
     } else {
-        let mut local = restart::Local { run_dir, topology };
+        let mut local = restart::Local { run_dir, topology, met };
         let mut attempts =
             restart::Attempts { run_dir, topology, resumed: &resumed, attempt: &mut local, committed: !claim.resume };
         (restart::supervise(plan.clone(), claim.resume, &mut manifest, &mut attempts), attempts.committed)
@@ -98,6 +114,60 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
             Err(e)
         }
     }
+}
+
+/// How this node's launcher took its run directory.
+enum Taken {
+    /// It owns it (node 0's, or this node's own): the lock it holds.
+    Lock(RunLock),
+    /// Node 0 owns it, and this node ran its ranks there: the exit code.
+    Followed(u8),
+}
+
+/// Takes the run directory ([`prepare_run_dir`]). Over the nodes of a fixed-size run (`met`: the
+/// nodes met already), node 0 says whether it took it; another node runs its ranks in node 0's
+/// directory when its `--out` is that one ([`nodes::follow`]), and otherwise takes its own. A
+/// node refused its directory refuses the run on every node.
+fn take_run_dir(
+    plan: &Plan,
+    topology: &Topology,
+    run_dir: &Path,
+    manifest: &Manifest,
+    claim: Claim,
+    met: &mut Option<spawn::Met>,
+) -> anyhow::Result<Taken> {
+    let Some(m) = met.as_ref() else { return Ok(Taken::Lock(prepare_run_dir(plan, run_dir, manifest, claim)?)) };
+    let me = topology.node_rank;
+    if me == 0 {
+        return match prepare_run_dir(plan, run_dir, manifest, claim) {
+            Ok(lock) => {
+                let file = restart::pending_plan_file(run_dir, claim.resume);
+                nodes::took(m, lock.token(), &file, claim.resume)?;
+                Ok(Taken::Lock(lock))
+            }
+            Err(e) => {
+                nodes::refused(m, &format!("{e:#}"), topology.nnodes);
+                Err(e)
+            }
+        };
+    }
+    match nodes::role(m, run_dir, me)? {
+        nodes::Role::Shared(taken) => {
+            let met = met.take().expect("met above");
+            Ok(Taken::Followed(nodes::follow(plan, topology, met, run_dir, &taken)?))
+        }
+        nodes::Role::Own => prepare_run_dir(plan, run_dir, manifest, claim).map(Taken::Lock).inspect_err(|e| {
+            agree::refuse(&m.store, agree::Parties { label: "node", me, count: topology.nnodes }, &format!("{e:#}"))
+        }),
+    }
+}
+
+/// A rendezvous that ended before any directory was taken: by a signal (said, with its exit
+/// code), or with the error.
+fn before_any_rank(e: anyhow::Error) -> anyhow::Result<u8> {
+    let Some(i) = crate::signals::interruption() else { return Err(e) };
+    crate::say_err!("\ninterrupted by {} before any rank started: nothing was written", crate::signals::name(i.signal));
+    Ok(128 + i.signal as u8)
 }
 
 /// What a run says before its ranks start: the plan (with its run id), its notes and where it
