@@ -60,7 +60,7 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
         }
     }
     // A fresh run's files are written here; a resume's once its ranks accepted it.
-    let _lock = match take_run_dir(plan, topology, run_dir, &manifest, claim, &mut met)? {
+    let lock = match take_run_dir(plan, topology, run_dir, &manifest, claim, &mut met)? {
         Taken::Lock(lock) => lock,
         Taken::Followed(code) => return Ok(code),
     };
@@ -84,7 +84,7 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
     };
     let (supervised, committed) = if rounds {
         let (addr, port) = topology.master.clone().expect("several nodes have a master");
-        let mut host = elastic::Host::serve(plan, &addr, port, nodes, run_dir, &at_size)?;
+        let mut host = elastic::Host::serve(plan, (&addr, port), nodes, run_dir, lock.token(), &at_size)?;
         let mut attempts =
             restart::Attempts { run_dir, topology, resumed: &resumed, attempt: &mut host, committed: !claim.resume };
         let supervised = restart::supervise(plan.clone(), claim.resume, &mut manifest, &mut attempts);

@@ -141,3 +141,43 @@ fn a_node_whose_own_run_directory_holds_another_run_refuses_the_run_on_every_nod
     let other = std::fs::read_to_string(d.join("other/manifest.json")).unwrap();
     assert!(other.contains("\"status\": \"complete\""), "the other run is kept: {other}");
 }
+
+/// An elastic run needs one run directory every node sees (every rank reads the checkpoints): a
+/// node given another `--out` is refused with exit 2 before it joins a round, and node 0 goes on
+/// without it (it once joined, then failed with exit 1, and the round it joined failed too).
+#[test]
+fn a_node_of_an_elastic_run_with_another_run_directory_is_refused_before_it_joins() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "p.toml", TINY);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let node = |i: usize, out: &str| {
+        common::runner()
+            .args(["run", "p.toml", "--set", "run.world_size=4", "--set", "run.timeout_s=3", "--out", out])
+            .args([
+                "--nnodes",
+                "1:2",
+                "--node-rank",
+                &i.to_string(),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port,
+            ])
+            .current_dir(d)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = node(0, "a");
+    let b = node(1, "b").wait_with_output().unwrap();
+    let (_, err) = text(&b);
+    assert_eq!(b.status.code(), Some(2), "{err}");
+    assert!(err.contains("node 1: --out b is not node 0's run directory: an elastic or restarted run"), "{err}");
+    assert!(!err.contains("[rank"), "node 1 started ranks:\n{err}");
+    let a = a.wait_with_output().unwrap();
+    assert_ok(&a);
+    assert!(text(&a).1.contains("1 of 2 nodes: the run goes on at world size 2"), "{}", text(&a).1);
+    assert!(!d.join("b/manifest.json").exists(), "node 1 wrote nothing");
+}
