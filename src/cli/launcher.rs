@@ -156,9 +156,13 @@ fn take_run_dir(
             let met = met.take().expect("met above");
             Ok(Taken::Followed(nodes::follow(plan, topology, met, run_dir, &taken)?))
         }
-        nodes::Role::Own => prepare_run_dir(plan, run_dir, manifest, claim).map(Taken::Lock).inspect_err(|e| {
-            agree::refuse(&m.store, agree::Parties { label: "node", me, count: topology.nnodes }, &format!("{e:#}"))
-        }),
+        nodes::Role::Own => nodes::own_run_dir(plan, run_dir)
+            .and_then(|()| prepare_run_dir(plan, run_dir, manifest, claim))
+            .map(Taken::Lock)
+            .inspect_err(|e| {
+                let parties = agree::Parties { label: "node", me, count: topology.nnodes };
+                agree::refuse(&m.store, parties, &format!("{e:#}"))
+            }),
     }
 }
 

@@ -98,6 +98,25 @@ pub fn role(met: &Met, run_dir: &Path, me: usize) -> anyhow::Result<Role> {
     }
 }
 
+/// Another node whose `--out` is a directory of its own: refused, saying why, where the run writes
+/// checkpoints. Rank 0 writes each checkpoint's index beside the pieces every rank writes, and
+/// every rank reads them to resume: checkpoints need the one directory every node shares.
+pub fn own_run_dir(plan: &Plan, run_dir: &Path) -> anyhow::Result<()> {
+    let c = &plan.config.checkpoint;
+    let setting = match (c.every, c.every_steps) {
+        (_, Some(n)) => format!("checkpoint.every_steps = {n}"),
+        (0, None) => return Ok(()),
+        (n, None) => format!("checkpoint.every = {n}"),
+    };
+    Err(ConfigError::new(format!(
+        "--out {} is not node 0's run directory, and the run writes checkpoints ({setting}): every rank \
+         writes its pieces of a checkpoint into the directory where rank 0 writes its index, and reads them to \
+         resume; give every node node 0's --out on a file system they all share, or run without checkpoints",
+        run_dir.display()
+    ))
+    .into())
+}
+
 /// Another node whose `--out` is node 0's directory: runs its ranks there on node 0's plan file,
 /// writing nothing of the directory's own (node 0 records the run). Returns the exit code.
 pub fn follow(plan: &Plan, topology: &Topology, met: Met, run_dir: &Path, taken: &Taken) -> anyhow::Result<u8> {

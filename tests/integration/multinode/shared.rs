@@ -142,6 +142,46 @@ fn a_node_whose_own_run_directory_holds_another_run_refuses_the_run_on_every_nod
     assert!(other.contains("\"status\": \"complete\""), "the other run is kept: {other}");
 }
 
+/// Each node's own `--out` cannot hold a checkpoint (rank 0 writes its index beside every rank's
+/// pieces, and every rank reads them to resume): refused on every node before any rank starts,
+/// naming the setting (the run once trained its first epoch and failed writing the checkpoint).
+#[test]
+fn checkpoints_in_each_nodes_own_run_directory_are_refused_on_every_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "p.toml", TINY);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let node = |i: usize| {
+        common::runner()
+            .args(["run", "p.toml", "--set", "run.world_size=4", "--set", "checkpoint.every=1"])
+            .args(["--set", "wrap.strategy=\"fsdp\"", "--out", &format!("node{i}")])
+            .args([
+                "--nnodes",
+                "2",
+                "--node-rank",
+                &i.to_string(),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port,
+            ])
+            .current_dir(d)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (node(0), node(1));
+    for (i, o) in [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()].iter().enumerate() {
+        let (_, err) = text(o);
+        assert_eq!(o.status.code(), Some(2), "node {i}: {err}");
+        let why = "--out node1 is not node 0's run directory, and the run writes checkpoints (checkpoint.every = 1)";
+        assert!(err.contains(why), "node {i}: {err}");
+        assert!(!err.contains("[rank"), "node {i} started ranks:\n{err}");
+    }
+    assert!(!d.join("node1").exists(), "node 1 took no directory");
+}
+
 /// An elastic run needs one run directory every node sees (every rank reads the checkpoints): a
 /// node given another `--out` is refused with exit 2 before it joins a round, and node 0 goes on
 /// without it (it once joined, then failed with exit 1, and the round it joined failed too).
