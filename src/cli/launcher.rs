@@ -49,20 +49,10 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
         Ok(Some(earlier)) if claim.resume && earlier.status == Status::Preempted => manifest.carry_history(&earlier),
         _ => {}
     }
-    // Over several nodes of a fixed size, the nodes meet before any of them takes a directory:
-    // node 0 owns the run directory ([`nodes`]).
-    let mut met = None;
-    if topology.nnodes > 1 && !rounds {
-        let timeout = std::time::Duration::from_secs_f64(plan.config.run.timeout_s);
-        match spawn::rendezvous(topology, plan.world_size(), timeout) {
-            Ok(joined) => met = Some(joined),
-            Err(e) => return before_any_rank(e),
-        }
-    }
     // A fresh run's files are written here; a resume's once its ranks accepted it.
-    let lock = match take_run_dir(plan, topology, run_dir, &manifest, claim, &mut met)? {
-        Taken::Lock(lock) => lock,
-        Taken::Followed(code) => return Ok(code),
+    let (lock, met) = match take_run_dir(plan, topology, rounds, run_dir, &manifest, claim)? {
+        Taken::Lock(lock, met) => (lock, met),
+        Taken::Ended(code) => return Ok(code),
     };
     let resumed = |plan: &Plan| -> anyhow::Result<Option<(Plan, usize)>> {
         let Some(found) = checkpoint::newest_unread(run_dir, plan).map_err(anyhow::Error::msg)? else {
@@ -118,51 +108,59 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
 
 /// How this node's launcher took its run directory.
 enum Taken {
-    /// It owns it (node 0's, or this node's own): the lock it holds.
-    Lock(RunLock),
-    /// Node 0 owns it, and this node ran its ranks there: the exit code.
-    Followed(u8),
+    /// It owns it (node 0's, or this node's own): the lock it holds, and the store where it met
+    /// the other nodes of a fixed-size run.
+    Lock(RunLock, Option<spawn::Met>),
+    /// This node ended: its ranks ran in node 0's directory, or a signal came first. The exit code.
+    Ended(u8),
 }
 
-/// Takes the run directory ([`prepare_run_dir`]). Over the nodes of a fixed-size run (`met`: the
-/// nodes met already), node 0 says whether it took it; another node runs its ranks in node 0's
-/// directory when its `--out` is that one ([`nodes::follow`]), and otherwise takes its own. A
-/// node refused its directory refuses the run on every node.
+/// Takes the run directory ([`prepare_run_dir`]). Over the nodes of a fixed-size run (not in
+/// `rounds`), the nodes meet first: node 0 says whether it took its directory; another node runs
+/// its ranks in node 0's directory when its `--out` is that one ([`nodes::follow`]), and
+/// otherwise takes its own. A node refused its directory refuses the run on every node.
 fn take_run_dir(
     plan: &Plan,
     topology: &Topology,
+    rounds: bool,
     run_dir: &Path,
     manifest: &Manifest,
     claim: Claim,
-    met: &mut Option<spawn::Met>,
 ) -> anyhow::Result<Taken> {
-    let Some(m) = met.as_ref() else { return Ok(Taken::Lock(prepare_run_dir(plan, run_dir, manifest, claim)?)) };
+    if topology.nnodes == 1 || rounds {
+        return Ok(Taken::Lock(prepare_run_dir(plan, run_dir, manifest, claim)?, None));
+    }
+    let timeout = std::time::Duration::from_secs_f64(plan.config.run.timeout_s);
+    let met = match spawn::rendezvous(topology, plan.world_size(), timeout) {
+        Ok(met) => met,
+        Err(e) => return before_any_rank(e).map(Taken::Ended),
+    };
     let me = topology.node_rank;
     if me == 0 {
         return match prepare_run_dir(plan, run_dir, manifest, claim) {
             Ok(lock) => {
                 let file = restart::pending_plan_file(run_dir, claim.resume);
-                nodes::took(m, lock.token(), &file, claim.resume)?;
-                Ok(Taken::Lock(lock))
+                nodes::took(&met, lock.token(), &file, claim.resume)?;
+                Ok(Taken::Lock(lock, Some(met)))
             }
             Err(e) => {
-                nodes::refused(m, &format!("{e:#}"), topology.nnodes);
+                nodes::refused(&met, &format!("{e:#}"), topology.nnodes);
                 Err(e)
             }
         };
     }
-    match nodes::role(m, run_dir, me)? {
-        nodes::Role::Shared(taken) => {
-            let met = met.take().expect("met above");
-            Ok(Taken::Followed(nodes::follow(plan, topology, met, run_dir, &taken)?))
+    match nodes::role(&met, run_dir, me)? {
+        nodes::Role::Shared(taken) => Ok(Taken::Ended(nodes::follow(plan, topology, met, run_dir, &taken)?)),
+        nodes::Role::Own => {
+            match nodes::own_run_dir(plan, run_dir).and_then(|()| prepare_run_dir(plan, run_dir, manifest, claim)) {
+                Ok(lock) => Ok(Taken::Lock(lock, Some(met))),
+                Err(e) => {
+                    let parties = agree::Parties { label: "node", me, count: topology.nnodes };
+                    agree::refuse(&met.store, parties, &format!("{e:#}"));
+                    Err(e)
+                }
+            }
         }
-        nodes::Role::Own => nodes::own_run_dir(plan, run_dir)
-            .and_then(|()| prepare_run_dir(plan, run_dir, manifest, claim))
-            .map(Taken::Lock)
-            .inspect_err(|e| {
-                let parties = agree::Parties { label: "node", me, count: topology.nnodes };
-                agree::refuse(&m.store, parties, &format!("{e:#}"))
-            }),
     }
 }
 
