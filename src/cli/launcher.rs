@@ -1,8 +1,8 @@
-//! `runner run` as the launcher of this node's ranks: takes the run directory, runs the ranks
-//! (restarting them after a failure as `run.max_restarts` allows: [`restart`]; in rounds over
-//! the nodes of an elastic or restarted multi-node run: [`elastic`]), and records how the run
-//! ended. A resume takes the run directory only once every rank accepted its plan: one refused
-//! before leaves the directory as it was.
+//! `runner run` as the launcher of this node's ranks: takes the run directory (over several
+//! nodes, node 0 owns it: [`nodes`]), runs the ranks (restarting them after a failure as
+//! `run.max_restarts` allows: [`restart`]; in rounds over the nodes of an elastic or restarted
+//! multi-node run: [`elastic`]), and records how the run ended. A resume takes the run directory
+//! only once every rank accepted its plan: one refused before leaves the directory as it was.
 use std::path::Path;
 
 use crate::checkpoint;
@@ -149,7 +149,11 @@ fn take_run_dir(
             }
         };
     }
-    match nodes::role(&met, run_dir, me)? {
+    let role = match nodes::role(&met, run_dir, me) {
+        Ok(role) => role,
+        Err(e) => return before_any_rank(e).map(Taken::Ended),
+    };
+    match role {
         nodes::Role::Shared(taken) => Ok(Taken::Ended(nodes::follow(plan, topology, met, run_dir, &taken)?)),
         nodes::Role::Own => {
             match nodes::own_run_dir(plan, run_dir).and_then(|()| prepare_run_dir(plan, run_dir, manifest, claim)) {
