@@ -126,6 +126,10 @@ pub(super) fn note(c: &Config) -> String {
     }
     let holds = match c.wrap.strategy {
         WrapStrategy::Pipeline => "its stage's layers, whole",
+        WrapStrategy::Fsdp if shape.tensor > 1 => {
+            "1 / data of its tensor slice of every parameter (1 / tensor of each block's attention heads and MLP \
+             units; the embeddings, norms and head whole), each layer's slices gathered when used"
+        }
         WrapStrategy::Fsdp => "1 / data of every parameter, each layer gathered whole when used",
         _ if shape.tensor > 1 => match c.wrap.model {
             Model::Mlp(_) => "1 / tensor of each pair of layers (the first's outputs, the second's inputs); an unpaired last layer whole",
@@ -241,18 +245,12 @@ fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&str, String)
         );
     }
     // What is built: tensor parallelism within each copy of the model, DDP across the copies.
-    let with = match c.wrap.strategy {
-        WrapStrategy::Fsdp => Some("wrap.strategy = \"fsdp\" (sharding the data dimension)"),
-        WrapStrategy::Pipeline => Some("wrap.strategy = \"pipeline\""),
-        _ => None,
-    };
-    if let Some(with) = with {
+    if c.wrap.strategy == WrapStrategy::Pipeline {
         bad(
             "wrap.mesh.tensor",
-            format!(
-                "tensor parallelism with {with} is not built yet (docs/parallelism.md); use wrap.strategy = \"ddp\" \
-                 (data × tensor), or tensor = 1"
-            ),
+            "tensor parallelism with wrap.strategy = \"pipeline\" is not built yet (docs/parallelism.md); use \
+             wrap.strategy = \"ddp\" or \"fsdp\" (data × tensor), or tensor = 1"
+                .into(),
         );
     }
     if c.wrap.threads_per_replica.is_some() {

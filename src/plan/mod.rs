@@ -217,7 +217,9 @@ impl Plan {
         let state = match (&stages, &planner) {
             (Some(stages), Some(planner)) => {
                 let layout = memory::Layout::of(&c);
-                planner.state(layout, c.run.world_size, Some(stages)).map(|s| {
+                // FSDP shards each tensor rank's slices over the data dimension.
+                let sharded_over = c.run.world_size / mesh::Shape::of(&c).tensor.max(1);
+                planner.state(layout, sharded_over.max(1), Some(stages)).map(|s| {
                     let ddp = (layout != memory::Layout::Replica)
                         .then(|| planner.state(memory::Layout::Replica, c.run.world_size, None))
                         .flatten();

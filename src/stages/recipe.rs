@@ -43,10 +43,7 @@ pub fn clip_grad_norm(
     group: Option<crate::strategy::NormGroup>,
 ) -> anyhow::Result<f64> {
     let norm = tch::no_grad(|| -> anyhow::Result<f64> {
-        let share = |i: usize| match &group {
-            Some(g) if g.whole.get(i) == Some(&true) => 1.0 / g.pg.size() as f64,
-            _ => 1.0,
-        };
+        let share = |i: usize| group.as_ref().and_then(|g| g.weights.get(i).copied()).unwrap_or(1.0);
         let squares: Vec<Tensor> = params
             .iter()
             .enumerate()

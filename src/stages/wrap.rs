@@ -18,6 +18,7 @@ use crate::model::InitWeights;
 use crate::model::{Architecture, BuildContext};
 use crate::plan::Plan;
 use crate::strategy::fsdp::{Fsdp, ShardedModel};
+use crate::strategy::tensor::Slices;
 use crate::strategy::threads::ThreadReplicas;
 use crate::strategy::{MeshGroups, Strategy};
 
@@ -48,7 +49,7 @@ pub fn wrap<'pg>(
     let tensor = groups.tensor().map(TensorGroup::new);
     let ctx = BuildContext { seed: c.run.seed, batch_norm, tensor };
     if c.wrap.strategy == WrapStrategy::Fsdp {
-        return wrap_sharded(plan, pg, vs, arch.as_ref(), &ctx);
+        return wrap_sharded(plan, groups.data(pg), vs, arch.as_ref(), &ctx);
     }
     let model = arch.build(&vs.root(), layers.clone(), &ctx);
     if let Some(path) = &plan.init_weights {
@@ -111,7 +112,9 @@ fn load_init_slices(
 /// parameters' memory freed, before the next layer is built; so building peaks at the shards
 /// plus one unit. Each layer is a module of its own, built under the whole model's names (the
 /// sharding gathers each layer's parameters around that layer alone). `wrap.init` then gives
-/// each rank its rows of every parameter, read from the file (and the buffers whole).
+/// each rank its rows of every parameter, read from the file (and the buffers whole). Under
+/// tensor parallelism (FSDP × TP), each layer holds its tensor rank's slices, which are sharded
+/// over `pg`, the mesh's data group.
 fn wrap_sharded<'pg>(
     plan: &Plan,
     pg: &'pg ProcessGroup,
@@ -123,10 +126,13 @@ fn wrap_sharded<'pg>(
     let all = 0..arch.layers().len();
     let mut sharding = Sharded::new(pg, &crate::model::shard_units(arch), c.wrap.fsdp.reshard_after_forward)?;
     let mut layers: Vec<Box<dyn ModuleT + 'pg>> = Vec::new();
+    // The parameters' shapes as this rank built them (its slices under tensor parallelism).
+    let mut shapes = Vec::new();
     for l in all.clone() {
         layers.push(arch.build(&vs.root(), l..l + 1, ctx));
         // A layer with parameters is a unit (crate::model::shard_units), in the layers' order.
         let params = crate::model::parameters_in_module_order(arch, l..l + 1, &vs);
+        shapes.extend(params.iter().map(Tensor::size));
         if !params.is_empty() {
             sharding.add_unit(&params)?;
         }
@@ -142,13 +148,24 @@ fn wrap_sharded<'pg>(
             tch::no_grad(|| var.detach().copy_(&saved));
         }
     }
-    let (names, shapes): (Vec<String>, Vec<Vec<i64>>) = arch.parameters(all).into_iter().unzip();
+    let names: Vec<String> = arch.parameters(all).into_iter().map(|(name, _)| name).collect();
     let sharded = Arc::new(sharding);
     let model: Box<dyn ModuleT + 'pg> = Box::new(ShardedModel::new(layers, sharded.clone()));
     let held: Vec<Tensor> = buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
-    let mut strategy = Fsdp::new(plan, pg, sharded, names, shapes, &held, ctx.batch_norm.clone())?;
+    let tensor = ctx.tensor.clone().map(|g| {
+        let slices = Slices::new(arch, g.group());
+        (g, slices)
+    });
+    let strategy = Fsdp::new(plan, pg, sharded, names, shapes, &held, ctx.batch_norm.clone(), tensor)?;
     if let Some(file) = init.as_mut() {
-        strategy.load_rows(|name, rows, shard| file.rows(name, rows, shard))?;
+        let slices = strategy.slices().map(|tp| Slices::new(arch, tp.group()));
+        strategy.load_rows(|name, rows, shard| match slices.as_ref().filter(|tp| tp.is_split(name)) {
+            Some(tp) => {
+                let like = Tensor::empty(tp.whole_shape(name, &[]).as_slice(), (shard.kind(), tch::Device::Cpu));
+                Ok(tp.local(name, &file.whole(name, &like)?).narrow(0, rows.start, rows.end - rows.start))
+            }
+            None => file.rows(name, rows, shard),
+        })?;
     }
     // The optimizer steps on the shards alone.
     let optimizer = Optimizer::new(&c.train, strategy.shards());

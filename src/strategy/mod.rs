@@ -131,9 +131,10 @@ pub struct NormGroup<'a> {
     pub pg: &'a ProcessGroup,
     /// Copies of the model the ranks hold together: the sum of squares is divided by it.
     pub copies: usize,
-    /// Per parameter, whether every rank of `pg` holds it whole (tensor parallelism's replicated
-    /// norms and embeddings): its square counts once, not once per rank. Empty: none is.
-    pub whole: Vec<bool>,
+    /// Per parameter, the share of its square that counts: 1 / tensor for the parameters every
+    /// rank of a tensor group holds whole (its replicated norms and embeddings), counted once,
+    /// not once per tensor rank. Empty: 1 for every one.
+    pub weights: Vec<f64>,
 }
 
 /// What one training step measured on this rank.
@@ -259,15 +260,17 @@ impl<'pg> Strategy<'pg> {
     /// FSDP rank's shards, a tensor rank's slices (`None` for a replica, which holds them all).
     /// `names`: the optimizer's parameters.
     pub fn norm_group<'a>(&'a self, world: &'a ProcessGroup, names: &[String]) -> Option<NormGroup<'a>> {
-        let all = |copies| NormGroup { pg: world, copies, whole: Vec::new() };
+        let all = |copies| NormGroup { pg: world, copies, weights: Vec::new() };
+        let weights = |tp: &tensor::Slices| {
+            let share = 1.0 / tp.group().size() as f64;
+            names.iter().map(|n| if tp.is_split(n) { 1.0 } else { share }).collect()
+        };
         match self {
-            Strategy::Replica(r) => r.slices().map(|tp| NormGroup {
-                pg: tp.group(),
-                copies: 1,
-                whole: names.iter().map(|n| !tp.is_split(n)).collect(),
-            }),
+            Strategy::Replica(r) => r.slices().map(|tp| NormGroup { pg: tp.group(), copies: 1, weights: weights(tp) }),
             // Each rank holds other rows of every gradient: their squares add up, once each.
-            Strategy::Fsdp(_) => Some(all(1)),
+            Strategy::Fsdp(f) => {
+                Some(NormGroup { pg: world, copies: 1, weights: f.slices().map(weights).unwrap_or_default() })
+            }
             Strategy::Pipeline(stage) => Some(all(stage.copies())),
         }
     }
@@ -276,7 +279,8 @@ impl<'pg> Strategy<'pg> {
     fn slices(&self) -> Option<&tensor::Slices<'pg>> {
         match self {
             Strategy::Replica(r) => r.slices(),
-            _ => None,
+            Strategy::Fsdp(f) => f.slices(),
+            Strategy::Pipeline(_) => None,
         }
     }
 

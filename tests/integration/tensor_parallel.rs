@@ -124,18 +124,28 @@ fn gpt2_and_llama_split_over_2_tensor_ranks_train_as_one_process_dropout_include
 }
 
 #[test]
-fn data_times_tensor_at_4_ranks_equals_one_process_with_the_global_batch() {
+fn ddp_and_fsdp_times_tensor_at_4_ranks_equal_one_process_with_the_global_batch() {
     let dir = tempfile::tempdir().unwrap();
     crate::common::write(dir.path(), "p.toml", LM);
     train(dir.path(), "one", &[]);
     let mesh = ["--set", "run.world_size=4", "--set", "wrap.mesh.tensor=2", "--set", "train.batch_size=8"];
-    let stdout = train(dir.path(), "2x2", &mesh);
+    let stdout = train(dir.path(), "ddp", &mesh);
     assert!(stdout.contains("mesh: data 2 × tensor 2 × pipeline 1"), "{stdout}");
     assert!(
         stdout.contains("data groups (copies of the model, each on its own shard of the data): [0, 2] [1, 3]"),
         "{stdout}"
     );
-    crate::common::assert_close_runs(&dir.path().join("2x2"), &dir.path().join("one"), 1e-5);
+    crate::common::assert_close_runs(&dir.path().join("ddp"), &dir.path().join("one"), 1e-5);
+    // torchtitan's 2-D: each tensor rank's slices sharded over the data dimension; its
+    // checkpoint (whole tensors) resumes on one rank.
+    let fsdp = ["--set", "wrap.strategy=\"fsdp\"", "--set", "checkpoint.every=1"];
+    let stdout = train(dir.path(), "fsdp", &[&mesh[..], &fsdp].concat());
+    assert!(stdout.contains("each rank holds 1/2 of its tensor slice of every parameter"), "{stdout}");
+    crate::common::assert_close_runs(&dir.path().join("fsdp"), &dir.path().join("one"), 1e-5);
+    train(dir.path(), "cut", &[&mesh[..], &fsdp, &["--set", "train.epochs=1"]].concat());
+    let one = ["--set", "train.epochs=2", "--set", "run.world_size=1", "--set", "wrap.mesh.tensor=1"];
+    resume(dir.path(), "cut", &[&one[..], &["--set", "train.batch_size=16"]].concat());
+    crate::common::assert_close_runs(&dir.path().join("cut"), &dir.path().join("one"), 1e-5);
 }
 
 #[test]
