@@ -125,6 +125,10 @@ pub(super) fn note(c: &Config) -> String {
         }
     }
     let holds = match c.wrap.strategy {
+        WrapStrategy::Pipeline if shape.tensor > 1 => {
+            "its stage's layers: 1 / tensor of each block's attention heads and MLP units, the embeddings, norms \
+             and head whole"
+        }
         WrapStrategy::Pipeline => "its stage's layers, whole",
         WrapStrategy::Fsdp if shape.tensor > 1 => {
             "1 / data of its tensor slice of every parameter (1 / tensor of each block's attention heads and MLP \
@@ -245,14 +249,6 @@ fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&str, String)
         );
     }
     // What is built: tensor parallelism within each copy of the model, DDP across the copies.
-    if c.wrap.strategy == WrapStrategy::Pipeline {
-        bad(
-            "wrap.mesh.tensor",
-            "tensor parallelism with wrap.strategy = \"pipeline\" is not built yet (docs/parallelism.md); use \
-             wrap.strategy = \"ddp\" or \"fsdp\" (data × tensor), or tensor = 1"
-                .into(),
-        );
-    }
     if c.wrap.threads_per_replica.is_some() {
         bad(
             "wrap.threads_per_replica",

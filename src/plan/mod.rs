@@ -297,7 +297,9 @@ impl Plan {
         crate::rundir::manifest::Layout {
             world_size: self.world_size(),
             strategy: self.config.wrap.strategy,
-            ranks_per_copy: self.pipeline_ranks(),
+            // A copy of the model is a pipeline's stages, each split across the tensor ranks.
+            ranks_per_copy: self.world_size() / self.layout.world_size.max(1),
+            tensor: self.mesh().tensor,
         }
     }
 

@@ -110,10 +110,12 @@ impl MeshGroups {
             // A data group of one rank is built too: DDP then has no peer, as at world size 1.
             pg.subgroup(&format!("{dim:?}{}", members[0]).to_lowercase(), &members)
         };
-        Ok(MeshGroups {
-            data: Some(group(crate::plan::mesh::Dim::Data)?),
-            tensor: Some(group(crate::plan::mesh::Dim::Tensor)?),
-        })
+        // A pipeline averages each stage's gradients over its copies in a data group of its own.
+        let data = match plan.config.wrap.strategy {
+            WrapStrategy::Pipeline => None,
+            _ => Some(group(crate::plan::mesh::Dim::Data)?),
+        };
+        Ok(MeshGroups { data, tensor: Some(group(crate::plan::mesh::Dim::Tensor)?) })
     }
 
     /// The ranks that hold copies of this rank's part of the model: the data group, or `world`.
@@ -221,7 +223,7 @@ impl<'pg> Strategy<'pg> {
                 ctx,
                 threads,
             )?),
-            WrapStrategy::Pipeline => Strategy::Pipeline(pipeline::Stage::new(plan, pg, device)?),
+            WrapStrategy::Pipeline => Strategy::Pipeline(pipeline::Stage::new(plan, pg, device, ctx.tensor.clone())?),
             // The wrap stage builds a sharded model layer by layer (stages::wrap), and the plan
             // resolves "auto" to a strategy before any rank starts.
             WrapStrategy::Fsdp | WrapStrategy::Auto => {
@@ -260,7 +262,6 @@ impl<'pg> Strategy<'pg> {
     /// FSDP rank's shards, a tensor rank's slices (`None` for a replica, which holds them all).
     /// `names`: the optimizer's parameters.
     pub fn norm_group<'a>(&'a self, world: &'a ProcessGroup, names: &[String]) -> Option<NormGroup<'a>> {
-        let all = |copies| NormGroup { pg: world, copies, weights: Vec::new() };
         let weights = |tp: &tensor::Slices| {
             let share = 1.0 / tp.group().size() as f64;
             names.iter().map(|n| if tp.is_split(n) { 1.0 } else { share }).collect()
@@ -271,7 +272,11 @@ impl<'pg> Strategy<'pg> {
             Strategy::Fsdp(f) => {
                 Some(NormGroup { pg: world, copies: 1, weights: f.slices().map(weights).unwrap_or_default() })
             }
-            Strategy::Pipeline(stage) => Some(all(stage.copies())),
+            Strategy::Pipeline(stage) => Some(NormGroup {
+                pg: world,
+                copies: stage.copies(),
+                weights: stage.slices().map(weights).unwrap_or_default(),
+            }),
         }
     }
 
@@ -280,7 +285,7 @@ impl<'pg> Strategy<'pg> {
         match self {
             Strategy::Replica(r) => r.slices(),
             Strategy::Fsdp(f) => f.slices(),
-            Strategy::Pipeline(_) => None,
+            Strategy::Pipeline(stage) => stage.slices(),
         }
     }
 
@@ -334,6 +339,12 @@ impl<'pg> Strategy<'pg> {
             }
             Strategy::Replica(_) => pg.rank() == 0,
             Strategy::Fsdp(f) => return f.state_pieces(&buffers(plan, vs), optimizer),
+            // Each stage of the first copy (its first tensor rank, its slices gathered).
+            Strategy::Pipeline(stage) if stage.slices().is_some() => {
+                let pieces = whole_state(vs, optimizer, pg.rank() == 0, stage.slices())?;
+                let first = pg.rank() < plan.pipeline_ranks() && plan.mesh().coords(pg.rank()).tensor == 0;
+                return Ok(if first { pieces } else { Vec::new() });
+            }
             Strategy::Pipeline(_) => pg.rank() < plan.pipeline_ranks(),
         };
         Ok(if hands { whole_state(vs, optimizer, pg.rank() == 0, None)? } else { Vec::new() })
@@ -351,7 +362,7 @@ impl<'pg> Strategy<'pg> {
     ) -> anyhow::Result<()> {
         match self {
             Strategy::Replica(r) => load_whole(reader, vs, optimizer, r.slices()),
-            Strategy::Pipeline(_) => load_whole(reader, vs, optimizer, None),
+            Strategy::Pipeline(stage) => load_whole(reader, vs, optimizer, stage.slices()),
             Strategy::Fsdp(f) => f.load_state(reader, &buffers(plan, vs), optimizer),
         }
     }

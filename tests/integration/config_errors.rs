@@ -361,15 +361,6 @@ const CASES: &[Case] = &[
                    wrap.model.hidden = 15 evenly; the degrees that divide it: 1, 3, 5, 15",
     },
     Case {
-        name: "tensor parallelism in a pipeline, not built yet",
-        file: "",
-        args: &["--set", "wrap.mesh.tensor=2", "--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.mesh.pipeline=1"],
-        env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `wrap.mesh.tensor` (--set wrap.mesh.tensor=2): tensor parallelism with \
-                   wrap.strategy = \"pipeline\" is not built yet (docs/parallelism.md); use wrap.strategy = \"ddp\" or \
-                   \"fsdp\" (data × tensor), or tensor = 1",
-    },
-    Case {
         name: "a pipeline dimension without a pipeline",
         file: "",
         args: &["--set", "wrap.mesh.pipeline=2"],

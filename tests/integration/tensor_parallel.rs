@@ -186,3 +186,59 @@ fn a_checkpoint_saved_at_tensor_2_resumes_on_one_rank_and_one_rank_s_resumes_at_
     resume(dir.path(), "to-tp", &[&mesh[..], &batch].concat());
     crate::common::assert_close_runs(&dir.path().join("to-tp"), &dir.path().join("whole"), 1e-5);
 }
+
+#[test]
+fn pipeline_times_tensor_and_the_3d_mesh_at_8_ranks_equal_one_process_and_resume_on_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    crate::common::write(dir.path(), "p.toml", LM);
+    train(dir.path(), "one", &[]);
+    let pipeline = ["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.pipeline.micro_batches=2"];
+    let two_d = ["--set", "run.world_size=4", "--set", "wrap.mesh.tensor=2"];
+    let stdout = train(dir.path(), "pp-tp", &[&pipeline[..], &two_d].concat());
+    assert!(stdout.contains("mesh: data 1 × tensor 2 × pipeline 2"), "{stdout}");
+    assert!(
+        stdout.contains("pipeline groups (a pipeline's stages, activations sent between them): [0, 2] [1, 3]"),
+        "{stdout}"
+    );
+    crate::common::assert_close_runs(&dir.path().join("pp-tp"), &dir.path().join("one"), 1e-5);
+    // Data 2 × pipeline 2 × tensor 2: each copy takes half of the global batch.
+    let three_d = [
+        "--set",
+        "run.world_size=8",
+        "--set",
+        "wrap.mesh.tensor=2",
+        "--set",
+        "wrap.mesh.pipeline=2",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "checkpoint.every=1",
+    ];
+    let stdout = train(dir.path(), "3d", &[&pipeline[..], &three_d].concat());
+    assert!(
+        stdout.contains(
+            "data groups (copies of the model, each on its own shard of the data): [0, 4] [1, 5] [2, 6] [3, 7]"
+        ),
+        "{stdout}"
+    );
+    crate::common::assert_close_runs(&dir.path().join("3d"), &dir.path().join("one"), 1e-5);
+    train(dir.path(), "cut", &[&pipeline[..], &three_d, &["--set", "train.epochs=1"]].concat());
+    let one = [
+        "--set",
+        "train.epochs=2",
+        "--set",
+        "run.world_size=1",
+        "--set",
+        "wrap.strategy=\"ddp\"",
+        "--set",
+        "wrap.mesh.tensor=1",
+        "--set",
+        "wrap.mesh.pipeline=1",
+        "--set",
+        "wrap.pipeline.micro_batches=1",
+        "--set",
+        "train.batch_size=16",
+    ];
+    resume(dir.path(), "cut", &one);
+    crate::common::assert_close_runs(&dir.path().join("cut"), &dir.path().join("one"), 1e-5);
+}
