@@ -10,4 +10,5 @@ pub mod rank;
 pub mod restart;
 pub mod slurm;
 pub mod spawn;
+mod supervise;
 pub mod watchdog;

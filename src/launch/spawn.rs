@@ -12,15 +12,11 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
-use nix::sys::signal::{self, Signal};
-use nix::unistd::Pid;
+use std::time::Duration;
 
 use super::env::{AGENT_STORE, LAUNCHER_PID, STORE_PREFIX};
-use crate::dist::{record_exit, Store};
+use crate::dist::Store;
 use crate::plan::Plan;
-use crate::rundir::position;
 
 const STDERR_TAIL: usize = 12;
 
@@ -103,10 +99,10 @@ impl Failure {
     }
 }
 
-struct Rank {
-    child: Child,
-    status: Option<ExitStatus>,
-    tail: Arc<Mutex<VecDeque<String>>>,
+pub(super) struct Rank {
+    pub(super) child: Child,
+    pub(super) status: Option<ExitStatus>,
+    pub(super) tail: Arc<Mutex<VecDeque<String>>>,
 }
 
 /// Which part of the job this launcher runs: `nnodes` launchers (one per node) each start
@@ -200,23 +196,34 @@ pub fn start(
     meeting: &Meeting,
     run_dir: &Path,
     child_args: &[OsString],
-    mut commit: Option<Commit>,
+    commit: Option<Commit>,
     tick: &mut dyn FnMut(),
 ) -> anyhow::Result<Outcome> {
-    let mut committed = commit.is_none();
-    let preempt_signal = plan.config.run.preempt_signal.number();
-    // How a rank that was preempted exits.
-    let preempted_exit = Some(128 + preempt_signal);
-    let Meeting { store, first_rank, per_node, world, .. } = *meeting;
-    let (master_addr, port) = (&meeting.addr, meeting.port);
-    let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
     if let Some(i) = crate::signals::interruption() {
-        return Ok(Outcome::before_start(i, committed));
+        return Ok(Outcome::before_start(i, commit.is_none()));
     }
-    let exe = std::env::current_exe()?;
+    let (ranks, readers) = spawn_ranks(plan, meeting, child_args)?;
+    let mut watch = super::supervise::Supervisor::new(plan, meeting, run_dir, ranks, commit);
+    while !watch.turn(tick)? {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for reader in readers {
+        let _ = reader.join();
+    }
+    Ok(watch.outcome())
+}
 
-    let mut ranks = Vec::with_capacity(world);
-    let mut readers = Vec::with_capacity(world);
+/// This node's ranks, started with the torchrun variables, and the threads that forward each
+/// one's stderr (keeping its last lines).
+fn spawn_ranks(
+    plan: &Plan,
+    meeting: &Meeting,
+    child_args: &[OsString],
+) -> anyhow::Result<(Vec<Rank>, Vec<std::thread::JoinHandle<()>>)> {
+    let exe = std::env::current_exe()?;
+    let Meeting { first_rank, per_node, world, .. } = *meeting;
+    let mut ranks = Vec::with_capacity(per_node);
+    let mut readers = Vec::with_capacity(per_node);
     for local in 0..per_node {
         let r = first_rank + local;
         let mut command = Command::new(&exe);
@@ -226,8 +233,8 @@ pub fn start(
             .env("LOCAL_RANK", local.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_WORLD_SIZE", per_node.to_string())
-            .env("MASTER_ADDR", master_addr)
-            .env("MASTER_PORT", port.to_string())
+            .env("MASTER_ADDR", &meeting.addr)
+            .env("MASTER_PORT", meeting.port.to_string())
             .env(AGENT_STORE, "True")
             .env(LAUNCHER_PID, std::process::id().to_string())
             .env("OMP_NUM_THREADS", plan.threads_per_rank.to_string())
@@ -254,153 +261,7 @@ pub fn start(
         }));
         ranks.push(Rank { child, status: None, tail });
     }
-
-    let launched = Instant::now();
-    let mut training_after = None;
-    let abort_after = Duration::from_secs_f64(plan.config.run.abort_after_s);
-    // The first failure: its rank, how, when it was noticed and when it began (a stall: its start).
-    let mut first_failure: Option<(usize, String, Instant, Instant)> = None;
-    let mut interrupted: Option<(i32, Instant)> = None;
-    let mut killed = Vec::new();
-    let mut stopped_since: Vec<Option<Instant>> = vec![None; ranks.len()];
-    let mut stall_blamed = false;
-    let mut watchdog = super::watchdog::Watchdog::new(&plan.config.run, ranks.len());
-    let mut preempting = false;
-    loop {
-        tick();
-        if crate::signals::preempted() && !preempting && interrupted.is_none() {
-            preempting = true;
-            for rank in ranks.iter().filter(|r| r.status.is_none()) {
-                let _ = signal::kill(Pid::from_raw(rank.child.id() as i32), Signal::try_from(preempt_signal).ok());
-            }
-        }
-        if let (Some(sig), None) = (crate::signals::stop(), interrupted) {
-            interrupted = Some((sig, Instant::now()));
-            for rank in ranks.iter().filter(|r| r.status.is_none()) {
-                let _ = signal::kill(Pid::from_raw(rank.child.id() as i32), Signal::SIGTERM);
-            }
-        }
-        if let Some(write) = commit.as_mut().filter(|_| store.contains(super::rank::ACCEPTED).unwrap_or(false)) {
-            let said = write().err().map(|e| format!("cannot write the resumed run's files: {e:#}"));
-            committed = said.is_none();
-            // This node's place among the job's (in an elastic round, among the round's nodes).
-            let node = first_rank / per_node.max(1);
-            let _ = store.set(&super::rank::committed(node), said.unwrap_or_default().as_bytes());
-            commit = None;
-        }
-        for (local, rank) in ranks.iter_mut().enumerate() {
-            let r = first_rank + local;
-            if rank.status.is_some() {
-                continue;
-            }
-            if let Some(status) = rank.child.try_wait()? {
-                rank.status = Some(status);
-                // A rank exits so only once every rank agreed to stop after the same step and
-                // wrote its part of the checkpoint, whoever was sent the signal.
-                let preempted = status.code() == preempted_exit;
-                if !status.success() && !preempted && first_failure.is_none() && interrupted.is_none() {
-                    let how = describe(status);
-                    // Peers blocked on this rank name it in their errors.
-                    let _ = record_exit(store, r, &how);
-                    first_failure = Some((r, how, Instant::now(), Instant::now()));
-                }
-            }
-        }
-        if ranks.iter().all(|r| r.status.is_some()) {
-            break;
-        }
-        // A stopped rank (SIGSTOP, a debugger) stalls every collective: once it has been stopped
-        // for timeout_s, or when a peer fails meanwhile, it is the root cause and is killed.
-        for (local, rank) in ranks.iter().enumerate() {
-            let stopped = rank.status.is_none() && is_stopped(rank.child.id());
-            stopped_since[local] = if stopped { stopped_since[local].or(Some(Instant::now())) } else { None };
-        }
-        if interrupted.is_none() && !stall_blamed {
-            let stalled =
-                stopped_since.iter().enumerate().filter_map(|(l, s)| s.map(|s| (l, s))).min_by_key(|(_, s)| *s);
-            if let Some((local, since)) = stalled {
-                let r = first_rank + local;
-                let blame = match &first_failure {
-                    None => since.elapsed() >= timeout,
-                    Some((f, ..)) => *f != r,
-                };
-                if blame {
-                    let mut how = format!(
-                        "was stopped (SIGSTOP or a debugger) for {:.1} s and stalled the job",
-                        since.elapsed().as_secs_f64()
-                    );
-                    match &first_failure {
-                        Some((f, then, ..)) => how += &format!("; rank {f} then {then}"),
-                        // Peers blocked on this rank name it in their errors.
-                        None => drop(record_exit(store, r, &how)),
-                    }
-                    let at = first_failure.as_ref().map_or(Instant::now(), |f| f.2);
-                    first_failure = Some((r, how, at, since));
-                    stall_blamed = true;
-                    // A stopped rank cannot wind down: it goes now, and its peers' collectives
-                    // fail at once rather than at their own timeout.
-                    let rank = &mut ranks[local];
-                    let _ = rank.child.kill();
-                    rank.status = Some(rank.child.wait()?);
-                }
-            }
-        }
-        // A rank stuck in one training step (computation that never ends) fails the run.
-        if interrupted.is_none() && first_failure.is_none() {
-            let running: Vec<bool> = ranks.iter().map(|r| r.status.is_none()).collect();
-            if let Some((local, how, since)) = watchdog.stalled(run_dir, first_rank, &running) {
-                let r = first_rank + local;
-                // The step that never ends may be a stopped rank's, caught here a moment before
-                // the stop's own timeout: the stop is the cause.
-                let how = match stopped_since[local] {
-                    Some(s) => format!(
-                        "was stopped (SIGSTOP or a debugger) for {:.1} s and stalled the job",
-                        s.elapsed().as_secs_f64()
-                    ),
-                    None => how,
-                };
-                // Peers blocked on this rank name it in their errors.
-                let _ = record_exit(store, r, &how);
-                let rank = &mut ranks[local];
-                let _ = rank.child.kill();
-                rank.status = Some(rank.child.wait()?);
-                first_failure = Some((r, how, Instant::now(), since));
-            }
-            if training_after.is_none() && watchdog.all_training() {
-                training_after = Some(launched.elapsed());
-            }
-        }
-        let since = first_failure.as_ref().map(|f| f.2).or(interrupted.map(|i| i.1));
-        if since.is_some_and(|at| at.elapsed() >= abort_after) {
-            let cause = first_failure.as_ref().map(|f| f.0);
-            for (local, rank) in ranks.iter_mut().enumerate().filter(|(_, r)| r.status.is_none()) {
-                let _ = rank.child.kill();
-                rank.status = Some(rank.child.wait()?);
-                if cause != Some(first_rank + local) {
-                    killed.push((first_rank + local, position::read(run_dir, first_rank + local)));
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for reader in readers {
-        let _ = reader.join();
-    }
-    let ended = Instant::now();
-    let failure = first_failure.map(|(rank, how, _, began)| Failure {
-        rank,
-        how,
-        position: position::read(run_dir, rank),
-        steps_done: position::read_done(run_dir, rank),
-        detect: ended.saturating_duration_since(began),
-        stderr_tail: ranks[rank - first_rank].tail.lock().unwrap().iter().cloned().collect(),
-        killed,
-    });
-    position::remove_all(run_dir, first_rank..first_rank + per_node);
-    let preempted = failure.is_none()
-        && interrupted.is_none()
-        && ranks.iter().any(|r| r.status.and_then(|s| s.code()) == preempted_exit);
-    Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted, started: true, training_after, committed })
+    Ok((ranks, readers))
 }
 
 /// The job's store, with the address and port the ranks reach it at.
@@ -436,14 +297,14 @@ pub fn rendezvous(topology: &Topology, world: usize, timeout: Duration) -> anyho
 }
 
 /// Whether `pid` is stopped (state T) or traced (t).
-fn is_stopped(pid: u32) -> bool {
+pub(super) fn is_stopped(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
         .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with(['T', 't'])))
         .unwrap_or(false)
 }
 
-fn describe(status: ExitStatus) -> String {
+pub(super) fn describe(status: ExitStatus) -> String {
     match (status.code(), status.signal()) {
         (Some(code), _) => format!("exited with code {code}"),
         (None, Some(sig)) => {

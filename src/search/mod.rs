@@ -5,9 +5,11 @@
 //! results, so that it is the same whatever ran the trials and in whichever order they finished.
 //! `runner sweep` runs searches ([`crate::sweep::search`]); `runner report` rebuilds their tables
 //! from the traces with [`halving::decide`].
+pub mod budget;
 pub mod halving;
 pub mod math;
 pub mod space;
+pub mod spec;
 pub mod tpe;
 
 use crate::rng::Rng;

@@ -6,18 +6,15 @@ use std::path::Path;
 use polars::prelude::*;
 
 use super::execute;
+use super::execute::Runs;
 use super::grid::Point;
 use super::progress::SweepProgress;
-use super::Runs;
 use crate::config::Override;
 use crate::numerics::Numerics;
 use crate::rundir::manifest::{Manifest, Status};
 use crate::trace;
 
-/// Columns of trace.parquet that measure time (and the process's resident memory, which
-/// depends on the allocator's history): they differ from run to run by nature.
-pub const TIMING_COLUMNS: &[&str] =
-    &["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "tokens_per_s", "mfu", "peak_rss_bytes"];
+pub use crate::trace::TIMING_COLUMNS;
 
 /// Columns added to trace.parquet after traces were committed (the training recipe's, the memory
 /// columns): a stored trace without them is compared on the others; one that has them is

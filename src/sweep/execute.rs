@@ -5,35 +5,45 @@
 //! from it. SIGINT, SIGTERM or SIGHUP to the sweep are forwarded to the running point's launcher,
 //! which stops its ranks and marks the point `interrupted`; then the sweep stops.
 use std::ffi::OsString;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
 
 use super::grid::Point;
 use super::progress::SweepProgress;
-use super::Runs;
+pub use super::state::{is_complete, resumable, stop_signal};
 use crate::rundir::manifest::{Manifest, Status};
 
 pub const LOG: &str = crate::rundir::RUN_LOG;
 
-/// The signals that stop a sweep: forwarded to the running point, then the sweep ends.
-const STOP: &[i32] = &[signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM, signal_hook::consts::SIGHUP];
+/// How `runner sweep` runs.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The sweep directory; default `results/<experiment file stem>/`.
+    pub out: Option<PathBuf>,
+    pub fail_fast: bool,
+    pub force: bool,
+    pub check: bool,
+    pub launcher: Launcher,
+    /// `--tolerance`: the relative difference --check accepts in float values (None: bit for bit).
+    pub tolerance: Option<f64>,
+}
 
-/// The stop signal received so far (0: none); handlers are installed on first use.
-pub fn stop_signal() -> usize {
-    static FLAG: OnceLock<Arc<AtomicUsize>> = OnceLock::new();
-    FLAG.get_or_init(|| {
-        let flag = Arc::new(AtomicUsize::new(0));
-        for &sig in STOP {
-            let _ = signal_hook::flag::register_usize(sig, Arc::clone(&flag), sig as usize);
-        }
-        flag
-    })
-    .load(Ordering::SeqCst)
+/// Where the points run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Launcher {
+    /// One after another on this machine.
+    Local,
+    /// Each an sbatch job, side by side, with the experiment file's [slurm] resources.
+    Slurm,
+}
+
+/// Where the points of `experiment` run.
+pub enum Runs<'a> {
+    Local,
+    Slurm(&'a super::slurm::Resources),
 }
 
 /// A point stopped by a signal to the sweep (its launcher marked it `interrupted`).
@@ -126,19 +136,6 @@ pub fn run_points(
     Ok(outcome)
 }
 
-/// Whether `run_dir` holds a complete run of exactly this point's configuration; for a portable
-/// point, one computed with every kernel family pinned (a run of an older runner, which pinned
-/// MKL alone, has the same id but other bits, and runs again).
-pub fn is_complete(point: &Point, run_dir: &Path) -> bool {
-    let portable = point.plan.config.run.numerics == crate::config::schema::CpuNumerics::Portable;
-    Manifest::read(run_dir).is_ok_and(|m| {
-        m.status == Status::Complete
-            && m.run_id == point.plan.run_id
-            && run_dir.join(crate::rundir::TRACE).is_file()
-            && (!portable || m.numerics.as_ref().is_some_and(|n| n.is_portable()))
-    })
-}
-
 /// The signal, when `result` is a point stopped by one.
 fn stop_signal_of(result: &Result<(), String>) -> Option<i32> {
     let sig = stop_signal();
@@ -160,15 +157,6 @@ pub fn run_point(point: &Point, run_dir: &Path) -> Result<(), String> {
 
 fn log_of(run_dir: &Path) -> String {
     run_dir.join(LOG).display().to_string()
-}
-
-/// Whether the point in `run_dir` was stopped part-way (interrupted, or its launcher died) with
-/// a checkpoint of this configuration to resume from.
-pub fn resumable(point: &Point, run_dir: &Path) -> bool {
-    let stopped = Manifest::read(run_dir).is_ok_and(|m| {
-        matches!(m.status, Status::Interrupted | Status::Crashed | Status::Preempted) && m.run_id == point.plan.run_id
-    });
-    stopped && crate::checkpoint::newest_unread(run_dir, &point.plan).is_ok_and(|found| found.is_some())
 }
 
 /// Runs the point into `run_dir` (resuming it there when [`resumable`]) and waits for it,

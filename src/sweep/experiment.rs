@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::grid::{self, Point};
+use super::grid::{self, Axis, Point};
 use crate::config::extends::{normalize, FileKind, Layers};
 use crate::config::resolve::{flatten, parse_layers};
 use crate::config::{self, ConfigError, Override};
@@ -32,7 +32,7 @@ struct ExperimentFile {
     #[serde(default)]
     slurm: super::slurm::Resources,
     /// A search at every point of the grid.
-    search: Option<super::search::spec::SearchTable>,
+    search: Option<crate::search::spec::SearchTable>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
@@ -62,13 +62,6 @@ pub enum LrScaling {
     Linear,
 }
 
-/// One axis of the grid, in the order of the file.
-#[derive(Debug, Clone)]
-pub struct Axis {
-    pub key: String,
-    pub values: Vec<toml::Value>,
-}
-
 /// A checked experiment file.
 #[derive(Debug, Clone)]
 pub struct Experiment {
@@ -78,7 +71,7 @@ pub struct Experiment {
     pub axes: Vec<Axis>,
     pub scaling: Scaling,
     pub slurm: super::slurm::Resources,
-    pub search: Option<super::search::spec::Spec>,
+    pub search: Option<crate::search::spec::Spec>,
 }
 
 impl Experiment {
@@ -159,10 +152,10 @@ impl Experiment {
         let search = raw.search.as_ref().and_then(|table| {
             let taken: Vec<String> =
                 fixed.iter().map(|(k, _)| k.clone()).chain(axes.iter().map(|(_, a)| a.key.clone())).collect();
-            let spec = super::search::spec::Spec::check(table, &taken);
+            let spec = crate::search::spec::Spec::check(table, &taken);
             if let Ok(spec) = &spec {
                 for p in &spec.space.0 {
-                    if let Err(e) = super::search::bounds::check_values(&pipeline, p) {
+                    if let Err(e) = check_values(&pipeline, p) {
                         bad("search.space", &p.key, e);
                     }
                 }
@@ -302,6 +295,29 @@ fn leaves(table: &toml::Table) -> Vec<(String, toml::Value)> {
     let mut out = Vec::new();
     flatten("", &toml::Value::Table(table.clone()), &mut out);
     out
+}
+
+/// Where a value a search gives comes from, in a trial's config.toml.
+pub const SEARCH_LABEL: &str = "search [search.space]";
+
+/// The values of `param` a check tries, each with what it is ("a choice", "its low end").
+pub(super) fn bounds(param: &crate::search::Param) -> Vec<(toml::Value, &'static str)> {
+    use crate::search::Distribution::*;
+    let ends = |low: toml::Value, high: toml::Value| vec![(low, "its low end"), (high, "its high end")];
+    match &param.dist {
+        Uniform { low, high } | LogUniform { low, high } => ends((*low).into(), (*high).into()),
+        Int { low, high } | LogInt { low, high } => ends((*low).into(), (*high).into()),
+        Choice(values) => values.iter().map(|v| (v.clone(), "one of its choices")).collect(),
+    }
+}
+
+/// Whether every value `param` can take resolves against the pipeline (its key exists and takes
+/// values of that type). The first problem, as the resolver says it.
+pub fn check_values(pipeline: &Path, param: &crate::search::Param) -> Result<(), String> {
+    for (v, _) in bounds(param) {
+        crate::config::resolve(pipeline, &[labelled(SEARCH_LABEL, &param.key, &v)]).map_err(|e| e.message)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -2,10 +2,16 @@
 //! of a sweep directory that `runner report` reads.
 use std::path::Path;
 
-use super::experiment::Axis;
 use crate::config::Override;
 use crate::plan::Plan;
 use crate::rundir::index::{Index, IndexPoint};
+
+/// One axis of the grid, in the order of the file.
+#[derive(Debug, Clone)]
+pub struct Axis {
+    pub key: String,
+    pub values: Vec<toml::Value>,
+}
 
 /// One point of the grid: its axis values, validated plan and run directory (under the sweep's).
 #[derive(Debug, Clone)]

@@ -17,40 +17,14 @@ pub mod grid;
 pub mod progress;
 pub mod search;
 pub mod slurm;
+pub mod state;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::Context;
 
+pub use execute::{Launcher, Options, Runs};
 pub use experiment::Experiment;
-
-/// How `runner sweep` runs.
-#[derive(Debug, Clone)]
-pub struct Options {
-    /// The sweep directory; default `results/<experiment file stem>/`.
-    pub out: Option<PathBuf>,
-    pub fail_fast: bool,
-    pub force: bool,
-    pub check: bool,
-    pub launcher: Launcher,
-    /// `--tolerance`: the relative difference --check accepts in float values (None: bit for bit).
-    pub tolerance: Option<f64>,
-}
-
-/// Where the points run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Launcher {
-    /// One after another on this machine.
-    Local,
-    /// Each an sbatch job, side by side, with the experiment file's [slurm] resources.
-    Slurm,
-}
-
-/// Where the points of `experiment` run.
-pub enum Runs<'a> {
-    Local,
-    Slurm(&'a slurm::Resources),
-}
 
 /// The differences `--check` lists; the rest are counted.
 const SHOWN: usize = 20;
@@ -80,90 +54,122 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
     if let Some(search) = &search {
         crate::say!("at each point, {}", search::describe(search));
     }
-
     if opts.check {
-        // The index is written before any point runs: without it nothing was stored here.
-        let Ok(index) = crate::rundir::index::Index::read(&dir) else {
-            return Err(crate::config::ConfigError::new(format!(
-                "{} holds no sweep to check (no {}): run the sweep without --check first",
-                dir.display(),
-                crate::rundir::index::INDEX
-            ))
-            .into());
-        };
-        let index_file = dir.join(crate::rundir::index::INDEX);
-        let (stored, here) = check::apply_stored_numerics(index.numerics.as_ref(), &index_file, &points)?;
-        crate::say!("{}", check::first_line(stored.as_ref(), &here));
-        let other_cpu = check::other_cpu(stored.as_ref(), &here);
-        let stored = stored.map_or_else(|| "an unrecorded CPU".to_owned(), |s| s.to_string());
-        if let Some(why) = &other_cpu {
-            crate::say!("note: {why}; a bit-for-bit check may fail here");
-        }
-        let (found, what) = match &search {
-            None => (check::check(&points, &dir, &runs, opts.tolerance)?, format!("{} points", points.len())),
-            Some(search) => {
-                let (found, n) = search::check::check(&experiment, search, &points, &dir, &runs, opts.tolerance)?;
-                (found, format!("{n} trials"))
-            }
-        };
-        if let Some((n, largest)) = found.within {
-            crate::say!("{n} float values differ by at most {largest:e} (relative), within --tolerance");
-        }
-        if found.differences.is_empty() {
-            let how = if opts.tolerance.is_some() { "equal within the tolerance" } else { "identical" };
-            crate::say!("\n{what} reproduce {}: every non-timing value of every trace is {how}.", dir.display());
-            return Ok(0);
-        }
-        let n = found.differences.len();
-        crate::say_err!(
-            "\nerror: {n} {} between {} and a rerun:",
-            if n == 1 { "difference" } else { "differences" },
-            dir.display()
-        );
-        for d in found.differences.iter().take(SHOWN) {
-            crate::say_err!("  {d}");
-        }
-        if n > SHOWN {
-            crate::say_err!("  ... and {} more", n - SHOWN);
-        }
-        if found.reran == 0 {
-            crate::say_err!(
-                "no point was rerun: none has a stored run of its configuration (each line above says why)"
-            );
-            return Ok(1);
-        }
-        match other_cpu {
-            Some(why) => crate::say_err!(
-                "{why}. {}To check such a table elsewhere, give --tolerance REL (values within a relative \
-                 difference REL count as equal); to make tables that check bit for bit on any x86-64 CPU, set \
-                 run.numerics = \"portable\" in the experiment and run it again.",
-                match found.beyond {
-                    b if b > 0.0 => format!(
-                        "The largest relative difference is {b:.1e}: --tolerance {:.0e} accepts it. ",
-                        10f64.powf(b.log10().ceil())
-                    ),
-                    _ => String::new(),
-                }
-            ),
-            None => crate::say_err!(
-                "stored on {stored}, rerun on {here}; where the CPUs differ, --tolerance REL accepts values within a \
-                 relative difference REL"
-            ),
-        }
-        return Ok(1);
+        return check_stored(&experiment, search.as_ref(), &points, &dir, &runs, opts.tolerance);
     }
-
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create the sweep directory {}", dir.display()))?;
     // One sweep per directory at a time.
     let _lock = crate::rundir::lock::acquire(&dir).map_err(|e| crate::config::ConfigError::new(e.message(&dir)))?;
-    if let Some(search) = &search {
-        return search::sweep(&experiment, search, &points, &dir, opts, &runs);
+    match &search {
+        Some(search) => search::sweep(&experiment, search, &points, &dir, opts, &runs),
+        None => run_grid(file, &experiment, &points, &dir, opts, &runs),
     }
+}
+
+/// `--check`: reruns every point (every trial of a search) and compares the traces with the
+/// stored ones; 0 when they reproduce.
+fn check_stored(
+    experiment: &Experiment,
+    search: Option<&search::Search>,
+    points: &[grid::Point],
+    dir: &Path,
+    runs: &Runs,
+    tolerance: Option<f64>,
+) -> anyhow::Result<u8> {
+    // The index is written before any point runs: without it nothing was stored here.
+    let Ok(index) = crate::rundir::index::Index::read(dir) else {
+        return Err(crate::config::ConfigError::new(format!(
+            "{} holds no sweep to check (no {}): run the sweep without --check first",
+            dir.display(),
+            crate::rundir::index::INDEX
+        ))
+        .into());
+    };
+    let index_file = dir.join(crate::rundir::index::INDEX);
+    let (stored, here) = check::apply_stored_numerics(index.numerics.as_ref(), &index_file, points)?;
+    crate::say!("{}", check::first_line(stored.as_ref(), &here));
+    let other_cpu = check::other_cpu(stored.as_ref(), &here);
+    let stored = stored.map_or_else(|| "an unrecorded CPU".to_owned(), |s| s.to_string());
+    if let Some(why) = &other_cpu {
+        crate::say!("note: {why}; a bit-for-bit check may fail here");
+    }
+    let (found, what) = match search {
+        None => (check::check(points, dir, runs, tolerance)?, format!("{} points", points.len())),
+        Some(search) => {
+            let (found, n) = search::check::check(experiment, search, points, dir, runs, tolerance)?;
+            (found, format!("{n} trials"))
+        }
+    };
+    if let Some((n, largest)) = found.within {
+        crate::say!("{n} float values differ by at most {largest:e} (relative), within --tolerance");
+    }
+    if found.differences.is_empty() {
+        let how = if tolerance.is_some() { "equal within the tolerance" } else { "identical" };
+        crate::say!("\n{what} reproduce {}: every non-timing value of every trace is {how}.", dir.display());
+        return Ok(0);
+    }
+    report_differences(&found, dir, other_cpu, &stored, &here);
+    Ok(1)
+}
+
+/// What `--check` found different, and what would make the check pass.
+fn report_differences(
+    found: &check::Found,
+    dir: &Path,
+    other_cpu: Option<String>,
+    stored: &str,
+    here: &impl std::fmt::Display,
+) {
+    let n = found.differences.len();
+    crate::say_err!(
+        "\nerror: {n} {} between {} and a rerun:",
+        if n == 1 { "difference" } else { "differences" },
+        dir.display()
+    );
+    for d in found.differences.iter().take(SHOWN) {
+        crate::say_err!("  {d}");
+    }
+    if n > SHOWN {
+        crate::say_err!("  ... and {} more", n - SHOWN);
+    }
+    if found.reran == 0 {
+        crate::say_err!("no point was rerun: none has a stored run of its configuration (each line above says why)");
+        return;
+    }
+    match other_cpu {
+        Some(why) => crate::say_err!(
+            "{why}. {}To check such a table elsewhere, give --tolerance REL (values within a relative \
+             difference REL count as equal); to make tables that check bit for bit on any x86-64 CPU, set \
+             run.numerics = \"portable\" in the experiment and run it again.",
+            match found.beyond {
+                b if b > 0.0 => format!(
+                    "The largest relative difference is {b:.1e}: --tolerance {:.0e} accepts it. ",
+                    10f64.powf(b.log10().ceil())
+                ),
+                _ => String::new(),
+            }
+        ),
+        None => crate::say_err!(
+            "stored on {stored}, rerun on {here}; where the CPUs differ, --tolerance REL accepts values within a \
+             relative difference REL"
+        ),
+    }
+}
+
+/// Runs the grid's points that are not complete (all with `--force`), then writes the tables.
+fn run_grid(
+    file: &Path,
+    experiment: &Experiment,
+    points: &[grid::Point],
+    dir: &Path,
+    opts: &Options,
+    runs: &Runs,
+) -> anyhow::Result<u8> {
     // Written before any point runs (--check needs it); its numerics are this machine's only
     // where a point will run here.
     let runs_here = points.iter().any(|p| opts.force || !execute::is_complete(p, &dir.join(&p.dir)));
-    grid::index(file, &experiment.axes, &points).write(&dir, runs_here)?;
-    let outcome = execute::run_points(&points, &dir, opts.force, opts.fail_fast, &runs)?;
+    grid::index(file, &experiment.axes, points).write(dir, runs_here)?;
+    let outcome = execute::run_points(points, dir, opts.force, opts.fail_fast, runs)?;
     if let Some((sig, point)) = &outcome.stopped {
         match runs {
             Runs::Local => crate::say_err!(
@@ -185,7 +191,7 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
         outcome.skipped
     );
     if complete > 0 {
-        let table = crate::report::write(&dir)?;
+        let table = crate::report::write(dir)?;
         crate::say!("\n{table}");
     }
     for (point, why) in &outcome.failed {

@@ -22,9 +22,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::Deserialize;
 
-use super::execute;
 use super::grid::Point;
 use super::progress::SweepProgress;
+use super::state;
 use crate::rundir::manifest::Manifest;
 
 /// The script each point's job runs, in its run directory.
@@ -128,11 +128,11 @@ pub fn run_all(
     // Job id → (index, label, submitted at, last state shown).
     let mut live: BTreeMap<String, (usize, String, Instant, String)> = BTreeMap::new();
     for (i, (point, run_dir)) in jobs.iter().enumerate() {
-        if execute::stop_signal() != 0 {
+        if state::stop_signal() != 0 {
             break;
         }
         let label = point.dir.clone();
-        match submit(point, run_dir, resources, execute::resumable(point, run_dir)) {
+        match submit(point, run_dir, resources, state::resumable(point, run_dir)) {
             Ok(id) => {
                 progress.line(&format!("{label}: submitted as job {id}"));
                 live.insert(id, (i, label, Instant::now(), String::new()));
@@ -149,7 +149,7 @@ pub fn run_all(
         }
     }
     while !live.is_empty() {
-        let sig = execute::stop_signal();
+        let sig = state::stop_signal();
         if sig != 0 {
             cancel(live.keys());
             for (_, (_, label, _, _)) in std::mem::take(&mut live) {

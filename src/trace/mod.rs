@@ -1,6 +1,7 @@
 //! Traces: one row per rank per epoch (`trace.parquet`) and the phases of sampled training steps
 //! (`steps.parquet`), written atomically with polars; plus the terminal views of them, and what
 //! the trackers write and send (TensorBoard event files, MLflow's REST API).
+
 pub mod event;
 pub mod mlflow;
 pub mod progress;
@@ -10,6 +11,11 @@ pub mod view;
 use std::path::Path;
 
 use polars::prelude::*;
+
+/// Columns of trace.parquet that measure time (and the process's resident memory, which
+/// depends on the allocator's history): they differ from run to run by nature.
+pub const TIMING_COLUMNS: &[&str] =
+    &["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "tokens_per_s", "mfu", "peak_rss_bytes"];
 
 /// One rank's epoch. `global_*` are all-reduced over every rank (the same on each row).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]

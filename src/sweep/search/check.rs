@@ -10,8 +10,9 @@ use std::path::Path;
 use super::{drive, Search};
 use crate::rundir::index::Index;
 use crate::sweep::check::{compare_runs, Found};
+use crate::sweep::execute::Runs;
+use crate::sweep::experiment::Experiment;
 use crate::sweep::grid::Point;
-use crate::sweep::{Experiment, Runs};
 use crate::tensorfile::TensorFile;
 
 /// Every difference between the stored search in `sweep_dir` and a rerun, and how many trials

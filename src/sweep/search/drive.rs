@@ -13,8 +13,9 @@ use super::trial::Trial;
 use super::Search;
 use crate::search::halving::{self, Outcome};
 use crate::search::Observation;
+use crate::sweep::execute::{self, Runs};
+use crate::sweep::experiment::Experiment;
 use crate::sweep::grid::Point;
-use crate::sweep::{execute, Experiment, Runs};
 
 /// How the loop runs.
 #[derive(Debug, Clone, Copy)]

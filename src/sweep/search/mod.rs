@@ -11,20 +11,18 @@
 //! run again), and the same seed gives the same trials, promotions and table whatever the
 //! parallelism and the order in which trials finish.
 pub mod bounds;
-pub mod budget;
 pub mod check;
 pub mod drive;
 pub mod pool;
-pub mod spec;
 pub mod trial;
 
 use std::path::{Path, PathBuf};
 
-use budget::Unit;
-use spec::Spec;
+use crate::search::budget::Unit;
+use crate::search::spec::{self, Spec};
 
+use super::experiment::Experiment;
 use super::grid::Point;
-use super::Experiment;
 use crate::config::schema::{Config, ScheduleKind};
 use crate::config::ConfigError;
 use crate::report::search::At;
@@ -33,7 +31,7 @@ use crate::search::halving::Rule;
 use crate::search::Scheduler;
 
 /// The source config.toml names for a trial's searched values.
-pub const SEARCH_LABEL: &str = "search [search.space]";
+pub use super::experiment::SEARCH_LABEL;
 
 /// A search ready to run at the grid's points.
 #[derive(Debug, Clone)]
@@ -276,8 +274,8 @@ pub fn sweep(
     search: &Search,
     points: &[Point],
     dir: &Path,
-    opts: &super::Options,
-    runs: &super::Runs,
+    opts: &super::execute::Options,
+    runs: &super::execute::Runs,
 ) -> anyhow::Result<u8> {
     let mut write_index = |studies: &[drive::Study], ran: bool| -> anyhow::Result<()> {
         let trials: Vec<(&Point, &trial::Trial)> =

@@ -7,9 +7,10 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use crate::rundir::manifest::{Manifest, Status};
+use crate::sweep::execute::Runs;
 use crate::sweep::execute::{self, stop_signal};
 use crate::sweep::grid::Point;
-use crate::sweep::{slurm, Runs};
+use crate::sweep::slurm;
 
 /// One run of a trial to a rung.
 #[derive(Debug, Clone)]

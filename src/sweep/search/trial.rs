@@ -15,10 +15,10 @@ use crate::config::Override;
 use crate::plan::Plan;
 use crate::report::search::{trace_of, TrialTrace};
 use crate::rundir::manifest::{Manifest, Status};
+use crate::search::budget::Unit;
+use crate::sweep::experiment::Experiment;
 use crate::sweep::experiment::{labelled, AXIS_LABEL};
 use crate::sweep::grid::Point;
-use crate::sweep::search::budget::Unit;
-use crate::sweep::Experiment;
 
 #[derive(Debug, Clone)]
 pub struct Trial {

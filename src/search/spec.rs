@@ -95,7 +95,7 @@ pub fn metrics() -> Vec<&'static str> {
     crate::trace::EPOCH_COLUMNS
         .iter()
         .copied()
-        .filter(|c| !NOT_METRICS.contains(c) && !super::super::check::TIMING_COLUMNS.contains(c))
+        .filter(|c| !NOT_METRICS.contains(c) && !crate::trace::TIMING_COLUMNS.contains(c))
         .collect()
 }
 
@@ -256,7 +256,7 @@ fn distributions(prefix: &str, table: &toml::Table, out: &mut Vec<(String, toml:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sweep::search::budget::Unit;
+    use crate::search::budget::Unit;
 
     fn check(text: &str) -> Result<Spec, Vec<(String, String)>> {
         let raw: SearchTable = toml::from_str(text).unwrap();
