@@ -479,6 +479,22 @@ pub fn batches_beyond(b: usize, batch: usize, held: usize, unit: &str) -> Option
 
 #[cfg(test)]
 mod tests {
+    use tch::{Kind, Tensor};
+
+    #[test]
+    fn a_masked_language_model_counts_only_the_targets_that_are_not_ignored() {
+        let task = super::Task::LanguageModel { vocab: 5, masked: true };
+        let out = Tensor::randn([2, 3, 5], (Kind::Float, tch::Device::Cpu));
+        let y = Tensor::from_slice(&[1i64, -100, 3, -100, -100, 4]).view([2, 3]);
+        let each = |b: i64, t: i64| {
+            let logits = out.get(b).get(t).unsqueeze(0);
+            logits.cross_entropy_for_logits(&y.get(b).get(t).unsqueeze(0)).double_value(&[])
+        };
+        let got = Vec::<f32>::try_from(task.per_sample_loss(&out, &y)).unwrap();
+        assert!((got[0] as f64 - (each(0, 0) + each(0, 2)) / 2.0).abs() < 1e-6);
+        assert!((got[1] as f64 - each(1, 2)).abs() < 1e-6);
+    }
+
     #[test]
     fn macro_f1_averages_per_class_f1() {
         // class 0: tp 1, fn 1 → 2/3; class 1: tp 1, fp 1 → 2/3; class 2 absent.

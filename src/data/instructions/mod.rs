@@ -215,3 +215,22 @@ pub fn load(spec: &InstructionsSpec) -> Result<(Tensor, Tensor, Tensor, Tensor),
     let (vx, vy) = tensors(&validation, spec.seq_len);
     Ok((x, y, vx, vy))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_example_is_its_tokens_then_padding_and_only_its_counted_targets_count() {
+        let e = Encoded {
+            line: 1,
+            text: String::new(),
+            ids: vec![5, 6, 7, 8],
+            counted: vec![false, false, true, true],
+            cut: 0,
+        };
+        let (x, y) = tensors(&[e], 6);
+        assert_eq!(Vec::<i64>::try_from(x.view([-1])).unwrap(), [5, 6, 7, 0, 0, 0]);
+        assert_eq!(Vec::<i64>::try_from(y.view([-1])).unwrap(), [IGNORE, 7, 8, IGNORE, IGNORE, IGNORE]);
+    }
+}

@@ -122,42 +122,43 @@ fn environment(template: String) -> Result<Environment<'static>, Error> {
     Ok(env)
 }
 
-/// Python's `json.dumps(x, ensure_ascii=False)`: separators ", " and ": ", nothing escaped
-/// beyond JSON's own.
+/// Python's `json.dumps(x, ensure_ascii=False)`: separators ", " and ": ", a mapping's keys in
+/// their order, nothing escaped beyond JSON's own.
 fn tojson(value: Value) -> Result<Value, Error> {
-    let json = serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
     let mut out = String::new();
-    python_json(&json, &mut out);
+    python_json(&value, &mut out)?;
     Ok(Value::from_safe_string(out))
 }
 
-fn python_json(v: &serde_json::Value, out: &mut String) {
-    use serde_json::Value as J;
-    match v {
-        J::Array(items) => {
+fn python_json(v: &Value, out: &mut String) -> Result<(), Error> {
+    use minijinja::value::ValueKind;
+    let items = |v: &Value| v.try_iter().map(|i| i.collect::<Vec<Value>>());
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::String => out.push_str(&serde_json::Value::String(v.to_string()).to_string()),
+        ValueKind::Number => out.push_str(&v.to_string()),
+        ValueKind::Seq | ValueKind::Iterable => {
             out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                python_json(item, out);
+            for (i, item) in items(v)?.iter().enumerate() {
+                out.push_str(if i > 0 { ", " } else { "" });
+                python_json(item, out)?;
             }
             out.push(']');
         }
-        J::Object(map) => {
+        ValueKind::Map => {
             out.push('{');
-            for (i, (k, item)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                out.push_str(&J::String(k.clone()).to_string());
+            for (i, key) in items(v)?.iter().enumerate() {
+                out.push_str(if i > 0 { ", " } else { "" });
+                out.push_str(&serde_json::Value::String(key.to_string()).to_string());
                 out.push_str(": ");
-                python_json(item, out);
+                python_json(&v.get_item(key)?, out)?;
             }
             out.push('}');
         }
-        other => out.push_str(&other.to_string()),
+        other => return Err(Error::new(ErrorKind::InvalidOperation, format!("tojson cannot write a {other:?}"))),
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -191,7 +192,8 @@ mod tests {
     fn raise_exception_and_tojson_are_transformers_own() {
         let t = config("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok");
         assert_eq!(t.render(&[msg("system", "x")], false).unwrap_err(), "first must be user");
-        let t = config("{{ messages[0] | tojson }}");
-        assert_eq!(t.render(&[msg("user", "<é>")], false).unwrap(), r#"{"role": "user", "content": "<é>"}"#);
+        let t = config("{{ messages[0] | tojson }} {{ [1, 2.5, none, true] | tojson }}");
+        let want = r#"{"role": "user", "content": "<é>\n"} [1, 2.5, null, true]"#;
+        assert_eq!(t.render(&[msg("user", "<é>\n")], false).unwrap(), want);
     }
 }
