@@ -253,7 +253,8 @@ pub struct Load {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub labels: Option<PathBuf>,
     /// A separate validation file (instead of a split): the same columns (csv / parquet), the same
-    /// arrays (tensors), or a token file such as nanoGPT's `val.bin` (tokens, text).
+    /// arrays (tensors), a token file such as nanoGPT's `val.bin` (tokens, text), or a JSON Lines
+    /// file of examples (instructions).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub validation_path: Option<PathBuf>,
     /// Language models: how each step's windows are drawn. "epoch": DistributedSampler over fixed
