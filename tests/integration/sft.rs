@@ -71,14 +71,19 @@ fn setup(dir: &Path) {
 /// The examples `runner data` shows: (text, ids, counted) each.
 fn shown(out: &str) -> Vec<(String, Vec<u32>, Vec<bool>)> {
     let field = |line: &str, name: &str| line.trim_start().strip_prefix(name).map(|v| v.trim().to_owned());
+    // A text: the lines after "  │", each less one space, joined by newlines.
+    let framed = |lines: &[&str]| -> (String, usize) {
+        let body: Vec<&str> = lines.iter().take_while(|l| l.starts_with("  │")).map(|l| &l[5..]).collect();
+        (body.iter().map(|l| l.strip_prefix(' ').unwrap_or(l)).collect::<Vec<_>>().join("\n"), body.len())
+    };
     let mut examples = Vec::new();
     let lines: Vec<&str> = out.lines().collect();
     for (i, l) in lines.iter().enumerate().filter(|(_, l)| l.starts_with("example ")) {
-        let text: String = serde_json::from_str(&field(lines[i + 1], "text:").unwrap()).unwrap();
-        let ids = field(lines[i + 2], "ids:").unwrap().split(' ').map(|v| v.parse().unwrap()).collect();
-        let counted = field(lines[i + 3], "in the loss:").unwrap().chars().map(|c| c == '1').collect();
+        assert!(l.contains("data/train.jsonl:") && lines[i + 1] == "  text:", "{l}");
+        let (text, n) = framed(&lines[i + 2..]);
+        let ids = field(lines[i + 2 + n], "ids:").unwrap().split(' ').map(|v| v.parse().unwrap()).collect();
+        let counted = field(lines[i + 3 + n], "in the loss:").unwrap().chars().map(|c| c == '1').collect();
         examples.push((text, ids, counted));
-        assert!(l.contains("data/train.jsonl:"), "{l}");
     }
     examples
 }

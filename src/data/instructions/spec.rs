@@ -35,7 +35,8 @@ pub fn spec(c: &Config, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str,
     let encoder = match Encoder::open(&dir) {
         Ok(e) => e,
         Err(e) => {
-            let hint = if c.load.tokenizer.is_none() { " (load.tokenizer names its directory)" } else { "" };
+            let missing = c.load.tokenizer.is_none() && !dir.join(crate::tokenizer::TOKENIZER).exists();
+            let hint = if missing { " (load.tokenizer names its directory)" } else { "" };
             bad("load.tokenizer", format!("{e}{hint}"));
             return None;
         }

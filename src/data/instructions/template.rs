@@ -70,7 +70,7 @@ impl TokenizerConfig {
             }
         };
         let parsed = environment(template)
-            .map_err(|e| format!("{}: the chat template does not parse: {e:#}", config.path.display()))?;
+            .map_err(|e| format!("{}: the chat template does not parse: {e}", config.path.display()))?;
         config.env = Some(parsed);
         Ok(config)
     }
@@ -103,7 +103,8 @@ impl TokenizerConfig {
         let template = env.get_template(NAME).expect("added when read");
         template.render(ctx).map_err(|e| match e.detail() {
             Some(d) if e.kind() == ErrorKind::InvalidOperation => d.to_owned(),
-            _ => format!("{e:#}"),
+            // The message and the template's line; `{:#}` would add a page of debug information.
+            _ => e.to_string(),
         })
     }
 }
