@@ -28,31 +28,7 @@ pub fn spec(c: &Config, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str,
         bad("load.path", format!("{e} (paths are relative to the pipeline file)"));
         return None;
     }
-    let dir = match &c.load.tokenizer {
-        Some(dir) => base.join(dir),
-        None => path.parent().unwrap_or(Path::new(".")).to_owned(),
-    };
-    let encoder = match Encoder::open(&dir) {
-        Ok(e) => e,
-        Err(e) => {
-            let missing = c.load.tokenizer.is_none() && !dir.join(crate::tokenizer::TOKENIZER).exists();
-            let hint = if missing { " (load.tokenizer names its directory)" } else { "" };
-            bad("load.tokenizer", format!("{e}{hint}"));
-            return None;
-        }
-    };
-    if encoder.tokenizer.size() > t.vocab {
-        bad(
-            "wrap.model.vocab",
-            format!(
-                "{} is fewer than the {} token ids of {}: set wrap.model.vocab = {} or more",
-                t.vocab,
-                encoder.tokenizer.size(),
-                encoder.tokenizer.path().display(),
-                encoder.tokenizer.size()
-            ),
-        );
-    }
+    let (encoder, dir) = encoder(c, t, &path, base, bad)?;
     let read = |key: &str, p: &Path, bad: &mut dyn FnMut(&str, String)| {
         encoder.encode_file(p, t.seq_len, c.load.too_long).map_err(|e| bad(key, e)).ok()
     };
@@ -88,6 +64,43 @@ pub fn spec(c: &Config, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str,
         task: Task::LanguageModel { vocab: t.vocab, masked: true },
         source: SourceSpec::Instructions(spec),
     })
+}
+
+/// The tokenizer of `load.tokenizer` (default: the directory of the data file `path`), checked
+/// against the model's vocabulary; and its directory.
+fn encoder(
+    c: &Config,
+    t: &Transformer,
+    path: &Path,
+    base: &Path,
+    bad: &mut impl FnMut(&str, String),
+) -> Option<(Encoder, PathBuf)> {
+    let dir = match &c.load.tokenizer {
+        Some(dir) => base.join(dir),
+        None => path.parent().unwrap_or(Path::new(".")).to_owned(),
+    };
+    let encoder = match Encoder::open(&dir) {
+        Ok(e) => e,
+        Err(e) => {
+            let missing = c.load.tokenizer.is_none() && !dir.join(crate::tokenizer::TOKENIZER).exists();
+            let hint = if missing { " (load.tokenizer names its directory)" } else { "" };
+            bad("load.tokenizer", format!("{e}{hint}"));
+            return None;
+        }
+    };
+    if encoder.tokenizer.size() > t.vocab {
+        bad(
+            "wrap.model.vocab",
+            format!(
+                "{} is fewer than the {} token ids of {}: set wrap.model.vocab = {} or more",
+                t.vocab,
+                encoder.tokenizer.size(),
+                encoder.tokenizer.path().display(),
+                encoder.tokenizer.size()
+            ),
+        );
+    }
+    Some((encoder, dir))
 }
 
 type Read<'a> = dyn Fn(&str, &Path, &mut dyn FnMut(&str, String)) -> Option<Vec<Encoded>> + 'a;
