@@ -4,11 +4,13 @@ rendered by transformers' `tokenizer.apply_chat_template`, its labels masked as 
 
     python benches/reference/sft_twin.py render DATA_DIR FILE.jsonl
     python benches/reference/sft_twin.py loss MODEL_DIR DATA_DIR FILE.jsonl --examples 48 --seq-len 64
+    python benches/reference/sft_twin.py exported EXPORT_DIR DATA_DIR FILE.jsonl
 
 `render` prints, per example, the text, the token ids and whether each token's label counts.
 `loss` prints the loss of the first --examples examples (cut to seq-len + 1 tokens): per example,
 transformers' own `model(input_ids, labels=labels).loss` (the mean over its counted targets),
-then their mean, as the runner's first step computes it.
+then their mean, as the runner's first step computes it. `exported` counts the examples that a
+`runner export --hf` directory's tokenizer renders and tokenizes as the data's own tokenizer does.
 
 The collator was removed from TRL (0.20); its masking is written out below as TRL 0.19's
 `torch_call` does it: with an instruction template, every span from an instruction template to the
@@ -99,6 +101,15 @@ def loss(a):
     print(json.dumps({"losses": losses, "loss": sum(losses) / len(losses)}))
 
 
+def exported(a):
+    """The exported model directory's tokenizer renders and tokenizes every example as the data's."""
+    ours, theirs = AutoTokenizer.from_pretrained(a.export), AutoTokenizer.from_pretrained(a.data)
+    same = sum(encode(ours, e) == encode(theirs, e) for _, e in read(a.file))
+    config = json.load(open(os.path.join(a.export, "config.json")))
+    print(json.dumps({"same": same, "examples": len(read(a.file)),
+                      "eos": [config.get("eos_token_id"), ours.eos_token_id, theirs.eos_token_id]}))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -111,8 +122,12 @@ def main():
     s.add_argument("file")
     s.add_argument("--examples", type=int, required=True)
     s.add_argument("--seq-len", type=int, required=True)
+    e = sub.add_parser("exported")
+    e.add_argument("export")
+    e.add_argument("data")
+    e.add_argument("file")
     a = p.parse_args()
-    {"render": render, "loss": loss}[a.command](a)
+    {"render": render, "loss": loss, "exported": exported}[a.command](a)
 
 
 if __name__ == "__main__":

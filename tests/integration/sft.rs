@@ -3,7 +3,8 @@
 //! that `scripts/instructions.py` generates, every example renders byte for byte as
 //! `tokenizer.apply_chat_template` renders it, with the same ids and the same tokens in the loss
 //! as the completion-only collator's labels; a real run's first loss on a tiny Llama equals
-//! transformers' masked loss (`model(input_ids, labels=labels).loss` per example, averaged); and
+//! transformers' masked loss (`model(input_ids, labels=labels).loss` per example, averaged), and
+//! its `runner export --hf` tokenizes every example as the data's tokenizer does; and
 //! bad lines and templates are refused with the file and the line.
 use crate::common;
 
@@ -134,6 +135,13 @@ fn the_first_loss_is_transformers_masked_loss() {
     assert!((ours - theirs).abs() < 1e-5, "runner {ours}, transformers {theirs}");
     // Some examples were cut, and the plan said how many.
     assert!(text(&o).0.contains("cut to seq_len + 1 = 49 tokens"), "{}", text(&o).0);
+    // The exported model's tokenizer has the chat template and the special tokens of the data's.
+    assert_ok(&run(&["export", "results", "--hf", "hf"], dir.path()));
+    let args = ["exported", "hf", "data", "data/train.jsonl"];
+    let same: serde_json::Value =
+        serde_json::from_str(&python(dir.path(), "benches/reference/sft_twin.py", &args)).unwrap();
+    assert_eq!(same["same"], same["examples"], "{same}");
+    assert_eq!(same["eos"], serde_json::json!([4, 4, 4]), "{same}");
 }
 
 #[test]
