@@ -9,7 +9,9 @@ rendered by transformers' `tokenizer.apply_chat_template`, its labels masked as 
 `render` prints, per example, the text, the token ids and whether each token's label counts.
 `loss` prints the loss of the first --examples examples (cut to seq-len + 1 tokens): per example,
 transformers' own `model(input_ids, labels=labels).loss` (the mean over its counted targets),
-then their mean, as the runner's first step computes it. `exported` counts the examples that a
+then their mean, as the runner's first step computes it; with --packed, each example run alone
+through the model and a window's loss the mean over the counted targets of its examples (what
+packing with a block-diagonal mask and positions from 0 per example must give). `exported` counts the examples that a
 `runner export --hf` directory's tokenizer renders and tokenizes as the data's own tokenizer does.
 
 The collator was removed from TRL (0.20); its masking is written out below as TRL 0.19's
@@ -28,6 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 IGNORE = -100
@@ -90,14 +93,31 @@ def loss(a):
     tok = AutoTokenizer.from_pretrained(a.data)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     model.eval()
-    losses = []
+    sums = []  # per example: (the sum of its counted targets' losses, their count)
     for _, example in read(a.file)[:a.examples]:
         _, ids, counted = encode(tok, example)
         ids, counted = ids[:a.seq_len + 1], counted[:a.seq_len + 1]
-        labels = [i if c else IGNORE for i, c in zip(ids, counted)]
+        labels = torch.tensor([[i if c else IGNORE for i, c in zip(ids, counted)]])
         with torch.no_grad():
-            out = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]))
-        losses.append(out.loss.double().item())
+            out = model(input_ids=torch.tensor([ids]), labels=labels)
+            each = F.cross_entropy(out.logits[0, :-1], labels[0, 1:], ignore_index=IGNORE, reduction="sum")
+        n = int((labels[0, 1:] != IGNORE).sum())
+        assert abs(each.item() / n - out.loss.item()) < 1e-6, "transformers' loss is the mean over counted targets"
+        sums.append((each.double().item(), n, len(ids) - 1))
+    if a.packed:
+        # The runner's windows: examples in order, a new window when the next does not fit; a
+        # window's loss is the mean over all its counted targets.
+        windows, used = [], a.seq_len
+        for s, n, width in sums:
+            if used + width > a.seq_len:
+                windows.append([0.0, 0])
+                used = 0
+            windows[-1][0] += s
+            windows[-1][1] += n
+            used += width
+        losses = [s / n for s, n in windows]
+    else:
+        losses = [s / n for s, n, _ in sums]
     print(json.dumps({"losses": losses, "loss": sum(losses) / len(losses)}))
 
 
@@ -122,6 +142,7 @@ def main():
     s.add_argument("file")
     s.add_argument("--examples", type=int, required=True)
     s.add_argument("--seq-len", type=int, required=True)
+    s.add_argument("--packed", action="store_true", help="the loss of the examples packed into windows")
     e = sub.add_parser("exported")
     e.add_argument("export")
     e.add_argument("data")

@@ -277,6 +277,10 @@ pub struct Load {
     /// (its file and line), "truncate" keeps its first tokens (counted in the plan).
     #[serde(skip_serializing_if = "is_default")]
     pub too_long: TooLong,
+    /// instructions: pack examples, in the file's order, into windows of `wrap.model.seq_len`
+    /// (each example attending only to itself, its positions from 0) instead of padding each.
+    #[serde(skip_serializing_if = "is_default")]
+    pub packing: bool,
 }
 
 /// `load.too_long`: an instruction example longer than the model's context.
@@ -374,6 +378,7 @@ impl Default for Load {
             delimiter: None,
             tokenizer: None,
             too_long: TooLong::Error,
+            packing: false,
         }
     }
 }

@@ -44,9 +44,11 @@ pub fn spec(c: &Config, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opti
         (source @ (Source::Csv | Source::Parquet), _) => data::file::spec(c, source, base, bad),
     };
     if c.load.source != Source::Instructions {
-        for (key, given) in
-            [("load.tokenizer", c.load.tokenizer.is_some()), ("load.too_long", c.load.too_long != TooLong::Error)]
-        {
+        for (key, given) in [
+            ("load.tokenizer", c.load.tokenizer.is_some()),
+            ("load.too_long", c.load.too_long != TooLong::Error),
+            ("load.packing", c.load.packing),
+        ] {
             if given {
                 bad(key, "is only read by source = \"instructions\"".into());
             }

@@ -4,7 +4,9 @@
 //! `tokenizer.apply_chat_template` renders it, with the same ids and the same tokens in the loss
 //! as the completion-only collator's labels; a real run's first loss on a tiny Llama equals
 //! transformers' masked loss (`model(input_ids, labels=labels).loss` per example, averaged), and
-//! its `runner export --hf` tokenizes every example as the data's tokenizer does; and
+//! its `runner export --hf` tokenizes every example as the data's tokenizer does; packed into
+//! windows (`load.packing`), the loss is each example's alone (a block-diagonal mask and positions
+//! from 0 per example); and
 //! bad lines and templates are refused with the file and the line.
 use crate::common;
 
@@ -142,6 +144,36 @@ fn the_first_loss_is_transformers_masked_loss() {
         serde_json::from_str(&python(dir.path(), "benches/reference/sft_twin.py", &args)).unwrap();
     assert_eq!(same["same"], same["examples"], "{same}");
     assert_eq!(same["eos"], serde_json::json!([4, 4, 4]), "{same}");
+}
+
+#[test]
+fn packed_windows_give_transformers_loss_of_each_example_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    // The twin's windows (each a mean over its examples' counted targets, every example run
+    // alone): one step over all of them.
+    let args = ["loss", "model", "data", "data/train.jsonl", "--examples", "48", "--seq-len", "64", "--packed"];
+    let twin: serde_json::Value =
+        serde_json::from_str(&python(dir.path(), "benches/reference/sft_twin.py", &args)).unwrap();
+    let windows = twin["losses"].as_array().unwrap().len();
+    assert!(windows < 40, "{windows} windows for 48 examples: several a window");
+    let batch = format!("train.batch_size={windows}");
+    let o = run(&["run", "sft.toml", "--out", "results", "--set", "load.packing=true", "--set", &batch], dir.path());
+    assert_ok(&o);
+    assert!(text(&o).0.contains(&format!("packed into {windows} windows of seq_len 64")), "{}", text(&o).0);
+    let trace = common::trace(&dir.path().join("results"));
+    let ours = trace.column("train_loss").unwrap().f64().unwrap().get(0).unwrap();
+    let theirs = twin["loss"].as_f64().unwrap();
+    assert!((ours - theirs).abs() < 1e-5, "runner {ours}, transformers {theirs}");
+    // Not under a pipeline, whose later stages cannot tell the examples apart.
+    let o =
+        run(&["validate", "sft.toml", "--set", "load.packing=true", "--set", "wrap.strategy=\"pipeline\""], dir.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).1.contains("`load.packing` (--set load.packing=true): is not built for wrap.strategy"),
+        "{}",
+        text(&o).1
+    );
 }
 
 #[test]

@@ -44,6 +44,9 @@ pub struct InstructionsSpec {
     /// Examples of `path` kept for training (the first ones); the rest validate when there is no
     /// `validation_path`.
     pub train_examples: usize,
+    /// `load.packing`: the model's vocabulary, by which each token's example slot in its window
+    /// is marked in its id ([`pack`]); `None`: each example padded.
+    pub packed: Option<usize>,
     /// What the plan says of them.
     pub notes: Vec<String>,
 }
@@ -175,6 +178,50 @@ pub fn tensors(examples: &[Encoded], seq_len: usize) -> (Tensor, Tensor) {
     (Tensor::from_slice(&x).view(shape), Tensor::from_slice(&y).view(shape))
 }
 
+/// The windows of `seq_len` positions that `examples` pack into, in order: each window's
+/// examples (an example takes its length - 1 positions; the next starts a new window when it
+/// does not fit).
+pub fn windows(examples: &[Encoded], seq_len: usize) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut used = seq_len;
+    for (i, e) in examples.iter().enumerate() {
+        let n = e.ids.len() - 1;
+        if used + n > seq_len {
+            out.push(Vec::new());
+            used = 0;
+        }
+        out.last_mut().expect("a window").push(i);
+        used += n;
+    }
+    out
+}
+
+/// Inputs and targets (int64, windows × `seq_len`) of `examples` packed ([`windows`]): the
+/// inputs are `id + vocab × slot`, slot the example's place in its window (the padding after
+/// the last example a slot of its own), which the transformer reads as a block-diagonal causal
+/// mask and positions from 0 per example (`model::transformer::packed`).
+pub fn pack(examples: &[Encoded], seq_len: usize, vocab: usize) -> (Tensor, Tensor) {
+    let windows = windows(examples, seq_len);
+    let mut x = vec![0i64; windows.len() * seq_len];
+    let mut y = vec![IGNORE; windows.len() * seq_len];
+    for (w, members) in windows.iter().enumerate() {
+        let mut at = w * seq_len;
+        for (slot, &i) in members.iter().enumerate() {
+            let e = &examples[i];
+            for p in 0..e.ids.len() - 1 {
+                x[at + p] = e.ids[p] as i64 + (vocab * slot) as i64;
+                if e.counted[p + 1] {
+                    y[at + p] = e.ids[p + 1] as i64;
+                }
+            }
+            at += e.ids.len() - 1;
+        }
+        x[at..(w + 1) * seq_len].fill((vocab * members.len()) as i64);
+    }
+    let shape = [windows.len() as i64, seq_len as i64];
+    (Tensor::from_slice(&x).view(shape), Tensor::from_slice(&y).view(shape))
+}
+
 /// The training and validation examples the plan describes, tokenized.
 pub fn examples(spec: &InstructionsSpec) -> Result<(Vec<Encoded>, Vec<Encoded>), String> {
     let encoder = Encoder::open(&spec.tokenizer)?;
@@ -187,11 +234,17 @@ pub fn examples(spec: &InstructionsSpec) -> Result<(Vec<Encoded>, Vec<Encoded>),
     Ok((train, validation))
 }
 
-/// The plan's note on a set of examples: tokens, those in the loss, padding, cuts.
-fn note(name: &str, examples: &[Encoded], seq_len: usize, too_long: TooLong) -> String {
+/// The plan's note on a set of examples: tokens, those in the loss, padding or packing, cuts.
+fn note(name: &str, examples: &[Encoded], seq_len: usize, too_long: TooLong, packing: bool) -> String {
     let tokens: usize = examples.iter().map(|e| e.ids.len()).sum();
     let counted: usize = examples.iter().map(|e| e.counted.iter().skip(1).filter(|&&c| c).count()).sum();
-    let positions = examples.len() * seq_len;
+    let rows = if packing { windows(examples, seq_len).len() } else { examples.len() };
+    let how = if packing {
+        format!("packed into {rows} windows of seq_len {seq_len}")
+    } else {
+        format!("each padded to seq_len {seq_len}")
+    };
+    let positions = rows * seq_len;
     let padding = positions - examples.iter().map(|e| e.ids.len() - 1).sum::<usize>();
     let cut = examples.iter().filter(|e| e.cut > 0).count();
     let cut = match too_long {
@@ -202,7 +255,7 @@ fn note(name: &str, examples: &[Encoded], seq_len: usize, too_long: TooLong) -> 
     };
     format!(
         "instructions, {name}: {} examples, {tokens} tokens, {counted} of the targets in the loss (the responses); \
-         each padded to seq_len {seq_len}: {padding} of the {positions} positions are padding ({:.1}%){cut}",
+         {how}: {padding} of the {positions} positions are padding ({:.1}%){cut}",
         examples.len(),
         100.0 * padding as f64 / positions.max(1) as f64
     )
@@ -211,8 +264,11 @@ fn note(name: &str, examples: &[Encoded], seq_len: usize, too_long: TooLong) -> 
 /// Reads the examples into a rank's rows: (train x, train y, validation x, validation y).
 pub fn load(spec: &InstructionsSpec) -> Result<(Tensor, Tensor, Tensor, Tensor), String> {
     let (train, validation) = examples(spec)?;
-    let (x, y) = tensors(&train, spec.seq_len);
-    let (vx, vy) = tensors(&validation, spec.seq_len);
+    let rows = |e: &[Encoded]| match spec.packed {
+        Some(vocab) => pack(e, spec.seq_len, vocab),
+        None => tensors(e, spec.seq_len),
+    };
+    let ((x, y), (vx, vy)) = (rows(&train), rows(&validation));
     Ok((x, y, vx, vy))
 }
 
@@ -232,5 +288,16 @@ mod tests {
         let (x, y) = tensors(&[e], 6);
         assert_eq!(Vec::<i64>::try_from(x.view([-1])).unwrap(), [5, 6, 7, 0, 0, 0]);
         assert_eq!(Vec::<i64>::try_from(y.view([-1])).unwrap(), [IGNORE, 7, 8, IGNORE, IGNORE, IGNORE]);
+    }
+
+    #[test]
+    fn examples_pack_in_order_each_marked_with_its_slot() {
+        let e = |ids: Vec<u32>| Encoded { line: 1, text: String::new(), counted: vec![true; ids.len()], ids, cut: 0 };
+        // 3 + 2 positions fill a window of 5; the next (4) starts another, padded by slot 1.
+        let examples = [e(vec![1, 2, 3, 4]), e(vec![5, 6, 7]), e(vec![8, 9, 1, 2, 3])];
+        assert_eq!(windows(&examples, 5), [vec![0, 1], vec![2]]);
+        let (x, y) = pack(&examples, 5, 10);
+        assert_eq!(Vec::<i64>::try_from(x.view([-1])).unwrap(), [1, 2, 3, 15, 16, 8, 9, 1, 2, 10]);
+        assert_eq!(Vec::<i64>::try_from(y.view([-1])).unwrap(), [2, 3, 4, 6, 7, 9, 1, 2, 3, IGNORE]);
     }
 }

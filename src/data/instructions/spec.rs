@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use super::{note, Encoded, Encoder, InstructionsSpec};
-use crate::config::schema::{Config, Load, Paths, Sampling, Transformer};
+use crate::config::schema::{Config, Load, Paths, Sampling, Transformer, WrapStrategy};
 use crate::data::{self, DataSpec, SourceSpec, Task};
 
 /// The plan's view of `load.source = "instructions"` for the language model `t`.
@@ -34,20 +34,32 @@ pub fn spec(c: &Config, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str,
     };
     let mut train = read("load.path", &path, bad)?;
     let (validation, validation_path) = split(c, base, &mut train, &read, bad)?;
+    let (too_long, seq_len) = (c.load.too_long, t.seq_len);
+    let packing = c.load.packing;
+    if packing && c.wrap.strategy == WrapStrategy::Pipeline {
+        bad(
+            "load.packing",
+            "is not built for wrap.strategy = \"pipeline\": the later stages, on other ranks, cannot tell the \
+             examples of a window apart; use ddp or fsdp, or pad each example (load.packing = false)"
+                .into(),
+        );
+    }
+    let rows = |e: &[Encoded]| if packing { super::windows(e, seq_len).len() } else { e.len() };
+    let mut notes = vec![note("training", &train, seq_len, too_long, packing)];
+    if !validation.is_empty() {
+        notes.push(note("validation", &validation, seq_len, too_long, packing));
+    }
+    let held = rows(&validation);
+    let unit = if packing { "windows" } else { "examples" };
     let validation_rows = match c.validate.batches {
         Some(b) => {
-            if let Some(why) = data::batches_beyond(b, c.train.batch_size, validation.len(), "examples") {
+            if let Some(why) = data::batches_beyond(b, c.train.batch_size, held, unit) {
                 bad("validate.batches", why);
             }
-            (b * c.train.batch_size).min(validation.len())
+            (b * c.train.batch_size).min(held)
         }
-        None => validation.len(),
+        None => held,
     };
-    let (too_long, seq_len) = (c.load.too_long, t.seq_len);
-    let mut notes = vec![note("training", &train, seq_len, too_long)];
-    if !validation.is_empty() {
-        notes.push(note("validation", &validation, seq_len, too_long));
-    }
     let spec = InstructionsSpec {
         path,
         validation_path,
@@ -55,10 +67,11 @@ pub fn spec(c: &Config, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str,
         seq_len,
         too_long,
         train_examples: train.len(),
+        packed: packing.then_some(t.vocab),
         notes,
     };
     Some(DataSpec {
-        rows: train.len(),
+        rows: rows(&train),
         validation_rows,
         input: vec![seq_len],
         task: Task::LanguageModel { vocab: t.vocab, masked: true },

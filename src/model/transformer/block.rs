@@ -126,7 +126,11 @@ impl Stage {
             (k, v) = (repeat(&k), repeat(&v));
         }
         let p = if train { s.dropout } else { 0.0 };
-        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, p, true, None, false);
+        // A packed batch: each example attends within itself (the block-diagonal causal mask).
+        let y = super::packed::with(|packed| match packed {
+            Some(pk) => Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&pk.mask), p, false, None, false),
+            None => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, p, true, None, false),
+        });
         linear(&y.transpose(1, 2).contiguous().view([b, t, heads * hd]), &block.proj)
     }
 
@@ -162,17 +166,32 @@ impl ModuleT for Stage {
         let t = x.size()[1];
         let mut h = match &self.embed {
             Some((tok, pos)) => {
-                let e = Tensor::embedding(tok, x, -1, false, false);
-                let e = match pos {
-                    Some(pos) => e + pos.narrow(0, 0, t),
-                    None => e,
+                let (ids, packed) = super::packed::split(x, self.s.vocab);
+                let e = Tensor::embedding(tok, &ids, -1, false, false);
+                let e = match (pos, &packed) {
+                    (Some(pos), None) => e + pos.narrow(0, 0, t),
+                    (Some(pos), Some(pk)) => &e + pos.index_select(0, &pk.positions.view([-1])).view_as(&e),
+                    (None, _) => e,
                 };
+                super::packed::set(packed);
                 e.dropout(dropout, train)
             }
             None => x.shallow_clone(),
         };
-        let rope =
-            (self.s.positions == Positions::Rope && !self.blocks.is_empty()).then(|| self.rope_tables(t, h.device()));
+        let rope = (self.s.positions == Positions::Rope && !self.blocks.is_empty()).then(|| {
+            let (cos, sin) = self.rope_tables(t, h.device());
+            // A packed batch's positions restart with each example: [B, 1, T, head_dim].
+            super::packed::with(|packed| match packed {
+                Some(pk) => {
+                    let at = |table: &Tensor| {
+                        let rows = table.index_select(0, &pk.positions.view([-1]));
+                        rows.view([pk.positions.size()[0], 1, t, -1])
+                    };
+                    (at(&cos), at(&sin))
+                }
+                None => (cos, sin),
+            })
+        });
         for block in &self.blocks {
             h = &h + self.attention(block, &self.norm(&h, &block.ln1), rope.as_ref(), train).dropout(dropout, train);
             h = &h + self.mlp(block, &self.norm(&h, &block.ln2)).dropout(dropout, train);
