@@ -399,7 +399,7 @@ pub enum Source {
     Text,
     /// Instruction data for supervised fine-tuning: JSON Lines of `prompt`/`response` pairs or
     /// chat `messages`, tokenized with `load.tokenizer`, the loss on the responses only, each
-    /// example padded to `wrap.model.seq_len`.
+    /// example padded to `wrap.model.seq_len` (or packed: `load.packing`).
     Instructions,
 }
 

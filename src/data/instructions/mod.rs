@@ -8,8 +8,10 @@
 //! template and before the next instruction template does (TRL's completion-only collator).
 //!
 //! Every example is one sample of `seq_len` + 1 tokens: its tokens, then padding whose targets do
-//! not count (right padding under a causal mask leaves the example's own positions unchanged).
-//! An example longer is refused or cut (`load.too_long`), and counted in the plan's note.
+//! not count (right padding under a causal mask leaves the example's own positions unchanged);
+//! or, with `load.packing`, examples are packed in order into windows ([`pack`]) that the
+//! transformer splits back apart (`model::transformer::packed`). An example longer than
+//! `seq_len` + 1 tokens is refused or cut (`load.too_long`), and counted in the plan's note.
 pub mod jsonl;
 mod show;
 mod spec;
