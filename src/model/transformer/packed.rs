@@ -25,7 +25,7 @@ thread_local! {
 /// The token ids of `x` and, if it is packed, its mask and positions.
 pub fn split(x: &Tensor, vocab: usize) -> (Tensor, Option<Packed>) {
     let v = vocab as i64;
-    if x.max().int64_value(&[]) < v {
+    if x.numel() == 0 || x.max().int64_value(&[]) < v {
         return (x.shallow_clone(), None);
     }
     let (ids, slots) = (x.remainder(v), x.floor_divide_scalar(v));
