@@ -117,7 +117,7 @@ pub fn export(run_dir: &Path, out: &Path, max_shard: u64) -> anyhow::Result<u8> 
     std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let written = write_dir(&tmp, arch, &spec, &tensors, &model, max_shard).and_then(|mut files| {
         if let Some(t) = &tokenizer {
-            files.extend(write_tokenizer(&tmp, t, &spec)?);
+            files.extend(write_tokenizer(&tmp, t, &spec, &chat_settings(&plan)?)?);
         }
         Ok(files)
     });
@@ -215,14 +215,55 @@ fn tokenizer_of(plan: &Plan) -> anyhow::Result<Option<Tokenizer>> {
     })
 }
 
+/// An instruction run's chat template and special tokens, from the `tokenizer_config.json` (and
+/// `chat_template.jinja`, which transformers prefers) its plan read, refused if they changed since.
+fn chat_settings(plan: &Plan) -> anyhow::Result<serde_json::Map<String, Value>> {
+    use crate::data::instructions::template::{CONFIG as SETTINGS, JINJA};
+    let mut out = serde_json::Map::new();
+    for then in plan.inputs.iter().filter(|i| i.key == "load.tokenizer") {
+        let name = then.path.file_name().unwrap_or_default();
+        if name != SETTINGS && name != JINJA {
+            continue;
+        }
+        let now = crate::plan::InputFile::read(&then.key, &then.path).map_err(anyhow::Error::msg)?;
+        anyhow::ensure!(
+            now.digest == then.digest,
+            "{} is not the one this run trained with: it changed since (digest {} then, {} now); put it back",
+            then.path.display(),
+            then.digest,
+            now.digest
+        );
+        let text =
+            std::fs::read_to_string(&then.path).with_context(|| format!("cannot read {}", then.path.display()))?;
+        if name == JINJA {
+            out.insert("chat_template".into(), json!(text));
+            continue;
+        }
+        let settings: Value =
+            serde_json::from_str(&text).with_context(|| format!("{} is not JSON", then.path.display()))?;
+        for key in ["chat_template", "bos_token", "eos_token", "pad_token", "unk_token"] {
+            if let Some(v) = settings.get(key).filter(|v| !v.is_null()) {
+                out.entry(key).or_insert_with(|| v.clone());
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// `tokenizer.json` as the run had it, and the `tokenizer_config.json` that makes
 /// `AutoTokenizer` load it as it is (no token added to the texts it encodes); the end-of-text
-/// token, where the vocabulary has one, as the end of a sequence. Their names.
-fn write_tokenizer(dir: &Path, t: &Tokenizer, spec: &Spec) -> anyhow::Result<Vec<String>> {
+/// token, where the vocabulary has one, as the end of a sequence, unless `chat` (an instruction
+/// run's chat template and special tokens) names others. Their names.
+fn write_tokenizer(
+    dir: &Path,
+    t: &Tokenizer,
+    spec: &Spec,
+    chat: &serde_json::Map<String, Value>,
+) -> anyhow::Result<Vec<String>> {
     let bytes = std::fs::read(t.path()).with_context(|| format!("cannot read {}", t.path().display()))?;
     crate::rundir::atomic_write(&dir.join(TOKENIZER), &bytes)?;
     let end = (t.encode(END_OF_TEXT)?.len() == 1).then_some(END_OF_TEXT);
-    let config = json!({
+    let mut config = json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": spec.max_positions,
         "clean_up_tokenization_spaces": false,
@@ -231,18 +272,26 @@ fn write_tokenizer(dir: &Path, t: &Tokenizer, spec: &Spec) -> anyhow::Result<Vec
         "bos_token": end,
         "eos_token": end,
     });
+    chat.iter().for_each(|(k, v)| config[k] = v.clone());
     crate::rundir::atomic_write(
         &dir.join(TOKENIZER_CONFIG),
         (serde_json::to_string_pretty(&config)? + "\n").as_bytes(),
     )?;
-    if let Some(end) = end {
-        // The model's config names the same token by id.
-        let id = t.encode(end)?[0];
+    // The model's config names the same tokens by id (a token is its text, or {"content": ...}).
+    let id = |key: &str| -> anyhow::Result<Option<u32>> {
+        let text = config.get(key).and_then(|v| v.as_str().or_else(|| v.get("content")?.as_str()));
+        Ok(match text {
+            Some(text) => Some(t.encode(text)?).filter(|ids| ids.len() == 1).map(|ids| ids[0]),
+            None => None,
+        })
+    };
+    let (bos, eos) = (id("bos_token")?, id("eos_token")?);
+    if bos.is_some() || eos.is_some() {
         let path = dir.join(CONFIG);
-        let mut config: serde_json::Map<String, Value> = serde_json::from_slice(&std::fs::read(&path)?)?;
-        config.insert("bos_token_id".into(), json!(id));
-        config.insert("eos_token_id".into(), json!(id));
-        crate::rundir::atomic_write(&path, (serde_json::to_string_pretty(&config)? + "\n").as_bytes())?;
+        let mut model: serde_json::Map<String, Value> = serde_json::from_slice(&std::fs::read(&path)?)?;
+        bos.map(|id| model.insert("bos_token_id".into(), json!(id)));
+        eos.map(|id| model.insert("eos_token_id".into(), json!(id)));
+        crate::rundir::atomic_write(&path, (serde_json::to_string_pretty(&model)? + "\n").as_bytes())?;
     }
     Ok(vec![TOKENIZER.to_owned(), TOKENIZER_CONFIG.to_owned()])
 }

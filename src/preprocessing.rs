@@ -87,6 +87,12 @@ pub fn write(plan: &Plan, pg: &ProcessGroup, normalizer: &Normalizer, run_dir: &
         crate::data::SourceSpec::Tensors(info) => {
             Some(crate::data::tensors::split_record(info).map_err(anyhow::Error::msg)?)
         }
+        // The training examples are the file's first ones (or all of it with a validation file).
+        crate::data::SourceSpec::Instructions(i) => Some(serde_json::json!({
+            "file": i.path,
+            "validation_file": i.validation_path,
+            "train_examples": i.train_examples,
+        })),
         crate::data::SourceSpec::Synthetic(_) | crate::data::SourceSpec::Tokens(_) => None,
     };
     if let Some(split) = split {

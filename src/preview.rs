@@ -2,7 +2,8 @@
 //! of the load stage's output (the training rows), then per rank those of its shard (epoch 1's
 //! DistributedSampler indices) and of the normalised shard, each with every column's minimum,
 //! mean, standard deviation and maximum over the stage's rows. It runs no rank: every rank's view
-//! is computed in this process, as the ranks compute it.
+//! is computed in this process, as the ranks compute it. Instruction data shows its first
+//! examples instead: text, ids and the tokens in the loss.
 use tch::{Kind, Tensor};
 
 use crate::data::normalize::Normalizer;
@@ -28,6 +29,11 @@ pub fn show(plan: &Plan, o: &Options) -> anyhow::Result<()> {
     let replicas = plan.layout.world_size;
     if let Some(r) = o.rank {
         anyhow::ensure!(r < plan.world_size(), "--rank {r}: the run has ranks 0 to {}", plan.world_size() - 1);
+    }
+    if let data::SourceSpec::Instructions(spec) = &plan.data.source {
+        crate::say!("run {} ({}): {}", c.run.name, plan.run_id, plan.data.describe());
+        plan.data.notes().iter().for_each(|n| crate::say!("{n}"));
+        return data::instructions::show(spec, o.rows);
     }
     let data = data::load(&plan.data).map_err(anyhow::Error::msg)?;
     let names = column_names(plan);

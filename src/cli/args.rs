@@ -159,7 +159,7 @@ pub struct ConfigArgs {
 pub struct DataArgs {
     #[command(flatten)]
     pub config: ConfigArgs,
-    /// Rows shown of each stage's output.
+    /// Rows shown of each stage's output (instruction data: the examples shown).
     #[arg(long, default_value_t = 5)]
     pub rows: usize,
     /// Only this rank's shard [default: every rank's]

@@ -253,7 +253,8 @@ pub struct Load {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub labels: Option<PathBuf>,
     /// A separate validation file (instead of a split): the same columns (csv / parquet), the same
-    /// arrays (tensors), or a token file such as nanoGPT's `val.bin` (tokens, text).
+    /// arrays (tensors), a token file such as nanoGPT's `val.bin` (tokens, text), or a JSON Lines
+    /// file of examples (instructions).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub validation_path: Option<PathBuf>,
     /// Language models: how each step's windows are drawn. "epoch": DistributedSampler over fixed
@@ -267,6 +268,30 @@ pub struct Load {
     /// csv: the field separator, one character (default ",").
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delimiter: Option<String>,
+    /// instructions: the directory of the tokenizer (`tokenizer.json`, and `tokenizer_config.json`
+    /// with its `chat_template` for `messages`), relative to the pipeline file; default: the
+    /// directory of `load.path`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+    /// instructions: an example longer than `wrap.model.seq_len` + 1 tokens: "error" refuses it
+    /// (its file and line), "truncate" keeps its first tokens (counted in the plan).
+    #[serde(skip_serializing_if = "is_default")]
+    pub too_long: TooLong,
+    /// instructions: pack examples, in the file's order, into windows of `wrap.model.seq_len`
+    /// (each example attending only to itself, its positions from 0) instead of padding each.
+    #[serde(skip_serializing_if = "is_default")]
+    pub packing: bool,
+}
+
+/// `load.too_long`: an instruction example longer than the model's context.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum TooLong {
+    /// Refuse the data, naming the file, the line and the example's length.
+    #[default]
+    Error,
+    /// Keep the example's first seq_len + 1 tokens (the plan counts how many were cut).
+    Truncate,
 }
 
 /// `load.path`: one file, or (token files) several, or a glob.
@@ -351,6 +376,9 @@ impl Default for Load {
             sampling: Sampling::Epoch,
             missing: Missing::Error,
             delimiter: None,
+            tokenizer: None,
+            too_long: TooLong::Error,
+            packing: false,
         }
     }
 }
@@ -369,6 +397,10 @@ pub enum Source {
     Tokens,
     /// Any UTF-8 file read as bytes (token ids 0..256), cut into windows like `tokens`.
     Text,
+    /// Instruction data for supervised fine-tuning: JSON Lines of `prompt`/`response` pairs or
+    /// chat `messages`, tokenized with `load.tokenizer`, the loss on the responses only, each
+    /// example padded to `wrap.model.seq_len` (or packed: `load.packing`).
+    Instructions,
 }
 
 /// `[shard]`: how the training samples divide across the ranks, epoch after epoch.

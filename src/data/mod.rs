@@ -6,6 +6,7 @@
 pub mod arrays;
 pub mod columns;
 pub mod file;
+pub mod instructions;
 pub mod normalize;
 pub mod npy;
 pub mod shard;
@@ -47,6 +48,8 @@ pub enum SourceSpec {
     Tensors(tensors::TensorsInfo),
     /// Token files or text.
     Tokens(tokens::TokenSpec),
+    /// Instruction examples (supervised fine-tuning).
+    Instructions(instructions::InstructionsSpec),
 }
 
 impl DataSpec {
@@ -65,6 +68,7 @@ impl DataSpec {
             SourceSpec::Table(f) => f.path.display().to_string(),
             SourceSpec::Tensors(t) => t.describe(),
             SourceSpec::Tokens(t) => t.describe(),
+            SourceSpec::Instructions(i) => i.describe(),
         }
     }
 
@@ -75,6 +79,7 @@ impl DataSpec {
             SourceSpec::Table(f) => f.inputs(),
             SourceSpec::Tensors(t) => t.inputs(),
             SourceSpec::Tokens(t) => t.inputs(),
+            SourceSpec::Instructions(i) => i.inputs(),
         }
     }
 
@@ -83,6 +88,7 @@ impl DataSpec {
         match &self.source {
             SourceSpec::Table(f) => &f.notes,
             SourceSpec::Tensors(t) => &t.notes,
+            SourceSpec::Instructions(i) => &i.notes,
             SourceSpec::Synthetic(_) | SourceSpec::Tokens(_) => &[],
         }
     }
@@ -115,6 +121,9 @@ impl DataSpec {
         let validation = row * self.validation_rows as f64;
         match &self.source {
             // Token ids are int64 in a batch: windows of inputs and targets.
+            SourceSpec::Instructions(_) => {
+                2.0 * 8.0 * self.input_size() as f64 * (self.rows + self.validation_rows) as f64
+            }
             SourceSpec::Tokens(_) => 2.0 * 8.0 * self.input_size() as f64 * self.validation_rows as f64,
             // The labels (8 bytes a row) and the validation rows.
             SourceSpec::Tensors(t) if t.train.labels.is_some() => 8.0 * self.rows as f64 + validation,
@@ -132,7 +141,13 @@ pub enum Task {
     /// The next token at every position of a window of token ids: cross-entropy averaged over
     /// the positions (a sample's loss) and over the samples; accuracy is the share of positions
     /// whose most likely token is the next one. Inputs are int64 token ids, never normalised.
-    LanguageModel { vocab: usize },
+    /// `masked` (instruction data): a target of [`instructions::IGNORE`] does not count, and a
+    /// sample's loss and accuracy are over the positions that do.
+    LanguageModel {
+        vocab: usize,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        masked: bool,
+    },
     /// One number per row: mean squared error on the normalised target; RMSE, MAE and R² in
     /// the target's own units.
     Regression,
@@ -143,7 +158,7 @@ impl Task {
     pub fn outputs(&self) -> usize {
         match self {
             Task::Classification { classes } => *classes,
-            Task::LanguageModel { vocab } => *vocab,
+            Task::LanguageModel { vocab, .. } => *vocab,
             Task::Regression => 1,
         }
     }
@@ -152,12 +167,18 @@ impl Task {
     pub fn per_sample_loss(&self, out: &Tensor, y: &Tensor) -> Tensor {
         match self {
             Task::Classification { .. } => out.cross_entropy_loss::<Tensor>(y, None, Reduction::None, -100, 0.0),
-            Task::LanguageModel { vocab } => {
+            Task::LanguageModel { vocab, masked } => {
                 let (b, t) = (y.size()[0], y.size()[1]);
-                out.reshape([-1, *vocab as i64])
-                    .cross_entropy_loss::<Tensor>(&y.reshape([-1]), None, Reduction::None, -100, 0.0)
-                    .view([b, t])
-                    .mean_dim([-1i64].as_slice(), false, Kind::Float)
+                let each = out
+                    .reshape([-1, *vocab as i64])
+                    .cross_entropy_loss::<Tensor>(&y.reshape([-1]), None, Reduction::None, instructions::IGNORE, 0.0)
+                    .view([b, t]);
+                if *masked {
+                    // Ignored targets are 0 in `each`: the mean over the counted ones.
+                    each.sum_dim_intlist([-1i64].as_slice(), false, Kind::Float) / counted(y)
+                } else {
+                    each.mean_dim([-1i64].as_slice(), false, Kind::Float)
+                }
             }
             Task::Regression => (out.squeeze_dim(-1) - y).square(),
         }
@@ -168,6 +189,10 @@ impl Task {
     pub fn correct(&self, out: &Tensor, y: &Tensor) -> Tensor {
         match self {
             Task::Classification { .. } => out.argmax(-1, false).eq_tensor(y).to_kind(Kind::Float),
+            Task::LanguageModel { masked: true, .. } => {
+                let right = out.argmax(-1, false).eq_tensor(y).to_kind(Kind::Float);
+                right.sum_dim_intlist([-1i64].as_slice(), false, Kind::Float) / counted(y)
+            }
             Task::LanguageModel { .. } => {
                 out.argmax(-1, false).eq_tensor(y).to_kind(Kind::Float).mean_dim([-1i64].as_slice(), false, Kind::Float)
             }
@@ -193,6 +218,11 @@ impl Task {
             (loss, acc)
         })
     }
+}
+
+/// The targets of each sample that count (not [`instructions::IGNORE`]), as float32.
+fn counted(y: &Tensor) -> Tensor {
+    y.ne(instructions::IGNORE).sum_dim_intlist([-1i64].as_slice(), false, Kind::Float)
 }
 
 /// Validation metrics; NaN where the task has none (accuracy and F1 for regression, RMSE, MAE
@@ -383,6 +413,10 @@ fn load_source(data: &DataSpec) -> Result<Dataset, String> {
             };
             Ok(Dataset { train, val_x, val_y, task: data.task, target: None })
         }
+        SourceSpec::Instructions(spec) => {
+            let (x, y, val_x, val_y) = instructions::load(spec)?;
+            Ok(Dataset { train: Rows::Memory { x, y }, val_x, val_y, task: data.task, target: None })
+        }
         SourceSpec::Tokens(t) => {
             let seq_len = data.input[0];
             let train = tokens::Windows::open(&t.train, seq_len, data.rows)?;
@@ -445,6 +479,22 @@ pub fn batches_beyond(b: usize, batch: usize, held: usize, unit: &str) -> Option
 
 #[cfg(test)]
 mod tests {
+    use tch::{Kind, Tensor};
+
+    #[test]
+    fn a_masked_language_model_counts_only_the_targets_that_are_not_ignored() {
+        let task = super::Task::LanguageModel { vocab: 5, masked: true };
+        let out = Tensor::randn([2, 3, 5], (Kind::Float, tch::Device::Cpu));
+        let y = Tensor::from_slice(&[1i64, -100, 3, -100, -100, 4]).view([2, 3]);
+        let each = |b: i64, t: i64| {
+            let logits = out.get(b).get(t).unsqueeze(0);
+            logits.cross_entropy_for_logits(&y.get(b).get(t).unsqueeze(0)).double_value(&[])
+        };
+        let got = Vec::<f32>::try_from(task.per_sample_loss(&out, &y)).unwrap();
+        assert!((got[0] as f64 - (each(0, 0) + each(0, 2)) / 2.0).abs() < 1e-6);
+        assert!((got[1] as f64 - each(1, 2)).abs() < 1e-6);
+    }
+
     #[test]
     fn macro_f1_averages_per_class_f1() {
         // class 0: tp 1, fn 1 → 2/3; class 1: tp 1, fp 1 → 2/3; class 2 absent.

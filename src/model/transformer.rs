@@ -17,6 +17,7 @@
 //! projections scaled by 1/√(2L)), zero biases, unit norms; each layer drawn from its own stream
 //! of (seed, layer), so the stages of a pipeline together equal the whole model.
 mod block;
+pub mod packed;
 mod spec;
 
 use std::ops::Range;

@@ -25,9 +25,17 @@ pub fn spec(c: &Config, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opti
         (Source::Csv | Source::Parquet | Source::Tensors, Model::Transformer(_)) => {
             bad(
                 "wrap.model.kind",
-                "\"transformer\" is a language model over token ids: use load.source = \"tokens\", \"text\" or \
-                 \"synthetic\""
+                "\"transformer\" is a language model over token ids: use load.source = \"tokens\", \"text\", \
+                 \"instructions\" or \"synthetic\""
                     .into(),
+            );
+            None
+        }
+        (Source::Instructions, Model::Transformer(t)) => data::instructions::spec(c, t, base, bad),
+        (Source::Instructions, _) => {
+            bad(
+                "load.source",
+                "\"instructions\" fine-tunes a language model: use wrap.model.kind = \"transformer\"".into(),
             );
             None
         }
@@ -35,6 +43,17 @@ pub fn spec(c: &Config, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opti
         (Source::Tensors, _) => data::tensors::spec(c, base, bad),
         (source @ (Source::Csv | Source::Parquet), _) => data::file::spec(c, source, base, bad),
     };
+    if c.load.source != Source::Instructions {
+        for (key, given) in [
+            ("load.tokenizer", c.load.tokenizer.is_some()),
+            ("load.too_long", c.load.too_long != TooLong::Error),
+            ("load.packing", c.load.packing),
+        ] {
+            if given {
+                bad(key, "is only read by source = \"instructions\"".into());
+            }
+        }
+    }
     if d.as_ref().is_some_and(|d| d.task.is_language_model()) && c.normalize.method != NormalizeMethod::None {
         bad(
             "normalize.method",
@@ -54,7 +73,8 @@ pub fn spec(c: &Config, base: &Path, bad: &mut impl FnMut(&str, String)) -> Opti
         bad("load.rows", "must be at least 1".into());
     }
     // The same first rows every validation (a token source draws its own windows).
-    if let (Some(b), None) = (c.validate.batches, d_ref.tokens()) {
+    let own_validation = d_ref.tokens().is_some() || c.load.source == Source::Instructions;
+    if let (Some(b), false) = (c.validate.batches, own_validation) {
         if let Some(why) = crate::data::batches_beyond(b, c.train.batch_size, d_ref.validation_rows, "rows") {
             bad("validate.batches", why);
         }

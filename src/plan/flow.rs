@@ -74,7 +74,23 @@ impl Plan {
     fn load_op(&self) -> String {
         let d = &self.data;
         match d.task {
-            crate::data::Task::LanguageModel { vocab } => format!(
+            crate::data::Task::LanguageModel { vocab, masked: true } => match &d.source {
+                crate::data::SourceSpec::Instructions(i) if i.packed.is_some() => format!(
+                    "{} training + {} validation windows of {} tokens packed with examples (each attending to \
+                     itself), the loss on the responses, vocab {vocab}",
+                    d.rows,
+                    d.validation_rows,
+                    d.input_size()
+                ),
+                _ => format!(
+                    "{} training + {} validation examples of at most {} + 1 tokens, padded, the loss on the \
+                     responses, vocab {vocab}",
+                    d.rows,
+                    d.validation_rows,
+                    d.input_size()
+                ),
+            },
+            crate::data::Task::LanguageModel { vocab, .. } => format!(
                 "{} training + {} validation windows of {} + 1 tokens, vocab {vocab}",
                 d.rows,
                 d.validation_rows,

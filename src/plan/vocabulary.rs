@@ -1,4 +1,5 @@
-//! The run's vocabulary: the file beside its first token file (tokenizer.json, else meta.json),
+//! The run's vocabulary: the file beside its first token file (tokenizer.json, else meta.json), or
+//! an instruction source's tokenizer.json,
 //! recorded in the plan with its digest and checked against the model when the plan is made, and
 //! read back for `runner predict --prompt`, `runner eval` and an export.
 use std::path::Path;
@@ -13,6 +14,15 @@ use crate::tokenizer::{Vocabulary, META, TOKENIZER};
 /// the model: whether or not the token files hold its largest ids, its size says more.
 pub(super) fn record(c: &Config, base: &Path, bad: &mut impl FnMut(&str, String)) -> Option<InputFile> {
     let Model::Transformer(t) = &c.wrap.model else { return None };
+    if c.load.source == Source::Instructions {
+        // Checked against the model by the source's own plan.
+        let data = base.join(c.load.path.as_ref()?.single()?);
+        let dir = match &c.load.tokenizer {
+            Some(d) => base.join(d),
+            None => data.parent()?.to_owned(),
+        };
+        return InputFile::read("vocabulary", &dir.join(TOKENIZER)).ok();
+    }
     if c.load.source != Source::Tokens {
         return None;
     }
@@ -44,15 +54,14 @@ impl Plan {
         let Model::Transformer(t) = &self.config.wrap.model else {
             anyhow::bail!("this run trained a {}, which has no vocabulary", self.model().describe());
         };
-        let SourceSpec::Tokens(spec) = &self.data.source else {
-            anyhow::bail!(
+        let file = match &self.data.source {
+            SourceSpec::Tokens(spec) if spec.source == Source::Text => return Ok(Vocabulary::Bytes),
+            SourceSpec::Tokens(spec) => &spec.train.files[0].path,
+            SourceSpec::Instructions(spec) => &spec.path,
+            _ => anyhow::bail!(
                 "this run trained on generated tokens, which have no text: use a run of a token or text file"
-            );
+            ),
         };
-        if spec.source == Source::Text {
-            return Ok(Vocabulary::Bytes);
-        }
-        let file = &spec.train.files[0].path;
         let Some(then) = &self.vocabulary else {
             anyhow::bail!(
                 "no {TOKENIZER} or {META} beside {}: the token ids have no text to decode to (runner prepare text \

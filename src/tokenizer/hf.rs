@@ -82,6 +82,12 @@ impl Tokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
+    /// The ids of `text`, nothing added, each with the byte of `text` where its token starts.
+    pub fn encode_with_starts(&self, text: &str) -> anyhow::Result<(Vec<u32>, Vec<usize>)> {
+        let encoding = self.inner.encode(text, false).map_err(|e| anyhow::anyhow!("{}: {e}", self.describe()))?;
+        Ok((encoding.get_ids().to_vec(), encoding.get_offsets().iter().map(|o| o.0).collect()))
+    }
+
     /// The text of `ids` (bytes that make no character come out as U+FFFD).
     pub fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
         self.inner.decode(ids, false).map_err(|e| anyhow::anyhow!("{}: {e}", self.describe()))

@@ -43,6 +43,7 @@ mod resnet;
 mod run;
 mod rundir;
 mod search;
+mod sft;
 mod slurm;
 mod slurm_hosts;
 mod steps;

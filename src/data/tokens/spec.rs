@@ -26,7 +26,7 @@ pub fn spec(c: &Config, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str,
         bad("wrap.model.seq_len", "must be at least 1 token".into());
         return None;
     }
-    let task = Task::LanguageModel { vocab: t.vocab };
+    let task = Task::LanguageModel { vocab: t.vocab, masked: false };
     if load.source == Source::Synthetic {
         return synthetic_spec(c, t, task, bad);
     }

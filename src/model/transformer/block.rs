@@ -176,17 +176,22 @@ impl<'a> Stage<'a> {
             (k, v) = (repeat(&k), repeat(&v));
         }
         let p = if train { s.dropout } else { 0.0 };
-        let y = match &self.tensor {
+        // A packed batch: each example attends within itself (the block-diagonal causal mask).
+        let y = super::packed::with(|packed| match (&self.tensor, packed) {
             // libtorch's attention draws its mask for this rank's heads alone; one process
             // draws it for all of them.
-            Some(g) if p > 0.0 => {
+            (Some(g), packed) if p > 0.0 => {
                 let scores = q.matmul(&k.transpose(-2, -1)) / (hd as f64).sqrt();
-                let future = Tensor::ones([t, t], (Kind::Bool, q.device())).tril(0).logical_not();
-                let weights = scores.masked_fill(&future, f64::NEG_INFINITY).softmax(-1, scores.kind());
+                let allowed = match packed {
+                    Some(pk) => pk.mask.shallow_clone(),
+                    None => Tensor::ones([t, t], (Kind::Bool, q.device())).tril(0),
+                };
+                let weights = scores.masked_fill(&allowed.logical_not(), f64::NEG_INFINITY).softmax(-1, scores.kind());
                 g.dropout(&weights, p, 1, train).matmul(&v)
             }
-            _ => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, p, true, None, false),
-        };
+            (_, Some(pk)) => Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&pk.mask), p, false, None, false),
+            (_, None) => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, p, true, None, false),
+        });
         self.leave(&y.transpose(1, 2).contiguous().view([b, t, heads * hd]), &block.proj)
     }
 
@@ -222,17 +227,32 @@ impl ModuleT for Stage<'_> {
         let t = x.size()[1];
         let mut h = match &self.embed {
             Some((tok, pos)) => {
-                let e = Tensor::embedding(tok, x, -1, false, false);
-                let e = match pos {
-                    Some(pos) => e + pos.narrow(0, 0, t),
-                    None => e,
+                let (ids, packed) = super::packed::split(x, self.s.vocab);
+                let e = Tensor::embedding(tok, &ids, -1, false, false);
+                let e = match (pos, &packed) {
+                    (Some(pos), None) => e + pos.narrow(0, 0, t),
+                    (Some(pos), Some(pk)) => &e + pos.index_select(0, &pk.positions.view([-1])).view_as(&e),
+                    (None, _) => e,
                 };
+                super::packed::set(packed);
                 e.dropout(dropout, train)
             }
             None => x.shallow_clone(),
         };
-        let rope =
-            (self.s.positions == Positions::Rope && !self.blocks.is_empty()).then(|| self.rope_tables(t, h.device()));
+        let rope = (self.s.positions == Positions::Rope && !self.blocks.is_empty()).then(|| {
+            let (cos, sin) = self.rope_tables(t, h.device());
+            // A packed batch's positions restart with each example: [B, 1, T, head_dim].
+            super::packed::with(|packed| match packed {
+                Some(pk) => {
+                    let at = |table: &Tensor| {
+                        let rows = table.index_select(0, &pk.positions.view([-1]));
+                        rows.view([pk.positions.size()[0], 1, t, -1])
+                    };
+                    (at(&cos), at(&sin))
+                }
+                None => (cos, sin),
+            })
+        });
         for block in &self.blocks {
             h = &h + self.attention(block, &self.norm(&h, &block.ln1), rope.as_ref(), train).dropout(dropout, train);
             h = &h + self.mlp(block, &self.norm(&h, &block.ln2)).dropout(dropout, train);
