@@ -46,6 +46,9 @@ over every rank's real (not padding) windows of the interval, and tokens per sec
 ranks over the slowest rank's interval time. At the end each rank's peak resident memory
 (VmHWM) is printed as `rank R peak resident MiB M`. RESULT.json holds the same: the rows (with
 samples and seconds), `peak_rss_bytes` per rank, the world size, threads and units.
+
+tp_torch.py (DTensor's tensor parallelism) takes the same command line and trains through the same
+`train`, with its own Layout: which ranks read which shard of the data, and how gradients are clipped.
 """
 
 import argparse
