@@ -46,6 +46,9 @@ over every rank's real (not padding) windows of the interval, and tokens per sec
 ranks over the slowest rank's interval time. At the end each rank's peak resident memory
 (VmHWM) is printed as `rank R peak resident MiB M`. RESULT.json holds the same: the rows (with
 samples and seconds), `peak_rss_bytes` per rank, the world size, threads and units.
+
+tp_torch.py (DTensor's tensor parallelism) takes the same command line and trains through the same
+`train`, with its own Layout: which ranks read which shard of the data, and how gradients are clipped.
 """
 
 import argparse
@@ -132,7 +135,18 @@ def shard(model, reshard_after_forward, bf16):
     return [f"blocks.{i}" for i in range(last + 1)] + ["root (tok, pos, ln_f, head)"]
 
 
-def main():
+def by_mesh(params):
+    """`params` in lists of one kind each: plain tensors, or DTensors of one device mesh. A fused
+    optimizer kernel takes one kind per call, and takes a param group in one call (tensor
+    parallelism leaves the replicated parameters plain)."""
+    lists = {}
+    for p in params:
+        lists.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return list(lists.values())
+
+
+def arguments():
+    """The command line every twin of the runner's language model takes (this script's)."""
     p = argparse.ArgumentParser()
     p.add_argument("file")
     p.add_argument("--source", choices=["text", "tokens"], help="default: tokens for .npy and .bin, else text")
@@ -168,7 +182,34 @@ def main():
     init.add_argument("--init", help="initial weights under the runner's names (.npz or .safetensors)")
     init.add_argument("--init-out", help="draw the initial weights from --seed and write them here (.npz)")
     p.add_argument("--out", help="RESULT.json")
-    a = p.parse_args()
+    return p
+
+
+class Layout:
+    """How a twin spreads the model over its ranks: its units (for the result), which data shard
+    this rank reads (`data_rank` of `data_world`), whether its losses count in the rows (one rank
+    of each group that computes the same loss), and how the gradients are clipped to a global norm."""
+
+    def __init__(self, units, data_rank, data_world, counts=True, clip=torch.nn.utils.clip_grad_norm_, extra=None):
+        self.units, self.data_rank, self.data_world, self.counts, self.clip = units, data_rank, data_world, counts, clip
+        self.extra = extra or {}
+
+
+def main():
+    a = arguments().parse_args()
+    train(a, lambda model: fsdp2(model, a), "fsdp2_torch.py")
+
+
+def fsdp2(model, a):
+    """FSDP2 over every rank: each rank reads its own shard of the data."""
+    units = shard(model, a.reshard_after_forward == "true", a.precision == "bf16")
+    extra = {"reshard_after_forward": a.reshard_after_forward == "true", "precision": a.precision}
+    return Layout(units, dist.get_rank(), dist.get_world_size(), extra=extra)
+
+
+def train(a, parallelize, script):
+    """Trains the runner's language model as the runner does (the module docstring), the model
+    spread over the ranks by `parallelize(model)` (a Layout), from its initial weights."""
     source = a.source or ("tokens" if a.file.endswith((".npy", ".bin")) else "text")
 
     torch.set_num_threads(a.threads)
@@ -178,7 +219,7 @@ def main():
     t = a.seq_len
     stream = token_stream(a.file, source)
     if len(stream) < a.rows * t + 1:
-        raise SystemExit(f"fsdp2_torch.py: {a.file} holds {len(stream)} tokens, fewer than {a.rows} windows of {t} + 1")
+        raise SystemExit(f"{script}: {a.file} holds {len(stream)} tokens, fewer than {a.rows} windows of {t} + 1")
 
     torch.manual_seed(a.seed)
     model = Transformer(a.vocab, a.d_model, a.heads, a.layers, t, a.tied, bias=not a.no_bias)
@@ -186,10 +227,15 @@ def main():
         model.load_state_dict(read_init(a.init), strict=True)
     elif rank == 0:
         np.savez(a.init_out, **{k: v.detach().numpy() for k, v in model.named_parameters()})
-    units = shard(model, a.reshard_after_forward == "true", a.precision == "bf16")
+    layout = parallelize(model)
+    data_rank, data_world = layout.data_rank, layout.data_world
 
     params = list(model.parameters())
-    groups = decay_groups(model, a.decay_on, a.weight_decay)
+    groups = [
+        dict(group, params=same)
+        for group in decay_groups(model, a.decay_on, a.weight_decay)
+        for same in by_mesh(group["params"])
+    ]
     if a.optimizer == "sgd":
         opt = torch.optim.SGD(groups, lr=a.lr)
     else:
@@ -199,7 +245,7 @@ def main():
         opt = kind(groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps, fused=True)
 
     # The runner's clock (src/stages/train.rs): batches of an epoch's shard, one step each.
-    per_rank = -(-a.rows // world)
+    per_rank = -(-a.rows // data_world)
     steps_per_epoch = -(-per_rank // a.batch)
     total = a.steps if a.steps is not None else a.epochs * steps_per_epoch
     row_every = a.row_every or steps_per_epoch
@@ -213,9 +259,10 @@ def main():
         epoch = step // steps_per_epoch + 1
         if shard_of is None or shard_of[0] != epoch:
             perm = permutation(a.seed, epoch, a.rows)
-            padded = perm + perm[: per_rank * world - a.rows]
-            weight = torch.tensor([1.0 if rank + i * world < a.rows else 0.0 for i in range(per_rank)])
-            shard_of = (epoch, padded[rank::world], weight)
+            padded = perm + perm[: per_rank * data_world - a.rows]
+            real = [data_rank + i * data_world < a.rows for i in range(per_rank)]
+            weight = torch.tensor([1.0 if r and layout.counts else 0.0 for r in real])
+            shard_of = (epoch, padded[data_rank::data_world], weight)
         _, mine, weight = shard_of
         s = (step % steps_per_epoch) * a.batch
         xb, yb = windows(stream, mine[s : s + a.batch], t)
@@ -227,7 +274,7 @@ def main():
         per_sample = per_sample_loss(model(xb).float(), yb)
         per_sample.mean().backward()
         if a.clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, a.clip)
+            layout.clip(params, a.clip)
         opt.step()
         with torch.no_grad():
             loss_sum += (per_sample.double() * wb.double()).sum()
@@ -264,9 +311,8 @@ def main():
             result = {
                 "world_size": world,
                 "threads": a.threads,
-                "units": units,
-                "reshard_after_forward": a.reshard_after_forward == "true",
-                "precision": a.precision,
+                "units": layout.units,
+                **layout.extra,
                 "rows": rows,
                 "peak_rss_bytes": [int(b) for b in peaks.tolist()],
             }

@@ -12,8 +12,10 @@
 //!
 //! The `fsdp` workload measures sharded data parallelism instead: the runner's
 //! [`workload::FSDP_STRATEGY`] against PyTorch FSDP2 (benches/reference/fsdp2_torch.py), and as
-//! its third run the runner's own DDP step. Every run's per-rank peak resident memory is measured
-//! from outside ([`memory`]), the same way for both sides.
+//! its third run the runner's own DDP step. The `tp` workload measures tensor parallelism: the
+//! runner at `[wrap.mesh] tensor = 2` against PyTorch's DTensor (benches/reference/tp_torch.py) at
+//! the same mesh, with no third run. Every run's per-rank peak resident memory is measured from
+//! outside ([`memory`]), the same way for both sides.
 pub mod memory;
 pub mod peak;
 mod report;
@@ -121,6 +123,14 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
                 crate::say!("  world size {ws}: skipped (sharding needs at least 2 ranks)");
                 continue;
             }
+            if let Peer::TorchTp { tensor, .. } = w.peer {
+                if ws != tensor {
+                    crate::say!(
+                        "  world size {ws}: skipped (the mesh is tensor {tensor} × data 1: world size {tensor})"
+                    );
+                    continue;
+                }
+            }
             let threads = (cores / ws).max(1);
             let mut cell = Cell {
                 world_size: ws,
@@ -133,28 +143,31 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
             for rep in 1..=opts.repetitions {
                 let r = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native, None))?;
                 let t = retried(|| run_torch(&torchrun, &root.join(w.peer.script()), &files, &w, ws, threads))?;
-                let (k, third) = match w.peer {
-                    Peer::TorchDdp => (
+                let third = match w.peer {
+                    Peer::TorchDdp => Some((
                         retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Portable, None))?,
                         "runner with portable numerics",
-                    ),
-                    Peer::TorchFsdp2 { .. } => (
+                    )),
+                    Peer::TorchFsdp2 { .. } => Some((
                         retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native, Some("ddp")))?,
                         "runner with DDP",
-                    ),
+                    )),
+                    Peer::TorchTp { .. } => None,
                 };
+                let third_summary =
+                    third.as_ref().map_or(String::new(), |(k, what)| format!(", {what} {}", summary(k)));
                 crate::say!(
-                    "  world size {ws}, run {rep}/{}: runner {}, PyTorch {}, {third} {}",
+                    "  world size {ws}, run {rep}/{}: runner {}, PyTorch {}{third_summary}",
                     opts.repetitions,
                     summary(&r),
                     summary(&t),
-                    summary(&k)
                 );
                 cell.runner.push(r);
                 cell.torch.push(t);
-                match w.peer {
-                    Peer::TorchDdp => cell.runner_portable.push(k),
-                    Peer::TorchFsdp2 { .. } => cell.runner_ddp.push(k),
+                match (w.peer, third) {
+                    (Peer::TorchDdp, Some((k, _))) => cell.runner_portable.push(k),
+                    (Peer::TorchFsdp2 { .. }, Some((k, _))) => cell.runner_ddp.push(k),
+                    _ => {}
                 }
             }
             cells.push(cell);
@@ -247,10 +260,12 @@ fn run_runner(
         losses[e] = loss[i];
         per_epoch_samples[e] += samples[i];
     }
-    Ok(Measure { wall_s, epoch_s: report::median(&slowest), samples: per_epoch_samples[0], losses, peak_rss })
+    // The ranks of a tensor group train the same samples: each counted once.
+    let samples = per_epoch_samples[0] / w.peer.tensor() as f64;
+    Ok(Measure { wall_s, epoch_s: report::median(&slowest), samples, losses, peak_rss })
 }
 
-/// The workload's peer, PyTorch DDP or FSDP2, running `script`.
+/// The workload's peer, PyTorch DDP, FSDP2 or DTensor tensor parallelism, running `script`.
 fn run_torch(
     torchrun: &Path,
     script: &Path,
@@ -261,7 +276,7 @@ fn run_torch(
 ) -> anyhow::Result<Measure> {
     match w.peer {
         Peer::TorchDdp => run_torch_ddp(torchrun, script, files, w, ws, threads),
-        Peer::TorchFsdp2 { .. } => run_torch_fsdp2(torchrun, script, files, w, ws, threads),
+        Peer::TorchFsdp2 { .. } | Peer::TorchTp { .. } => run_torch_lm(torchrun, script, files, w, ws, threads),
     }
 }
 
@@ -313,8 +328,9 @@ fn reference_epochs(result: &Path, list: &str, seconds: &str, who: &str) -> anyh
     Ok((epoch_s, losses, get(&rows[0], "samples")?))
 }
 
-/// PyTorch FSDP2 on the workload's token file, from the same initial weights, a row per epoch.
-fn run_torch_fsdp2(
+/// PyTorch FSDP2 or DTensor tensor parallelism (the twins of the runner's language model, with
+/// one command line) on the workload's token file, from the same initial weights, a row per epoch.
+fn run_torch_lm(
     torchrun: &Path,
     script: &Path,
     files: &workload::Files,
@@ -323,10 +339,14 @@ fn run_torch_fsdp2(
     threads: usize,
 ) -> anyhow::Result<Measure> {
     let workload::Kind::Transformer(t) = &w.kind else {
-        bail!("the {} workload: FSDP2's twin is a language model", w.name)
+        bail!("the {} workload: {} runs a language model", w.name, w.peer.script())
+    };
+    let (name, who) = match w.peer {
+        Peer::TorchTp { .. } => ("tp", "PyTorch DTensor"),
+        _ => ("fsdp2", "PyTorch FSDP2"),
     };
     let tag = w.precision_tag();
-    let result = files.dir.join(format!("fsdp2{tag}-ws{ws}.json"));
+    let result = files.dir.join(format!("{name}{tag}-ws{ws}.json"));
     let _ = std::fs::remove_file(&result);
     let mut cmd = Command::new(torchrun);
     cmd.args(["--standalone", &format!("--nproc_per_node={ws}")])
@@ -355,8 +375,11 @@ fn run_torch_fsdp2(
     if w.bf16 {
         cmd.args(["--precision", "bf16"]);
     }
-    let (wall_s, peak_rss) = timed(cmd, ws, &files.dir.join(format!("fsdp2{tag}-ws{ws}.log")))?;
-    let (epoch_s, losses, samples) = reference_epochs(&result, "rows", "seconds", "PyTorch FSDP2")?;
+    if let Peer::TorchTp { tensor, .. } = w.peer {
+        cmd.args(["--tensor", &tensor.to_string()]);
+    }
+    let (wall_s, peak_rss) = timed(cmd, ws, &files.dir.join(format!("{name}{tag}-ws{ws}.log")))?;
+    let (epoch_s, losses, samples) = reference_epochs(&result, "rows", "seconds", who)?;
     Ok(Measure { wall_s, epoch_s: report::median(&epoch_s), samples, losses, peak_rss })
 }
 

@@ -1,4 +1,6 @@
 //! The benchmark's tables and targets, as markdown, and their place in benches/RESULTS.md.
+mod tp;
+
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -132,6 +134,7 @@ pub fn markdown(machine: &Machine, repetitions: usize, results: &[WorkloadResult
         match r.workload.peer {
             Peer::TorchDdp => ddp_section(&mut s, machine, r, &mut targets),
             Peer::TorchFsdp2 { memory, ddp_step } => fsdp_section(&mut s, r, memory, ddp_step, &mut targets),
+            Peer::TorchTp { tensor, memory } => tp::section(&mut s, r, tensor, memory, &mut targets),
         }
     }
     numerics_cost(&mut s, results);

@@ -132,7 +132,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,2,4", value_parser = clap::value_parser!(u64).range(1..=64))]
     pub world_sizes: Vec<u64>,
     /// Only these workloads (repeatable, or comma-separated) [default: all]
-    #[arg(long = "workload", value_name = "NAME", value_delimiter = ',', value_parser = ["overhead-bound", "compute-bound", "cnn", "transformer", "fsdp"])]
+    #[arg(long = "workload", value_name = "NAME", value_delimiter = ',', value_parser = ["overhead-bound", "compute-bound", "cnn", "transformer", "fsdp", "tp"])]
     pub workloads: Vec<String>,
     /// Where the results go (the part between the markers is replaced; notes around it are kept).
     #[arg(long, value_name = "FILE", default_value = "benches/RESULTS.md")]

@@ -91,3 +91,25 @@ fn the_fsdp_workload_trains_under_its_strategy_as_under_ddp() {
         assert!(((a - b) / b).abs() < 1e-5, "epoch {}: {} {a}, ddp {b}", e + 1, workload::FSDP_STRATEGY);
     }
 }
+
+/// The tp workload's runner side: its pipeline (the token file, `[wrap.mesh] tensor = 2`) at
+/// world size 2, as `runner bench --workload tp` runs it, gives the losses of one process within
+/// 1e-5.
+#[test]
+fn the_tp_workload_splits_over_2_tensor_ranks_as_one_process_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = tiny("tp");
+    let files = workload::prepare(&w, dir.path()).unwrap();
+    let pipeline = files.pipeline.to_str().unwrap();
+    let go = |out: &str, extra: &[&str]| {
+        let args = ["run", pipeline, "--set", "run.threads_per_rank=1", "--out", out];
+        assert_ok(&run(&[&args[..], extra].concat(), dir.path()));
+        losses(&dir.path().join(out))
+    };
+    let split = go("tp", &["--set", "run.world_size=2"]);
+    let one = go("one", &["--set", "run.world_size=1", "--set", "wrap.mesh.tensor=1"]);
+    assert_eq!(split.len(), 2);
+    for (e, (a, b)) in split.iter().zip(&one).enumerate() {
+        assert!(((a - b) / b).abs() < 1e-5, "epoch {}: tensor 2 {a}, one process {b}", e + 1);
+    }
+}

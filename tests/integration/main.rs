@@ -52,6 +52,7 @@ mod sweep;
 mod tensor_parallel;
 mod thread_replicas;
 mod tokenizer;
+mod tp_twin;
 mod track;
 mod transformer;
 mod validate_split;
