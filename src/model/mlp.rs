@@ -6,7 +6,7 @@ use tch::nn::{self, Module, ModuleT};
 use tch::Tensor;
 
 use super::{Architecture, BuildContext, Layer};
-use crate::config::schema::{Activation, Mlp};
+use crate::config::schema::{Activation, ActivationCheckpointing, Mlp};
 use crate::rng::Rng;
 
 /// The keys' own bounds; `false` when the widths are too large to compute shapes from.
@@ -82,7 +82,12 @@ impl Architecture for MlpArch {
         let layers = range
             .map(|i| (i, init_linear(&(p / format!("layer{i}")), self.widths[i], self.widths[i + 1], ctx.seed, i)))
             .collect();
-        Box::new(MlpStage { layers, activation: self.activation, dropout: self.dropout })
+        Box::new(MlpStage {
+            layers,
+            activation: self.activation,
+            dropout: self.dropout,
+            checkpointing: ctx.checkpointing,
+        })
     }
 }
 
@@ -94,6 +99,9 @@ struct MlpStage {
     layers: Vec<(usize, nn::Linear)>,
     activation: Activation,
     dropout: f64,
+    /// Which layers recompute their activations in the backward pass: layer i ≥ 1 is block i - 1
+    /// (its activation, dropout and product; the first layer reads the data).
+    checkpointing: ActivationCheckpointing,
 }
 
 /// A linear layer with tch's default initialisation (weights uniform in ±√(6 / in), biases in
@@ -114,23 +122,36 @@ pub(super) fn init_linear(p: &nn::Path, inputs: usize, outputs: usize, seed: u64
 /// Separates the layers' streams from other uses of the run's seed.
 const LAYER_STREAM: u64 = 0x1A7E_0000;
 
+/// Layer `i` (> 0) on the previous layer's output: the activation, dropout, the product.
+fn hidden_layer(layer: &nn::Linear, activation: Activation, dropout: f64, h: &Tensor, train: bool) -> Tensor {
+    let mut h = match activation {
+        Activation::Relu => h.relu(),
+        Activation::Tanh => h.tanh(),
+        Activation::Gelu => h.gelu("none"),
+    };
+    if dropout > 0.0 {
+        h = h.dropout(dropout, train);
+    }
+    layer.forward(&h)
+}
+
 impl ModuleT for MlpStage {
     fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
         let mut h = x.shallow_clone();
         for (i, layer) in &self.layers {
-            if *i > 0 {
-                h = match self.activation {
-                    Activation::Relu => h.relu(),
-                    Activation::Tanh => h.tanh(),
-                    Activation::Gelu => h.gelu("none"),
-                };
-                if self.dropout > 0.0 {
-                    h = h.dropout(self.dropout, train);
-                }
-            } else if h.dim() > 2 {
-                h = h.flatten(1, -1);
-            }
-            h = layer.forward(&h);
+            let (activation, dropout) = (self.activation, self.dropout);
+            h = if *i == 0 {
+                layer.forward(&if h.dim() > 2 { h.flatten(1, -1) } else { h })
+            } else if train && self.checkpointing.applies(i - 1) {
+                // The recomputation owns its own handles on the layer's parameters.
+                let params = [layer.ws.shallow_clone(), layer.bs.as_ref().expect("a bias").shallow_clone()];
+                let own = nn::Linear { ws: params[0].shallow_clone(), bs: Some(params[1].shallow_clone()) };
+                let recompute = move |x: &Tensor| hidden_layer(&own, activation, dropout, x, train);
+                // A forward pass returns no Result: a failure ends the rank.
+                crate::dist::checkpoint(&h, &params, recompute).unwrap_or_else(|e| crate::checked::fail(e.to_string()))
+            } else {
+                hidden_layer(layer, activation, dropout, &h, train)
+            };
         }
         h
     }

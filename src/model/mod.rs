@@ -20,7 +20,7 @@ use std::sync::Arc;
 use tch::nn::{self, ModuleT};
 use tch::Tensor;
 
-use crate::config::schema::{Model, Torchscript};
+use crate::config::schema::{ActivationCheckpointing, Model, Torchscript};
 use batchnorm::StatsGroup;
 pub use init::{load_init, InitWeights};
 pub use weights::read_weights;
@@ -34,12 +34,15 @@ pub struct BuildContext<'a> {
     /// (`wrap.sync_batchnorm` under DDP: the data-parallel group, set by the wrap stage); `None`:
     /// each rank normalises by its own batch.
     pub batch_norm: Option<Arc<StatsGroup<'a>>>,
+    /// Which blocks recompute their activations in the backward pass
+    /// (`wrap.activation_checkpointing`; the plan allows it only for kinds that have blocks).
+    pub checkpointing: ActivationCheckpointing,
 }
 
 impl BuildContext<'_> {
-    /// Weights from `seed`, batch norm over this process's batch.
+    /// Weights from `seed`, batch norm over this process's batch, every activation kept.
     pub fn new(seed: u64) -> BuildContext<'static> {
-        BuildContext { seed, batch_norm: None }
+        BuildContext { seed, batch_norm: None, checkpointing: ActivationCheckpointing::default() }
     }
 }
 

@@ -185,7 +185,7 @@ impl Architecture for TransformerArch {
     }
 
     fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
-        Box::new(block::Stage::build(&self.s, p, range, ctx.seed))
+        Box::new(block::Stage::build(&self.s, p, range, ctx.seed).with_checkpointing(ctx.checkpointing))
     }
 
     fn reads(&self, layer: usize) -> Vec<usize> {
@@ -303,6 +303,32 @@ mod tests {
         let x = Tensor::from_slice(&[0i64, 3, 10, 2, 2, 7, 1, 0, 5, 9]).view([2, 5]);
         for t in [small(false), llama()] {
             crate::model::assert_stages_equal_whole(&TransformerArch::new(&t), &x, &[0..2, 2..3, 3..5]);
+        }
+    }
+
+    /// A checkpointed model's loss and every gradient are the bits of the plain one (with dropout
+    /// in tests/integration/activations.rs: the tests of this binary share one generator).
+    #[test]
+    fn checkpointed_blocks_give_the_same_gradients() {
+        use crate::config::schema::{ActivationCheckpointing, CheckpointPolicy};
+        let grads = |policy: CheckpointPolicy| {
+            let t = Transformer { positions: Some(Positions::Rope), kv_heads: Some(1), ..small(false) };
+            let arch = TransformerArch::new(&t);
+            let vs = nn::VarStore::new(tch::Device::Cpu);
+            let checkpointing = ActivationCheckpointing { policy, every: 1 };
+            let ctx = BuildContext { checkpointing, ..BuildContext::new(3) };
+            let net = arch.build(&vs.root(), 0..5, &ctx);
+            let x = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6, 7, 8, 9, 10]).view([2, 5]);
+            let loss = net.forward_t(&x, true).square().mean(tch::Kind::Float);
+            loss.backward();
+            let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.grad())).collect();
+            named.sort_by(|a, b| a.0.cmp(&b.0));
+            (loss, named)
+        };
+        let (a, b) = (grads(CheckpointPolicy::None), grads(CheckpointPolicy::Full));
+        assert!(a.0.equal(&b.0), "loss");
+        for ((name, g), (_, h)) in a.1.iter().zip(&b.1) {
+            assert!(g.equal(h), "{name}: {}", (g - h).abs().max());
         }
     }
 

@@ -43,7 +43,11 @@ pub fn wrap<'pg>(
     // With wrap.sync_batchnorm under DDP or FSDP, batch norm's statistics cover the data-parallel
     // group: every rank of the job. The step reports a failed collective.
     let batch_norm = plan.syncs_batch_norm().then(|| StatsGroup::new(pg));
-    let ctx = BuildContext { seed: c.run.seed, batch_norm: batch_norm.clone() };
+    let ctx = BuildContext {
+        seed: c.run.seed,
+        batch_norm: batch_norm.clone(),
+        checkpointing: c.wrap.activation_checkpointing,
+    };
     if c.wrap.strategy == WrapStrategy::Fsdp {
         return wrap_sharded(plan, pg, vs, arch.as_ref(), &ctx);
     }

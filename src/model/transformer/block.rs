@@ -6,7 +6,7 @@ use tch::nn::{self, ModuleT};
 use tch::{Kind, Tensor};
 
 use super::Spec;
-use crate::config::schema::{FeedForward, Norm, Positions};
+use crate::config::schema::{ActivationCheckpointing, FeedForward, Norm, Positions};
 use crate::rng::Rng;
 
 /// Separates the layers' streams from other uses of the run's seed.
@@ -25,6 +25,25 @@ struct Block {
     out: Affine,
 }
 
+impl Block {
+    fn affines(&self) -> [&Affine; 6] {
+        [&self.ln1, &self.qkv, &self.proj, &self.ln2, &self.fc, &self.out]
+    }
+
+    /// Its parameters, in module order.
+    fn parameters(&self) -> Vec<Tensor> {
+        let each = |(w, b): &Affine| [Some(w.shallow_clone()), b.as_ref().map(Tensor::shallow_clone)];
+        self.affines().into_iter().flat_map(each).flatten().collect()
+    }
+
+    /// The same parameters under another handle (what a checkpointed block's recomputation owns).
+    fn shallow_clone(&self) -> Block {
+        let each = |(w, b): &Affine| (w.shallow_clone(), b.as_ref().map(Tensor::shallow_clone));
+        let [ln1, qkv, proj, ln2, fc, out] = self.affines().map(each);
+        Block { ln1, qkv, proj, ln2, fc, out }
+    }
+}
+
 #[derive(Debug)]
 struct Head {
     ln: Affine,
@@ -39,13 +58,18 @@ pub struct Stage {
     blocks: Vec<Block>,
     head: Option<Head>,
     s: Spec,
+    /// The model's index of the first block here (a pipeline stage or an FSDP layer holds a part).
+    first_block: usize,
+    /// Which blocks recompute their activations in the backward pass.
+    checkpointing: ActivationCheckpointing,
 }
 
 impl Stage {
     /// Layers `range` of the model `s`, under `p`, each drawn from its own stream of (`seed`,
     /// layer) in a fixed order.
     pub fn build(s: &Spec, p: &nn::Path, range: Range<usize>, seed: u64) -> Stage {
-        let mut stage = Stage { embed: None, blocks: Vec::new(), head: None, s: s.clone() };
+        let (first_block, checkpointing) = (range.start.max(1) - 1, ActivationCheckpointing::default());
+        let mut stage = Stage { embed: None, blocks: Vec::new(), head: None, s: s.clone(), first_block, checkpointing };
         // Residual projections: GPT-2's scaled initialisation.
         let residual_std = 0.02 / ((2 * s.layers) as f64).sqrt();
         let gated = if s.mlp == FeedForward::Swiglu { 2 } else { 1 };
@@ -84,6 +108,41 @@ impl Stage {
             }
         }
         stage
+    }
+
+    /// The stage with its blocks checkpointed as `checkpointing` says.
+    pub fn with_checkpointing(self, checkpointing: ActivationCheckpointing) -> Stage {
+        Stage { checkpointing, ..self }
+    }
+
+    /// Block `i` of this stage on `h`; under checkpointing, computed without keeping its
+    /// activations, and again in the backward pass (crate::dist::checkpoint: the same bits).
+    fn block(&self, i: usize, h: &Tensor, rope: Option<&(Tensor, Tensor)>, train: bool) -> Tensor {
+        let block = &self.blocks[i];
+        if !(train && self.checkpointing.applies(self.first_block + i)) {
+            return self.block_forward(block, h, rope, train);
+        }
+        // The recomputation owns its block's parameters, the model's shape and the positions.
+        let one = Stage {
+            embed: None,
+            blocks: vec![block.shallow_clone()],
+            head: None,
+            s: self.s.clone(),
+            first_block: 0,
+            checkpointing: ActivationCheckpointing::default(),
+        };
+        let rope = rope.map(|(cos, sin)| (cos.shallow_clone(), sin.shallow_clone()));
+        let recompute = move |x: &Tensor| one.block_forward(&one.blocks[0], x, rope.as_ref(), train);
+        // A forward pass returns no Result: a failure ends the rank, as a failed gather does.
+        crate::dist::checkpoint(h, &block.parameters(), recompute)
+            .unwrap_or_else(|e| crate::checked::fail(e.to_string()))
+    }
+
+    /// A pre-norm block: attention, then the MLP, each added to the residual stream.
+    fn block_forward(&self, block: &Block, h: &Tensor, rope: Option<&(Tensor, Tensor)>, train: bool) -> Tensor {
+        let dropout = self.s.dropout;
+        let h = h + self.attention(block, &self.norm(h, &block.ln1), rope, train).dropout(dropout, train);
+        &h + self.mlp(block, &self.norm(&h, &block.ln2)).dropout(dropout, train)
     }
 
     fn norm(&self, x: &Tensor, (w, b): &Affine) -> Tensor {
@@ -173,9 +232,8 @@ impl ModuleT for Stage {
         };
         let rope =
             (self.s.positions == Positions::Rope && !self.blocks.is_empty()).then(|| self.rope_tables(t, h.device()));
-        for block in &self.blocks {
-            h = &h + self.attention(block, &self.norm(&h, &block.ln1), rope.as_ref(), train).dropout(dropout, train);
-            h = &h + self.mlp(block, &self.norm(&h, &block.ln2)).dropout(dropout, train);
+        for i in 0..self.blocks.len() {
+            h = self.block(i, &h, rope.as_ref(), train);
         }
         if let Some(head) = &self.head {
             h = self.norm(&h, &head.ln).linear(&head.weight, None::<Tensor>);
