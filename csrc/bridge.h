@@ -150,8 +150,8 @@ typedef char* (*rn_segment_fn)(void* closure, void* input, void** output);
 typedef void (*rn_segment_drop)(void* closure);
 char* rn_checkpoint(void* input, void** params, size_t n_params, rn_segment_fn call, rn_segment_drop drop,
                     void* closure, void** out);
-// Nanoseconds this process has spent in checkpointed segments' backward passes (recomputing and
-// differentiating them), since it started.
+// Nanoseconds this process has spent recomputing checkpointed segments in backward passes (host
+// time: on CUDA, the kernels' launches), since it started.
 int64_t rn_checkpoint_recompute_ns(void);
 
 // A TorchScript module (torch.jit.save's archive) loaded onto device (a c10::DeviceType, with

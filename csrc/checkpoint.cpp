@@ -151,7 +151,6 @@ struct Checkpoint : public torch::autograd::Function<Checkpoint> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    int64_t t0 = now_ns();
     torch::autograd::variable_list result(ctx->saved_data["params"].toTensorList().size() + 2);
     if (!grads[0].defined()) return result;
     at::Tensor x = ctx->get_saved_variables()[0];
@@ -168,9 +167,11 @@ struct Checkpoint : public torch::autograd::Function<Checkpoint> {
     at::Tensor input = x.detach().requires_grad_(x.requires_grad());
     at::Tensor out;
     {
+      int64_t t0 = now_ns();
       ForwardState state(generators(x), states, autocast);
       at::AutoGradMode grad(true);
       out = segment->run(input);
+      recompute_ns += now_ns() - t0;
     }
     // What to differentiate with respect to: the input where it needs a gradient, and every
     // parameter that does.
@@ -191,7 +192,6 @@ struct Checkpoint : public torch::autograd::Function<Checkpoint> {
                                        /*allow_unused=*/true);
       for (size_t k = 0; k < got.size(); ++k) result[at_index[k]] = got[k];
     }
-    recompute_ns += now_ns() - t0;
     return result;
   }
 };

@@ -58,8 +58,8 @@ where
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
 }
 
-/// Time this process has spent in checkpointed segments' backward passes (recomputing and
-/// differentiating them) since it started.
+/// Time this process has spent recomputing checkpointed segments in backward passes since it
+/// started (host time: on CUDA, what launching the kernels took).
 pub fn recompute_time() -> Duration {
     // SAFETY: reads an atomic counter.
     Duration::from_nanos(unsafe { ffi::rn_checkpoint_recompute_ns() }.max(0) as u64)

@@ -46,6 +46,14 @@ impl BuildContext<'_> {
     }
 }
 
+/// How a run computes its activations, which decides what they cost in memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Activations {
+    pub checkpointing: ActivationCheckpointing,
+    /// Under bf16 autocast: products in bfloat16.
+    pub bf16: bool,
+}
+
 /// One layer as the plan sees it. Layers are where a pipeline may cut the model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Layer {
@@ -121,6 +129,14 @@ pub trait Architecture {
     /// most). Training a sample takes 3 × this (the backward pass computes two products per
     /// forward one). `None` where the kind does not know its shapes (TorchScript).
     fn forward_flops(&self) -> Option<f64> {
+        None
+    }
+
+    /// Bytes of activations a rank holds at its peak, training on `batch` samples or validating
+    /// `validation` at once, where the kind counts them itself (what its kernels keep, in their
+    /// dtypes, under checkpointing); `None`: the generic count of `limits::estimate` (every
+    /// layer's output and [`Layer::held`], float32).
+    fn activation_bytes(&self, _batch: usize, _validation: usize, _how: &Activations) -> Option<f64> {
         None
     }
 }

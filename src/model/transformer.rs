@@ -16,6 +16,7 @@
 //! Initial weights as GPT-2's: normal(0, 0.02) for embeddings and linear weights (the residual
 //! projections scaled by 1/√(2L)), zero biases, unit norms; each layer drawn from its own stream
 //! of (seed, layer), so the stages of a pipeline together equal the whole model.
+mod activations;
 mod block;
 mod spec;
 
@@ -23,7 +24,7 @@ use std::ops::Range;
 
 use tch::nn::{self, ModuleT};
 
-use super::{Architecture, BuildContext, Layer};
+use super::{Activations, Architecture, BuildContext, Layer};
 use crate::config::schema::{FeedForward, Positions, Transformer};
 pub use spec::{check, Spec, MAX_SEQ_LEN};
 
@@ -50,24 +51,10 @@ impl TransformerArch {
         self.s.layers + 1
     }
 
-    /// Values per sample (per window) a block keeps for its backward pass besides its output:
-    /// per token, the two norms (2d), q, k and v, the rotated q and k (RoPE), the key and value
-    /// heads repeated for their query heads (grouped-query attention), the attention's output and
-    /// projection, the first residual (d), the MLP's hidden values (before and after GELU, or
-    /// SwiGLU's gate and up, the gate's SiLU and their product) and the attention's log-sum-exp
-    /// per head. With dropout, libtorch's attention takes its plain path, which keeps the
-    /// attention weights and their dropout mask (2 × heads × seq_len²).
+    /// Values per sample (per window) a block keeps for its backward pass besides its output, in
+    /// float32 ([`activations::block_kept`]).
     fn block_held(&self) -> usize {
-        let s = &self.s;
-        let (d, t, q, kv) = (s.d, s.seq_len, s.heads * s.head_dim, s.kv_heads * s.head_dim);
-        let rope = if s.positions == Positions::Rope { q + kv } else { 0 };
-        let repeated = if s.kv_heads < s.heads { 2 * q } else { 0 };
-        let mlp = match s.mlp {
-            FeedForward::Swiglu => 4 * s.hidden,
-            FeedForward::Gelu | FeedForward::GeluTanh => 2 * s.hidden,
-        };
-        let weights = if s.dropout > 0.0 { 2 * s.heads * t * t } else { 0 };
-        t * (2 * d + q + 2 * kv + rope + repeated + q + d + d + mlp + s.heads) + weights
+        (activations::block_kept(&self.s, 4.0) / 4.0) as usize
     }
 
     /// Per block, the names and shapes of its parameters, in module order.
@@ -182,6 +169,10 @@ impl Architecture for TransformerArch {
         let mlp = hidden * d * if s.mlp == FeedForward::Swiglu { 3.0 } else { 2.0 };
         let matrices = d * (q + 2.0 * kv) + q * d + mlp;
         Some(l * (2.0 * t * matrices + 4.0 * t * t * q) + 2.0 * t * d * v)
+    }
+
+    fn activation_bytes(&self, batch: usize, validation: usize, how: &Activations) -> Option<f64> {
+        Some(activations::peak_bytes(&self.s, batch, validation, how))
     }
 
     fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
