@@ -7,6 +7,7 @@ use crate::common;
 use std::path::Path;
 
 use common::{assert_ok, assert_same_trace, run, text, write};
+use polars::prelude::{ParquetReader, SerReader};
 use tch::{Kind, Tensor};
 
 /// A small language model with dropout (in the embedding, the attention and the residual
@@ -85,6 +86,14 @@ fn assert_checkpointing_changes_nothing(dir: &Path, name: &str, layout: &[&str])
     for policy in ["full", "every2"] {
         assert_same_run(dir, &format!("{name}-none"), &format!("{name}-{policy}"));
     }
+    // steps.parquet's recompute_s: the time spent recomputing, only where blocks are.
+    let recompute = |run: &str| -> f64 {
+        let file = std::fs::File::open(dir.join(run).join("steps.parquet")).expect("steps.parquet");
+        let steps = ParquetReader::new(file).finish().unwrap();
+        steps.column("recompute_s").unwrap().f64().unwrap().into_no_null_iter().sum()
+    };
+    assert_eq!(recompute(&format!("{name}-none")), 0.0, "{name}");
+    assert!(recompute(&format!("{name}-full")) > 0.0, "{name}");
 }
 
 #[test]
