@@ -517,7 +517,7 @@ impl Default for ActivationCheckpointing {
 impl ActivationCheckpointing {
     /// Whether block `i` (0-based, of the checkpointable blocks) is recomputed.
     pub fn applies(&self, i: usize) -> bool {
-        self.policy != CheckpointPolicy::None && self.every > 0 && i % self.every == 0
+        self.policy != CheckpointPolicy::None && self.every > 0 && i.is_multiple_of(self.every)
     }
 }
 
