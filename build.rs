@@ -1,4 +1,4 @@
-//! Compiles the C++ bridge to c10d (csrc/bridge.cpp, csrc/fsdp.cpp) against the libtorch that tch links, and
+//! Compiles the C++ bridge to c10d (csrc/bridge.cpp, csrc/checkpoint.cpp, csrc/fsdp.cpp) against the libtorch that tch links, and
 //! sets an rpath so the binary runs without LD_LIBRARY_PATH.
 //!
 //! With `--features cuda`, the bridge also compiles c10d's ProcessGroupNCCL (`-DUSE_C10D_NCCL`)
@@ -38,7 +38,14 @@ fn main() {
         .find(|dir| dir.join("gloo/config.h").exists())
         .unwrap_or_else(|| fail("the gloo headers (gloo/config.h) were not found"));
 
-    for file in ["csrc/bridge.cpp", "csrc/fsdp.cpp", "csrc/memory.cpp", "csrc/bridge.h", "csrc/internal.hpp"] {
+    for file in [
+        "csrc/bridge.cpp",
+        "csrc/checkpoint.cpp",
+        "csrc/fsdp.cpp",
+        "csrc/memory.cpp",
+        "csrc/bridge.h",
+        "csrc/internal.hpp",
+    ] {
         println!("cargo:rerun-if-changed={file}");
     }
     let include = libtorch.join("include");
@@ -54,6 +61,7 @@ fn main() {
         .define("USE_C10D_GLOO", None)
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .file("csrc/bridge.cpp")
+        .file("csrc/checkpoint.cpp")
         .file("csrc/fsdp.cpp")
         .file("csrc/memory.cpp");
     let cuda = env::var_os("CARGO_FEATURE_CUDA").is_some();

@@ -137,6 +137,23 @@ char* rn_autocast_bf16(int enabled);
 // collectives around a tensor-parallel layer pair (Megatron's f and g).
 char* rn_all_reduce_sum_autograd(rn_pg* pg, void* input, int in_forward, int in_backward, void** out);
 
+// Activation checkpointing (csrc/checkpoint.cpp). A segment is a function of one tensor that the
+// caller supplies as `call(closure, input, &output)`: it takes ownership of `input` (an
+// at::Tensor*), writes a new at::Tensor* into *output and returns NULL, or returns a malloc'd
+// message. rn_checkpoint runs the segment on `input` under no_grad and returns its output (*out,
+// owned by the caller) as a new tensor autograd differentiates: its backward pass restores the
+// default generators' states and autocast's flags of the forward, runs the segment again with grad
+// on the input detached, and differentiates it with respect to the input and `params` (the
+// segment's parameters). The bridge owns `closure` from the call on and frees it with
+// `drop(closure)` once no backward pass can need it (at once when the call fails).
+typedef char* (*rn_segment_fn)(void* closure, void* input, void** output);
+typedef void (*rn_segment_drop)(void* closure);
+char* rn_checkpoint(void* input, void** params, size_t n_params, rn_segment_fn call, rn_segment_drop drop,
+                    void* closure, void** out);
+// Nanoseconds this process has spent recomputing checkpointed segments in backward passes (host
+// time: on CUDA, the kernels' launches), since it started.
+int64_t rn_checkpoint_recompute_ns(void);
+
 // A TorchScript module (torch.jit.save's archive) loaded onto device (a c10::DeviceType, with
 // device_index): tch's CModule lists its parameters but not its buffers, which the runner
 // checkpoints, broadcasts and saves with them.

@@ -502,6 +502,9 @@ pub struct Wrap {
     /// How the ranks are arranged: data × tensor × pipeline = run.world_size.
     #[serde(skip_serializing_if = "Mesh::is_default")]
     pub mesh: Mesh,
+    /// Which activations the backward pass recomputes instead of keeping them from the forward.
+    #[serde(skip_serializing_if = "is_default")]
+    pub activation_checkpointing: ActivationCheckpointing,
 }
 
 impl Default for Wrap {
@@ -516,8 +519,47 @@ impl Default for Wrap {
             pipeline: Pipeline::default(),
             fsdp: Fsdp::default(),
             mesh: Mesh::default(),
+            activation_checkpointing: ActivationCheckpointing::default(),
         }
     }
+}
+
+/// `[wrap.activation_checkpointing]`: blocks whose activations are recomputed in the backward
+/// pass instead of kept from the forward (torch.utils.checkpoint): less memory for a second
+/// forward pass of those blocks. The recomputation replays the forward's random state, so
+/// losses and gradients are bit-identical to policy = "none". A transformer's blocks and an
+/// MLP's layers can be checkpointed; a CNN or a TorchScript module cannot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct ActivationCheckpointing {
+    /// "none": every activation kept; "full": a checkpointed block keeps only its input, and its
+    /// forward pass runs again in the backward pass.
+    pub policy: CheckpointPolicy,
+    /// Checkpoint every k-th block: blocks 0, k, 2k, ... (an MLP's layers 1, 1 + k, ...: its
+    /// first layer reads the data); 1: every block.
+    pub every: usize,
+}
+
+impl Default for ActivationCheckpointing {
+    fn default() -> Self {
+        ActivationCheckpointing { policy: CheckpointPolicy::None, every: 1 }
+    }
+}
+
+impl ActivationCheckpointing {
+    /// Whether block `i` (0-based, of the checkpointable blocks) is recomputed.
+    pub fn applies(&self, i: usize) -> bool {
+        self.policy != CheckpointPolicy::None && self.every > 0 && i.is_multiple_of(self.every)
+    }
+}
+
+/// `wrap.activation_checkpointing.policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckpointPolicy {
+    #[default]
+    None,
+    Full,
 }
 
 /// `[wrap.mesh]`: the ranks as a grid of data × tensor × pipeline = run.world_size, one process

@@ -19,6 +19,11 @@ pub struct RnWork {
     _private: [u8; 0],
 }
 
+/// A checkpointed segment's body: `(closure, input, &output) -> NULL or a malloc'd message`.
+pub type SegmentFn = unsafe extern "C" fn(*mut c_void, *mut c_void, *mut *mut c_void) -> *mut c_char;
+/// Frees a segment's closure.
+pub type SegmentDrop = unsafe extern "C" fn(*mut c_void);
+
 #[repr(C)]
 pub struct RnFsdp {
     _private: [u8; 0],
@@ -190,6 +195,16 @@ extern "C" {
         weight_decay: f64,
     ) -> *mut c_char;
     pub fn rn_autocast_bf16(enabled: c_int) -> *mut c_char;
+    pub fn rn_checkpoint(
+        input: *mut c_void,
+        params: *const *mut c_void,
+        n_params: usize,
+        call: SegmentFn,
+        drop: SegmentDrop,
+        closure: *mut c_void,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
+    pub fn rn_checkpoint_recompute_ns() -> i64;
     pub fn rn_cpu_kernels(
         pin: c_int,
         capability: *mut *mut c_char,

@@ -4,6 +4,7 @@
 //! - [`ProcessGroup`]: Gloo (or NCCL) collectives on `tch` tensors, each bounded by a timeout;
 //! - [`Ddp`]: c10d's Reducer, DistributedDataParallel's bucketed gradient averaging;
 //! - [`Sharded`]: a model's parameters sharded across the ranks (FSDP2's design);
+//! - [`checkpoint`]: a segment recomputed in the backward pass (activation checkpointing);
 //! - [`Script`]: a TorchScript module with its parameters and buffers (tch lists no buffers);
 //! - [`fused_adam`], [`sgd`], [`set_autocast_dtype`]: libtorch functions that tch does not expose;
 //! - [`memory`]: the allocator of a rank's tensors, which reuses freed memory as it is;
@@ -24,6 +25,7 @@
 //! pg.all_reduce(&mut t, ReduceOp::Sum)?;
 //! # Ok(()) }
 //! ```
+mod checkpoint;
 mod cuda;
 mod ddp;
 mod error;
@@ -36,6 +38,7 @@ mod process_group;
 mod script;
 mod store;
 
+pub use checkpoint::{checkpoint, recompute_time};
 pub use cuda::{cuda_device, cuda_peak_memory, CudaDevice, CudaPeak};
 pub use ddp::{Ddp, ReducerTimes};
 pub use error::{Error, PeerExit, Result};

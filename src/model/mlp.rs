@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use super::tensor_group::TensorGroup;
 use super::{Architecture, BuildContext, Layer, TensorSlice};
-use crate::config::schema::{Activation, Mlp};
+use crate::config::schema::{Activation, ActivationCheckpointing, Mlp};
 use crate::rng::Rng;
 
 /// The keys' own bounds; `false` when the widths are too large to compute shapes from.
@@ -90,8 +90,13 @@ impl Architecture for MlpArch {
                 (i, init_linear(&(p / format!("layer{i}")), inputs, outputs, ctx.seed, i, &cut))
             })
             .collect();
-        let tensor = ctx.tensor.clone();
-        Box::new(MlpStage { layers, activation: self.activation, dropout: self.dropout, tensor })
+        Box::new(MlpStage {
+            layers,
+            activation: self.activation,
+            dropout: self.dropout,
+            checkpointing: ctx.checkpointing,
+            tensor: ctx.tensor.clone(),
+        })
     }
 
     /// Megatron's pairs: layer 0 column-parallel (each tensor rank its share of the outputs),
@@ -122,6 +127,9 @@ struct MlpStage<'a> {
     layers: Vec<(usize, nn::Linear)>,
     activation: Activation,
     dropout: f64,
+    /// Which layers recompute their activations in the backward pass: layer i ≥ 1 is block i - 1
+    /// (its activation, dropout and product; the first layer reads the data).
+    checkpointing: ActivationCheckpointing,
     /// Under tensor parallelism, the group the layers' pairs are split across.
     tensor: Option<Arc<TensorGroup<'a>>>,
 }
@@ -153,29 +161,41 @@ pub(super) fn init_linear(
 /// Separates the layers' streams from other uses of the run's seed.
 const LAYER_STREAM: u64 = 0x1A7E_0000;
 
+/// Layer `i` (> 0) on the previous layer's output: the activation, dropout, the product.
+fn hidden_layer(layer: &nn::Linear, activation: Activation, dropout: f64, h: &Tensor, train: bool) -> Tensor {
+    let mut h = activate(activation, h);
+    if dropout > 0.0 {
+        h = h.dropout(dropout, train);
+    }
+    layer.forward(&h)
+}
+
+fn activate(activation: Activation, h: &Tensor) -> Tensor {
+    match activation {
+        Activation::Relu => h.relu(),
+        Activation::Tanh => h.tanh(),
+        Activation::Gelu => h.gelu("none"),
+    }
+}
+
 impl ModuleT for MlpStage<'_> {
     fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
         let mut h = x.shallow_clone();
         for (i, layer) in &self.layers {
-            if *i > 0 {
-                h = match self.activation {
-                    Activation::Relu => h.relu(),
-                    Activation::Tanh => h.tanh(),
-                    Activation::Gelu => h.gelu("none"),
-                };
-                if self.dropout > 0.0 {
-                    h = match &self.tensor {
-                        Some(g) if row_parallel(*i) => g.dropout(&h, self.dropout, 1, train),
-                        _ => h.dropout(self.dropout, train),
-                    };
-                }
-            } else if h.dim() > 2 {
-                h = h.flatten(1, -1);
-            }
-            h = match (&self.tensor, layer.bs.as_ref()) {
-                (Some(g), Some(b)) if row_parallel(*i) => g.leave(&h.linear(&layer.ws, None::<Tensor>)) + b,
-                (Some(g), _) if self.tensor_column(*i) => layer.forward(&g.enter(&h)),
-                _ => layer.forward(&h),
+            let (activation, dropout) = (self.activation, self.dropout);
+            h = if let Some(g) = &self.tensor {
+                self.split_layer(g, *i, layer, &h, train)
+            } else if *i == 0 {
+                layer.forward(&if h.dim() > 2 { h.flatten(1, -1) } else { h })
+            } else if train && self.checkpointing.applies(i - 1) {
+                // The recomputation owns its own handles on the layer's parameters.
+                let params = [layer.ws.shallow_clone(), layer.bs.as_ref().expect("a bias").shallow_clone()];
+                let own = nn::Linear { ws: params[0].shallow_clone(), bs: Some(params[1].shallow_clone()) };
+                let recompute = move |x: &Tensor| hidden_layer(&own, activation, dropout, x, train);
+                // A forward pass returns no Result: a failure ends the rank.
+                crate::dist::checkpoint(&h, &params, recompute).unwrap_or_else(|e| crate::checked::fail(e.to_string()))
+            } else {
+                hidden_layer(layer, activation, dropout, &h, train)
             };
         }
         h
@@ -183,6 +203,28 @@ impl ModuleT for MlpStage<'_> {
 }
 
 impl MlpStage<'_> {
+    /// Layer `i` under tensor parallelism (activation checkpointing is refused with it on the
+    /// plan): a column-parallel layer takes the whole input, a row-parallel one this rank's part
+    /// of it, its dropout drawn whole as one process draws it.
+    fn split_layer(&self, g: &TensorGroup, i: usize, layer: &nn::Linear, h: &Tensor, train: bool) -> Tensor {
+        let mut h = if i == 0 && h.dim() > 2 { h.flatten(1, -1) } else { h.shallow_clone() };
+        if i > 0 {
+            h = activate(self.activation, &h);
+            if self.dropout > 0.0 {
+                h = if row_parallel(i) {
+                    g.dropout(&h, self.dropout, 1, train)
+                } else {
+                    h.dropout(self.dropout, train)
+                };
+            }
+        }
+        match layer.bs.as_ref() {
+            Some(b) if row_parallel(i) => g.leave(&h.linear(&layer.ws, None::<Tensor>)) + b,
+            _ if self.tensor_column(i) => layer.forward(&g.enter(&h)),
+            _ => layer.forward(&h),
+        }
+    }
+
     /// Whether layer `i` is column-parallel: it has a row-parallel partner after it.
     fn tensor_column(&self, i: usize) -> bool {
         !row_parallel(i) && self.layers.iter().any(|(j, _)| *j == i + 1)

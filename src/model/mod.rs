@@ -21,7 +21,7 @@ use std::sync::Arc;
 use tch::nn::{self, ModuleT};
 use tch::Tensor;
 
-use crate::config::schema::{Model, Torchscript};
+use crate::config::schema::{ActivationCheckpointing, Model, Torchscript};
 use batchnorm::StatsGroup;
 pub use init::{load_init, InitWeights};
 pub use weights::read_weights;
@@ -39,12 +39,16 @@ pub struct BuildContext<'a> {
     /// the parameters [`Architecture::tensor_slice`] cuts, and its forward pass sums the
     /// partial results across the group.
     pub tensor: Option<Arc<tensor_group::TensorGroup<'a>>>,
+    /// Which blocks recompute their activations in the backward pass
+    /// (`wrap.activation_checkpointing`; the plan allows it only for kinds that have blocks).
+    pub checkpointing: ActivationCheckpointing,
 }
 
 impl BuildContext<'_> {
-    /// Weights from `seed`, batch norm over this process's batch, every layer whole.
+    /// Weights from `seed`, batch norm over this process's batch, every layer whole, every
+    /// activation kept.
     pub fn new(seed: u64) -> BuildContext<'static> {
-        BuildContext { seed, batch_norm: None, tensor: None }
+        BuildContext { seed, batch_norm: None, tensor: None, checkpointing: ActivationCheckpointing::default() }
     }
 }
 
@@ -88,6 +92,14 @@ impl TensorSlice {
             at += n;
         }
     }
+}
+
+/// How a run computes its activations, which decides what they cost in memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Activations {
+    pub checkpointing: ActivationCheckpointing,
+    /// Under bf16 autocast: products in bfloat16.
+    pub bf16: bool,
 }
 
 /// One layer as the plan sees it. Layers are where a pipeline may cut the model.
@@ -172,6 +184,14 @@ pub trait Architecture {
     /// whole (norms, embeddings, an output head). A kind without slices refuses tensor > 1 on
     /// the plan.
     fn tensor_slice(&self, _name: &str, _k: usize, _n: usize) -> Option<TensorSlice> {
+        None
+    }
+
+    /// Bytes of activations a rank holds at its peak, training on `batch` samples or validating
+    /// `validation` at once, where the kind counts them itself (what its kernels keep, in their
+    /// dtypes, under checkpointing); `None`: the generic count of `limits::estimate` (every
+    /// layer's output and [`Layer::held`], float32).
+    fn activation_bytes(&self, _batch: usize, _validation: usize, _how: &Activations) -> Option<f64> {
         None
     }
 }

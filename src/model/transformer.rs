@@ -16,6 +16,7 @@
 //! Initial weights as GPT-2's: normal(0, 0.02) for embeddings and linear weights (the residual
 //! projections scaled by 1/√(2L)), zero biases, unit norms; each layer drawn from its own stream
 //! of (seed, layer), so the stages of a pipeline together equal the whole model.
+mod activations;
 mod block;
 pub mod packed;
 mod spec;
@@ -24,7 +25,7 @@ use std::ops::Range;
 
 use tch::nn::{self, ModuleT};
 
-use super::{Architecture, BuildContext, Layer, TensorSlice};
+use super::{Activations, Architecture, BuildContext, Layer, TensorSlice};
 use crate::config::schema::{FeedForward, Positions, Transformer};
 pub use spec::{check, Spec, MAX_SEQ_LEN};
 
@@ -51,24 +52,10 @@ impl TransformerArch {
         self.s.layers + 1
     }
 
-    /// Values per sample (per window) a block keeps for its backward pass besides its output:
-    /// per token, the two norms (2d), q, k and v, the rotated q and k (RoPE), the key and value
-    /// heads repeated for their query heads (grouped-query attention), the attention's output and
-    /// projection, the first residual (d), the MLP's hidden values (before and after GELU, or
-    /// SwiGLU's gate and up, the gate's SiLU and their product) and the attention's log-sum-exp
-    /// per head. With dropout, libtorch's attention takes its plain path, which keeps the
-    /// attention weights and their dropout mask (2 × heads × seq_len²).
+    /// Values per sample (per window) a block keeps for its backward pass besides its output, in
+    /// float32 ([`activations::block_kept`]).
     fn block_held(&self) -> usize {
-        let s = &self.s;
-        let (d, t, q, kv) = (s.d, s.seq_len, s.heads * s.head_dim, s.kv_heads * s.head_dim);
-        let rope = if s.positions == Positions::Rope { q + kv } else { 0 };
-        let repeated = if s.kv_heads < s.heads { 2 * q } else { 0 };
-        let mlp = match s.mlp {
-            FeedForward::Swiglu => 4 * s.hidden,
-            FeedForward::Gelu | FeedForward::GeluTanh => 2 * s.hidden,
-        };
-        let weights = if s.dropout > 0.0 { 2 * s.heads * t * t } else { 0 };
-        t * (2 * d + q + 2 * kv + rope + repeated + q + d + d + mlp + s.heads) + weights
+        (activations::block_kept(&self.s, 4.0) / 4.0) as usize
     }
 
     /// Per block, the names and shapes of its parameters, in module order.
@@ -185,9 +172,14 @@ impl Architecture for TransformerArch {
         Some(l * (2.0 * t * matrices + 4.0 * t * t * q) + 2.0 * t * d * v)
     }
 
+    fn activation_bytes(&self, batch: usize, validation: usize, how: &Activations) -> Option<f64> {
+        Some(activations::peak_bytes(&self.s, batch, validation, how))
+    }
+
     fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
         let slice = |name: &str, k: usize, n: usize| self.tensor_slice(name, k, n);
-        Box::new(block::Stage::build(&self.s, p, range, ctx.seed, ctx.tensor.clone(), &slice))
+        let stage = block::Stage::build(&self.s, p, range, ctx.seed, ctx.tensor.clone(), &slice);
+        Box::new(stage.with_checkpointing(ctx.checkpointing))
     }
 
     /// Megatron's split: each tensor rank holds whole attention heads (its query heads' rows of
@@ -325,6 +317,32 @@ mod tests {
         let x = Tensor::from_slice(&[0i64, 3, 10, 2, 2, 7, 1, 0, 5, 9]).view([2, 5]);
         for t in [small(false), llama()] {
             crate::model::assert_stages_equal_whole(&TransformerArch::new(&t), &x, &[0..2, 2..3, 3..5]);
+        }
+    }
+
+    /// A checkpointed model's loss and every gradient are the bits of the plain one (with dropout
+    /// in tests/integration/activations.rs: the tests of this binary share one generator).
+    #[test]
+    fn checkpointed_blocks_give_the_same_gradients() {
+        use crate::config::schema::{ActivationCheckpointing, CheckpointPolicy};
+        let grads = |policy: CheckpointPolicy| {
+            let t = Transformer { positions: Some(Positions::Rope), kv_heads: Some(1), ..small(false) };
+            let arch = TransformerArch::new(&t);
+            let vs = nn::VarStore::new(tch::Device::Cpu);
+            let checkpointing = ActivationCheckpointing { policy, every: 1 };
+            let ctx = BuildContext { checkpointing, ..BuildContext::new(3) };
+            let net = arch.build(&vs.root(), 0..5, &ctx);
+            let x = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6, 7, 8, 9, 10]).view([2, 5]);
+            let loss = net.forward_t(&x, true).square().mean(tch::Kind::Float);
+            loss.backward();
+            let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.grad())).collect();
+            named.sort_by(|a, b| a.0.cmp(&b.0));
+            (loss, named)
+        };
+        let (a, b) = (grads(CheckpointPolicy::None), grads(CheckpointPolicy::Full));
+        assert!(a.0.equal(&b.0), "loss");
+        for ((name, g), (_, h)) in a.1.iter().zip(&b.1) {
+            assert!(g.equal(h), "{name}: {}", (g - h).abs().max());
         }
     }
 

@@ -473,6 +473,7 @@ impl Plan {
             let versus = ddp.map(|d| versus_ddp(layout, state, &d, self.world_size())).unwrap_or_default();
             note += &format!("  training state under {layout}: {state} per rank{versus}\n");
         }
+        note += &super::strategy::checkpointing_note(self).unwrap_or_default();
         if let Some(why) = &self.auto {
             note += &format!("  wrap.strategy = \"auto\": {why}\n");
         }

@@ -249,6 +249,14 @@ fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&str, String)
         );
     }
     // What is built: tensor parallelism within each copy of the model, DDP across the copies.
+    if c.wrap.activation_checkpointing.policy != crate::config::schema::CheckpointPolicy::None {
+        bad(
+            "wrap.activation_checkpointing.policy",
+            "recomputing a block split across tensor ranks is not built yet (docs/memory.md); use policy = \"none\" \
+             with wrap.mesh.tensor > 1, or tensor = 1"
+                .into(),
+        );
+    }
     if c.wrap.threads_per_replica.is_some() {
         bad(
             "wrap.threads_per_replica",

@@ -43,6 +43,7 @@ pub(super) fn model_parts(
     if let (true, Some(arch)) = (c.wrap.sync_batchnorm, &arch) {
         sync_batchnorm(c, arch.as_ref(), bad);
     }
+    activation_checkpointing(c, bad);
     let init_weights = c.wrap.init.as_ref().map(|rel| base.join(rel));
     let mut init_files = init_weights.iter().cloned().collect();
     match (&init_weights, &arch, &c.wrap.model) {
@@ -134,6 +135,31 @@ pub(super) fn import_hf(c: &mut Config, sources: &mut BTreeMap<String, String>, 
     c.wrap.model = Model::Transformer(Transformer { seq_len: ours.seq_len, dropout: ours.dropout, ..theirs });
     sources.insert("wrap.model.kind".into(), FROM_CHECKPOINT.into());
     problems
+}
+
+/// `wrap.activation_checkpointing` needs blocks the runner computes itself: a transformer's, an
+/// MLP's hidden layers.
+fn activation_checkpointing(c: &Config, bad: &mut impl FnMut(&str, String)) {
+    let ac = c.wrap.activation_checkpointing;
+    if ac.every == 0 {
+        bad("wrap.activation_checkpointing.every", "must be at least 1 (1: every block, k: every k-th block)".into());
+    } else if ac.policy == CheckpointPolicy::None && ac.every != 1 {
+        bad("wrap.activation_checkpointing.every", "is only read with a policy other than \"none\"; remove it".into());
+    }
+    if ac.policy == CheckpointPolicy::None {
+        return;
+    }
+    let why = match &c.wrap.model {
+        Model::Transformer(_) => return,
+        Model::Mlp(m) if !m.hidden.is_empty() => return,
+        Model::Mlp(_) => "an MLP without hidden layers has no layer to recompute",
+        Model::Cnn(_) => "a CNN's blocks cannot be recomputed (not implemented)",
+        Model::Torchscript(_) => "a TorchScript module runs its own layers, which the runner cannot recompute",
+    };
+    bad(
+        "wrap.activation_checkpointing.policy",
+        format!("{why}; set it to \"none\" (a transformer's blocks and an MLP's hidden layers can be checkpointed)"),
+    );
 }
 
 /// `wrap.sync_batchnorm` needs batch norm layers the runner owns, in replicas.

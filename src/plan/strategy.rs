@@ -53,7 +53,54 @@ fn estimate(
     let layers = arch.layers();
     let outputs = layers.iter().map(|l| l.output.iter().product::<usize>()).sum::<usize>();
     let held = layers.iter().map(|l| l.held).sum::<usize>();
-    crate::limits::estimate(c, d, state, d.input_size() + outputs, held, batch)
+    let estimate = crate::limits::estimate(c, d, state, d.input_size() + outputs, held, batch);
+    let how = crate::model::Activations {
+        checkpointing: c.wrap.activation_checkpointing,
+        bf16: c.train.precision == Precision::Bf16,
+    };
+    match arch.activation_bytes(batch, d.validation_rows, &how) {
+        Some(activations) => crate::limits::Estimate { activations, ..estimate },
+        None => estimate,
+    }
+}
+
+/// Under the memory estimate, with `wrap.activation_checkpointing`: the policy, the blocks it
+/// recomputes and what it saves against keeping every activation.
+pub(super) fn checkpointing_note(plan: &super::Plan) -> Option<String> {
+    let (c, ac) = (&plan.config, plan.config.wrap.activation_checkpointing);
+    if ac.policy == CheckpointPolicy::None {
+        return None;
+    }
+    let arch = plan.model();
+    // An MLP's hidden layers are its blocks; a transformer's blocks are its layers but the first and last.
+    let blocks = match &c.wrap.model {
+        Model::Mlp(m) => m.hidden.len(),
+        _ => arch.layers().len().saturating_sub(2),
+    };
+    let recomputed = (0..blocks).filter(|&i| ac.applies(i)).count();
+    let which = if ac.every == 1 { "every block".to_string() } else { format!("one block in {}", ac.every) };
+    let mut note = format!(
+        "  activation checkpointing: {}, {which} ({recomputed} of {blocks} recomputed in the backward pass, each \
+         keeping only its input)",
+        format!("{:?}", ac.policy).to_lowercase()
+    );
+    let batch = plan.layout.split_batch.unwrap_or(c.train.batch_size);
+    let bf16 = c.train.precision == Precision::Bf16;
+    let how = |checkpointing| crate::model::Activations { checkpointing, bf16 };
+    let val = plan.data.validation_rows;
+    match (arch.activation_bytes(batch, val, &how(ac)), arch.activation_bytes(batch, val, &how(Default::default()))) {
+        (Some(with), Some(without)) => {
+            note += &format!(
+                ": activations {}, where keeping them all takes {} (saves {}, {:.0}%)",
+                crate::limits::size(with),
+                crate::limits::size(without),
+                crate::limits::size(without - with),
+                100.0 * (without - with) / without.max(1.0)
+            )
+        }
+        _ => note += ": the estimate does not count its saving for this model kind",
+    }
+    Some(note + "\n")
 }
 
 /// Keys only one strategy reads, set under another (the pipeline's are checked with its stages):

@@ -135,19 +135,31 @@ pub(super) struct StepSample {
     pub(super) sync_s: f64,
     pub(super) overlap_s: f64,
     pub(super) update_s: f64,
+    pub(super) recompute_s: f64,
 }
 
 impl StepSample {
-    const FIELDS: usize = 9;
+    const FIELDS: usize = 10;
 
     fn to_array(self) -> [f64; Self::FIELDS] {
-        let StepSample { epoch, step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s } = self;
-        [epoch, step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s]
+        let StepSample {
+            epoch,
+            step,
+            batch_s,
+            forward_s,
+            loss_s,
+            backward_s,
+            sync_s,
+            overlap_s,
+            update_s,
+            recompute_s,
+        } = self;
+        [epoch, step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s, recompute_s]
     }
 
     fn row(v: &[f64], rank: usize) -> StepRow {
-        let [epoch, step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s] =
-            v.try_into().expect("9 values per step");
+        let [epoch, step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s, recompute_s] =
+            v.try_into().expect("10 values per step");
         StepRow {
             epoch: epoch as u32,
             step: step as u32,
@@ -159,6 +171,7 @@ impl StepSample {
             sync_s,
             overlap_s,
             update_s,
+            recompute_s,
         }
     }
 }

@@ -251,7 +251,9 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                 // Each batch's share of the step's mean loss: its rows over the step's rows.
                 let scale = if self.clock.accumulate == 1 { 1.0 } else { len as f64 / step_rows as f64 };
                 let micro = Micro { scale, sync: last };
+                let recomputed = crate::dist::recompute_time();
                 let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, timer, micro)?;
+                let recompute = crate::dist::recompute_time().saturating_sub(recomputed);
                 let t2 = timer.now();
                 if last {
                     // The optimizer's step count is the schedule's clock: restored by a checkpoint.
@@ -291,6 +293,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                         sync_s: s.comm.map_or(s.wait, |c| c + s.wait).as_secs_f64(),
                         overlap_s: s.overlap.as_secs_f64(),
                         update_s: update.as_secs_f64(),
+                        recompute_s: recompute.as_secs_f64(),
                     });
                 }
                 let batches_done = self.batches_done(iv, step, b);

@@ -47,7 +47,7 @@ pub fn wrap<'pg>(
     // group: every rank of the job. The step reports a failed collective.
     let batch_norm = plan.syncs_batch_norm().then(|| StatsGroup::new(pg));
     let tensor = groups.tensor().map(TensorGroup::new);
-    let ctx = BuildContext { seed: c.run.seed, batch_norm, tensor };
+    let ctx = BuildContext { seed: c.run.seed, batch_norm, tensor, checkpointing: c.wrap.activation_checkpointing };
     if c.wrap.strategy == WrapStrategy::Fsdp {
         return wrap_sharded(plan, groups.data(pg), vs, arch.as_ref(), &ctx);
     }

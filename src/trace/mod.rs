@@ -124,6 +124,10 @@ pub struct StepRow {
     /// Reducer: the part of sync that overlapped backward computation.
     pub overlap_s: f64,
     pub update_s: f64,
+    /// The part of backward spent recomputing checkpointed blocks (`wrap.activation_checkpointing`;
+    /// 0 without).
+    #[serde(default)]
+    pub recompute_s: f64,
 }
 
 /// The column names and types of `trace.parquet`; tests pin them.
@@ -218,6 +222,7 @@ pub fn steps_frame(run_id: &str, rows: &[StepRow]) -> PolarsResult<DataFrame> {
         f("sync_s", |r| r.sync_s),
         f("overlap_s", |r| r.overlap_s),
         f("update_s", |r| r.update_s),
+        f("recompute_s", |r| r.recompute_s),
     ];
     DataFrame::new(n, cols)
 }

@@ -4,6 +4,7 @@
 //! and gigabytes of disk). `cargo test --test integration AREA::` runs one area.
 mod common;
 
+mod activations;
 mod architecture;
 mod bench;
 mod big_data;

@@ -8,7 +8,7 @@ use tch::{Kind, Tensor};
 use std::sync::Arc;
 
 use super::Spec;
-use crate::config::schema::{FeedForward, Norm, Positions};
+use crate::config::schema::{ActivationCheckpointing, FeedForward, Norm, Positions};
 use crate::model::tensor_group::TensorGroup;
 use crate::model::TensorSlice;
 use crate::rng::Rng;
@@ -29,6 +29,25 @@ struct Block {
     out: Affine,
 }
 
+impl Block {
+    fn affines(&self) -> [&Affine; 6] {
+        [&self.ln1, &self.qkv, &self.proj, &self.ln2, &self.fc, &self.out]
+    }
+
+    /// Its parameters, in module order.
+    fn parameters(&self) -> Vec<Tensor> {
+        let each = |(w, b): &Affine| [Some(w.shallow_clone()), b.as_ref().map(Tensor::shallow_clone)];
+        self.affines().into_iter().flat_map(each).flatten().collect()
+    }
+
+    /// The same parameters under another handle (what a checkpointed block's recomputation owns).
+    fn shallow_clone(&self) -> Block {
+        let each = |(w, b): &Affine| (w.shallow_clone(), b.as_ref().map(Tensor::shallow_clone));
+        let [ln1, qkv, proj, ln2, fc, out] = self.affines().map(each);
+        Block { ln1, qkv, proj, ln2, fc, out }
+    }
+}
+
 #[derive(Debug)]
 struct Head {
     ln: Affine,
@@ -46,6 +65,10 @@ pub struct Stage<'a> {
     /// Under tensor parallelism, the group the blocks' heads and hidden units are split across:
     /// this rank holds 1 / its size of each block's `qkv`, `proj`, `fc` and `out`.
     tensor: Option<Arc<TensorGroup<'a>>>,
+    /// The model's index of the first block here (a pipeline stage or an FSDP layer holds a part).
+    first_block: usize,
+    /// Which blocks recompute their activations in the backward pass.
+    checkpointing: ActivationCheckpointing,
 }
 
 /// What a tensor rank holds of a parameter, by its name in the whole model (`None`: whole).
@@ -65,7 +88,9 @@ impl<'a> Stage<'a> {
     ) -> Stage<'a> {
         let at = tensor.as_ref().map(|g| (g.rank(), g.size()));
         let cut = |name: &str| at.and_then(|(k, n)| slice(name, k, n));
-        let mut stage = Stage { embed: None, blocks: Vec::new(), head: None, s: s.clone(), tensor };
+        let (first_block, checkpointing) = (range.start.max(1) - 1, ActivationCheckpointing::default());
+        let mut stage =
+            Stage { embed: None, blocks: Vec::new(), head: None, s: s.clone(), tensor, first_block, checkpointing };
         // Residual projections: GPT-2's scaled initialisation.
         let residual_std = 0.02 / ((2 * s.layers) as f64).sqrt();
         let gated = if s.mlp == FeedForward::Swiglu { 2 } else { 1 };
@@ -109,6 +134,43 @@ impl<'a> Stage<'a> {
             }
         }
         stage
+    }
+
+    /// The stage with its blocks checkpointed as `checkpointing` says.
+    pub fn with_checkpointing(self, checkpointing: ActivationCheckpointing) -> Stage<'a> {
+        Stage { checkpointing, ..self }
+    }
+
+    /// Block `i` of this stage on `h`; under checkpointing, computed without keeping its
+    /// activations, and again in the backward pass (crate::dist::checkpoint: the same bits).
+    fn block(&self, i: usize, h: &Tensor, rope: Option<&(Tensor, Tensor)>, train: bool) -> Tensor {
+        let block = &self.blocks[i];
+        // Under tensor parallelism (the plan refuses checkpointing with it) every block is kept.
+        if !(train && self.tensor.is_none() && self.checkpointing.applies(self.first_block + i)) {
+            return self.block_forward(block, h, rope, train);
+        }
+        // The recomputation owns its block's parameters, the model's shape and the positions.
+        let one = Stage {
+            embed: None,
+            blocks: vec![block.shallow_clone()],
+            head: None,
+            s: self.s.clone(),
+            tensor: None,
+            first_block: 0,
+            checkpointing: ActivationCheckpointing::default(),
+        };
+        let rope = rope.map(|(cos, sin)| (cos.shallow_clone(), sin.shallow_clone()));
+        let recompute = move |x: &Tensor| one.block_forward(&one.blocks[0], x, rope.as_ref(), train);
+        // A forward pass returns no Result: a failure ends the rank, as a failed gather does.
+        crate::dist::checkpoint(h, &block.parameters(), recompute)
+            .unwrap_or_else(|e| crate::checked::fail(e.to_string()))
+    }
+
+    /// A pre-norm block: attention, then the MLP, each added to the residual stream.
+    fn block_forward(&self, block: &Block, h: &Tensor, rope: Option<&(Tensor, Tensor)>, train: bool) -> Tensor {
+        let dropout = self.s.dropout;
+        let h = h + self.attention(block, &self.norm(h, &block.ln1), rope, train).dropout(dropout, train);
+        &h + self.mlp(block, &self.norm(&h, &block.ln2)).dropout(dropout, train)
     }
 
     fn norm(&self, x: &Tensor, (w, b): &Affine) -> Tensor {
@@ -253,9 +315,8 @@ impl ModuleT for Stage<'_> {
                 None => (cos, sin),
             })
         });
-        for block in &self.blocks {
-            h = &h + self.attention(block, &self.norm(&h, &block.ln1), rope.as_ref(), train).dropout(dropout, train);
-            h = &h + self.mlp(block, &self.norm(&h, &block.ln2)).dropout(dropout, train);
+        for i in 0..self.blocks.len() {
+            h = self.block(i, &h, rope.as_ref(), train);
         }
         if let Some(head) = &self.head {
             h = self.norm(&h, &head.ln).linear(&head.weight, None::<Tensor>);

@@ -1,0 +1,116 @@
+//! What a transformer keeps for its backward pass, in bytes, as libtorch's kernels keep it: per
+//! block under each activation-checkpointing policy, in float32 or under bf16 autocast (products
+//! in bfloat16, the residual stream and the norms' statistics in float32), through
+//! `scaled_dot_product_attention`'s fused kernel (no T × T matrix: its output and log-sum-exp)
+//! or, with dropout, its plain path (the attention weights, their dropout mask and the dropped
+//! weights: three T × T matrices per head), and the head's logits (B × T × vocab, often the
+//! largest tensor). Checked against the measured peak in docs/memory.md.
+use super::Spec;
+use crate::config::schema::{FeedForward, Positions};
+use crate::model::Activations;
+
+/// float32: the residual stream, the loss's log-softmax.
+const F32: f64 = 4.0;
+
+/// Bytes per sample (window) one block keeps from its forward to its backward, `a` bytes per
+/// value a product or the attention outputs (4, or 2 under bf16 autocast).
+pub(super) fn block_kept(s: &Spec, a: f64) -> f64 {
+    let (d, t, heads) = (s.d as f64, s.seq_len as f64, s.heads as f64);
+    let (q, kv) = ((s.heads * s.head_dim) as f64, (s.kv_heads * s.head_dim) as f64);
+    // The block's input and the first residual sum (what the two norms read), the norms' outputs
+    // (what the products read), and the product of the queries, keys and values.
+    let mut per_token = 2.0 * F32 * d + 2.0 * a * d + a * (q + 2.0 * kv);
+    if s.positions == Positions::Rope {
+        // The rotated halves and the rotated queries and keys.
+        per_token += 2.0 * a * (q + kv);
+    }
+    // Grouped keys and values repeated for their query heads.
+    let keys = if s.kv_heads < s.heads {
+        per_token += 2.0 * a * q;
+        q
+    } else {
+        kv
+    };
+    let mut square = 0.0;
+    if s.dropout > 0.0 {
+        // The plain path: scaled copies of the queries and keys, softmax's output, the dropout
+        // mask and the dropped weights (its output is not kept, its copy below is); then each
+        // residual branch's dropout keeps its input and its mask.
+        per_token += a * (q + keys) + 2.0 * 2.0 * a * d;
+        square = 3.0 * a * heads * t * t;
+    } else {
+        // The fused kernel's output and log-sum-exp (float32).
+        per_token += a * q + F32 * heads;
+    }
+    // The attention's output in [T, heads × head_dim] order, which the projection reads.
+    per_token += a * q;
+    t * per_token + mlp_kept(s, a) + square
+}
+
+/// Bytes per sample the MLP of a block keeps: SwiGLU's gate and up product, the gate's SiLU and
+/// their product; GELU's product and its GELU. Its backward pass holds gradients of that size.
+fn mlp_kept(s: &Spec, a: f64) -> f64 {
+    let factor = if s.mlp == FeedForward::Swiglu { 4.0 } else { 2.0 };
+    a * factor * s.hidden as f64 * s.seq_len as f64
+}
+
+/// Bytes of activations a rank holds at its peak: a training step of `batch` windows through
+/// the whole model, or a validation forward pass of `validation` windows at once, whichever is
+/// more.
+pub(super) fn peak_bytes(s: &Spec, batch: usize, validation: usize, how: &Activations) -> f64 {
+    let a = if how.bf16 { 2.0 } else { F32 };
+    let (d, t, v) = (s.d as f64, s.seq_len as f64, s.vocab as f64);
+    let kept = block_kept(s, a);
+    let checkpointed = (0..s.layers).filter(|&i| how.checkpointing.applies(i)).count() as f64;
+    // A checkpointed block keeps only its input.
+    let blocks = checkpointed * F32 * t * d + (s.layers as f64 - checkpointed) * kept;
+    let embedding = if s.dropout > 0.0 { 2.0 * F32 * t * d } else { 0.0 };
+    // The logits (kept by the step, for its accuracy) and log-softmax's output (float32), and at
+    // the start of the backward pass the gradients of both; the final norm's output.
+    let logits = a * t * v;
+    let head = a * t * d + logits + 3.0 * F32 * t * v;
+    // A block's backward pass holds its MLP's gradients at once, and a checkpointed block's
+    // recomputed values besides: under bf16 about their float32 size (the kernels' float32
+    // gradients and buffers; measured: docs/memory.md).
+    let backward = mlp_kept(s, a) + if checkpointed > 0.0 { block_kept(s, F32) } else { 0.0 };
+    let train = batch as f64 * (embedding + blocks + head.max(logits + backward));
+    // Without gradients, a block's largest values at a time, and the logits with log-softmax's.
+    let hidden = s.hidden as f64 * if s.mlp == FeedForward::Swiglu { 2.0 } else { 1.0 };
+    let forward = validation as f64 * t * (2.0 * F32 * d + 2.0 * a * hidden + (a + 2.0 * F32) * v);
+    train.max(forward)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::schema::{ActivationCheckpointing, CheckpointPolicy, Transformer};
+
+    fn spec(dropout: f64) -> Spec {
+        let t =
+            Transformer { vocab: 512, d_model: 128, heads: 4, layers: 6, seq_len: 2048, dropout, ..Default::default() };
+        Spec::of(&t)
+    }
+
+    fn how(policy: CheckpointPolicy, every: usize, bf16: bool) -> Activations {
+        Activations { checkpointing: ActivationCheckpointing { policy, every }, bf16 }
+    }
+
+    #[test]
+    fn checkpointing_bf16_and_the_attention_kernel_change_what_is_kept() {
+        let s = spec(0.0);
+        let none = peak_bytes(&s, 4, 4, &how(CheckpointPolicy::None, 1, false));
+        let full = peak_bytes(&s, 4, 4, &how(CheckpointPolicy::Full, 1, false));
+        let every2 = peak_bytes(&s, 4, 4, &how(CheckpointPolicy::Full, 2, false));
+        assert!(full < every2 && every2 < none, "{full} {every2} {none}");
+        // docs/memory.md's model at context 2048: measured 461 MiB without and 137 MiB with.
+        let mib = |b: f64| b / 1048576.0;
+        assert!((mib(none) - 461.0).abs() / 461.0 < 0.15, "{}", mib(none));
+        assert!((mib(full) - 137.0).abs() / 137.0 < 0.2, "{}", mib(full));
+        // bfloat16 products: less kept, though the residual stream stays float32.
+        let bf16 = peak_bytes(&s, 4, 4, &how(CheckpointPolicy::None, 1, true));
+        assert!(bf16 < 0.8 * none && bf16 > 0.5 * none, "{bf16} {none}");
+        // With dropout the plain attention path keeps three T × T matrices per head.
+        let square = 3.0 * 4.0 * 4.0 * 2048.0 * 2048.0;
+        assert!(block_kept(&spec(0.1), 4.0) - block_kept(&s, 4.0) > square);
+    }
+}
