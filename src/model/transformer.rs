@@ -17,6 +17,7 @@
 //! projections scaled by 1/√(2L)), zero biases, unit norms; each layer drawn from its own stream
 //! of (seed, layer), so the stages of a pipeline together equal the whole model.
 mod block;
+pub mod lora;
 mod spec;
 
 use std::ops::Range;
@@ -31,19 +32,30 @@ pub use spec::{check, Spec, MAX_SEQ_LEN};
 #[derive(Debug, Clone)]
 pub struct TransformerArch {
     s: Spec,
+    /// LoRA's adapters in every block (`wrap.lora`): then only they are trained.
+    lora: Option<lora::Adapters>,
 }
 
 impl TransformerArch {
     pub fn new(t: &Transformer) -> TransformerArch {
-        TransformerArch { s: Spec::of(t) }
+        TransformerArch { s: Spec::of(t), lora: None }
     }
 
     pub fn from_spec(s: Spec) -> TransformerArch {
-        TransformerArch { s }
+        TransformerArch { s, lora: None }
+    }
+
+    /// With LoRA's adapters in every block.
+    pub fn with_lora(self, lora: Option<lora::Adapters>) -> TransformerArch {
+        TransformerArch { lora, ..self }
     }
 
     pub fn spec(&self) -> &Spec {
         &self.s
+    }
+
+    pub fn lora(&self) -> Option<&lora::Adapters> {
+        self.lora.as_ref()
     }
 
     fn head_layer(&self) -> usize {
@@ -67,7 +79,14 @@ impl TransformerArch {
             FeedForward::Gelu | FeedForward::GeluTanh => 2 * s.hidden,
         };
         let weights = if s.dropout > 0.0 { 2 * s.heads * t * t } else { 0 };
-        t * (2 * d + q + 2 * kv + rope + repeated + q + d + d + mlp + s.heads) + weights
+        // Each adapter keeps A x (rank values), and its input's dropout mask and output.
+        let adapters: usize = self
+            .lora
+            .iter()
+            .flat_map(|l| l.targets.iter().map(move |a| (l, a)))
+            .map(|(l, a)| l.rank as usize + if l.dropout > 0.0 { 2 * a.inputs as usize } else { 0 })
+            .sum();
+        t * (2 * d + q + 2 * kv + rope + repeated + q + d + d + mlp + s.heads + adapters) + weights
     }
 
     /// Per block, the names and shapes of its parameters, in module order.
@@ -93,6 +112,7 @@ impl TransformerArch {
         .into_iter()
         .filter(|(_, _, present)| *present)
         .map(|(name, shape, _)| (format!("{b}.{name}"), shape))
+        .chain(self.lora.iter().flat_map(|l| l.targets.iter().flat_map(|t| t.parameters(b, l.rank))))
         .collect()
     }
 }
@@ -180,12 +200,22 @@ impl Architecture for TransformerArch {
         let (d, t, v, l) = (s.d as f64, s.seq_len as f64, s.vocab as f64, s.layers as f64);
         let (q, kv, hidden) = ((s.heads * s.head_dim) as f64, (s.kv_heads * s.head_dim) as f64, s.hidden as f64);
         let mlp = hidden * d * if s.mlp == FeedForward::Swiglu { 3.0 } else { 2.0 };
-        let matrices = d * (q + 2.0 * kv) + q * d + mlp;
+        // An adapter's two products: A (rank × inputs), then B (rows × rank).
+        let adapters: f64 = self
+            .lora
+            .iter()
+            .flat_map(|l| l.targets.iter().map(move |a| (l.rank * (a.inputs + a.rows.end - a.rows.start)) as f64))
+            .sum();
+        let matrices = d * (q + 2.0 * kv) + q * d + mlp + adapters;
         Some(l * (2.0 * t * matrices + 4.0 * t * t * q) + 2.0 * t * d * v)
     }
 
     fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
-        Box::new(block::Stage::build(&self.s, p, range, ctx.seed))
+        Box::new(block::Stage::build(&self.s, p, range, ctx.seed, self.lora.as_ref()))
+    }
+
+    fn frozen(&self, name: &str) -> bool {
+        self.lora.is_some() && !lora::is_adapter(name)
     }
 
     fn reads(&self, layer: usize) -> Vec<usize> {

@@ -257,7 +257,7 @@ impl<'pg> Strategy<'pg> {
             Strategy::Fsdp(f) => return f.state_pieces(&buffers(plan, vs), optimizer),
             Strategy::Pipeline(_) => pg.rank() < plan.pipeline_ranks(),
         };
-        Ok(if hands { whole_state(vs, optimizer, pg.rank() == 0) } else { Vec::new() })
+        Ok(if hands { whole_state(plan, vs, optimizer, pg.rank() == 0) } else { Vec::new() })
     }
 
     /// Loads what this rank holds of the training state from a checkpoint written by any
@@ -271,7 +271,7 @@ impl<'pg> Strategy<'pg> {
         optimizer: &mut Optimizer,
     ) -> anyhow::Result<()> {
         match self {
-            Strategy::Replica(_) | Strategy::Pipeline(_) => load_whole(reader, vs, optimizer),
+            Strategy::Replica(_) | Strategy::Pipeline(_) => load_whole(plan, reader, vs, optimizer),
             Strategy::Fsdp(f) => f.load_state(reader, &buffers(plan, vs), optimizer),
         }
     }
@@ -374,11 +374,19 @@ pub struct ModelTensor {
     pub shape: Vec<i64>,
 }
 
-/// Every variable of `vs` (parameters and buffers) and the optimizer's state, each whole; with
-/// `steps`, the optimizer's step count too.
-fn whole_state(vs: &nn::VarStore, optimizer: &Optimizer, steps: bool) -> Vec<Piece> {
-    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+/// The variables of `vs` a checkpoint holds, sorted by name: every parameter and buffer but the
+/// frozen ones (a LoRA run's base model, read from `wrap.init` again on resume).
+fn saved_variables(plan: &Plan, vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let arch = plan.model();
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(n, _)| !arch.frozen(n)).collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars
+}
+
+/// Every variable of `vs` a checkpoint holds and the optimizer's state, each whole; with
+/// `steps`, the optimizer's step count too.
+fn whole_state(plan: &Plan, vs: &nn::VarStore, optimizer: &Optimizer, steps: bool) -> Vec<Piece> {
+    let vars = saved_variables(plan, vs);
     let mut pieces: Vec<Piece> = vars.into_iter().map(|(name, t)| Piece::whole(name, &t)).collect();
     pieces.extend(optimizer.state().into_iter().map(|s| Piece::whole(s.name, &s.tensor)));
     if steps {
@@ -387,11 +395,9 @@ fn whole_state(vs: &nn::VarStore, optimizer: &Optimizer, steps: bool) -> Vec<Pie
     pieces
 }
 
-/// Every variable of `vs` and the optimizer's state, whole, from `reader`.
-fn load_whole(reader: &Reader, vs: &nn::VarStore, optimizer: &mut Optimizer) -> anyhow::Result<()> {
-    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    for (name, mut t) in vars {
+/// Every variable of `vs` a checkpoint holds and the optimizer's state, whole, from `reader`.
+fn load_whole(plan: &Plan, reader: &Reader, vs: &nn::VarStore, optimizer: &mut Optimizer) -> anyhow::Result<()> {
+    for (name, mut t) in saved_variables(plan, vs) {
         let saved = reader.whole(&name)?;
         // Shapes and kinds as the model's (floats, or a module buffer's integer count).
         anyhow::ensure!(

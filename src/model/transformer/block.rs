@@ -5,6 +5,7 @@ use std::ops::Range;
 use tch::nn::{self, ModuleT};
 use tch::{Kind, Tensor};
 
+use super::lora::{Adapters, BlockAdapters, Site};
 use super::Spec;
 use crate::config::schema::{FeedForward, Norm, Positions};
 use crate::rng::Rng;
@@ -23,6 +24,8 @@ struct Block {
     ln2: Affine,
     fc: Affine,
     out: Affine,
+    /// LoRA's adapters on its linears (`wrap.lora`; none without).
+    adapters: BlockAdapters,
 }
 
 #[derive(Debug)]
@@ -43,8 +46,8 @@ pub struct Stage {
 
 impl Stage {
     /// Layers `range` of the model `s`, under `p`, each drawn from its own stream of (`seed`,
-    /// layer) in a fixed order.
-    pub fn build(s: &Spec, p: &nn::Path, range: Range<usize>, seed: u64) -> Stage {
+    /// layer) in a fixed order; each block with `lora`'s adapters.
+    pub fn build(s: &Spec, p: &nn::Path, range: Range<usize>, seed: u64, lora: Option<&Adapters>) -> Stage {
         let mut stage = Stage { embed: None, blocks: Vec::new(), head: None, s: s.clone() };
         // Residual projections: GPT-2's scaled initialisation.
         let residual_std = 0.02 / ((2 * s.layers) as f64).sqrt();
@@ -80,6 +83,7 @@ impl Stage {
                     ln2: init.norm(&(&b / "ln2"), s),
                     fc: init.linear(&(&b / "fc"), s.d, gated * s.hidden, 0.02),
                     out: init.linear(&(&b / "out"), s.hidden, s.d, residual_std),
+                    adapters: BlockAdapters::build(&b, lora, seed, layer),
                 });
             }
         }
@@ -111,7 +115,7 @@ impl Stage {
         let s = &self.s;
         let (b, t) = (x.size()[0], x.size()[1]);
         let (hd, heads, kv) = (s.head_dim as i64, s.heads as i64, s.kv_heads as i64);
-        let qkv = linear(x, &block.qkv).split_with_sizes([heads * hd, kv * hd, kv * hd], -1);
+        let qkv = self.linear(block, Site::Qkv, x, train).split_with_sizes([heads * hd, kv * hd, kv * hd], -1);
         let split = |h: &Tensor, n: i64| h.view([b, t, n, hd]).transpose(1, 2);
         let (mut q, mut k, mut v) = (split(&qkv[0], heads), split(&qkv[1], kv), split(&qkv[2], kv));
         if let Some((cos, sin)) = rope {
@@ -127,11 +131,22 @@ impl Stage {
         }
         let p = if train { s.dropout } else { 0.0 };
         let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, p, true, None, false);
-        linear(&y.transpose(1, 2).contiguous().view([b, t, heads * hd]), &block.proj)
+        self.linear(block, Site::Proj, &y.transpose(1, 2).contiguous().view([b, t, heads * hd]), train)
     }
 
-    fn mlp(&self, block: &Block, x: &Tensor) -> Tensor {
-        let h = linear(x, &block.fc);
+    /// The block's linear `site` on `x`, with its LoRA adapters' updates.
+    fn linear(&self, block: &Block, site: Site, x: &Tensor, train: bool) -> Tensor {
+        let weights = match site {
+            Site::Qkv => &block.qkv,
+            Site::Proj => &block.proj,
+            Site::Fc => &block.fc,
+            Site::Out => &block.out,
+        };
+        block.adapters.apply(site, x, linear(x, weights), train)
+    }
+
+    fn mlp(&self, block: &Block, x: &Tensor, train: bool) -> Tensor {
+        let h = self.linear(block, Site::Fc, x, train);
         let h = match self.s.mlp {
             FeedForward::Gelu => h.gelu("none"),
             FeedForward::GeluTanh => h.gelu("tanh"),
@@ -140,7 +155,7 @@ impl Stage {
                 gate_up[0].silu() * &gate_up[1]
             }
         };
-        linear(&h, &block.out)
+        self.linear(block, Site::Out, &h, train)
     }
 }
 
@@ -175,7 +190,7 @@ impl ModuleT for Stage {
             (self.s.positions == Positions::Rope && !self.blocks.is_empty()).then(|| self.rope_tables(t, h.device()));
         for block in &self.blocks {
             h = &h + self.attention(block, &self.norm(&h, &block.ln1), rope.as_ref(), train).dropout(dropout, train);
-            h = &h + self.mlp(block, &self.norm(&h, &block.ln2)).dropout(dropout, train);
+            h = &h + self.mlp(block, &self.norm(&h, &block.ln2), train).dropout(dropout, train);
         }
         if let Some(head) = &self.head {
             h = self.norm(&h, &head.ln).linear(&head.weight, None::<Tensor>);

@@ -1,0 +1,101 @@
+//! LoRA (`[wrap.lora]`) against PEFT's own (benches/reference/peft_lora.py, on transformers): a
+//! tiny Llama made locally (tests/fixtures/hf_twin.py), adapters that PEFT initialised and saved
+//! (B random too, so the adapters count from step 0) read through `wrap.lora.init`, and 20 AdamW
+//! steps on the same batch give PEFT's losses; the run's adapters exported with `--peft` load in
+//! `PeftModel.from_pretrained` with no missing or unexpected key, and its merged `--hf` export
+//! equals PEFT's `merge_and_unload()`; `runner eval` and `runner predict` on the LoRA run give the
+//! merged model's loss and greedy text. Checkpoints hold the adapters and their optimizer state,
+//! not the frozen base. The refusals, each pinned.
+use crate::common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{assert_ok, reference_python, run, text, write};
+
+use crate::hf::{python as hf_twin, save_windows, windows, SEQ, TWIN};
+
+/// Windows of the book: 16 to train on (one batch, every step), 4 held out.
+const ROWS: usize = 16;
+const STEPS: usize = 20;
+
+/// Runs benches/reference/peft_lora.py in `dir`; its JSON line.
+fn peft(dir: &Path, args: &[&str]) -> serde_json::Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/reference/peft_lora.py");
+    let o = Command::new(reference_python())
+        .arg(script)
+        .args(args)
+        .env("OMP_NUM_THREADS", "1")
+        .current_dir(dir)
+        .output()
+        .expect("python");
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "peft_lora.py {args:?} failed:\n{out}\n{err}");
+    serde_json::from_str(out.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+/// The twin's run (hf.rs) with LoRA of rank 4 on four of Llama's modules (v's rows and up's are
+/// not the first of their fused matrices), from `init`'s adapters.
+fn lora_twin(init: &str) -> String {
+    format!(
+        "{}\n[wrap.lora]\nrank = 4\nalpha = 8\ntargets = [\"q_proj\", \"v_proj\", \"up_proj\", \"down_proj\"]\n{init}",
+        TWIN.replace("INIT", "llama")
+    )
+}
+
+/// A directory with the book and a tiny Llama (`llama/`) made by transformers.
+fn setup(p: &Path) {
+    let book: String = (0..200).map(|i| format!("{i}: to be, or not to be, that is the question. ")).collect();
+    write(p, "book.txt", &book[..(ROWS + 4) * SEQ + 1]);
+    hf_twin(p, &["make", "--arch", "llama", "--out", "llama", "--kv-heads", "2", "--hidden", "48"]);
+}
+
+#[test]
+fn lora_gives_pefts_losses_and_exports_that_peft_and_transformers_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    setup(p);
+    let tokens: Vec<i64> = std::fs::read(p.join("book.txt")).unwrap().iter().map(|&b| b as i64).collect();
+    save_windows(&p.join("windows.safetensors"), &windows(&tokens, ROWS));
+    let targets = "q_proj,v_proj,up_proj,down_proj";
+    let made =
+        peft(p, &["init", "llama", "--out", "init", "--r", "4", "--alpha", "8", "--targets", targets, "--random-b"]);
+    assert_eq!(made["files"], serde_json::json!(["README.md", "adapter_config.json", "adapter_model.safetensors"]));
+    let theirs = peft(p, &["train", "llama", "--adapter", "init", "--windows", "windows.safetensors"]);
+
+    write(p, "lora.toml", &lora_twin("init = \"init\"\n"));
+    let o = run(&["run", "lora.toml", "--out", "run"], p);
+    assert_ok(&o);
+    let ours = common::rank0(&p.join("run"), "global_train_loss");
+    let theirs: Vec<f64> = theirs["losses"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect();
+    assert_eq!((ours.len(), theirs.len()), (STEPS, STEPS));
+    for (s, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        assert!((a - b).abs() < 1e-5, "step {}: runner {a}, PEFT {b}", s + 1);
+    }
+    assert!(ours[STEPS - 1] < ours[0] - 0.1, "the adapters learn: {ours:?}");
+
+    // The adapters as PEFT saves them, and the model merged.
+    assert_ok(&run(&["export", "run", "--peft", "adapter", "--hf", "merged"], p));
+    let got = peft(p, &["check", "llama", "--adapter", "adapter", "--merged", "merged"]);
+    assert_eq!((&got["missing_keys"], &got["unexpected_keys"]), (&serde_json::json!([]), &serde_json::json!([])));
+    assert_eq!((&got["config"]["r"], &got["config"]["lora_alpha"]), (&serde_json::json!(4), &serde_json::json!(8.0)));
+    assert_eq!(got["merged_keys"], serde_json::json!([]));
+    let diff = got["merged_diff"].as_f64().unwrap();
+    assert!(diff < 1e-6, "the merged export differs from merge_and_unload() by {diff}");
+
+    // runner eval and predict on the LoRA run: the merged model's loss and greedy text.
+    let ids: Vec<u8> = tokens.iter().flat_map(|&t| (t as u16).to_le_bytes()).collect();
+    std::fs::write(p.join("book.bin"), ids).unwrap();
+    let eval = |model: &str| -> f64 {
+        let o = run(&["eval", model, "book.bin", "--json", "--seq-len", "16"], p);
+        assert_ok(&o);
+        let v: serde_json::Value = serde_json::from_str(&text(&o).0).unwrap();
+        v["loss"].as_f64().unwrap()
+    };
+    let (lora, merged) = (eval("run"), eval("merged"));
+    assert!((lora - merged).abs() < 1e-5, "runner eval: the LoRA run {lora}, its merged export {merged}");
+    let o = run(&["predict", "run", "--prompt", "to", "--tokens", "4", "--top-k", "1"], p);
+    assert_ok(&o);
+    let generated: Vec<u8> = got["generated"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u8).collect();
+    assert_eq!(text(&o).0, format!("to{}\n", String::from_utf8_lossy(&generated)));
+}
