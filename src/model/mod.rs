@@ -252,6 +252,22 @@ pub fn sorted_parameters(arch: &dyn Architecture) -> Vec<(String, Vec<i64>)> {
     v
 }
 
+/// The parameters and buffers a checkpoint holds, sorted by name: [`sorted_parameters`] but the
+/// frozen ones ([`Architecture::frozen`]).
+pub fn saved_parameters(arch: &dyn Architecture) -> Vec<(String, Vec<i64>)> {
+    let mut v = sorted_parameters(arch);
+    v.retain(|(name, _)| !arch.frozen(name));
+    v
+}
+
+/// The parameters the optimizer trains, in the architecture's module order (names and shapes):
+/// all but the frozen ones.
+pub fn trained_parameters(arch: &dyn Architecture) -> Vec<(String, Vec<i64>)> {
+    let mut v = arch.parameters(0..arch.layers().len());
+    v.retain(|(name, _)| !arch.frozen(name));
+    v
+}
+
 /// The variables of `vs` in the architecture's module order for layers `range`.
 pub fn parameters_in_module_order(arch: &dyn Architecture, range: Range<usize>, vs: &nn::VarStore) -> Vec<Tensor> {
     let vars = vs.variables();

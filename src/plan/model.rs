@@ -36,7 +36,9 @@ pub(super) fn model_parts(
             let probe = || layout.and_then(|l| probe::torchscript_probe(c, d, l));
             crate::model::check_input(&model, &d.input, d.task.outputs(), probe, bad)
         });
-    let model_ok = model_ok && c.wrap.lora.as_ref().is_none_or(|l| lora(c, base, &model, l, bad));
+    // Checked whatever else is wrong with the model: a refusal names every problem.
+    let lora_ok = c.wrap.lora.as_ref().is_none_or(|l| lora(c, base, &model, l, bad));
+    let model_ok = model_ok && lora_ok;
     let arch = data
         .filter(|_| model_ok)
         .map(|d| crate::model::architecture(&model, &d.input, d.task.outputs(), c.wrap.lora.as_ref()));
@@ -78,19 +80,24 @@ fn lora(c: &Config, base: &Path, model: &Model, l: &Lora, bad: &mut impl FnMut(&
         Model::Transformer(t) if hf_init => t,
         Model::Transformer(_) => {
             bad(
-                "wrap.lora",
-                "fine-tunes a published model, but wrap.init names none: set wrap.init to a Hugging Face model                  directory (config.json and model.safetensors of a LlamaForCausalLM or GPT2LMHeadModel)"
+                "wrap.init",
+                "is not set, but [wrap.lora] fine-tunes a published model: set wrap.init to a Hugging Face model \
+                 directory (config.json and model.safetensors of a LlamaForCausalLM or GPT2LMHeadModel)"
                     .into(),
             );
             return false;
         }
         other => {
-            let arch = crate::model::architecture(other, &[1], 1, None);
+            let kind = match other {
+                Model::Torchscript(_) => "a TorchScript module (its layers are its own)",
+                Model::Cnn(_) => "a CNN",
+                _ => "an MLP",
+            };
             bad(
-                "wrap.lora",
+                "wrap.model.kind",
                 format!(
-                    "adapts a transformer's linear layers, but the model is {}; remove [wrap.lora], or set wrap.init                      to a Hugging Face model directory",
-                    arch.describe()
+                    "makes {kind}, but [wrap.lora] adapts a transformer's linear layers: remove [wrap.lora], or set \
+                     wrap.init to a Hugging Face model directory"
                 ),
             );
             return false;

@@ -99,3 +99,120 @@ fn lora_gives_pefts_losses_and_exports_that_peft_and_transformers_load() {
     let generated: Vec<u8> = got["generated"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u8).collect();
     assert_eq!(text(&o).0, format!("to{}\n", String::from_utf8_lossy(&generated)));
 }
+
+/// The tensors of a safetensors file, by name.
+fn tensors(path: &Path) -> std::collections::BTreeMap<String, tch::Tensor> {
+    tch::Tensor::read_safetensors(path).unwrap().into_iter().collect()
+}
+
+#[test]
+fn lora_under_ddp_trains_the_adapters_alone_and_its_checkpoints_resume_from_the_frozen_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    setup(p);
+    write(p, "lora.toml", &format!("{}\n[checkpoint]\nevery = 10\n", lora_twin("")));
+    assert_ok(&run(&["run", "lora.toml", "--out", "one"], p));
+    // DDP at 2 ranks: the adapters' gradients averaged, the same losses as one rank's.
+    assert_ok(&run(
+        &["run", "lora.toml", "--out", "two", "--set", "run.world_size=2", "--set", "train.batch_size=8"],
+        p,
+    ));
+    let one = common::rank0(&p.join("one"), "global_train_loss");
+    let two = common::rank0(&p.join("two"), "global_train_loss");
+    assert_eq!(one.len(), STEPS);
+    for (s, (a, b)) in one.iter().zip(&two).enumerate() {
+        assert!((a - b).abs() < 1e-5, "step {}: one rank {a}, two ranks {b}", s + 1);
+    }
+    assert!(one[STEPS - 1] < one[0] - 0.1, "the adapters learn: {one:?}");
+
+    // The base is frozen: the run's model holds the checkpoint's q_proj as it was.
+    let base = tensors(&p.join("llama/model.safetensors"));
+    let model = tensors(&p.join("one/model.safetensors"));
+    assert!(model["blocks.1.qkv.weight"].narrow(0, 0, 32).equal(&base["model.layers.1.self_attn.q_proj.weight"]));
+    assert!(model["blocks.1.self_attn.v_proj.lora_B"].abs().sum(tch::Kind::Float).double_value(&[]) > 0.0);
+    // A checkpoint holds the adapters and their optimizer state, not the base.
+    let saved = tensors(&p.join("one/checkpoints/epoch-0020/rank-0.safetensors"));
+    let names: Vec<&String> = saved.keys().collect();
+    assert!(names.iter().all(|n| n.contains(".lora_") || n.as_str() == "optim.steps"), "{names:?}");
+    assert_eq!(names.len(), 2 * 4 * 2 * 3 + 1, "{names:?}");
+    assert!(saved.contains_key("optim.exp_avg.blocks.0.mlp.up_proj.lora_A"), "{names:?}");
+
+    // Cut at step 10 and resumed: the base read from wrap.init again, the adapters and their
+    // state from the checkpoint, the uninterrupted run's losses.
+    assert_ok(&run(&["run", "lora.toml", "--out", "cut", "--set", "train.epochs=10"], p));
+    assert_ok(&run(&["run", "--resume", "cut", "--set", "train.epochs=20"], p));
+    assert_eq!(common::rank0(&p.join("cut"), "global_train_loss"), one);
+    // A base that changed since is refused, by its digest.
+    let weights = p.join("llama/model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&weights, bytes).unwrap();
+    let o = run(&["run", "--resume", "cut", "--set", "train.epochs=21"], p);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("model.safetensors changed since the run started"), "{err}");
+}
+
+/// `runner validate` of `config` in `dir`: exit 2, and for each of `expected` (key, message) a
+/// line naming the key (and where its value came from) with the message.
+fn refused(dir: &Path, config: &str, expected: &[(&str, &str)]) {
+    write(dir, "bad.toml", config);
+    let o = run(&["validate", "bad.toml"], dir);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    for (key, e) in expected {
+        let found = err.lines().any(|l| l.trim_start().starts_with(&format!("`{key}` (")) && l.contains(e));
+        assert!(found, "expected `{key}`: {e:?} in:\n{err}");
+    }
+}
+
+#[test]
+fn lora_that_cannot_be_built_is_refused_on_the_plan_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    setup(p);
+    let twin = TWIN.replace("INIT", "llama");
+    refused(
+        p,
+        &format!("{twin}\n[wrap.lora]\ntargets = [\"c_attn\", \"v_proj\"]\nrank = 0\n"),
+        &[
+            (
+                "wrap.lora.targets",
+                "the model (LlamaForCausalLM) has no module \"c_attn\"; it has \
+             \"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\", \"gate_proj\", \"up_proj\", \"down_proj\" (or give \
+             [\"all-linear\"])",
+            ),
+            ("wrap.lora.rank", "is 0; give a rank of at least 1"),
+        ],
+    );
+    refused(
+        p,
+        &format!("{twin}\n[wrap.lora]\nrank = 33\n"),
+        &[("wrap.lora.rank", "is 33, larger than self_attn.q_proj (32 inputs, 32 outputs)")],
+    );
+    refused(
+        p,
+        &format!("{twin}\n[wrap.lora]\n").replace("strategy", "x").replace("[wrap]", "[wrap]\nstrategy = \"fsdp\""),
+        &[("wrap.strategy", "is \"fsdp\", but [wrap.lora] trains whole replicas only")],
+    );
+    refused(
+        p,
+        &format!("{twin}\n[wrap.lora]\ninit = \"nowhere\"\n"),
+        &[("wrap.lora.init", "cannot read nowhere/adapter_config.json")],
+    );
+    let scratch = TWIN.replace("init = \"INIT\"\n", "").replace("seq_len = 16", "seq_len = 16\nvocab = 256");
+    refused(
+        p,
+        &format!("{scratch}\n[wrap.lora]\n"),
+        &[("wrap.init", "is not set, but [wrap.lora] fine-tunes a published model: set wrap.init to a Hugging Face")],
+    );
+    let mlp = "[load]\nsource = \"synthetic\"\n[wrap.model]\nkind = \"mlp\"\n[wrap.lora]\n";
+    refused(p, mlp, &[("wrap.model.kind", "makes an MLP, but [wrap.lora] adapts a transformer's linear layers")]);
+    let scripted = mlp.replace("kind = \"mlp\"", "kind = \"torchscript\"\npath = \"module.pt\"");
+    refused(
+        p,
+        &scripted,
+        &[("wrap.model.kind", "makes a TorchScript module (its layers are its own), but [wrap.lora]")],
+    );
+}
