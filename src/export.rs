@@ -7,8 +7,8 @@
 //! OUT_DIR and renamed into place once complete: an export is whole or absent.
 //!
 //! A LoRA run (`wrap.lora`) exports its model merged (W + (alpha / r) · B · A, as PEFT's
-//! `merge_and_unload`), or with `--peft OUT_DIR` its adapters alone, as PEFT saves them
-//! ([`export_peft`]).
+//! `merge_and_unload`), or with `--peft OUT_DIR` its adapters alone, as PEFT saves them, with the
+//! run's tokenizer ([`export_peft`]).
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
@@ -211,9 +211,14 @@ pub fn export_peft(run_dir: &Path, out: &Path) -> anyhow::Result<u8> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     check_new(out)?;
     let base = plan.init_weights.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+    let tokenizer = tokenizer_of(&plan)?;
     let files = into_place(out, |tmp| {
         crate::model::hf::peft::write(tmp, &adapters, &base, &tensors)?;
-        Ok(crate::model::hf::peft::FILES.iter().map(|f| f.to_string()).collect())
+        let mut files: Vec<String> = crate::model::hf::peft::FILES.iter().map(|f| f.to_string()).collect();
+        if let Some(tokenizer) = &tokenizer {
+            files.extend(write_tokenizer(tmp, tokenizer, &Spec::of(t))?);
+        }
+        Ok(files)
     })?;
     crate::say!(
         "exported the LoRA adapters of {} (rank {}, alpha {}, on {}; {} tensors in {}) to {}",
@@ -301,7 +306,8 @@ fn tokenizer_of(plan: &Plan) -> anyhow::Result<Option<Tokenizer>> {
 
 /// `tokenizer.json` as the run had it, and the `tokenizer_config.json` that makes
 /// `AutoTokenizer` load it as it is (no token added to the texts it encodes); the end-of-text
-/// token, where the vocabulary has one, as the end of a sequence. Their names.
+/// token, where the vocabulary has one, as the end of a sequence (in the model's config.json too,
+/// where `dir` has one: an adapter's has none). Their names.
 fn write_tokenizer(dir: &Path, t: &Tokenizer, spec: &Spec) -> anyhow::Result<Vec<String>> {
     let bytes = std::fs::read(t.path()).with_context(|| format!("cannot read {}", t.path().display()))?;
     crate::rundir::atomic_write(&dir.join(TOKENIZER), &bytes)?;
@@ -319,10 +325,10 @@ fn write_tokenizer(dir: &Path, t: &Tokenizer, spec: &Spec) -> anyhow::Result<Vec
         &dir.join(TOKENIZER_CONFIG),
         (serde_json::to_string_pretty(&config)? + "\n").as_bytes(),
     )?;
-    if let Some(end) = end {
+    let path = dir.join(CONFIG);
+    if let Some(end) = end.filter(|_| path.exists()) {
         // The model's config names the same token by id.
         let id = t.encode(end)?[0];
-        let path = dir.join(CONFIG);
         let mut config: serde_json::Map<String, Value> = serde_json::from_slice(&std::fs::read(&path)?)?;
         config.insert("bos_token_id".into(), json!(id));
         config.insert("eos_token_id".into(), json!(id));

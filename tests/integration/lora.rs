@@ -5,7 +5,8 @@
 //! `PeftModel.from_pretrained` with no missing or unexpected key, and its merged `--hf` export
 //! equals PEFT's `merge_and_unload()`; `runner eval` and `runner predict` on the LoRA run give the
 //! merged model's loss and greedy text. Checkpoints hold the adapters and their optimizer state,
-//! not the frozen base. The refusals, each pinned.
+//! not the frozen base. The workflow of docs/guide/fine-tuning.md, shortened. The refusals, each
+//! pinned.
 use crate::common;
 
 use std::path::Path;
@@ -19,18 +20,23 @@ use crate::hf::{python as hf_twin, save_windows, windows, SEQ, TWIN};
 const ROWS: usize = 16;
 const STEPS: usize = 20;
 
-/// Runs benches/reference/peft_lora.py in `dir`; its JSON line.
-fn peft(dir: &Path, args: &[&str]) -> serde_json::Value {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/reference/peft_lora.py");
+/// Runs the repository's Python script `path` with the reference Python in `dir`; its stdout.
+fn script(dir: &Path, path: &str, args: &[&str]) -> String {
     let o = Command::new(reference_python())
-        .arg(script)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join(path))
         .args(args)
         .env("OMP_NUM_THREADS", "1")
         .current_dir(dir)
         .output()
         .expect("python");
     let (out, err) = text(&o);
-    assert!(o.status.success(), "peft_lora.py {args:?} failed:\n{out}\n{err}");
+    assert!(o.status.success(), "{path} {args:?} failed:\n{out}\n{err}");
+    out
+}
+
+/// Runs benches/reference/peft_lora.py in `dir`; its JSON line.
+fn peft(dir: &Path, args: &[&str]) -> serde_json::Value {
+    let out = script(dir, "benches/reference/peft_lora.py", args);
     serde_json::from_str(out.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {out}"))
 }
 
@@ -215,4 +221,41 @@ fn lora_that_cannot_be_built_is_refused_on_the_plan_by_name() {
         &scripted,
         &[("wrap.model.kind", "makes a TorchScript module (its layers are its own), but [wrap.lora]")],
     );
+}
+
+/// docs/guide/fine-tuning.md, shortened to 6 steps: the shipped pipelines/llama_lora.toml trains
+/// adapters on the tiny Llama that `scripts/tiny_llama.py` makes, at 2 ranks; exported for PEFT
+/// (with the run's tokenizer) and merged. `PeftModel.from_pretrained` over the base and the merged
+/// model in transformers both generate `runner predict --top-k 1`'s text.
+#[test]
+fn the_lora_workflow_gives_an_adapter_peft_loads_and_a_merged_model_that_generates_the_same_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    std::fs::create_dir_all(p.join("pipelines")).unwrap();
+    let shipped = std::fs::read_to_string(repo.join("pipelines/llama_lora.toml")).unwrap();
+    write(&p.join("pipelines"), "llama_lora.toml", &shipped);
+    let tempest = repo.join("pipelines/data/tempest.txt");
+    let prepare = ["prepare", "text", tempest.to_str().unwrap(), "--out", "data/tempest-bpe", "--tokenizer", "bpe"];
+    assert_ok(&run(&[&prepare[..], &["--vocab", "512"]].concat(), p));
+    script(p, "scripts/tiny_llama.py", &["make", "--vocab", "512", "--out", "models/tiny-llama"]);
+    let short = ["train.steps=6", "train.schedule.warmup_steps=2", "validate.every_steps=6", "validate.batches=2"];
+    let sets: Vec<&str> = short.iter().flat_map(|s| ["--set", s]).collect();
+    assert_ok(&run(&[&["run", "pipelines/llama_lora.toml", "--out", "tuned"][..], &sets].concat(), p));
+    let o = run(&["export", "tuned", "--peft", "tempest-lora", "--hf", "tempest-merged"], p);
+    assert_ok(&o);
+    let stdout = text(&o).0;
+    assert!(stdout.contains("(rank 8, alpha 16, on q_proj, v_proj; 8 tensors in adapter_config.json"), "{stdout}");
+
+    let o = run(&["predict", "tuned", "--prompt", "PROSPERO:", "--tokens", "12", "--top-k", "1"], p);
+    assert_ok(&o);
+    let ours = text(&o).0;
+    let generate = ["generate", "--prompt", "PROSPERO:", "--tokens", "12"];
+    let peft = script(
+        p,
+        "scripts/tiny_llama.py",
+        &[&generate[..], &["models/tiny-llama", "--adapter", "tempest-lora"]].concat(),
+    );
+    let merged = script(p, "scripts/tiny_llama.py", &[&generate[..], &["tempest-merged"]].concat());
+    assert_eq!((&peft, &merged), (&ours, &ours), "PEFT over the base, the merged model, runner predict");
 }
