@@ -89,6 +89,19 @@ impl TransformerArch {
         t * (2 * d + q + 2 * kv + rope + repeated + q + d + d + mlp + s.heads + adapters) + weights
     }
 
+    /// "LoRA of rank 8 (alpha 16) on q_proj, v_proj: 3584 parameters trained".
+    fn lora_text(&self) -> Option<String> {
+        let l = self.lora.as_ref()?;
+        let per_block: i64 = l.targets.iter().map(|t| l.rank * (t.inputs + t.rows.end - t.rows.start)).sum();
+        Some(format!(
+            "LoRA of rank {} (alpha {}) on {}: {} parameters trained",
+            l.rank,
+            l.alpha,
+            l.names().join(", "),
+            per_block * self.s.layers as i64
+        ))
+    }
+
     /// Per block, the names and shapes of its parameters, in module order.
     fn block_parameters(&self, b: &str) -> Vec<(String, Vec<i64>)> {
         let s = &self.s;
@@ -130,7 +143,7 @@ impl Architecture for TransformerArch {
             s.seq_len,
             if s.tied { ", head tied to the embedding" } else { "" },
             if s.bias { "" } else { ", no biases" },
-            s.parts().iter().map(|p| format!(", {p}")).collect::<String>()
+            s.parts().iter().chain(self.lora_text().as_ref()).map(|p| format!(", {p}")).collect::<String>()
         )
     }
 

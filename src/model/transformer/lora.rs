@@ -266,6 +266,26 @@ mod tests {
     }
 
     #[test]
+    fn a_model_with_adapters_counts_them_freezes_its_base_and_starts_as_it() {
+        use crate::model::{Architecture, BuildContext};
+        let ad = resolve(&llama(), &Lora::default()).unwrap();
+        let arch = super::super::TransformerArch::from_spec(llama()).with_lora(Some(ad));
+        // q_proj: 8 × (16 + 16), v_proj: 8 × (16 + 8), in each of 2 blocks.
+        assert!(arch.describe().ends_with(", LoRA of rank 8 (alpha 8) on q_proj, v_proj: 896 parameters trained)"));
+        let n = arch.layers().len();
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let net = arch.build(&vs.root(), 0..n, &BuildContext::new(5));
+        let built: usize = vs.variables().values().map(|t| t.numel()).sum();
+        assert_eq!(built, arch.layers().iter().map(|l| l.parameters).sum::<usize>());
+        assert!(arch.frozen("blocks.0.qkv.weight") && !arch.frozen("blocks.0.self_attn.q_proj.lora_A"));
+        let base = super::super::TransformerArch::from_spec(llama());
+        let base_vs = nn::VarStore::new(tch::Device::Cpu);
+        let base_net = base.build(&base_vs.root(), 0..n, &BuildContext::new(5));
+        let x = Tensor::from_slice(&[1i64, 2, 3, 4, 5]).view([1, 5]);
+        assert!(net.forward_t(&x, false).equal(&base_net.forward_t(&x, false)), "B is zero: step 0 is the base");
+    }
+
+    #[test]
     fn an_adapter_adds_its_update_to_its_rows_only() {
         let ad = resolve(&llama(), &Lora { targets: vec!["k_proj".into()], ..Lora::default() }).unwrap();
         let vs = nn::VarStore::new(tch::Device::Cpu);
