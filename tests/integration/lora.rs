@@ -259,3 +259,39 @@ fn the_lora_workflow_gives_an_adapter_peft_loads_and_a_merged_model_that_generat
     let merged = script(p, "scripts/tiny_llama.py", &[&generate[..], &["tempest-merged"]].concat());
     assert_eq!((&peft, &merged), (&ours, &ours), "PEFT over the base, the merged model, runner predict");
 }
+
+/// `wrap.lora.rank`, `wrap.lora.alpha` and `train.lr` searched (random search, 3 trials of 4
+/// steps): every trial trains its own adapters; a range whose end the model cannot take is named
+/// before the first trial.
+#[test]
+fn the_adapters_rank_and_alpha_are_searchable_and_a_rank_the_model_refuses_is_named_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    setup(p);
+    write(p, "lora.toml", &lora_twin(""));
+    let search = |rank: &str| {
+        format!(
+            "pipeline = \"lora.toml\"\n\n[set]\n\"train.epochs\" = 4\n\n[search]\nmethod = \"random\"\ntrials = 3\n\
+             metric = \"global_train_loss\"\nseed = 0\n\n[search.space]\n\"wrap.lora.rank\" = {{ int = {rank} }}\n\
+             \"wrap.lora.alpha\" = {{ uniform = [4.0, 16.0] }}\n\"train.lr\" = {{ log_uniform = [0.001, 0.01] }}\n"
+        )
+    };
+    write(p, "search.toml", &search("[2, 8]"));
+    let o = run(&["sweep", "search.toml", "--out", "s"], p);
+    assert_ok(&o);
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(p.join("s/sweep.json")).unwrap()).unwrap();
+    let points = index["points"].as_array().unwrap();
+    assert_eq!(points.len(), 3, "{index}");
+    for point in points {
+        let values = point["values"].to_string();
+        assert!(values.contains("wrap.lora.rank") && values.contains("wrap.lora.alpha"), "{values}");
+        let run_dir = p.join("s").join(point["dir"].as_str().unwrap());
+        assert_eq!(common::rank0(&run_dir, "global_train_loss").len(), 4, "{}", run_dir.display());
+    }
+    write(p, "bad.toml", &search("[2, 64]"));
+    let o = run(&["sweep", "bad.toml", "--out", "b"], p);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("is 64, larger than self_attn.q_proj (32 inputs, 32 outputs)"), "{err}");
+}
