@@ -56,38 +56,71 @@ fn setup(p: &Path) {
     hf_twin(p, &["make", "--arch", "llama", "--out", "llama", "--kv-heads", "2", "--hidden", "48"]);
 }
 
+/// The oracle on the model `arch/` of `p`: PEFT's adapters on `targets` (B random too) read
+/// through wrap.lora.init, 20 AdamW steps against PEFT's; the run (`arch-run/`) exported with
+/// `--peft` loads in PEFT with no missing or unexpected key, and with `--hf` equals PEFT's
+/// merge_and_unload(). PEFT's check (the merged model's greedy generation among it).
+fn peft_oracle(p: &Path, arch: &str, targets: &[&str]) -> serde_json::Value {
+    let (adapter_init, run_dir) = (format!("{arch}-init"), format!("{arch}-run"));
+    let made = peft(
+        p,
+        &[
+            "init",
+            arch,
+            "--out",
+            &adapter_init,
+            "--r",
+            "4",
+            "--alpha",
+            "8",
+            "--targets",
+            &targets.join(","),
+            "--random-b",
+        ],
+    );
+    assert_eq!(made["files"], serde_json::json!(["README.md", "adapter_config.json", "adapter_model.safetensors"]));
+    let theirs = peft(p, &["train", arch, "--adapter", &adapter_init, "--windows", "windows.safetensors"]);
+
+    let lora = lora_twin(&format!("init = \"{adapter_init}\"\n")).replace("\"llama\"", &format!("\"{arch}\""));
+    let listed: Vec<String> = targets.iter().map(|t| format!("\"{t}\"")).collect();
+    let lora =
+        lora.replace("[\"q_proj\", \"v_proj\", \"up_proj\", \"down_proj\"]", &format!("[{}]", listed.join(", ")));
+    write(p, &format!("{arch}.toml"), &lora);
+    assert_ok(&run(&["run", &format!("{arch}.toml"), "--out", &run_dir], p));
+    let ours = common::rank0(&p.join(&run_dir), "global_train_loss");
+    let theirs: Vec<f64> = theirs["losses"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect();
+    assert_eq!((ours.len(), theirs.len()), (STEPS, STEPS));
+    for (s, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        assert!((a - b).abs() < 1e-5, "{arch}, step {}: runner {a}, PEFT {b}", s + 1);
+    }
+    assert!(ours[STEPS - 1] < ours[0] - 0.1, "{arch}: the adapters learn: {ours:?}");
+
+    // The adapters as PEFT saves them, and the model merged.
+    let (adapter, merged) = (format!("{arch}-adapter"), format!("{arch}-merged"));
+    assert_ok(&run(&["export", &run_dir, "--peft", &adapter, "--hf", &merged], p));
+    let got = peft(p, &["check", arch, "--adapter", &adapter, "--merged", &merged]);
+    assert_eq!((&got["missing_keys"], &got["unexpected_keys"]), (&serde_json::json!([]), &serde_json::json!([])));
+    assert_eq!((&got["config"]["r"], &got["config"]["lora_alpha"]), (&serde_json::json!(4), &serde_json::json!(8.0)));
+    assert_eq!(got["merged_keys"], serde_json::json!([]));
+    let diff = got["merged_diff"].as_f64().unwrap();
+    assert!(diff < 1e-6, "{arch}: the merged export differs from merge_and_unload() by {diff}");
+    got
+}
+
+/// The book's first windows, for PEFT's side.
+fn book_windows(p: &Path) -> Vec<i64> {
+    let tokens: Vec<i64> = std::fs::read(p.join("book.txt")).unwrap().iter().map(|&b| b as i64).collect();
+    save_windows(&p.join("windows.safetensors"), &windows(&tokens, ROWS));
+    tokens
+}
+
 #[test]
 fn lora_gives_pefts_losses_and_exports_that_peft_and_transformers_load() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path();
     setup(p);
-    let tokens: Vec<i64> = std::fs::read(p.join("book.txt")).unwrap().iter().map(|&b| b as i64).collect();
-    save_windows(&p.join("windows.safetensors"), &windows(&tokens, ROWS));
-    let targets = "q_proj,v_proj,up_proj,down_proj";
-    let made =
-        peft(p, &["init", "llama", "--out", "init", "--r", "4", "--alpha", "8", "--targets", targets, "--random-b"]);
-    assert_eq!(made["files"], serde_json::json!(["README.md", "adapter_config.json", "adapter_model.safetensors"]));
-    let theirs = peft(p, &["train", "llama", "--adapter", "init", "--windows", "windows.safetensors"]);
-
-    write(p, "lora.toml", &lora_twin("init = \"init\"\n"));
-    let o = run(&["run", "lora.toml", "--out", "run"], p);
-    assert_ok(&o);
-    let ours = common::rank0(&p.join("run"), "global_train_loss");
-    let theirs: Vec<f64> = theirs["losses"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect();
-    assert_eq!((ours.len(), theirs.len()), (STEPS, STEPS));
-    for (s, (a, b)) in ours.iter().zip(&theirs).enumerate() {
-        assert!((a - b).abs() < 1e-5, "step {}: runner {a}, PEFT {b}", s + 1);
-    }
-    assert!(ours[STEPS - 1] < ours[0] - 0.1, "the adapters learn: {ours:?}");
-
-    // The adapters as PEFT saves them, and the model merged.
-    assert_ok(&run(&["export", "run", "--peft", "adapter", "--hf", "merged"], p));
-    let got = peft(p, &["check", "llama", "--adapter", "adapter", "--merged", "merged"]);
-    assert_eq!((&got["missing_keys"], &got["unexpected_keys"]), (&serde_json::json!([]), &serde_json::json!([])));
-    assert_eq!((&got["config"]["r"], &got["config"]["lora_alpha"]), (&serde_json::json!(4), &serde_json::json!(8.0)));
-    assert_eq!(got["merged_keys"], serde_json::json!([]));
-    let diff = got["merged_diff"].as_f64().unwrap();
-    assert!(diff < 1e-6, "the merged export differs from merge_and_unload() by {diff}");
+    let tokens = book_windows(p);
+    let got = peft_oracle(p, "llama", &["q_proj", "v_proj", "up_proj", "down_proj"]);
 
     // runner eval and predict on the LoRA run: the merged model's loss and greedy text.
     let ids: Vec<u8> = tokens.iter().flat_map(|&t| (t as u16).to_le_bytes()).collect();
@@ -98,12 +131,25 @@ fn lora_gives_pefts_losses_and_exports_that_peft_and_transformers_load() {
         let v: serde_json::Value = serde_json::from_str(&text(&o).0).unwrap();
         v["loss"].as_f64().unwrap()
     };
-    let (lora, merged) = (eval("run"), eval("merged"));
+    let (lora, merged) = (eval("llama-run"), eval("llama-merged"));
     assert!((lora - merged).abs() < 1e-5, "runner eval: the LoRA run {lora}, its merged export {merged}");
-    let o = run(&["predict", "run", "--prompt", "to", "--tokens", "4", "--top-k", "1"], p);
+    let o = run(&["predict", "llama-run", "--prompt", "to", "--tokens", "4", "--top-k", "1"], p);
     assert_ok(&o);
     let generated: Vec<u8> = got["generated"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u8).collect();
     assert_eq!(text(&o).0, format!("to{}\n", String::from_utf8_lossy(&generated)));
+}
+
+/// GPT-2's Conv1D layers (stored transposed; PEFT's fan_in_fan_out) and its `c_proj`, which is
+/// both the attention's output and the MLP's.
+#[test]
+fn lora_on_gpt2_gives_pefts_losses_and_merge() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    setup(p);
+    hf_twin(p, &["make", "--arch", "gpt2", "--out", "gpt2", "--tied", "--hidden", "80", "--positions", "24"]);
+    book_windows(p);
+    let got = peft_oracle(p, "gpt2", &["c_attn", "c_proj", "c_fc"]);
+    assert_eq!(got["config"]["fan_in_fan_out"], serde_json::json!(true));
 }
 
 /// The tensors of a safetensors file, by name.
