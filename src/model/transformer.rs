@@ -79,14 +79,24 @@ impl TransformerArch {
             FeedForward::Gelu | FeedForward::GeluTanh => 2 * s.hidden,
         };
         let weights = if s.dropout > 0.0 { 2 * s.heads * t * t } else { 0 };
-        // Each adapter keeps A x (rank values), and its input's dropout mask and output.
-        let adapters: usize = self
-            .lora
-            .iter()
-            .flat_map(|l| l.targets.iter().map(move |a| (l, a)))
-            .map(|(l, a)| l.rank as usize + if l.dropout > 0.0 { 2 * a.inputs as usize } else { 0 })
-            .sum();
-        t * (2 * d + q + 2 * kv + rope + repeated + q + d + d + mlp + s.heads + adapters) + weights
+        let all = 2 * d + q + 2 * kv + rope + repeated + q + d + d + mlp + s.heads;
+        t * (all as isize + self.lora_held()) as usize + weights
+    }
+
+    /// With LoRA, per token, what a block keeps besides [`Self::block_held`]'s and what it does
+    /// not keep, as a signed sum: each adapter's A x (rank values), and with dropout its input's
+    /// mask and dropped copy; less the inputs of the frozen linears without adapters (ln1's and
+    /// ln2's outputs, the attention's output, the MLP's last hidden values), which only a weight
+    /// gradient would need. 0 without LoRA.
+    fn lora_held(&self) -> isize {
+        let (Some(l), s) = (self.lora.as_ref(), &self.s) else { return 0 };
+        let kept: usize =
+            l.targets.iter().map(|a| l.rank as usize + if l.dropout > 0.0 { 2 * a.inputs as usize } else { 0 }).sum();
+        let adapted = |site| l.targets.iter().any(|a| a.site == site);
+        use lora::Site;
+        let inputs = [(Site::Qkv, s.d), (Site::Fc, s.d), (Site::Proj, s.heads * s.head_dim), (Site::Out, s.hidden)];
+        let unkept: usize = inputs.iter().filter(|(site, _)| !adapted(*site)).map(|(_, n)| n).sum();
+        kept as isize - unkept as isize
     }
 
     /// "LoRA of rank 8 (alpha 16) on q_proj, v_proj: 3584 parameters trained".
@@ -172,8 +182,9 @@ impl Architecture for TransformerArch {
             name: if s.tied { format!("norm + head {d} → {v} (tied)") } else { format!("norm + head {d} → {v}") },
             parameters: if s.norm_has_bias() { 2 * d } else { d } + if s.tied { 0 } else { v * d },
             output: vec![s.seq_len, v],
-            // The final norm's output and the log-softmax cross-entropy keeps.
-            held: s.seq_len * (d + v),
+            // The final norm's output (for the head's weight gradient: none when LoRA freezes
+            // it) and the log-softmax cross-entropy keeps.
+            held: s.seq_len * (if self.lora.is_some() { v } else { d + v }),
         });
         layers
     }
