@@ -2,7 +2,10 @@
 # Issue 54's target: on a Llama of about 100M parameters (made by scripts/tiny_llama.py, random
 # weights, nothing downloaded), LoRA of rank 8 on q_proj and v_proj against full fine-tuning, the
 # same data, batch and steps at one rank: each one's peak resident memory and training tokens/s
-# (the trace's peak_rss_bytes and tokens_per_s, the first interval left out), and their ratios.
+# (the trace's peak_rss_bytes and tokens_per_s, the first interval left out), the CPU seconds each
+# whole run took (user + system: on a machine shared with other work, wall-clock rates drift with
+# the load, CPU time much less; THREADS=1, the default, keeps OpenMP's spinning threads out of
+# it), and their ratios.
 # Results: docs/benchmarks.md.
 #
 #   benches/reference/lora_target.sh [WORK_DIR]    # from the repository's root
@@ -23,7 +26,7 @@ cat > "$work/full.toml" <<TOML
 [run]
 name = "full"
 world_size = 1
-threads_per_rank = ${THREADS:-2}
+threads_per_rank = ${THREADS:-1}
 
 [load]
 source = "tokens"
@@ -65,7 +68,7 @@ targets = ["q_proj", "v_proj"]
 TOML
 for kind in full lora; do
   rm -rf "${work:?}/$kind"
-  "$runner" run "$work/$kind.toml" --out "$work/$kind" > "$work/$kind.log" 2>&1
+  /usr/bin/time -f "%U %S" -o "$work/$kind.time" "$runner" run "$work/$kind.toml" --out "$work/$kind" > "$work/$kind.log" 2>&1
 done
 "$python" - "$work" <<'PY'
 import sys
@@ -75,8 +78,10 @@ got = {}
 for kind in ["full", "lora"]:
     t = pd.read_parquet(f"{work}/{kind}/trace.parquet")
     t = t[t["rank"] == 0]
-    got[kind] = (t["peak_rss_bytes"].max() / 2**20, t["tokens_per_s"].iloc[1:].mean())
-    print(f"{kind}: peak {got[kind][0]:.0f} MiB, {got[kind][1]:.0f} tokens/s")
-print(f"lora / full: peak memory {got['lora'][0] / got['full'][0]:.2f}x, "
-      f"tokens/s {got['lora'][1] / got['full'][1]:.2f}x")
+    cpu = sum(float(x) for x in open(f"{work}/{kind}.time").read().split()[-2:])
+    got[kind] = (t["peak_rss_bytes"].max() / 2**20, t["tokens_per_s"].iloc[1:].mean(), cpu)
+    print(f"{kind}: peak {got[kind][0]:.0f} MiB, {got[kind][1]:.0f} tokens/s, {cpu:.1f} CPU s")
+full, lora = got["full"], got["lora"]
+print(f"lora / full: peak memory {lora[0] / full[0]:.2f}x, tokens/s {lora[1] / full[1]:.2f}x, "
+      f"CPU time {lora[2] / full[2]:.2f}x (tokens per CPU second {full[2] / lora[2]:.2f}x)")
 PY
