@@ -173,7 +173,9 @@ fn check_layout(r: &Record) -> Result<(), String> {
         && l.ranks_per_copy >= 1
         && l.world_size.is_multiple_of(l.ranks_per_copy)
         && l.strategy != WrapStrategy::Auto
-        && (pipeline || l.ranks_per_copy == 1)
+        && l.tensor >= 1
+        && l.ranks_per_copy.is_multiple_of(l.tensor)
+        && (pipeline || l.ranks_per_copy == l.tensor)
         && r.global_batch >= 1
         && r.steps_per_epoch >= 1;
     if !fits {

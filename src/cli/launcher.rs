@@ -1,16 +1,19 @@
-//! `runner run` as the launcher of this node's ranks: takes the run directory, runs the ranks
-//! (restarting them after a failure as `run.max_restarts` allows: [`restart`]; in rounds over
-//! the nodes of an elastic or restarted multi-node run: [`elastic`]), and records how the run
-//! ended. A resume takes the run directory only once every rank accepted its plan: one refused
-//! before leaves the directory as it was.
+//! `runner run` as the launcher of this node's ranks: takes the run directory (over several
+//! nodes, node 0 owns it: [`nodes`]), runs the ranks (restarting them after a failure as
+//! `run.max_restarts` allows: [`restart`]; in rounds over the nodes of an elastic or restarted
+//! multi-node run: [`elastic`]), and records how the run ended. A resume takes the run directory
+//! only once every rank accepted its plan: one refused before leaves the directory as it was.
 use std::path::Path;
 
 use crate::checkpoint;
+use crate::launch::agree;
 use crate::launch::elastic::{self, Nodes};
+use crate::launch::nodes;
 use crate::launch::restart::{self, Supervised};
 use crate::launch::slurm;
 use crate::launch::spawn::{self, Topology};
 use crate::plan::Plan;
+use crate::rundir::lock::RunLock;
 use crate::rundir::manifest::{Manifest, Status};
 
 use super::resume::resumed_plan;
@@ -47,7 +50,10 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
         _ => {}
     }
     // A fresh run's files are written here; a resume's once its ranks accepted it.
-    let _lock = prepare_run_dir(plan, run_dir, &manifest, claim)?;
+    let (lock, met) = match take_run_dir(plan, topology, rounds, run_dir, &manifest, claim)? {
+        Taken::Lock(lock, met) => (lock, met),
+        Taken::Ended(code) => return Ok(code),
+    };
     let resumed = |plan: &Plan| -> anyhow::Result<Option<(Plan, usize)>> {
         let Some(found) = checkpoint::newest_unread(run_dir, plan).map_err(anyhow::Error::msg)? else {
             return Ok(None);
@@ -68,7 +74,7 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
     };
     let (supervised, committed) = if rounds {
         let (addr, port) = topology.master.clone().expect("several nodes have a master");
-        let mut host = elastic::Host::serve(plan, &addr, port, nodes, run_dir, &at_size)?;
+        let mut host = elastic::Host::serve(plan, (&addr, port), nodes, run_dir, lock.token(), &at_size)?;
         let mut attempts =
             restart::Attempts { run_dir, topology, resumed: &resumed, attempt: &mut host, committed: !claim.resume };
         let supervised = restart::supervise(plan.clone(), claim.resume, &mut manifest, &mut attempts);
@@ -80,7 +86,7 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
         }
         (supervised, committed)
     } else {
-        let mut local = restart::Local { run_dir, topology };
+        let mut local = restart::Local { run_dir, topology, met };
         let mut attempts =
             restart::Attempts { run_dir, topology, resumed: &resumed, attempt: &mut local, committed: !claim.resume };
         (restart::supervise(plan.clone(), claim.resume, &mut manifest, &mut attempts), attempts.committed)
@@ -98,6 +104,76 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
             Err(e)
         }
     }
+}
+
+/// How this node's launcher took its run directory.
+enum Taken {
+    /// It owns it (node 0's, or this node's own): the lock it holds, and the store where it met
+    /// the other nodes of a fixed-size run.
+    Lock(RunLock, Option<spawn::Met>),
+    /// This node ended: its ranks ran in node 0's directory, or a signal came first. The exit code.
+    Ended(u8),
+}
+
+/// Takes the run directory ([`prepare_run_dir`]). Over the nodes of a fixed-size run (not in
+/// `rounds`), the nodes meet first: node 0 says whether it took its directory; another node runs
+/// its ranks in node 0's directory when its `--out` is that one ([`nodes::follow`]), and
+/// otherwise takes its own. A node refused its directory refuses the run on every node.
+fn take_run_dir(
+    plan: &Plan,
+    topology: &Topology,
+    rounds: bool,
+    run_dir: &Path,
+    manifest: &Manifest,
+    claim: Claim,
+) -> anyhow::Result<Taken> {
+    if topology.nnodes == 1 || rounds {
+        return Ok(Taken::Lock(prepare_run_dir(plan, run_dir, manifest, claim)?, None));
+    }
+    let timeout = std::time::Duration::from_secs_f64(plan.config.run.timeout_s);
+    let met = match spawn::rendezvous(topology, plan.world_size(), timeout) {
+        Ok(met) => met,
+        Err(e) => return before_any_rank(e).map(Taken::Ended),
+    };
+    let me = topology.node_rank;
+    if me == 0 {
+        return match prepare_run_dir(plan, run_dir, manifest, claim) {
+            Ok(lock) => {
+                let file = restart::pending_plan_file(run_dir, claim.resume);
+                nodes::took(&met, lock.token(), &file, claim.resume)?;
+                Ok(Taken::Lock(lock, Some(met)))
+            }
+            Err(e) => {
+                nodes::refused(&met, &format!("{e:#}"), topology.nnodes);
+                Err(e)
+            }
+        };
+    }
+    let role = match nodes::role(&met, run_dir, me) {
+        Ok(role) => role,
+        Err(e) => return before_any_rank(e).map(Taken::Ended),
+    };
+    match role {
+        nodes::Role::Shared(taken) => Ok(Taken::Ended(nodes::follow(plan, topology, met, run_dir, &taken)?)),
+        nodes::Role::Own => {
+            match nodes::own_run_dir(plan, run_dir).and_then(|()| prepare_run_dir(plan, run_dir, manifest, claim)) {
+                Ok(lock) => Ok(Taken::Lock(lock, Some(met))),
+                Err(e) => {
+                    let parties = agree::Parties { label: "node", me, count: topology.nnodes };
+                    agree::refuse(&met.store, parties, &format!("{e:#}"));
+                    Err(e)
+                }
+            }
+        }
+    }
+}
+
+/// A rendezvous that ended before any directory was taken: by a signal (said, with its exit
+/// code), or with the error.
+fn before_any_rank(e: anyhow::Error) -> anyhow::Result<u8> {
+    let Some(i) = crate::signals::interruption() else { return Err(e) };
+    crate::say_err!("\ninterrupted by {} before any rank started: nothing was written", crate::signals::name(i.signal));
+    Ok(128 + i.signal as u8)
 }
 
 /// What a run says before its ranks start: the plan (with its run id), its notes and where it

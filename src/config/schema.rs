@@ -537,7 +537,8 @@ pub struct Mesh {
     /// them: DDP's averaging, a pipeline's per-stage averaging).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data: Option<usize>,
-    /// Ranks each layer is split across (tensor parallelism; not built yet: refused above 1).
+    /// Ranks each layer is split across (Megatron-style tensor parallelism: a transformer's heads
+    /// and MLP units, an MLP's column/row pairs; under wrap.strategy = "ddp" or "none").
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tensor: Option<usize>,
     /// Stages of a pipeline (wrap.strategy = "pipeline"; replaces wrap.pipeline.replicas).

@@ -129,7 +129,7 @@ pub fn eval(run_dir: &Path, data: &Path, o: &Options) -> anyhow::Result<u8> {
     launched.config.run.world_size = world;
     launched.threads_per_rank = threads;
     let args = ["eval".into(), "--job".into(), job_file.into_os_string()];
-    let outcome = spawn::launch(&launched, &Topology::single(), tmp.path(), &args, None)?;
+    let outcome = spawn::launch(&launched, &Topology::single(), tmp.path(), &args, None, None)?;
     if let Some(sig) = outcome.interrupted {
         crate::say_err!("\ninterrupted by {}: no result", crate::signals::name(sig));
         return Ok(128 + sig as u8);

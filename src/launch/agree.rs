@@ -74,20 +74,10 @@ fn agree<T>(
     claim: impl FnOnce(&Plan) -> anyhow::Result<(T, String)>,
 ) -> anyhow::Result<Option<T>> {
     let mine = flat_config(plan);
-    let key = |n: usize| format!("runner/config/{}{n}", parties.label);
+    let key = |n: usize| config_key(parties.label, n);
     store.set(&key(parties.me), serde_json::to_string(&mine)?.as_bytes())?;
     if parties.me != 0 {
-        let verdict = store.get(VERDICT).map_err(|e| {
-            never(
-                e,
-                store,
-                &format!("{} 0 gave no verdict on the configurations", parties.label),
-                "it waits for every \
-                 participant, so one may never have started, or it stopped (see its output)",
-            )
-        })?;
-        let verdict = String::from_utf8_lossy(&verdict).into_owned();
-        store.add(READ, 1)?;
+        let verdict = verdict(store, parties)?;
         return if verdict.is_empty() { Ok(None) } else { Err(ConfigError::new(verdict).into()) };
     }
     let mut all = vec![mine];
@@ -103,7 +93,7 @@ fn agree<T>(
             serde_json::from_slice(&bytes).with_context(|| format!("{} {n} sent no configuration", parties.label))?,
         );
     }
-    let (verdict, claimed) = match differences(&all, parties.label) {
+    let (verdict, claimed) = match refusals(&all, parties.label).or_else(|| differences(&all, parties.label)) {
         Some(verdict) => (verdict, None),
         None => match claim(plan) {
             Ok((claimed, published)) => {
@@ -123,6 +113,49 @@ fn agree<T>(
         std::thread::sleep(Duration::from_millis(10));
     }
     Err(ConfigError::new(verdict).into())
+}
+
+/// Where participant `n` publishes its configuration.
+fn config_key(label: &str, n: usize) -> String {
+    format!("runner/config/{label}{n}")
+}
+
+/// A participant other than 0: waits for participant 0's verdict (empty when every
+/// configuration is the same) and says it read it.
+fn verdict(store: &Store, parties: Parties) -> anyhow::Result<String> {
+    let verdict = store.get(VERDICT).map_err(|e| {
+        never(
+            e,
+            store,
+            &format!("{} 0 gave no verdict on the configurations", parties.label),
+            "it waits for every participant, so one may never have started, or it stopped (see its output)",
+        )
+    })?;
+    store.add(READ, 1)?;
+    Ok(String::from_utf8_lossy(&verdict).into_owned())
+}
+
+/// What a participant other than 0 publishes in place of its configuration when it cannot start
+/// (its own run directory refused it): participant 0 then refuses on every participant, naming
+/// it and why. Waits for the verdict, so that participant 0's store outlives the news.
+pub fn refuse(store: &Store, parties: Parties, why: &str) {
+    let mine = FlatConfig::from([(REFUSED.to_owned(), why.to_owned())]);
+    if let Ok(json) = serde_json::to_string(&mine) {
+        if store.set(&config_key(parties.label, parties.me), json.as_bytes()).is_ok() {
+            let _ = verdict(store, parties);
+        }
+    }
+}
+
+/// The key of a participant's refusal ([`refuse`]), where its configuration would be.
+const REFUSED: &str = "(refused)";
+
+/// The participants that could not start, with why; `None` when none refused.
+fn refusals(all: &[FlatConfig], label: &str) -> Option<String> {
+    let lines: Vec<String> =
+        all.iter().enumerate().filter_map(|(n, c)| Some(format!("{label} {n}: {}", c.get(REFUSED)?))).collect();
+    (!lines.is_empty())
+        .then(|| format!("a {label} cannot start, so every {label} refused to start:\n  {}", lines.join("\n  ")))
 }
 
 /// A wait in the store that ended without an answer: `what` happened, `how` to fix it. A wait
@@ -210,6 +243,18 @@ mod tests {
         assert!(msg.contains("train.lr: rank 0: 0.1, rank 1: 0.2"), "{msg}");
         assert!(!msg.contains("run.seed") && !msg.contains(RUN_ID_KEY), "{msg}");
         assert_eq!(differences(&[a.clone(), a], "node"), None);
+    }
+
+    #[test]
+    fn a_participant_that_cannot_start_is_named_with_why() {
+        let a = flat(&[("train.lr", "0.1")]);
+        let b = flat(&[(REFUSED, "--out x is not this run's directory")]);
+        let msg = refusals(&[a.clone(), b], "node").unwrap();
+        assert_eq!(
+            msg,
+            "a node cannot start, so every node refused to start:\n  node 1: --out x is not this run's directory"
+        );
+        assert_eq!(refusals(&[a.clone(), a], "node"), None);
     }
 
     #[test]

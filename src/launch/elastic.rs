@@ -13,7 +13,9 @@
 //! Each round's keys go under a prefix of their own in the store (the ranks get it in
 //! [`STORE_PREFIX`](super::env::STORE_PREFIX)). The run directory must be one every node sees:
 //! every rank reads the checkpoints. Node 0 owns it (the lock, the manifest, plan.json); the
-//! other nodes read the round's plan there and run their ranks.
+//! other nodes read the round's plan there and run their ranks. Node 0 says its lock's token
+//! through the store: a node whose `--out` is another folder (its lock without that token) is
+//! refused before it joins a round.
 use std::net::TcpListener;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -53,6 +55,8 @@ impl std::str::FromStr for Nodes {
 
 /// The store's keys of the rounds (outside any round's prefix).
 const OPEN: &str = "runner/elastic/open";
+/// The token of node 0's hold of its run directory's lock ([`crate::rundir::lock`]).
+const RUN_DIR: &str = "runner/elastic/run-dir";
 
 fn join_key(round: usize, node: usize) -> String {
     format!("runner/elastic/{round}/join/{node}")
@@ -157,19 +161,21 @@ pub struct Host<'a> {
 }
 
 impl<'a> Host<'a> {
-    /// Serves the job's store on `addr:port` for as long as this launcher lives.
+    /// Serves the job's store on `addr:port` for as long as this launcher lives; `token`: that
+    /// of this launcher's hold of `run_dir`'s lock, by which the other nodes know the directory.
     pub fn serve(
         plan: &Plan,
-        addr: &str,
-        port: u16,
+        (addr, port): (&str, u16),
         nodes: Nodes,
         run_dir: &'a Path,
+        token: &str,
         at_size: AtSize<'a>,
     ) -> anyhow::Result<Host<'a>> {
         let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
         let listener = TcpListener::bind((addr, port))
             .with_context(|| format!("cannot listen on {addr}:{port} (--master-addr must be this node's address)"))?;
         let store = Store::serve(listener, plan.world_size(), timeout)?;
+        store.set(RUN_DIR, token.as_bytes())?;
         let per_node = plan.world_size() / nodes.max;
         let config = super::agree::flat_config(plan);
         Ok(Host {
@@ -345,6 +351,16 @@ pub fn follow(plan: &Plan, me: usize, master: (&str, u16), nodes: Nodes, run_dir
     let store = Store::connect(addr, port, timeout)
         .map_err(|e| super::rank::unreachable(e, "node 0's", addr, port, timeout))?;
     let per_node = plan.world_size() / nodes.max;
+    let token = String::from_utf8_lossy(&store.get(RUN_DIR)?).into_owned();
+    if crate::rundir::lock::token_of(run_dir).as_deref() != Some(token.as_str()) {
+        return Err(ConfigError::new(format!(
+            "node {me}: --out {} is not node 0's run directory: an elastic or restarted run over several nodes needs \
+             one run directory on a file system every node shares (every rank reads the checkpoints); give every \
+             node node 0's --out",
+            run_dir.display()
+        ))
+        .into());
+    }
     loop {
         let round: usize = String::from_utf8_lossy(&store.get(OPEN)?).parse().context("node 0's round")?;
         // Its configuration, which node 0 compares with its own before the round.
@@ -372,12 +388,13 @@ pub fn follow(plan: &Plan, me: usize, master: (&str, u16), nodes: Nodes, run_dir
             Verdict::Go { members, plan, file, resume } => (members, plan, file, resume),
         };
         let Some(index) = members.iter().position(|&n| n == me) else { continue };
-        let shared = std::fs::read_to_string(&file).ok();
-        if shared.as_deref() != Some(text.as_str()) {
+        // Node 0's file, in this node's path to the same folder.
+        let file = run_dir.join(file.file_name().context("node 0's plan file")?);
+        if std::fs::read_to_string(&file).ok().as_deref() != Some(text.as_str()) {
             anyhow::bail!(
-                "{} is not node 0's run directory: an elastic or restarted run over several nodes needs its --out on a \
-                 file system every node shares (every rank reads the checkpoints)",
-                run_dir.display()
+                "node {me}: {} does not hold the plan node 0 wrote for round {round}: the shared file system does not \
+                 show node 0's writes to this node",
+                file.display()
             );
         }
         let round_plan: Plan = serde_json::from_str(&text)?;

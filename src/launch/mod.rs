@@ -5,6 +5,7 @@ pub mod agree;
 pub mod elastic;
 pub mod engines;
 pub mod env;
+pub mod nodes;
 pub mod rank;
 pub mod restart;
 pub mod slurm;

@@ -51,6 +51,9 @@ pub trait Attempt {
 pub struct Local<'a> {
     pub run_dir: &'a Path,
     pub topology: &'a Topology,
+    /// The other nodes' store, where the launcher met them before it took the run directory
+    /// ([`super::nodes`]): the first attempt's.
+    pub met: Option<spawn::Met>,
 }
 
 impl Attempt for Local<'_> {
@@ -58,7 +61,8 @@ impl Attempt for Local<'_> {
         let args = child_args(&pending_plan(self.run_dir, &plan, resume)?, self.run_dir, resume);
         let mut write = || plan.commit_run_dir(self.run_dir, manifest);
         let commit: Option<spawn::Commit> = resume.then_some(&mut write);
-        let outcome = launch_guarded(|| spawn::launch(&plan, self.topology, self.run_dir, &args, commit));
+        let met = self.met.take();
+        let outcome = launch_guarded(|| spawn::launch(&plan, self.topology, self.run_dir, &args, commit, met));
         rundir::remove_unfinished(self.run_dir);
         Ok((plan, outcome?))
     }
@@ -180,10 +184,19 @@ fn restart_from(
 /// a resume, a temporary file beside it, which the run directory takes as plan.json once every
 /// rank accepted it (and which goes, as every temporary file, once the attempt ended).
 pub fn pending_plan(run_dir: &Path, plan: &Plan, resume: bool) -> anyhow::Result<PathBuf> {
-    let file = run_dir.join(rundir::PLAN);
-    let file = if resume { rundir::tmp_path(&file) } else { file };
+    let file = pending_plan_file(run_dir, resume);
     plan.save(&file)?;
     Ok(file)
+}
+
+/// The file [`pending_plan`] saves the plan to.
+pub fn pending_plan_file(run_dir: &Path, resume: bool) -> PathBuf {
+    let file = run_dir.join(rundir::PLAN);
+    if resume {
+        rundir::tmp_path(&file)
+    } else {
+        file
+    }
 }
 
 /// The arguments of this node's ranks: every rank runs the plan resolved here (`plan_file`),

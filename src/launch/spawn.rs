@@ -130,7 +130,8 @@ impl Topology {
     }
 }
 
-/// Meets the job's other nodes (the store), then starts and supervises this node's ranks
+/// Meets the job's other nodes (the store; `met` where the launcher met them already, to settle
+/// the run directory first: [`super::nodes`]), then starts and supervises this node's ranks
 /// ([`start`]; `commit` as there).
 pub fn launch(
     plan: &Plan,
@@ -138,6 +139,7 @@ pub fn launch(
     run_dir: &Path,
     child_args: &[OsString],
     commit: Option<Commit>,
+    met: Option<Met>,
 ) -> anyhow::Result<Outcome> {
     // Ctrl-C, SIGTERM, SIGHUP, ... stop the ranks through the supervision loop below; the
     // preemption signal is forwarded to them ([`crate::signals`], set up since the first instruction).
@@ -145,8 +147,8 @@ pub fn launch(
     let world = plan.world_size();
     let per_node = world / topology.nnodes;
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
-    let (store, addr, port) = match rendezvous(topology, world, timeout) {
-        Ok(joined) => joined,
+    let Met { store, addr, port } = match met.map_or_else(|| rendezvous(topology, world, timeout), Ok) {
+        Ok(met) => met,
         Err(e) => return stopped(e, commit.is_none()),
     };
     if topology.nnodes > 1 {
@@ -401,10 +403,17 @@ pub fn start(
     Ok(Outcome { failure, interrupted: interrupted.map(|i| i.0), preempted, started: true, training_after, committed })
 }
 
+/// The job's store, with the address and port the ranks reach it at.
+pub struct Met {
+    pub store: Store,
+    pub addr: String,
+    pub port: u16,
+}
+
 /// The job's store: served on this node (node 0, or a single node on an OS-chosen loopback
-/// port) or joined at node 0's; with the address and port the ranks reach it at.
-fn rendezvous(topology: &Topology, world: usize, timeout: Duration) -> anyhow::Result<(Store, String, u16)> {
-    Ok(match &topology.master {
+/// port) or joined at node 0's.
+pub fn rendezvous(topology: &Topology, world: usize, timeout: Duration) -> anyhow::Result<Met> {
+    let (store, addr, port) = match &topology.master {
         None => {
             let listener = TcpListener::bind("127.0.0.1:0")?;
             let port = listener.local_addr()?.port();
@@ -422,7 +431,8 @@ fn rendezvous(topology: &Topology, world: usize, timeout: Duration) -> anyhow::R
                 .map_err(|e| super::rank::unreachable(e, "node 0's", addr, *port, timeout))?;
             (store, addr.clone(), *port)
         }
-    })
+    };
+    Ok(Met { store, addr, port })
 }
 
 /// Whether `pid` is stopped (state T) or traced (t).

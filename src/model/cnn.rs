@@ -247,7 +247,7 @@ impl Architecture for CnnArch {
             } else {
                 let j = l - nb;
                 let (inputs, outputs) = (self.widths[j], self.widths[j + 1]);
-                let fc = super::mlp::init_linear(&(p / format!("fc{j}")), inputs, outputs, ctx.seed, l);
+                let fc = super::mlp::init_linear(&(p / format!("fc{j}")), inputs, outputs, ctx.seed, l, &|_| None);
                 layers.push(Built::Linear(j, fc));
             }
         }

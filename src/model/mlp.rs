@@ -5,7 +5,10 @@ use std::ops::Range;
 use tch::nn::{self, Module, ModuleT};
 use tch::Tensor;
 
-use super::{Architecture, BuildContext, Layer};
+use std::sync::Arc;
+
+use super::tensor_group::TensorGroup;
+use super::{Architecture, BuildContext, Layer, TensorSlice};
 use crate::config::schema::{Activation, Mlp};
 use crate::rng::Rng;
 
@@ -79,27 +82,62 @@ impl Architecture for MlpArch {
     }
 
     fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
+        let at = ctx.tensor.as_ref().map(|g| (g.rank(), g.size()));
         let layers = range
-            .map(|i| (i, init_linear(&(p / format!("layer{i}")), self.widths[i], self.widths[i + 1], ctx.seed, i)))
+            .map(|i| {
+                let cut = |leaf: &str| at.and_then(|(k, n)| self.tensor_slice(&format!("layer{i}.{leaf}"), k, n));
+                let (inputs, outputs) = (self.widths[i], self.widths[i + 1]);
+                (i, init_linear(&(p / format!("layer{i}")), inputs, outputs, ctx.seed, i, &cut))
+            })
             .collect();
-        Box::new(MlpStage { layers, activation: self.activation, dropout: self.dropout })
+        let tensor = ctx.tensor.clone();
+        Box::new(MlpStage { layers, activation: self.activation, dropout: self.dropout, tensor })
     }
+
+    /// Megatron's pairs: layer 0 column-parallel (each tensor rank its share of the outputs),
+    /// layer 1 row-parallel (the same share of its inputs, the partial outputs summed), and so on;
+    /// a last layer left without a partner (an odd count) is replicated.
+    fn tensor_slice(&self, name: &str, k: usize, n: usize) -> Option<TensorSlice> {
+        let (layer, leaf) = name.strip_prefix("layer")?.split_once('.')?;
+        let i: usize = layer.parse().ok()?;
+        let (layers, outputs) = (self.widths.len() - 1, self.widths[i + 1] as i64);
+        match (i % 2, leaf) {
+            (0, _) if i + 1 < layers => Some(TensorSlice::of_blocks(0, &[outputs], k, n)),
+            (1, "weight") => Some(TensorSlice::of_blocks(1, &[self.widths[i] as i64], k, n)),
+            _ => None,
+        }
+    }
+}
+
+/// Whether layer `i` of `layers` is row-parallel under tensor parallelism (its input is split).
+fn row_parallel(i: usize) -> bool {
+    i % 2 == 1
 }
 
 /// The built layers of an MLP: the whole model, or the contiguous layers one pipeline stage holds.
 #[derive(Debug)]
-struct MlpStage {
+struct MlpStage<'a> {
     /// Each layer with its index in the whole model (the activation goes before every layer but
     /// the model's first).
     layers: Vec<(usize, nn::Linear)>,
     activation: Activation,
     dropout: f64,
+    /// Under tensor parallelism, the group the layers' pairs are split across.
+    tensor: Option<Arc<TensorGroup<'a>>>,
 }
 
 /// A linear layer with tch's default initialisation (weights uniform in ±√(6 / in), biases in
 /// ±1 / √in), drawn from the layer's own stream of our generator rather than libtorch's global one:
-/// the same numbers whatever else draws random numbers, in whichever thread.
-pub(super) fn init_linear(p: &nn::Path, inputs: usize, outputs: usize, seed: u64, layer: usize) -> nn::Linear {
+/// the same numbers whatever else draws random numbers, in whichever thread. `cut`: the slice of
+/// the weight or bias this tensor rank keeps (`None`: whole).
+pub(super) fn init_linear(
+    p: &nn::Path,
+    inputs: usize,
+    outputs: usize,
+    seed: u64,
+    layer: usize,
+    cut: &dyn Fn(&str) -> Option<TensorSlice>,
+) -> nn::Linear {
     let mut rng = Rng::new(seed, LAYER_STREAM + layer as u64);
     let mut uniform = |n: usize, bound: f64| -> Tensor {
         let v: Vec<f32> = (0..n).map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32).collect();
@@ -108,13 +146,14 @@ pub(super) fn init_linear(p: &nn::Path, inputs: usize, outputs: usize, seed: u64
     let fan_in = inputs as f64;
     let w = uniform(inputs * outputs, (6.0 / fan_in).sqrt()).view([outputs as i64, inputs as i64]);
     let b = uniform(outputs, 1.0 / fan_in.sqrt());
-    nn::Linear { ws: p.var_copy("weight", &w), bs: Some(p.var_copy("bias", &b)) }
+    let keep = |leaf: &str, whole: Tensor| cut(leaf).map_or(whole.shallow_clone(), |s| s.cut(&whole));
+    nn::Linear { ws: p.var_copy("weight", &keep("weight", w)), bs: Some(p.var_copy("bias", &keep("bias", b))) }
 }
 
 /// Separates the layers' streams from other uses of the run's seed.
 const LAYER_STREAM: u64 = 0x1A7E_0000;
 
-impl ModuleT for MlpStage {
+impl ModuleT for MlpStage<'_> {
     fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
         let mut h = x.shallow_clone();
         for (i, layer) in &self.layers {
@@ -125,14 +164,28 @@ impl ModuleT for MlpStage {
                     Activation::Gelu => h.gelu("none"),
                 };
                 if self.dropout > 0.0 {
-                    h = h.dropout(self.dropout, train);
+                    h = match &self.tensor {
+                        Some(g) if row_parallel(*i) => g.dropout(&h, self.dropout, 1, train),
+                        _ => h.dropout(self.dropout, train),
+                    };
                 }
             } else if h.dim() > 2 {
                 h = h.flatten(1, -1);
             }
-            h = layer.forward(&h);
+            h = match (&self.tensor, layer.bs.as_ref()) {
+                (Some(g), Some(b)) if row_parallel(*i) => g.leave(&h.linear(&layer.ws, None::<Tensor>)) + b,
+                (Some(g), _) if self.tensor_column(*i) => layer.forward(&g.enter(&h)),
+                _ => layer.forward(&h),
+            };
         }
         h
+    }
+}
+
+impl MlpStage<'_> {
+    /// Whether layer `i` is column-parallel: it has a row-parallel partner after it.
+    fn tensor_column(&self, i: usize) -> bool {
+        !row_parallel(i) && self.layers.iter().any(|(j, _)| *j == i + 1)
     }
 }
 

@@ -9,6 +9,7 @@ mod init;
 pub mod mlp;
 pub mod optim;
 pub mod partition;
+pub mod tensor_group;
 pub mod torchscript;
 pub mod transformer;
 pub mod weights;
@@ -34,12 +35,58 @@ pub struct BuildContext<'a> {
     /// (`wrap.sync_batchnorm` under DDP: the data-parallel group, set by the wrap stage); `None`:
     /// each rank normalises by its own batch.
     pub batch_norm: Option<Arc<StatsGroup<'a>>>,
+    /// The mesh's tensor group (`wrap.mesh.tensor` > 1): each layer holds its rank's slice of
+    /// the parameters [`Architecture::tensor_slice`] cuts, and its forward pass sums the
+    /// partial results across the group.
+    pub tensor: Option<Arc<tensor_group::TensorGroup<'a>>>,
 }
 
 impl BuildContext<'_> {
-    /// Weights from `seed`, batch norm over this process's batch.
+    /// Weights from `seed`, batch norm over this process's batch, every layer whole.
     pub fn new(seed: u64) -> BuildContext<'static> {
-        BuildContext { seed, batch_norm: None }
+        BuildContext { seed, batch_norm: None, tensor: None }
+    }
+}
+
+/// The part of a parameter one tensor rank holds: `ranges` of its dimension `dim`, concatenated
+/// in order (Q, K and V's rows of one head group are three ranges of the fused `qkv`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorSlice {
+    pub dim: i64,
+    pub ranges: Vec<Range<i64>>,
+}
+
+impl TensorSlice {
+    /// Rows (`dim` 0) or columns (`dim` 1) `k`/`n` of each of `blocks`, a tensor's consecutive
+    /// parts of `len` each: Megatron's split of a fused matrix, each part cut the same way.
+    pub fn of_blocks(dim: i64, blocks: &[i64], k: usize, n: usize) -> TensorSlice {
+        let mut at = 0;
+        let ranges = blocks
+            .iter()
+            .map(|&len| {
+                let part = len / n as i64;
+                let r = at + part * k as i64..at + part * (k as i64 + 1);
+                at += len;
+                r
+            })
+            .collect();
+        TensorSlice { dim, ranges }
+    }
+
+    /// This slice of `whole`.
+    pub fn cut(&self, whole: &Tensor) -> Tensor {
+        let parts: Vec<Tensor> = self.ranges.iter().map(|r| whole.narrow(self.dim, r.start, r.end - r.start)).collect();
+        Tensor::cat(&parts, self.dim)
+    }
+
+    /// `whole` with the slice's place in it set from `part` (what [`TensorSlice::cut`] took).
+    pub fn put(&self, whole: &Tensor, part: &Tensor) {
+        let mut at = 0;
+        for r in &self.ranges {
+            let n = r.end - r.start;
+            whole.narrow(self.dim, r.start, n).copy_(&part.narrow(self.dim, at, n));
+            at += n;
+        }
     }
 }
 
@@ -124,6 +171,13 @@ pub trait Architecture {
     /// most). Training a sample takes 3 × this (the backward pass computes two products per
     /// forward one). `None` where the kind does not know its shapes (TorchScript).
     fn forward_flops(&self) -> Option<f64> {
+        None
+    }
+
+    /// The slice of parameter `name` tensor rank `k` of `n` holds; `None`: every rank holds it
+    /// whole (norms, embeddings, an output head). A kind without slices refuses tensor > 1 on
+    /// the plan.
+    fn tensor_slice(&self, _name: &str, _k: usize, _n: usize) -> Option<TensorSlice> {
         None
     }
 }

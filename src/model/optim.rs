@@ -91,6 +91,11 @@ impl Optimizer {
     }
 
     /// The parameters it updates, in its order.
+    /// The parameters' names, in [`Optimizer::params`]' order.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
     pub fn params(&self) -> &[Tensor] {
         &self.params
     }

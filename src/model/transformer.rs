@@ -24,7 +24,7 @@ use std::ops::Range;
 
 use tch::nn::{self, ModuleT};
 
-use super::{Architecture, BuildContext, Layer};
+use super::{Architecture, BuildContext, Layer, TensorSlice};
 use crate::config::schema::{FeedForward, Positions, Transformer};
 pub use spec::{check, Spec, MAX_SEQ_LEN};
 
@@ -235,11 +235,32 @@ impl Architecture for TransformerArch {
     }
 
     fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
-        Box::new(block::Stage::build(&self.s, p, range, ctx.seed, self.lora.as_ref()))
+        let slice = |name: &str, k: usize, n: usize| self.tensor_slice(name, k, n);
+        Box::new(block::Stage::build(&self.s, p, range, ctx.seed, ctx.tensor.clone(), &slice, self.lora.as_ref()))
     }
 
     fn frozen(&self, name: &str) -> bool {
         self.lora.is_some() && !lora::is_adapter(name)
+    }
+
+    /// Megatron's split: each tensor rank holds whole attention heads (its query heads' rows of
+    /// `qkv`, and its key/value heads', the same share of each) and the same columns of `proj`;
+    /// its share of the MLP's hidden units (SwiGLU's gate and up rows alike) as rows of `fc` and
+    /// columns of `out`. The norms, embeddings and head are replicated: the vocabularies the
+    /// runner trains are small beside the blocks, and a replicated head keeps the loss whole on
+    /// every rank (no vocabulary-parallel cross-entropy to reduce).
+    fn tensor_slice(&self, name: &str, k: usize, n: usize) -> Option<TensorSlice> {
+        let s = &self.s;
+        let (q, kv, hidden) = ((s.heads * s.head_dim) as i64, (s.kv_heads * s.head_dim) as i64, s.hidden as i64);
+        let gated = if s.mlp == FeedForward::Swiglu { vec![hidden, hidden] } else { vec![hidden] };
+        let part = name.strip_prefix("blocks.")?.split_once('.')?.1;
+        Some(match part {
+            "qkv.weight" | "qkv.bias" => TensorSlice::of_blocks(0, &[q, kv, kv], k, n),
+            "proj.weight" => TensorSlice::of_blocks(1, &[q], k, n),
+            "fc.weight" | "fc.bias" => TensorSlice::of_blocks(0, &gated, k, n),
+            "out.weight" => TensorSlice::of_blocks(1, &[hidden], k, n),
+            _ => return None,
+        })
     }
 
     fn reads(&self, layer: usize) -> Vec<usize> {

@@ -185,6 +185,9 @@ impl Plan {
         match self.config.wrap.strategy {
             WrapStrategy::Pipeline if copies > 1 => format!("{stages} stages × {copies} copies"),
             WrapStrategy::Pipeline => format!("{w} stage{}", if w == 1 { "" } else { "s" }),
+            WrapStrategy::Fsdp if self.mesh().tensor > 1 => {
+                format!("1/{} of a tensor slice of the model on each rank", self.mesh().data)
+            }
             WrapStrategy::Fsdp => format!("1/{w} of the model on each rank"),
             _ => format!("{w} replica{}", if w == 1 { "" } else { "s" }),
         }
@@ -197,10 +200,12 @@ impl Plan {
         } else {
             ("ZeRO-2", "gathered from its forward to its backward")
         };
+        let mesh = self.mesh();
+        let of = if mesh.tensor > 1 { " of its tensor slice" } else { "" };
         format!(
-            "FSDP ({zero}): each rank holds 1/{} of every parameter, gradient and optimizer state; each unit {when}, \
+            "FSDP ({zero}): each rank holds 1/{}{of} of every parameter, gradient and optimizer state; each unit {when}, \
              its gradients reduce-scattered as its backward ends",
-            self.world_size()
+            self.world_size() / mesh.tensor
         )
     }
 
@@ -369,8 +374,10 @@ impl Plan {
         let arch = self.model();
         let layers = arch.layers();
         let units = crate::model::shard_units(arch.as_ref());
-        let shapes = super::memory::Shapes::of(arch.as_ref());
-        let w = self.world_size() as i64;
+        // Under tensor parallelism each tensor rank's slices are sharded over the data dimension.
+        let mesh = self.mesh();
+        let shapes = super::memory::Shapes::of(arch.as_ref(), mesh.tensor);
+        let w = (self.world_size() / mesh.tensor) as i64;
         let mut unit = 0;
         let mut rows = Vec::new();
         for (l, layer) in layers.iter().enumerate() {
@@ -378,7 +385,7 @@ impl Plan {
                 continue;
             }
             let shard: i64 = shapes.layers[l].iter().map(|&(r, v)| (r + w - 1) / w * v).sum();
-            let pad = shard * w - layer.parameters as i64;
+            let pad = shard * w - shapes.layers[l].iter().map(|&(r, v)| r * v).sum::<i64>();
             let padding = if pad > 0 { format!(" ({pad} padding)") } else { String::new() };
             let shared =
                 units.layers[l].iter().filter(|&&u| u != unit).map(|u| format!(" with unit {u} (a shared parameter)"));

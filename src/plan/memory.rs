@@ -106,15 +106,21 @@ pub struct Shapes {
 }
 
 impl Shapes {
-    pub fn of(arch: &dyn Architecture) -> Shapes {
+    /// `arch`'s shapes as one rank of `tensor` holds them: its slice of each split parameter.
+    pub fn of(arch: &dyn Architecture, tensor: usize) -> Shapes {
         let n = arch.layers().len();
         let layers = (0..n)
             .map(|l| {
                 arch.parameters(l..l + 1)
                     .into_iter()
-                    .map(|(_, s)| {
+                    .map(|(name, s)| {
                         let rows = s.first().copied().unwrap_or(1);
-                        (rows, s.iter().skip(1).product::<i64>())
+                        let values = s.iter().skip(1).product::<i64>();
+                        match arch.tensor_slice(&name, 0, tensor).filter(|_| tensor > 1) {
+                            Some(slice) if slice.dim == 0 => (rows / tensor as i64, values),
+                            Some(_) => (rows, values / tensor as i64),
+                            None => (rows, values),
+                        }
                     })
                     .collect()
             })

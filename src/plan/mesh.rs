@@ -125,8 +125,20 @@ pub(super) fn note(c: &Config) -> String {
         }
     }
     let holds = match c.wrap.strategy {
+        WrapStrategy::Pipeline if shape.tensor > 1 => {
+            "its stage's layers: 1 / tensor of each block's attention heads and MLP units, the embeddings, norms \
+             and head whole"
+        }
         WrapStrategy::Pipeline => "its stage's layers, whole",
+        WrapStrategy::Fsdp if shape.tensor > 1 => {
+            "1 / data of its tensor slice of every parameter (1 / tensor of each block's attention heads and MLP \
+             units; the embeddings, norms and head whole), each layer's slices gathered when used"
+        }
         WrapStrategy::Fsdp => "1 / data of every parameter, each layer gathered whole when used",
+        _ if shape.tensor > 1 => match c.wrap.model {
+            Model::Mlp(_) => "1 / tensor of each pair of layers (the first's outputs, the second's inputs); an unpaired last layer whole",
+            _ => "1 / tensor of each block's attention heads and MLP units; the embeddings, norms and head whole",
+        },
         _ => "every layer, whole",
     };
     note += &format!("    each rank holds {holds}\n");
@@ -199,7 +211,7 @@ fn product_problem(shape: Shape, world: usize) -> String {
 }
 
 /// The model parts `tensor` ranks split: refused where they do not divide, naming the degrees
-/// that would; and tensor parallelism itself, which is not built yet.
+/// that would; and the strategies tensor parallelism does not compose with yet.
 fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&str, String)) {
     let sizes: Vec<(&str, usize)> = match &c.wrap.model {
         Model::Torchscript(_) => {
@@ -211,14 +223,14 @@ fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&str, String)
             );
             return;
         }
-        Model::Mlp(m) => m.hidden.iter().map(|&h| ("wrap.model.hidden", h)).collect(),
+        // Layers 0, 2, ... are split by their outputs: hidden widths 0, 2, ...
+        Model::Mlp(m) => m.hidden.iter().step_by(2).map(|&h| ("wrap.model.hidden", h)).collect(),
         Model::Transformer(t) => {
             let s = crate::model::transformer::Spec::of(t);
             vec![
                 ("wrap.model.heads", s.heads),
                 ("wrap.model.kv_heads", s.kv_heads),
                 ("wrap.model.mlp_hidden", s.hidden),
-                ("wrap.model.vocab", s.vocab),
             ]
         }
         Model::Cnn(_) => {
@@ -226,7 +238,6 @@ fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&str, String)
             return;
         }
     };
-    let mut refused = false;
     for (key, n) in sizes.into_iter().filter(|(_, n)| !n.is_multiple_of(tensor)) {
         let divide: Vec<String> = (1..=n.min(64)).filter(|d| n.is_multiple_of(*d)).map(|d| d.to_string()).collect();
         bad(
@@ -236,15 +247,14 @@ fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&str, String)
                 divide.join(", ")
             ),
         );
-        refused = true;
     }
-    if !refused {
+    // What is built: tensor parallelism within each copy of the model, DDP across the copies.
+    if c.wrap.threads_per_replica.is_some() {
         bad(
-            "wrap.mesh.tensor",
-            format!(
-                "tensor parallelism is not built yet (docs/parallelism.md); use tensor = 1, or split the \
-                 {tensor} ranks another way (wrap.mesh.data)"
-            ),
+            "wrap.threads_per_replica",
+            "thread replicas share a rank's model whole; under wrap.mesh.tensor > 1 each rank holds slices: remove \
+             one of them"
+                .into(),
         );
     }
 }
@@ -305,7 +315,6 @@ mod tests {
             [
                 "wrap.mesh.tensor: 4 tensor ranks cannot split wrap.model.heads = 6 evenly; the degrees that divide it: 1, 2, 3, 6",
                 "wrap.mesh.tensor: 4 tensor ranks cannot split wrap.model.kv_heads = 2 evenly; the degrees that divide it: 1, 2",
-                "wrap.mesh.tensor: 4 tensor ranks cannot split wrap.model.vocab = 65 evenly; the degrees that divide it: 1, 5, 13",
             ]
         );
         c.wrap.model = Model::Torchscript(crate::config::schema::Torchscript { path: "m.pt".into() });

@@ -141,7 +141,7 @@ impl Plan {
         let arch = model.arch;
         let layer_parameters = arch.as_ref().map(|a| crate::model::layer_parameters(a.as_ref())).unwrap_or_default();
         let planner = arch.as_ref().map(|a| memory::Planner {
-            shapes: memory::Shapes::of(a.as_ref()),
+            shapes: memory::Shapes::of(a.as_ref(), mesh::Shape::of(&c).tensor),
             layer_parameters: &layer_parameters,
             slots: memory::optimizer_slots(&c),
             // A stage split the model refuses (a tied head away from its embedding) is none.
@@ -218,7 +218,9 @@ impl Plan {
         let state = match (&stages, &planner) {
             (Some(stages), Some(planner)) => {
                 let layout = memory::Layout::of(&c);
-                planner.state(layout, c.run.world_size, Some(stages)).map(|s| {
+                // FSDP shards each tensor rank's slices over the data dimension.
+                let sharded_over = c.run.world_size / mesh::Shape::of(&c).tensor.max(1);
+                planner.state(layout, sharded_over.max(1), Some(stages)).map(|s| {
                     let ddp = (layout != memory::Layout::Replica)
                         .then(|| planner.state(memory::Layout::Replica, c.run.world_size, None))
                         .flatten();
@@ -296,7 +298,9 @@ impl Plan {
         crate::rundir::manifest::Layout {
             world_size: self.world_size(),
             strategy: self.config.wrap.strategy,
-            ranks_per_copy: self.pipeline_ranks(),
+            // A copy of the model is a pipeline's stages, each split across the tensor ranks.
+            ranks_per_copy: self.world_size() / self.layout.world_size.max(1),
+            tensor: self.mesh().tensor,
         }
     }
 
@@ -408,12 +412,25 @@ impl Plan {
         (self.threads_per_rank / self.thread_replicas()).max(1)
     }
 
+    /// Whose dropout masks `rank` draws: its own, but under tensor parallelism those of its data
+    /// index (every rank of a tensor group drops the same values of the activations they share,
+    /// the masks DDP's rank of that index draws).
+    pub fn dropout_rank(&self, rank: usize) -> usize {
+        let mesh = self.mesh();
+        if mesh.tensor > 1 {
+            mesh.coords(rank).data
+        } else {
+            rank
+        }
+    }
+
     /// Which shard of the data `rank` walks: its own, or its pipeline's.
     pub fn replica(&self, rank: usize) -> usize {
         if self.is_pipeline() {
             rank / self.pipeline_ranks()
         } else {
-            rank
+            // The ranks of a tensor group hold one copy between them.
+            self.mesh().coords(rank).data
         }
     }
 

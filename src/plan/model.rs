@@ -141,6 +141,14 @@ pub(super) fn lora_strategy(c: &Config, bad: &mut impl FnMut(&str, String)) {
             ),
         );
     }
+    if c.wrap.mesh.tensor.is_some_and(|t| t > 1) {
+        bad(
+            "wrap.mesh.tensor",
+            "splits each layer across ranks, which [wrap.lora] does not support yet (its adapters are whole); \
+             remove it, or set it to 1"
+                .into(),
+        );
+    }
     if c.wrap.threads_per_replica.is_some_and(|t| t < super::values::threads_per_rank(c)) {
         bad(
             "wrap.threads_per_replica",

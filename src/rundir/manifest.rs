@@ -20,22 +20,38 @@ pub enum Status {
     Preempted,
 }
 
-/// How a run's work is spread: its ranks, its strategy, and the ranks of each copy of the model
-/// (a pipeline's stages; 1 for the other strategies).
+/// How a run's work is spread: its ranks, its strategy, the ranks of each copy of the model (a
+/// pipeline's stages × the tensor ranks; 1 for the other strategies without tensor parallelism)
+/// and the tensor ranks each layer is split across (`wrap.mesh.tensor`; 1, and left out of the
+/// file, without tensor parallelism, as runs before it wrote).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Layout {
     pub world_size: usize,
     pub strategy: crate::config::schema::WrapStrategy,
     pub ranks_per_copy: usize,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub tensor: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 impl std::fmt::Display for Layout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let strategy = format!("{:?}", self.strategy).to_lowercase();
         write!(f, "world size {}, {strategy}", self.world_size)?;
-        if self.ranks_per_copy > 1 {
-            write!(f, " of {} stages", self.ranks_per_copy)?;
+        let stages = self.ranks_per_copy / self.tensor.max(1);
+        if stages > 1 {
+            write!(f, " of {stages} stages")?;
+        }
+        if self.tensor > 1 {
+            write!(f, " × tensor {}", self.tensor)?;
         }
         Ok(())
     }

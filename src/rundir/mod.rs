@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! <run dir>/
-//!   .runner.lock          held (flock) by the launcher for the whole run; holds its pid
+//!   .runner.lock          held (flock) by the launcher (node 0's) for the whole run; its pid, a token
 //!   manifest.json         what ran and how it ended (running, complete, failed, interrupted)
 //!   config.toml           the resolved configuration, each value annotated with its source
 //!   plan.json             the resolved plan

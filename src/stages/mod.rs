@@ -59,7 +59,8 @@ pub fn run(
     } else {
         None
     };
-    let mut wrapped = wrap::wrap(plan, pg, device, found.as_ref().and_then(|f| checkpoint::buckets(f, plan)))?;
+    let groups = crate::strategy::MeshGroups::new(plan, pg)?;
+    let mut wrapped = wrap::wrap(plan, pg, &groups, device, found.as_ref().and_then(|f| checkpoint::buckets(f, plan)))?;
     let resumed = match &found {
         Some(found) => checkpoint::resume(found, plan, rank, &mut wrapped)?,
         None => checkpoint::Resumed { rows: Vec::new(), steps: Vec::new(), done: 0, partial: None },

@@ -6,7 +6,7 @@
 use tch::{Kind, Tensor};
 
 use crate::config::schema::{EarlyStop, StopMode};
-use crate::dist::{ProcessGroup, ReduceOp};
+use crate::dist::ReduceOp;
 pub use crate::plan::schedule::Schedule;
 
 /// Which batches of an epoch make one optimizer step: groups of `k` consecutive batches (the last
@@ -40,25 +40,36 @@ impl Accumulation {
 pub fn clip_grad_norm(
     params: &[Tensor],
     max: Option<f64>,
-    group: Option<(&ProcessGroup, usize)>,
+    group: Option<crate::strategy::NormGroup>,
 ) -> anyhow::Result<f64> {
-    let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
     let norm = tch::no_grad(|| -> anyhow::Result<f64> {
-        let mut sq = match grads.len() {
+        let share = |i: usize| group.as_ref().and_then(|g| g.weights.get(i).copied()).unwrap_or(1.0);
+        let squares: Vec<Tensor> = params
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.grad().defined())
+            .map(|(i, p)| {
+                let sq = p.grad().norm().square();
+                if share(i) == 1.0 {
+                    sq
+                } else {
+                    sq * share(i)
+                }
+            })
+            .collect();
+        let mut sq = match squares.len() {
             0 => Tensor::zeros([1], (Kind::Float, tch::Device::Cpu)),
-            _ => Tensor::stack(&grads.iter().map(|g| g.norm()).collect::<Vec<_>>(), 0)
-                .square()
-                .sum(Kind::Float)
-                .view([1]),
+            _ => Tensor::stack(&squares, 0).sum(Kind::Float).view([1]),
         };
-        if let Some((pg, copies)) = group {
-            pg.all_reduce(&mut sq, ReduceOp::Sum)?;
-            if copies > 1 {
-                sq /= copies as f64;
+        if let Some(g) = &group {
+            g.pg.all_reduce(&mut sq, ReduceOp::Sum)?;
+            if g.copies > 1 {
+                sq /= g.copies as f64;
             }
         }
         Ok(sq.sqrt().double_value(&[0]))
     })?;
+    let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
     if let Some(max) = max {
         let coef = max / (norm + 1e-6);
         if coef < 1.0 {

@@ -235,7 +235,8 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                 // Dropout masks differ across ranks (as each torch rank draws its own) and depend
                 // only on (seed, rank, batch), so a run resumed at any step draws the same ones.
                 let global = (step * self.clock.accumulate + b - batches.start) as i64;
-                tch::manual_seed((c.run.seed as i64) ^ ((rank as i64) << 32) ^ global.wrapping_mul(0x9E37_79B9));
+                let stream = self.plan.dropout_rank(rank) as i64;
+                tch::manual_seed((c.run.seed as i64) ^ (stream << 32) ^ global.wrapping_mul(0x9E37_79B9));
                 let sampled = c.trace.step_every > 0 && (global as usize).is_multiple_of(c.trace.step_every);
                 let timer = device::StepTimer::new(dev, sampled);
                 let t0 = timer.now();
@@ -256,7 +257,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                     // The optimizer's step count is the schedule's clock: restored by a checkpoint.
                     w_.optimizer.set_lr(schedule.lr(w_.optimizer.steps()));
                     if let Some(max) = c.train.clip_grad_norm {
-                        let group = w_.strategy.norm_group().map(|copies| (self.pg, copies));
+                        let group = w_.strategy.norm_group(self.pg, w_.optimizer.names());
                         iv.buffers.norms.push(clip_grad_norm(w_.optimizer.params(), Some(max), group)?);
                     }
                     w_.optimizer.step()?;

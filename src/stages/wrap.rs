@@ -13,12 +13,14 @@ use crate::config::schema::WrapStrategy;
 use crate::dist::{ProcessGroup, Sharded};
 use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::Optimizer;
+use crate::model::tensor_group::TensorGroup;
 use crate::model::InitWeights;
 use crate::model::{Architecture, BuildContext};
 use crate::plan::Plan;
 use crate::strategy::fsdp::{Fsdp, ShardedModel};
+use crate::strategy::tensor::Slices;
 use crate::strategy::threads::ThreadReplicas;
-use crate::strategy::Strategy;
+use crate::strategy::{MeshGroups, Strategy};
 
 pub struct Wrapped<'pg> {
     pub vs: nn::VarStore,
@@ -33,6 +35,7 @@ pub struct Wrapped<'pg> {
 pub fn wrap<'pg>(
     plan: &Plan,
     pg: &'pg ProcessGroup,
+    groups: &'pg MeshGroups,
     device: tch::Device,
     buckets: Option<&[Vec<usize>]>,
 ) -> anyhow::Result<Wrapped<'pg>> {
@@ -43,15 +46,19 @@ pub fn wrap<'pg>(
     // With wrap.sync_batchnorm under DDP or FSDP, batch norm's statistics cover the data-parallel
     // group: every rank of the job. The step reports a failed collective.
     let batch_norm = plan.syncs_batch_norm().then(|| StatsGroup::new(pg));
-    let ctx = BuildContext { seed: c.run.seed, batch_norm: batch_norm.clone() };
+    let tensor = groups.tensor().map(TensorGroup::new);
+    let ctx = BuildContext { seed: c.run.seed, batch_norm, tensor };
     if c.wrap.strategy == WrapStrategy::Fsdp {
-        return wrap_sharded(plan, pg, vs, arch.as_ref(), &ctx);
+        return wrap_sharded(plan, groups.data(pg), vs, arch.as_ref(), &ctx);
     }
     let model = arch.build(&vs.root(), layers.clone(), &ctx);
     if let Some(path) = &plan.init_weights {
         // The file holds the whole model; a pipeline stage takes its own layers from it, one
         // tensor at a time.
-        crate::model::load_init(path, &c.wrap.model, &vs)?;
+        match &ctx.tensor {
+            Some(group) => load_init_slices(path, plan, arch.as_ref(), &vs, group)?,
+            None => crate::model::load_init(path, &c.wrap.model, &vs)?,
+        }
     }
     load_adapters(plan, &vs)?;
     // A LoRA run's base model is frozen: no gradients, so no all-reduce and no optimizer state.
@@ -71,7 +78,7 @@ pub fn wrap<'pg>(
             ThreadReplicas::new(arch.as_ref(), layers, &params, replicas, plan.threads_per_replica(), task, precision)
         })
         .transpose()?;
-    let strategy = Strategy::new(plan, pg, device, &params, &buffers, buckets, batch_norm, threads)?;
+    let strategy = Strategy::new(plan, pg, groups, device, &params, &buffers, buckets, &ctx, threads)?;
     let mut trained = crate::model::named_trainable(&vs);
     trained.retain(|(_, t)| t.requires_grad());
     let optimizer = Optimizer::new(&c.train, trained);
@@ -100,12 +107,46 @@ fn load_adapters(plan: &Plan, vs: &nn::VarStore) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `wrap.init` under tensor parallelism: each rank reads its slice of every split parameter (the
+/// rows it holds, where it holds rows; a column slice is cut from the whole) and the rest whole.
+fn load_init_slices(
+    path: &std::path::Path,
+    plan: &Plan,
+    arch: &dyn Architecture,
+    vs: &nn::VarStore,
+    group: &TensorGroup,
+) -> anyhow::Result<()> {
+    let mut file = InitWeights::open(path, &plan.config.wrap.model)?;
+    let shapes: std::collections::HashMap<String, Vec<i64>> =
+        crate::model::sorted_parameters(arch).into_iter().collect();
+    for (name, mut var) in vs.variables() {
+        let values = match arch.tensor_slice(&name, group.rank(), group.size()) {
+            None => file.whole(&name, &var)?,
+            Some(slice) => {
+                let like = Tensor::empty(shapes[&name].as_slice(), (var.kind(), tch::Device::Cpu));
+                if slice.dim == 0 {
+                    let rows: anyhow::Result<Vec<Tensor>> =
+                        slice.ranges.iter().map(|r| file.rows(&name, r.clone(), &like)).collect();
+                    Tensor::cat(&rows?, 0)
+                } else {
+                    slice.cut(&file.whole(&name, &like)?)
+                }
+            }
+        };
+        tch::no_grad(|| var.f_copy_(&values))
+            .map_err(|e| anyhow::anyhow!("`{name}`: {}", crate::checked::torch_message(&e)))?;
+    }
+    Ok(())
+}
+
 /// Under FSDP no rank ever holds the whole model: each layer is built (its weights drawn from its
 /// own (seed, layer) stream, as a whole model's are), and its unit sharded at once, its
 /// parameters' memory freed, before the next layer is built; so building peaks at the shards
 /// plus one unit. Each layer is a module of its own, built under the whole model's names (the
 /// sharding gathers each layer's parameters around that layer alone). `wrap.init` then gives
-/// each rank its rows of every parameter, read from the file (and the buffers whole).
+/// each rank its rows of every parameter, read from the file (and the buffers whole). Under
+/// tensor parallelism (FSDP × TP), each layer holds its tensor rank's slices, which are sharded
+/// over `pg`, the mesh's data group.
 fn wrap_sharded<'pg>(
     plan: &Plan,
     pg: &'pg ProcessGroup,
@@ -117,10 +158,13 @@ fn wrap_sharded<'pg>(
     let all = 0..arch.layers().len();
     let mut sharding = Sharded::new(pg, &crate::model::shard_units(arch), c.wrap.fsdp.reshard_after_forward)?;
     let mut layers: Vec<Box<dyn ModuleT + 'pg>> = Vec::new();
+    // The parameters' shapes as this rank built them (its slices under tensor parallelism).
+    let mut shapes = Vec::new();
     for l in all.clone() {
         layers.push(arch.build(&vs.root(), l..l + 1, ctx));
         // A layer with parameters is a unit (crate::model::shard_units), in the layers' order.
         let params = crate::model::parameters_in_module_order(arch, l..l + 1, &vs);
+        shapes.extend(params.iter().map(Tensor::size));
         if !params.is_empty() {
             sharding.add_unit(&params)?;
         }
@@ -136,13 +180,24 @@ fn wrap_sharded<'pg>(
             tch::no_grad(|| var.detach().copy_(&saved));
         }
     }
-    let (names, shapes): (Vec<String>, Vec<Vec<i64>>) = arch.parameters(all).into_iter().unzip();
+    let names: Vec<String> = arch.parameters(all).into_iter().map(|(name, _)| name).collect();
     let sharded = Arc::new(sharding);
     let model: Box<dyn ModuleT + 'pg> = Box::new(ShardedModel::new(layers, sharded.clone()));
     let held: Vec<Tensor> = buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
-    let mut strategy = Fsdp::new(plan, pg, sharded, names, shapes, &held, ctx.batch_norm.clone())?;
+    let tensor = ctx.tensor.clone().map(|g| {
+        let slices = Slices::new(arch, g.group());
+        (g, slices)
+    });
+    let strategy = Fsdp::new(plan, pg, sharded, names, shapes, &held, ctx.batch_norm.clone(), tensor)?;
     if let Some(file) = init.as_mut() {
-        strategy.load_rows(|name, rows, shard| file.rows(name, rows, shard))?;
+        let slices = strategy.slices().map(|tp| Slices::new(arch, tp.group()));
+        strategy.load_rows(|name, rows, shard| match slices.as_ref().filter(|tp| tp.is_split(name)) {
+            Some(tp) => {
+                let like = Tensor::empty(tp.whole_shape(name, &[]).as_slice(), (shard.kind(), tch::Device::Cpu));
+                Ok(tp.local(name, &file.whole(name, &like)?).narrow(0, rows.start, rows.end - rows.start))
+            }
+            None => file.rows(name, rows, shard),
+        })?;
     }
     // The optimizer steps on the shards alone.
     let optimizer = Optimizer::new(&c.train, strategy.shards());

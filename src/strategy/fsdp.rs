@@ -18,6 +18,7 @@ use std::time::Duration;
 use tch::nn::ModuleT;
 use tch::Tensor;
 
+use super::tensor::Slices;
 use super::{Micro, StepOut};
 use crate::checkpoint::{Piece, Reader};
 use crate::config::schema::{Precision, ValidateOn};
@@ -27,6 +28,7 @@ use crate::device;
 use crate::dist::{ProcessGroup, Sharded};
 use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::{self, Optimizer};
+use crate::model::tensor_group::TensorGroup;
 use crate::plan::Plan;
 
 /// The model under FSDP: its layers, each built on its own, run in order around the sharding's
@@ -76,10 +78,16 @@ pub struct Fsdp<'pg> {
     /// The model's buffers, broadcast from rank 0 (with more than one rank).
     buffers: Vec<Tensor>,
     batch_norm: Option<Arc<StatsGroup<'pg>>>,
+    /// Under tensor parallelism (FSDP × TP, torchtitan's 2-D): the tensor group, and what each
+    /// of its ranks holds of each parameter. `pg` is then the mesh's data group, over which this
+    /// rank's slices are sharded.
+    tensor: Option<(Arc<TensorGroup<'pg>>, Slices<'pg>)>,
 }
 
 impl<'pg> Fsdp<'pg> {
-    /// `names` and `shapes`: the parameters' in module order, as `sharded` holds them.
+    /// `names` and `shapes`: the parameters' in module order, as `sharded` holds them (under
+    /// tensor parallelism, this rank's slices of them).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         plan: &Plan,
         pg: &'pg ProcessGroup,
@@ -88,6 +96,7 @@ impl<'pg> Fsdp<'pg> {
         shapes: Vec<Vec<i64>>,
         buffers: &[Tensor],
         batch_norm: Option<Arc<StatsGroup<'pg>>>,
+        tensor: Option<(Arc<TensorGroup<'pg>>, Slices<'pg>)>,
     ) -> anyhow::Result<Fsdp<'pg>> {
         let buffers = if pg.size() > 1 { buffers.iter().map(Tensor::shallow_clone).collect() } else { Vec::new() };
         // Every rank starts from rank 0's buffers, as DDP's construction makes them.
@@ -103,7 +112,19 @@ impl<'pg> Fsdp<'pg> {
             precision: plan.config.train.precision,
             buffers,
             batch_norm,
+            tensor,
         })
+    }
+
+    /// What each tensor rank holds of each parameter, under FSDP × TP.
+    pub fn slices(&self) -> Option<&Slices<'pg>> {
+        self.tensor.as_ref().map(|(_, s)| s)
+    }
+
+    /// Whether this rank writes the pieces that are whole: the first rank of the data group (and
+    /// of its tensor group).
+    fn first(&self) -> bool {
+        self.pg.rank() == 0 && self.tensor.as_ref().is_none_or(|(g, _)| g.rank() == 0)
     }
 
     pub fn sharded(&self) -> &Sharded<'pg> {
@@ -132,6 +153,9 @@ impl<'pg> Fsdp<'pg> {
         }
         let out = super::forward_float(self.precision, model, x)?;
         if let Some(e) = self.batch_norm.as_ref().and_then(|g| g.failure()) {
+            return Err(e.into());
+        }
+        if let Some(e) = self.tensor.as_ref().and_then(|(g, _)| g.failure()) {
             return Err(e.into());
         }
         let t1 = timer.now();
@@ -193,7 +217,15 @@ impl<'pg> Fsdp<'pg> {
     /// This rank's share of the training state as checkpoint pieces: its rows of every parameter
     /// and of the optimizer's state of each (the padding left out); rank 0 adds the buffers and
     /// the step count, whole. Every rank writes its own at once.
+    /// Under tensor parallelism the rows of a slice are not rows of the whole: every tensor is
+    /// gathered whole and the first rank hands it (so the checkpoint loads under any mesh).
     pub fn state_pieces(&self, buffers: &[(String, Tensor)], optimizer: &Optimizer) -> anyhow::Result<Vec<Piece>> {
+        if self.tensor.is_some() {
+            let whole = self.whole_state(buffers, optimizer)?;
+            let mut pieces: Vec<Piece> = whole.iter().map(|(name, t)| Piece::whole(name.clone(), t)).collect();
+            pieces.push(Piece::whole(optim::STEPS.to_owned(), &Tensor::from(optimizer.steps() as i64)));
+            return Ok(if self.first() { pieces } else { Vec::new() });
+        }
         let piece = |name: String, i: usize, held: &Tensor| {
             let rows = self.rows(i);
             let tensor = held.detach().narrow(0, 0, rows.end - rows.start).to_device(tch::Device::Cpu).copy();
@@ -215,7 +247,7 @@ impl<'pg> Fsdp<'pg> {
     /// `rows` of the parameter `name` (of which `shard` holds this rank's, padded): `wrap.init`'s
     /// and a checkpoint's, read without the rest of the tensor.
     pub fn load_rows(
-        &mut self,
+        &self,
         mut read: impl FnMut(&str, Range<i64>, &Tensor) -> anyhow::Result<Tensor>,
     ) -> anyhow::Result<()> {
         for i in 0..self.names.len() {
@@ -236,10 +268,18 @@ impl<'pg> Fsdp<'pg> {
         buffers: &[(String, Tensor)],
         optimizer: &mut Optimizer,
     ) -> anyhow::Result<()> {
-        self.load_rows(|name, rows, _| reader.rows(name, rows))?;
+        // Rows `rows` of this rank's part of `name` (of parameter `param`): under tensor
+        // parallelism, of its slice of the whole.
+        let read = |name: &str, param: &str, rows: Range<i64>| match self.slices() {
+            Some(tp) if tp.is_split(param) => {
+                Ok(tp.local(param, &reader.whole(name)?).narrow(0, rows.start, rows.end - rows.start))
+            }
+            _ => reader.rows(name, rows),
+        };
+        self.load_rows(|name, rows, _| read(name, name, rows))?;
         optimizer.load_state(|name, param, held| {
             let rows = self.rows(self.index(param)?);
-            padded(name, reader.rows(name, rows.clone())?, rows, held)
+            padded(name, read(name, param, rows.clone())?, rows, held)
         })?;
         for (name, t) in buffers {
             let saved = reader.whole(name)?;
@@ -273,7 +313,10 @@ impl<'pg> Fsdp<'pg> {
     ) -> anyhow::Result<Option<Tensor>> {
         match self.names.iter().position(|n| *n == t.name) {
             Some(i) => {
-                let whole = self.sharded.full(i)?;
+                let mut whole = self.sharded.full(i)?;
+                if let Some(tp) = self.slices() {
+                    whole = tp.whole(&t.name, &whole)?;
+                }
                 Ok((pg.rank() == 0).then(|| whole.to_device(tch::Device::Cpu)))
             }
             None => (pg.rank() == 0).then(|| cpu(&t.name)).transpose(),
@@ -287,14 +330,19 @@ impl<'pg> Fsdp<'pg> {
         buffers: &[(String, Tensor)],
         optimizer: &Optimizer,
     ) -> anyhow::Result<Vec<(String, Tensor)>> {
+        // Under tensor parallelism, each rank's slice gathered whole over the tensor group.
+        let whole = |param: &str, t: Tensor| match self.slices() {
+            Some(tp) => tp.whole(param, &t),
+            None => Ok(t),
+        };
         let mut out = Vec::new();
         for (i, name) in self.names.iter().enumerate() {
-            out.push((name.clone(), self.sharded.full(i)?));
+            out.push((name.clone(), whole(name, self.sharded.full(i)?)?));
         }
         for s in optimizer.state() {
             let d0 = self.shapes[self.index(&s.param)?][0];
             let parts = self.pg.all_gather(&s.tensor.detach().contiguous())?;
-            out.push((s.name, Tensor::cat(&parts, 0).narrow(0, 0, d0)));
+            out.push((s.name, whole(&s.param, Tensor::cat(&parts, 0).narrow(0, 0, d0))?));
         }
         out.extend(buffers.iter().map(|(n, t)| (n.clone(), t.shallow_clone())));
         Ok(out)

@@ -8,9 +8,9 @@
 pub mod fsdp;
 pub mod pipeline;
 pub mod replica;
+pub mod tensor;
 pub mod threads;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tch::nn::{self, ModuleT};
@@ -21,7 +21,6 @@ use crate::config::schema::WrapStrategy;
 use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Metrics};
 use crate::dist::ProcessGroup;
-use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::{self, Optimizer};
 use crate::plan::Plan;
 
@@ -89,6 +88,57 @@ fn mesh_group(
     pg.subgroup(&format!("{dim:?}{}", members[0]).to_lowercase(), &members).map(Some)
 }
 
+/// The mesh's process groups that tensor parallelism adds, built once before the model: the
+/// tensor group (the ranks that split each layer) and the data group (the copies of the model
+/// whose gradients DDP averages). Without tensor parallelism there are none: the data
+/// dimension is every rank (a pipeline builds its own copies' groups).
+#[derive(Default)]
+pub struct MeshGroups {
+    data: Option<ProcessGroup>,
+    tensor: Option<ProcessGroup>,
+}
+
+impl MeshGroups {
+    /// Every rank calls this at the same point.
+    pub fn new(plan: &Plan, pg: &ProcessGroup) -> crate::dist::Result<MeshGroups> {
+        let mesh = plan.mesh();
+        if mesh.tensor == 1 {
+            return Ok(MeshGroups::default());
+        }
+        let group = |dim: crate::plan::mesh::Dim| {
+            let members = mesh.group(pg.rank(), dim);
+            // A data group of one rank is built too: DDP then has no peer, as at world size 1.
+            pg.subgroup(&format!("{dim:?}{}", members[0]).to_lowercase(), &members)
+        };
+        // A pipeline averages each stage's gradients over its copies in a data group of its own.
+        let data = match plan.config.wrap.strategy {
+            WrapStrategy::Pipeline => None,
+            _ => Some(group(crate::plan::mesh::Dim::Data)?),
+        };
+        Ok(MeshGroups { data, tensor: Some(group(crate::plan::mesh::Dim::Tensor)?) })
+    }
+
+    /// The ranks that hold copies of this rank's part of the model: the data group, or `world`.
+    pub fn data<'a>(&'a self, world: &'a ProcessGroup) -> &'a ProcessGroup {
+        self.data.as_ref().unwrap_or(world)
+    }
+
+    pub fn tensor(&self) -> Option<&ProcessGroup> {
+        self.tensor.as_ref()
+    }
+}
+
+/// The ranks over which a gradient norm is summed ([`Strategy::norm_group`]).
+pub struct NormGroup<'a> {
+    pub pg: &'a ProcessGroup,
+    /// Copies of the model the ranks hold together: the sum of squares is divided by it.
+    pub copies: usize,
+    /// Per parameter, the share of its square that counts: 1 / tensor for the parameters every
+    /// rank of a tensor group holds whole (its replicated norms and embeddings), counted once,
+    /// not once per tensor rank. Empty: 1 for every one.
+    pub weights: Vec<f64>,
+}
+
 /// What one training step measured on this rank.
 #[derive(Default)]
 pub struct StepOut {
@@ -146,26 +196,34 @@ fn bytes_of(ts: impl IntoIterator<Item = Tensor>) -> u64 {
 
 impl<'pg> Strategy<'pg> {
     /// This rank's part of the strategy, over `params` (this rank's, in module order). `buckets`:
-    /// the DDP bucket layout a checkpoint recorded. `batch_norm`: the group the model's batch norm
-    /// layers synchronise over (a replica's, under `wrap.sync_batchnorm`). `threads`: more
+    /// the DDP bucket layout a checkpoint recorded. `groups`: the mesh's. `ctx`: what the model was
+    /// built with (the group its batch norm layers synchronise over, its tensor group). `threads`: more
     /// replicas on this rank's threads (`wrap.threads_per_replica`). Every rank must call this at
     /// the same point.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         plan: &Plan,
         pg: &'pg ProcessGroup,
+        groups: &'pg MeshGroups,
         device: tch::Device,
         params: &[Tensor],
         buffers: &[Tensor],
         buckets: Option<&[Vec<usize>]>,
-        batch_norm: Option<Arc<StatsGroup<'pg>>>,
+        ctx: &crate::model::BuildContext<'pg>,
         threads: Option<threads::ThreadReplicas>,
     ) -> anyhow::Result<Strategy<'pg>> {
         Ok(match plan.config.wrap.strategy {
             WrapStrategy::Ddp | WrapStrategy::None => Strategy::Replica(replica::Replica::new(
-                plan, pg, device, params, buffers, buckets, batch_norm, threads,
+                plan,
+                groups.data(pg),
+                device,
+                params,
+                buffers,
+                buckets,
+                ctx,
+                threads,
             )?),
-            WrapStrategy::Pipeline => Strategy::Pipeline(pipeline::Stage::new(plan, pg, device)?),
+            WrapStrategy::Pipeline => Strategy::Pipeline(pipeline::Stage::new(plan, pg, device, ctx.tensor.clone())?),
             // The wrap stage builds a sharded model layer by layer (stages::wrap), and the plan
             // resolves "auto" to a strategy before any rank starts.
             WrapStrategy::Fsdp | WrapStrategy::Auto => {
@@ -199,14 +257,35 @@ impl<'pg> Strategy<'pg> {
         }
     }
 
-    /// The ranks whose gradients make up the model's global norm with this rank's, and how many
-    /// copies of it they hold: a pipeline's stages (`None` for a replica, which holds them all).
-    pub fn norm_group(&self) -> Option<usize> {
+    /// The ranks whose gradients make up the model's global norm with this rank's (`world`'s
+    /// ranks, or a tensor group), and how many copies of it they hold: a pipeline's stages, an
+    /// FSDP rank's shards, a tensor rank's slices (`None` for a replica, which holds them all).
+    /// `names`: the optimizer's parameters.
+    pub fn norm_group<'a>(&'a self, world: &'a ProcessGroup, names: &[String]) -> Option<NormGroup<'a>> {
+        let weights = |tp: &tensor::Slices| {
+            let share = 1.0 / tp.group().size() as f64;
+            names.iter().map(|n| if tp.is_split(n) { 1.0 } else { share }).collect()
+        };
         match self {
-            Strategy::Replica(_) => None,
+            Strategy::Replica(r) => r.slices().map(|tp| NormGroup { pg: tp.group(), copies: 1, weights: weights(tp) }),
             // Each rank holds other rows of every gradient: their squares add up, once each.
-            Strategy::Fsdp(_) => Some(1),
-            Strategy::Pipeline(stage) => Some(stage.copies()),
+            Strategy::Fsdp(f) => {
+                Some(NormGroup { pg: world, copies: 1, weights: f.slices().map(weights).unwrap_or_default() })
+            }
+            Strategy::Pipeline(stage) => Some(NormGroup {
+                pg: world,
+                copies: stage.copies(),
+                weights: stage.slices().map(weights).unwrap_or_default(),
+            }),
+        }
+    }
+
+    /// Under tensor parallelism, what each rank of the tensor group holds of each parameter.
+    fn slices(&self) -> Option<&tensor::Slices<'pg>> {
+        match self {
+            Strategy::Replica(r) => r.slices(),
+            Strategy::Fsdp(f) => f.slices(),
+            Strategy::Pipeline(stage) => stage.slices(),
         }
     }
 
@@ -253,11 +332,22 @@ impl<'pg> Strategy<'pg> {
         optimizer: &Optimizer,
     ) -> anyhow::Result<Vec<Piece>> {
         let hands = match self {
+            // Every tensor rank gathers its group's slices; rank 0 hands them.
+            Strategy::Replica(r) if r.slices().is_some() => {
+                let pieces = whole_state(plan, vs, optimizer, pg.rank() == 0, r.slices())?;
+                return Ok(if pg.rank() == 0 { pieces } else { Vec::new() });
+            }
             Strategy::Replica(_) => pg.rank() == 0,
             Strategy::Fsdp(f) => return f.state_pieces(&buffers(plan, vs), optimizer),
+            // Each stage of the first copy (its first tensor rank, its slices gathered).
+            Strategy::Pipeline(stage) if stage.slices().is_some() => {
+                let pieces = whole_state(plan, vs, optimizer, pg.rank() == 0, stage.slices())?;
+                let first = pg.rank() < plan.pipeline_ranks() && plan.mesh().coords(pg.rank()).tensor == 0;
+                return Ok(if first { pieces } else { Vec::new() });
+            }
             Strategy::Pipeline(_) => pg.rank() < plan.pipeline_ranks(),
         };
-        Ok(if hands { whole_state(plan, vs, optimizer, pg.rank() == 0) } else { Vec::new() })
+        Ok(if hands { whole_state(plan, vs, optimizer, pg.rank() == 0, None)? } else { Vec::new() })
     }
 
     /// Loads what this rank holds of the training state from a checkpoint written by any
@@ -271,7 +361,8 @@ impl<'pg> Strategy<'pg> {
         optimizer: &mut Optimizer,
     ) -> anyhow::Result<()> {
         match self {
-            Strategy::Replica(_) | Strategy::Pipeline(_) => load_whole(plan, reader, vs, optimizer),
+            Strategy::Replica(r) => load_whole(plan, reader, vs, optimizer, r.slices()),
+            Strategy::Pipeline(stage) => load_whole(plan, reader, vs, optimizer, stage.slices()),
             Strategy::Fsdp(f) => f.load_state(reader, &buffers(plan, vs), optimizer),
         }
     }
@@ -279,11 +370,15 @@ impl<'pg> Strategy<'pg> {
     /// The whole model's tensors as `model.safetensors` holds them (the same list on every rank).
     pub fn model_tensors(&self, plan: &Plan, vs: &nn::VarStore) -> Vec<ModelTensor> {
         match self {
-            // Every rank knows them all (an FSDP rank's parameters keep their shapes).
+            // Every rank knows them all (an FSDP rank's parameters keep their shapes, a tensor
+            // rank knows the whole shapes of its slices).
             Strategy::Replica(_) | Strategy::Fsdp(_) => vs
                 .variables()
                 .into_iter()
-                .map(|(name, t)| ModelTensor { name, kind: t.kind(), shape: t.size() })
+                .map(|(name, t)| {
+                    let shape = self.slices().map_or_else(|| t.size(), |tp| tp.whole_shape(&name, &t.size()));
+                    ModelTensor { name, kind: t.kind(), shape }
+                })
                 .collect(),
             // The built-in models' variables are float32 (a TorchScript module is one layer, never cut).
             Strategy::Pipeline(_) => crate::model::sorted_parameters(plan.model().as_ref())
@@ -306,6 +401,10 @@ impl<'pg> Strategy<'pg> {
             Ok(v.detach().to_device(tch::Device::Cpu))
         };
         match self {
+            Strategy::Replica(r) if r.slices().is_some() => {
+                let whole = r.slices().expect("tensor parallel").whole(&t.name, &cpu(&t.name)?)?;
+                Ok((pg.rank() == 0).then_some(whole))
+            }
             Strategy::Replica(_) => (pg.rank() == 0).then(|| cpu(&t.name)).transpose(),
             Strategy::Fsdp(f) => f.gather_tensor(pg, t, cpu),
             Strategy::Pipeline(stage) => stage.gather_tensor(t, cpu),
@@ -336,9 +435,7 @@ impl<'pg> Strategy<'pg> {
         if let Strategy::Fsdp(f) = self {
             return f.whole_state(&buffers(plan, vs), optimizer);
         }
-        let mut out: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        out.extend(optimizer.state().into_iter().map(|s| (s.name, s.tensor)));
-        Ok(out)
+        Ok(whole_state(plan, vs, optimizer, false, self.slices())?.into_iter().map(|p| (p.name, p.tensor)).collect())
     }
 
     /// What this rank holds of the training state now (see [`StateBytes`]); `reset` restarts
@@ -383,22 +480,57 @@ fn saved_variables(plan: &Plan, vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     vars
 }
 
-/// Every variable of `vs` a checkpoint holds and the optimizer's state, each whole; with
-/// `steps`, the optimizer's step count too.
-fn whole_state(plan: &Plan, vs: &nn::VarStore, optimizer: &Optimizer, steps: bool) -> Vec<Piece> {
+/// Every variable of `vs` a checkpoint holds ([`saved_variables`]) and the optimizer's state,
+/// each whole (under tensor parallelism, `slices`, gathered over the tensor group: every rank of
+/// it calls this); with `steps`, the optimizer's step count too.
+fn whole_state(
+    plan: &Plan,
+    vs: &nn::VarStore,
+    optimizer: &Optimizer,
+    steps: bool,
+    slices: Option<&tensor::Slices>,
+) -> crate::dist::Result<Vec<Piece>> {
+    let whole = |param: &str, t: &Tensor| slices.map_or_else(|| Ok(t.shallow_clone()), |tp| tp.whole(param, t));
     let vars = saved_variables(plan, vs);
-    let mut pieces: Vec<Piece> = vars.into_iter().map(|(name, t)| Piece::whole(name, &t)).collect();
-    pieces.extend(optimizer.state().into_iter().map(|s| Piece::whole(s.name, &s.tensor)));
+    let mut pieces = Vec::new();
+    for (name, t) in vars {
+        pieces.push(Piece::whole(name.clone(), &whole(&name, &t)?));
+    }
+    for s in optimizer.state() {
+        pieces.push(Piece::whole(s.name, &whole(&s.param, &s.tensor)?));
+    }
     if steps {
         pieces.push(Piece::whole(optim::STEPS.to_owned(), &Tensor::from(optimizer.steps() as i64)));
     }
-    pieces
+    Ok(pieces)
 }
 
-/// Every variable of `vs` a checkpoint holds and the optimizer's state, whole, from `reader`.
-fn load_whole(plan: &Plan, reader: &Reader, vs: &nn::VarStore, optimizer: &mut Optimizer) -> anyhow::Result<()> {
+/// Every variable of `vs` and the optimizer's state, whole, from `reader` (under tensor
+/// parallelism, this rank's `slices` of them).
+fn load_whole(
+    plan: &Plan,
+    reader: &Reader,
+    vs: &nn::VarStore,
+    optimizer: &mut Optimizer,
+    slices: Option<&tensor::Slices>,
+) -> anyhow::Result<()> {
+    let read = |name: &str, param: &str| -> anyhow::Result<Tensor> {
+        let saved = reader.whole(name)?;
+        Ok(match slices {
+            Some(tp) if tp.is_split(param) => {
+                let shape = tp.whole_shape(param, &[]);
+                anyhow::ensure!(
+                    saved.size() == shape,
+                    "the checkpoint's `{name}` is {:?}, the model's is {shape:?}",
+                    saved.size()
+                );
+                tp.local(param, &saved)
+            }
+            _ => saved,
+        })
+    };
     for (name, mut t) in saved_variables(plan, vs) {
-        let saved = reader.whole(&name)?;
+        let saved = read(&name, &name)?;
         // Shapes and kinds as the model's (floats, or a module buffer's integer count).
         anyhow::ensure!(
             saved.size() == t.size() && saved.is_floating_point() == t.is_floating_point(),
@@ -411,7 +543,7 @@ fn load_whole(plan: &Plan, reader: &Reader, vs: &nn::VarStore, optimizer: &mut O
         tch::no_grad(|| t.f_copy_(&saved))
             .map_err(|e| anyhow::anyhow!("`{name}`: {}", crate::checked::torch_message(&e)))?;
     }
-    optimizer.load_state(|name, _, _| reader.whole(name))?;
+    optimizer.load_state(|name, param, _| read(name, param))?;
     let steps = reader.whole(optim::STEPS)?;
     anyhow::ensure!(
         steps.numel() == 1 && !steps.is_floating_point(),

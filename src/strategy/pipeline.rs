@@ -21,7 +21,11 @@ use crate::config::schema::{Precision, Schedule};
 use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Task};
 use crate::device;
+use std::sync::Arc;
+
+use super::tensor::Slices;
 use crate::dist::ProcessGroup;
+use crate::model::tensor_group::TensorGroup;
 use crate::plan::Plan;
 
 /// Tags keep the three kinds of traffic apart: a schedule mismatch fails instead of mixing data.
@@ -50,8 +54,12 @@ pub struct Stage<'pg> {
     device: tch::Device,
     precision: Precision,
     copies: usize,
-    /// The rank of the first copy holding each of the model's variables (by name).
+    /// The rank of the first copy holding each of the model's variables (by name; its first
+    /// tensor rank under tensor parallelism).
     owners: std::collections::HashMap<String, usize>,
+    /// Under tensor parallelism (pipeline × TP): the stage's tensor group, and what each of its
+    /// ranks holds of each parameter. A stage's neighbours are then `tensor` ranks away.
+    tensor: Option<(Arc<TensorGroup<'pg>>, Slices<'pg>)>,
 }
 
 /// The micro-batch sizes of a batch of `n` rows: `min(micro, n)` parts differing by at most one
@@ -64,16 +72,22 @@ pub fn micro_sizes(n: i64, micro: usize) -> Vec<i64> {
 impl<'pg> Stage<'pg> {
     /// This rank's stage; with several copies of the pipeline, also its group with the same
     /// stage of the other copies (every rank must call this at the same point).
-    pub fn new(plan: &Plan, pg: &'pg ProcessGroup, device: tch::Device) -> crate::dist::Result<Stage<'pg>> {
+    pub fn new(
+        plan: &Plan,
+        pg: &'pg ProcessGroup,
+        device: tch::Device,
+        tensor: Option<Arc<TensorGroup<'pg>>>,
+    ) -> crate::dist::Result<Stage<'pg>> {
         let rank = pg.rank();
         let c = &plan.config;
         let layers = &plan.stages[rank];
         let (in_shape, out_shape) = plan.stage_shapes(layers);
-        let stages = plan.pipeline_ranks();
         let mesh = plan.mesh();
+        let stages = mesh.pipeline;
         let stage = mesh.coords(rank).pipeline;
         let arch = plan.model();
         let owners = (0..stages)
+            .map(|s| s * mesh.tensor)
             .flat_map(|r| {
                 let layers = plan.stages[r].clone();
                 let mut names = arch.parameters(layers.clone());
@@ -97,7 +111,31 @@ impl<'pg> Stage<'pg> {
             precision: c.train.precision,
             copies: plan.layout.world_size,
             owners,
+            tensor: tensor.map(|g| {
+                let slices = Slices::new(arch.as_ref(), g.group());
+                (g, slices)
+            }),
         })
+    }
+
+    /// The rank of the next stage in this copy (the same tensor index).
+    fn next(&self) -> usize {
+        self.rank + self.tensor.as_ref().map_or(1, |(g, _)| g.size())
+    }
+
+    /// The rank of the stage before.
+    fn prev(&self) -> usize {
+        self.rank - self.tensor.as_ref().map_or(1, |(g, _)| g.size())
+    }
+
+    /// What each tensor rank holds of each parameter, under pipeline × TP.
+    pub fn slices(&self) -> Option<&Slices<'pg>> {
+        self.tensor.as_ref().map(|(_, s)| s)
+    }
+
+    /// A collective of the tensor group that failed in the last forward pass.
+    pub fn tensor_failure(&self) -> Option<crate::dist::Error> {
+        self.tensor.as_ref().and_then(|(g, _)| g.failure())
     }
 
     /// Copies of the pipeline.
@@ -205,15 +243,27 @@ impl<'pg> Stage<'pg> {
         cpu: impl Fn(&str) -> anyhow::Result<Tensor>,
     ) -> anyhow::Result<Option<Tensor>> {
         let owner = *self.owners.get(&t.name).ok_or_else(|| anyhow::anyhow!("no stage holds `{}`", t.name))?;
+        let mine = |name: &str| -> anyhow::Result<Tensor> {
+            match self.slices() {
+                Some(tp) => Ok(tp.whole(name, &cpu(name)?)?),
+                None => cpu(name),
+            }
+        };
+        // Under tensor parallelism the owner's tensor group gathers the slices first.
+        let tensor = self.tensor.as_ref().map_or(1, |(g, _)| g.size());
+        if tensor > 1 && self.rank != owner && self.rank / tensor == owner / tensor {
+            let _gathered_by_the_owner = mine(&t.name)?;
+            return Ok(None);
+        }
         match (self.rank, owner) {
-            (0, 0) => Ok(Some(cpu(&t.name)?)),
+            (0, 0) => Ok(Some(mine(&t.name)?)),
             (0, _) => {
                 let mut received = Tensor::zeros(t.shape.as_slice(), (t.kind, tch::Device::Cpu));
                 self.pg.recv(&mut received, owner, MODEL_TAG)?;
                 Ok(Some(received))
             }
             (r, o) if r == o => {
-                self.pg.send(&cpu(&t.name)?, 0, MODEL_TAG)?;
+                self.pg.send(&mine(&t.name)?, 0, MODEL_TAG)?;
                 Ok(None)
             }
             _ => Ok(None),
@@ -234,7 +284,7 @@ impl<'pg> Stage<'pg> {
             if self.is_last() {
                 logits.push(h);
             } else {
-                self.pg.send(&h, self.rank + 1, EVAL_TAG + i)?;
+                self.pg.send(&h, self.next(), EVAL_TAG + i)?;
             }
             offset += len;
             i += 1;
@@ -256,7 +306,7 @@ impl<'pg> Stage<'pg> {
             return Ok(x.narrow(0, offset, len));
         }
         let mut h = self.buffer(len, &self.in_shape);
-        timed(self.device, wait, || self.pg.recv(&mut h, self.rank - 1, tag))?;
+        timed(self.device, wait, || self.pg.recv(&mut h, self.prev(), tag))?;
         Ok(h)
     }
 
@@ -336,6 +386,9 @@ impl<'a, 'pg> Step<'a, 'pg> {
         let h = super::in_precision(self.stage.precision, || self.model.forward_t(&input, true))?;
         // Activations travel, and losses are taken, in float32.
         let h = if h.kind() == Kind::Float { h } else { h.to_kind(Kind::Float) };
+        if let Some(e) = self.stage.tensor_failure() {
+            return Err(e.into());
+        }
         self.out.forward += device::elapsed(self.stage.device, t);
         self.inputs[i] = Some(input);
         if self.stage.is_last() {
@@ -356,7 +409,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
 
     fn send_forward(&mut self, i: usize) -> anyhow::Result<()> {
         if !self.stage.is_last() {
-            let (pg, next, h) = (self.stage.pg, self.stage.rank + 1, self.outputs[i].as_ref().expect("forward ran"));
+            let (pg, next, h) = (self.stage.pg, self.stage.next(), self.outputs[i].as_ref().expect("forward ran"));
             timed(self.stage.device, &mut self.out.wait, || pg.send(h, next, i as i32))?;
         }
         Ok(())
@@ -368,7 +421,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
             return Ok(None);
         }
         let mut grad = self.stage.buffer(self.sizes[i], &self.stage.out_shape);
-        let (pg, next) = (self.stage.pg, self.stage.rank + 1);
+        let (pg, next) = (self.stage.pg, self.stage.next());
         timed(self.stage.device, &mut self.out.wait, || pg.recv(&mut grad, next, GRAD_TAG + i as i32))?;
         Ok(Some(grad))
     }
@@ -379,7 +432,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
             return Ok(None);
         }
         let mut grad = self.stage.buffer(self.sizes[j], &self.stage.out_shape);
-        let (pg, next, h) = (self.stage.pg, self.stage.rank + 1, self.outputs[i].as_ref().expect("forward ran"));
+        let (pg, next, h) = (self.stage.pg, self.stage.next(), self.outputs[i].as_ref().expect("forward ran"));
         timed(self.stage.device, &mut self.out.wait, || {
             pg.send_recv(h, next, i as i32, &mut grad, next, GRAD_TAG + j as i32)
         })?;
@@ -404,7 +457,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
     fn send_backward(&mut self, i: usize) -> anyhow::Result<()> {
         let input = self.inputs[i].take().expect("forward ran");
         if self.stage.stage > 0 {
-            let (pg, prev, grad) = (self.stage.pg, self.stage.rank - 1, input.grad());
+            let (pg, prev, grad) = (self.stage.pg, self.stage.prev(), input.grad());
             timed(self.stage.device, &mut self.out.wait, || pg.send(&grad, prev, GRAD_TAG + i as i32))?;
         }
         Ok(())
@@ -418,7 +471,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
         }
         let grad = self.inputs[j].take().expect("forward ran").grad();
         let mut h = self.stage.buffer(self.sizes[i], &self.stage.in_shape);
-        let (pg, prev) = (self.stage.pg, self.stage.rank - 1);
+        let (pg, prev) = (self.stage.pg, self.stage.prev());
         timed(self.stage.device, &mut self.out.wait, || {
             pg.send_recv(&grad, prev, GRAD_TAG + j as i32, &mut h, prev, i as i32)
         })?;

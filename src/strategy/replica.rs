@@ -10,6 +10,7 @@ use std::sync::Arc;
 use tch::nn::ModuleT;
 use tch::Tensor;
 
+use super::tensor::Slices;
 use super::threads::ThreadReplicas;
 use super::{Micro, StepOut};
 use crate::config::schema::{Precision, ValidateOn, WrapStrategy};
@@ -19,6 +20,7 @@ use crate::device;
 use crate::dist::{Ddp, ProcessGroup};
 use crate::model::batchnorm::StatsGroup;
 use crate::model::optim::Optimizer;
+use crate::model::tensor_group::TensorGroup;
 use crate::plan::Plan;
 
 pub struct Replica<'pg> {
@@ -41,9 +43,15 @@ pub struct Replica<'pg> {
     /// Average the gradients across ranks after the backward passes, in one all-reduce: under
     /// DDP with thread replicas, whose gradients c10d's Reducer would not wait for.
     average_after: bool,
+    /// Under tensor parallelism: the group the layers are split across (whose forward pass can
+    /// leave a failed collective), and what each rank holds of each parameter. `pg` is then the
+    /// mesh's data group.
+    tensor: Option<(Arc<TensorGroup<'pg>>, Slices<'pg>)>,
 }
 
 impl<'pg> Replica<'pg> {
+    /// `pg`: the ranks holding copies of this rank's model (the mesh's data group); `ctx`: the
+    /// groups the model's layers were built with.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         plan: &Plan,
@@ -52,10 +60,15 @@ impl<'pg> Replica<'pg> {
         params: &[Tensor],
         buffers: &[Tensor],
         buckets: Option<&[Vec<usize>]>,
-        batch_norm: Option<Arc<StatsGroup<'pg>>>,
+        ctx: &crate::model::BuildContext<'pg>,
         threads: Option<ThreadReplicas>,
     ) -> anyhow::Result<Replica<'pg>> {
         let c = &plan.config;
+        let batch_norm = ctx.batch_norm.clone();
+        let tensor = ctx.tensor.clone().map(|g| {
+            let slices = Slices::new(plan.model().as_ref(), g.group());
+            (g, slices)
+        });
         let average_after = threads.is_some() && c.wrap.strategy == WrapStrategy::Ddp && pg.size() > 1;
         if average_after {
             // What the Reducer does when it is built: every rank starts from rank 0's weights.
@@ -86,7 +99,13 @@ impl<'pg> Replica<'pg> {
             buffers,
             threads,
             average_after,
+            tensor,
         })
+    }
+
+    /// What each tensor rank holds of each parameter, under tensor parallelism.
+    pub fn slices(&self) -> Option<&Slices<'pg>> {
+        self.tensor.as_ref().map(|(_, s)| s)
     }
 
     /// [`Replica::step`] with thread replicas: this thread computes the batch's first part while
@@ -150,6 +169,9 @@ impl<'pg> Replica<'pg> {
         let out = super::forward_float(self.precision, model, x)?;
         // SyncBatchNorm's statistics all-reduce failed (a peer left): nothing of this step counts.
         if let Some(e) = self.batch_norm.as_ref().and_then(|g| g.failure()) {
+            return Err(e.into());
+        }
+        if let Some(e) = self.tensor.as_ref().and_then(|(g, _)| g.failure()) {
             return Err(e.into());
         }
         let t1 = timer.now();

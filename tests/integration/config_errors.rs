@@ -355,18 +355,10 @@ const CASES: &[Case] = &[
     Case {
         name: "hidden widths the tensor ranks cannot split",
         file: "",
-        args: &["--set", "wrap.mesh.tensor=2", "--set", "wrap.model.hidden=[16, 5]"],
+        args: &["--set", "wrap.mesh.tensor=2", "--set", "wrap.model.hidden=[15, 5]"],
         env: &[],
         expected: "error: p.toml: invalid configuration:\n  `wrap.mesh.tensor` (--set wrap.mesh.tensor=2): 2 tensor ranks cannot split \
-                   wrap.model.hidden = 5 evenly; the degrees that divide it: 1, 5",
-    },
-    Case {
-        name: "tensor parallelism, not built yet",
-        file: "",
-        args: &["--set", "wrap.mesh.tensor=2"],
-        env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `wrap.mesh.tensor` (--set wrap.mesh.tensor=2): tensor parallelism is not \
-                   built yet (docs/parallelism.md); use tensor = 1, or split the 2 ranks another way (wrap.mesh.data)",
+                   wrap.model.hidden = 15 evenly; the degrees that divide it: 1, 3, 5, 15",
     },
     Case {
         name: "a pipeline dimension without a pipeline",

@@ -250,6 +250,11 @@ fn lora_that_cannot_be_built_is_refused_on_the_plan_by_name() {
     );
     refused(
         p,
+        &format!("{twin}\n[wrap.lora]\n[wrap.mesh]\ntensor = 2\n").replace("[run]", "[run]\nworld_size = 2"),
+        &[("wrap.mesh.tensor", "splits each layer across ranks, which [wrap.lora] does not support yet")],
+    );
+    refused(
+        p,
         &format!("{twin}\n[wrap.lora]\ninit = \"nowhere\"\n"),
         &[("wrap.lora.init", "cannot read nowhere/adapter_config.json")],
     );

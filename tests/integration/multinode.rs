@@ -4,6 +4,8 @@
 //! (process id and a counter), so the tests run in parallel.
 use crate::common;
 
+mod shared;
+
 use std::process::{Command, Stdio};
 
 use common::{assert_ok, text, write, TINY};

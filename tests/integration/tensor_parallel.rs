@@ -40,3 +40,205 @@ pub fn column_then_row(pg: &ProcessGroup) {
     let w2_grad = w2_all.grad().narrow(1, r * part, part);
     assert!(diff(&w2_tp.grad(), &w2_grad) < 1e-5, "the row-parallel weight's gradient differs");
 }
+
+/// A small language model on synthetic tokens (128 windows of 8 + 1 tokens, vocab 32), trained
+/// with SGD: Adam would magnify the float noise of gradients that are zero in exact arithmetic,
+/// which the comparison of parameters would see.
+const LM: &str = r#"
+[run]
+name = "tp"
+seed = 5
+world_size = 1
+timeout_s = 60
+
+[load]
+rows = 128
+validation_rows = 16
+
+[normalize]
+method = "none"
+
+[wrap.model]
+kind = "transformer"
+vocab = 32
+d_model = 16
+heads = 4
+layers = 2
+seq_len = 8
+tied = false
+
+[train]
+epochs = 2
+batch_size = 16
+optimizer = "sgd"
+lr = 0.5
+clip_grad_norm = 0.5
+"#;
+
+/// Runs `p.toml` in `dir` into `out` with `extra`; the run's stdout.
+fn train(dir: &std::path::Path, out: &str, extra: &[&str]) -> String {
+    let o = crate::common::run(&[&["run", "p.toml", "--out", out][..], extra].concat(), dir);
+    crate::common::assert_ok(&o);
+    crate::common::text(&o).0
+}
+
+/// Resumes the run `out` in `dir` with `extra`.
+fn resume(dir: &std::path::Path, out: &str, extra: &[&str]) {
+    crate::common::assert_ok(&crate::common::run(&[&["run", "--resume", out][..], extra].concat(), dir));
+}
+
+const TP2: [&str; 4] = ["--set", "run.world_size=2", "--set", "wrap.mesh.tensor=2"];
+
+#[test]
+fn gpt2_and_llama_split_over_2_tensor_ranks_train_as_one_process_dropout_included() {
+    let dir = tempfile::tempdir().unwrap();
+    crate::common::write(dir.path(), "p.toml", LM);
+    let llama =
+        ["--set", "wrap.model.family=\"llama\"", "--set", "wrap.model.kv_heads=2", "--set", "wrap.model.mlp_hidden=24"];
+    for (name, model) in [("gpt2", &[][..]), ("llama", &llama[..])] {
+        // Dropout in the embedding, the attention and the residuals: the masks one process draws.
+        let dropout = ["--set", "wrap.model.dropout=0.1"];
+        let (one, split) = (format!("{name}-one"), format!("{name}-tp"));
+        train(dir.path(), &one, &[model, &dropout].concat());
+        let stdout = train(dir.path(), &split, &[model, &dropout, &TP2].concat());
+        assert!(stdout.contains("tensor groups (the slices of each layer): [0, 1]"), "{stdout}");
+        assert!(
+            stdout.contains("each rank holds 1 / tensor of each block's attention heads and MLP units"),
+            "{stdout}"
+        );
+        crate::common::assert_close_runs(&dir.path().join(&split), &dir.path().join(&one), 1e-5);
+        // Each rank holds half of every split matrix, and the norms, embeddings and head whole.
+        let model = tch::Tensor::read_safetensors(dir.path().join(&one).join("model.safetensors")).unwrap();
+        let split_part = |n: &str| ["qkv.", "proj.weight", "fc.", "out.weight"].iter().any(|p| n.contains(p));
+        let bytes = |keep: &dyn Fn(&str) -> bool| -> f64 {
+            model.iter().filter(|(n, _)| keep(n)).map(|(_, t)| 4.0 * t.numel() as f64).sum()
+        };
+        let want = bytes(&|n: &str| !split_part(n)) + bytes(&|n: &str| split_part(n)) / 2.0;
+        let df = crate::common::trace(&dir.path().join(&split));
+        let held: Vec<u64> = df.column("param_bytes").unwrap().u64().unwrap().into_no_null_iter().collect();
+        assert!(
+            held.iter().all(|&b| b as f64 == want),
+            "{name}: the ranks hold {held:?} bytes of parameters, not {want}"
+        );
+    }
+}
+
+#[test]
+fn ddp_and_fsdp_times_tensor_at_4_ranks_equal_one_process_with_the_global_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    crate::common::write(dir.path(), "p.toml", LM);
+    train(dir.path(), "one", &[]);
+    let mesh = ["--set", "run.world_size=4", "--set", "wrap.mesh.tensor=2", "--set", "train.batch_size=8"];
+    let stdout = train(dir.path(), "ddp", &mesh);
+    assert!(stdout.contains("mesh: data 2 × tensor 2 × pipeline 1"), "{stdout}");
+    assert!(
+        stdout.contains("data groups (copies of the model, each on its own shard of the data): [0, 2] [1, 3]"),
+        "{stdout}"
+    );
+    crate::common::assert_close_runs(&dir.path().join("ddp"), &dir.path().join("one"), 1e-5);
+    // torchtitan's 2-D: each tensor rank's slices sharded over the data dimension; its
+    // checkpoint (whole tensors) resumes on one rank.
+    let fsdp = ["--set", "wrap.strategy=\"fsdp\"", "--set", "checkpoint.every=1"];
+    let stdout = train(dir.path(), "fsdp", &[&mesh[..], &fsdp].concat());
+    assert!(stdout.contains("each rank holds 1/2 of its tensor slice of every parameter"), "{stdout}");
+    crate::common::assert_close_runs(&dir.path().join("fsdp"), &dir.path().join("one"), 1e-5);
+    train(dir.path(), "cut", &[&mesh[..], &fsdp, &["--set", "train.epochs=1"]].concat());
+    let one = ["--set", "train.epochs=2", "--set", "run.world_size=1", "--set", "wrap.mesh.tensor=1"];
+    resume(dir.path(), "cut", &[&one[..], &["--set", "train.batch_size=16"]].concat());
+    crate::common::assert_close_runs(&dir.path().join("cut"), &dir.path().join("one"), 1e-5);
+}
+
+#[test]
+fn an_mlp_split_in_column_row_pairs_trains_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    crate::common::write(dir.path(), "p.toml", crate::common::TINY);
+    // Layers 0-1 and 2-3 are pairs; the dropout after layer 0 falls on split activations.
+    let mlp = [
+        "--set",
+        "wrap.model.hidden=[16, 16, 16]",
+        "--set",
+        "wrap.model.dropout=0.2",
+        "--set",
+        "train.optimizer=\"sgd\"",
+        "--set",
+        "train.clip_grad_norm=0.5",
+    ];
+    train(dir.path(), "one", &[&mlp[..], &["--set", "run.world_size=1"]].concat());
+    let stdout = train(dir.path(), "tp", &[&mlp[..], &TP2].concat());
+    assert!(stdout.contains("each rank holds 1 / tensor of each pair of layers"), "{stdout}");
+    crate::common::assert_close_runs(&dir.path().join("tp"), &dir.path().join("one"), 1e-5);
+}
+
+#[test]
+fn a_checkpoint_saved_at_tensor_2_resumes_on_one_rank_and_one_rank_s_resumes_at_data_2_tensor_2() {
+    let dir = tempfile::tempdir().unwrap();
+    crate::common::write(dir.path(), "p.toml", LM);
+    let every = ["--set", "checkpoint.every=1"];
+    train(dir.path(), "whole", &every);
+    train(dir.path(), "from-tp", &[&every[..], &TP2, &["--set", "train.epochs=1"]].concat());
+    let back = ["--set", "train.epochs=2", "--set", "run.world_size=1", "--set", "wrap.mesh.tensor=1"];
+    resume(dir.path(), "from-tp", &back);
+    crate::common::assert_close_runs(&dir.path().join("from-tp"), &dir.path().join("whole"), 1e-5);
+
+    train(dir.path(), "to-tp", &[&every[..], &["--set", "train.epochs=1"]].concat());
+    let mesh = ["--set", "train.epochs=2", "--set", "run.world_size=4", "--set", "wrap.mesh.tensor=2"];
+    let batch = ["--set", "train.batch_size=8"];
+    resume(dir.path(), "to-tp", &[&mesh[..], &batch].concat());
+    crate::common::assert_close_runs(&dir.path().join("to-tp"), &dir.path().join("whole"), 1e-5);
+}
+
+#[test]
+fn pipeline_times_tensor_and_the_3d_mesh_at_8_ranks_equal_one_process_and_resume_on_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    crate::common::write(dir.path(), "p.toml", LM);
+    train(dir.path(), "one", &[]);
+    let pipeline = ["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.pipeline.micro_batches=2"];
+    let two_d = ["--set", "run.world_size=4", "--set", "wrap.mesh.tensor=2"];
+    let stdout = train(dir.path(), "pp-tp", &[&pipeline[..], &two_d].concat());
+    assert!(stdout.contains("mesh: data 1 × tensor 2 × pipeline 2"), "{stdout}");
+    assert!(
+        stdout.contains("pipeline groups (a pipeline's stages, activations sent between them): [0, 2] [1, 3]"),
+        "{stdout}"
+    );
+    crate::common::assert_close_runs(&dir.path().join("pp-tp"), &dir.path().join("one"), 1e-5);
+    // Data 2 × pipeline 2 × tensor 2: each copy takes half of the global batch.
+    let three_d = [
+        "--set",
+        "run.world_size=8",
+        "--set",
+        "wrap.mesh.tensor=2",
+        "--set",
+        "wrap.mesh.pipeline=2",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "checkpoint.every=1",
+    ];
+    let stdout = train(dir.path(), "3d", &[&pipeline[..], &three_d].concat());
+    assert!(
+        stdout.contains(
+            "data groups (copies of the model, each on its own shard of the data): [0, 4] [1, 5] [2, 6] [3, 7]"
+        ),
+        "{stdout}"
+    );
+    crate::common::assert_close_runs(&dir.path().join("3d"), &dir.path().join("one"), 1e-5);
+    train(dir.path(), "cut", &[&pipeline[..], &three_d, &["--set", "train.epochs=1"]].concat());
+    let one = [
+        "--set",
+        "train.epochs=2",
+        "--set",
+        "run.world_size=1",
+        "--set",
+        "wrap.strategy=\"ddp\"",
+        "--set",
+        "wrap.mesh.tensor=1",
+        "--set",
+        "wrap.mesh.pipeline=1",
+        "--set",
+        "wrap.pipeline.micro_batches=1",
+        "--set",
+        "train.batch_size=16",
+    ];
+    resume(dir.path(), "cut", &one);
+    crate::common::assert_close_runs(&dir.path().join("cut"), &dir.path().join("one"), 1e-5);
+}

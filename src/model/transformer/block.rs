@@ -6,8 +6,12 @@ use tch::nn::{self, ModuleT};
 use tch::{Kind, Tensor};
 
 use super::lora::{Adapters, BlockAdapters, Site};
+use std::sync::Arc;
+
 use super::Spec;
 use crate::config::schema::{FeedForward, Norm, Positions};
+use crate::model::tensor_group::TensorGroup;
+use crate::model::TensorSlice;
 use crate::rng::Rng;
 
 /// Separates the layers' streams from other uses of the run's seed.
@@ -36,24 +40,43 @@ struct Head {
 }
 
 #[derive(Debug)]
-pub struct Stage {
+pub struct Stage<'a> {
     /// The token embedding, and the position table with learned positions.
     embed: Option<(Tensor, Option<Tensor>)>,
     blocks: Vec<Block>,
     head: Option<Head>,
     s: Spec,
+    /// Under tensor parallelism, the group the blocks' heads and hidden units are split across:
+    /// this rank holds 1 / its size of each block's `qkv`, `proj`, `fc` and `out`.
+    tensor: Option<Arc<TensorGroup<'a>>>,
 }
 
-impl Stage {
+/// What a tensor rank holds of a parameter, by its name in the whole model (`None`: whole).
+pub type Slicer<'s> = &'s dyn Fn(&str, usize, usize) -> Option<TensorSlice>;
+
+impl<'a> Stage<'a> {
     /// Layers `range` of the model `s`, under `p`, each drawn from its own stream of (`seed`,
-    /// layer) in a fixed order; each block with `lora`'s adapters.
-    pub fn build(s: &Spec, p: &nn::Path, range: Range<usize>, seed: u64, lora: Option<&Adapters>) -> Stage {
-        let mut stage = Stage { embed: None, blocks: Vec::new(), head: None, s: s.clone() };
+    /// layer) in a fixed order; under `tensor`, each parameter drawn whole and this rank's slice
+    /// of it (`slice`) kept, so the tensor ranks together hold the one-process model; each block
+    /// with `lora`'s adapters (refused on the plan under tensor parallelism).
+    pub fn build(
+        s: &Spec,
+        p: &nn::Path,
+        range: Range<usize>,
+        seed: u64,
+        tensor: Option<Arc<TensorGroup<'a>>>,
+        slice: Slicer,
+        lora: Option<&Adapters>,
+    ) -> Stage<'a> {
+        let at = tensor.as_ref().map(|g| (g.rank(), g.size()));
+        let cut = |name: &str| at.and_then(|(k, n)| slice(name, k, n));
+        let mut stage = Stage { embed: None, blocks: Vec::new(), head: None, s: s.clone(), tensor };
         // Residual projections: GPT-2's scaled initialisation.
         let residual_std = 0.02 / ((2 * s.layers) as f64).sqrt();
         let gated = if s.mlp == FeedForward::Swiglu { 2 } else { 1 };
         for layer in range {
-            let mut init = Init { rng: Rng::new(seed, LAYER_STREAM + layer as u64), bias: s.bias };
+            let rng = Rng::new(seed, LAYER_STREAM + layer as u64);
+            let mut init = Init { rng, bias: s.bias, cut: &cut };
             if layer == 0 {
                 let tok = (p / "tok").var_copy("weight", &init.normal(&[s.vocab, s.d], 0.02));
                 let pos = (s.positions == Positions::Learned)
@@ -74,15 +97,19 @@ impl Stage {
                 };
                 stage.head = Some(Head { ln, weight });
             } else {
+                let name = format!("blocks.{}", layer - 1);
                 let b = p / "blocks" / (layer - 1).to_string();
                 let q = s.heads * s.head_dim;
+                let linear = |init: &mut Init, part: &str, inputs, outputs, std| {
+                    init.linear(&(&b / part), &format!("{name}.{part}"), inputs, outputs, std)
+                };
                 stage.blocks.push(Block {
                     ln1: init.norm(&(&b / "ln1"), s),
-                    qkv: init.linear(&(&b / "qkv"), s.d, s.qkv_rows(), 0.02),
-                    proj: init.linear(&(&b / "proj"), q, s.d, residual_std),
+                    qkv: linear(&mut init, "qkv", s.d, s.qkv_rows(), 0.02),
+                    proj: linear(&mut init, "proj", q, s.d, residual_std),
                     ln2: init.norm(&(&b / "ln2"), s),
-                    fc: init.linear(&(&b / "fc"), s.d, gated * s.hidden, 0.02),
-                    out: init.linear(&(&b / "out"), s.hidden, s.d, residual_std),
+                    fc: linear(&mut init, "fc", s.d, gated * s.hidden, 0.02),
+                    out: linear(&mut init, "out", s.hidden, s.d, residual_std),
                     adapters: BlockAdapters::build(&b, lora, seed, layer),
                 });
             }
@@ -111,11 +138,40 @@ impl Stage {
         (angles.cos(), angles.sin())
     }
 
+    /// How many ranks split each block (1 without tensor parallelism).
+    fn parts(&self) -> i64 {
+        self.tensor.as_ref().map_or(1, |g| g.size() as i64)
+    }
+
+    /// `x` as the input of a column-parallel layer.
+    fn enter(&self, x: &Tensor) -> Tensor {
+        match &self.tensor {
+            Some(g) => g.enter(x),
+            None => x.shallow_clone(),
+        }
+    }
+
+    /// A row-parallel layer: this rank's columns of `w` on its part of the input, summed over the
+    /// tensor ranks, and the bias added once.
+    fn leave(&self, x: &Tensor, (w, b): &Affine) -> Tensor {
+        let Some(g) = &self.tensor else { return x.linear(w, b.as_ref()) };
+        let sum = g.leave(&x.linear(w, None::<Tensor>));
+        match b {
+            Some(b) => sum + b,
+            None => sum,
+        }
+    }
+
     fn attention(&self, block: &Block, x: &Tensor, rope: Option<&(Tensor, Tensor)>, train: bool) -> Tensor {
         let s = &self.s;
         let (b, t) = (x.size()[0], x.size()[1]);
-        let (hd, heads, kv) = (s.head_dim as i64, s.heads as i64, s.kv_heads as i64);
-        let qkv = self.linear(block, Site::Qkv, x, train).split_with_sizes([heads * hd, kv * hd, kv * hd], -1);
+        let n = self.parts();
+        let (hd, heads, kv) = (s.head_dim as i64, s.heads as i64 / n, s.kv_heads as i64 / n);
+        let x = self.enter(x);
+        let qkv = block
+            .adapters
+            .apply(Site::Qkv, &x, linear(&x, &block.qkv), train)
+            .split_with_sizes([heads * hd, kv * hd, kv * hd], -1);
         let split = |h: &Tensor, n: i64| h.view([b, t, n, hd]).transpose(1, 2);
         let (mut q, mut k, mut v) = (split(&qkv[0], heads), split(&qkv[1], kv), split(&qkv[2], kv));
         if let Some((cos, sin)) = rope {
@@ -130,23 +186,24 @@ impl Stage {
             (k, v) = (repeat(&k), repeat(&v));
         }
         let p = if train { s.dropout } else { 0.0 };
-        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, p, true, None, false);
-        self.linear(block, Site::Proj, &y.transpose(1, 2).contiguous().view([b, t, heads * hd]), train)
-    }
-
-    /// The block's linear `site` on `x`, with its LoRA adapters' updates.
-    fn linear(&self, block: &Block, site: Site, x: &Tensor, train: bool) -> Tensor {
-        let weights = match site {
-            Site::Qkv => &block.qkv,
-            Site::Proj => &block.proj,
-            Site::Fc => &block.fc,
-            Site::Out => &block.out,
+        let y = match &self.tensor {
+            // libtorch's attention draws its mask for this rank's heads alone; one process
+            // draws it for all of them.
+            Some(g) if p > 0.0 => {
+                let scores = q.matmul(&k.transpose(-2, -1)) / (hd as f64).sqrt();
+                let future = Tensor::ones([t, t], (Kind::Bool, q.device())).tril(0).logical_not();
+                let weights = scores.masked_fill(&future, f64::NEG_INFINITY).softmax(-1, scores.kind());
+                g.dropout(&weights, p, 1, train).matmul(&v)
+            }
+            _ => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, p, true, None, false),
         };
-        block.adapters.apply(site, x, linear(x, weights), train)
+        let y = y.transpose(1, 2).contiguous().view([b, t, heads * hd]);
+        block.adapters.apply(Site::Proj, &y, self.leave(&y, &block.proj), train)
     }
 
     fn mlp(&self, block: &Block, x: &Tensor, train: bool) -> Tensor {
-        let h = self.linear(block, Site::Fc, x, train);
+        let x = self.enter(x);
+        let h = block.adapters.apply(Site::Fc, &x, linear(&x, &block.fc), train);
         let h = match self.s.mlp {
             FeedForward::Gelu => h.gelu("none"),
             FeedForward::GeluTanh => h.gelu("tanh"),
@@ -155,7 +212,7 @@ impl Stage {
                 gate_up[0].silu() * &gate_up[1]
             }
         };
-        self.linear(block, Site::Out, &h, train)
+        block.adapters.apply(Site::Out, &h, self.leave(&h, &block.out), train)
     }
 }
 
@@ -171,7 +228,7 @@ fn linear(x: &Tensor, (w, b): &Affine) -> Tensor {
     x.linear(w, b.as_ref())
 }
 
-impl ModuleT for Stage {
+impl ModuleT for Stage<'_> {
     fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
         let dropout = self.s.dropout;
         let t = x.size()[1];
@@ -200,13 +257,15 @@ impl ModuleT for Stage {
 }
 
 /// Draws one layer's initial values from its stream, in a fixed order.
-struct Init {
+struct Init<'c> {
     rng: Rng,
     /// Whether linear layers (and LayerNorms) have biases (zeros).
     bias: bool,
+    /// This tensor rank's slice of a parameter, by its name (`None`: whole).
+    cut: &'c dyn Fn(&str) -> Option<TensorSlice>,
 }
 
-impl Init {
+impl Init<'_> {
     fn normal(&mut self, shape: &[usize], std: f64) -> Tensor {
         let n = shape.iter().product();
         let v: Vec<f32> = (0..n).map(|_| (self.rng.normal() * std) as f32).collect();
@@ -214,9 +273,16 @@ impl Init {
         Tensor::from_slice(&v).view(shape.as_slice())
     }
 
-    fn linear(&mut self, p: &nn::Path, inputs: usize, outputs: usize, std: f64) -> Affine {
-        let w = p.var_copy("weight", &self.normal(&[outputs, inputs], std));
-        (w, self.bias(p, outputs, self.bias))
+    /// The linear layer `name` (its name in the whole model), drawn whole; this rank's slice kept.
+    fn linear(&mut self, p: &nn::Path, name: &str, inputs: usize, outputs: usize, std: f64) -> Affine {
+        let cut = self.cut;
+        let keep = |leaf: &str, whole: Tensor| match cut(&format!("{name}.{leaf}")) {
+            Some(slice) => slice.cut(&whole),
+            None => whole,
+        };
+        let w = p.var_copy("weight", &keep("weight", self.normal(&[outputs, inputs], std)));
+        let zeros = Tensor::zeros([outputs as i64], (Kind::Float, tch::Device::Cpu));
+        (w, self.bias.then(|| p.var_copy("bias", &keep("bias", zeros))))
     }
 
     fn norm(&mut self, p: &nn::Path, s: &Spec) -> Affine {
