@@ -4,9 +4,12 @@ made from a config with random weights (transformers' own initialisation, seeded
 
     python scripts/tiny_llama.py make --vocab 512 --out models/tiny-llama
     python scripts/tiny_llama.py generate tempest-llama --prompt "PROSPERO:" --tokens 40
+    python scripts/tiny_llama.py generate models/tiny-llama --adapter tempest-lora --prompt "PROSPERO:"
 
 `generate` decodes greedily (the most likely token each time, as `runner predict --top-k 1`) with
-the directory's own tokenizer, and prints the prompt and what follows it.
+the directory's own tokenizer, and prints the prompt and what follows it. With `--adapter`, the
+model is the directory's with PEFT's LoRA adapter loaded over it (`PeftModel.from_pretrained`; as
+`runner export --peft` writes one, with the run's tokenizer): docs/guide/fine-tuning.md.
 """
 
 import argparse
@@ -33,8 +36,11 @@ def make(a):
 
 def generate(a):
     torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(a.dir)
+    tokenizer = AutoTokenizer.from_pretrained(a.adapter or a.dir)
     model = AutoModelForCausalLM.from_pretrained(a.dir, dtype=torch.float32)
+    if a.adapter:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, a.adapter)
     ids = tokenizer(a.prompt, return_tensors="pt").input_ids
     out = model.generate(ids, do_sample=False, max_new_tokens=a.tokens, min_new_tokens=a.tokens)
     print(tokenizer.decode(out[0]))
@@ -53,6 +59,7 @@ def main():
     g.add_argument("dir")
     g.add_argument("--prompt", required=True)
     g.add_argument("--tokens", type=int, default=40)
+    g.add_argument("--adapter", help="a PEFT adapter directory to load over the model")
     a = p.parse_args()
     {"make": make, "generate": generate}[a.command](a)
 

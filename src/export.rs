@@ -5,6 +5,10 @@
 //! tokenizer (`tokenizer.json` and a `tokenizer_config.json` naming `PreTrainedTokenizerFast`, so
 //! that `AutoTokenizer` gives the runner's ids) where it has one. The directory is written beside
 //! OUT_DIR and renamed into place once complete: an export is whole or absent.
+//!
+//! A LoRA run (`wrap.lora`) exports its model merged (W + (alpha / r) · B · A, as PEFT's
+//! `merge_and_unload`), or with `--peft OUT_DIR` its adapters alone, as PEFT saves them, with the
+//! run's tokenizer ([`export_peft`]).
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
@@ -14,6 +18,7 @@ use tch::{Kind, Tensor};
 
 use crate::config::schema::Model;
 use crate::model::hf::{Arch, Mapping, Part, CONFIG, INDEX, WEIGHTS};
+use crate::model::transformer::lora::{self, Adapters};
 use crate::model::transformer::Spec;
 use crate::plan::Plan;
 use crate::tensorfile::{Entry, TensorFile};
@@ -66,16 +71,40 @@ impl Out<'_> {
         self.shape().iter().product::<i64>() as u64 * 4
     }
 
-    /// Its values, from the run's model file.
-    fn tensor(&self, model: &TensorFile) -> anyhow::Result<Tensor> {
-        let whole = model.tensor(&self.mapping.ours, u64::MAX).map_err(anyhow::Error::msg)?;
-        let rows = whole.to_kind(Kind::Float).narrow(0, self.offset, self.part.rows);
+    /// Its values, from the run's model file, with `adapters` merged in.
+    fn tensor(&self, model: &TensorFile, adapters: Option<&Adapters>) -> anyhow::Result<Tensor> {
+        let whole = merged(model, &self.mapping.ours, adapters)?;
+        let rows = whole.narrow(0, self.offset, self.part.rows);
         Ok(if self.part.transposed { rows.tr().contiguous() } else { rows.contiguous() })
     }
 }
 
+/// The model's parameter `ours` from the run's model file (float32), with the updates of the
+/// adapters on it added to their rows: W + (alpha / r) · B · A.
+fn merged(model: &TensorFile, ours: &str, adapters: Option<&Adapters>) -> anyhow::Result<Tensor> {
+    let read = |name: &str| model.tensor(name, u64::MAX).map(|t| t.to_kind(Kind::Float)).map_err(anyhow::Error::msg);
+    let whole = read(ours)?;
+    let Some((ad, (block, rest))) = adapters.zip(ours.strip_prefix("blocks.").and_then(|r| r.split_once('.'))) else {
+        return Ok(whole);
+    };
+    let site = match rest {
+        "qkv.weight" => lora::Site::Qkv,
+        "proj.weight" => lora::Site::Proj,
+        "fc.weight" => lora::Site::Fc,
+        "out.weight" => lora::Site::Out,
+        _ => return Ok(whole),
+    };
+    for t in ad.targets.iter().filter(|t| t.site == site) {
+        let [(a, _), (b, _)] = t.parameters(&format!("blocks.{block}"), ad.rank);
+        let update = read(&b)?.mm(&read(&a)?) * ad.scale();
+        let mut rows = whole.narrow(0, t.rows.start, t.rows.end - t.rows.start);
+        let _ = rows.g_add_(&update);
+    }
+    Ok(whole)
+}
+
 /// Writes `run_dir`'s model to `out` as a Hugging Face checkpoint, shards of at most
-/// `max_shard` bytes.
+/// `max_shard` bytes (a LoRA run's adapters merged into it).
 pub fn export(run_dir: &Path, out: &Path, max_shard: u64) -> anyhow::Result<u8> {
     let plan = Plan::load(&run_dir.join(crate::rundir::PLAN))?;
     let Model::Transformer(t) = &plan.config.wrap.model else {
@@ -95,10 +124,7 @@ pub fn export(run_dir: &Path, out: &Path, max_shard: u64) -> anyhow::Result<u8> 
             model_path.display()
         );
     }
-    if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
-        let why = format!("{} already exists and is not empty: give a new directory", out.display());
-        return Err(crate::config::ConfigError::new(why).into());
-    }
+    check_new(out)?;
     let mappings = arch.mappings(&spec, if arch == Arch::Gpt2 { "transformer." } else { "" });
     let tensors: Vec<Out> = mappings
         .iter()
@@ -112,26 +138,14 @@ pub fn export(run_dir: &Path, out: &Path, max_shard: u64) -> anyhow::Result<u8> 
         })
         .collect();
     let tokenizer = tokenizer_of(&plan)?;
-    let tmp = crate::rundir::tmp_path(out);
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    let written = write_dir(&tmp, arch, &spec, &tensors, &model, max_shard).and_then(|mut files| {
+    let adapters = lora::of_wrap(&plan.config.wrap);
+    let files = into_place(out, |tmp| {
+        let mut files = write_dir(tmp, arch, &spec, &tensors, &model, adapters.as_ref(), max_shard)?;
         if let Some(t) = &tokenizer {
-            files.extend(write_tokenizer(&tmp, t, &spec, &chat_settings(&plan)?)?);
+            files.extend(write_tokenizer(tmp, t, &spec, &chat_settings(&plan)?)?);
         }
         Ok(files)
-    });
-    let files = match written {
-        Ok(files) => files,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            return Err(e);
-        }
-    };
-    if out.exists() {
-        std::fs::remove_dir(out).with_context(|| format!("cannot replace the empty {}", out.display()))?;
-    }
-    std::fs::rename(&tmp, out).with_context(|| format!("cannot rename {} to {}", tmp.display(), out.display()))?;
+    })?;
     let bytes: u64 = tensors.iter().map(Out::bytes).sum();
     crate::say!(
         "exported {} ({}, {} tensors, {:.1} MB in {}) to {}",
@@ -145,6 +159,80 @@ pub fn export(run_dir: &Path, out: &Path, max_shard: u64) -> anyhow::Result<u8> 
     Ok(0)
 }
 
+/// Refuses an output directory that exists and is not empty.
+fn check_new(out: &Path) -> anyhow::Result<()> {
+    if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
+        let why = format!("{} already exists and is not empty: give a new directory", out.display());
+        return Err(crate::config::ConfigError::new(why).into());
+    }
+    Ok(())
+}
+
+/// The directory `out` as `write` makes it, written beside it and renamed into place once
+/// complete (removed on an error): whole or absent. The names of the files written.
+fn into_place(out: &Path, write: impl FnOnce(&Path) -> anyhow::Result<Vec<String>>) -> anyhow::Result<Vec<String>> {
+    let tmp = crate::rundir::tmp_path(out);
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let files = match write(&tmp) {
+        Ok(files) => files,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
+    if out.exists() {
+        std::fs::remove_dir(out).with_context(|| format!("cannot replace the empty {}", out.display()))?;
+    }
+    std::fs::rename(&tmp, out).with_context(|| format!("cannot rename {} to {}", tmp.display(), out.display()))?;
+    Ok(files)
+}
+
+/// Writes `run_dir`'s LoRA adapters to `out` as PEFT saves them (`adapter_config.json`,
+/// `adapter_model.safetensors`), for `PeftModel.from_pretrained` over the run's wrap.init.
+pub fn export_peft(run_dir: &Path, out: &Path) -> anyhow::Result<u8> {
+    let plan = Plan::load(&run_dir.join(crate::rundir::PLAN))?;
+    let (Some(adapters), Model::Transformer(t)) = (lora::of_wrap(&plan.config.wrap), &plan.config.wrap.model) else {
+        let why = format!(
+            "export --peft writes LoRA adapters, but this run trained every weight of {} (it has no [wrap.lora]); \
+             use export --hf",
+            plan.model().describe()
+        );
+        return Err(crate::config::ConfigError::new(why).into());
+    };
+    let model_path = crate::checkpoint::model::trained_model(run_dir)?;
+    let model = TensorFile::open(&model_path).map_err(|e| anyhow::anyhow!("{}: {e}", model_path.display()))?;
+    let tensors = crate::model::hf::peft::parameters(&adapters, t.layers)
+        .into_iter()
+        .map(|(name, _)| {
+            let t = model.tensor(&name, u64::MAX).map_err(|e| anyhow::anyhow!("{}: {e}", model_path.display()))?;
+            Ok((name, t))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    check_new(out)?;
+    let base = plan.init_weights.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+    let tokenizer = tokenizer_of(&plan)?;
+    let files = into_place(out, |tmp| {
+        crate::model::hf::peft::write(tmp, &adapters, &base, &tensors)?;
+        let mut files: Vec<String> = crate::model::hf::peft::FILES.iter().map(|f| f.to_string()).collect();
+        if let Some(tokenizer) = &tokenizer {
+            files.extend(write_tokenizer(tmp, tokenizer, &Spec::of(t), &chat_settings(&plan)?)?);
+        }
+        Ok(files)
+    })?;
+    crate::say!(
+        "exported the LoRA adapters of {} (rank {}, alpha {}, on {}; {} tensors in {}) to {}",
+        plan.model().describe(),
+        adapters.rank,
+        adapters.alpha,
+        adapters.names().join(", "),
+        tensors.len(),
+        files.join(", "),
+        out.display()
+    );
+    Ok(0)
+}
+
 /// The checkpoint's files in `dir`: config.json, then the shards (and their index); their names.
 fn write_dir(
     dir: &Path,
@@ -152,6 +240,7 @@ fn write_dir(
     spec: &Spec,
     tensors: &[Out],
     model: &TensorFile,
+    adapters: Option<&Adapters>,
     max_shard: u64,
 ) -> anyhow::Result<Vec<String>> {
     let mut config = arch.write(spec);
@@ -185,7 +274,7 @@ fn write_dir(
                     name: t.name.clone(),
                     kind: Kind::Float,
                     shape: t.shape(),
-                    bytes: Box::new(move || Ok(crate::tensorfile::bytes_of(&t.tensor(model)?).into())),
+                    bytes: Box::new(move || Ok(crate::tensorfile::bytes_of(&t.tensor(model, adapters)?).into())),
                 }
             })
             .collect();
@@ -286,8 +375,9 @@ fn write_tokenizer(
         })
     };
     let (bos, eos) = (id("bos_token")?, id("eos_token")?);
-    if bos.is_some() || eos.is_some() {
-        let path = dir.join(CONFIG);
+    // An adapter's directory has no config.json.
+    let path = dir.join(CONFIG);
+    if (bos.is_some() || eos.is_some()) && path.exists() {
         let mut model: serde_json::Map<String, Value> = serde_json::from_slice(&std::fs::read(&path)?)?;
         bos.map(|id| model.insert("bos_token_id".into(), json!(id)));
         eos.map(|id| model.insert("eos_token_id".into(), json!(id)));

@@ -125,7 +125,7 @@ impl Kind {
     }
 
     pub fn arch(&self) -> Box<dyn Architecture> {
-        model::architecture(&self.model(), &self.input(), self.outputs())
+        model::architecture(&self.model(), &self.input(), self.outputs(), None)
     }
 
     /// The throughput columns of the report: a name and the units per sample. A CNN's sample is

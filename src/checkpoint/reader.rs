@@ -44,7 +44,7 @@ pub fn verify(dir: &Path, step: usize, plan: &Plan, checksums: bool) -> Result<I
         return Err(format!("its index says step {}, its name step {step}", r.step));
     }
     check_layout(r)?;
-    if r.parameters != crate::model::sorted_parameters(plan.model().as_ref()) {
+    if r.parameters != crate::model::saved_parameters(plan.model().as_ref()) {
         return Err("it holds a different model (parameter names or shapes differ from [wrap.model])".into());
     }
     for (name, shape) in &r.parameters {
@@ -201,9 +201,8 @@ fn check_optimizer(index: &Index, plan: &Plan) -> Result<(), String> {
             ))
         }
     }
-    let arch = plan.model();
     let kinds = crate::model::optim::state_kinds(&plan.config.train);
-    for (param, shape) in arch.parameters(0..arch.layers().len()) {
+    for (param, shape) in crate::model::trained_parameters(plan.model().as_ref()) {
         for kind in kinds {
             let name = format!("optim.{kind}.{param}");
             match index.tensors.get(&name) {
@@ -228,8 +227,7 @@ fn check_optimizer(index: &Index, plan: &Plan) -> Result<(), String> {
 /// once: the Reducer is handed them as they are.
 fn check_buckets(buckets: Option<&[Vec<usize>]>, plan: &Plan) -> Result<(), String> {
     let Some(buckets) = buckets else { return Ok(()) };
-    let arch = plan.model();
-    let n = arch.parameters(0..arch.layers().len()).len();
+    let n = crate::model::trained_parameters(plan.model().as_ref()).len();
     let mut seen = vec![false; n];
     for &i in buckets.iter().flatten() {
         if i >= n || std::mem::replace(&mut seen[i], true) {

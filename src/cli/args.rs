@@ -86,8 +86,13 @@ pub struct ExportArgs {
     pub run_dir: PathBuf,
     /// Write a Hugging Face model directory here (config.json, model.safetensors): what
     /// transformers' from_pretrained, vLLM and lm-eval load. It must not exist, or be empty.
+    /// A LoRA run's model is written merged (W + (alpha/r)·B·A).
+    #[arg(long, value_name = "OUT_DIR", required_unless_present = "peft")]
+    pub hf: Option<PathBuf>,
+    /// Write a LoRA run's adapters here as PEFT saves them (adapter_config.json,
+    /// adapter_model.safetensors): what PeftModel.from_pretrained loads over the run's wrap.init.
     #[arg(long, value_name = "OUT_DIR")]
-    pub hf: PathBuf,
+    pub peft: Option<PathBuf>,
     /// Shards of at most this size past it, with model.safetensors.index.json ("5GB", "200MB", "512MiB", as
     /// transformers reads sizes).
     #[arg(long, value_name = "SIZE", default_value = crate::export::DEFAULT_SHARD)]

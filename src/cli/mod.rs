@@ -208,7 +208,11 @@ pub fn main(cli: Cli) -> u8 {
         }
         Command::Export(args) => crate::export::parse_size(&args.max_shard_size)
             .map_err(|e| anyhow::Error::new(ConfigError::new(format!("--max-shard-size: {e}"))))
-            .and_then(|max| crate::export::export(&args.run_dir, &args.hf, max)),
+            .and_then(|max| {
+                let hf = args.hf.as_ref().map(|out| crate::export::export(&args.run_dir, out, max)).transpose()?;
+                let peft = args.peft.as_ref().map(|out| crate::export::export_peft(&args.run_dir, out)).transpose()?;
+                Ok(hf.or(peft).unwrap_or(0))
+            }),
         Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
             quick: args.quick,
             repetitions: if args.quick { 1 } else { args.repetitions as usize },

@@ -505,6 +505,42 @@ pub struct Wrap {
     /// Which activations the backward pass recomputes instead of keeping them from the forward.
     #[serde(skip_serializing_if = "is_default")]
     pub activation_checkpointing: ActivationCheckpointing,
+    /// LoRA fine-tuning of the wrap.init checkpoint: its weights frozen, low-rank adapters trained.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora: Option<Lora>,
+}
+
+/// `[wrap.lora]`: LoRA adapters as PEFT makes them. Each target linear layer W gains
+/// (alpha / rank) · B · A · dropout(x), A [rank, inputs] Kaiming-uniform and B [outputs, rank]
+/// zero (so step 0 is the base model); the base model (wrap.init, a Hugging Face checkpoint) is
+/// frozen: no gradients, no optimizer state, left out of checkpoints (read again from wrap.init,
+/// whose digest the resume checks). Under wrap.strategy = "ddp" or "none".
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct Lora {
+    /// The adapters' rank r (PEFT's `r`): 1 up to the smallest dimension of a target layer.
+    pub rank: i64,
+    /// The scale's numerator (PEFT's `lora_alpha`): the update is (alpha / rank) · B · A.
+    pub alpha: f64,
+    /// Dropout on each adapter's input, in training (PEFT's `lora_dropout`), in [0, 1).
+    pub dropout: f64,
+    /// The linear layers adapted, by PEFT's module names: q_proj, k_proj, v_proj, o_proj,
+    /// gate_proj, up_proj, down_proj (Llama); c_attn, c_proj, c_fc (GPT-2; c_proj is both the
+    /// attention's and the MLP's output, as PEFT matches it); or ["all-linear"] (every linear
+    /// layer of the blocks). Default: PEFT's for the class (q_proj and v_proj; c_attn).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub targets: Vec<String>,
+    /// Initial adapters: a PEFT adapter directory (adapter_config.json and
+    /// adapter_model.safetensors, as `save_pretrained` or `runner export --peft` writes it),
+    /// relative to the pipeline file; default: PEFT's initialisation from run.seed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init: Option<PathBuf>,
+}
+
+impl Default for Lora {
+    fn default() -> Self {
+        Lora { rank: 8, alpha: 8.0, dropout: 0.0, targets: Vec::new(), init: None }
+    }
 }
 
 impl Default for Wrap {
@@ -520,6 +556,7 @@ impl Default for Wrap {
             fsdp: Fsdp::default(),
             mesh: Mesh::default(),
             activation_checkpointing: ActivationCheckpointing::default(),
+            lora: None,
         }
     }
 }

@@ -56,6 +56,10 @@ impl InitWeights {
 pub fn load_init(path: &Path, model: &Model, vs: &nn::VarStore) -> anyhow::Result<()> {
     let mut weights = InitWeights::open(path, model)?;
     for (name, mut var) in vs.variables() {
+        // LoRA's adapters are no part of the base model (`wrap.lora.init` gives them).
+        if transformer::lora::is_adapter(&name) {
+            continue;
+        }
         let values = weights.whole(&name, &var)?;
         tch::no_grad(|| var.copy_(&values));
     }

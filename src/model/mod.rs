@@ -21,7 +21,7 @@ use std::sync::Arc;
 use tch::nn::{self, ModuleT};
 use tch::Tensor;
 
-use crate::config::schema::{ActivationCheckpointing, Model, Torchscript};
+use crate::config::schema::{ActivationCheckpointing, Lora, Model, Torchscript};
 use batchnorm::StatsGroup;
 pub use init::{load_init, InitWeights};
 pub use weights::read_weights;
@@ -151,6 +151,12 @@ pub trait Architecture {
         vec![layer]
     }
 
+    /// Whether the parameter `name` is frozen: neither trained nor saved in checkpoints (a LoRA
+    /// run's base model, read from `wrap.init` again on resume).
+    fn frozen(&self, _name: &str) -> bool {
+        false
+    }
+
     /// Why a pipeline cannot hold the model in `stages` (one range of layers per rank), when
     /// parameters are shared across layers that the stages separate.
     fn check_stages(&self, _stages: &[Range<usize>]) -> Result<(), String> {
@@ -196,12 +202,16 @@ pub trait Architecture {
     }
 }
 
-/// The architecture of `model` for inputs of shape `input` (one sample) and `outputs` values out.
-pub fn architecture(model: &Model, input: &[usize], outputs: usize) -> Box<dyn Architecture> {
+/// The architecture of `model` for inputs of shape `input` (one sample) and `outputs` values out,
+/// with `lora`'s adapters (checked by the plan: [`transformer::lora::resolve`]).
+pub fn architecture(model: &Model, input: &[usize], outputs: usize, lora: Option<&Lora>) -> Box<dyn Architecture> {
     match model {
         Model::Mlp(m) => Box::new(mlp::MlpArch::new(m, input, outputs)),
         // The plan cuts the data into windows of the model's own seq_len over its vocab.
-        Model::Transformer(t) => Box::new(transformer::TransformerArch::new(t)),
+        Model::Transformer(t) => {
+            let adapters = lora.and_then(|l| transformer::lora::resolve(&transformer::Spec::of(t), l).ok());
+            Box::new(transformer::TransformerArch::new(t).with_lora(adapters))
+        }
         Model::Cnn(m) => Box::new(cnn::CnnArch::new(m, input, outputs)),
         // The path was resolved against the pipeline file ([`resolve_paths`]) and checked by the plan.
         Model::Torchscript(t) => Box::new(torchscript::TorchScriptArch::new(&t.path, outputs)),
@@ -313,6 +323,22 @@ pub fn sorted_parameters(arch: &dyn Architecture) -> Vec<(String, Vec<i64>)> {
     let mut v = arch.parameters(all.clone());
     v.extend(arch.buffers(all));
     v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// The parameters and buffers a checkpoint holds, sorted by name: [`sorted_parameters`] but the
+/// frozen ones ([`Architecture::frozen`]).
+pub fn saved_parameters(arch: &dyn Architecture) -> Vec<(String, Vec<i64>)> {
+    let mut v = sorted_parameters(arch);
+    v.retain(|(name, _)| !arch.frozen(name));
+    v
+}
+
+/// The parameters the optimizer trains, in the architecture's module order (names and shapes):
+/// all but the frozen ones.
+pub fn trained_parameters(arch: &dyn Architecture) -> Vec<(String, Vec<i64>)> {
+    let mut v = arch.parameters(0..arch.layers().len());
+    v.retain(|(name, _)| !arch.frozen(name));
     v
 }
 

@@ -18,6 +18,7 @@
 //! of (seed, layer), so the stages of a pipeline together equal the whole model.
 mod activations;
 mod block;
+pub mod lora;
 pub mod packed;
 mod spec;
 
@@ -33,19 +34,30 @@ pub use spec::{check, Spec, MAX_SEQ_LEN};
 #[derive(Debug, Clone)]
 pub struct TransformerArch {
     s: Spec,
+    /// LoRA's adapters in every block (`wrap.lora`): then only they are trained.
+    lora: Option<lora::Adapters>,
 }
 
 impl TransformerArch {
     pub fn new(t: &Transformer) -> TransformerArch {
-        TransformerArch { s: Spec::of(t) }
+        TransformerArch { s: Spec::of(t), lora: None }
     }
 
     pub fn from_spec(s: Spec) -> TransformerArch {
-        TransformerArch { s }
+        TransformerArch { s, lora: None }
+    }
+
+    /// With LoRA's adapters in every block.
+    pub fn with_lora(self, lora: Option<lora::Adapters>) -> TransformerArch {
+        TransformerArch { lora, ..self }
     }
 
     pub fn spec(&self) -> &Spec {
         &self.s
+    }
+
+    pub fn lora(&self) -> Option<&lora::Adapters> {
+        self.lora.as_ref()
     }
 
     fn head_layer(&self) -> usize {
@@ -56,6 +68,19 @@ impl TransformerArch {
     /// float32 ([`activations::block_kept`]).
     fn block_held(&self) -> usize {
         (activations::block_kept(&self.s, 4.0) / 4.0) as usize
+    }
+
+    /// "LoRA of rank 8 (alpha 16) on q_proj, v_proj: 3584 parameters trained".
+    fn lora_text(&self) -> Option<String> {
+        let l = self.lora.as_ref()?;
+        let per_block: i64 = l.targets.iter().map(|t| l.rank * (t.inputs + t.rows.end - t.rows.start)).sum();
+        Some(format!(
+            "LoRA of rank {} (alpha {}) on {}: {} parameters trained",
+            l.rank,
+            l.alpha,
+            l.names().join(", "),
+            per_block * self.s.layers as i64
+        ))
     }
 
     /// Per block, the names and shapes of its parameters, in module order.
@@ -81,6 +106,7 @@ impl TransformerArch {
         .into_iter()
         .filter(|(_, _, present)| *present)
         .map(|(name, shape, _)| (format!("{b}.{name}"), shape))
+        .chain(self.lora.iter().flat_map(|l| l.targets.iter().flat_map(|t| t.parameters(b, l.rank))))
         .collect()
     }
 }
@@ -98,7 +124,7 @@ impl Architecture for TransformerArch {
             s.seq_len,
             if s.tied { ", head tied to the embedding" } else { "" },
             if s.bias { "" } else { ", no biases" },
-            s.parts().iter().map(|p| format!(", {p}")).collect::<String>()
+            s.parts().iter().chain(self.lora_text().as_ref()).map(|p| format!(", {p}")).collect::<String>()
         )
     }
 
@@ -127,8 +153,9 @@ impl Architecture for TransformerArch {
             name: if s.tied { format!("norm + head {d} → {v} (tied)") } else { format!("norm + head {d} → {v}") },
             parameters: if s.norm_has_bias() { 2 * d } else { d } + if s.tied { 0 } else { v * d },
             output: vec![s.seq_len, v],
-            // The final norm's output and the log-softmax cross-entropy keeps.
-            held: s.seq_len * (d + v),
+            // The final norm's output (for the head's weight gradient: none when LoRA freezes
+            // it) and the log-softmax cross-entropy keeps.
+            held: s.seq_len * (if self.lora.is_some() { v } else { d + v }),
         });
         layers
     }
@@ -168,7 +195,13 @@ impl Architecture for TransformerArch {
         let (d, t, v, l) = (s.d as f64, s.seq_len as f64, s.vocab as f64, s.layers as f64);
         let (q, kv, hidden) = ((s.heads * s.head_dim) as f64, (s.kv_heads * s.head_dim) as f64, s.hidden as f64);
         let mlp = hidden * d * if s.mlp == FeedForward::Swiglu { 3.0 } else { 2.0 };
-        let matrices = d * (q + 2.0 * kv) + q * d + mlp;
+        // An adapter's two products: A (rank × inputs), then B (rows × rank).
+        let adapters: f64 = self
+            .lora
+            .iter()
+            .flat_map(|l| l.targets.iter().map(move |a| (l.rank * (a.inputs + a.rows.end - a.rows.start)) as f64))
+            .sum();
+        let matrices = d * (q + 2.0 * kv) + q * d + mlp + adapters;
         Some(l * (2.0 * t * matrices + 4.0 * t * t * q) + 2.0 * t * d * v)
     }
 
@@ -178,8 +211,12 @@ impl Architecture for TransformerArch {
 
     fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {
         let slice = |name: &str, k: usize, n: usize| self.tensor_slice(name, k, n);
-        let stage = block::Stage::build(&self.s, p, range, ctx.seed, ctx.tensor.clone(), &slice);
+        let stage = block::Stage::build(&self.s, p, range, ctx.seed, ctx.tensor.clone(), &slice, self.lora.as_ref());
         Box::new(stage.with_checkpointing(ctx.checkpointing))
+    }
+
+    fn frozen(&self, name: &str) -> bool {
+        self.lora.is_some() && !lora::is_adapter(name)
     }
 
     /// Megatron's split: each tensor rank holds whole attention heads (its query heads' rows of

@@ -4,7 +4,9 @@
 //! limits it with what a rank needs besides (`limits::estimate`: the whole process), and
 //! `wrap.strategy = "auto"` chooses by that.
 //!
-//! - DDP (and "none"): the whole model, its gradients and the optimizer's state on every rank.
+//! - DDP (and "none"): the whole model, its gradients and the optimizer's state on every rank;
+//!   with LoRA (`wrap.lora`), gradients and optimizer state of the adapters alone (the frozen
+//!   base has neither).
 //! - FSDP: 1/world_size of each (every parameter's rows padded to a multiple of the world size),
 //!   plus what is gathered at once: the layer being computed (its parameters and, while they
 //!   arrive, the all-gather's buffer of the same size; with ZeRO-2 every layer at the end of the
@@ -99,6 +101,8 @@ impl fmt::Display for State {
 pub struct Shapes {
     pub layers: Vec<Vec<(i64, i64)>>,
     pub reads: Vec<Vec<usize>>,
+    /// Values of the frozen parameters (a LoRA run's base model): no gradients, no state.
+    pub frozen: f64,
 }
 
 impl Shapes {
@@ -121,7 +125,13 @@ impl Shapes {
                     .collect()
             })
             .collect();
-        Shapes { layers, reads: (0..n).map(|l| arch.reads(l)).collect() }
+        let frozen = arch
+            .parameters(0..n)
+            .into_iter()
+            .filter(|(name, _)| arch.frozen(name))
+            .map(|(_, s)| s.iter().product::<i64>() as f64)
+            .sum();
+        Shapes { layers, reads: (0..n).map(|l| arch.reads(l)).collect(), frozen }
     }
 
     fn values(&self, layer: usize) -> f64 {
@@ -152,7 +162,7 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
     let layers = shapes.layers.len();
     let all: f64 = (0..layers).map(|l| shapes.values(l)).sum();
     match layout {
-        Layout::Replica => State::whole(F * all, F * all, F * slots * all),
+        Layout::Replica => State::whole(F * all, F * (all - shapes.frozen), F * slots * (all - shapes.frozen)),
         Layout::Pipeline => {
             let p = heaviest.unwrap_or(usize::MAX) as f64;
             State::whole(F * p, F * p, F * slots * p)
@@ -352,6 +362,7 @@ mod tests {
         Shapes {
             layers: vec![vec![(64, 10), (64, 1)], vec![(64, 64), (64, 1)], vec![(4, 64), (4, 1)]],
             reads: vec![vec![0], vec![1], vec![2]],
+            frozen: 0.0,
         }
     }
 
@@ -362,6 +373,9 @@ mod tests {
         let ddp = state(&s, Layout::Replica, 4, 2.0, None, true);
         assert_eq!(ddp, State::whole(4.0 * all, 4.0 * all, 8.0 * all));
         assert_eq!(ddp.total(), 16.0 * all);
+        // LoRA: the frozen values have no gradients and no state.
+        let lora = state(&Shapes { frozen: all - 100.0, ..mlp() }, Layout::Replica, 4, 2.0, None, true);
+        assert_eq!(lora, State::whole(4.0 * all, 400.0, 800.0));
         let fsdp = state(&s, Layout::Fsdp { zero3: true }, 4, 2.0, None, true);
         // No row count here is uneven over 4 ranks: the shards are exactly a quarter.
         assert_eq!(fsdp.optimizer, ddp.optimizer / 4.0);
@@ -376,7 +390,7 @@ mod tests {
 
     #[test]
     fn uneven_rows_are_padded_per_parameter() {
-        let s = Shapes { layers: vec![vec![(5, 3)]], reads: vec![vec![0]] };
+        let s = Shapes { layers: vec![vec![(5, 3)]], reads: vec![vec![0]], frozen: 0.0 };
         // 5 rows over 4 ranks: 2 rows each, 8 padded.
         assert_eq!(s.shard(0, 4), (6.0, 24.0));
     }
@@ -386,6 +400,7 @@ mod tests {
         let s = Shapes {
             layers: vec![vec![(100, 8)], vec![(8, 8)], vec![(8, 1)]],
             reads: vec![vec![0], vec![1], vec![2, 0]],
+            frozen: 0.0,
         };
         let fsdp = state(&s, Layout::Fsdp { zero3: true }, 2, 0.0, None, true);
         // At layer 1 the embedding (800 values) is still held, besides layer 1 and its buffer.

@@ -182,6 +182,7 @@ impl Plan {
                 Err(e) => bad("wrap.strategy", e),
             }
         }
+        model::lora_strategy(&c, &mut bad);
         recipe::split_validation(&c, data.as_ref().map(|d| d.validation_rows), &mut bad);
         if let (Some(name), WrapStrategy::Fsdp) =
             (arch.as_ref().and_then(|a| scalar_parameter(a.as_ref())), c.wrap.strategy)
@@ -312,7 +313,7 @@ impl Plan {
     pub fn model(&self) -> Box<dyn Architecture> {
         let base = self.pipeline_file.parent().unwrap_or(Path::new(""));
         let model = crate::model::resolve_paths(&self.config.wrap.model, base);
-        crate::model::architecture(&model, &self.data.input, self.data.task.outputs())
+        crate::model::architecture(&model, &self.data.input, self.data.task.outputs(), self.config.wrap.lora.as_ref())
     }
 
     /// The per-sample shapes flowing into and out of layers `layers`.

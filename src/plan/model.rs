@@ -36,7 +36,12 @@ pub(super) fn model_parts(
             let probe = || layout.and_then(|l| probe::torchscript_probe(c, d, l));
             crate::model::check_input(&model, &d.input, d.task.outputs(), probe, bad)
         });
-    let arch = data.filter(|_| model_ok).map(|d| crate::model::architecture(&model, &d.input, d.task.outputs()));
+    // Checked whatever else is wrong with the model: a refusal names every problem.
+    let lora_ok = c.wrap.lora.as_ref().is_none_or(|l| lora(c, base, &model, l, bad));
+    let model_ok = model_ok && lora_ok;
+    let arch = data
+        .filter(|_| model_ok)
+        .map(|d| crate::model::architecture(&model, &d.input, d.task.outputs(), c.wrap.lora.as_ref()));
     if let (Some(arch), Some(d), Some(l)) = (&arch, data, layout) {
         probe::batch_norm(c, d, l, arch.as_ref(), bad);
     }
@@ -60,7 +65,105 @@ pub(super) fn model_parts(
         }
         _ => {}
     }
-    ModelParts { arch, init_weights, init_files, files: crate::model::files(&model) }
+    let mut files = crate::model::files(&model);
+    if let Some(init) = c.wrap.lora.as_ref().and_then(|l| l.init.as_ref()) {
+        let dir = base.join(init);
+        files.extend(crate::model::hf::peft::FILES.iter().map(|f| ("wrap.lora.init", dir.join(f))));
+    }
+    ModelParts { arch, init_weights, init_files, files }
+}
+
+/// `wrap.lora` on `model`: a transformer read from a Hugging Face checkpoint, adapters that fit
+/// it, initial adapters (`wrap.lora.init`) that fit them; `false` when it cannot be built.
+fn lora(c: &Config, base: &Path, model: &Model, l: &Lora, bad: &mut impl FnMut(&str, String)) -> bool {
+    let hf_init = c.wrap.init.as_ref().is_some_and(|rel| crate::model::hf::is_model_dir(&base.join(rel)));
+    let t = match model {
+        Model::Transformer(t) if hf_init => t,
+        Model::Transformer(_) => {
+            bad(
+                "wrap.init",
+                "is not set, but [wrap.lora] fine-tunes a published model: set wrap.init to a Hugging Face model \
+                 directory (config.json and model.safetensors of a LlamaForCausalLM or GPT2LMHeadModel)"
+                    .into(),
+            );
+            return false;
+        }
+        other => {
+            let kind = match other {
+                Model::Torchscript(_) => "a TorchScript module (its layers are its own)",
+                Model::Cnn(_) => "a CNN",
+                _ => "an MLP",
+            };
+            bad(
+                "wrap.model.kind",
+                format!(
+                    "makes {kind}, but [wrap.lora] adapts a transformer's linear layers: remove [wrap.lora], or set \
+                     wrap.init to a Hugging Face model directory"
+                ),
+            );
+            return false;
+        }
+    };
+    let spec = crate::model::transformer::Spec::of(t);
+    let adapters = match crate::model::transformer::lora::resolve(&spec, l) {
+        Ok(a) => a,
+        Err(problems) => {
+            for (key, problem) in problems {
+                bad(key, problem);
+            }
+            return false;
+        }
+    };
+    if let Some(init) = &l.init {
+        if let Err(e) = crate::model::hf::peft::check(&base.join(init), &adapters, spec.layers) {
+            bad("wrap.lora.init", e);
+            return false;
+        }
+    }
+    true
+}
+
+/// The strategies LoRA runs under: whole replicas (DDP, or none), one replica per rank.
+pub(super) fn lora_strategy(c: &Config, bad: &mut impl FnMut(&str, String)) {
+    if c.wrap.lora.is_none() {
+        return;
+    }
+    let name = match c.wrap.strategy {
+        WrapStrategy::Fsdp => "fsdp",
+        WrapStrategy::Pipeline => "pipeline",
+        _ => "",
+    };
+    if !name.is_empty() {
+        bad(
+            "wrap.strategy",
+            format!(
+                "is \"{name}\", but [wrap.lora] trains whole replicas only (its frozen base is not sharded or cut \
+                 yet); use wrap.strategy = \"ddp\", which all-reduces only the adapters' gradients"
+            ),
+        );
+    }
+    if c.wrap.mesh.tensor.is_some_and(|t| t > 1) {
+        bad(
+            "wrap.mesh.tensor",
+            "splits each layer across ranks, which [wrap.lora] does not support yet (its adapters are whole); \
+             remove it, or set it to 1"
+                .into(),
+        );
+    }
+    if c.wrap.threads_per_replica.is_some_and(|t| t < super::values::threads_per_rank(c)) {
+        bad(
+            "wrap.threads_per_replica",
+            "splits a rank into thread replicas, which [wrap.lora] does not support yet; remove it".into(),
+        );
+    }
+    if c.wrap.activation_checkpointing.policy != crate::config::schema::CheckpointPolicy::None {
+        bad(
+            "wrap.activation_checkpointing.policy",
+            "recomputes whole blocks, which [wrap.lora]'s adapters do not take part in yet; use policy = \"none\" \
+             with [wrap.lora]"
+                .into(),
+        );
+    }
 }
 
 /// A Hugging Face checkpoint's tensors checked against the model (their headers alone); its

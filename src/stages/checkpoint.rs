@@ -71,7 +71,7 @@ pub fn save(
         layout: plan.layout(),
         global_batch: plan.global_batch(),
         steps_per_epoch: plan.optimizer_steps_per_epoch(),
-        parameters: crate::model::sorted_parameters(plan.model().as_ref()),
+        parameters: crate::model::saved_parameters(plan.model().as_ref()),
         rows: rows.to_vec(),
         steps: steps.to_vec(),
         buckets,

@@ -60,7 +60,15 @@ pub fn wrap<'pg>(
             None => crate::model::load_init(path, &c.wrap.model, &vs)?,
         }
     }
-    let params = crate::model::parameters_in_module_order(arch.as_ref(), layers.clone(), &vs);
+    load_adapters(plan, &vs)?;
+    // A LoRA run's base model is frozen: no gradients, so no all-reduce and no optimizer state.
+    for (name, t) in vs.variables() {
+        if arch.frozen(&name) {
+            let _ = t.set_requires_grad(false);
+        }
+    }
+    let mut params = crate::model::parameters_in_module_order(arch.as_ref(), layers.clone(), &vs);
+    params.retain(Tensor::requires_grad);
     let vars = vs.variables();
     let buffers: Vec<_> = arch.buffers(layers.clone()).iter().map(|(name, _)| vars[name].shallow_clone()).collect();
     let replicas = plan.thread_replicas();
@@ -71,8 +79,32 @@ pub fn wrap<'pg>(
         })
         .transpose()?;
     let strategy = Strategy::new(plan, pg, groups, device, &params, &buffers, buckets, &ctx, threads)?;
-    let optimizer = Optimizer::new(&c.train, crate::model::named_trainable(&vs));
+    let mut trained = crate::model::named_trainable(&vs);
+    trained.retain(|(_, t)| t.requires_grad());
+    let optimizer = Optimizer::new(&c.train, trained);
     Ok(Wrapped { vs, model, strategy, optimizer })
+}
+
+/// A LoRA run's initial adapters from `wrap.lora.init` (a PEFT adapter directory, checked by the
+/// plan), over those drawn from run.seed.
+fn load_adapters(plan: &Plan, vs: &nn::VarStore) -> anyhow::Result<()> {
+    let c = &plan.config;
+    let (Some(adapters), Some(init)) =
+        (crate::model::transformer::lora::of_wrap(&c.wrap), c.wrap.lora.as_ref().and_then(|l| l.init.as_ref()))
+    else {
+        return Ok(());
+    };
+    let crate::config::schema::Model::Transformer(t) = &c.wrap.model else { return Ok(()) };
+    let layers = t.layers;
+    let dir = plan.pipeline_file.parent().unwrap_or(std::path::Path::new("")).join(init);
+    let file = crate::model::hf::peft::AdapterFile::open(&dir, &adapters, layers).map_err(anyhow::Error::msg)?;
+    for (name, mut var) in vs.variables() {
+        if crate::model::transformer::lora::is_adapter(&name) {
+            let values = file.tensor(&name).map_err(anyhow::Error::msg)?;
+            tch::no_grad(|| var.copy_(&values));
+        }
+    }
+    Ok(())
 }
 
 /// `wrap.init` under tensor parallelism: each rank reads its slice of every split parameter (the

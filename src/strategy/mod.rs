@@ -334,20 +334,20 @@ impl<'pg> Strategy<'pg> {
         let hands = match self {
             // Every tensor rank gathers its group's slices; rank 0 hands them.
             Strategy::Replica(r) if r.slices().is_some() => {
-                let pieces = whole_state(vs, optimizer, pg.rank() == 0, r.slices())?;
+                let pieces = whole_state(plan, vs, optimizer, pg.rank() == 0, r.slices())?;
                 return Ok(if pg.rank() == 0 { pieces } else { Vec::new() });
             }
             Strategy::Replica(_) => pg.rank() == 0,
             Strategy::Fsdp(f) => return f.state_pieces(&buffers(plan, vs), optimizer),
             // Each stage of the first copy (its first tensor rank, its slices gathered).
             Strategy::Pipeline(stage) if stage.slices().is_some() => {
-                let pieces = whole_state(vs, optimizer, pg.rank() == 0, stage.slices())?;
+                let pieces = whole_state(plan, vs, optimizer, pg.rank() == 0, stage.slices())?;
                 let first = pg.rank() < plan.pipeline_ranks() && plan.mesh().coords(pg.rank()).tensor == 0;
                 return Ok(if first { pieces } else { Vec::new() });
             }
             Strategy::Pipeline(_) => pg.rank() < plan.pipeline_ranks(),
         };
-        Ok(if hands { whole_state(vs, optimizer, pg.rank() == 0, None)? } else { Vec::new() })
+        Ok(if hands { whole_state(plan, vs, optimizer, pg.rank() == 0, None)? } else { Vec::new() })
     }
 
     /// Loads what this rank holds of the training state from a checkpoint written by any
@@ -361,8 +361,8 @@ impl<'pg> Strategy<'pg> {
         optimizer: &mut Optimizer,
     ) -> anyhow::Result<()> {
         match self {
-            Strategy::Replica(r) => load_whole(reader, vs, optimizer, r.slices()),
-            Strategy::Pipeline(stage) => load_whole(reader, vs, optimizer, stage.slices()),
+            Strategy::Replica(r) => load_whole(plan, reader, vs, optimizer, r.slices()),
+            Strategy::Pipeline(stage) => load_whole(plan, reader, vs, optimizer, stage.slices()),
             Strategy::Fsdp(f) => f.load_state(reader, &buffers(plan, vs), optimizer),
         }
     }
@@ -435,7 +435,7 @@ impl<'pg> Strategy<'pg> {
         if let Strategy::Fsdp(f) = self {
             return f.whole_state(&buffers(plan, vs), optimizer);
         }
-        Ok(whole_state(vs, optimizer, false, self.slices())?.into_iter().map(|p| (p.name, p.tensor)).collect())
+        Ok(whole_state(plan, vs, optimizer, false, self.slices())?.into_iter().map(|p| (p.name, p.tensor)).collect())
     }
 
     /// What this rank holds of the training state now (see [`StateBytes`]); `reset` restarts
@@ -471,18 +471,27 @@ pub struct ModelTensor {
     pub shape: Vec<i64>,
 }
 
-/// Every variable of `vs` (parameters and buffers) and the optimizer's state, each whole (under
-/// tensor parallelism, `slices`, gathered over the tensor group: every rank of it calls this);
-/// with `steps`, the optimizer's step count too.
+/// The variables of `vs` a checkpoint holds, sorted by name: every parameter and buffer but the
+/// frozen ones (a LoRA run's base model, read from `wrap.init` again on resume).
+fn saved_variables(plan: &Plan, vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let arch = plan.model();
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(n, _)| !arch.frozen(n)).collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars
+}
+
+/// Every variable of `vs` a checkpoint holds ([`saved_variables`]) and the optimizer's state,
+/// each whole (under tensor parallelism, `slices`, gathered over the tensor group: every rank of
+/// it calls this); with `steps`, the optimizer's step count too.
 fn whole_state(
+    plan: &Plan,
     vs: &nn::VarStore,
     optimizer: &Optimizer,
     steps: bool,
     slices: Option<&tensor::Slices>,
 ) -> crate::dist::Result<Vec<Piece>> {
     let whole = |param: &str, t: &Tensor| slices.map_or_else(|| Ok(t.shallow_clone()), |tp| tp.whole(param, t));
-    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let vars = saved_variables(plan, vs);
     let mut pieces = Vec::new();
     for (name, t) in vars {
         pieces.push(Piece::whole(name.clone(), &whole(&name, &t)?));
@@ -499,6 +508,7 @@ fn whole_state(
 /// Every variable of `vs` and the optimizer's state, whole, from `reader` (under tensor
 /// parallelism, this rank's `slices` of them).
 fn load_whole(
+    plan: &Plan,
     reader: &Reader,
     vs: &nn::VarStore,
     optimizer: &mut Optimizer,
@@ -519,9 +529,7 @@ fn load_whole(
             _ => saved,
         })
     };
-    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    for (name, mut t) in vars {
+    for (name, mut t) in saved_variables(plan, vs) {
         let saved = read(&name, &name)?;
         // Shapes and kinds as the model's (floats, or a module buffer's integer count).
         anyhow::ensure!(

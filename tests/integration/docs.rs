@@ -449,7 +449,7 @@ fn files_of(cli: &Cli, sandbox: &mut Sandbox) -> Vec<PathBuf> {
         Command::Predict(a) => (std::iter::once(&a.run_dir).chain(&a.data).collect(), a.out.iter().collect()),
         Command::Eval(a) => (a.run_dir.iter().chain(&a.data).collect(), vec![]),
         Command::Prepare(PrepareCommand::Text { file, out, .. }) => (vec![file], vec![out]),
-        Command::Export(a) => (vec![&a.run_dir], vec![&a.hf]),
+        Command::Export(a) => (vec![&a.run_dir], a.hf.iter().chain(&a.peft).collect()),
         Command::Schema(_) | Command::Bench(_) => (vec![], vec![]),
     };
     let missing: Vec<PathBuf> = reads.into_iter().filter(|p| !placeholder(p) && !sandbox.exists(p)).cloned().collect();

@@ -93,7 +93,7 @@ pub(crate) fn read(path: &Path, name: &str) -> Tensor {
 /// The runner's logits on `x` for `model` with the weights of `init` (a checkpoint directory or
 /// a weights file), computed by its own model code and loader.
 pub(crate) fn runner_logits(model: &Model, init: &Path, x: &Tensor) -> Tensor {
-    let arch = runner::model::architecture(model, &[SEQ], 0);
+    let arch = runner::model::architecture(model, &[SEQ], 0, None);
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let net = arch.build(&vs.root(), 0..arch.layers().len(), &runner::model::BuildContext::new(0));
     runner::model::load_init(init, model, &vs).unwrap();

@@ -28,6 +28,7 @@ mod hostile_files;
 mod hostile_sharded;
 mod hostile_turn;
 mod lm_recipe;
+mod lora;
 mod mesh;
 mod mlflow;
 mod models;

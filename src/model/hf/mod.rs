@@ -14,6 +14,7 @@ pub mod checkpoint;
 mod config;
 mod gpt2;
 mod llama;
+pub mod peft;
 
 use std::path::Path;
 

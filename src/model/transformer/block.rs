@@ -5,6 +5,7 @@ use std::ops::Range;
 use tch::nn::{self, ModuleT};
 use tch::{Kind, Tensor};
 
+use super::lora::{Adapters, BlockAdapters, Site};
 use std::sync::Arc;
 
 use super::Spec;
@@ -27,6 +28,8 @@ struct Block {
     ln2: Affine,
     fc: Affine,
     out: Affine,
+    /// LoRA's adapters on its linears (`wrap.lora`; none without).
+    adapters: BlockAdapters,
 }
 
 impl Block {
@@ -40,11 +43,12 @@ impl Block {
         self.affines().into_iter().flat_map(each).flatten().collect()
     }
 
-    /// The same parameters under another handle (what a checkpointed block's recomputation owns).
+    /// The same parameters under another handle (what a checkpointed block's recomputation owns;
+    /// the plan refuses checkpointing with LoRA's adapters).
     fn shallow_clone(&self) -> Block {
         let each = |(w, b): &Affine| (w.shallow_clone(), b.as_ref().map(Tensor::shallow_clone));
         let [ln1, qkv, proj, ln2, fc, out] = self.affines().map(each);
-        Block { ln1, qkv, proj, ln2, fc, out }
+        Block { ln1, qkv, proj, ln2, fc, out, adapters: BlockAdapters::default() }
     }
 }
 
@@ -77,7 +81,8 @@ pub type Slicer<'s> = &'s dyn Fn(&str, usize, usize) -> Option<TensorSlice>;
 impl<'a> Stage<'a> {
     /// Layers `range` of the model `s`, under `p`, each drawn from its own stream of (`seed`,
     /// layer) in a fixed order; under `tensor`, each parameter drawn whole and this rank's slice
-    /// of it (`slice`) kept, so the tensor ranks together hold the one-process model.
+    /// of it (`slice`) kept, so the tensor ranks together hold the one-process model; each block
+    /// with `lora`'s adapters (refused on the plan under tensor parallelism).
     pub fn build(
         s: &Spec,
         p: &nn::Path,
@@ -85,6 +90,7 @@ impl<'a> Stage<'a> {
         seed: u64,
         tensor: Option<Arc<TensorGroup<'a>>>,
         slice: Slicer,
+        lora: Option<&Adapters>,
     ) -> Stage<'a> {
         let at = tensor.as_ref().map(|g| (g.rank(), g.size()));
         let cut = |name: &str| at.and_then(|(k, n)| slice(name, k, n));
@@ -130,6 +136,7 @@ impl<'a> Stage<'a> {
                     ln2: init.norm(&(&b / "ln2"), s),
                     fc: linear(&mut init, "fc", s.d, gated * s.hidden, 0.02),
                     out: linear(&mut init, "out", s.hidden, s.d, residual_std),
+                    adapters: BlockAdapters::build(&b, lora, seed, layer),
                 });
             }
         }
@@ -170,7 +177,7 @@ impl<'a> Stage<'a> {
     fn block_forward(&self, block: &Block, h: &Tensor, rope: Option<&(Tensor, Tensor)>, train: bool) -> Tensor {
         let dropout = self.s.dropout;
         let h = h + self.attention(block, &self.norm(h, &block.ln1), rope, train).dropout(dropout, train);
-        &h + self.mlp(block, &self.norm(&h, &block.ln2)).dropout(dropout, train)
+        &h + self.mlp(block, &self.norm(&h, &block.ln2), train).dropout(dropout, train)
     }
 
     fn norm(&self, x: &Tensor, (w, b): &Affine) -> Tensor {
@@ -223,7 +230,11 @@ impl<'a> Stage<'a> {
         let (b, t) = (x.size()[0], x.size()[1]);
         let n = self.parts();
         let (hd, heads, kv) = (s.head_dim as i64, s.heads as i64 / n, s.kv_heads as i64 / n);
-        let qkv = linear(&self.enter(x), &block.qkv).split_with_sizes([heads * hd, kv * hd, kv * hd], -1);
+        let x = self.enter(x);
+        let qkv = block
+            .adapters
+            .apply(Site::Qkv, &x, linear(&x, &block.qkv), train)
+            .split_with_sizes([heads * hd, kv * hd, kv * hd], -1);
         let split = |h: &Tensor, n: i64| h.view([b, t, n, hd]).transpose(1, 2);
         let (mut q, mut k, mut v) = (split(&qkv[0], heads), split(&qkv[1], kv), split(&qkv[2], kv));
         if let Some((cos, sin)) = rope {
@@ -254,11 +265,13 @@ impl<'a> Stage<'a> {
             (_, Some(pk)) => Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&pk.mask), p, false, None, false),
             (_, None) => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, p, true, None, false),
         });
-        self.leave(&y.transpose(1, 2).contiguous().view([b, t, heads * hd]), &block.proj)
+        let y = y.transpose(1, 2).contiguous().view([b, t, heads * hd]);
+        block.adapters.apply(Site::Proj, &y, self.leave(&y, &block.proj), train)
     }
 
-    fn mlp(&self, block: &Block, x: &Tensor) -> Tensor {
-        let h = linear(&self.enter(x), &block.fc);
+    fn mlp(&self, block: &Block, x: &Tensor, train: bool) -> Tensor {
+        let x = self.enter(x);
+        let h = block.adapters.apply(Site::Fc, &x, linear(&x, &block.fc), train);
         let h = match self.s.mlp {
             FeedForward::Gelu => h.gelu("none"),
             FeedForward::GeluTanh => h.gelu("tanh"),
@@ -267,7 +280,7 @@ impl<'a> Stage<'a> {
                 gate_up[0].silu() * &gate_up[1]
             }
         };
-        self.leave(&h, &block.out)
+        block.adapters.apply(Site::Out, &h, self.leave(&h, &block.out), train)
     }
 }
 
