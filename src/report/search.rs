@@ -158,7 +158,7 @@ pub fn trials(dir: &Path, index: &Index, search: &SearchIndex) -> Vec<Trial> {
     for group in groups(&out) {
         let members: Vec<usize> = (0..out.len()).filter(|i| out[*i].group == group).collect();
         let results: Vec<Vec<Option<Outcome>>> = members.iter().map(|i| out[*i].trace.outcomes.clone()).collect();
-        let decisions = halving::decide(search.rule(), &results, search.trials, search.minimize);
+        let decisions = halving::decide(rule(search), &results, search.trials, search.minimize);
         for (t, &i) in members.iter().enumerate() {
             out[i].status = decisions.status(t, &results[t]);
         }
@@ -331,6 +331,11 @@ fn rebased(key: &str, value: toml::Value, pipeline: &str, sub: &str) -> toml::Va
 fn relative_up(path: &str, sub: &str) -> String {
     let depth = if sub.is_empty() { 0 } else { sub.split('/').count() };
     "../".repeat(depth) + path
+}
+
+/// How the search's rungs promoted, as its index records.
+pub(super) fn rule(search: &SearchIndex) -> halving::Rule {
+    halving::Rule { eta: search.reduction_factor.max(1), synchronous: search.synchronous }
 }
 
 #[cfg(test)]

@@ -35,7 +35,7 @@ pub fn compute_order(search: &SearchIndex, trials: &[&Trial]) -> Vec<(usize, usi
     let mut known = vec![vec![None; rungs]; results.len()];
     let (mut order, mut spent) = (Vec::new(), 0u64);
     loop {
-        let d = halving::decide(search.rule(), &known, search.trials, search.minimize);
+        let d = halving::decide(super::search::rule(search), &known, search.trials, search.minimize);
         let Some((t, k)) = d.pending(&known).into_iter().find(|(t, k)| results[*t][*k].is_some()) else { break };
         known[t][k] = results[t][k];
         let steps = &trials[t].trace.steps;

@@ -54,13 +54,6 @@ pub struct SearchIndex {
     pub overrides: Vec<Vec<String>>,
 }
 
-impl SearchIndex {
-    /// How its rungs promoted.
-    pub fn rule(&self) -> crate::search::halving::Rule {
-        crate::search::halving::Rule { eta: self.reduction_factor.max(1), synchronous: self.synchronous }
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct IndexPoint {
     pub dir: String,

@@ -379,11 +379,11 @@ fn auto_picks_ddp_zero2_zero3_or_the_pipeline_by_the_memory_limit_and_says_why()
         run(&args, dir.path())
     };
     for (limit, chose) in [
-        // A rank needs 156 MiB besides its training state (activations, data, libtorch).
-        ("162", "chose DDP: a rank needs 162 MiB, training state 6.2 MiB"),
-        ("161", "chose FSDP (ZeRO-2): a rank needs 160 MiB, training state 4.9 MiB at once"),
-        ("160", "chose FSDP (ZeRO-3): a rank needs 159 MiB, training state 3.9 MiB at once"),
-        ("159", "chose the pipeline: a rank needs 159 MiB, training state 3.1 MiB"),
+        // A rank needs 152 MiB besides its training state (activations, data, libtorch).
+        ("160", "chose DDP: a rank needs 159 MiB, training state 6.2 MiB"),
+        ("158", "chose FSDP (ZeRO-2): a rank needs 157 MiB, training state 4.9 MiB at once"),
+        ("157", "chose FSDP (ZeRO-3): a rank needs 156 MiB, training state 3.9 MiB at once"),
+        ("156", "chose the pipeline: a rank needs 155 MiB, training state 3.1 MiB"),
     ] {
         let o = validate(limit);
         assert_ok(&o);
@@ -391,24 +391,24 @@ fn auto_picks_ddp_zero2_zero3_or_the_pipeline_by_the_memory_limit_and_says_why()
         assert!(stdout.contains(&format!("wrap.strategy = \"auto\": {chose}")), "{limit}: {stdout}");
         assert!(stdout.contains(&format!("within run.memory_per_rank_mb = {limit}")), "{limit}: {stdout}");
     }
-    let o = validate("160");
-    assert!(text(&o).0.contains(", while DDP would need 162 MiB, FSDP (ZeRO-2) would need 160 MiB"), "{}", text(&o).0);
+    let o = validate("157");
+    assert!(text(&o).0.contains(", while DDP would need 159 MiB, FSDP (ZeRO-2) would need 157 MiB"), "{}", text(&o).0);
     // And the chosen strategy is the one that runs.
     let o = run(
-        &["run", "p.toml", "--out", "auto", "--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=160"],
+        &["run", "p.toml", "--out", "auto", "--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=157"],
         dir.path(),
     );
     assert_ok(&o);
     assert!(text(&o).0.contains("FSDP (ZeRO-3): each rank holds 1/2 of every parameter"), "{}", text(&o).0);
 
-    let o = validate("158.5");
+    let o = validate("155");
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(
         text(&o).1.trim(),
         "error: p.toml: invalid configuration:\n  `wrap.strategy` (--set wrap.strategy=\"auto\"): no strategy fits \
-         run.memory_per_rank_mb = 158.5 at world size 2: DDP would need 162 MiB, FSDP (ZeRO-2) would need 160 MiB, FSDP \
-         (ZeRO-3) would need 159 MiB, the pipeline would need 159 MiB; FSDP (ZeRO-3) fits from run.world_size = 3 (158 \
-         MiB a rank), the pipeline fits from run.world_size = 3 (158 MiB a rank): raise run.world_size, or use a \
+         run.memory_per_rank_mb = 155 at world size 2: DDP would need 159 MiB, FSDP (ZeRO-2) would need 157 MiB, FSDP \
+         (ZeRO-3) would need 156 MiB, the pipeline would need 155 MiB; FSDP (ZeRO-3) fits from run.world_size = 4 (155 \
+         MiB a rank), the pipeline fits from run.world_size = 3 (155 MiB a rank): raise run.world_size, or use a \
          smaller model"
     );
 }
@@ -422,11 +422,11 @@ fn a_memory_limit_ddp_cannot_meet_names_where_fsdp_and_the_pipeline_fit() {
     assert_eq!(
         text(&o).1.trim(),
         "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=158.5): each \
-         rank would need 162 MiB: 6.2 MiB (parameters 1.6 MiB, gradients 1.6 MiB, optimizer 3.1 MiB) of training state \
-         and 156 MiB besides (activations, data, libtorch), under DDP at world size 2, more than the 158.5 MiB a rank \
-         may use; wrap.strategy = \"fsdp\" fits from run.world_size = 3 (158 MiB a rank), or wrap.strategy = \
-         \"pipeline\" fits from run.world_size = 3 (158 MiB on its heaviest rank); wrap.strategy = \"auto\" picks the \
-         first strategy that fits"
+         rank would need 159 MiB: 6.2 MiB (parameters 1.6 MiB, gradients 1.6 MiB, optimizer 3.1 MiB) of training state \
+         and 152 MiB besides (activations, data, libtorch), under DDP at world size 2, more than the 158.5 MiB a rank \
+         may use; wrap.strategy = \"fsdp\" fits at this world size (156 MiB a rank), or wrap.strategy = \"pipeline\" \
+         fits at this world size (155 MiB on its heaviest rank); wrap.strategy = \"auto\" picks the first strategy \
+         that fits"
     );
     // Under FSDP at 4 ranks it fits, and the plan says what a rank holds.
     let o = run(

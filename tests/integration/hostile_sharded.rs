@@ -79,8 +79,8 @@ fn the_keys_a_resume_may_change_work_however_they_are_set() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     write(d, "lm.toml", LM);
-    // auto chooses ZeRO-2 under this limit (a rank needs 164 MiB under DDP, 163 under ZeRO-2).
-    let auto = ["--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=163.5"];
+    // auto chooses ZeRO-2 under this limit (a rank needs 159 MiB under DDP, 158 under ZeRO-2).
+    let auto = ["--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=158.4"];
     let o = run(&[&["run", "lm.toml", "--out", "z2"][..], &auto].concat(), d);
     assert_ok(&o);
     assert!(text(&o).0.contains("wrap.strategy = \"auto\": chose FSDP (ZeRO-2)"), "{}", text(&o).0);
@@ -452,16 +452,16 @@ fn auto_and_the_memory_advice_name_only_what_the_run_could_use() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     write(d, "lm.toml", LM);
-    // A rank needs 164 MiB under DDP, 163 under ZeRO-2 and ZeRO-3 (3.2 MiB of training state);
-    // the pipeline would need less, untied.
-    let auto = ["--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=162.4"];
+    // A rank needs 159 MiB under DDP, 158 under ZeRO-2, 157 under ZeRO-3 (3.2 MiB of training
+    // state); the pipeline would need less, untied.
+    let auto = ["--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=156.5"];
     let o = run(&[&["validate", "lm.toml"][..], &auto].concat(), d);
     assert_says(
         &o,
         2,
-        &["`wrap.strategy` (--set wrap.strategy=\"auto\"): no strategy fits run.memory_per_rank_mb = 162.4 at world size \
-           2: DDP would need 164 MiB, FSDP (ZeRO-2) would need 163 MiB, FSDP (ZeRO-3) would need 163 MiB; FSDP (ZeRO-3) \
-           fits from run.world_size = 3 (162 MiB a rank): raise run.world_size, or use a smaller model"],
+        &["`wrap.strategy` (--set wrap.strategy=\"auto\"): no strategy fits run.memory_per_rank_mb = 156.5 at world size \
+           2: DDP would need 159 MiB, FSDP (ZeRO-2) would need 158 MiB, FSDP (ZeRO-3) would need 157 MiB; FSDP (ZeRO-3) \
+           fits from run.world_size = 3 (156 MiB a rank): raise run.world_size, or use a smaller model"],
         "auto, tied",
     );
     assert!(!text(&o).1.contains("pipeline"), "{}", text(&o).1);
@@ -470,13 +470,13 @@ fn auto_and_the_memory_advice_name_only_what_the_run_could_use() {
     assert!(text(&o).0.contains("wrap.strategy = \"auto\": chose the pipeline"), "{}", text(&o).0);
     // On resume the global batch (2 ranks × 4 = 8) stays: world size 3 is not advised.
     assert_ok(&run(&["run", "lm.toml", "--out", "r", "--set", "wrap.strategy=\"fsdp\""], d));
-    let o = run(&["run", "--resume", "r", "--set", "train.epochs=2", "--set", "run.memory_per_rank_mb=162.4"], d);
+    let o = run(&["run", "--resume", "r", "--set", "train.epochs=2", "--set", "run.memory_per_rank_mb=156.5"], d);
     assert_says(
         &o,
         2,
-        &["`run.memory_per_rank_mb` (--set run.memory_per_rank_mb=162.4): each rank would need 163 MiB: 3.2 MiB at \
-           once (parameters up to 1.1 MiB, gradients up to 1.0 MiB, optimizer 1.2 MiB) of training state and 159 MiB \
-           besides (activations, data, libtorch), under FSDP (ZeRO-3) at world size 2, more than the 162.4 MiB a rank \
+        &["`run.memory_per_rank_mb` (--set run.memory_per_rank_mb=156.5): each rank would need 157 MiB: 3.2 MiB at \
+           once (parameters up to 1.1 MiB, gradients up to 1.0 MiB, optimizer 1.2 MiB) of training state and 154 MiB \
+           besides (activations, data, libtorch), under FSDP (ZeRO-3) at world size 2, more than the 156.5 MiB a rank \
            may use; FSDP (ZeRO-3) fits from run.world_size = 4"],
         "resume advice",
     );

@@ -184,14 +184,14 @@ fn a_node_facing_a_store_that_never_answers_fails_within_its_bound_and_a_signal_
          (run.timeout_s = 2 s bounds the wait)"
     );
     refused(&e, 1, &says);
-    let m = manifest(&d.join("failed"));
-    assert_eq!(m["status"], "failed", "{m}");
-    assert!(m["failure"].as_str().unwrap().starts_with("cannot join node 0's rendezvous store"), "{m}");
+    // Node 0 owns the run directory (docs/guide/slurm.md): a node that never heard from it writes
+    // nothing there, not even a failed manifest.
+    assert!(!d.join("failed/manifest.json").exists());
 
     // Waiting (run.timeout_s = 60), the node ends at once on SIGTERM, and on the preemption signal.
     for (sig, code, status, says) in [
-        (Signal::SIGTERM, 143, "interrupted", "interrupted by SIGTERM: no rank had started"),
-        (Signal::SIGUSR1, 138, "preempted", "preempted before its first checkpoint; node 0 says how the run goes on"),
+        (Signal::SIGTERM, 143, "interrupted", "interrupted by SIGTERM before any rank started: nothing was written"),
+        (Signal::SIGUSR1, 138, "preempted", "interrupted by SIGUSR1 before any rank started: nothing was written"),
     ] {
         let out = format!("waiting-{status}");
         let before = store.accepted.load(Ordering::SeqCst);
@@ -207,7 +207,7 @@ fn a_node_facing_a_store_that_never_answers_fails_within_its_bound_and_a_signal_
         let e = running.end(Duration::from_secs(60));
         assert!(sent.elapsed() < Duration::from_secs(3), "{sig}: ended {:?} after the signal", sent.elapsed());
         refused(&e, code, says);
-        assert_eq!(manifest(&d.join(&out))["status"], status);
+        assert!(!d.join(&out).join("manifest.json").exists(), "{status}: the node wrote a manifest");
     }
 }
 
