@@ -6,10 +6,12 @@
 //! under any other), and how the final model reaches rank 0. Batch split (seed 002) is DDP over
 //! another shard layout (`data::shard`).
 pub mod fsdp;
+mod mesh;
 pub mod pipeline;
 pub mod replica;
 pub mod tensor;
 pub mod threads;
+mod whole;
 
 use std::time::Duration;
 
@@ -21,8 +23,13 @@ use crate::config::schema::WrapStrategy;
 use crate::data::normalize::Normalizer;
 use crate::data::{Dataset, Metrics};
 use crate::dist::ProcessGroup;
-use crate::model::optim::{self, Optimizer};
+use crate::model::optim::Optimizer;
 use crate::plan::Plan;
+use mesh::mesh_group;
+pub use mesh::MeshGroups;
+pub(super) use whole::broadcast_from_rank0;
+pub use whole::ModelTensor;
+use whole::{buffers, load_whole, whole_state};
 
 /// Runs `f` (a forward pass) in the run's precision: bf16 autocasts it to bfloat16 (on CPU or CUDA).
 pub fn in_precision<T>(precision: crate::config::schema::Precision, f: impl FnOnce() -> T) -> anyhow::Result<T> {
@@ -70,62 +77,6 @@ fn average_gradients(group: &ProcessGroup, params: &[Tensor]) -> anyhow::Result<
         offset += n;
     }
     Ok(())
-}
-
-/// `pg`'s rank's group along the mesh dimension `dim` (every rank calls it at the same point, for
-/// the same dimensions): `None` where the dimension is one rank.
-fn mesh_group(
-    pg: &ProcessGroup,
-    mesh: &crate::plan::mesh::Shape,
-    dim: crate::plan::mesh::Dim,
-) -> crate::dist::Result<Option<ProcessGroup>> {
-    let size = mesh.size(dim);
-    if size == 1 {
-        return Ok(None);
-    }
-    let members = mesh.group(pg.rank(), dim);
-    // Named by the group's first rank: one name per group, the same on each of its members.
-    pg.subgroup(&format!("{dim:?}{}", members[0]).to_lowercase(), &members).map(Some)
-}
-
-/// The mesh's process groups that tensor parallelism adds, built once before the model: the
-/// tensor group (the ranks that split each layer) and the data group (the copies of the model
-/// whose gradients DDP averages). Without tensor parallelism there are none: the data
-/// dimension is every rank (a pipeline builds its own copies' groups).
-#[derive(Default)]
-pub struct MeshGroups {
-    data: Option<ProcessGroup>,
-    tensor: Option<ProcessGroup>,
-}
-
-impl MeshGroups {
-    /// Every rank calls this at the same point.
-    pub fn new(plan: &Plan, pg: &ProcessGroup) -> crate::dist::Result<MeshGroups> {
-        let mesh = plan.mesh();
-        if mesh.tensor == 1 {
-            return Ok(MeshGroups::default());
-        }
-        let group = |dim: crate::plan::mesh::Dim| {
-            let members = mesh.group(pg.rank(), dim);
-            // A data group of one rank is built too: DDP then has no peer, as at world size 1.
-            pg.subgroup(&format!("{dim:?}{}", members[0]).to_lowercase(), &members)
-        };
-        // A pipeline averages each stage's gradients over its copies in a data group of its own.
-        let data = match plan.config.wrap.strategy {
-            WrapStrategy::Pipeline => None,
-            _ => Some(group(crate::plan::mesh::Dim::Data)?),
-        };
-        Ok(MeshGroups { data, tensor: Some(group(crate::plan::mesh::Dim::Tensor)?) })
-    }
-
-    /// The ranks that hold copies of this rank's part of the model: the data group, or `world`.
-    pub fn data<'a>(&'a self, world: &'a ProcessGroup) -> &'a ProcessGroup {
-        self.data.as_ref().unwrap_or(world)
-    }
-
-    pub fn tensor(&self) -> Option<&ProcessGroup> {
-        self.tensor.as_ref()
-    }
 }
 
 /// The ranks over which a gradient norm is summed ([`Strategy::norm_group`]).
@@ -461,127 +412,4 @@ impl<'pg> Strategy<'pg> {
             }
         })
     }
-}
-
-/// One tensor of the whole model.
-#[derive(Debug, Clone)]
-pub struct ModelTensor {
-    pub name: String,
-    pub kind: Kind,
-    pub shape: Vec<i64>,
-}
-
-/// The variables of `vs` a checkpoint holds, sorted by name: every parameter and buffer but the
-/// frozen ones (a LoRA run's base model, read from `wrap.init` again on resume).
-fn saved_variables(plan: &Plan, vs: &nn::VarStore) -> Vec<(String, Tensor)> {
-    let arch = plan.model();
-    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(n, _)| !arch.frozen(n)).collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    vars
-}
-
-/// Every variable of `vs` a checkpoint holds ([`saved_variables`]) and the optimizer's state,
-/// each whole (under tensor parallelism, `slices`, gathered over the tensor group: every rank of
-/// it calls this); with `steps`, the optimizer's step count too.
-fn whole_state(
-    plan: &Plan,
-    vs: &nn::VarStore,
-    optimizer: &Optimizer,
-    steps: bool,
-    slices: Option<&tensor::Slices>,
-) -> crate::dist::Result<Vec<Piece>> {
-    let whole = |param: &str, t: &Tensor| slices.map_or_else(|| Ok(t.shallow_clone()), |tp| tp.whole(param, t));
-    let vars = saved_variables(plan, vs);
-    let mut pieces = Vec::new();
-    for (name, t) in vars {
-        pieces.push(Piece::whole(name.clone(), &whole(&name, &t)?));
-    }
-    for s in optimizer.state() {
-        pieces.push(Piece::whole(s.name, &whole(&s.param, &s.tensor)?));
-    }
-    if steps {
-        pieces.push(Piece::whole(optim::STEPS.to_owned(), &Tensor::from(optimizer.steps() as i64)));
-    }
-    Ok(pieces)
-}
-
-/// Every variable of `vs` and the optimizer's state, whole, from `reader` (under tensor
-/// parallelism, this rank's `slices` of them).
-fn load_whole(
-    plan: &Plan,
-    reader: &Reader,
-    vs: &nn::VarStore,
-    optimizer: &mut Optimizer,
-    slices: Option<&tensor::Slices>,
-) -> anyhow::Result<()> {
-    let read = |name: &str, param: &str| -> anyhow::Result<Tensor> {
-        let saved = reader.whole(name)?;
-        Ok(match slices {
-            Some(tp) if tp.is_split(param) => {
-                let shape = tp.whole_shape(param, &[]);
-                anyhow::ensure!(
-                    saved.size() == shape,
-                    "the checkpoint's `{name}` is {:?}, the model's is {shape:?}",
-                    saved.size()
-                );
-                tp.local(param, &saved)
-            }
-            _ => saved,
-        })
-    };
-    for (name, mut t) in saved_variables(plan, vs) {
-        let saved = read(&name, &name)?;
-        // Shapes and kinds as the model's (floats, or a module buffer's integer count).
-        anyhow::ensure!(
-            saved.size() == t.size() && saved.is_floating_point() == t.is_floating_point(),
-            "the checkpoint's `{name}` is {:?} {:?}, the model's is {:?} {:?}",
-            saved.kind(),
-            saved.size(),
-            t.kind(),
-            t.size()
-        );
-        tch::no_grad(|| t.f_copy_(&saved))
-            .map_err(|e| anyhow::anyhow!("`{name}`: {}", crate::checked::torch_message(&e)))?;
-    }
-    optimizer.load_state(|name, param, _| read(name, param))?;
-    let steps = reader.whole(optim::STEPS)?;
-    anyhow::ensure!(
-        steps.numel() == 1 && !steps.is_floating_point(),
-        "the checkpoint's `{}` is {:?} {:?}, not one integer",
-        optim::STEPS,
-        steps.kind(),
-        steps.size()
-    );
-    optimizer.set_steps(steps.int64_value(&[]).max(0) as usize);
-    Ok(())
-}
-
-/// The model's buffers (batch norm's running statistics, a TorchScript module's buffers), by name.
-fn buffers(plan: &Plan, vs: &nn::VarStore) -> Vec<(String, Tensor)> {
-    let arch = plan.model();
-    let vars = vs.variables();
-    arch.buffers(0..arch.layers().len())
-        .into_iter()
-        .map(|(name, _)| (name.clone(), vars[&name].shallow_clone()))
-        .collect()
-}
-
-/// Copies rank 0's `buffers` into every rank's: one broadcast per element type (float statistics,
-/// integer counts) of the buffers flattened together, as torch's `_sync_module_buffers` coalesces.
-pub(super) fn broadcast_from_rank0(pg: &ProcessGroup, buffers: &[Tensor]) -> anyhow::Result<()> {
-    for floating in [true, false] {
-        let group: Vec<&Tensor> = buffers.iter().filter(|b| b.is_floating_point() == floating).collect();
-        if group.is_empty() {
-            continue;
-        }
-        let mut flat = Tensor::cat(&group.iter().map(|b| b.detach().reshape([-1])).collect::<Vec<_>>(), 0);
-        pg.broadcast(&mut flat, 0)?;
-        let mut at = 0;
-        for b in group {
-            let n = b.numel() as i64;
-            tch::no_grad(|| b.detach().copy_(&flat.narrow(0, at, n).view_as(b)));
-            at += n;
-        }
-    }
-    Ok(())
 }
