@@ -108,7 +108,7 @@ impl Plan {
     fn shard_op(&self) -> String {
         let (c, l, w) = (&self.config, &self.layout, self.world_size());
         let order = if c.shard.shuffle { "reshuffled every epoch" } else { "file order" };
-        let (stages, copies) = (self.pipeline_ranks(), l.world_size);
+        let (stages, copies) = (self.pipeline_stages(), l.world_size);
         let pipeline = self.is_pipeline();
         if self.data.random_windows() {
             return format!(
@@ -158,7 +158,7 @@ impl Plan {
 
     fn wrap_op(&self) -> String {
         let c = &self.config;
-        let (stages, copies) = (self.pipeline_ranks(), self.layout.world_size);
+        let (stages, copies) = (self.pipeline_stages(), self.layout.world_size);
         let replicas = self.thread_replicas();
         if replicas > 1 {
             let per = self.threads_per_rank / replicas;
@@ -181,8 +181,12 @@ impl Plan {
             WrapStrategy::None => "no synchronisation: independent replicas".into(),
             WrapStrategy::Fsdp | WrapStrategy::Auto => self.fsdp_op(),
             WrapStrategy::Pipeline => format!(
-                "pipeline over {stages} rank{}{}, layers {}; {}, {} micro-batch{} per batch",
+                "pipeline over {stages} rank{}{}{}, layers {}; {}, {} micro-batch{} per batch",
                 if stages == 1 { "" } else { "s" },
+                match self.mesh().tensor {
+                    1 => String::new(),
+                    t => format!(" (each stage split across {t} tensor ranks)"),
+                },
                 if copies == 1 {
                     String::new()
                 } else {
@@ -197,10 +201,10 @@ impl Plan {
     }
 
     fn wrap_out(&self) -> String {
-        let (w, stages, copies) = (self.world_size(), self.pipeline_ranks(), self.layout.world_size);
+        let (w, stages, copies) = (self.world_size(), self.pipeline_stages(), self.layout.world_size);
         match self.config.wrap.strategy {
             WrapStrategy::Pipeline if copies > 1 => format!("{stages} stages × {copies} copies"),
-            WrapStrategy::Pipeline => format!("{w} stage{}", if w == 1 { "" } else { "s" }),
+            WrapStrategy::Pipeline => format!("{stages} stage{}", if stages == 1 { "" } else { "s" }),
             WrapStrategy::Fsdp if self.mesh().tensor > 1 => {
                 format!("1/{} of a tensor slice of the model on each rank", self.mesh().data)
             }
@@ -229,7 +233,7 @@ impl Plan {
     fn train_row(&self) -> Vec<String> {
         let (c, d, w) = (&self.config, &self.data, self.world_size());
         let (f, per) = (self.sample_shape(), self.per_rank_label());
-        let (stages, copies) = (self.pipeline_ranks(), self.layout.world_size);
+        let (stages, copies) = (self.pipeline_stages(), self.layout.world_size);
         let opt = optimizer_text(&c.train, |key| self.sources.get(key).is_some_and(|s| s != "default"));
         let length = match c.train.steps {
             Some(n) if c.train.accumulate > 1 => format!("{n} optimizer steps × {} batches", c.train.accumulate),
@@ -271,7 +275,7 @@ impl Plan {
 
     fn validate_op(&self) -> String {
         let c = &self.config;
-        let stages = self.pipeline_ranks();
+        let stages = self.pipeline_stages();
         let every = match (c.validate.every_steps, c.train.steps) {
             (Some(n), _) => format!("every {n} step(s)"),
             (None, Some(n)) => format!("after step {n}"),
@@ -485,7 +489,7 @@ impl Plan {
         if !self.is_pipeline() {
             return String::new();
         }
-        let (s, m) = (self.pipeline_ranks() as f64, self.config.wrap.pipeline.micro_batches as f64);
+        let (s, m) = (self.pipeline_stages() as f64, self.config.wrap.pipeline.micro_batches as f64);
         format!(
             "\n  {} bubble: (stages - 1) / (micro-batches + stages - 1) = {:.0}% of each step idle per rank, \
              before communication; the trace measures it (column bubble)\n",

@@ -443,6 +443,12 @@ impl Plan {
         }
     }
 
+    /// Stages of the pipeline (each split across the tensor ranks under pipeline × TP); 1 for the
+    /// other strategies.
+    pub fn pipeline_stages(&self) -> usize {
+        self.pipeline_ranks() / self.mesh().tensor.max(1)
+    }
+
     /// Parameters held by `rank`.
     pub fn rank_parameters(&self, rank: usize) -> usize {
         self.layer_parameters[self.stages[rank].clone()].iter().sum()

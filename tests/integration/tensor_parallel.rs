@@ -200,6 +200,9 @@ fn pipeline_times_tensor_and_the_3d_mesh_at_8_ranks_equal_one_process_and_resume
         stdout.contains("pipeline groups (a pipeline's stages, activations sent between them): [0, 2] [1, 3]"),
         "{stdout}"
     );
+    // Two stages, each split across two ranks: the bubble of two stages, not four.
+    assert!(stdout.contains("pipeline over 2 ranks (each stage split across 2 tensor ranks)"), "{stdout}");
+    assert!(stdout.contains("(micro-batches + stages - 1) = 33%"), "{stdout}");
     crate::common::assert_close_runs(&dir.path().join("pp-tp"), &dir.path().join("one"), 1e-5);
     // Data 2 × pipeline 2 × tensor 2: each copy takes half of the global batch.
     let three_d = [
