@@ -18,6 +18,13 @@ struct Hosts {
     _watchdog: std::process::Child,
 }
 
+/// The tests share one cluster of 3 hosts and two partitions: one at a time, so that one test's
+/// high-priority job never preempts another's (each test's own preemption is its own).
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The binary's cluster of 3 hosts; `None` (after a SKIPPED line, a failure under CI=true)
 /// where it cannot run.
 fn hosts() -> Option<&'static Hosts> {
@@ -138,6 +145,7 @@ fn wait_for_checkpoint(run: &Path, epoch: usize) {
 
 #[test]
 fn a_job_of_two_hosts_trains_as_one_host_does() {
+    let _alone = alone();
     let Some(h) = hosts() else { return };
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", TINY);
@@ -184,6 +192,7 @@ fn requeued_job_ends_as_if_uninterrupted(h: &Hosts, interrupt: impl FnOnce(&Path
 
 #[test]
 fn a_job_preempted_by_a_higher_priority_one_is_requeued_and_ends_as_if_uninterrupted() {
+    let _alone = alone();
     let Some(h) = hosts() else { return };
     requeued_job_ends_as_if_uninterrupted(h, |dir, _| {
         // Every CPU of every host, in the partition of the higher tier: Slurm preempts the job.
@@ -194,6 +203,7 @@ fn a_job_preempted_by_a_higher_priority_one_is_requeued_and_ends_as_if_uninterru
 
 #[test]
 fn a_node_taken_down_mid_job_is_requeued_and_the_run_completes_as_if_uninterrupted() {
+    let _alone = alone();
     let Some(h) = hosts() else { return };
     requeued_job_ends_as_if_uninterrupted(h, |_, id| {
         // A host of the job other than the one running its batch script.
@@ -214,6 +224,7 @@ fn a_node_taken_down_mid_job_is_requeued_and_the_run_completes_as_if_uninterrupt
 
 #[test]
 fn a_sweep_submitted_as_jobs_lands_its_points_on_different_hosts() {
+    let _alone = alone();
     let Some(h) = hosts() else { return };
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", TINY);
