@@ -214,6 +214,20 @@ pub struct Workload {
     pub peer: Peer,
 }
 
+/// The GPT the fsdp and tp workloads train: about 5 million parameters, 6 blocks of width 256.
+fn gpt_5m() -> schema::Transformer {
+    schema::Transformer {
+        vocab: 256,
+        d_model: 256,
+        heads: 8,
+        layers: 6,
+        seq_len: 64,
+        dropout: 0.0,
+        tied: Some(false),
+        ..Default::default()
+    }
+}
+
 pub fn all() -> Vec<Workload> {
     let mlp = |features, classes, hidden| Kind::Mlp {
         features,
@@ -334,16 +348,7 @@ pub fn all() -> Vec<Workload> {
         // a minute on a quiet machine.
         Workload {
             name: "fsdp",
-            kind: Kind::Transformer(schema::Transformer {
-                vocab: 256,
-                d_model: 256,
-                heads: 8,
-                layers: 6,
-                seq_len: 64,
-                dropout: 0.0,
-                tied: Some(false),
-                ..Default::default()
-            }),
+            kind: Kind::Transformer(gpt_5m()),
             rows: 256,
             batch: 8,
             epochs: 3,
@@ -366,16 +371,7 @@ pub fn all() -> Vec<Workload> {
         // parallelism (issue 52's target: at least 1.2× its tokens/s at no more memory).
         Workload {
             name: "tp",
-            kind: Kind::Transformer(schema::Transformer {
-                vocab: 256,
-                d_model: 256,
-                heads: 8,
-                layers: 6,
-                seq_len: 64,
-                dropout: 0.0,
-                tied: Some(false),
-                ..Default::default()
-            }),
+            kind: Kind::Transformer(gpt_5m()),
             rows: 256,
             batch: 8,
             epochs: 3,
