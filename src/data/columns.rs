@@ -200,7 +200,50 @@ pub fn fit(
     let features = feature_names(&names, choice, path)?;
     let classification = choice.task == TaskKind::Classification;
     let tcells = cells(df, target, path, classification)?;
-    let labels = match (&tcells, classification) {
+    let labels = labels(&tcells, classification, target, path)?;
+    let mut fcells = Vec::new();
+    for name in &features {
+        fcells.push(cells(df, name, path, false)?);
+    }
+    let mut columns = Columns {
+        features: features
+            .iter()
+            .zip(&fcells)
+            .map(|(name, c)| match c {
+                Cells::Num(_) => Feature::Numeric { name: name.clone(), fill: None },
+                Cells::Text(_) => Feature::OneHot { name: name.clone(), values: Vec::new() },
+            })
+            .collect(),
+        target: target.to_owned(),
+        labels,
+        missing: choice.missing,
+    };
+    let (kept, mut notes) = keep(df.height(), &tcells, &fcells, &columns, path)?;
+    let y = targets(&tcells, &kept, &columns, path)?;
+    for (name, c) in features.iter().zip(&fcells) {
+        if let Cells::Num(v) = c {
+            finite(name, v, path)?;
+        }
+    }
+    let train = train(&y)?;
+    // Statistics of the training rows only.
+    let train_rows: Vec<usize> = train.iter().map(|&i| kept[i]).collect();
+    for (f, c) in columns.features.iter_mut().zip(&fcells) {
+        fit_feature(f, c, &train_rows, &kept, choice.missing, path, &mut notes)?;
+    }
+    if let Labels::Values { mean, std } = &mut columns.labels {
+        let t: Vec<f64> = train.iter().map(|&i| y[i]).collect();
+        let n = t.len().max(1) as f64;
+        *mean = t.iter().sum::<f64>() / n;
+        let var = t.iter().map(|v| (v - *mean) * (v - *mean)).sum::<f64>() / n;
+        *std = if var.sqrt() > 0.0 { var.sqrt() } else { 1.0 };
+    }
+    Ok(Fitted { columns, rows: kept.len(), y, notes })
+}
+
+/// The target's labels: the classes found (integers in numeric order), or a value to predict.
+fn labels(cells: &Cells, classification: bool, target: &str, path: &Path) -> Result<Labels, String> {
+    match (cells, classification) {
         (Cells::Text(v), true) => {
             if let Some(bad) = v.iter().flatten().find(|s| s.parse::<f64>().is_ok_and(|x| x.fract() != 0.0)) {
                 return Err(format!(
@@ -230,92 +273,67 @@ pub fn fit(
                     names.first().map(String::as_str).unwrap_or("none")
                 ));
             }
-            Labels::Classes { names }
+            Ok(Labels::Classes { names })
         }
-        (Cells::Num(_), false) => Labels::Values { mean: 0.0, std: 1.0 },
-        _ => {
-            return Err(format!(
-                "target `{target}` of {} holds text: train.task = \"regression\" needs numbers",
-                path.display()
-            ))
-        }
-    };
-    let mut fcells = Vec::new();
-    for name in &features {
-        fcells.push(cells(df, name, path, false)?);
+        (Cells::Num(_), false) => Ok(Labels::Values { mean: 0.0, std: 1.0 }),
+        _ => Err(format!(
+            "target `{target}` of {} holds text: train.task = \"regression\" needs numbers",
+            path.display()
+        )),
     }
-    let mut columns = Columns {
-        features: features
-            .iter()
-            .zip(&fcells)
-            .map(|(name, c)| match c {
-                Cells::Num(_) => Feature::Numeric { name: name.clone(), fill: None },
-                Cells::Text(_) => Feature::OneHot { name: name.clone(), values: Vec::new() },
-            })
-            .collect(),
-        target: target.to_owned(),
-        labels,
-        missing: choice.missing,
-    };
-    let (kept, mut notes) = keep(df.height(), &tcells, &fcells, &columns, path)?;
-    let y = targets(&tcells, &kept, &columns, path)?;
-    for (name, c) in features.iter().zip(&fcells) {
-        if let Cells::Num(v) = c {
-            finite(name, v, path)?;
-        }
-    }
-    let train = train(&y)?;
-    // Statistics of the training rows only.
-    let train_rows: Vec<usize> = train.iter().map(|&i| kept[i]).collect();
-    for (f, c) in columns.features.iter_mut().zip(&fcells) {
-        match (f, c) {
-            (Feature::Numeric { name, fill }, Cells::Num(v)) => {
-                let mut present: Vec<f64> = train_rows.iter().filter_map(|&i| v[i]).collect();
-                let absent = kept.iter().filter(|&&i| v[i].is_none()).count();
-                *fill = match choice.missing {
-                    Missing::Mean if !present.is_empty() => Some(present.iter().sum::<f64>() / present.len() as f64),
-                    Missing::Median if !present.is_empty() => {
-                        present.sort_by(f64::total_cmp);
-                        let m = present.len() / 2;
-                        Some(if present.len() % 2 == 1 { present[m] } else { (present[m - 1] + present[m]) / 2.0 })
-                    }
-                    Missing::Mean | Missing::Median | Missing::Zero => Some(0.0),
-                    Missing::Error | Missing::Drop => None,
-                };
-                if absent > 0 {
-                    notes.push(format!(
-                        "column `{name}`: {absent} missing cells filled with {}",
-                        fill.map(|x| format!("{x}")).unwrap_or_default()
-                    ));
+}
+
+/// One feature's statistics from the training rows: a numeric column's fill for missing cells, a
+/// text column's one-hot values.
+fn fit_feature(
+    feature: &mut Feature,
+    cells: &Cells,
+    train_rows: &[usize],
+    kept: &[usize],
+    missing: Missing,
+    path: &Path,
+    notes: &mut Vec<String>,
+) -> Result<(), String> {
+    match (feature, cells) {
+        (Feature::Numeric { name, fill }, Cells::Num(v)) => {
+            let mut present: Vec<f64> = train_rows.iter().filter_map(|&i| v[i]).collect();
+            let absent = kept.iter().filter(|&&i| v[i].is_none()).count();
+            *fill = match missing {
+                Missing::Mean if !present.is_empty() => Some(present.iter().sum::<f64>() / present.len() as f64),
+                Missing::Median if !present.is_empty() => {
+                    present.sort_by(f64::total_cmp);
+                    let m = present.len() / 2;
+                    Some(if present.len() % 2 == 1 { present[m] } else { (present[m - 1] + present[m]) / 2.0 })
                 }
+                Missing::Mean | Missing::Median | Missing::Zero => Some(0.0),
+                Missing::Error | Missing::Drop => None,
+            };
+            if absent > 0 {
+                notes.push(format!(
+                    "column `{name}`: {absent} missing cells filled with {}",
+                    fill.map(|x| format!("{x}")).unwrap_or_default()
+                ));
             }
-            (Feature::OneHot { name, values }, Cells::Text(v)) => {
-                let distinct: BTreeSet<&String> = train_rows.iter().filter_map(|&i| v[i].as_ref()).collect();
-                *values = distinct.into_iter().cloned().collect();
-                if values.len() > MAX_CLASSES {
-                    return Err(format!(
-                        "column `{name}` of {} holds {} distinct strings, more than the {MAX_CLASSES} a one-hot \
-                         column may have: leave it out with load.exclude (an ID?) or convert it to numbers",
-                        path.display(),
-                        values.len()
-                    ));
-                }
-                let absent = kept.iter().filter(|&&i| v[i].is_none()).count();
-                if absent > 0 {
-                    notes.push(format!("column `{name}`: {absent} missing cells encoded as no category"));
-                }
-            }
-            _ => unreachable!("features were made from their cells"),
         }
+        (Feature::OneHot { name, values }, Cells::Text(v)) => {
+            let distinct: BTreeSet<&String> = train_rows.iter().filter_map(|&i| v[i].as_ref()).collect();
+            *values = distinct.into_iter().cloned().collect();
+            if values.len() > MAX_CLASSES {
+                return Err(format!(
+                    "column `{name}` of {} holds {} distinct strings, more than the {MAX_CLASSES} a one-hot \
+                     column may have: leave it out with load.exclude (an ID?) or convert it to numbers",
+                    path.display(),
+                    values.len()
+                ));
+            }
+            let absent = kept.iter().filter(|&&i| v[i].is_none()).count();
+            if absent > 0 {
+                notes.push(format!("column `{name}`: {absent} missing cells encoded as no category"));
+            }
+        }
+        _ => unreachable!("features were made from their cells"),
     }
-    if let Labels::Values { mean, std } = &mut columns.labels {
-        let t: Vec<f64> = train.iter().map(|&i| y[i]).collect();
-        let n = t.len().max(1) as f64;
-        *mean = t.iter().sum::<f64>() / n;
-        let var = t.iter().map(|v| (v - *mean) * (v - *mean)).sum::<f64>() / n;
-        *std = if var.sqrt() > 0.0 { var.sqrt() } else { 1.0 };
-    }
-    Ok(Fitted { columns, rows: kept.len(), y, notes })
+    Ok(())
 }
 
 /// The rows kept under `load.missing`, and a note of those dropped.

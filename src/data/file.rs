@@ -190,7 +190,7 @@ pub fn spec(
     base: &Path,
     bad: &mut impl FnMut(&str, String),
 ) -> Option<super::DataSpec> {
-    use crate::config::schema::{Features, Load, Sampling};
+    use crate::config::schema::Features;
     let load = &c.load;
     let name = if source == Source::Csv { "csv" } else { "parquet" };
     let Some(rel) = load.path.as_ref().and_then(|p| p.single()) else {
@@ -201,39 +201,8 @@ pub fn spec(
         bad("load.target", "names the column to predict; it is required for files".into());
         return None;
     };
-    for (key, given, why) in [
-        ("load.noise", load.noise != Load::default().noise, "is only read by source = \"synthetic\""),
-        ("load.image", load.image.is_some(), "is only read by source = \"synthetic\"; a file's columns are features"),
-        ("load.labels", load.labels.is_some(), "is only read by source = \"tensors\""),
-        (
-            "load.sampling",
-            load.sampling != Sampling::Epoch,
-            "\"random\" draws windows from a token file: use source = \"tokens\" or \"text\"",
-        ),
-        // Compared with the default, not by source: a run's saved config.toml sets every key.
-        (
-            "load.validation_rows",
-            load.validation_rows != Load::default().validation_rows,
-            "is only read by source = \"synthetic\"; a file's validation rows are validate.fraction (default 0.2), \
-             validate.rows or load.validation_path",
-        ),
-    ] {
-        if given {
-            bad(key, why.into());
-        }
-    }
-    let delimiter = match load.delimiter.as_deref() {
-        None => b',',
-        Some(d) if d.len() == 1 && source == Source::Csv => d.as_bytes()[0],
-        Some(d) if source != Source::Csv => {
-            bad("load.delimiter", format!("{d:?} is only read by source = \"csv\""));
-            b','
-        }
-        Some(d) => {
-            bad("load.delimiter", format!("{d:?} is not one ASCII character; use e.g. \";\" or \"\\t\""));
-            b','
-        }
-    };
+    unread_keys(load, bad);
+    let delimiter = delimiter(load.delimiter.as_deref(), source, bad);
     let holdout = split::holdout(c, bad)?;
     let path = base.join(rel);
     if let Err(e) = path.exists().then(|| crate::input::regular_file(&path)).transpose() {
@@ -275,22 +244,7 @@ pub fn spec(
             bad("load.features", format!("is {f} but {} gives {width} inputs besides `{target}`", path.display()));
         }
     }
-    let task = match info.columns.classes() {
-        Some(names) => {
-            let k = names.len();
-            if let Some(classes) = load.classes.filter(|&n| n != k) {
-                bad("load.classes", format!("is {classes} but `{target}` holds {k} classes ({})", names.join(", ")));
-            }
-            split::class_checks(names, &rows.train_y, &rows.val_y, "load.path", bad, &mut info.notes);
-            super::Task::Classification { classes: k }
-        }
-        None => {
-            if load.classes.is_some() {
-                bad("load.classes", "is only read by train.task = \"classification\"".into());
-            }
-            super::Task::Regression
-        }
-    };
+    let task = task(load.classes, target, &rows, &mut info, bad);
     let constant = constant_inputs(&rows.train_x, width, &info.columns.input_names());
     if !constant.is_empty() {
         info.notes.push(format!("constant over the training rows (normalised with scale 1): {}", constant.join(", ")));
@@ -306,6 +260,74 @@ pub fn spec(
         validation_rows: rows.val_y.len(),
         source: super::SourceSpec::Table(FileInfo { path, ..info }),
     })
+}
+
+/// The load keys a csv or parquet source does not read: refused rather than ignored.
+fn unread_keys(load: &crate::config::schema::Load, bad: &mut impl FnMut(&str, String)) {
+    use crate::config::schema::{Load, Sampling};
+    for (key, given, why) in [
+        ("load.noise", load.noise != Load::default().noise, "is only read by source = \"synthetic\""),
+        ("load.image", load.image.is_some(), "is only read by source = \"synthetic\"; a file's columns are features"),
+        ("load.labels", load.labels.is_some(), "is only read by source = \"tensors\""),
+        (
+            "load.sampling",
+            load.sampling != Sampling::Epoch,
+            "\"random\" draws windows from a token file: use source = \"tokens\" or \"text\"",
+        ),
+        // Compared with the default, not by source: a run's saved config.toml sets every key.
+        (
+            "load.validation_rows",
+            load.validation_rows != Load::default().validation_rows,
+            "is only read by source = \"synthetic\"; a file's validation rows are validate.fraction (default 0.2), \
+             validate.rows or load.validation_path",
+        ),
+    ] {
+        if given {
+            bad(key, why.into());
+        }
+    }
+}
+
+/// `load.delimiter`: one ASCII character, read by csv files only (a comma otherwise).
+fn delimiter(given: Option<&str>, source: Source, bad: &mut impl FnMut(&str, String)) -> u8 {
+    match given {
+        None => b',',
+        Some(d) if d.len() == 1 && source == Source::Csv => d.as_bytes()[0],
+        Some(d) if source != Source::Csv => {
+            bad("load.delimiter", format!("{d:?} is only read by source = \"csv\""));
+            b','
+        }
+        Some(d) => {
+            bad("load.delimiter", format!("{d:?} is not one ASCII character; use e.g. \";\" or \"\\t\""));
+            b','
+        }
+    }
+}
+
+/// The task the target's column gives, `load.classes` checked against the classes found.
+fn task(
+    given_classes: Option<usize>,
+    target: &str,
+    rows: &Rows,
+    info: &mut FileInfo,
+    bad: &mut impl FnMut(&str, String),
+) -> super::Task {
+    match info.columns.classes() {
+        Some(names) => {
+            let k = names.len();
+            if let Some(classes) = given_classes.filter(|&n| n != k) {
+                bad("load.classes", format!("is {classes} but `{target}` holds {k} classes ({})", names.join(", ")));
+            }
+            split::class_checks(names, &rows.train_y, &rows.val_y, "load.path", bad, &mut info.notes);
+            super::Task::Classification { classes: k }
+        }
+        None => {
+            if given_classes.is_some() {
+                bad("load.classes", "is only read by train.task = \"classification\"".into());
+            }
+            super::Task::Regression
+        }
+    }
 }
 
 /// Inputs whose training values are constant, or nearly: the normalizer gives them scale 1.
