@@ -21,22 +21,8 @@ use super::run::{prepare_run_dir, Claim};
 
 pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &Path) -> anyhow::Result<u8> {
     announce(plan, run_dir);
-    if let Some((addr, port)) = topology.master.as_ref().filter(|_| topology.nnodes > 1) {
-        let from = topology.engine.as_ref().map(|e| format!(", from {e}")).unwrap_or_default();
-        crate::say!(
-            "nodes: {} × {} ranks, this is node {}; node 0 at {addr}:{port}{from}",
-            topology.nnodes,
-            plan.world_size() / topology.nnodes,
-            topology.node_rank
-        );
-    }
-    if let Some(sweep) = std::env::var(crate::launch::env::SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {
-        // Started by `runner sweep`: its end (even by SIGKILL) interrupts this run.
-        let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM);
-        if nix::unistd::getppid().as_raw() != sweep {
-            return Err(anyhow::anyhow!("the sweep that started this run has ended"));
-        }
-    }
+    announce_nodes(plan, topology);
+    follow_sweep()?;
     // Over several nodes, restarts and a changing world size run in rounds that node 0 hosts.
     let nodes = Nodes { min: topology.min_nodes, max: topology.nnodes };
     let rounds = nodes.max > 1 && (nodes.min < nodes.max || plan.config.run.max_restarts > 0);
@@ -104,6 +90,30 @@ pub(super) fn launch(plan: &Plan, topology: &Topology, claim: Claim, run_dir: &P
             Err(e)
         }
     }
+}
+
+/// Over several nodes: how many, which this is, and where node 0 is.
+fn announce_nodes(plan: &Plan, topology: &Topology) {
+    if let Some((addr, port)) = topology.master.as_ref().filter(|_| topology.nnodes > 1) {
+        let from = topology.engine.as_ref().map(|e| format!(", from {e}")).unwrap_or_default();
+        crate::say!(
+            "nodes: {} × {} ranks, this is node {}; node 0 at {addr}:{port}{from}",
+            topology.nnodes,
+            plan.world_size() / topology.nnodes,
+            topology.node_rank
+        );
+    }
+}
+
+/// A run started by `runner sweep` ends with it (even by SIGKILL): an error if it has ended already.
+fn follow_sweep() -> anyhow::Result<()> {
+    if let Some(sweep) = std::env::var(crate::launch::env::SWEEP_PID).ok().and_then(|p| p.parse::<i32>().ok()) {
+        let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM);
+        if nix::unistd::getppid().as_raw() != sweep {
+            return Err(anyhow::anyhow!("the sweep that started this run has ended"));
+        }
+    }
+    Ok(())
 }
 
 /// How this node's launcher took its run directory.

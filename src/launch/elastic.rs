@@ -366,15 +366,9 @@ pub fn follow(plan: &Plan, me: usize, master: (&str, u16), nodes: Nodes, run_dir
         // Its configuration, which node 0 compares with its own before the round.
         store.set(&join_key(round, me), serde_json::to_string(&super::agree::flat_config(plan))?.as_bytes())?;
         crate::say_err!("node {me}: waiting for round {round} of the run");
-        let verdict = loop {
-            if let Some(i) = crate::signals::interruption() {
-                return Ok(128 + i.signal as u8);
-            }
-            match store.contains(&verdict_key(round)) {
-                Ok(true) => break serde_json::from_slice::<Verdict>(&store.get(&verdict_key(round))?)?,
-                Ok(false) => std::thread::sleep(Duration::from_millis(50)),
-                Err(e) => anyhow::bail!("node 0, the rendezvous host, is gone ({e}): the run cannot go on without it"),
-            }
+        let verdict = match wait_verdict(&store, round)? {
+            Ok(v) => v,
+            Err(code) => return Ok(code),
         };
         let (members, text, file, resume) = match verdict {
             Verdict::Stop { why, complete } => {
@@ -388,24 +382,7 @@ pub fn follow(plan: &Plan, me: usize, master: (&str, u16), nodes: Nodes, run_dir
             Verdict::Go { members, plan, file, resume } => (members, plan, file, resume),
         };
         let Some(index) = members.iter().position(|&n| n == me) else { continue };
-        // Node 0's file, in this node's path to the same folder.
-        let file = run_dir.join(file.file_name().context("node 0's plan file")?);
-        if std::fs::read_to_string(&file).ok().as_deref() != Some(text.as_str()) {
-            anyhow::bail!(
-                "node {me}: {} does not hold the plan node 0 wrote for round {round}: the shared file system does not \
-                 show node 0's writes to this node",
-                file.display()
-            );
-        }
-        let round_plan: Plan = serde_json::from_str(&text)?;
-        if round_plan.run_id != plan.run_id {
-            anyhow::bail!(
-                "node {me} runs another configuration (run id {}) than node 0 (run id {}): start every node with the \
-                 same pipeline file and --set values",
-                plan.run_id,
-                round_plan.run_id
-            );
-        }
+        let (file, round_plan) = round_plan(plan, me, round, run_dir, &file, &text)?;
         let prefix = round_prefix(round);
         let scoped = store.prefixed(&prefix)?;
         let meeting = Meeting {
@@ -431,6 +408,51 @@ pub fn follow(plan: &Plan, me: usize, master: (&str, u16), nodes: Nodes, run_dir
             Some(f) => crate::say_err!("node {me}: {}; joining the next round", f.summary()),
         }
     }
+}
+
+/// Node 0's verdict on `round`, once it is published; `Err(exit code)` if this launcher is interrupted
+/// while it waits.
+fn wait_verdict(store: &Store, round: usize) -> anyhow::Result<Result<Verdict, u8>> {
+    loop {
+        if let Some(i) = crate::signals::interruption() {
+            return Ok(Err(128 + i.signal as u8));
+        }
+        match store.contains(&verdict_key(round)) {
+            Ok(true) => return Ok(Ok(serde_json::from_slice::<Verdict>(&store.get(&verdict_key(round))?)?)),
+            Ok(false) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => anyhow::bail!("node 0, the rendezvous host, is gone ({e}): the run cannot go on without it"),
+        }
+    }
+}
+
+/// The plan node 0 wrote for `round`, read through this node's path to the shared run directory and
+/// checked to be node 0's text and this node's configuration.
+fn round_plan(
+    plan: &Plan,
+    me: usize,
+    round: usize,
+    run_dir: &Path,
+    file: &Path,
+    text: &str,
+) -> anyhow::Result<(std::path::PathBuf, Plan)> {
+    let file = run_dir.join(file.file_name().context("node 0's plan file")?);
+    if std::fs::read_to_string(&file).ok().as_deref() != Some(text) {
+        anyhow::bail!(
+            "node {me}: {} does not hold the plan node 0 wrote for round {round}: the shared file system does not \
+             show node 0's writes to this node",
+            file.display()
+        );
+    }
+    let round_plan: Plan = serde_json::from_str(text)?;
+    if round_plan.run_id != plan.run_id {
+        anyhow::bail!(
+            "node {me} runs another configuration (run id {}) than node 0 (run id {}): start every node with the \
+             same pipeline file and --set values",
+            plan.run_id,
+            round_plan.run_id
+        );
+    }
+    Ok((file, round_plan))
 }
 
 #[cfg(test)]

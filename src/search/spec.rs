@@ -139,46 +139,7 @@ impl Spec {
         if raw.parallel == 0 {
             bad("parallel", "parallel = 0: give how many trials run at a time, at least 1".into());
         }
-        let metrics = metrics();
-        let direction = if !crate::trace::EPOCH_COLUMNS.contains(&raw.metric.as_str()) {
-            let hint = crate::config::resolve::closest(&raw.metric, &metrics)
-                .map(|m| format!("did you mean `{m}`? "))
-                .unwrap_or_default();
-            bad(
-                "metric",
-                format!(
-                    "metric = \"{}\" is not a column of the trace: {hint}(the metrics: {})",
-                    raw.metric,
-                    metrics.join(", ")
-                ),
-            );
-            None
-        } else if !metrics.contains(&raw.metric.as_str()) {
-            let why = if NOT_METRICS.contains(&raw.metric.as_str()) {
-                "identifies a trace row, it measures nothing"
-            } else {
-                "is measured time or memory: it differs from run to run, so the search would not reproduce"
-            };
-            bad(
-                "metric",
-                format!("metric = \"{}\" {why}; search on a value the training computes, e.g. val_loss", raw.metric),
-            );
-            None
-        } else {
-            match raw.direction.or_else(|| direction_of(&raw.metric)) {
-                Some(d) => Some(d),
-                None => {
-                    bad(
-                        "metric",
-                        format!(
-                            "metric = \"{}\": say whether to minimize or maximize it (direction = \"minimize\")",
-                            raw.metric
-                        ),
-                    );
-                    None
-                }
-            }
-        };
+        let direction = direction(raw, &mut bad);
         let space = space(&raw.space, taken, &mut bad);
         if raw.method == Method::Random {
             if let Some(n) = space.size().filter(|n| *n < raw.trials as u128) {
@@ -216,6 +177,52 @@ impl Spec {
             parallel: raw.parallel,
             lag: raw.lag,
         })
+    }
+}
+
+/// The metric's direction: `direction`, or the one the metric's name implies; `None` (an error
+/// reported) for a metric that is not a trace column, that measures nothing that reproduces, or
+/// whose direction cannot be told.
+fn direction(raw: &SearchTable, bad: &mut impl FnMut(&str, String)) -> Option<Direction> {
+    let metrics = metrics();
+    if !crate::trace::EPOCH_COLUMNS.contains(&raw.metric.as_str()) {
+        let hint = crate::config::resolve::closest(&raw.metric, &metrics)
+            .map(|m| format!("did you mean `{m}`? "))
+            .unwrap_or_default();
+        bad(
+            "metric",
+            format!(
+                "metric = \"{}\" is not a column of the trace: {hint}(the metrics: {})",
+                raw.metric,
+                metrics.join(", ")
+            ),
+        );
+        None
+    } else if !metrics.contains(&raw.metric.as_str()) {
+        let why = if NOT_METRICS.contains(&raw.metric.as_str()) {
+            "identifies a trace row, it measures nothing"
+        } else {
+            "is measured time or memory: it differs from run to run, so the search would not reproduce"
+        };
+        bad(
+            "metric",
+            format!("metric = \"{}\" {why}; search on a value the training computes, e.g. val_loss", raw.metric),
+        );
+        None
+    } else {
+        match raw.direction.or_else(|| direction_of(&raw.metric)) {
+            Some(d) => Some(d),
+            None => {
+                bad(
+                    "metric",
+                    format!(
+                        "metric = \"{}\": say whether to minimize or maximize it (direction = \"minimize\")",
+                        raw.metric
+                    ),
+                );
+                None
+            }
+        }
     }
 }
 
