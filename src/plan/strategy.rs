@@ -17,9 +17,13 @@ pub(super) fn memory_estimate(
     layout: &ShardLayout,
     arch: &dyn Architecture,
     state: f64,
+    machine: super::Machine,
     bad: &mut impl FnMut(&str, String),
 ) -> crate::limits::Estimate {
     let estimate = estimate(c, d, layout, arch, state);
+    if machine == super::Machine::Another {
+        return estimate;
+    }
     let model_key = match c.wrap.model {
         Model::Transformer(_) => "wrap.model.d_model",
         _ => "wrap.model.hidden",
