@@ -18,8 +18,8 @@ Sections (each runs on, records PASS or FAIL with its numbers, and never stops t
   pipeline   pipelines/pipeline_parallel.toml with 2 stages over gloo on CUDA tensors (two launchers)
              against its CPU run
 
---cpu runs every section on the CPU (cuda -> cpu, nccl -> gloo, GPT-2 shrunk to a few seconds), so
-the check itself is tested where no GPU is. Writes DIR/report.md (the summary) and DIR/log.txt
+--cpu runs every section on the CPU (cuda -> cpu, nccl -> gloo, GPT-2 shrunk to a few seconds, perf at
+one batch size with torch.compile's eager backend), so the check itself is tested where no GPU is. Writes DIR/report.md (the summary) and DIR/log.txt
 (every command and its output); exits 1 if any section failed.
 """
 

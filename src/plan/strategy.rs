@@ -10,7 +10,7 @@ use crate::model::Architecture;
 use super::memory;
 
 /// What one rank needs in memory, `state` bytes of training state among it, checked against what
-/// this machine has.
+/// this machine has (unless the run is planned for another machine).
 pub(super) fn memory_estimate(
     c: &Config,
     d: &DataSpec,
