@@ -28,7 +28,8 @@ pub(super) fn memory_estimate(
         Model::Transformer(_) => "wrap.model.d_model",
         _ => "wrap.model.hidden",
     };
-    crate::limits::check_memory(&estimate, c.run.world_size, model_key, bad);
+    // This machine's memory holds the host's part only: on a GPU, not the state or activations.
+    crate::limits::check_memory(&estimate.on_host(c.run.device), c.run.world_size, model_key, bad);
     estimate
 }
 
