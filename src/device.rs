@@ -18,7 +18,7 @@ use crate::config::schema::{Backend, Device};
 pub const BUILD_CUDA: &str = "./scripts/setup.sh --cuda && LIBTORCH=$PWD/.deps/libtorch-cuda \
                               cargo build --release --features cuda --target-dir target/cuda";
 
-/// Problems with `run.device` and `run.backend` in this build on this machine, as (key, message).
+/// Problems with the pair `run.device` and `run.backend` on any machine, as (key, message).
 pub fn refusals(backend: Backend, device: Device) -> Vec<(&'static str, String)> {
     let mut out = Vec::new();
     if backend == Backend::Nccl && device == Device::Cpu {
@@ -29,6 +29,13 @@ pub fn refusals(backend: Backend, device: Device) -> Vec<(&'static str, String)>
                 .to_string(),
         ));
     }
+    out
+}
+
+/// Problems with `run.device` and `run.backend` in this build on this machine (a plan for another
+/// machine, `runner validate --device`, leaves them to that machine), as (key, message).
+pub fn refusals_here(backend: Backend, device: Device) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
     if !cfg!(feature = "cuda") {
         let without = "this runner was built without CUDA";
         if device == Device::Cuda {
@@ -164,9 +171,8 @@ pub fn notes(device: Device) -> Vec<String> {
 
 /// Rank 0's line at the end of a run on a GPU: the most its tensors held at once and the most the
 /// caching allocator reserved (torch.cuda.max_memory_allocated / max_memory_reserved), beside the
-/// plan's estimate of the parts that live on the device (the training state and the
-/// activations). `None` on the CPU.
-pub fn peak_line(device: tch::Device, estimate: Option<&crate::limits::Estimate>) -> Option<String> {
+/// plan's estimate of both (`plan::device_memory`). `None` on the CPU.
+pub fn peak_line(device: tch::Device, estimate: Option<crate::plan::device_memory::DeviceMemory>) -> Option<String> {
     let tch::Device::Cuda(index) = device else {
         return None;
     };
@@ -176,14 +182,7 @@ pub fn peak_line(device: tch::Device, estimate: Option<&crate::limits::Estimate>
             "  peak GPU memory on cuda:{index} (rank 0): {} allocated, {} reserved by libtorch's caching allocator{}",
             size(peak.allocated as f64),
             size(peak.reserved as f64),
-            estimate
-                .map(|e| format!(
-                    "; the plan estimated {} (training state {}, activations {})",
-                    size(e.model + e.activations),
-                    size(e.model),
-                    size(e.activations)
-                ))
-                .unwrap_or_default()
+            estimate.map(|e| format!("; the plan estimated {e}")).unwrap_or_default()
         ),
         Err(e) => format!("  peak GPU memory on cuda:{index}: not read ({e})"),
     })

@@ -90,9 +90,25 @@ pub struct Estimate {
 /// own code adds about 28 MiB: the tests allow for it.)
 pub const BASE_BYTES: f64 = 150.0 * 1048576.0;
 
+/// CUDA's libraries and context in a rank's resident host memory: the GPT-2-sized run on an H200
+/// peaked at 1.71 GiB on the host, libtorch's code and the data about 0.2 GiB of it (docs/gpus.md).
+pub const CUDA_HOST_BYTES: f64 = 1.5 * 1073741824.0;
+
 impl Estimate {
     pub fn per_rank(&self) -> f64 {
         self.model + self.activations + self.data + self.base
+    }
+
+    /// The part in the host's memory: all of it on the CPU; on a GPU the data, libtorch and
+    /// CUDA's libraries, while the training state and the activations are on the device
+    /// (`plan::device_memory`).
+    pub fn on_host(&self, device: crate::config::schema::Device) -> Estimate {
+        match device {
+            crate::config::schema::Device::Cpu => *self,
+            crate::config::schema::Device::Cuda => {
+                Estimate { model: 0.0, activations: 0.0, base: self.base + CUDA_HOST_BYTES, ..*self }
+            }
+        }
     }
 }
 
@@ -218,5 +234,17 @@ mod tests {
         assert!(memory(&e, 2, 3e9).is_none());
         let msg = memory(&e, 4, 3e9).unwrap();
         assert!(msg.contains("4 ranks") && msg.contains("2.8 GiB available"), "{msg}");
+    }
+
+    #[test]
+    fn on_a_gpu_the_host_holds_neither_the_training_state_nor_the_activations() {
+        use crate::config::schema::Device;
+        let e = Estimate { model: 2e9, activations: 8.6e10, data: 2e8, base: 1.5e8 };
+        assert_eq!(e.on_host(Device::Cpu), e);
+        let host = e.on_host(Device::Cuda);
+        assert_eq!(host.per_rank(), 2e8 + 1.5e8 + CUDA_HOST_BYTES);
+        // 88 GiB of a GPU run at batch 64 does not refuse it on a host with 64 GiB available.
+        assert!(memory(&e, 1, 64.0 * 1073741824.0).is_some());
+        assert!(memory(&host, 1, 64.0 * 1073741824.0).is_none());
     }
 }

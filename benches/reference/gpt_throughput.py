@@ -5,11 +5,13 @@ runner's run beside it.
 
     python3 gpt_throughput.py TOKENS.bin --vocab 50304 --d-model 768 --heads 12 --layers 12
         --seq-len 1024 --batch 8 --steps 300 [--bf16] [--device cuda] [--peak-tflops 989.4]
-        [--syncs-per-step N]
+        [--syncs-per-step N] [--compile]
 
 What nanoGPT does and this does too: windows at random offsets of a memory-mapped uint16 file,
 copied to the GPU from pinned memory without blocking; bfloat16 autocast; AdamW with
-fused=True; gradient clipping at 1.0; one optimizer step per batch. Timed after 10 warm-up steps,
+fused=True; gradient clipping at 1.0; one optimizer step per batch; with --compile, the model
+through `torch.compile` in its default mode, as nanoGPT's `compile = True` (compiled in the
+warm-up steps, which are not timed). Timed after 10 warm-up steps,
 synchronised at both ends; --syncs-per-step N also waits for the device N times a step (at most
 8, at the phase ends), as a loop that times its phases does. Prints one JSON line: tokens per second, model FLOPs utilisation
 (the runner's FLOPs count: 3 × (layers × (2 T × matrices + 4 T² × d) + 2 T d V) per window) and the
@@ -46,6 +48,9 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--syncs-per-step", type=int, default=0, help="torch.cuda.synchronize() calls at phase ends, as a loop that times each phase makes")
+    ap.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps first (compiling, the allocator's growth)")
+    ap.add_argument("--compile", action="store_true", help="the model through torch.compile (default mode)")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile's backend: inductor (its default), or eager (dynamo's tracing alone: what the GPU check's --cpu mode uses, since inductor's C++ takes half a minute a point on 2 cores)")
     a = ap.parse_args()
 
     torch.manual_seed(0)
@@ -54,6 +59,8 @@ def main():
     data = np.memmap(a.tokens, dtype=np.uint16, mode="r")
     model = Transformer(a.vocab, a.d_model, a.heads, a.layers, a.seq_len, tied=True, bias=True).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+    # The optimizer holds the parameters themselves: compiling wraps the module, not them.
+    forward = torch.compile(model, backend=a.compile_backend) if a.compile else model
     rng = np.random.default_rng(0)
 
     def batch():
@@ -77,7 +84,7 @@ def main():
         x, y = batch()
         phase(1)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
-            logits = model(x)
+            logits = forward(x)
         phase(2)
         loss = F.cross_entropy(logits.float().reshape(-1, a.vocab), y.reshape(-1))
         phase(3)
@@ -91,9 +98,11 @@ def main():
         phase(7)
         return loss
 
-    for _ in range(WARMUP):
+    compile_start = time.perf_counter()
+    for _ in range(a.warmup):
         step()
     sync()
+    warmup_s = time.perf_counter() - compile_start
     start = time.perf_counter()
     for _ in range(a.steps):
         loss = step()
@@ -109,6 +118,8 @@ def main():
         "steps": a.steps,
         "seconds": round(seconds, 3),
         "syncs_per_step": a.syncs_per_step,
+        "compiled": a.compile_backend if a.compile else None,
+        "warmup_s": round(warmup_s, 1),
         "tokens_per_s": round(tokens_per_s, 1),
         "tflops_per_s": round(flops_per_s / 1e12, 2),
         "mfu": round(flops_per_s / (a.peak_tflops * 1e12), 4) if a.peak_tflops else None,

@@ -161,6 +161,18 @@ pub struct ConfigArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct ValidateArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Plan the run for this device (run.device), which this build and this machine need not
+    /// have: a GPU run planned on a CPU machine, with the device's memory estimate. The checks
+    /// of run.device and run.backend against this build and machine, and of the memory this
+    /// machine has, are left out; nothing runs.
+    #[arg(long, value_parser = ["cpu", "cuda"])]
+    pub device: Option<String>,
+}
+
+#[derive(Debug, Args)]
 pub struct DataArgs {
     #[command(flatten)]
     pub config: ConfigArgs,

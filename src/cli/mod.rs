@@ -52,7 +52,7 @@ pub enum Command {
     /// Check a pipeline and print its resolved plan (the data-flow table); run nothing.
     #[command(after_help = "Example:\n  runner validate pipelines/ddp.toml --set run.world_size=2\n\n\
                             Read: docs/guide/configuration.md, docs/reference/configuration.md")]
-    Validate(ConfigArgs),
+    Validate(ValidateArgs),
     /// Show a pipeline's data before training: the first rows of the load, shard and normalize
     /// stages' outputs, per rank, with each column's statistics; run nothing.
     #[command(after_help = "Example:\n  runner data pipelines/ddp.toml --rank 0 --rows 3\n\n\
@@ -109,7 +109,7 @@ pub fn numerics_of(cli: &Cli) -> Option<crate::config::schema::CpuNumerics> {
             (None, Some(dir)) => Some(resolved(&dir.join(rundir::CONFIG), &args.set, &args.set_as)),
             (None, None) => Some(Default::default()),
         },
-        Command::Validate(args) | Command::Data(DataArgs { config: args, .. }) => {
+        Command::Validate(ValidateArgs { config: args, .. }) | Command::Data(DataArgs { config: args, .. }) => {
             Some(resolved(&args.file, &args.set, &args.set_as))
         }
         Command::Predict(args) => Some(resolved(&args.run_dir.join(rundir::CONFIG), &[], &[])),
@@ -279,15 +279,26 @@ pub fn plan(args: &ConfigArgs) -> Result<Plan, ConfigError> {
     Plan::new(config::resolve(&args.file, &overrides(&args.set, &args.set_as))?)
 }
 
-fn validate(args: &ConfigArgs) -> anyhow::Result<u8> {
-    let plan = plan(args)?;
+fn validate(va: &ValidateArgs) -> anyhow::Result<u8> {
+    let args = &va.config;
+    let plan = match &va.device {
+        None => plan(args)?,
+        // Another machine's device: its checks against this build and machine are that machine's.
+        Some(device) => {
+            crate::numerics::check_environment().map_err(ConfigError::new)?;
+            let mut sets = overrides(&args.set, &args.set_as);
+            sets.push(Override { label: "--device".into(), text: format!("run.device=\"{device}\"") });
+            Plan::elsewhere(config::resolve(&args.file, &sets)?)?
+        }
+    };
     if !plan.extends.is_empty() {
         let chain: Vec<String> =
             std::iter::once(&plan.pipeline_file).chain(&plan.extends).map(|f| f.display().to_string()).collect();
         crate::say!("extends: {}\n", chain.join(" → "));
     }
     crate::say!("{}", plan.data_flow().trim_end_matches('\n'));
-    let device = crate::device::notes(plan.config.run.device);
+    // What this machine's libtorch sees says nothing of the machine a run is planned for.
+    let device = if va.device.is_some() { Vec::new() } else { crate::device::notes(plan.config.run.device) };
     for note in plan.data.notes().iter().cloned().chain(crate::numerics::notes()).chain(device) {
         crate::say!("{note}");
     }

@@ -203,7 +203,9 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
             (true, None) => "validations".to_owned(),
         };
         crate::say!("  loss\n{}", view::chart(&unit, &losses, 6));
-        if let Some(line) = crate::device::peak_line(plan.device(env.local_rank), plan.memory.as_ref()) {
+        if let Some(line) =
+            crate::device::peak_line(plan.device(env.local_rank), crate::plan::device_memory::DeviceMemory::of(&plan))
+        {
             crate::say!("{line}");
         }
         if env.launcher != Launcher::Runner {

@@ -472,6 +472,9 @@ impl Plan {
         if let Some(e) = &self.memory {
             note += &format!("\n  memory: about {e}, estimated\n");
         }
+        if let Some(device) = super::device_memory::DeviceMemory::of(self) {
+            note += &format!("  GPU memory per rank: about {device}, estimated\n");
+        }
         if let Some((state, ddp)) = &self.state {
             let layout = super::memory::Layout::of(&self.config);
             let versus = ddp.map(|d| versus_ddp(layout, state, &d, self.world_size())).unwrap_or_default();

@@ -6,6 +6,7 @@
 //! [`input`] (the files read and the run id).
 mod annotate;
 mod data;
+pub mod device_memory;
 mod flow;
 mod input;
 pub mod memory;
@@ -86,6 +87,14 @@ pub struct Plan {
     pub reshards: Vec<crate::rundir::manifest::Reshard>,
 }
 
+/// Where a plan's run is to run: the checks against this build and this machine (the device,
+/// NCCL, the memory available) are for this machine only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Machine {
+    This,
+    Another,
+}
+
 /// What the configuration a run resumes with must keep of the run: its plan is made knowing it.
 #[derive(Debug, Clone)]
 pub struct Resuming {
@@ -99,16 +108,23 @@ pub struct Resuming {
 impl Plan {
     /// Checks everything and reports every problem found, not just the first.
     pub fn new(resolved: Resolved) -> Result<Plan, ConfigError> {
-        Plan::build(resolved, None)
+        Plan::build(resolved, None, Machine::This)
+    }
+
+    /// The plan of a run on another machine (`runner validate --device`): everything but the
+    /// checks of `run.device`, `run.backend` and the memory available against this build and
+    /// this machine.
+    pub fn elsewhere(resolved: Resolved) -> Result<Plan, ConfigError> {
+        Plan::build(resolved, None, Machine::Another)
     }
 
     /// The plan of the configuration a run resumes with (see [`Resuming`]), before
     /// [`Plan::resumed`] continues the run's own plan under it.
     pub fn resuming(resolved: Resolved, resuming: &Resuming) -> Result<Plan, ConfigError> {
-        Plan::build(resolved, Some(resuming))
+        Plan::build(resolved, Some(resuming), Machine::This)
     }
 
-    fn build(resolved: Resolved, resuming: Option<&Resuming>) -> Result<Plan, ConfigError> {
+    fn build(resolved: Resolved, resuming: Option<&Resuming>, machine: Machine) -> Result<Plan, ConfigError> {
         let Resolved { config: mut c, mut sources, file, extends } = resolved;
         let base = file.parent().map(PathBuf::from).unwrap_or_default();
         let imported = model::import_hf(&mut c, &mut sources, &base);
@@ -123,7 +139,7 @@ impl Plan {
         for (key, problem) in imported {
             bad(&key, problem);
         }
-        values::run_values(&c, &mut bad);
+        values::run_values(&c, machine, &mut bad);
         values::track_values(&c.track, &mut bad);
         let data = data::spec(&c, &base, &mut bad);
         // Out-of-bounds model sizes leave no architecture: nothing below computes a shape from them.
@@ -231,7 +247,7 @@ impl Plan {
         };
         let memory = match (&data, &arch, &layout, &state) {
             (Some(d), Some(arch), Some(l), Some((state, _))) => {
-                Some(strategy::memory_estimate(&c, d, l, arch.as_ref(), state.total(), &mut bad))
+                Some(strategy::memory_estimate(&c, d, l, arch.as_ref(), state.total(), machine, &mut bad))
             }
             _ => None,
         };

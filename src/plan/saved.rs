@@ -25,7 +25,7 @@ impl Plan {
         let c = &self.config;
         let mut problems = Vec::new();
         let mut bad = |key: &str, msg: String| problems.push(format!("`{key}`: {msg}"));
-        super::values::run_values(c, &mut bad);
+        super::values::run_values(c, super::Machine::This, &mut bad);
         super::recipe::train_values(c, &self.sources, &mut bad);
         let sized = crate::limits::sizes(c, &self.data, &mut bad) && crate::model::check(&c.wrap.model, &mut bad);
         if !problems.is_empty() {

@@ -10,21 +10,26 @@ use crate::model::Architecture;
 use super::memory;
 
 /// What one rank needs in memory, `state` bytes of training state among it, checked against what
-/// this machine has.
+/// this machine has (unless the run is planned for another machine).
 pub(super) fn memory_estimate(
     c: &Config,
     d: &DataSpec,
     layout: &ShardLayout,
     arch: &dyn Architecture,
     state: f64,
+    machine: super::Machine,
     bad: &mut impl FnMut(&str, String),
 ) -> crate::limits::Estimate {
     let estimate = estimate(c, d, layout, arch, state);
+    if machine == super::Machine::Another {
+        return estimate;
+    }
     let model_key = match c.wrap.model {
         Model::Transformer(_) => "wrap.model.d_model",
         _ => "wrap.model.hidden",
     };
-    crate::limits::check_memory(&estimate, c.run.world_size, model_key, bad);
+    // This machine's memory holds the host's part only: on a GPU, not the state or activations.
+    crate::limits::check_memory(&estimate.on_host(c.run.device), c.run.world_size, model_key, bad);
     estimate
 }
 

@@ -15,7 +15,7 @@ pub(super) fn track_values(t: &Track, bad: &mut impl FnMut(&str, String)) {
 }
 
 /// The run's values: world size, threads, name, device and backend, timeouts and bounds.
-pub(super) fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
+pub(super) fn run_values(c: &Config, machine: super::Machine, bad: &mut impl FnMut(&str, String)) {
     if c.run.world_size == 0 {
         bad("run.world_size", "must be at least 1".into());
     }
@@ -43,8 +43,11 @@ pub(super) fn run_values(c: &Config, bad: &mut impl FnMut(&str, String)) {
             ),
         );
     }
-    // This build and this machine against run.device / run.backend (see crate::device).
-    for (key, msg) in crate::device::refusals(c.run.backend, c.run.device) {
+    // This build and this machine against run.device / run.backend (see crate::device); a plan
+    // for another machine keeps only what no build or machine changes (nccl with the CPU).
+    let here = (machine == super::Machine::This).then(|| crate::device::refusals_here(c.run.backend, c.run.device));
+    for (key, msg) in crate::device::refusals(c.run.backend, c.run.device).into_iter().chain(here.into_iter().flatten())
+    {
         bad(key, msg);
     }
 }

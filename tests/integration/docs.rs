@@ -426,7 +426,8 @@ fn parse(args: &[String], keys: &BTreeSet<String>) -> Result<Option<Cli>, String
     };
     let sets: &[String] = match &cli.command {
         Command::Run(a) => &a.set,
-        Command::Validate(a) | Command::Data(runner::cli::DataArgs { config: a, .. }) => &a.set,
+        Command::Validate(runner::cli::ValidateArgs { config: a, .. })
+        | Command::Data(runner::cli::DataArgs { config: a, .. }) => &a.set,
         _ => &[],
     };
     for set in sets {
@@ -443,7 +444,8 @@ fn parse(args: &[String], keys: &BTreeSet<String>) -> Result<Option<Cli>, String
 fn files_of(cli: &Cli, sandbox: &mut Sandbox) -> Vec<PathBuf> {
     let (reads, makes): (Vec<&PathBuf>, Vec<&PathBuf>) = match &cli.command {
         Command::Run(a) => (a.file.iter().chain(&a.resume).collect(), a.out.iter().collect()),
-        Command::Validate(a) | Command::Data(runner::cli::DataArgs { config: a, .. }) => (vec![&a.file], vec![]),
+        Command::Validate(runner::cli::ValidateArgs { config: a, .. })
+        | Command::Data(runner::cli::DataArgs { config: a, .. }) => (vec![&a.file], vec![]),
         Command::Sweep(a) => (vec![&a.file], a.out.iter().collect()),
         Command::Report(a) => (vec![&a.dir], vec![]),
         Command::Predict(a) => (std::iter::once(&a.run_dir).chain(&a.data).collect(), a.out.iter().collect()),

@@ -10,6 +10,7 @@ mod bench;
 mod big_data;
 mod checkpoint;
 mod config_errors;
+mod device_memory;
 mod dist;
 mod docs;
 mod docs_output;
