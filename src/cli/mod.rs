@@ -168,51 +168,14 @@ pub fn main(cli: Cli) -> u8 {
             crate::say!("{table}");
             0
         }),
-        Command::Predict(args) => match (&args.prompt, &args.data) {
-            (Some(prompt), _) => crate::sample::sample(
-                &args.run_dir,
-                &crate::sample::Options {
-                    prompt: prompt.clone(),
-                    tokens: args.tokens,
-                    temperature: args.temperature,
-                    top_k: args.top_k,
-                    seed: args.seed,
-                },
-            ),
-            (None, Some(data)) => crate::predict::predict(
-                &args.run_dir,
-                data,
-                args.out.as_deref(),
-                &crate::predict::Options { model: args.model.clone(), set: args.set.clone() },
-            ),
-            (None, None) => unreachable!("clap requires DATA or --prompt"),
-        },
-        Command::Eval(args) => match (&args.job, &args.run_dir, &args.data) {
-            (Some(job), _, _) => crate::eval::rank(job),
-            (None, Some(run_dir), Some(data)) => crate::eval::eval(
-                run_dir,
-                data,
-                &crate::eval::Options {
-                    world_size: args.world_size,
-                    batch_size: args.batch_size,
-                    seq_len: args.seq_len,
-                    json: args.json,
-                },
-            ),
-            _ => unreachable!("clap requires RUN_DIR and DATA without --job"),
-        },
+        Command::Predict(args) => predict(&args),
+        Command::Eval(args) => eval(&args),
         Command::Prepare(PrepareCommand::Text { file, out, force, tokenizer, vocab }) => {
             crate::prepare::Choice::of(&tokenizer, vocab)
                 .map_err(anyhow::Error::from)
                 .and_then(|choice| crate::prepare::text(&file, &out, force, &choice))
         }
-        Command::Export(args) => crate::export::parse_size(&args.max_shard_size)
-            .map_err(|e| anyhow::Error::new(ConfigError::new(format!("--max-shard-size: {e}"))))
-            .and_then(|max| {
-                let hf = args.hf.as_ref().map(|out| crate::export::export(&args.run_dir, out, max)).transpose()?;
-                let peft = args.peft.as_ref().map(|out| crate::export::export_peft(&args.run_dir, out)).transpose()?;
-                Ok(hf.or(peft).unwrap_or(0))
-            }),
+        Command::Export(args) => export(&args),
         Command::Bench(args) => crate::bench::bench(&crate::bench::Options {
             quick: args.quick,
             repetitions: if args.quick { 1 } else { args.repetitions as usize },
@@ -234,6 +197,59 @@ pub fn main(cli: Cli) -> u8 {
             code
         }
     }
+}
+
+/// `runner predict`: text sampled from a language model after a prompt, or a model's predictions
+/// over a data file.
+fn predict(args: &PredictArgs) -> anyhow::Result<u8> {
+    match (&args.prompt, &args.data) {
+        (Some(prompt), _) => crate::sample::sample(
+            &args.run_dir,
+            &crate::sample::Options {
+                prompt: prompt.clone(),
+                tokens: args.tokens,
+                temperature: args.temperature,
+                top_k: args.top_k,
+                seed: args.seed,
+            },
+        ),
+        (None, Some(data)) => crate::predict::predict(
+            &args.run_dir,
+            data,
+            args.out.as_deref(),
+            &crate::predict::Options { model: args.model.clone(), set: args.set.clone() },
+        ),
+        (None, None) => unreachable!("clap requires DATA or --prompt"),
+    }
+}
+
+/// `runner eval`: a run's model measured on a data file (or, with `--job`, one rank of it).
+fn eval(args: &EvalArgs) -> anyhow::Result<u8> {
+    match (&args.job, &args.run_dir, &args.data) {
+        (Some(job), _, _) => crate::eval::rank(job),
+        (None, Some(run_dir), Some(data)) => crate::eval::eval(
+            run_dir,
+            data,
+            &crate::eval::Options {
+                world_size: args.world_size,
+                batch_size: args.batch_size,
+                seq_len: args.seq_len,
+                json: args.json,
+            },
+        ),
+        _ => unreachable!("clap requires RUN_DIR and DATA without --job"),
+    }
+}
+
+/// `runner export`: a run's model as a Hugging Face directory, or its adapters for PEFT.
+fn export(args: &ExportArgs) -> anyhow::Result<u8> {
+    crate::export::parse_size(&args.max_shard_size)
+        .map_err(|e| anyhow::Error::new(ConfigError::new(format!("--max-shard-size: {e}"))))
+        .and_then(|max| {
+            let hf = args.hf.as_ref().map(|out| crate::export::export(&args.run_dir, out, max)).transpose()?;
+            let peft = args.peft.as_ref().map(|out| crate::export::export_peft(&args.run_dir, out)).transpose()?;
+            Ok(hf.or(peft).unwrap_or(0))
+        })
 }
 
 /// The pipeline file's JSON Schema, generated from the serde types that read it, its keys sorted:
