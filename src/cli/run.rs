@@ -16,7 +16,7 @@ use crate::rundir;
 use crate::rundir::lock::{self, RunLock};
 use crate::rundir::manifest::{Manifest, Status};
 use crate::stages::preempt;
-use crate::trace::view;
+use crate::trace::{view, EpochRow};
 
 use super::resume::{preempted_plan, restarted_plan, resumed_plan, say_resuming};
 use super::{overrides, warn_of_slow_bf16, ConfigArgs, RunArgs};
@@ -134,39 +134,14 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         rank::run(&plan, env, store, &run_dir, resume, commit)
     }))
-    .unwrap_or_else(|panic| match panic.downcast::<crate::checked::Failure>() {
-        // A model's forward pass failed (a user's module raised): its message is the error.
-        Ok(failure) => Err(anyhow::anyhow!(failure.0)),
-        Err(panic) => Err(anyhow::anyhow!("rank {} panicked: {}", env.rank, panic_text(&panic))),
-    });
+    .unwrap_or_else(|panic| Err(panic_error(panic, env.rank)));
     let preempted = result.as_ref().err().and_then(|e| e.downcast_ref::<preempt::Preempted>()).copied();
     let mut requeue = None;
     // A resume refused before every rank accepted it leaves the run's manifest as it was; a
     // restart after a failure (torchrun's, a requeued srun job's) records its own failure there.
     if let Some(manifest) = manifest.as_mut().filter(|_| committed.get() || restarting.get()) {
         manifest.hosts = rank_hosts(&hosts_store, env.world_size);
-        match (&result, preempted) {
-            (Ok(_), _) => {
-                manifest.end(Status::Complete, None);
-                manifest.stopped(&run_dir, &plan.config.train);
-            }
-            (Err(_), Some(p)) => {
-                manifest.end(Status::Preempted, None);
-                manifest.preempted_at_step = Some(p.step);
-            }
-            (Err(e), None) => {
-                manifest.end(Status::Failed, Some(format!("rank 0: {e:#}")));
-                let repeated = restart::record_rank0_failure(manifest, &run_dir, &format!("{e:#}"));
-                let slurm_restarts = manifest.restarts.iter().filter(|r| r.by == "slurm").count();
-                if env.launcher == Launcher::Srun && plan.config.run.max_restarts > 0 {
-                    requeue = Some(match (repeated, slurm_restarts < plan.config.run.max_restarts) {
-                        (true, _) => Err("it failed the same way before: a failure that repeats is not retried"),
-                        (false, false) => Err("no restart left (run.max_restarts)"),
-                        (false, true) => Ok(checkpoint::newest_unread(&run_dir, &plan).ok().flatten().is_some()),
-                    });
-                }
-            }
-        }
+        requeue = record_end(manifest, &plan, env, &run_dir, &result, preempted);
         manifest.account(&run_dir);
         manifest.write(&run_dir)?;
     }
@@ -186,33 +161,83 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
     }
     let rows = result?;
     if env.rank == 0 {
-        let by_step = plan.config.train.steps.is_some();
-        crate::say!("\n{}", view::epoch_table(&rows, by_step));
-        let memory = view::memory_line(&rows, plan.memory.as_ref());
-        if !memory.is_empty() {
-            crate::say!("{memory}\n");
-        }
-        let pipeline = view::pipeline_table(&rows);
-        if !pipeline.is_empty() {
-            crate::say!("  per rank, mean of the epochs (bubble: share of the training time spent waiting in send/recv)\n{pipeline}");
-        }
-        let losses: Vec<f64> = rows.iter().filter(|r| r.rank == 0).map(|r| r.global_train_loss).collect();
-        let unit = match (by_step, plan.config.validate.every_steps) {
-            (false, _) => "epochs".to_owned(),
-            (true, Some(n)) => format!("validations (every {n} steps)"),
-            (true, None) => "validations".to_owned(),
-        };
-        crate::say!("  loss\n{}", view::chart(&unit, &losses, 6));
-        if let Some(line) =
-            crate::device::peak_line(plan.device(env.local_rank), crate::plan::device_memory::DeviceMemory::of(&plan))
-        {
-            crate::say!("{line}");
-        }
-        if env.launcher != Launcher::Runner {
-            crate::say!("  run directory: {}", run_dir.display());
-        }
+        summary(&plan, env, &rows, &run_dir);
     }
     Ok(0)
+}
+
+/// A rank's panic as its error: a model's failed forward pass (a user's module raised) by its own
+/// message.
+fn panic_error(panic: Box<dyn std::any::Any + Send>, rank: usize) -> anyhow::Error {
+    match panic.downcast::<crate::checked::Failure>() {
+        Ok(failure) => anyhow::anyhow!(failure.0),
+        Err(panic) => anyhow::anyhow!("rank {rank} panicked: {}", panic_text(&panic)),
+    }
+}
+
+/// Rank 0's summary at the end of a run: the epochs, memory, the pipeline's ranks, the loss's chart.
+fn summary(plan: &Plan, env: &RankEnv, rows: &[EpochRow], run_dir: &Path) {
+    let by_step = plan.config.train.steps.is_some();
+    crate::say!("\n{}", view::epoch_table(rows, by_step));
+    let memory = view::memory_line(rows, plan.memory.as_ref());
+    if !memory.is_empty() {
+        crate::say!("{memory}\n");
+    }
+    let pipeline = view::pipeline_table(rows);
+    if !pipeline.is_empty() {
+        crate::say!("  per rank, mean of the epochs (bubble: share of the training time spent waiting in send/recv)\n{pipeline}");
+    }
+    let losses: Vec<f64> = rows.iter().filter(|r| r.rank == 0).map(|r| r.global_train_loss).collect();
+    let unit = match (by_step, plan.config.validate.every_steps) {
+        (false, _) => "epochs".to_owned(),
+        (true, Some(n)) => format!("validations (every {n} steps)"),
+        (true, None) => "validations".to_owned(),
+    };
+    crate::say!("  loss\n{}", view::chart(&unit, &losses, 6));
+    if let Some(line) =
+        crate::device::peak_line(plan.device(env.local_rank), crate::plan::device_memory::DeviceMemory::of(plan))
+    {
+        crate::say!("{line}");
+    }
+    if env.launcher != Launcher::Runner {
+        crate::say!("  run directory: {}", run_dir.display());
+    }
+}
+
+/// How the run ended, into rank 0's manifest; under srun with restarts left, whether to requeue
+/// the job (`Ok(whether it resumes from a checkpoint)`) or why not.
+fn record_end(
+    manifest: &mut Manifest,
+    plan: &Plan,
+    env: &RankEnv,
+    run_dir: &Path,
+    result: &anyhow::Result<Vec<EpochRow>>,
+    preempted: Option<preempt::Preempted>,
+) -> Option<Result<bool, &'static str>> {
+    let mut requeue = None;
+    match (result, preempted) {
+        (Ok(_), _) => {
+            manifest.end(Status::Complete, None);
+            manifest.stopped(run_dir, &plan.config.train);
+        }
+        (Err(_), Some(p)) => {
+            manifest.end(Status::Preempted, None);
+            manifest.preempted_at_step = Some(p.step);
+        }
+        (Err(e), None) => {
+            manifest.end(Status::Failed, Some(format!("rank 0: {e:#}")));
+            let repeated = restart::record_rank0_failure(manifest, run_dir, &format!("{e:#}"));
+            let slurm_restarts = manifest.restarts.iter().filter(|r| r.by == "slurm").count();
+            if env.launcher == Launcher::Srun && plan.config.run.max_restarts > 0 {
+                requeue = Some(match (repeated, slurm_restarts < plan.config.run.max_restarts) {
+                    (true, _) => Err("it failed the same way before: a failure that repeats is not retried"),
+                    (false, false) => Err("no restart left (run.max_restarts)"),
+                    (false, true) => Ok(checkpoint::newest_unread(run_dir, &plan).ok().flatten().is_some()),
+                });
+            }
+        }
+    }
+    requeue
 }
 
 /// Rank 0 under torchrun or srun, once every rank runs the same configuration: takes the run
