@@ -188,6 +188,24 @@ fn a_checkpoint_saved_at_tensor_2_resumes_on_one_rank_and_one_rank_s_resumes_at_
 }
 
 #[test]
+fn a_checkpoint_saved_at_tensor_2_resumes_at_tensor_4_and_at_data_2_under_fsdp() {
+    let dir = tempfile::tempdir().unwrap();
+    crate::common::write(dir.path(), "p.toml", LM);
+    let every = ["--set", "checkpoint.every=1"];
+    train(dir.path(), "whole", &every);
+    let first = [&every[..], &TP2, &["--set", "train.epochs=1"]].concat();
+    train(dir.path(), "to-tp4", &first);
+    let tp4 = ["--set", "train.epochs=2", "--set", "run.world_size=4", "--set", "wrap.mesh.tensor=4"];
+    resume(dir.path(), "to-tp4", &tp4);
+    crate::common::assert_close_runs(&dir.path().join("to-tp4"), &dir.path().join("whole"), 1e-5);
+
+    train(dir.path(), "to-fsdp", &first);
+    let fsdp = ["--set", "train.epochs=2", "--set", "wrap.mesh.tensor=1", "--set", "wrap.strategy=\"fsdp\""];
+    resume(dir.path(), "to-fsdp", &[&fsdp[..], &["--set", "train.batch_size=8"]].concat());
+    crate::common::assert_close_runs(&dir.path().join("to-fsdp"), &dir.path().join("whole"), 1e-5);
+}
+
+#[test]
 fn pipeline_times_tensor_and_the_3d_mesh_at_8_ranks_equal_one_process_and_resume_on_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     crate::common::write(dir.path(), "p.toml", LM);
