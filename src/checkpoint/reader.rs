@@ -47,7 +47,33 @@ pub fn verify(dir: &Path, step: usize, plan: &Plan, checksums: bool) -> Result<I
     if r.parameters != crate::model::saved_parameters(plan.model().as_ref()) {
         return Err("it holds a different model (parameter names or shapes differ from [wrap.model])".into());
     }
-    for (name, shape) in &r.parameters {
+    check_model(&index)?;
+    check_optimizer(&index, plan)?;
+    check_buckets(r.buckets.as_deref(), plan)?;
+    check_partial_trace(&index)?;
+    if checksums {
+        let run_dir = dir.parent().and_then(Path::parent).unwrap_or(Path::new("."));
+        check_trace(r, &run_dir.join(crate::rundir::TRACE))?;
+    }
+    let files = open_files(dir, &index)?;
+    for (name, t) in &index.tensors {
+        t.check_tiling(name)?;
+        for piece in &t.pieces {
+            let f = files.get(&piece.file).ok_or_else(|| {
+                format!("its index puts a piece of `{name}` in {}, which it does not list", piece.file)
+            })?;
+            check_piece(f, name, t, piece)?;
+            if checksums {
+                read_piece(f, name, piece)?;
+            }
+        }
+    }
+    Ok(index)
+}
+
+/// Each of the record's parameters is in the index as model state, of its shape.
+fn check_model(index: &Index) -> Result<(), String> {
+    for (name, shape) in &index.record.parameters {
         match index.tensors.get(name) {
             Some(t) if t.shape != *shape => {
                 return Err(format!("its index holds the model's `{name}` as {:?}, the model's is {shape:?}", t.shape))
@@ -57,8 +83,12 @@ pub fn verify(dir: &Path, step: usize, plan: &Plan, checksums: bool) -> Result<I
             None => return Err(format!("its index lacks the model's `{name}` of shape {shape:?}")),
         }
     }
-    check_optimizer(&index, plan)?;
-    check_buckets(r.buckets.as_deref(), plan)?;
+    Ok(())
+}
+
+/// A checkpoint inside a trace interval holds every rank's partial sums of that interval.
+fn check_partial_trace(index: &Index) -> Result<(), String> {
+    let r = &index.record;
     if r.partial {
         for k in 0..r.layout.world_size {
             for what in ["losses", "correct", "weights", "norms"] {
@@ -73,10 +103,11 @@ pub fn verify(dir: &Path, step: usize, plan: &Plan, checksums: bool) -> Result<I
             }
         }
     }
-    if checksums {
-        let run_dir = dir.parent().and_then(Path::parent).unwrap_or(Path::new("."));
-        check_trace(r, &run_dir.join(crate::rundir::TRACE))?;
-    }
+    Ok(())
+}
+
+/// Each file the index lists, of its size, opened: the index's names stay inside `dir`.
+fn open_files(dir: &Path, index: &Index) -> Result<HashMap<String, TensorFile>, String> {
     let mut files = HashMap::new();
     for (file, bytes) in &index.files {
         let p = dir.join(file);
@@ -95,19 +126,7 @@ pub fn verify(dir: &Path, step: usize, plan: &Plan, checksums: bool) -> Result<I
         let f = TensorFile::open(&p).map_err(|e| format!("{file} does not match its index: {e}"))?;
         files.insert(file.clone(), f);
     }
-    for (name, t) in &index.tensors {
-        t.check_tiling(name)?;
-        for piece in &t.pieces {
-            let f = files.get(&piece.file).ok_or_else(|| {
-                format!("its index puts a piece of `{name}` in {}, which it does not list", piece.file)
-            })?;
-            check_piece(f, name, t, piece)?;
-            if checksums {
-                read_piece(f, name, piece)?;
-            }
-        }
-    }
-    Ok(index)
+    Ok(files)
 }
 
 /// The record's trace rows are the run's trace up to the checkpoint: the rows of `trace` (when
