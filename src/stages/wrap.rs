@@ -46,7 +46,7 @@ pub fn wrap<'pg>(
     // With wrap.sync_batchnorm under DDP or FSDP, batch norm's statistics cover the data-parallel
     // group: every rank of the job. The step reports a failed collective.
     let batch_norm = plan.syncs_batch_norm().then(|| StatsGroup::new(pg));
-    let tensor = groups.tensor().map(TensorGroup::new);
+    let tensor = groups.tensor().map(|g| TensorGroup::new(g, c.wrap.mesh.sequence_parallel));
     let ctx = BuildContext { seed: c.run.seed, batch_norm, tensor, checkpointing: c.wrap.activation_checkpointing };
     if c.wrap.strategy == WrapStrategy::Fsdp {
         return wrap_sharded(plan, groups.data(pg), vs, arch.as_ref(), &ctx);

@@ -44,7 +44,7 @@ pub fn column_then_row(pg: &ProcessGroup) {
 /// A small language model on synthetic tokens (128 windows of 8 + 1 tokens, vocab 32), trained
 /// with SGD: Adam would magnify the float noise of gradients that are zero in exact arithmetic,
 /// which the comparison of parameters would see.
-const LM: &str = r#"
+pub const LM: &str = r#"
 [run]
 name = "tp"
 seed = 5
