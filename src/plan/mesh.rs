@@ -410,6 +410,30 @@ mod tests {
     }
 
     #[test]
+    fn sequence_parallelism_needs_tensor_ranks_a_sequence_they_split_and_no_pipeline() {
+        let mut c = Config::default();
+        c.run.world_size = 2;
+        c.wrap.mesh.sequence_parallel = true;
+        let t = crate::config::schema::Transformer { seq_len: 9, ..Default::default() };
+        c.wrap.model = Model::Transformer(t.clone());
+        assert!(problems(&c)[0].contains("but wrap.mesh.tensor = 1"), "{:?}", problems(&c));
+        c.wrap.mesh.tensor = Some(2);
+        assert_eq!(
+            problems(&c),
+            ["wrap.mesh.sequence_parallel: 2 tensor ranks cannot split wrap.model.seq_len = 9 evenly along the \
+              sequence; the tensor degrees that divide it: 1, 3, 9 (or a seq_len that 2 divides)"]
+        );
+        c.wrap.model = Model::Transformer(crate::config::schema::Transformer { seq_len: 8, ..t });
+        assert!(problems(&c).is_empty(), "{:?}", problems(&c));
+        c.wrap.strategy = WrapStrategy::Pipeline;
+        c.wrap.mesh.pipeline = Some(1);
+        assert!(problems(&c).iter().any(|p| p.contains("is not built for a pipeline yet")), "{:?}", problems(&c));
+        c.wrap.strategy = WrapStrategy::Ddp;
+        c.wrap.model = Model::Mlp(Default::default());
+        assert!(problems(&c).iter().any(|p| p.contains("this model has none")), "{:?}", problems(&c));
+    }
+
+    #[test]
     fn a_product_off_the_world_size_names_what_works() {
         let s = Shape { data: 1, pipeline: 1, tensor: 3 };
         assert_eq!(
