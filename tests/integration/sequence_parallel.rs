@@ -42,7 +42,7 @@ fn gpt2_and_llama_with_sequence_parallelism_at_tensor_2_train_as_one_process_dro
 /// Without dropout: two copies of the model draw their own masks for their halves of the batch,
 /// not the one process's (as under DDP).
 #[test]
-fn fsdp_times_tensor_with_sequence_parallelism_at_4_ranks_equals_one_process() {
+fn fsdp_and_ddp_times_tensor_with_sequence_parallelism_at_4_ranks_equal_one_process() {
     let dir = setup();
     let steps = ["--set", "validate.every_steps=1"];
     train(dir.path(), "one", &steps);
@@ -60,6 +60,9 @@ fn fsdp_times_tensor_with_sequence_parallelism_at_4_ranks_equals_one_process() {
     ];
     train(dir.path(), "fsdp-sp", &[&steps[..], &mesh].concat());
     common::assert_close_runs(&dir.path().join("fsdp-sp"), &dir.path().join("one"), 1e-5);
+    // DDP across the copies instead.
+    train(dir.path(), "ddp-sp", &[&steps[..], &mesh[..6], &mesh[8..]].concat());
+    common::assert_close_runs(&dir.path().join("ddp-sp"), &dir.path().join("one"), 1e-5);
 }
 
 #[test]
