@@ -582,6 +582,76 @@ extern "C" char* rn_all_reduce_sum_autograd(rn_pg* pg, void* input, int in_forwa
   });
 }
 
+namespace {
+// `x`'s parts from every rank of pg, concatenated along `dim` in rank order.
+at::Tensor gather_along(rn_pg* pg, const at::Tensor& x, int64_t dim) {
+  // The collectives take whole rows: the dimension moved first, each rank's part contiguous.
+  at::Tensor part = x.movedim(dim, 0).contiguous();
+  auto sizes = part.sizes().vec();
+  sizes[0] *= pg->backend->getSize();
+  at::Tensor whole = at::empty(sizes, part.options());
+  pg->backend->_allgather_base(whole, part)->wait();
+  return whole.movedim(0, dim).contiguous();
+}
+
+// The sum of `x` over the ranks of pg, of which this rank keeps its part along `dim`.
+at::Tensor reduce_scatter_along(rn_pg* pg, const at::Tensor& x, int64_t dim) {
+  at::Tensor whole = x.movedim(dim, 0).contiguous();
+  auto sizes = whole.sizes().vec();
+  TORCH_CHECK(sizes[0] % pg->backend->getSize() == 0, "dimension ", dim, " of size ", sizes[0],
+              " does not split evenly over ", pg->backend->getSize(), " ranks");
+  sizes[0] /= pg->backend->getSize();
+  at::Tensor part = at::empty(sizes, whole.options());
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  pg->backend->_reduce_scatter_base(part, whole, opts)->wait();
+  return part.movedim(0, dim).contiguous();
+}
+
+// Sequence parallelism's two collectives, along one dimension of the activations (Megatron-SP's
+// g and its conjugate). Gather: every rank's part concatenated; its backward pass reduce-scatters
+// the gradient (the whole is the input of a column-parallel layer, whose ranks each hold a
+// partial gradient of all of it) or, where the ranks compute the same loss from the whole
+// (the logits), keeps this rank's part of it. Scatter: the sum of the ranks' partial results
+// (a row-parallel layer's), this rank's part kept; its backward pass gathers the gradient.
+struct AlongDim : public torch::autograd::Function<AlongDim> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t pg, int64_t dim,
+                            int64_t mode) {
+    ctx->saved_data["pg"] = pg;
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["mode"] = mode;
+    auto* p = reinterpret_cast<rn_pg*>(pg);
+    at::Tensor in = x.detach();
+    return mode == RN_SCATTER_SUM ? reduce_scatter_along(p, in, dim) : gather_along(p, in, dim);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* p = reinterpret_cast<rn_pg*>(ctx->saved_data["pg"].toInt());
+    int64_t dim = ctx->saved_data["dim"].toInt(), mode = ctx->saved_data["mode"].toInt();
+    const at::Tensor& g = grads[0];
+    at::Tensor out;
+    if (mode == RN_SCATTER_SUM) {
+      out = gather_along(p, g, dim);
+    } else if (mode == RN_GATHER_SUM_BACK) {
+      out = reduce_scatter_along(p, g, dim);
+    } else {
+      int64_t part = g.size(dim) / p->backend->getSize();
+      out = g.narrow(dim, part * p->backend->getRank(), part).contiguous();
+    }
+    return {out, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+}  // namespace
+
+extern "C" char* rn_along_dim_autograd(rn_pg* pg, void* input, int64_t dim, int mode, void** out) {
+  return protect([&] {
+    TORCH_CHECK(mode == RN_SCATTER_SUM || mode == RN_GATHER_SUM_BACK || mode == RN_GATHER_PART_BACK,
+                "unknown mode ", mode);
+    at::Tensor r = AlongDim::apply(tensor(input), reinterpret_cast<int64_t>(pg), dim, static_cast<int64_t>(mode));
+    *out = new at::Tensor(std::move(r));
+  });
+}
+
 char* rn_ddp_bucket_layout(rn_ddp* d, size_t* layout, size_t* bucket_sizes, size_t* n_buckets) {
   return protect([&] {
     std::unordered_map<const c10::TensorImpl*, size_t> index;

@@ -137,6 +137,17 @@ char* rn_autocast_bf16(int enabled);
 // collectives around a tensor-parallel layer pair (Megatron's f and g).
 char* rn_all_reduce_sum_autograd(rn_pg* pg, void* input, int in_forward, int in_backward, void** out);
 
+// Sequence parallelism's collectives along dimension `dim` of `input`, as a new tensor (*out,
+// owned by the caller) that autograd differentiates. RN_SCATTER_SUM: the sum over the ranks of
+// pg, this rank's rank-th part along dim kept (reduce-scatter); backward, the gradient's parts
+// gathered. RN_GATHER_SUM_BACK: every rank's part concatenated along dim (all-gather); backward,
+// the gradient reduce-scattered. RN_GATHER_PART_BACK: the same gather; backward, this rank's part
+// of the gradient kept (every rank computed the same gradient of the whole).
+#define RN_SCATTER_SUM 0
+#define RN_GATHER_SUM_BACK 1
+#define RN_GATHER_PART_BACK 2
+char* rn_along_dim_autograd(rn_pg* pg, void* input, int64_t dim, int mode, void** out);
+
 // Activation checkpointing (csrc/checkpoint.cpp). A segment is a function of one tensor that the
 // caller supplies as `call(closure, input, &output)`: it takes ownership of `input` (an
 // at::Tensor*), writes a new at::Tensor* into *output and returns NULL, or returns a malloc'd

@@ -1,7 +1,8 @@
 """The runner's transformer language model under PyTorch's DTensor tensor parallelism: the
 side-by-side peer of `[wrap.mesh] tensor = T` (the runner's Megatron-style split, docs/parallelism.md).
 
-    torchrun --standalone --nproc_per_node=W tp_torch.py FILE --tensor T [every fsdp2_torch.py option]
+    torchrun --standalone --nproc_per_node=W tp_torch.py FILE --tensor T [--sequence-parallel]
+        [every fsdp2_torch.py option]
 
 The data, the order of the windows, the optimizer recipe, the rows and RESULT.json are
 fsdp2_torch.py's (its `train`); this script only spreads the model differently, as torchtitan's
@@ -12,6 +13,12 @@ parallelize_llama does, over one device mesh of W / T × T ranks, ("dp", "tp"):
   projection `RowwiseParallel` (the same heads' columns); the MLP's first layer `ColwiseParallel`,
   its last `RowwiseParallel` (`parallelize_module` over the "tp" dimension);
 - the embeddings, the norms and the head replicated, as the runner's;
+- with `--sequence-parallel` (the runner's `wrap.mesh.sequence_parallel`), torchtitan's sequence
+  parallelism: the norms `SequenceParallel` (the activations between the split layers sharded
+  along the sequence, Shard(1)), `PrepareModuleInput` gathering them into the attention and the
+  embeddings' output sharded into the first block, the row-parallel layers' outputs Shard(1)
+  (a reduce-scatter), the MLP's first layer gathering its Shard(1) input, the final norm's
+  output gathered for the (replicated, untied) head;
 - where W / T > 1, FSDP2 over "dp" (`fully_shard` on each block, then on the root: torchtitan's
   2-D FSDP × TP), each "dp" index reading its own shard of the data; the ranks of a tensor group
   read the same windows.
@@ -37,8 +44,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from fsdp2_torch import Layout, arguments, train
 
@@ -53,36 +66,71 @@ def rows_of(linear, start, n):
     return part
 
 
+class Attention(nn.Module):
+    """The causal attention of a block's normed input, before its output projection: q, k and v
+    as modules ColwiseParallel splits by heads. Each rank sees only its own heads: the head count
+    of its q, k and v outputs follows from their width."""
+
+    def __init__(self, qkv, heads):
+        super().__init__()
+        d = qkv.in_features
+        self.head_dim = d // heads
+        self.q, self.k, self.v = (rows_of(qkv, i * d, d) for i in range(3))
+
+    def forward(self, h):
+        # The whole sequence's shape (under sequence parallelism h is a DTensor gathered whole).
+        b, t, _ = h.shape
+        split = lambda y: y.view(b, t, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), is_causal=True)
+        return y.transpose(1, 2).reshape(b, t, -1)
+
+
 class SplitBlock(nn.Module):
-    """transformer_torch.py's Block with its fused qkv cut into q, k and v: the same function,
-    in modules ColwiseParallel splits by heads. Each rank sees only its own heads: the head
-    count of its q, k and v outputs follows from their width."""
+    """transformer_torch.py's Block with its fused qkv cut into q, k and v: the same function."""
 
     def __init__(self, block):
         super().__init__()
-        d = block.qkv.in_features
-        self.head_dim = d // block.heads
         self.ln1, self.proj, self.ln2, self.fc, self.out = block.ln1, block.proj, block.ln2, block.fc, block.out
-        self.q, self.k, self.v = (rows_of(block.qkv, i * d, d) for i in range(3))
+        self.attn = Attention(block.qkv, block.heads)
 
     def forward(self, x):
-        b, t, _ = x.shape
-        h = self.ln1(x)
-        split = lambda y: y.view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.proj(self.attn(self.ln1(x)))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 # torchtitan's plan for a block: column-parallel into the heads and the hidden units, row-parallel out.
 BLOCK_PLAN = {
-    "q": ColwiseParallel(),
-    "k": ColwiseParallel(),
-    "v": ColwiseParallel(),
+    "attn.q": ColwiseParallel(),
+    "attn.k": ColwiseParallel(),
+    "attn.v": ColwiseParallel(),
     "proj": RowwiseParallel(),
     "fc": ColwiseParallel(),
     "out": RowwiseParallel(),
 }
+
+# torchtitan's with sequence parallelism: the norms on Shard(1), gathered into the split layers,
+# reduce-scattered out of them.
+SEQUENCE_BLOCK_PLAN = {
+    "ln1": SequenceParallel(),
+    "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "attn.q": ColwiseParallel(),
+    "attn.k": ColwiseParallel(),
+    "attn.v": ColwiseParallel(),
+    "proj": RowwiseParallel(output_layouts=Shard(1)),
+    "ln2": SequenceParallel(),
+    "fc": ColwiseParallel(input_layouts=Shard(1)),
+    "out": RowwiseParallel(output_layouts=Shard(1)),
+}
+
+
+def sequence_parallel(model, tp):
+    """Around the blocks: the embeddings' output sharded along the sequence into the first block,
+    the final norm on the shards, its output gathered for the replicated head."""
+    if model.head is None:
+        raise SystemExit("tp_torch.py: --sequence-parallel takes an untied head")
+    first = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+    parallelize_module(model, tp, {"blocks.0": first, "ln_f": SequenceParallel(), "head": gather})
 
 
 def global_norm_clip(params, max_norm):
@@ -135,7 +183,9 @@ def tensor_parallel(model, a):
     mesh = init_device_mesh("cpu", (data, a.tensor), mesh_dim_names=("dp", "tp"))
     model.blocks = nn.ModuleList(SplitBlock(b) for b in model.blocks)
     for block in model.blocks:
-        parallelize_module(block, mesh["tp"], BLOCK_PLAN)
+        parallelize_module(block, mesh["tp"], SEQUENCE_BLOCK_PLAN if a.sequence_parallel else BLOCK_PLAN)
+    if a.sequence_parallel:
+        sequence_parallel(model, mesh["tp"])
     units = [f"blocks.{i}: q, k, v, fc column-parallel; proj, out row-parallel" for i in range(len(model.blocks))]
     if data > 1:
         reshard = a.reshard_after_forward == "true"
@@ -144,13 +194,15 @@ def tensor_parallel(model, a):
             fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard and i < last)
         fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
     tp_rank = mesh["tp"].get_local_rank()
-    extra = {"mesh": {"data": data, "tensor": a.tensor}, "precision": a.precision}
+    extra = {"mesh": {"data": data, "tensor": a.tensor}, "sequence_parallel": a.sequence_parallel}
+    extra["precision"] = a.precision
     return Layout(units, mesh["dp"].get_local_rank(), data, tp_rank == 0, global_norm_clip, extra)
 
 
 def main():
     p = arguments()
     p.add_argument("--tensor", type=int, required=True, help="ranks each block is split across")
+    p.add_argument("--sequence-parallel", action="store_true", help="torchtitan's sequence parallelism")
     a = p.parse_args()
     train(a, lambda model: tensor_parallel(model, a), "tp_torch.py")
 

@@ -618,6 +618,13 @@ pub struct Mesh {
     /// Stages of a pipeline (wrap.strategy = "pipeline"; replaces wrap.pipeline.replicas).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<usize>,
+    /// Sequence parallelism (Megatron-SP, as torchtitan builds it) with tensor > 1: between a
+    /// transformer's split layers, the activations are split along the sequence over the tensor
+    /// group, so the norms, the residual dropout and the activations they keep are 1 / tensor per
+    /// rank; an all-gather enters each column-parallel layer and a reduce-scatter leaves each
+    /// row-parallel one (instead of an all-reduce). wrap.model.seq_len must divide by tensor.
+    #[serde(skip_serializing_if = "is_false")]
+    pub sequence_parallel: bool,
 }
 
 impl Mesh {

@@ -70,6 +70,10 @@ pub struct RnDdpStats {
     pub iteration: i64,
 }
 
+/// rn_along_dim_autograd's modes (bridge.h).
+pub const RN_SCATTER_SUM: c_int = 0;
+pub const RN_GATHER_SUM_BACK: c_int = 1;
+pub const RN_GATHER_PART_BACK: c_int = 2;
 pub const RN_SUM: c_int = 0;
 pub const RN_AVG: c_int = 1;
 pub const RN_MIN: c_int = 2;
@@ -225,6 +229,13 @@ extern "C" {
         input: *mut c_void,
         in_forward: c_int,
         in_backward: c_int,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
+    pub fn rn_along_dim_autograd(
+        pg: *mut RnPg,
+        input: *mut c_void,
+        dim: i64,
+        mode: c_int,
         out: *mut *mut c_void,
     ) -> *mut c_char;
 

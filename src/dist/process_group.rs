@@ -4,7 +4,7 @@
 //! tensor (the per-epoch metrics, a checkpoint's gather) is copied to the group's GPU and back;
 //! torch's gloo has no GPU send/recv, so a CUDA tensor sent or received over gloo goes through
 //! host memory (its all-reduce, broadcast and all-gather take CUDA tensors themselves).
-use std::ffi::{c_void, CString};
+use std::ffi::{c_int, c_void, CString};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -296,6 +296,33 @@ impl ProcessGroup {
                 &mut out,
             )
         };
+        self.result(name, err)?;
+        // SAFETY: the bridge allocated `out` with `new at::Tensor`, what tch's handles are.
+        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    }
+
+    /// The sum of the ranks' partial `t` (a row-parallel layer's outputs), of which this rank keeps
+    /// its part along `dim` (reduce-scatter), as a new tensor whose gradient autograd gathers
+    /// along `dim`: sequence parallelism's exit from a tensor-parallel region.
+    pub fn scatter_sum_autograd(&self, t: &Tensor, dim: i64) -> Result<Tensor> {
+        self.along_dim("scatter_sum_autograd", t, dim, ffi::RN_SCATTER_SUM)
+    }
+
+    /// Every rank's `t` concatenated along `dim` in rank order (all-gather), as a new tensor whose
+    /// gradient autograd reduce-scatters along `dim` (`sum_back`: the ranks each hold a partial
+    /// gradient of the whole, as a column-parallel layer's input has), or of which it keeps this
+    /// rank's part (every rank computed the same gradient of the whole).
+    pub fn gather_autograd(&self, t: &Tensor, dim: i64, sum_back: bool) -> Result<Tensor> {
+        let mode = if sum_back { ffi::RN_GATHER_SUM_BACK } else { ffi::RN_GATHER_PART_BACK };
+        self.along_dim("gather_autograd", t, dim, mode)
+    }
+
+    fn along_dim(&self, name: &str, t: &Tensor, dim: i64, mode: c_int) -> Result<Tensor> {
+        let t = t.contiguous();
+        let mut out = std::ptr::null_mut();
+        // SAFETY: `t` is live for the blocking call; on success `out` is a new at::Tensor that the
+        // returned Tensor owns (tch frees it).
+        let err = unsafe { ffi::rn_along_dim_autograd(self.raw(), t.as_ptr() as *mut c_void, dim, mode, &mut out) };
         self.result(name, err)?;
         // SAFETY: the bridge allocated `out` with `new at::Tensor`, what tch's handles are.
         Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })

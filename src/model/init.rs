@@ -2,7 +2,8 @@
 //! (`.safetensors`, `.npz`) holding every parameter and buffer as `model.safetensors` does, or a
 //! Hugging Face model directory read through its adapter ([`super::hf`]). Any rows of any
 //! parameter can be asked for on their own, and only those are read: what a rank that holds
-//! shards reads (FSDP builds and loads the model a unit at a time).
+//! shards reads (FSDP builds and loads the model a unit at a time); and a tensor rank's slice
+//! ([`InitWeights::slice`]): its rows, or of a Hugging Face checkpoint its columns alone.
 use std::ops::Range;
 use std::path::Path;
 
@@ -10,7 +11,7 @@ use tch::nn;
 use tch::Tensor;
 
 use super::weights::WeightsFile;
-use super::{hf, transformer};
+use super::{hf, transformer, TensorSlice};
 use crate::config::schema::Model;
 
 /// The opened initial weights (checked by the plan).
@@ -40,6 +41,22 @@ impl InitWeights {
             InitWeights::File(file) => file.rows(name, rows, like),
             InitWeights::Hf(checkpoint) => checkpoint.rows(name, rows).map_err(anyhow::Error::msg),
         }
+    }
+
+    /// Tensor rank's `slice` of `name`, whose whole is shaped as `like`: rows read alone; columns
+    /// of a Hugging Face checkpoint read alone (a run of each stored row), of a weights file cut
+    /// from the whole.
+    pub fn slice(&mut self, name: &str, slice: &TensorSlice, like: &Tensor) -> anyhow::Result<Tensor> {
+        let parts: anyhow::Result<Vec<Tensor>> = slice
+            .ranges
+            .iter()
+            .map(|r| match (slice.dim, &mut *self) {
+                (0, _) => self.rows(name, r.clone(), like),
+                (1, InitWeights::Hf(checkpoint)) => checkpoint.columns(name, r.clone()).map_err(anyhow::Error::msg),
+                _ => Ok(self.whole(name, like)?.narrow(slice.dim, r.start, r.end - r.start)),
+            })
+            .collect();
+        Ok(Tensor::cat(&parts?, slice.dim))
     }
 
     /// The whole of `name`, shaped as `like`.

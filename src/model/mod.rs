@@ -100,6 +100,11 @@ pub struct Activations {
     pub checkpointing: ActivationCheckpointing,
     /// Under bf16 autocast: products in bfloat16.
     pub bf16: bool,
+    /// The tensor ranks each block is split across (`wrap.mesh.tensor`; 0 and 1: whole).
+    pub tensor: usize,
+    /// Sequence parallelism (`wrap.mesh.sequence_parallel`): what runs between the split layers
+    /// holds 1 / tensor of the sequence.
+    pub sequence: bool,
 }
 
 /// One layer as the plan sees it. Layers are where a pipeline may cut the model.

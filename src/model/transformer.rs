@@ -67,7 +67,7 @@ impl TransformerArch {
     /// Values per sample (per window) a block keeps for its backward pass besides its output, in
     /// float32 ([`activations::block_kept`]).
     fn block_held(&self) -> usize {
-        (activations::block_kept(&self.s, 4.0) / 4.0) as usize
+        (activations::block_kept(&self.s, 4.0, activations::Split::WHOLE) / 4.0) as usize
     }
 
     /// "LoRA of rank 8 (alpha 16) on q_proj, v_proj: 3584 parameters trained".

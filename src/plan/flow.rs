@@ -481,6 +481,7 @@ impl Plan {
             note += &format!("  training state under {layout}: {state} per rank{versus}\n");
         }
         note += &super::strategy::checkpointing_note(self).unwrap_or_default();
+        note += &super::mesh::sequence_note(self).unwrap_or_default();
         if let Some(why) = &self.auto {
             note += &format!("  wrap.strategy = \"auto\": {why}\n");
         }

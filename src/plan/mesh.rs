@@ -145,11 +145,49 @@ pub(super) fn note(c: &Config) -> String {
     note
 }
 
+/// Under the memory estimate, with `wrap.mesh.sequence_parallel`: what each tensor rank keeps
+/// of the activations, against tensor parallelism alone.
+pub(super) fn sequence_note(plan: &super::Plan) -> Option<String> {
+    let c = &plan.config;
+    if !c.wrap.mesh.sequence_parallel {
+        return None;
+    }
+    let tensor = Shape::of(c).tensor;
+    let mut note = format!(
+        "  sequence parallel: between the split layers each tensor rank holds 1/{tensor} of the sequence (the \
+         residual stream, the norms, the residual dropout); an all-gather enters and a reduce-scatter leaves each \
+         split pair, in place of the all-reduce"
+    );
+    let batch = plan.layout.split_batch.unwrap_or(c.train.batch_size);
+    let how = |sequence| crate::model::Activations {
+        checkpointing: c.wrap.activation_checkpointing,
+        bf16: c.train.precision == crate::config::schema::Precision::Bf16,
+        tensor,
+        sequence,
+    };
+    let (arch, val) = (plan.model(), plan.data.validation_rows);
+    if let (Some(with), Some(without)) =
+        (arch.activation_bytes(batch, val, &how(true)), arch.activation_bytes(batch, val, &how(false)))
+    {
+        note += &format!(
+            ": activations {} per rank, where tensor parallelism alone keeps {} (saves {}, {:.0}%)",
+            crate::limits::size(with),
+            crate::limits::size(without),
+            crate::limits::size(without - with),
+            100.0 * (without - with) / without.max(1.0)
+        );
+    }
+    Some(note + "\n")
+}
+
 /// The mesh's checks: each dimension at least 1, their product the world size, the dimensions
 /// the strategy can use, and (tensor > 1) a model whose heads and widths the tensor ranks split.
 pub(super) fn check(c: &Config, sources: &BTreeMap<String, String>, bad: &mut impl FnMut(&str, String)) {
     let m = &c.wrap.mesh;
     let set = |key: &str| sources.get(key).is_some_and(|s| s != "default");
+    if m.sequence_parallel {
+        sequence_problems(c, bad);
+    }
     // The product is refused on the first key given: its source is where the mesh was spelled.
     let Some(mesh_key) = ["wrap.mesh.data", "wrap.mesh.tensor", "wrap.mesh.pipeline"].into_iter().find(|k| set(k))
     else {
@@ -191,6 +229,48 @@ pub(super) fn check(c: &Config, sources: &BTreeMap<String, String>, bad: &mut im
     }
     if shape.tensor > 1 {
         tensor_problems(c, shape.tensor, bad);
+    }
+}
+
+/// Sequence parallelism splits a transformer's sequence over the tensor group: it needs one of
+/// more than one rank, a sequence those ranks split evenly, and (not built yet) no pipeline.
+fn sequence_problems(c: &Config, bad: &mut impl FnMut(&str, String)) {
+    let key = "wrap.mesh.sequence_parallel";
+    let tensor = Shape::of(c).tensor;
+    if tensor < 2 {
+        bad(
+            key,
+            format!(
+                "splits the activations between the tensor-parallel layers along the sequence over the tensor \
+                 group, but wrap.mesh.tensor = {tensor}; set wrap.mesh.tensor above 1, or remove sequence_parallel"
+            ),
+        );
+        return;
+    }
+    let Model::Transformer(t) = &c.wrap.model else {
+        bad(key, "splits a transformer's sequence; this model has none: remove sequence_parallel".into());
+        return;
+    };
+    if c.wrap.strategy == WrapStrategy::Pipeline {
+        bad(
+            key,
+            "is not built for a pipeline yet (its stages send whole activations); use wrap.strategy = \"ddp\" or \
+             \"fsdp\", or remove sequence_parallel"
+                .into(),
+        );
+    }
+    if t.seq_len > 0 && !t.seq_len.is_multiple_of(tensor) {
+        let divide: Vec<String> =
+            (1..=t.seq_len.min(64)).filter(|d| t.seq_len.is_multiple_of(*d)).map(|d| d.to_string()).collect();
+        bad(
+            key,
+            format!(
+                "{tensor} tensor ranks cannot split wrap.model.seq_len = {} evenly along the sequence; the tensor \
+                 degrees that divide it: {} (or a seq_len that {tensor} divides)",
+                t.seq_len,
+                divide.join(", ")
+            ),
+        );
     }
 }
 
@@ -327,6 +407,30 @@ mod tests {
         );
         c.wrap.model = Model::Torchscript(crate::config::schema::Torchscript { path: "m.pt".into() });
         assert!(problems(&c)[0].contains("a TorchScript module is one opaque graph"), "{:?}", problems(&c));
+    }
+
+    #[test]
+    fn sequence_parallelism_needs_tensor_ranks_a_sequence_they_split_and_no_pipeline() {
+        let mut c = Config::default();
+        c.run.world_size = 2;
+        c.wrap.mesh.sequence_parallel = true;
+        let t = crate::config::schema::Transformer { seq_len: 9, ..Default::default() };
+        c.wrap.model = Model::Transformer(t.clone());
+        assert!(problems(&c)[0].contains("but wrap.mesh.tensor = 1"), "{:?}", problems(&c));
+        c.wrap.mesh.tensor = Some(2);
+        assert_eq!(
+            problems(&c),
+            ["wrap.mesh.sequence_parallel: 2 tensor ranks cannot split wrap.model.seq_len = 9 evenly along the \
+              sequence; the tensor degrees that divide it: 1, 3, 9 (or a seq_len that 2 divides)"]
+        );
+        c.wrap.model = Model::Transformer(crate::config::schema::Transformer { seq_len: 8, ..t });
+        assert!(problems(&c).is_empty(), "{:?}", problems(&c));
+        c.wrap.strategy = WrapStrategy::Pipeline;
+        c.wrap.mesh.pipeline = Some(1);
+        assert!(problems(&c).iter().any(|p| p.contains("is not built for a pipeline yet")), "{:?}", problems(&c));
+        c.wrap.strategy = WrapStrategy::Ddp;
+        c.wrap.model = Model::Mlp(Default::default());
+        assert!(problems(&c).iter().any(|p| p.contains("this model has none")), "{:?}", problems(&c));
     }
 
     #[test]

@@ -62,6 +62,8 @@ fn estimate(
     let how = crate::model::Activations {
         checkpointing: c.wrap.activation_checkpointing,
         bf16: c.train.precision == Precision::Bf16,
+        tensor: crate::plan::mesh::Shape::of(c).tensor,
+        sequence: c.wrap.mesh.sequence_parallel,
     };
     match arch.activation_bytes(batch, d.validation_rows, &how) {
         Some(activations) => crate::limits::Estimate { activations, ..estimate },
@@ -91,7 +93,8 @@ pub(super) fn checkpointing_note(plan: &super::Plan) -> Option<String> {
     );
     let batch = plan.layout.split_batch.unwrap_or(c.train.batch_size);
     let bf16 = c.train.precision == Precision::Bf16;
-    let how = |checkpointing| crate::model::Activations { checkpointing, bf16 };
+    let (tensor, sequence) = (crate::plan::mesh::Shape::of(c).tensor, c.wrap.mesh.sequence_parallel);
+    let how = |checkpointing| crate::model::Activations { checkpointing, bf16, tensor, sequence };
     let val = plan.data.validation_rows;
     match (arch.activation_bytes(batch, val, &how(ac)), arch.activation_bytes(batch, val, &how(Default::default()))) {
         (Some(with), Some(without)) => {

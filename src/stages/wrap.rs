@@ -46,7 +46,7 @@ pub fn wrap<'pg>(
     // With wrap.sync_batchnorm under DDP or FSDP, batch norm's statistics cover the data-parallel
     // group: every rank of the job. The step reports a failed collective.
     let batch_norm = plan.syncs_batch_norm().then(|| StatsGroup::new(pg));
-    let tensor = groups.tensor().map(TensorGroup::new);
+    let tensor = groups.tensor().map(|g| TensorGroup::new(g, c.wrap.mesh.sequence_parallel));
     let ctx = BuildContext { seed: c.run.seed, batch_norm, tensor, checkpointing: c.wrap.activation_checkpointing };
     if c.wrap.strategy == WrapStrategy::Fsdp {
         return wrap_sharded(plan, groups.data(pg), vs, arch.as_ref(), &ctx);
@@ -108,7 +108,7 @@ fn load_adapters(plan: &Plan, vs: &nn::VarStore) -> anyhow::Result<()> {
 }
 
 /// `wrap.init` under tensor parallelism: each rank reads its slice of every split parameter (the
-/// rows it holds, where it holds rows; a column slice is cut from the whole) and the rest whole.
+/// rows it holds, or the columns: of a Hugging Face checkpoint those alone) and the rest whole.
 fn load_init_slices(
     path: &std::path::Path,
     plan: &Plan,
@@ -124,13 +124,7 @@ fn load_init_slices(
             None => file.whole(&name, &var)?,
             Some(slice) => {
                 let like = Tensor::empty(shapes[&name].as_slice(), (var.kind(), tch::Device::Cpu));
-                if slice.dim == 0 {
-                    let rows: anyhow::Result<Vec<Tensor>> =
-                        slice.ranges.iter().map(|r| file.rows(&name, r.clone(), &like)).collect();
-                    Tensor::cat(&rows?, 0)
-                } else {
-                    slice.cut(&file.whole(&name, &like)?)
-                }
+                file.slice(&name, &slice, &like)?
             }
         };
         tch::no_grad(|| var.f_copy_(&values))
@@ -191,10 +185,11 @@ fn wrap_sharded<'pg>(
     let strategy = Fsdp::new(plan, pg, sharded, names, shapes, &held, ctx.batch_norm.clone(), tensor)?;
     if let Some(file) = init.as_mut() {
         let slices = strategy.slices().map(|tp| Slices::new(arch, tp.group()));
-        strategy.load_rows(|name, rows, shard| match slices.as_ref().filter(|tp| tp.is_split(name)) {
-            Some(tp) => {
+        // Under FSDP × TP: this rank's tensor slice read alone, then its rows of it.
+        strategy.load_rows(|name, rows, shard| match slices.as_ref().and_then(|tp| Some((tp, tp.mine(name)?))) {
+            Some((tp, slice)) => {
                 let like = Tensor::empty(tp.whole_shape(name, &[]).as_slice(), (shard.kind(), tch::Device::Cpu));
-                Ok(tp.local(name, &file.whole(name, &like)?).narrow(0, rows.start, rows.end - rows.start))
+                Ok(file.slice(name, slice, &like)?.narrow(0, rows.start, rows.end - rows.start))
             }
             None => file.rows(name, rows, shard),
         })?;

@@ -62,6 +62,11 @@ impl<'pg> Slices<'pg> {
         }
     }
 
+    /// This rank's slice of parameter `param` (`None`: replicated, whole).
+    pub fn mine(&self, param: &str) -> Option<&TensorSlice> {
+        self.slices.get(param).map(|s| &s[self.group.rank()])
+    }
+
     /// Whether `param` is split (its gradient's square counts once per slice in a global norm).
     pub fn is_split(&self, param: &str) -> bool {
         self.slices.contains_key(param)

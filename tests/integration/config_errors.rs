@@ -361,6 +361,16 @@ const CASES: &[Case] = &[
                    wrap.model.hidden = 15 evenly; the degrees that divide it: 1, 3, 5, 15",
     },
     Case {
+        name: "sequence parallelism without tensor ranks",
+        file: "",
+        args: &["--set", "wrap.mesh.sequence_parallel=true"],
+        env: &[],
+        expected: "error: p.toml: invalid configuration:\n  `wrap.mesh.sequence_parallel` (--set \
+                   wrap.mesh.sequence_parallel=true): splits the activations between the tensor-parallel layers along \
+                   the sequence over the tensor group, but wrap.mesh.tensor = 1; set wrap.mesh.tensor above 1, or \
+                   remove sequence_parallel",
+    },
+    Case {
         name: "a pipeline dimension without a pipeline",
         file: "",
         args: &["--set", "wrap.mesh.pipeline=2"],

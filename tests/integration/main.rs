@@ -46,6 +46,7 @@ mod resnet;
 mod run;
 mod rundir;
 mod search;
+mod sequence_parallel;
 mod sft;
 mod slurm;
 mod slurm_hosts;

@@ -44,7 +44,7 @@ pub fn column_then_row(pg: &ProcessGroup) {
 /// A small language model on synthetic tokens (128 windows of 8 + 1 tokens, vocab 32), trained
 /// with SGD: Adam would magnify the float noise of gradients that are zero in exact arithmetic,
 /// which the comparison of parameters would see.
-const LM: &str = r#"
+pub const LM: &str = r#"
 [run]
 name = "tp"
 seed = 5
@@ -262,4 +262,42 @@ fn pipeline_times_tensor_and_the_3d_mesh_at_8_ranks_equal_one_process_and_resume
     ];
     resume(dir.path(), "cut", &one);
     crate::common::assert_close_runs(&dir.path().join("cut"), &dir.path().join("one"), 1e-5);
+}
+
+/// `wrap.init` from a Hugging Face checkpoint at tensor 2: each rank reads its rows of `qkv`
+/// and `fc` and its columns of `proj` and `out` (a run of each stored row), and the norms,
+/// embedding and head whole: exactly its share of the weights' bytes
+/// (`RUNNER_TEST_READ_BYTES`), not the column-split matrices whole.
+#[test]
+fn a_hugging_face_checkpoint_is_read_by_each_tensor_rank_s_slice_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path();
+    crate::common::write(p, "book.txt", &crate::common::book());
+    // The fixture's Llama with 2 key/value heads, which 2 tensor ranks split.
+    let config = crate::hf::LLAMA.replace("\"num_key_value_heads\": 1", "\"num_key_value_heads\": 2");
+    let kv = |n: &str| n.ends_with("k_proj.weight") || n.ends_with("v_proj.weight");
+    let tensors: Vec<(String, Vec<i64>)> =
+        crate::hf::llama_tensors().into_iter().map(|(n, s)| if kv(&n) { (n, vec![8, 8]) } else { (n, s) }).collect();
+    crate::hf::checkpoint(p, "llama", &config, &tensors);
+    crate::common::write(p, "p.toml", &crate::hf::TWIN.replace("INIT", "llama"));
+    let read = p.join("read");
+    std::fs::create_dir(&read).unwrap();
+    let o = crate::common::runner()
+        .args(["run", "p.toml", "--out", "tp", "--set", "train.epochs=1", "--set", "run.world_size=2"])
+        .args(["--set", "wrap.mesh.tensor=2"])
+        .env("RUNNER_TEST_READ_BYTES", &read)
+        .current_dir(p)
+        .output()
+        .unwrap();
+    crate::common::assert_ok(&o);
+    let values = |keep: &dyn Fn(&str) -> bool| -> u64 {
+        tensors.iter().filter(|(n, _)| keep(n)).map(|(_, s)| s.iter().product::<i64>() as u64).sum()
+    };
+    let split = |n: &str| n.contains("_proj.");
+    // float32: the replicated tensors whole, half of each split matrix.
+    let share = 4 * (values(&|n: &str| !split(n)) + values(&split) / 2);
+    for rank in 0..2 {
+        let got: u64 = std::fs::read_to_string(read.join(format!("rank-{rank}"))).unwrap().parse().unwrap();
+        assert_eq!(got, share, "rank {rank} read {got} bytes of the checkpoint, not its share {share}");
+    }
 }

@@ -1,7 +1,9 @@
 //! A Hugging Face checkpoint's weights opened by their headers alone (`model.safetensors`, or the
 //! shards `model.safetensors.index.json` names), checked against the model its `config.json`
 //! makes, and read as rows of the model's parameters: a rank reads the bytes of the rows it asks
-//! for and no others (of a transposed GPT-2 weight, the columns, row by row), never a whole file.
+//! for and no others (of a transposed GPT-2 weight, the columns, row by row), never a whole file;
+//! or columns of them (a tensor rank's slice of a row-parallel layer: a run of each stored row,
+//! or of a transposed weight, its stored rows).
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -236,31 +238,74 @@ impl Checkpoint {
         })
     }
 
+    /// Columns `cols` (dim 1) of the model's matrix `ours`, as float32: of each part that holds
+    /// its rows, only those columns' bytes.
+    pub fn columns(&self, ours: &str, cols: Range<i64>) -> Result<Tensor, String> {
+        let m = self.mappings.get(ours).ok_or_else(|| format!("the model has no `{ours}`"))?;
+        if m.shape.len() != 2 || cols.start < 0 || cols.start > cols.end || cols.end > m.shape[1] {
+            return Err(format!("columns {}..{} of `{ours}` {:?} asked", cols.start, cols.end, m.shape));
+        }
+        let pieces: Result<Vec<Tensor>, String> =
+            m.parts.iter().map(|part| self.part_columns(part, &m.shape, cols.clone())).collect();
+        Ok(Tensor::cat(&pieces?, 0))
+    }
+
+    /// Columns `cols` of the parameter rows `part` makes: a run of each stored row, or of a
+    /// transposed weight (whose columns are the stored rows) those rows.
+    fn part_columns(&self, part: &Part, shape: &[i64], cols: Range<i64>) -> Result<Tensor, String> {
+        let f = &self.files[self.located[&part.name]];
+        let (size, start, stored) = self.located_part(part, shape);
+        let n = cols.end - cols.start;
+        let (bytes, read_shape) = if part.transposed {
+            let row = stored[1] as u64 * size;
+            let range = start + cols.start as u64 * row..start + cols.end as u64 * row;
+            (f.read_range(range.clone(), range.end - range.start), vec![n, stored[1]])
+        } else {
+            let row = stored[1] as u64 * size;
+            let bytes = f.read_strided(start + cols.start as u64 * size, row, n as u64 * size, stored[0] as u64);
+            (bytes, vec![stored[0], n])
+        };
+        self.decode(part, bytes, &read_shape)
+    }
+
+    /// `part`'s element size, where its data start in its file, and its stored shape.
+    fn located_part(&self, part: &Part, shape: &[i64]) -> (u64, u64, Vec<i64>) {
+        let f = &self.files[self.located[&part.name]];
+        let info = f.info(&part.name).expect("located in its file");
+        let start = f.range(&part.name).expect("an entry has a range").start;
+        (info.dtype.size() as u64, start, part.stored_shape(shape))
+    }
+
     /// Rows `rows` of the parameter rows `part` makes, as float32 (checked to be finite).
     fn part_rows(&self, part: &Part, shape: &[i64], rows: Range<i64>) -> Result<Tensor, String> {
         let f = &self.files[self.located[&part.name]];
-        let at = |e: String| format!("{}: `{}`: {e}", f.path().display(), part.name);
-        let info = f.info(&part.name).expect("located in its file");
-        let kind = crate::tensorfile::kind_of(info.dtype).expect("checked to be a float");
-        let size = info.dtype.size() as u64;
-        let start = f.range(&part.name).expect("an entry has a range").start;
-        let stored = part.stored_shape(shape);
+        let (size, start, stored) = self.located_part(part, shape);
         let n = rows.end - rows.start;
         let (bytes, read_shape) = if part.transposed {
             // The parameter's rows are the stored matrix's columns: a run of n values from each
             // of its rows.
             let row = stored[1] as u64 * size;
-            let bytes =
-                f.read_strided(start + rows.start as u64 * size, row, n as u64 * size, stored[0] as u64).map_err(at)?;
+            let bytes = f.read_strided(start + rows.start as u64 * size, row, n as u64 * size, stored[0] as u64);
             (bytes, vec![stored[0], n])
         } else {
             let row = stored[1..].iter().product::<i64>() as u64 * size;
             let range = start + rows.start as u64 * row..start + rows.end as u64 * row;
-            let bytes = f.read_range(range.clone(), range.end - range.start).map_err(at)?;
+            let bytes = f.read_range(range.clone(), range.end - range.start);
             (bytes, std::iter::once(n).chain(stored[1..].iter().copied()).collect())
         };
+        self.decode(part, bytes, &read_shape)
+    }
+
+    /// `bytes` read of `part`, in its stored layout `read_shape`, as float32 in the model's
+    /// layout (a transposed part transposed back), checked to be finite.
+    fn decode(&self, part: &Part, bytes: Result<Vec<u8>, String>, read_shape: &[i64]) -> Result<Tensor, String> {
+        let f = &self.files[self.located[&part.name]];
+        let at = |e: String| format!("{}: `{}`: {e}", f.path().display(), part.name);
+        let kind =
+            crate::tensorfile::kind_of(f.info(&part.name).expect("located").dtype).expect("checked to be a float");
+        let bytes = bytes.map_err(at)?;
         self.read.set(self.read.get() + bytes.len() as u64);
-        let t = crate::checked::tensor(&bytes, &read_shape, kind).map_err(at)?.to_kind(Kind::Float);
+        let t = crate::checked::tensor(&bytes, read_shape, kind).map_err(at)?.to_kind(Kind::Float);
         let t = if part.transposed { t.tr().contiguous() } else { t };
         let finite = t.isfinite().sum(Kind::Int64).int64_value(&[]);
         if finite != t.numel() as i64 {
@@ -308,6 +353,52 @@ mod tests {
         assert!(fc.equal(&stored["transformer.h.0.mlp.c_fc.weight"].tr().to_kind(Kind::Float)));
         assert!(ckpt.rows("pos.weight", 1..3).unwrap().equal(&stored["transformer.wpe.weight"].narrow(0, 1, 2)));
         assert_eq!(ckpt.rows("tok.weight", 2..2).unwrap().size(), [0, 4]);
+        // A tensor rank's columns: of proj [4, 4] (c_proj transposed) its stored rows 2..4, of
+        // qkv its stored rows too; each read alone.
+        let before = ckpt.bytes_read();
+        assert!(ckpt.columns("blocks.0.proj.weight", 3..5).is_err(), "past its 4 columns");
+        let proj = ckpt.columns("blocks.0.proj.weight", 2..4).unwrap();
+        assert!(proj.equal(&stored["transformer.h.0.attn.c_proj.weight"].tr().narrow(1, 2, 2)));
+        assert_eq!(ckpt.bytes_read() - before, 2 * 4 * 4, "2 stored rows of 4 values");
+        let out = ckpt.columns("blocks.0.out.weight", 4..12).unwrap();
+        assert!(out.equal(&stored["transformer.h.0.mlp.c_proj.weight"].tr().narrow(1, 4, 8)));
+    }
+
+    #[test]
+    fn columns_of_a_stored_matrix_are_a_run_of_each_of_its_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = Transformer {
+            family: Family::Llama,
+            vocab: 5,
+            d_model: 4,
+            heads: 2,
+            layers: 1,
+            seq_len: 3,
+            mlp_hidden: Some(6),
+            ..Default::default()
+        };
+        let spec = Spec::of(&t);
+        let mappings = Arch::Llama.mappings(&spec, "");
+        let tensors: Vec<(String, Tensor)> = mappings
+            .iter()
+            .flat_map(|m| m.parts.iter().map(move |p| (p.name.clone(), p.stored_shape(&m.shape))))
+            .map(|(name, shape)| {
+                let n: i64 = shape.iter().product();
+                (name, Tensor::arange(n, (Kind::Float, tch::Device::Cpu)).view(shape.as_slice()))
+            })
+            .collect();
+        let refs: Vec<(&str, Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t.shallow_clone())).collect();
+        write(&dir.path().join(WEIGHTS), &refs);
+        let ckpt = Checkpoint::open(dir.path(), Arch::Llama, &spec).unwrap();
+        let stored: HashMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        // down_proj [4, 6]: columns 3..6 are 3 values of each of its 4 rows.
+        let out = ckpt.columns("blocks.0.out.weight", 3..6).unwrap();
+        assert!(out.equal(&stored["model.layers.0.mlp.down_proj.weight"].narrow(1, 3, 3)));
+        assert_eq!(ckpt.bytes_read(), 4 * 3 * 4);
+        // fc is gate then up, fused by rows: each part's columns.
+        let fc = ckpt.columns("blocks.0.fc.weight", 1..3).unwrap();
+        let (gate, up) = (&stored["model.layers.0.mlp.gate_proj.weight"], &stored["model.layers.0.mlp.up_proj.weight"]);
+        assert!(fc.equal(&Tensor::cat(&[gate.narrow(1, 1, 2), up.narrow(1, 1, 2)], 0)));
     }
 
     #[test]

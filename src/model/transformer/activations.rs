@@ -4,7 +4,11 @@
 //! `scaled_dot_product_attention`'s fused kernel (no T × T matrix: its output and log-sum-exp)
 //! or, with dropout, its plain path (the attention weights, their dropout mask and the dropped
 //! weights: three T × T matrices per head), and the head's logits (B × T × vocab, often the
-//! largest tensor). Checked against the measured peak in docs/memory.md.
+//! largest tensor). Checked against the measured peak in docs/memory.md. Under tensor
+//! parallelism a rank keeps 1 / tensor of what the split layers compute (their heads and hidden
+//! units); under sequence parallelism also 1 / tensor of what runs between them (the residual
+//! stream, the norms' inputs, the residual dropout), though the gathered input of each
+//! column-parallel layer is whole.
 use super::Spec;
 use crate::config::schema::{FeedForward, Positions};
 use crate::model::Activations;
@@ -12,14 +16,33 @@ use crate::model::Activations;
 /// float32: the residual stream, the loss's log-softmax.
 const F32: f64 = 4.0;
 
-/// Bytes per sample (window) one block keeps from its forward to its backward, `a` bytes per
-/// value a product or the attention outputs (4, or 2 under bf16 autocast).
-pub(super) fn block_kept(s: &Spec, a: f64) -> f64 {
-    let (d, t, heads) = (s.d as f64, s.seq_len as f64, s.heads as f64);
-    let (q, kv) = ((s.heads * s.head_dim) as f64, (s.kv_heads * s.head_dim) as f64);
-    // The block's input and the first residual sum (what the two norms read), the norms' outputs
-    // (what the products read), and the product of the queries, keys and values.
-    let mut per_token = 2.0 * F32 * d + 2.0 * a * d + a * (q + 2.0 * kv);
+/// How a tensor rank divides a block's activations: `split`, the tensor degree (the heads and
+/// hidden units); `sequence`, the share of the sequence between the split layers (1, or the
+/// tensor degree under sequence parallelism).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Split {
+    split: f64,
+    sequence: f64,
+}
+
+impl Split {
+    pub(super) const WHOLE: Split = Split { split: 1.0, sequence: 1.0 };
+
+    pub(super) fn of(how: &Activations) -> Split {
+        let n = how.tensor.max(1) as f64;
+        Split { split: n, sequence: if how.sequence { n } else { 1.0 } }
+    }
+}
+
+/// Bytes per sample (window) one block keeps from its forward to its backward on one tensor rank
+/// (`p`), `a` bytes per value a product or the attention outputs (4, or 2 under bf16 autocast).
+pub(super) fn block_kept(s: &Spec, a: f64, p: Split) -> f64 {
+    let (d, t, heads) = (s.d as f64, s.seq_len as f64, s.heads as f64 / p.split);
+    let (q, kv) = ((s.heads * s.head_dim) as f64 / p.split, (s.kv_heads * s.head_dim) as f64 / p.split);
+    // The block's input and the first residual sum (what the two norms read: this rank's part
+    // of the sequence under sequence parallelism), the norms' outputs as the products read them
+    // (whole), and the product of the queries, keys and values.
+    let mut per_token = 2.0 * F32 * d / p.sequence + 2.0 * a * d + a * (q + 2.0 * kv);
     if s.positions == Positions::Rope {
         // The rotated halves and the rotated queries and keys.
         per_token += 2.0 * a * (q + kv);
@@ -36,7 +59,7 @@ pub(super) fn block_kept(s: &Spec, a: f64) -> f64 {
         // The plain path: scaled copies of the queries and keys, softmax's output, the dropout
         // mask and the dropped weights (its output is not kept, its copy below is); then each
         // residual branch's dropout keeps its input and its mask.
-        per_token += a * (q + keys) + 2.0 * 2.0 * a * d;
+        per_token += a * (q + keys) + 2.0 * 2.0 * a * d / p.sequence;
         square = 3.0 * a * heads * t * t;
     } else {
         // The fused kernel's output and log-sum-exp (float32).
@@ -44,7 +67,7 @@ pub(super) fn block_kept(s: &Spec, a: f64) -> f64 {
     }
     // The attention's output in [T, heads × head_dim] order, which the projection reads.
     per_token += a * q;
-    t * per_token + mlp_kept(s, a) + square
+    t * per_token + mlp_kept(s, a) / p.split + square
 }
 
 /// Bytes per sample the MLP of a block keeps: SwiGLU's gate and up product, the gate's SiLU and
@@ -60,22 +83,26 @@ fn mlp_kept(s: &Spec, a: f64) -> f64 {
 pub(super) fn peak_bytes(s: &Spec, batch: usize, validation: usize, how: &Activations) -> f64 {
     let a = if how.bf16 { 2.0 } else { F32 };
     let (d, t, v) = (s.d as f64, s.seq_len as f64, s.vocab as f64);
-    let kept = block_kept(s, a);
+    let p = Split::of(how);
+    let kept = block_kept(s, a, p);
     let checkpointed = (0..s.layers).filter(|&i| how.checkpointing.applies(i)).count() as f64;
     // A checkpointed block keeps only its input.
-    let blocks = checkpointed * F32 * t * d + (s.layers as f64 - checkpointed) * kept;
-    let embedding = if s.dropout > 0.0 { 2.0 * F32 * t * d } else { 0.0 };
+    let blocks = checkpointed * F32 * t * d / p.sequence + (s.layers as f64 - checkpointed) * kept;
+    let embedding = if s.dropout > 0.0 { 2.0 * F32 * t * d / p.sequence } else { 0.0 };
     // The logits (kept by the step, for its accuracy) and log-softmax's output (float32), and at
     // the start of the backward pass the gradients of both; the final norm's output.
+    // Under sequence parallelism each rank computes its part of the logits, then gathers them.
     let logits = a * t * v;
-    let head = a * t * d + logits + 3.0 * F32 * t * v;
+    let part = if how.sequence { logits / p.sequence } else { 0.0 };
+    let head = a * t * d / p.sequence + part + logits + 3.0 * F32 * t * v;
     // A block's backward pass holds its MLP's gradients at once, and a checkpointed block's
     // recomputed values besides: under bf16 about their float32 size (the kernels' float32
     // gradients and buffers; measured: docs/memory.md).
-    let backward = mlp_kept(s, a) + if checkpointed > 0.0 { block_kept(s, F32) } else { 0.0 };
+    let backward = mlp_kept(s, a) / p.split + if checkpointed > 0.0 { block_kept(s, F32, p) } else { 0.0 };
     let train = batch as f64 * (embedding + blocks + head.max(logits + backward));
     // Without gradients, a block's largest values at a time, and the logits with log-softmax's.
-    let hidden = s.hidden as f64 * if s.mlp == FeedForward::Swiglu { 2.0 } else { 1.0 };
+    let gated = if s.mlp == FeedForward::Swiglu { 2.0 } else { 1.0 };
+    let hidden = s.hidden as f64 * gated / p.split;
     let forward = validation as f64 * t * (2.0 * F32 * d + 2.0 * a * hidden + (a + 2.0 * F32) * v);
     train.max(forward)
 }
@@ -92,7 +119,7 @@ mod tests {
     }
 
     fn how(policy: CheckpointPolicy, every: usize, bf16: bool) -> Activations {
-        Activations { checkpointing: ActivationCheckpointing { policy, every }, bf16 }
+        Activations { checkpointing: ActivationCheckpointing { policy, every }, bf16, ..Default::default() }
     }
 
     #[test]
@@ -111,6 +138,26 @@ mod tests {
         assert!(bf16 < 0.8 * none && bf16 > 0.5 * none, "{bf16} {none}");
         // With dropout the plain attention path keeps three T × T matrices per head.
         let square = 3.0 * 4.0 * 4.0 * 2048.0 * 2048.0;
-        assert!(block_kept(&spec(0.1), 4.0) - block_kept(&s, 4.0) > square);
+        assert!(block_kept(&spec(0.1), 4.0, Split::WHOLE) - block_kept(&s, 4.0, Split::WHOLE) > square);
+    }
+
+    #[test]
+    fn a_tensor_rank_keeps_its_share_and_sequence_parallelism_shards_what_runs_between() {
+        let s = spec(0.1);
+        let whole = peak_bytes(&s, 4, 4, &how(CheckpointPolicy::None, 1, false));
+        let at = |tensor, sequence| {
+            let tp = Activations { tensor, sequence, ..how(CheckpointPolicy::None, 1, false) };
+            peak_bytes(&s, 4, 4, &tp)
+        };
+        let (tp, sp) = (at(2, false), at(2, true));
+        // The attention's T × T matrices, its heads and the MLP's units are halved; the residual
+        // stream and the norms' inputs stay whole until the sequence is split too.
+        assert!(tp < 0.6 * whole && tp > 0.4 * whole, "{tp} {whole}");
+        let (d, t) = (128.0, 2048.0);
+        // Per block: the input and the residual sum (float32), and the two residual dropouts'
+        // inputs and masks, halved; the embedding's dropout too; the logits' part kept besides.
+        let halved = 6.0 * (2.0 * F32 * d + 2.0 * 2.0 * F32 * d) / 2.0 + 2.0 * F32 * d / 2.0 + F32 * d / 2.0;
+        let part = F32 * 512.0 / 2.0;
+        assert!((4.0 * t * (halved - part) - (tp - sp)).abs() < 1.0, "{} {}", tp - sp, 4.0 * t * (halved - part));
     }
 }

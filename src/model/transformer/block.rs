@@ -175,16 +175,41 @@ impl<'a> Stage<'a> {
 
     /// A pre-norm block: attention, then the MLP, each added to the residual stream.
     fn block_forward(&self, block: &Block, h: &Tensor, rope: Option<&(Tensor, Tensor)>, train: bool) -> Tensor {
-        let dropout = self.s.dropout;
-        let h = h + self.attention(block, &self.norm(h, &block.ln1), rope, train).dropout(dropout, train);
-        &h + self.mlp(block, &self.norm(&h, &block.ln2), train).dropout(dropout, train)
+        let h = h + self.dropout(&self.attention(block, &self.norm(h, &block.ln1), rope, train), train);
+        &h + self.dropout(&self.mlp(block, &self.norm(&h, &block.ln2), train), train)
     }
 
     fn norm(&self, x: &Tensor, (w, b): &Affine) -> Tensor {
         let d = [self.s.d as i64];
+        let (w, b) = (self.replicated(w), b.as_ref().map(|b| self.replicated(b)));
         match self.s.norm {
-            Norm::Layernorm => x.layer_norm(d.as_slice(), Some(w), b.as_ref(), self.s.eps, true),
-            Norm::Rmsnorm => x.rms_norm(d.as_slice(), Some(w), self.s.eps),
+            Norm::Layernorm => x.layer_norm(d.as_slice(), Some(&w), b.as_ref(), self.s.eps, true),
+            Norm::Rmsnorm => x.rms_norm(d.as_slice(), Some(&w), self.s.eps),
+        }
+    }
+
+    /// Under sequence parallelism, the tensor group the activations between the split layers are
+    /// split across along the sequence.
+    fn sequence(&self) -> Option<&TensorGroup<'a>> {
+        self.tensor.as_deref().filter(|g| g.sequence_parallel())
+    }
+
+    /// A replicated parameter (a norm's, the embeddings, the head, a row-parallel bias) as this
+    /// rank's part of the sequence uses it: under sequence parallelism, its gradient summed over
+    /// the tensor group.
+    fn replicated(&self, w: &Tensor) -> Tensor {
+        match self.sequence() {
+            Some(g) => g.replicated(w),
+            None => w.shallow_clone(),
+        }
+    }
+
+    /// Dropout of an activation between the split layers: under sequence parallelism, of this
+    /// rank's part of the sequence, with its part of the mask one process draws.
+    fn dropout(&self, x: &Tensor, train: bool) -> Tensor {
+        match self.sequence() {
+            Some(g) => g.dropout(x, self.s.dropout, 1, train),
+            None => x.dropout(self.s.dropout, train),
         }
     }
 
@@ -220,17 +245,18 @@ impl<'a> Stage<'a> {
         let Some(g) = &self.tensor else { return x.linear(w, b.as_ref()) };
         let sum = g.leave(&x.linear(w, None::<Tensor>));
         match b {
-            Some(b) => sum + b,
+            Some(b) => sum + self.replicated(b),
             None => sum,
         }
     }
 
     fn attention(&self, block: &Block, x: &Tensor, rope: Option<&(Tensor, Tensor)>, train: bool) -> Tensor {
         let s = &self.s;
-        let (b, t) = (x.size()[0], x.size()[1]);
         let n = self.parts();
         let (hd, heads, kv) = (s.head_dim as i64, s.heads as i64 / n, s.kv_heads as i64 / n);
+        // Under sequence parallelism, the whole sequence from the ranks' parts.
         let x = self.enter(x);
+        let (b, t) = (x.size()[0], x.size()[1]);
         let qkv = block
             .adapters
             .apply(Site::Qkv, &x, linear(&x, &block.qkv), train)
@@ -298,19 +324,24 @@ fn linear(x: &Tensor, (w, b): &Affine) -> Tensor {
 
 impl ModuleT for Stage<'_> {
     fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
-        let dropout = self.s.dropout;
-        let t = x.size()[1];
+        // The whole sequence's length: under sequence parallelism, a block's input is this rank's part.
+        let parts = if self.embed.is_none() && self.sequence().is_some() { self.parts() } else { 1 };
+        let t = x.size()[1] * parts;
         let mut h = match &self.embed {
             Some((tok, pos)) => {
                 let (ids, packed) = super::packed::split(x, self.s.vocab);
-                let e = Tensor::embedding(tok, &ids, -1, false, false);
-                let e = match (pos, &packed) {
+                let e = Tensor::embedding(&self.replicated(tok), &ids, -1, false, false);
+                let e = match (pos.as_ref().map(|p| self.replicated(p)), &packed) {
                     (Some(pos), None) => e + pos.narrow(0, 0, t),
                     (Some(pos), Some(pk)) => &e + pos.index_select(0, &pk.positions.view([-1])).view_as(&e),
                     (None, _) => e,
                 };
                 super::packed::set(packed);
-                e.dropout(dropout, train)
+                let e = match self.sequence() {
+                    Some(g) => g.shard(&e),
+                    None => e,
+                };
+                self.dropout(&e, train)
             }
             None => x.shallow_clone(),
         };
@@ -332,7 +363,11 @@ impl ModuleT for Stage<'_> {
             h = self.block(i, &h, rope.as_ref(), train);
         }
         if let Some(head) = &self.head {
-            h = self.norm(&h, &head.ln).linear(&head.weight, None::<Tensor>);
+            h = self.norm(&h, &head.ln).linear(&self.replicated(&head.weight), None::<Tensor>);
+            // Every rank computes the loss of the whole sequence.
+            if let Some(g) = self.sequence() {
+                h = g.unshard(&h);
+            }
         }
         h
     }
