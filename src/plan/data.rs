@@ -89,8 +89,8 @@ pub(super) fn shard_layout(c: &Config, d: &DataSpec, bad: &mut impl FnMut(&str, 
     if w == 0 {
         return None;
     }
-    // A pipeline's ranks share one copy of the model: each copy walks its own shard.
-    // With tensor = 1 (the only degree built), the mesh's data dimension is every rank but a pipeline's.
+    // The ranks of a pipeline and of a tensor group share one copy of the model: each copy (the
+    // mesh's data dimension) walks its own shard.
     let replicas = super::mesh::Shape::of(c).data;
     let layout = match (c.shard.strategy, t.global_batch_size) {
         (ShardStrategy::Dataset, None) => ShardLayout::new(d.rows, replicas, c.shard.drop_last),

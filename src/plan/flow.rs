@@ -108,7 +108,7 @@ impl Plan {
     fn shard_op(&self) -> String {
         let (c, l, w) = (&self.config, &self.layout, self.world_size());
         let order = if c.shard.shuffle { "reshuffled every epoch" } else { "file order" };
-        let (stages, copies) = (self.pipeline_stages(), l.world_size);
+        let (stages, copies, tensor) = (self.pipeline_stages(), l.world_size, self.mesh().tensor);
         let pipeline = self.is_pipeline();
         if self.data.random_windows() {
             return format!(
@@ -125,8 +125,13 @@ impl Plan {
                 "DistributedSampler over {copies} copies of the pipeline (the {stages} ranks of a copy walk the same \
                  rows), {order}"
             ),
+            None if tensor > 1 => format!(
+                "DistributedSampler over {copies} data rank{} (the {tensor} ranks of a tensor group read the same \
+                 rows), {order}",
+                if copies == 1 { "" } else { "s" }
+            ),
             None => format!("DistributedSampler over {w} rank{}, {order}", if w == 1 { "" } else { "s" }),
-            Some(b) => format!("each global batch of {} split {w} × {b}, {order}", b * w),
+            Some(b) => format!("each global batch of {} split {copies} × {b}, {order}", b * copies),
         };
         let plural = |n: usize| if n == 1 { "" } else { "s" };
         if l.padding() > 0 {
@@ -202,6 +207,7 @@ impl Plan {
 
     fn wrap_out(&self) -> String {
         let (w, stages, copies) = (self.world_size(), self.pipeline_stages(), self.layout.world_size);
+        let plural = |n: usize| if n == 1 { "" } else { "s" };
         match self.config.wrap.strategy {
             WrapStrategy::Pipeline if copies > 1 => format!("{stages} stages × {copies} copies"),
             WrapStrategy::Pipeline => format!("{stages} stage{}", if stages == 1 { "" } else { "s" }),
@@ -209,7 +215,10 @@ impl Plan {
                 format!("1/{} of a tensor slice of the model on each rank", self.mesh().data)
             }
             WrapStrategy::Fsdp => format!("1/{w} of the model on each rank"),
-            _ => format!("{w} replica{}", if w == 1 { "" } else { "s" }),
+            _ if self.mesh().tensor > 1 => {
+                format!("{copies} replica{}, each split over {} tensor ranks", plural(copies), self.mesh().tensor)
+            }
+            _ => format!("{w} replica{}", plural(w)),
         }
     }
 
@@ -231,7 +240,7 @@ impl Plan {
 
     /// The train stage: the run's length, the batches, the optimizer.
     fn train_row(&self) -> Vec<String> {
-        let (c, d, w) = (&self.config, &self.data, self.world_size());
+        let (c, d) = (&self.config, &self.data);
         let (f, per) = (self.sample_shape(), self.per_rank_label());
         let (stages, copies) = (self.pipeline_stages(), self.layout.world_size);
         let opt = optimizer_text(&c.train, |key| self.sources.get(key).is_some_and(|s| s != "default"));
@@ -257,7 +266,7 @@ impl Plan {
             format!(
                 "{length} of {} per rank ({} global), {opt} lr {}",
                 self.batch_per_rank,
-                self.batch_per_rank * w,
+                self.batch_per_rank * copies,
                 c.train.lr
             )
         };

@@ -80,6 +80,26 @@ fn the_pipeline_dimension_alone_gives_the_copies() {
 }
 
 #[test]
+fn under_tensor_parallelism_the_plan_counts_the_data_ranks_not_every_rank() {
+    // 4 ranks of data 2 × tensor 2: two copies read the rows, each split over two ranks.
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    let args = ["validate", "p.toml", "--set", "run.world_size=4", "--set", "wrap.mesh.tensor=2"];
+    let o = run(&[&args[..], &["--set", "wrap.model.hidden=[16, 16]"]].concat(), dir.path());
+    assert_ok(&o);
+    let plan = text(&o).0;
+    for said in [
+        "DistributedSampler over 2 data ranks (the 2 ranks of a tensor group read the same rows)",
+        "2 replicas, each split over 2 tensor ranks",
+    ] {
+        assert!(plan.contains(said), "the plan lacks {said:?}:\n{plan}");
+    }
+    let batch = plan.lines().find(|l| l.contains("5 train")).unwrap();
+    let per_rank: usize = batch.split(" of ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(batch.contains(&format!("({} global)", 2 * per_rank)), "{batch}");
+}
+
+#[test]
 fn a_mesh_spelled_pipeline_resumes_and_ends_as_the_uninterrupted_run() {
     // The resume plans again from the run's config.toml (wrap.mesh.data and replicas = 1 in it).
     let dir = tempfile::tempdir().unwrap();
