@@ -8,6 +8,14 @@ use crate::rundir::index::Index;
 
 /// The markdown page: what was run, the table, and notes on oversubscribed and missing points.
 pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
+    let mut out = intro(index, loaded, rows);
+    out += &table(rows);
+    out += &notes(loaded, rows);
+    out
+}
+
+/// What was run: the experiment, the points complete, the cores, the seeds, what the columns mean.
+fn intro(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
     let seeds: Vec<&str> =
         index.points.iter().flat_map(|p| p.values.iter()).filter(|(k, _)| k == SEED_KEY).map(|(_, v)| v.as_str()).fold(
             Vec::new(),
@@ -20,7 +28,7 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
         );
     let cores = rows.iter().map(|r| r.cores).min().unwrap_or(0);
     let epochs = rows.iter().map(|r| r.final_epoch).max().unwrap_or(0);
-    let mut out = format!(
+    format!(
         "# Sweep {}\n\n{} of {} points complete, run on {cores} cores. Final epoch ({epochs}) of each \
          point; mean ± sample standard deviation across {}. Loss and accuracy are global (all ranks); \
          val is rank 0's validation set; epoch s is the slowest rank's; samples/s is all ranks \
@@ -34,7 +42,12 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
         } else {
             format!("seeds (run.seed = {})", seeds.join(", "))
         }
-    );
+    )
+}
+
+/// The table: a row per point (mean ± spread over its seeds), memory where the traces have it.
+fn table(rows: &[Row]) -> String {
+    let mut out = String::new();
     // Per-rank memory beside throughput, where the traces have it (not in tables of older traces).
     let memory = has_memory(rows);
     if memory {
@@ -86,6 +99,12 @@ pub fn markdown(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
         }
         out += &format!("| {} |\n", cells.join(" | "));
     }
+    out
+}
+
+/// Notes under the table: oversubscribed points, failures the runs survived, points missing.
+fn notes(loaded: &Loaded, rows: &[Row]) -> String {
+    let mut out = String::new();
     let over: Vec<String> = rows
         .iter()
         .filter(|r| r.oversubscribed())
