@@ -35,6 +35,7 @@ mod models;
 mod multinode;
 mod newcomer;
 mod numerics;
+mod optim_twin;
 mod pipeline;
 mod plan;
 mod real_data;
