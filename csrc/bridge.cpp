@@ -3,6 +3,7 @@
 #include "internal.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -12,6 +13,13 @@
 #include <unordered_map>
 #include <vector>
 
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_foreach_addcdiv.h>
+#include <ATen/ops/_foreach_addcmul.h>
+#include <ATen/ops/_foreach_div.h>
+#include <ATen/ops/_foreach_lerp.h>
+#include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_sqrt.h>
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/Context.h>
@@ -413,8 +421,37 @@ char* rn_clear_grads(void** params, size_t n) {
   });
 }
 
-char* rn_fused_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n, double step, double lr,
-                    double beta1, double beta2, double weight_decay, double eps, int decoupled) {
+namespace {
+
+// torch.optim.Adam(foreach=True)'s update (_multi_tensor_adam, not capturable): the same formula
+// as the fused kernel in a few multi-tensor passes, each over every parameter at once.
+void foreach_adam(std::vector<at::Tensor>& p, std::vector<at::Tensor> g, std::vector<at::Tensor>& m,
+                  std::vector<at::Tensor>& v, double step, double lr, double beta1, double beta2,
+                  double weight_decay, double eps, bool decoupled) {
+  if (weight_decay != 0.0) {
+    if (decoupled) {
+      at::_foreach_mul_(p, 1.0 - lr * weight_decay);
+    } else {
+      g = at::_foreach_add(g, p, weight_decay);
+    }
+  }
+  at::_foreach_lerp_(m, g, 1.0 - beta1);
+  at::_foreach_mul_(v, beta2);
+  at::_foreach_addcmul_(v, g, g, 1.0 - beta2);
+  double bias_correction1 = 1.0 - std::pow(beta1, step);
+  double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(beta2, step));
+  std::vector<at::Scalar> step_size(p.size(), at::Scalar(-(lr / bias_correction1)));
+  std::vector<at::Scalar> root(p.size(), at::Scalar(bias_correction2_sqrt));
+  auto denom = at::_foreach_sqrt(v);
+  at::_foreach_div_(denom, root);
+  at::_foreach_add_(denom, eps);
+  at::_foreach_addcdiv_(p, m, denom, step_size);
+}
+
+}  // namespace
+
+char* rn_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n, double step, double lr, double beta1,
+              double beta2, double weight_decay, double eps, int decoupled, int fused) {
   return protect([&] {
     torch::NoGradGuard no_grad;
     std::vector<at::Tensor> p, g, m, v;
@@ -426,9 +463,14 @@ char* rn_fused_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n
       m.push_back(tensor(exp_avgs[i]));
       v.push_back(tensor(exp_avg_sqs[i]));
     }
+    if (p.empty()) return;
+    if (!fused) {
+      foreach_adam(p, g, m, v, step, lr, beta1, beta2, weight_decay, eps, decoupled != 0);
+      return;
+    }
     // The kernel reads each parameter's step from a float32 scalar on the parameters' device (as
     // torch.optim.Adam(fused=True) keeps it); one serves them all.
-    auto on = p.empty() ? at::Device(at::kCPU) : p[0].device();
+    auto on = p[0].device();
     std::vector<at::Tensor> steps(p.size(), at::scalar_tensor(step, at::TensorOptions().dtype(at::kFloat).device(on)));
     if (decoupled) {
       at::_fused_adamw_(p, g, m, v, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false);

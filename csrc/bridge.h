@@ -89,11 +89,11 @@ char* rn_ddp_bucket_layout(rn_ddp* d, size_t* layout, size_t* bucket_sizes, size
 // then writes fresh gradients instead of adding to zeroed ones.
 char* rn_clear_grads(void** params, size_t n);
 
-// One Adam step (AdamW with decoupled = 1) over the n parameters that have a gradient, in a single
-// fused libtorch kernel (at::_fused_adam_ / at::_fused_adamw_), which tch does not expose.
-// `step` counts this one.
-char* rn_fused_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n, double step, double lr,
-                    double beta1, double beta2, double weight_decay, double eps, int decoupled);
+// One Adam step (AdamW with decoupled = 1) over the n parameters that have a gradient: with
+// fused = 1 in a single fused libtorch kernel (at::_fused_adam_ / at::_fused_adamw_, which tch does
+// not expose), else in torch's multi-tensor at::_foreach_* operations. `step` counts this one.
+char* rn_adam(void** params, void** exp_avgs, void** exp_avg_sqs, size_t n, double step, double lr, double beta1,
+              double beta2, double weight_decay, double eps, int decoupled, int fused);
 
 // One step of torch.optim.SGD (single-tensor, dampening 0, not Nesterov) over the n parameters that
 // have a gradient, with torch's roundings: weight decay and the update are each one add with alpha

@@ -1018,6 +1018,12 @@ pub struct Train {
     /// more dimensions, embeddings included; never biases or norms: nanoGPT's configure_optimizers).
     #[serde(skip_serializing_if = "is_default")]
     pub weight_decay_on: WeightDecayOn,
+    /// Adam / AdamW: true updates every parameter in one fused kernel (libtorch's
+    /// `_fused_adamw_`, PyTorch's `fused=True`); false in PyTorch's multi-tensor `_foreach_`
+    /// operations (`foreach=True`), the same formula in more passes over memory. Absent: fused,
+    /// the faster on CPU and GPU. SGD has no fused kernel here: true is refused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fused: Option<bool>,
     /// What the model learns: class labels (cross-entropy) or numbers (MSE on the normalised target).
     #[serde(skip_serializing_if = "TaskKind::is_classification")]
     pub task: TaskKind,
@@ -1091,6 +1097,7 @@ impl Default for Train {
             eps: DEFAULT_EPS,
             weight_decay: 0.0,
             weight_decay_on: WeightDecayOn::All,
+            fused: None,
             task: TaskKind::Classification,
             clip_grad_norm: None,
             accumulate: 1,

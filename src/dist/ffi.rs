@@ -176,7 +176,7 @@ extern "C" {
     pub fn rn_set_autocast_dtype(device_type: c_int, scalar_type: c_int) -> *mut c_char;
 
     pub fn rn_clear_grads(params: *const *mut c_void, n: usize) -> *mut c_char;
-    pub fn rn_fused_adam(
+    pub fn rn_adam(
         params: *const *mut c_void,
         exp_avgs: *const *mut c_void,
         exp_avg_sqs: *const *mut c_void,
@@ -188,6 +188,7 @@ extern "C" {
         weight_decay: f64,
         eps: f64,
         decoupled: c_int,
+        fused: c_int,
     ) -> *mut c_char;
     pub fn rn_sgd(
         params: *const *mut c_void,

@@ -18,7 +18,7 @@ pub fn clear_grads(params: &[Tensor]) -> Result<()> {
     check("clear_grads", unsafe { ffi::rn_clear_grads(p.as_ptr(), p.len()) })
 }
 
-/// Adam's hyper-parameters for [`fused_adam`].
+/// Adam's hyper-parameters for [`adam`].
 #[derive(Debug, Clone, Copy)]
 pub struct AdamConfig {
     pub lr: f64,
@@ -28,18 +28,22 @@ pub struct AdamConfig {
     pub weight_decay: f64,
     /// AdamW: weight decay applied to the parameters, not added to the gradients.
     pub decoupled: bool,
+    /// One fused kernel (`fused=True`), or torch's multi-tensor `_foreach_` passes (`foreach=True`).
+    pub fused: bool,
 }
 
-/// One Adam step (`step` counts it, from 1) over every parameter that has a gradient, in a single
-/// fused kernel (libtorch's `_fused_adam_`, what `torch.optim.Adam(fused=True)` runs): torch's
-/// Adam formula in one pass over memory instead of one pass per elementwise operation.
-/// `m` and `v` hold each parameter's first and second moments, in the parameter's shape.
-pub fn fused_adam(params: &[Tensor], m: &[Tensor], v: &[Tensor], step: i64, c: AdamConfig) -> Result<()> {
+/// One Adam step (`step` counts it, from 1) over every parameter that has a gradient. Fused
+/// (`c.fused`): in a single kernel (libtorch's `_fused_adam_`, what `torch.optim.Adam(fused=True)`
+/// runs), torch's Adam formula in one pass over memory; else in torch's multi-tensor `_foreach_`
+/// operations (`foreach=True`), one pass over every parameter per elementwise operation. `m` and
+/// `v` hold each parameter's first and second moments, in the parameter's shape: the same state
+/// for both, so a checkpoint of one resumes with the other.
+pub fn adam(params: &[Tensor], m: &[Tensor], v: &[Tensor], step: i64, c: AdamConfig) -> Result<()> {
     assert!(m.len() == params.len() && v.len() == params.len(), "two moments per parameter");
     let (p, m, v) = (ptrs(params), ptrs(m), ptrs(v));
     // SAFETY: every pointer is a live tensor for the duration of the call; lengths match.
     let err = unsafe {
-        ffi::rn_fused_adam(
+        ffi::rn_adam(
             p.as_ptr(),
             m.as_ptr(),
             v.as_ptr(),
@@ -51,9 +55,10 @@ pub fn fused_adam(params: &[Tensor], m: &[Tensor], v: &[Tensor], step: i64, c: A
             c.weight_decay,
             c.eps,
             c.decoupled as i32,
+            c.fused as i32,
         )
     };
-    check("fused_adam", err)
+    check(if c.fused { "fused adam" } else { "foreach adam" }, err)
 }
 
 /// SGD's hyper-parameters for [`sgd`].

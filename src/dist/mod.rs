@@ -6,7 +6,7 @@
 //! - [`Sharded`]: a model's parameters sharded across the ranks (FSDP2's design);
 //! - [`checkpoint`]: a segment recomputed in the backward pass (activation checkpointing);
 //! - [`Script`]: a TorchScript module with its parameters and buffers (tch lists no buffers);
-//! - [`fused_adam`], [`sgd`], [`set_autocast_dtype`]: libtorch functions that tch does not expose;
+//! - [`adam`], [`sgd`], [`set_autocast_dtype`]: libtorch functions that tch does not expose;
 //! - [`memory`]: the allocator of a rank's tensors, which reuses freed memory as it is;
 //! - [`mkl`]: MKL's code branch in this process (`run.numerics`).
 //!
@@ -44,7 +44,7 @@ pub use ddp::{Ddp, ReducerTimes};
 pub use error::{Error, PeerExit, Result};
 pub use fsdp::{ShardStats, Sharded, Units};
 pub use kernels::{
-    clear_grads, cpu_kernels, fused_adam, set_autocast_dtype, sgd, AdamConfig, AutocastBf16, CpuKernels, SgdConfig,
+    adam, clear_grads, cpu_kernels, set_autocast_dtype, sgd, AdamConfig, AutocastBf16, CpuKernels, SgdConfig,
 };
 pub use process_group::{record_exit, Backend, Pending, ProcessGroup, ReduceOp};
 pub use script::Script;

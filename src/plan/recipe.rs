@@ -142,6 +142,14 @@ pub fn recipe_values(c: &Config, validation_rows: Option<usize>, bad: &mut impl 
     if t.accumulate == 0 {
         bad("train.accumulate", "must be at least 1 (1: an optimizer step per batch)".into());
     }
+    if t.fused == Some(true) && t.optimizer == Optimizer::Sgd {
+        bad(
+            "train.fused",
+            "the runner has a fused kernel for \"adam\" and \"adamw\" only; leave train.fused out with \"sgd\", \
+             or choose optimizer = \"adamw\""
+                .into(),
+        );
+    }
     if let Some(max) = t.clip_grad_norm {
         if !(max > 0.0 && max.is_finite()) {
             bad("train.clip_grad_norm", format!("must be a positive norm, got {max}"));

@@ -36,6 +36,7 @@ mod models;
 mod multinode;
 mod newcomer;
 mod numerics;
+mod optim_twin;
 mod pipeline;
 mod plan;
 mod real_data;

@@ -234,6 +234,10 @@ fn impossible_combinations_are_refused_before_any_rank_starts() {
         ),
         (&["--set", "wrap.sync_batchnorm=true"][..], "MLP 5-16-3 has no batch norm layers to synchronise"),
         (&["--set", "train.clip_grad_norm=0"][..], "must be a positive norm, got 0"),
+        (
+            &["--set", "train.fused=true"][..],
+            "`train.fused` (--set train.fused=true): the runner has a fused kernel for \"adam\" and \"adamw\" only",
+        ),
         (&["--set", "train.schedule.min_lr=0.01"][..], "is only read by kind = \"linear\" or \"cosine\""),
         (&["--set", "train.schedule.kind=\"step\""][..], "needs step_size (optimizer steps) or step_epochs"),
     ] {
@@ -320,6 +324,27 @@ fn resumes_bit_identical(extra: &[&str], files: &[&str]) {
 #[test]
 fn ddp_with_the_whole_recipe_resumes_bit_identical() {
     resumes_bit_identical(&[], &["checkpoints/epoch-0005/rank-0.safetensors", "model.safetensors"]);
+}
+
+/// `train.fused = false` (PyTorch's `_foreach_` passes) keeps the fused kernel's state, so it
+/// resumes bit-identical too.
+#[test]
+fn foreach_adamw_with_the_whole_recipe_resumes_bit_identical() {
+    resumes_bit_identical(&["--set", "train.fused=false"], &["checkpoints/epoch-0005/rank-0.safetensors"]);
+}
+
+/// Under FSDP (each rank steps its shards) with clipping, decay and bf16, the foreach path ends
+/// where the fused kernel does.
+#[test]
+fn fsdp_with_the_whole_recipe_ends_alike_fused_and_foreach() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", RECIPE);
+    for (out, fused) in [("fused", "true"), ("foreach", "false")] {
+        let fused = format!("train.fused={fused}");
+        let args = ["run", "p.toml", "--out", out, "--set", "wrap.strategy=\"fsdp\"", "--set", &fused];
+        assert_ok(&run(&args, dir.path()));
+    }
+    common::assert_close_runs(&dir.path().join("fused"), &dir.path().join("foreach"), 1e-5);
 }
 
 #[test]
