@@ -486,4 +486,43 @@ mod tests {
         let shards = 400.0 + 32.0 + 4.0;
         assert!(fsdp.parameters >= 4.0 * (shards + at_layer1));
     }
+
+    /// A planner of `mlp()`'s shapes (81 kB of training state under DDP) whose rank needs 100 kB
+    /// besides its state, less 20 kB for each of its 4 blocks checkpointed.
+    fn planner(choose_checkpointing: bool) -> Planner<'static> {
+        Planner {
+            shapes: mlp(),
+            layer_parameters: &[],
+            slots: 2.0,
+            cuts: Box::new(|_| false),
+            shards: true,
+            global_batch: None,
+            pipeline_copies: 1,
+            gloo: true,
+            besides: Box::new(|_, ac| 1e5 - 2e4 * (0..4).filter(|&i| ac.applies(i)).count() as f64),
+            checkpointing: ActivationCheckpointing::default(),
+            checkpointable: 4,
+            choose_checkpointing,
+        }
+    }
+
+    #[test]
+    fn checkpointing_is_turned_on_for_the_fewest_blocks_that_fit_before_another_strategy() {
+        let p = planner(true);
+        let ddp = p.state(Layout::Replica, 1, None).unwrap();
+        let full = |every| Some(ActivationCheckpointing { policy: CheckpointPolicy::Full, every });
+        let need = |blocks: f64| ddp.total() + 1e5 - 2e4 * blocks;
+        // Every 4th block (1 recomputed), every 3rd (blocks 0 and 3), every block (4, where 3 are
+        // asked: no k recomputes 3 of 4); nothing fits below.
+        assert_eq!(p.lighten(&ddp, 1, need(1.0)), full(4));
+        assert_eq!(p.lighten(&ddp, 1, need(2.0)), full(3));
+        assert_eq!(p.lighten(&ddp, 1, need(3.0)), full(1));
+        assert_eq!(p.lighten(&ddp, 1, need(4.0) - 1.0), None);
+        // auto: DDP with checkpointing, before any other strategy is tried.
+        let (layout, ac, why) = p.choose(1, need(2.0), "the limit").unwrap();
+        assert_eq!((layout, ac), (Layout::Replica, full(3)));
+        assert!(why.starts_with("chose DDP with activation checkpointing (full, every = 3: 2 of 4 blocks"), "{why}");
+        // A policy set by hand is kept (tests/integration/fsdp.rs: auto then picks FSDP).
+        assert_eq!(planner(false).lighten(&ddp, 1, need(1.0)), None);
+    }
 }
