@@ -77,8 +77,10 @@ pub struct Run {
     /// (parameters, their gradients and the optimizer's state, as the strategy holds them: whole
     /// under DDP, a stage's under a pipeline, shards plus the layers gathered at once under FSDP)
     /// and what it needs besides (activations, data, libtorch), checked on the plan, which names
-    /// the strategies and world sizes that fit; `wrap.strategy = "auto"` chooses by it. Absent:
-    /// unchecked (the plan still checks the whole estimate against this machine's memory).
+    /// the strategies and world sizes that fit; `wrap.strategy = "auto"` chooses by it. Where a
+    /// transformer's rank does not fit and wrap.activation_checkpointing is left out, the plan
+    /// turns checkpointing on (the fewest blocks that fit) before any other way, and says so.
+    /// Absent: unchecked (the plan still checks the whole estimate against this machine's memory).
     pub memory_per_rank_mb: Option<f64>,
     /// The peak matrix-product rate of one rank's device, in TFLOP/s, over which a transformer's
     /// model FLOPs utilisation (MFU: its training FLOPs per second over this peak) is reported in
@@ -649,7 +651,8 @@ pub enum WrapStrategy {
     /// The plan picks: DDP where a rank with the whole training state fits run.memory_per_rank_mb
     /// (or this machine's memory shared by its ranks), else FSDP keeping parameters gathered from forward
     /// to backward (ZeRO-2), else FSDP gathering them again for the backward pass (ZeRO-3), else
-    /// the pipeline; it prints which and why.
+    /// the pipeline; each with activation checkpointing before the next, where the model is a
+    /// transformer and wrap.activation_checkpointing is left out; it prints which and why.
     Auto,
 }
 

@@ -18,7 +18,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::schema::{Config, Optimizer, WrapStrategy};
+use crate::config::schema::{ActivationCheckpointing, CheckpointPolicy, Config, Optimizer, WrapStrategy};
 use crate::limits::size;
 use crate::model::Architecture;
 
@@ -244,9 +244,18 @@ pub struct Planner<'a> {
     pub pipeline_copies: usize,
     /// The collectives run over gloo (the CPU backend).
     pub gloo: bool,
-    /// Bytes the heaviest rank needs besides its training state at a world size: activations,
-    /// data, libtorch (`limits::estimate`). A limit is on the whole: the state and this.
-    pub besides: Box<dyn Fn(usize) -> f64 + 'a>,
+    /// Bytes the heaviest rank needs besides its training state at a world size under an
+    /// activation checkpointing: activations, data, libtorch (`limits::estimate`). A limit is on
+    /// the whole: the state and this.
+    pub besides: Box<dyn Fn(usize, ActivationCheckpointing) -> f64 + 'a>,
+    /// The configured `wrap.activation_checkpointing`.
+    pub checkpointing: ActivationCheckpointing,
+    /// The blocks the run could checkpoint, as the estimate counts them (0: none, or the model's
+    /// estimate does not count what checkpointing saves).
+    pub checkpointable: usize,
+    /// Whether the plan may turn checkpointing on itself where a rank does not fit without: the
+    /// policy was left to its default.
+    pub choose_checkpointing: bool,
 }
 
 impl Planner<'_> {
@@ -282,29 +291,72 @@ impl Planner<'_> {
 
     /// Bytes a rank of `world` needs that holds `state`: the state and everything besides.
     pub fn needs(&self, state: &State, world: usize) -> f64 {
-        state.total() + (self.besides)(world)
+        self.needs_with(state, world, self.checkpointing)
+    }
+
+    /// Bytes a rank of `world` needs that holds `state`, under `checkpointing`.
+    pub fn needs_with(&self, state: &State, world: usize, checkpointing: ActivationCheckpointing) -> f64 {
+        state.total() + (self.besides)(world, checkpointing)
+    }
+
+    /// The activation checkpointing the plan turns on where a rank holding `state` at `world`
+    /// ranks needs more than `limit` bytes without: full, on every k-th block with the largest k
+    /// that fits (the fewest blocks recomputed, the least extra time); `None` where the plan may
+    /// not choose it, or even every block recomputed does not fit. Tried before a larger world
+    /// size or another strategy: it costs about a third of a forward pass per recomputed block,
+    /// and changes no result (the recomputation is bit-identical).
+    pub fn lighten(&self, state: &State, world: usize, limit: f64) -> Option<ActivationCheckpointing> {
+        let full = ActivationCheckpointing { policy: CheckpointPolicy::Full, every: 1 };
+        // Every block recomputed needs the least: where even that does not fit, nothing does.
+        if !self.choose_checkpointing
+            || self.checkpointable == 0
+            || self.checkpointing.policy != CheckpointPolicy::None
+            || self.needs_with(state, world, full) > limit
+        {
+            return None;
+        }
+        (1..=self.checkpointable)
+            .rev()
+            .map(|every| ActivationCheckpointing { policy: CheckpointPolicy::Full, every })
+            .find(|&ac| self.needs_with(state, world, ac) <= limit)
+    }
+
+    /// ", N with every block checkpointed" where the plan may checkpoint, after what a rank needs.
+    pub fn checkpointed_too(&self, state: &State, world: usize) -> String {
+        if self.checkpointable == 0 || self.checkpointing.policy != CheckpointPolicy::None {
+            return String::new();
+        }
+        let full = ActivationCheckpointing { policy: CheckpointPolicy::Full, every: 1 };
+        format!(" ({} with every block checkpointed)", size(self.needs_with(state, world, full)))
     }
 
     /// The smallest world size from `from` at which `layout` holds at most `limit` bytes a rank
-    /// (and, data-parallel, keeps the global batch).
-    pub fn fits_from(&self, layout: Layout, limit: f64, from: usize) -> Option<(usize, State)> {
+    /// (and, data-parallel, keeps the global batch), with the activation checkpointing the plan
+    /// turns on where it needs it ([`Planner::lighten`]): that world size, what a rank needs
+    /// there, and whether it checkpoints.
+    pub fn fits_from(&self, layout: Layout, limit: f64, from: usize) -> Option<(usize, f64, bool)> {
         let keeps = |w: usize| layout == Layout::Pipeline || self.global_batch.is_none_or(|g| g.is_multiple_of(w));
-        (from.max(1)..=MAX_SEARCH)
-            .filter(|&w| keeps(w))
-            .find_map(|w| self.state(layout, w, None).filter(|s| self.needs(s, w) <= limit).map(|s| (w, s)))
+        (from.max(1)..=MAX_SEARCH).filter(|&w| keeps(w)).find_map(|w| {
+            let s = self.state(layout, w, None)?;
+            if self.needs(&s, w) <= limit {
+                return Some((w, self.needs(&s, w), false));
+            }
+            self.lighten(&s, w, limit).map(|ac| (w, self.needs_with(&s, w, ac), true))
+        })
     }
 
     /// What to do when `layout` at `world` ranks needs more than `limit` bytes a rank: the
-    /// strategies that fit, and from which world size.
-    pub fn advice(&self, layout: Layout, world: usize, limit: f64) -> String {
-        let mut ways = Vec::new();
+    /// strategies that fit, and from which world size; `first`: a way to name before them.
+    pub fn advice(&self, layout: Layout, world: usize, limit: f64, first: Option<String>) -> String {
+        let mut ways: Vec<String> = first.into_iter().collect();
         for (candidate, name, what) in
             [(Layout::Fsdp { zero3: true }, "fsdp", "a rank"), (Layout::Pipeline, "pipeline", "on its heaviest rank")]
         {
             // The strategy in use is asked only at more ranks.
             let from = if candidate == layout { world + 1 } else { world };
-            let Some((w, s)) = self.fits_from(candidate, limit, from) else { continue };
-            let (s, strategy) = (size(self.needs(&s, w)), format!("wrap.strategy = \"{name}\""));
+            let Some((w, needs, checkpointed)) = self.fits_from(candidate, limit, from) else { continue };
+            let what = format!("{what}{}", if checkpointed { ", with activation checkpointing" } else { "" });
+            let (s, strategy) = (size(needs), format!("wrap.strategy = \"{name}\""));
             ways.push(match (candidate == layout, w == world) {
                 (true, _) => format!("{candidate} fits from run.world_size = {w} ({s} {what})"),
                 (false, true) => format!("{strategy} fits at this world size ({s} {what})"),
@@ -320,29 +372,41 @@ impl Planner<'_> {
         format!("{}; wrap.strategy = \"auto\" picks the first strategy that fits", ways.join(", or "))
     }
 
-    /// `wrap.strategy = "auto"` at `world` ranks with `limit` bytes a rank:
-    /// the first of DDP, FSDP (ZeRO-2), FSDP (ZeRO-3) and the pipeline that fits, and why; or
-    /// why none does.
-    pub fn choose(&self, world: usize, limit: f64, limit_text: &str) -> Result<(Layout, String), String> {
+    /// `wrap.strategy = "auto"` at `world` ranks with `limit` bytes a rank: the first of DDP,
+    /// FSDP (ZeRO-2), FSDP (ZeRO-3) and the pipeline that fits, each tried with the activation
+    /// checkpointing [`Planner::lighten`] turns on before the next (which checkpointing, if any,
+    /// and why); or why none does.
+    pub fn choose(&self, world: usize, limit: f64, limit_text: &str) -> Result<Choice, String> {
         let order = [Layout::Replica, Layout::Fsdp { zero3: false }, Layout::Fsdp { zero3: true }, Layout::Pipeline];
         let mut tried = Vec::new();
         for layout in order {
             let Some(s) = self.state(layout, world, None) else { continue };
             let needs = size(self.needs(&s, world));
+            let before = if tried.is_empty() { String::new() } else { format!(", while {}", tried.join(", ")) };
             if self.needs(&s, world) <= limit {
-                let before = if tried.is_empty() { String::new() } else { format!(", while {}", tried.join(", ")) };
-                return Ok((
-                    layout,
-                    format!("chose {layout}: a rank needs {needs}, training state {s}, within {limit_text}{before}"),
-                ));
+                let why =
+                    format!("chose {layout}: a rank needs {needs}, training state {s}, within {limit_text}{before}");
+                return Ok((layout, None, why));
             }
-            tried.push(format!("{layout} would need {needs}"));
+            if let Some(ac) = self.lighten(&s, world, limit) {
+                let why = format!(
+                    "chose {layout} with activation checkpointing ({}): a rank needs {}, training state {s}, within \
+                     {limit_text}, where keeping every activation it would need {needs}{before}",
+                    checkpointing_text(ac, self.checkpointable),
+                    size(self.needs_with(&s, world, ac))
+                );
+                return Ok((layout, Some(ac), why));
+            }
+            // What checkpointing would need, where the plan tried it.
+            let checkpointed = if self.choose_checkpointing { self.checkpointed_too(&s, world) } else { String::new() };
+            tried.push(format!("{layout} would need {needs}{checkpointed}"));
         }
         let more: Vec<String> = [Layout::Fsdp { zero3: true }, Layout::Pipeline]
             .into_iter()
             .filter_map(|layout| {
-                let (w, s) = self.fits_from(layout, limit, world + 1)?;
-                Some(format!("{layout} fits from run.world_size = {w} ({} a rank)", size(self.needs(&s, w))))
+                let (w, needs, checkpointed) = self.fits_from(layout, limit, world + 1)?;
+                let with = if checkpointed { ", with activation checkpointing" } else { "" };
+                Some(format!("{layout} fits from run.world_size = {w} ({} a rank{with})", size(needs)))
             })
             .collect();
         let advice = match more.is_empty() {
@@ -350,6 +414,20 @@ impl Planner<'_> {
             false => format!("{}: raise run.world_size, or use a smaller model", more.join(", ")),
         };
         Err(format!("no strategy fits {limit_text} at world size {world}: {}; {advice}", tried.join(", ")))
+    }
+}
+
+/// `wrap.strategy = "auto"`'s choice: the layout, the activation checkpointing it turned on (none:
+/// the configured one), and why.
+pub type Choice = (Layout, Option<ActivationCheckpointing>, String);
+
+/// "full, every block" or "full, every 3rd block: 2 of 6 recomputed", of `blocks` blocks.
+pub fn checkpointing_text(ac: ActivationCheckpointing, blocks: usize) -> String {
+    let recomputed = (0..blocks).filter(|&i| ac.applies(i)).count();
+    let policy = format!("{:?}", ac.policy).to_lowercase();
+    match ac.every {
+        1 => format!("{policy}, every block"),
+        k => format!("{policy}, every = {k}: {recomputed} of {blocks} blocks recomputed"),
     }
 }
 
@@ -407,5 +485,44 @@ mod tests {
         let at_layer1 = 800.0 + 64.0 + 64.0;
         let shards = 400.0 + 32.0 + 4.0;
         assert!(fsdp.parameters >= 4.0 * (shards + at_layer1));
+    }
+
+    /// A planner of `mlp()`'s shapes (81 kB of training state under DDP) whose rank needs 100 kB
+    /// besides its state, less 20 kB for each of its 4 blocks checkpointed.
+    fn planner(choose_checkpointing: bool) -> Planner<'static> {
+        Planner {
+            shapes: mlp(),
+            layer_parameters: &[],
+            slots: 2.0,
+            cuts: Box::new(|_| false),
+            shards: true,
+            global_batch: None,
+            pipeline_copies: 1,
+            gloo: true,
+            besides: Box::new(|_, ac| 1e5 - 2e4 * (0..4).filter(|&i| ac.applies(i)).count() as f64),
+            checkpointing: ActivationCheckpointing::default(),
+            checkpointable: 4,
+            choose_checkpointing,
+        }
+    }
+
+    #[test]
+    fn checkpointing_is_turned_on_for_the_fewest_blocks_that_fit_before_another_strategy() {
+        let p = planner(true);
+        let ddp = p.state(Layout::Replica, 1, None).unwrap();
+        let full = |every| Some(ActivationCheckpointing { policy: CheckpointPolicy::Full, every });
+        let need = |blocks: f64| ddp.total() + 1e5 - 2e4 * blocks;
+        // Every 4th block (1 recomputed), every 3rd (blocks 0 and 3), every block (4, where 3 are
+        // asked: no k recomputes 3 of 4); nothing fits below.
+        assert_eq!(p.lighten(&ddp, 1, need(1.0)), full(4));
+        assert_eq!(p.lighten(&ddp, 1, need(2.0)), full(3));
+        assert_eq!(p.lighten(&ddp, 1, need(3.0)), full(1));
+        assert_eq!(p.lighten(&ddp, 1, need(4.0) - 1.0), None);
+        // auto: DDP with checkpointing, before any other strategy is tried.
+        let (layout, ac, why) = p.choose(1, need(2.0), "the limit").unwrap();
+        assert_eq!((layout, ac), (Layout::Replica, full(3)));
+        assert!(why.starts_with("chose DDP with activation checkpointing (full, every = 3: 2 of 4 blocks"), "{why}");
+        // A policy set by hand is kept (tests/integration/fsdp.rs: auto then picks FSDP).
+        assert_eq!(planner(false).lighten(&ddp, 1, need(1.0)), None);
     }
 }

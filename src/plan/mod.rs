@@ -77,6 +77,10 @@ pub struct Plan {
     /// With `wrap.strategy = "auto"`: the strategy the plan chose (config.wrap holds it) and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auto: Option<String>,
+    /// With `run.memory_per_rank_mb` and a configured strategy: why the plan turned activation
+    /// checkpointing on (config.wrap holds it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpointing_chosen: Option<String>,
     /// The vocabulary beside a token file (`tokenizer.json` or `meta.json`), which `runner predict
     /// --prompt` and `runner eval` encode and decode with ([`Plan::read_vocabulary`]):
     /// recorded to tell it from another file, and left out of the run id.
@@ -93,6 +97,11 @@ pub struct Plan {
 pub enum Machine {
     This,
     Another,
+}
+
+/// The keys of `wrap.activation_checkpointing` the plan sets when it turns it on, and by what.
+fn checkpointing_keys(by: &str) -> [(&'static str, String); 2] {
+    [("wrap.activation_checkpointing.policy", by.into()), ("wrap.activation_checkpointing.every", by.into())]
 }
 
 /// What the configuration a run resumes with must keep of the run: its plan is made knowing it.
@@ -170,10 +179,13 @@ impl Plan {
             besides: match (&data, &layout) {
                 (Some(d), Some(l)) => {
                     let c = c.clone();
-                    Box::new(move |w| strategy::besides_state(&c, d, l, a.as_ref(), w))
+                    Box::new(move |w, ac| strategy::besides_state(&c, d, l, a.as_ref(), w, ac))
                 }
-                _ => Box::new(|_| 0.0),
+                _ => Box::new(|_, _| 0.0),
             },
+            checkpointing: c.wrap.activation_checkpointing,
+            checkpointable: strategy::checkpointable(&c, &sources, resuming.map(|r| r.own_config.as_str())),
+            choose_checkpointing: strategy::choose_checkpointing(&sources),
         });
         strategy::strategy_keys(&c, &sources, resuming.map(|r| r.own_config.as_str()), &mut bad);
         mesh::check(&c, &sources, &mut bad);
@@ -182,7 +194,11 @@ impl Plan {
             (c.wrap.strategy, &planner, data.is_some() && layout.is_some())
         {
             match strategy::choose_strategy(&c, planner) {
-                Ok((layout, why)) => {
+                Ok((layout, checkpointing, why)) => {
+                    if let Some(ac) = checkpointing {
+                        c.wrap.activation_checkpointing = ac;
+                        chosen.extend(checkpointing_keys("wrap.strategy = \"auto\""));
+                    }
                     (c.wrap.strategy, c.wrap.fsdp.reshard_after_forward) = match layout {
                         memory::Layout::Replica => (WrapStrategy::Ddp, true),
                         memory::Layout::Fsdp { zero3 } => (WrapStrategy::Fsdp, zero3),
@@ -225,8 +241,13 @@ impl Plan {
             recipe::recipe_lengths(&c, batches, total, &mut bad);
         }
         // An "auto" still unresolved has been refused with the numbers already.
+        let mut checkpointing_chosen = None;
         if let (Some(stages), Some(planner), false) = (&stages, &planner, c.wrap.strategy == WrapStrategy::Auto) {
-            strategy::check_memory_limit(&c, planner, stages, &mut bad);
+            if let Some((ac, why)) = strategy::check_memory_limit(&c, planner, stages, &mut bad) {
+                c.wrap.activation_checkpointing = ac;
+                chosen.extend(checkpointing_keys("run.memory_per_rank_mb"));
+                checkpointing_chosen = Some(why);
+            }
         }
         if let Some(l) = &layout {
             values::thread_replicas(&c, l.split_batch.unwrap_or(c.train.batch_size), &mut bad);
@@ -281,6 +302,7 @@ impl Plan {
             started_with: Default::default(),
             state,
             auto,
+            checkpointing_chosen,
             reshards: Vec::new(),
         })
     }

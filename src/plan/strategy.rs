@@ -33,18 +33,46 @@ pub(super) fn memory_estimate(
     estimate
 }
 
-/// Bytes the heaviest rank of `world` needs besides its training state: activations, data,
-/// libtorch.
+/// Bytes the heaviest rank of `world` needs besides its training state under `checkpointing`:
+/// activations, data, libtorch.
 pub(super) fn besides_state(
     c: &Config,
     d: &DataSpec,
     layout: &ShardLayout,
     arch: &dyn Architecture,
     world: usize,
+    checkpointing: ActivationCheckpointing,
 ) -> f64 {
     let mut c = c.clone();
     c.run.world_size = world;
+    c.wrap.activation_checkpointing = checkpointing;
     estimate(&c, d, layout, arch, 0.0).per_rank()
+}
+
+/// The blocks the run could checkpoint as the estimate counts them: a transformer's (the plan
+/// refuses checkpointing with LoRA, tensor parallelism and thread replicas); 0 otherwise (an
+/// MLP's estimate does not count what checkpointing saves), and on a resume that keeps the run's
+/// own policy (`own`: the source of its config.toml), which a resume may not change.
+pub(super) fn checkpointable(
+    c: &Config,
+    sources: &std::collections::BTreeMap<String, String>,
+    own: Option<&str>,
+) -> usize {
+    let able = c.wrap.lora.is_none() && c.wrap.threads_per_replica.is_none() && super::mesh::Shape::of(c).tensor <= 1;
+    let kept = own.is_some_and(|o| {
+        sources.get("wrap.activation_checkpointing.policy").is_some_and(|s| s.starts_with(&format!("{o}:")))
+    });
+    match &c.wrap.model {
+        Model::Transformer(t) if able && !kept => t.layers,
+        _ => 0,
+    }
+}
+
+/// Whether the plan may turn activation checkpointing on itself: its keys were left to their
+/// defaults.
+pub(super) fn choose_checkpointing(sources: &std::collections::BTreeMap<String, String>) -> bool {
+    let set = |key: &str| sources.get(key).is_some_and(|s| s != "default");
+    !set("wrap.activation_checkpointing.policy") && !set("wrap.activation_checkpointing.every")
 }
 
 fn estimate(
@@ -108,7 +136,11 @@ pub(super) fn checkpointing_note(plan: &super::Plan) -> Option<String> {
         }
         _ => note += ": the estimate does not count its saving for this model kind",
     }
-    Some(note + "\n")
+    note += "\n";
+    if let Some(why) = &plan.checkpointing_chosen {
+        note += &format!("  {why}\n");
+    }
+    Some(note)
 }
 
 /// Keys only one strategy reads, set under another (the pipeline's are checked with its stages):
@@ -146,8 +178,9 @@ pub(super) fn strategy_keys(
 }
 
 /// `run.memory_per_rank_mb` against what the heaviest rank needs under the configured strategy:
-/// its training state and everything besides; the refusal names the strategies and world sizes
-/// that fit.
+/// its training state and everything besides. Where it does not fit, the activation
+/// checkpointing that makes it fit ([`memory::Planner::lighten`]) and why, or a refusal that
+/// names the strategies and world sizes that fit.
 // `!(x > 0.0)` is meant: it also rejects NaN, which `x <= 0.0` would let through.
 #[allow(clippy::neg_cmp_op_on_partial_ord)]
 pub(super) fn check_memory_limit(
@@ -155,16 +188,26 @@ pub(super) fn check_memory_limit(
     planner: &memory::Planner,
     stages: &[Range<usize>],
     bad: &mut impl FnMut(&str, String),
-) {
-    let Some(limit) = c.run.memory_per_rank_mb else { return };
+) -> Option<(ActivationCheckpointing, String)> {
+    let limit = c.run.memory_per_rank_mb?;
     if !(limit > 0.0 && limit.is_finite()) {
-        return; // refused with the run's values
+        return None; // refused with the run's values
     }
     let (bytes, w) = (limit * 1048576.0, c.run.world_size);
     let layout = memory::Layout::of(c);
-    let Some(state) = planner.state(layout, w, Some(stages)) else { return };
-    if planner.needs(&state, w) <= bytes {
-        return;
+    let state = planner.state(layout, w, Some(stages))?;
+    // The checkpointing set, or the one wrap.strategy = "auto" chose.
+    if planner.needs_with(&state, w, c.wrap.activation_checkpointing) <= bytes {
+        return None;
+    }
+    if let Some(ac) = planner.lighten(&state, w, bytes) {
+        let why = format!(
+            "run.memory_per_rank_mb = {limit} turned it on: a rank needs {} with it, {} without, under {layout} at \
+             world size {w}",
+            crate::limits::size(planner.needs_with(&state, w, ac)),
+            crate::limits::size(planner.needs(&state, w))
+        );
+        return Some((ac, why));
     }
     let who = match layout {
         memory::Layout::Pipeline => {
@@ -174,13 +217,22 @@ pub(super) fn check_memory_limit(
         }
         _ => "each rank would need".to_string(),
     };
+    // Checkpointing set to "none" by hand, where it would fit.
+    let full = ActivationCheckpointing { policy: CheckpointPolicy::Full, every: 1 };
+    let checkpoint = (planner.checkpointable > 0 && planner.needs_with(&state, w, full) <= bytes).then(|| {
+        format!(
+            "wrap.activation_checkpointing.policy = \"full\" fits at this world size ({} a rank; left out, the plan \
+             turns it on itself where needed)",
+            crate::limits::size(planner.needs_with(&state, w, full))
+        )
+    });
     let advice = match (layout, &c.wrap.pipeline.stages) {
         (memory::Layout::Pipeline, Some(_))
             if planner.state(layout, w, None).is_some_and(|s| planner.needs(&s, w) <= bytes) =>
         {
             "leave wrap.pipeline.stages out: the split balanced by parameters fits".to_string()
         }
-        _ => planner.advice(layout, w, bytes),
+        _ => planner.advice(layout, w, bytes, checkpoint),
     };
     let under = match c.wrap.strategy {
         WrapStrategy::None => "wrap.strategy = \"none\"".to_string(),
@@ -189,17 +241,19 @@ pub(super) fn check_memory_limit(
     bad(
         "run.memory_per_rank_mb",
         format!(
-            "{who} {}: {state} of training state and {} besides (activations, data, libtorch), under {under} at \
+            "{who} {}{}: {state} of training state and {} besides (activations, data, libtorch), under {under} at \
              world size {w}, more than the {limit} MiB a rank may use; {advice}",
             crate::limits::size(planner.needs(&state, w)),
-            crate::limits::size((planner.besides)(w))
+            planner.checkpointed_too(&state, w),
+            crate::limits::size((planner.besides)(w, planner.checkpointing))
         ),
     );
+    None
 }
 
 /// `wrap.strategy = "auto"`: the first strategy whose rank fits `run.memory_per_rank_mb`, or else
 /// this machine's available memory shared by the ranks.
-pub(super) fn choose_strategy(c: &Config, planner: &memory::Planner) -> Result<(memory::Layout, String), String> {
+pub(super) fn choose_strategy(c: &Config, planner: &memory::Planner) -> Result<memory::Choice, String> {
     let w = c.run.world_size;
     if let Some(limit) = c.run.memory_per_rank_mb {
         if !(limit > 0.0 && limit.is_finite()) {
@@ -208,7 +262,7 @@ pub(super) fn choose_strategy(c: &Config, planner: &memory::Planner) -> Result<(
         return planner.choose(w, limit * 1048576.0, &format!("run.memory_per_rank_mb = {limit}"));
     }
     let Some(available) = crate::limits::available_memory() else {
-        return Ok((memory::Layout::Replica, "chose DDP: this machine's memory cannot be read".into()));
+        return Ok((memory::Layout::Replica, None, "chose DDP: this machine's memory cannot be read".into()));
     };
     planner.choose(
         w,

@@ -192,23 +192,13 @@ fn the_plan_refuses_what_cannot_be_checkpointed() {
 }
 
 /// The plan's activation model against the measured peak: a model whose activations are most
-/// of its memory (context 512, 6 blocks of width 128), without and with full checkpointing. The
+/// of its memory ([`long_lm`]), without and with full checkpointing. The
 /// whole-process estimate holds within 15% of every rank's peak under each policy, and the peak
 /// falls by at least 60% of what the plan says checkpointing saves.
 #[test]
 fn the_estimate_holds_with_and_without_checkpointing_and_the_saving_is_measured() {
     let dir = tempfile::tempdir().unwrap();
-    let long = LM
-        .replace("d_model = 16", "d_model = 128")
-        .replace("heads = 2", "heads = 4")
-        .replace("layers = 3", "layers = 6")
-        .replace("seq_len = 8", "seq_len = 512")
-        .replace("vocab = 32", "vocab = 512")
-        .replace("dropout = 0.2", "dropout = 0.0")
-        .replace("rows = 64", "rows = 8")
-        .replace("validation_rows = 8", "validation_rows = 4")
-        .replace("batch_size = 8", "batch_size = 4");
-    write(dir.path(), "p.toml", &long);
+    write(dir.path(), "p.toml", &long_lm());
     train(dir.path(), "none", &[]);
     train(dir.path(), "full", &["wrap.activation_checkpointing.policy=\"full\"".into()]);
     let (none, full) = (dir.path().join("none"), dir.path().join("full"));
@@ -225,4 +215,81 @@ fn the_estimate_holds_with_and_without_checkpointing_and_the_saving_is_measured(
     };
     let (planned, measured) = (activations(&none) - activations(&full), peak(&none) - peak(&full));
     assert!(planned > 0.0 && measured >= 0.6 * planned, "saved {measured:.0} bytes, planned {planned:.0}");
+}
+
+/// A transformer whose activations are most of its memory: context 512, 6 blocks of width 128,
+/// batches of 4 windows (the plan: 290 MiB a rank without checkpointing, 206 MiB with every
+/// block checkpointed).
+fn long_lm() -> String {
+    LM.replace("d_model = 16", "d_model = 128")
+        .replace("heads = 2", "heads = 4")
+        .replace("layers = 3", "layers = 6")
+        .replace("seq_len = 8", "seq_len = 512")
+        .replace("vocab = 32", "vocab = 512")
+        .replace("dropout = 0.2", "dropout = 0.0")
+        .replace("rows = 64", "rows = 8")
+        .replace("validation_rows = 8", "validation_rows = 4")
+        .replace("batch_size = 8", "batch_size = 4")
+}
+
+/// `run.memory_per_rank_mb` and `wrap.strategy = "auto"` turn checkpointing on before another
+/// strategy or more ranks, on the fewest blocks that fit, and say so; a policy set by hand is
+/// kept (and the refusal says checkpointing would fit); the run checkpoints as the plan chose.
+#[test]
+fn a_memory_limit_turns_checkpointing_on_before_another_strategy_or_more_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", &long_lm());
+    let validate = |sets: &[&str]| {
+        let mut args = vec!["validate", "p.toml"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        run(&args, dir.path())
+    };
+    let o = validate(&["run.memory_per_rank_mb=250"]);
+    assert_ok(&o);
+    let out = text(&o).0;
+    assert!(out.contains("activation checkpointing: full, every block (6 of 6 recomputed"), "{out}");
+    assert!(
+        out.contains(
+            "run.memory_per_rank_mb = 250 turned it on: a rank needs 206 MiB with it, 290 MiB without, under DDP at \
+             world size 1"
+        ),
+        "{out}"
+    );
+    // Room for more activations: fewer blocks recomputed (every 3rd would need 270 MiB).
+    let o = validate(&["run.memory_per_rank_mb=265"]);
+    assert_ok(&o);
+    let out = text(&o).0;
+    assert!(out.contains("activation checkpointing: full, one block in 2 (3 of 6 recomputed"), "{out}");
+    assert!(out.contains("a rank needs 254 MiB with it, 290 MiB without"), "{out}");
+    // auto tries checkpointing under DDP before FSDP.
+    let o = validate(&["run.memory_per_rank_mb=250", "wrap.strategy=\"auto\"", "run.world_size=2", "load.rows=16"]);
+    assert_ok(&o);
+    let out = text(&o).0;
+    assert!(
+        out.contains(
+            "wrap.strategy = \"auto\": chose DDP with activation checkpointing (full, every block): a rank needs 206 \
+             MiB"
+        ),
+        "{out}"
+    );
+    assert!(out.contains("where keeping every activation it would need 290 MiB"), "{out}");
+    // "none" set by hand stays: the refusal says what checkpointing would need.
+    let o = validate(&["run.memory_per_rank_mb=250", "wrap.activation_checkpointing.policy=\"none\""]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = text(&o).1;
+    assert!(err.contains("each rank would need 290 MiB (206 MiB with every block checkpointed)"), "{err}");
+    assert!(
+        err.contains("wrap.activation_checkpointing.policy = \"full\" fits at this world size (206 MiB a rank"),
+        "{err}"
+    );
+    // The run recomputes, and records the policy the plan chose.
+    train(dir.path(), "limited", &["run.memory_per_rank_mb=250".into()]);
+    let config = std::fs::read_to_string(dir.path().join("limited/config.toml")).unwrap();
+    assert!(config.contains("policy = \"full\""), "{config}");
+    let file = std::fs::File::open(dir.path().join("limited/steps.parquet")).expect("steps.parquet");
+    let steps = ParquetReader::new(file).finish().unwrap();
+    let recompute: f64 = steps.column("recompute_s").unwrap().f64().unwrap().into_no_null_iter().sum();
+    assert!(recompute > 0.0, "recompute_s {recompute}");
 }

@@ -306,6 +306,11 @@ optimizer = "adamw"
 
 [validate]
 every_steps = 2
+
+# Kept by hand: these tests pick strategies by memory, where the plan
+# would turn checkpointing on first.
+[wrap.activation_checkpointing]
+policy = "none"
 "#;
 
 /// Every rank's training-state bytes (parameters + gradients + optimizer) of each row.
@@ -422,9 +427,10 @@ fn a_memory_limit_ddp_cannot_meet_names_where_fsdp_and_the_pipeline_fit() {
     assert_eq!(
         text(&o).1.trim(),
         "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=158.5): each \
-         rank would need 159 MiB: 6.2 MiB (parameters 1.6 MiB, gradients 1.6 MiB, optimizer 3.1 MiB) of training state \
-         and 152 MiB besides (activations, data, libtorch), under DDP at world size 2, more than the 158.5 MiB a rank \
-         may use; wrap.strategy = \"fsdp\" fits at this world size (156 MiB a rank), or wrap.strategy = \"pipeline\" \
+         rank would need 159 MiB (157 MiB with every block checkpointed): 6.2 MiB (parameters 1.6 MiB, gradients 1.6 \
+         MiB, optimizer 3.1 MiB) of training state and 152 MiB besides (activations, data, libtorch), under DDP at \
+         world size 2, more than the 158.5 MiB a rank may use; wrap.activation_checkpointing.policy = \"full\" fits at \
+         this world size (157 MiB a rank; left out, the plan turns it on itself where needed), or wrap.strategy = \"fsdp\" fits at this world size (156 MiB a rank), or wrap.strategy = \"pipeline\" \
          fits at this world size (155 MiB on its heaviest rank); wrap.strategy = \"auto\" picks the first strategy \
          that fits"
     );
