@@ -232,7 +232,7 @@ fn record_end(
                 requeue = Some(match (repeated, slurm_restarts < plan.config.run.max_restarts) {
                     (true, _) => Err("it failed the same way before: a failure that repeats is not retried"),
                     (false, false) => Err("no restart left (run.max_restarts)"),
-                    (false, true) => Ok(checkpoint::newest_unread(run_dir, &plan).ok().flatten().is_some()),
+                    (false, true) => Ok(checkpoint::newest_unread(run_dir, plan).ok().flatten().is_some()),
                 });
             }
         }

@@ -35,6 +35,7 @@ pub const RESHARDS_A_RUN: &[&str] = &[
     "wrap.mesh.data",
     "wrap.mesh.tensor",
     "wrap.mesh.pipeline",
+    "wrap.mesh.sequence_parallel",
     "train.batch_size",
     "train.global_batch_size",
     "train.accumulate",
