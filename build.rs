@@ -45,6 +45,7 @@ fn main() {
         "csrc/memory.cpp",
         "csrc/bridge.h",
         "csrc/internal.hpp",
+        "csrc/traffic.hpp",
     ] {
         println!("cargo:rerun-if-changed={file}");
     }

@@ -96,9 +96,17 @@ void set_backend(rn_pg* out, c10::intrusive_ptr<c10d::Store> store, int rank, in
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
   pg->setDefaultBackend(type);
   backend->setGroupUid("runner");
-  for (auto device : devices) pg->setBackend(device, type, backend);
+  auto counted = c10::make_intrusive<rn::Counted>(backend);
+  // Collectives dispatch by device, to the counting wrapper. The real backend stays registered
+  // under its own type: DDP's Logger looks it up by type and casts it to ProcessGroupGloo (or
+  // NCCL) to read its settings, which the wrapper is not.
+  for (auto device : devices) {
+    pg->setBackend(device, type, backend);
+    pg->setBackend(device, c10d::ProcessGroup::BackendType::CUSTOM, counted);
+  }
   out->pg = pg;
-  out->backend = backend;
+  out->backend = counted;
+  out->counted = counted;
 }
 
 }  // namespace
@@ -320,6 +328,11 @@ char* rn_pg_send_recv(rn_pg* pg, void* send_t, int dst, int send_tag, void* recv
     }
     if (failed) std::rethrow_exception(failed);
   });
+}
+
+void rn_pg_sent(rn_pg* pg, uint64_t* collective, uint64_t* p2p) {
+  *collective = pg->counted->collective_bytes();
+  *p2p = pg->counted->p2p_bytes();
 }
 
 char* rn_pg_barrier(rn_pg* pg) {

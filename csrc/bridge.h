@@ -67,6 +67,9 @@ char* rn_pg_recv(rn_pg* pg, void* tensor, int src, int tag);
 // Sends send_tensor to dst and receives recv_tensor from src, both in flight at once.
 char* rn_pg_send_recv(rn_pg* pg, void* send_tensor, int dst, int send_tag, void* recv_tensor, int src,
                       int recv_tag);
+// Bytes this rank has handed to the group's collectives, and sent point to point, since the
+// group was made (csrc/traffic.hpp says what counts). Never fails.
+void rn_pg_sent(rn_pg* pg, uint64_t* collective, uint64_t* p2p);
 char* rn_pg_barrier(rn_pg* pg);
 
 // Broadcasts params from rank 0, then builds a Reducer with buckets of bucket_cap_bytes.

@@ -8,9 +8,13 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "traffic.hpp"
+
 struct rn_pg {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  // The counting wrapper (traffic.hpp) around the real backend: every call goes through it.
   c10::intrusive_ptr<c10d::Backend> backend;
+  c10::intrusive_ptr<rn::Counted> counted;
   // NCCL: point-to-point pairs are posted as one group (ncclGroupStart/End), as torch's
   // batch_isend_irecv does; gloo has no such grouping and needs none.
   bool coalesce_p2p = false;

@@ -148,6 +148,7 @@ extern "C" {
         src: c_int,
         recv_tag: c_int,
     ) -> *mut c_char;
+    pub fn rn_pg_sent(pg: *mut RnPg, collective: *mut u64, p2p: *mut u64);
     pub fn rn_pg_barrier(pg: *mut RnPg) -> *mut c_char;
 
     pub fn rn_ddp_new(

@@ -46,7 +46,7 @@ pub use fsdp::{ShardStats, Sharded, Units};
 pub use kernels::{
     adam, clear_grads, cpu_kernels, set_autocast_dtype, sgd, AdamConfig, AutocastBf16, CpuKernels, SgdConfig,
 };
-pub use process_group::{record_exit, Backend, Pending, ProcessGroup, ReduceOp};
+pub use process_group::{record_exit, Backend, Pending, ProcessGroup, ReduceOp, Sent};
 pub use script::Script;
 pub use store::Store;
 

@@ -35,6 +35,27 @@ impl Backend {
     }
 }
 
+/// Bytes one rank handed to a group, counted by the bridge's backend as each call starts
+/// (csrc/traffic.hpp), whoever made the call: this API, FSDP's sharding or DDP's Reducer. A
+/// collective counts the tensors this rank contributes (an all-reduce's tensor, an all-gather's
+/// input, a reduce-scatter's or all-to-all's whole input, a broadcast's tensor on its root); a
+/// send its tensor; a receive nothing; a group of one rank nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sent {
+    pub collective: u64,
+    pub point_to_point: u64,
+}
+
+impl std::ops::Sub for Sent {
+    type Output = Sent;
+    fn sub(self, before: Sent) -> Sent {
+        Sent {
+            collective: self.collective - before.collective,
+            point_to_point: self.point_to_point - before.point_to_point,
+        }
+    }
+}
+
 /// How `all_reduce` combines the ranks' tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {
@@ -415,6 +436,15 @@ impl ProcessGroup {
             };
             self.result(&name, err)
         })
+    }
+
+    /// What this rank has sent in this group since it was made (see [`Sent`]): read before and
+    /// after a piece of work, the difference is what that work sent.
+    pub fn sent(&self) -> Sent {
+        let (mut collective, mut point_to_point) = (0u64, 0u64);
+        // SAFETY: the group is live; the bridge writes the two counters and cannot fail.
+        unsafe { ffi::rn_pg_sent(self.raw(), &mut collective, &mut point_to_point) };
+        Sent { collective, point_to_point }
     }
 
     pub fn barrier(&self) -> Result<()> {

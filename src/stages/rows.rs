@@ -37,10 +37,15 @@ pub(super) struct RankEpoch {
     pub(super) peak_rss_bytes: f64,
     /// Model FLOPs utilisation (NaN where unknown).
     pub(super) mfu: f64,
+    /// Bytes sent per optimizer step along each mesh dimension (`strategy::MeshBytes`), the
+    /// mean over the interval's steps this process trained.
+    pub(super) sent_data_bytes: f64,
+    pub(super) sent_tensor_bytes: f64,
+    pub(super) sent_pipeline_bytes: f64,
 }
 
 impl RankEpoch {
-    const FIELDS: usize = 22;
+    const FIELDS: usize = 25;
 
     fn to_array(self) -> [f64; Self::FIELDS] {
         let RankEpoch {
@@ -66,6 +71,9 @@ impl RankEpoch {
             optim_bytes,
             peak_rss_bytes,
             mfu,
+            sent_data_bytes,
+            sent_tensor_bytes,
+            sent_pipeline_bytes,
         } = self;
         [
             loss_sum,
@@ -90,12 +98,15 @@ impl RankEpoch {
             optim_bytes,
             peak_rss_bytes,
             mfu,
+            sent_data_bytes,
+            sent_tensor_bytes,
+            sent_pipeline_bytes,
         ]
     }
 
     fn from_slice(v: &[f64]) -> RankEpoch {
-        let [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble, lr, grad_norm_mean, grad_norm_max, val_f1, val_rmse, val_mae, val_r2, param_bytes, grad_bytes, optim_bytes, peak_rss_bytes, mfu] =
-            v.try_into().expect("22 values per rank");
+        let [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble, lr, grad_norm_mean, grad_norm_max, val_f1, val_rmse, val_mae, val_r2, param_bytes, grad_bytes, optim_bytes, peak_rss_bytes, mfu, sent_data_bytes, sent_tensor_bytes, sent_pipeline_bytes] =
+            v.try_into().expect("25 values per rank");
         RankEpoch {
             loss_sum,
             correct,
@@ -119,6 +130,9 @@ impl RankEpoch {
             optim_bytes,
             peak_rss_bytes,
             mfu,
+            sent_data_bytes,
+            sent_tensor_bytes,
+            sent_pipeline_bytes,
         }
     }
 }
@@ -231,6 +245,9 @@ pub(super) fn gather_epoch_rows(
                 grad_bytes: f.grad_bytes as u64,
                 optim_bytes: f.optim_bytes as u64,
                 peak_rss_bytes: f.peak_rss_bytes as u64,
+                sent_data_bytes: f.sent_data_bytes,
+                sent_tensor_bytes: f.sent_tensor_bytes,
+                sent_pipeline_bytes: f.sent_pipeline_bytes,
             }
         })
         .collect())

@@ -21,7 +21,7 @@ use crate::device;
 use crate::dist::ProcessGroup;
 use crate::plan::Plan;
 use crate::rundir::position::Position;
-use crate::strategy::Micro;
+use crate::strategy::{MeshBytes, Micro};
 use crate::trace::progress::Progress;
 use crate::trace::{EpochRow, StepRow};
 
@@ -212,6 +212,8 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
             report_every: (batches / 40).max(1),
             step_from: filled,
             step_measured: false,
+            sent: MeshBytes::default(),
+            sent_steps: 0,
         }
     }
 
@@ -230,6 +232,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
             let batches = self.clock.batches(step);
             (iv.step_from, iv.step_measured) = (iv.filled, false);
             let step_rows: usize = batches.clone().map(|b| self.clock.rows(b)).sum();
+            let sent_before = self.wrapped.strategy.sent();
             for b in batches.clone() {
                 self.position.set("train", epoch, b + 1);
                 // Dropout masks differ across ranks (as each torch rank draws its own) and depend
@@ -263,6 +266,8 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
                         iv.buffers.norms.push(clip_grad_norm(w_.optimizer.params(), Some(max), group)?);
                     }
                     w_.optimizer.step()?;
+                    iv.sent = iv.sent + (w_.strategy.sent() - sent_before);
+                    iv.sent_steps += 1;
                 }
                 // The step's end waits for the device on every step: its total is right.
                 let update = device::elapsed(dev, t2);
@@ -385,6 +390,11 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
         mine.grad_bytes = state.gradients as f64;
         mine.optim_bytes = state.optimizer as f64;
         mine.peak_rss_bytes = crate::dist::peak_resident_bytes() as f64;
+        // Per step, over the steps this process trained (a resumed interval's since the resume).
+        let per_step = |bytes: u64| if iv.sent_steps == 0 { 0.0 } else { bytes as f64 / iv.sent_steps as f64 };
+        mine.sent_data_bytes = per_step(iv.sent.data);
+        mine.sent_tensor_bytes = per_step(iv.sent.tensor);
+        mine.sent_pipeline_bytes = per_step(iv.sent.pipeline);
         mine.mfu = self.mfu.map_or(f64::NAN, |m| m.at(mine.samples / mine.epoch_s));
         let stages = self.wrapped.strategy.pipeline_ranks(self.plan);
         let train_s = iv.train_s.as_secs_f64();
@@ -423,6 +433,9 @@ pub struct Interval {
     /// computed their losses.
     step_from: usize,
     step_measured: bool,
+    /// Bytes sent along each mesh dimension by the optimizer steps trained here, and their count.
+    sent: MeshBytes,
+    sent_steps: usize,
 }
 
 impl Interval {

@@ -116,6 +116,11 @@ impl<'pg> Fsdp<'pg> {
         })
     }
 
+    /// The ranks this rank's parameters are sharded over (the mesh's data group).
+    pub fn group(&self) -> &'pg ProcessGroup {
+        self.pg
+    }
+
     /// What each tensor rank holds of each parameter, under FSDP × TP.
     pub fn slices(&self) -> Option<&Slices<'pg>> {
         self.tensor.as_ref().map(|(_, s)| s)

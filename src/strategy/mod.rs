@@ -130,6 +130,47 @@ pub enum Strategy<'pg> {
     Pipeline(pipeline::Stage<'pg>),
 }
 
+/// Bytes one rank has sent in its group of each mesh dimension ([`Strategy::sent`]): the data
+/// and tensor groups' collectives, and the pipeline's sends between stages.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MeshBytes {
+    pub data: u64,
+    pub tensor: u64,
+    pub pipeline: u64,
+}
+
+impl MeshBytes {
+    fn of(data: Option<&ProcessGroup>, tensor: Option<&ProcessGroup>, pipeline: Option<&ProcessGroup>) -> MeshBytes {
+        MeshBytes {
+            data: data.map_or(0, |g| g.sent().collective),
+            tensor: tensor.map_or(0, |g| g.sent().collective),
+            pipeline: pipeline.map_or(0, |g| g.sent().point_to_point),
+        }
+    }
+}
+
+impl std::ops::Add for MeshBytes {
+    type Output = MeshBytes;
+    fn add(self, other: MeshBytes) -> MeshBytes {
+        MeshBytes {
+            data: self.data + other.data,
+            tensor: self.tensor + other.tensor,
+            pipeline: self.pipeline + other.pipeline,
+        }
+    }
+}
+
+impl std::ops::Sub for MeshBytes {
+    type Output = MeshBytes;
+    fn sub(self, before: MeshBytes) -> MeshBytes {
+        MeshBytes {
+            data: self.data - before.data,
+            tensor: self.tensor - before.tensor,
+            pipeline: self.pipeline - before.pipeline,
+        }
+    }
+}
+
 /// Bytes of the training state one rank holds: its parameters, their gradients and the
 /// optimizer's state (the trace's memory columns). Under FSDP, the parameters count its shards
 /// and the most gathered at once, the gradients the most held at once (its shards', the
@@ -228,6 +269,19 @@ impl<'pg> Strategy<'pg> {
                 copies: stage.copies(),
                 weights: stage.slices().map(weights).unwrap_or_default(),
             }),
+        }
+    }
+
+    /// What this rank has sent so far along each mesh dimension (every call the strategy's
+    /// groups carried, whoever made it): read around a training step, the difference is what
+    /// the step sent. A pipeline's stages exchange activations over the job's group, point to
+    /// point; its collectives there (the metrics, clipping's norm) belong to no one dimension.
+    pub fn sent(&self) -> MeshBytes {
+        let tensor = self.slices().map(tensor::Slices::group);
+        match self {
+            Strategy::Replica(r) => MeshBytes::of(Some(r.group()), tensor, None),
+            Strategy::Fsdp(f) => MeshBytes::of(Some(f.group()), tensor, None),
+            Strategy::Pipeline(stage) => MeshBytes::of(stage.copies_group(), tensor, Some(stage.group())),
         }
     }
 

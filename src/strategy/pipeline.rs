@@ -129,6 +129,16 @@ impl<'pg> Stage<'pg> {
     }
 
     /// What each tensor rank holds of each parameter, under pipeline × TP.
+    /// The job's group, over which the stages send to each other.
+    pub fn group(&self) -> &'pg ProcessGroup {
+        self.pg
+    }
+
+    /// The group of the ranks holding this stage in every copy (none with one copy).
+    pub fn copies_group(&self) -> Option<&ProcessGroup> {
+        self.replicas.as_ref()
+    }
+
     pub fn slices(&self) -> Option<&Slices<'pg>> {
         self.tensor.as_ref().map(|(_, s)| s)
     }

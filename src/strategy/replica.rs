@@ -104,6 +104,11 @@ impl<'pg> Replica<'pg> {
     }
 
     /// What each tensor rank holds of each parameter, under tensor parallelism.
+    /// The ranks holding copies of this rank's model (the mesh's data group).
+    pub fn group(&self) -> &'pg ProcessGroup {
+        self.pg
+    }
+
     pub fn slices(&self) -> Option<&Slices<'pg>> {
         self.tensor.as_ref().map(|(_, s)| s)
     }

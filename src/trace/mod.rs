@@ -97,6 +97,16 @@ pub struct EpochRow {
     /// The rank process's peak resident memory so far (getrusage's ru_maxrss), in bytes.
     #[serde(default)]
     pub peak_rss_bytes: u64,
+    /// Bytes the rank sent per optimizer step in its group of each mesh dimension (data,
+    /// tensor, pipeline), counted in the process group as the collectives and sends start
+    /// (`dist::Sent` says what counts): the mean over the row's steps. 0 along a dimension of
+    /// one rank.
+    #[serde(default)]
+    pub sent_data_bytes: f64,
+    #[serde(default)]
+    pub sent_tensor_bytes: f64,
+    #[serde(default)]
+    pub sent_pipeline_bytes: f64,
 }
 
 impl EpochRow {
@@ -164,6 +174,9 @@ pub const EPOCH_COLUMNS: &[&str] = &[
     "grad_bytes",
     "optim_bytes",
     "peak_rss_bytes",
+    "sent_data_bytes",
+    "sent_tensor_bytes",
+    "sent_pipeline_bytes",
 ];
 
 pub fn epochs_frame(run_id: &str, rows: &[EpochRow]) -> PolarsResult<DataFrame> {
@@ -203,6 +216,9 @@ pub fn epochs_frame(run_id: &str, rows: &[EpochRow]) -> PolarsResult<DataFrame> 
         Column::new("grad_bytes".into(), rows.iter().map(|r| r.grad_bytes).collect::<Vec<_>>()),
         Column::new("optim_bytes".into(), rows.iter().map(|r| r.optim_bytes).collect::<Vec<_>>()),
         Column::new("peak_rss_bytes".into(), rows.iter().map(|r| r.peak_rss_bytes).collect::<Vec<_>>()),
+        f(|r| r.sent_data_bytes).with_name("sent_data_bytes".into()),
+        f(|r| r.sent_tensor_bytes).with_name("sent_tensor_bytes".into()),
+        f(|r| r.sent_pipeline_bytes).with_name("sent_pipeline_bytes".into()),
     ];
     DataFrame::new(n, cols)
 }

@@ -238,6 +238,9 @@ mod tests {
             grad_bytes: 0,
             optim_bytes: 0,
             peak_rss_bytes: 0,
+            sent_data_bytes: 0.0,
+            sent_tensor_bytes: 0.0,
+            sent_pipeline_bytes: 0.0,
         };
         let rows = [
             row(1, 0, 1.0, Some(0.2)),

@@ -46,6 +46,9 @@ const SCHEMA: &[(&str, DataType)] = &[
     ("grad_bytes", DataType::UInt64),
     ("optim_bytes", DataType::UInt64),
     ("peak_rss_bytes", DataType::UInt64),
+    ("sent_data_bytes", DataType::Float64),
+    ("sent_tensor_bytes", DataType::Float64),
+    ("sent_pipeline_bytes", DataType::Float64),
 ];
 
 fn f64s(df: &DataFrame, col: &str) -> Vec<Option<f64>> {
