@@ -5,6 +5,7 @@
 //! [`recipe`] (training values and the run's length), [`stages`] (which layers each rank holds),
 //! [`input`] (the files read and the run id).
 mod annotate;
+mod build;
 mod data;
 pub mod device_memory;
 mod flow;
@@ -99,11 +100,6 @@ pub enum Machine {
     Another,
 }
 
-/// The keys of `wrap.activation_checkpointing` the plan sets when it turns it on, and by what.
-fn checkpointing_keys(by: &str) -> [(&'static str, String); 2] {
-    [("wrap.activation_checkpointing.policy", by.into()), ("wrap.activation_checkpointing.every", by.into())]
-}
-
 /// What the configuration a run resumes with must keep of the run: its plan is made knowing it.
 #[derive(Debug, Clone)]
 pub struct Resuming {
@@ -131,180 +127,6 @@ impl Plan {
     /// [`Plan::resumed`] continues the run's own plan under it.
     pub fn resuming(resolved: Resolved, resuming: &Resuming) -> Result<Plan, ConfigError> {
         Plan::build(resolved, Some(resuming), Machine::This)
-    }
-
-    fn build(resolved: Resolved, resuming: Option<&Resuming>, machine: Machine) -> Result<Plan, ConfigError> {
-        let Resolved { config: mut c, mut sources, file, extends } = resolved;
-        let base = file.parent().map(PathBuf::from).unwrap_or_default();
-        let imported = model::import_hf(&mut c, &mut sources, &base);
-        // Values the plan sets itself (wrap.strategy = "auto"), with where they came from.
-        let mut chosen: Vec<(&str, String)> = Vec::new();
-        let mut errors = Vec::new();
-        // Each problem names the key and where its value came from.
-        let mut bad = |key: &str, msg: String| {
-            let from = sources.get(key).map(String::as_str).unwrap_or("default");
-            errors.push(format!("`{key}` ({from}): {msg}"))
-        };
-        for (key, problem) in imported {
-            bad(&key, problem);
-        }
-        values::run_values(&c, machine, &mut bad);
-        values::track_values(&c.track, &mut bad);
-        let data = data::spec(&c, &base, &mut bad);
-        // Out-of-bounds model sizes leave no architecture: nothing below computes a shape from them.
-        let model_ok = crate::model::check(&c.wrap.model, &mut bad);
-        recipe::train_values(&c, &sources, &mut bad);
-        recipe::recipe_values(&c, data.as_ref().map(|d| d.validation_rows), &mut bad);
-        let layout = data.as_ref().and_then(|d| data::shard_layout(&c, d, &mut bad));
-        let model = model::model_parts(&c, &base, data.as_ref(), layout.as_ref(), model_ok, &mut bad);
-        let mut files: Vec<(&str, Option<PathBuf>)> =
-            data.iter().flat_map(|d| d.inputs()).map(|(k, p)| (k, Some(p))).collect();
-        files.extend(model.init_files.iter().map(|p| ("wrap.init", Some(p.clone()))));
-        files.extend(model.files.iter().map(|(k, p)| (*k, Some(p.clone()))));
-        let inputs = input::digests(files, &mut bad);
-
-        let arch = model.arch;
-        let layer_parameters = arch.as_ref().map(|a| crate::model::layer_parameters(a.as_ref())).unwrap_or_default();
-        let planner = arch.as_ref().map(|a| memory::Planner {
-            shapes: memory::Shapes::of(a.as_ref(), mesh::Shape::of(&c).tensor),
-            layer_parameters: &layer_parameters,
-            slots: memory::optimizer_slots(&c),
-            // A stage split the model refuses (a tied head away from its embedding) is none.
-            cuts: Box::new(move |stages| a.check_stages(stages).is_ok()),
-            shards: scalar_parameter(a.as_ref()).is_none(),
-            // The copies a pipeline of this configuration would run (auto weighs it too).
-            pipeline_copies: c.wrap.mesh.data.unwrap_or(c.wrap.pipeline.replicas),
-            gloo: c.run.backend == Backend::Gloo,
-            global_batch: resuming.map(|r| r.global_batch).or(c.train.global_batch_size),
-            besides: match (&data, &layout) {
-                (Some(d), Some(l)) => {
-                    let c = c.clone();
-                    Box::new(move |w, ac| strategy::besides_state(&c, d, l, a.as_ref(), w, ac))
-                }
-                _ => Box::new(|_, _| 0.0),
-            },
-            checkpointing: c.wrap.activation_checkpointing,
-            checkpointable: strategy::checkpointable(&c, &sources, resuming.map(|r| r.own_config.as_str())),
-            choose_checkpointing: strategy::choose_checkpointing(&sources),
-        });
-        strategy::strategy_keys(&c, &sources, resuming.map(|r| r.own_config.as_str()), &mut bad);
-        mesh::check(&c, &sources, &mut bad);
-        let mut auto = None;
-        if let (WrapStrategy::Auto, Some(planner), true) =
-            (c.wrap.strategy, &planner, data.is_some() && layout.is_some())
-        {
-            match strategy::choose_strategy(&c, planner) {
-                Ok((layout, checkpointing, why)) => {
-                    if let Some(ac) = checkpointing {
-                        c.wrap.activation_checkpointing = ac;
-                        chosen.extend(checkpointing_keys("wrap.strategy = \"auto\""));
-                    }
-                    (c.wrap.strategy, c.wrap.fsdp.reshard_after_forward) = match layout {
-                        memory::Layout::Replica => (WrapStrategy::Ddp, true),
-                        memory::Layout::Fsdp { zero3 } => (WrapStrategy::Fsdp, zero3),
-                        memory::Layout::Pipeline => (WrapStrategy::Pipeline, true),
-                    };
-                    auto = Some(why);
-                    let from = sources.get("wrap.strategy").map_or("default", String::as_str);
-                    chosen.push(("wrap.strategy", format!("wrap.strategy = \"auto\" ({from})")));
-                    if c.wrap.strategy == WrapStrategy::Fsdp {
-                        chosen.push(("wrap.fsdp.reshard_after_forward", "wrap.strategy = \"auto\"".into()));
-                    }
-                }
-                Err(e) => bad("wrap.strategy", e),
-            }
-        }
-        model::lora_strategy(&c, &mut bad);
-        recipe::split_validation(&c, data.as_ref().map(|d| d.validation_rows), &mut bad);
-        if let (Some(name), WrapStrategy::Fsdp) =
-            (arch.as_ref().and_then(|a| scalar_parameter(a.as_ref())), c.wrap.strategy)
-        {
-            bad(
-                "wrap.strategy",
-                format!(
-                    "\"fsdp\" shards every parameter by its rows (dim 0), but the model's parameter `{name}` is \
-                     0-dimensional (a scalar); use wrap.strategy = \"ddp\", or make it a 1-element tensor \
-                     (nn.Parameter(torch.tensor([value])))"
-                ),
-            );
-        }
-        let stages = stages::of_ranks(&c, &sources, &layer_parameters, &mut bad);
-        if let (Some(stages), Some(arch), WrapStrategy::Pipeline) = (&stages, &arch, c.wrap.strategy) {
-            if let Err(e) = arch.check_stages(stages) {
-                bad("wrap.model.tied", e);
-            }
-        }
-        if let Some(l) = layout.as_ref().filter(|l| l.per_rank > 0 && c.train.batch_size > 0 && c.train.accumulate > 0)
-        {
-            let batches = l.per_rank.div_ceil(l.split_batch.unwrap_or(c.train.batch_size));
-            let total = c.train.steps.unwrap_or(c.train.epochs * batches.div_ceil(c.train.accumulate));
-            recipe::recipe_lengths(&c, batches, total, &mut bad);
-        }
-        // An "auto" still unresolved has been refused with the numbers already.
-        let mut checkpointing_chosen = None;
-        if let (Some(stages), Some(planner), false) = (&stages, &planner, c.wrap.strategy == WrapStrategy::Auto) {
-            if let Some((ac, why)) = strategy::check_memory_limit(&c, planner, stages, &mut bad) {
-                c.wrap.activation_checkpointing = ac;
-                chosen.extend(checkpointing_keys("run.memory_per_rank_mb"));
-                checkpointing_chosen = Some(why);
-            }
-        }
-        if let Some(l) = &layout {
-            values::thread_replicas(&c, l.split_batch.unwrap_or(c.train.batch_size), &mut bad);
-        }
-        let state = match (&stages, &planner) {
-            (Some(stages), Some(planner)) => {
-                let layout = memory::Layout::of(&c);
-                // FSDP shards each tensor rank's slices over the data dimension.
-                let sharded_over = c.run.world_size / mesh::Shape::of(&c).tensor.max(1);
-                planner.state(layout, sharded_over.max(1), Some(stages)).map(|s| {
-                    let ddp = (layout != memory::Layout::Replica)
-                        .then(|| planner.state(memory::Layout::Replica, c.run.world_size, None))
-                        .flatten();
-                    (s, ddp)
-                })
-            }
-            _ => None,
-        };
-        let memory = match (&data, &arch, &layout, &state) {
-            (Some(d), Some(arch), Some(l), Some((state, _))) => {
-                Some(strategy::memory_estimate(&c, d, l, arch.as_ref(), state.total(), machine, &mut bad))
-            }
-            _ => None,
-        };
-        drop(planner);
-        let vocabulary = vocabulary::record(&c, &base, &mut bad);
-        if !errors.is_empty() {
-            let n = errors.len();
-            let head =
-                if n == 1 { "invalid configuration".to_string() } else { format!("{n} problems in the configuration") };
-            return Err(ConfigError::new(format!("{}: {head}:\n  {}", file.display(), errors.join("\n  "))));
-        }
-        let (data, layout, stages) = (data.expect("checked"), layout.expect("checked"), stages.expect("checked"));
-        sources.extend(chosen.into_iter().map(|(k, v)| (k.to_owned(), v)));
-        Ok(Plan {
-            vocabulary,
-            batch_per_rank: layout.split_batch.unwrap_or(c.train.batch_size),
-            threads_per_rank: values::threads_per_rank(&c),
-            parameters: layer_parameters.iter().sum(),
-            run_id: input::run_id(&c, &inputs),
-            config: c,
-            sources,
-            pipeline_file: file,
-            extends,
-            data,
-            layout,
-            init_weights: model.init_weights,
-            inputs,
-            layer_parameters,
-            stages,
-            memory,
-            started_with: Default::default(),
-            state,
-            auto,
-            checkpointing_chosen,
-            reshards: Vec::new(),
-        })
     }
 
     /// Where the rank that is `local_rank` on its node keeps its model, data and batches:
@@ -512,9 +334,4 @@ impl Plan {
     pub fn annotated_toml(&self) -> String {
         annotate::annotated_toml(self)
     }
-}
-
-/// The first 0-dimensional (scalar) trainable parameter of the model, which FSDP cannot shard.
-fn scalar_parameter(arch: &dyn Architecture) -> Option<String> {
-    arch.parameters(0..arch.layers().len()).into_iter().find(|(_, shape)| shape.is_empty()).map(|(name, _)| name)
 }

@@ -1,0 +1,286 @@
+//! [`Plan::build`]: every check of a configuration, every problem reported at once, and the
+//! values the plan chooses itself (`wrap.strategy = "auto"`, checkpointing under a memory limit).
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use super::{data, input, memory, mesh, model, recipe, stages, strategy, values, vocabulary};
+use super::{Machine, Plan, Resuming};
+use crate::config::schema::*;
+use crate::config::{ConfigError, Resolved};
+use crate::data::shard::ShardLayout;
+use crate::data::DataSpec;
+use crate::model::Architecture;
+
+type Sources = std::collections::BTreeMap<String, String>;
+
+/// The keys the plan set itself, each with what set it (added to the plan's sources).
+type Chosen = Vec<(&'static str, String)>;
+
+impl Plan {
+    pub(super) fn build(
+        resolved: Resolved,
+        resuming: Option<&Resuming>,
+        machine: Machine,
+    ) -> Result<Plan, ConfigError> {
+        let Resolved { config: mut c, mut sources, file, extends } = resolved;
+        let base = file.parent().map(PathBuf::from).unwrap_or_default();
+        let imported = model::import_hf(&mut c, &mut sources, &base);
+        let mut chosen: Chosen = Vec::new();
+        let mut errors = Vec::new();
+        // Each problem names the key and where its value came from.
+        let mut bad = |key: &str, msg: String| {
+            let from = sources.get(key).map(String::as_str).unwrap_or("default");
+            errors.push(format!("`{key}` ({from}): {msg}"))
+        };
+        for (key, problem) in imported {
+            bad(&key, problem);
+        }
+        values::run_values(&c, machine, &mut bad);
+        values::track_values(&c.track, &mut bad);
+        let data = data::spec(&c, &base, &mut bad);
+        // Out-of-bounds model sizes leave no architecture: nothing below computes a shape from them.
+        let model_ok = crate::model::check(&c.wrap.model, &mut bad);
+        recipe::train_values(&c, &sources, &mut bad);
+        recipe::recipe_values(&c, data.as_ref().map(|d| d.validation_rows), &mut bad);
+        let layout = data.as_ref().and_then(|d| data::shard_layout(&c, d, &mut bad));
+        let model = model::model_parts(&c, &base, data.as_ref(), layout.as_ref(), model_ok, &mut bad);
+        let inputs = input_digests(data.as_ref(), &model, &mut bad);
+        let arch = model.arch;
+        let layer_parameters = arch.as_ref().map(|a| crate::model::layer_parameters(a.as_ref())).unwrap_or_default();
+        let planner = arch.as_ref().map(|a| {
+            let (data, layout) = (data.as_ref(), layout.as_ref());
+            planner(&c, &sources, resuming, a.as_ref(), &layer_parameters, data, layout)
+        });
+        strategy::strategy_keys(&c, &sources, resuming.map(|r| r.own_config.as_str()), &mut bad);
+        mesh::check(&c, &sources, &mut bad);
+        let mut auto = None;
+        if let (WrapStrategy::Auto, Some(planner), true) =
+            (c.wrap.strategy, &planner, data.is_some() && layout.is_some())
+        {
+            match strategy::choose_strategy(&c, planner) {
+                Ok(choice) => auto = Some(apply_auto(&mut c, choice, &sources, &mut chosen)),
+                Err(e) => bad("wrap.strategy", e),
+            }
+        }
+        let stages = checks_of_the_strategy(
+            &c,
+            &sources,
+            arch.as_deref(),
+            &layer_parameters,
+            data.as_ref(),
+            layout.as_ref(),
+            &mut bad,
+        );
+        // An "auto" still unresolved has been refused with the numbers already.
+        let checkpointing_chosen = match (&stages, &planner, c.wrap.strategy == WrapStrategy::Auto) {
+            (Some(stages), Some(planner), false) => limit_checkpointing(&mut c, planner, stages, &mut chosen, &mut bad),
+            _ => None,
+        };
+        if let Some(l) = &layout {
+            values::thread_replicas(&c, l.split_batch.unwrap_or(c.train.batch_size), &mut bad);
+        }
+        let state = match (&stages, &planner) {
+            (Some(stages), Some(planner)) => training_state(&c, planner, stages),
+            _ => None,
+        };
+        let memory = match (&data, &arch, &layout, &state) {
+            (Some(d), Some(arch), Some(l), Some((state, _))) => {
+                Some(strategy::memory_estimate(&c, d, l, arch.as_ref(), state.total(), machine, &mut bad))
+            }
+            _ => None,
+        };
+        drop(planner);
+        let vocabulary = vocabulary::record(&c, &base, &mut bad);
+        if !errors.is_empty() {
+            return Err(refusal(&file, &errors));
+        }
+        let (data, layout, stages) = (data.expect("checked"), layout.expect("checked"), stages.expect("checked"));
+        sources.extend(chosen.into_iter().map(|(k, v)| (k.to_owned(), v)));
+        Ok(Plan {
+            vocabulary,
+            batch_per_rank: layout.split_batch.unwrap_or(c.train.batch_size),
+            threads_per_rank: values::threads_per_rank(&c),
+            parameters: layer_parameters.iter().sum(),
+            run_id: input::run_id(&c, &inputs),
+            config: c,
+            sources,
+            pipeline_file: file,
+            extends,
+            data,
+            layout,
+            init_weights: model.init_weights,
+            inputs,
+            layer_parameters,
+            stages,
+            memory,
+            started_with: Default::default(),
+            state,
+            auto,
+            checkpointing_chosen,
+            reshards: Vec::new(),
+        })
+    }
+}
+
+/// The digests of every file the run reads: its data, the weights it starts from, the model's
+/// own files.
+fn input_digests(
+    data: Option<&DataSpec>,
+    model: &model::ModelParts,
+    bad: &mut impl FnMut(&str, String),
+) -> Vec<input::InputFile> {
+    let mut files: Vec<(&str, Option<PathBuf>)> =
+        data.iter().flat_map(|d| d.inputs()).map(|(k, p)| (k, Some(p))).collect();
+    files.extend(model.init_files.iter().map(|p| ("wrap.init", Some(p.clone()))));
+    files.extend(model.files.iter().map(|(k, p)| (*k, Some(p.clone()))));
+    input::digests(files, bad)
+}
+
+/// The checks that need the strategy settled (after `auto`): LoRA's, validation's, FSDP's, the
+/// pipeline's stages and the schedule's lengths. The pipeline's stages (one for any other
+/// strategy).
+fn checks_of_the_strategy(
+    c: &Config,
+    sources: &Sources,
+    arch: Option<&dyn Architecture>,
+    layer_parameters: &[usize],
+    data: Option<&DataSpec>,
+    layout: Option<&ShardLayout>,
+    bad: &mut impl FnMut(&str, String),
+) -> Option<Vec<Range<usize>>> {
+    model::lora_strategy(c, bad);
+    recipe::split_validation(c, data.map(|d| d.validation_rows), bad);
+    fsdp_needs_rows(c, arch, bad);
+    let stages = stages::of_ranks(c, sources, layer_parameters, bad);
+    if let (Some(stages), Some(arch), WrapStrategy::Pipeline) = (&stages, &arch, c.wrap.strategy) {
+        if let Err(e) = arch.check_stages(stages) {
+            bad("wrap.model.tied", e);
+        }
+    }
+    if let Some(l) = layout.filter(|l| l.per_rank > 0 && c.train.batch_size > 0 && c.train.accumulate > 0) {
+        let batches = l.per_rank.div_ceil(l.split_batch.unwrap_or(c.train.batch_size));
+        let total = c.train.steps.unwrap_or(c.train.epochs * batches.div_ceil(c.train.accumulate));
+        recipe::recipe_lengths(c, batches, total, bad);
+    }
+    stages
+}
+
+/// What the memory model needs of this configuration: the model's shapes and split, the
+/// optimizer's state, what a rank holds besides it.
+fn planner<'a>(
+    c: &Config,
+    sources: &Sources,
+    resuming: Option<&Resuming>,
+    a: &'a dyn Architecture,
+    layer_parameters: &'a [usize],
+    data: Option<&'a DataSpec>,
+    layout: Option<&'a ShardLayout>,
+) -> memory::Planner<'a> {
+    memory::Planner {
+        shapes: memory::Shapes::of(a, mesh::Shape::of(c).tensor),
+        layer_parameters,
+        slots: memory::optimizer_slots(c),
+        // A stage split the model refuses (a tied head away from its embedding) is none.
+        cuts: Box::new(move |stages| a.check_stages(stages).is_ok()),
+        shards: scalar_parameter(a).is_none(),
+        // The copies a pipeline of this configuration would run (auto weighs it too).
+        pipeline_copies: c.wrap.mesh.data.unwrap_or(c.wrap.pipeline.replicas),
+        gloo: c.run.backend == Backend::Gloo,
+        global_batch: resuming.map(|r| r.global_batch).or(c.train.global_batch_size),
+        besides: match (data, layout) {
+            (Some(d), Some(l)) => {
+                let c = c.clone();
+                Box::new(move |w, ac| strategy::besides_state(&c, d, l, a, w, ac))
+            }
+            _ => Box::new(|_, _| 0.0),
+        },
+        checkpointing: c.wrap.activation_checkpointing,
+        checkpointable: strategy::checkpointable(c, sources, resuming.map(|r| r.own_config.as_str())),
+        choose_checkpointing: strategy::choose_checkpointing(sources),
+    }
+}
+
+/// `wrap.strategy = "auto"`'s choice into the configuration, each key it set recorded with what
+/// set it; the reason, for the plan to print.
+fn apply_auto(c: &mut Config, choice: memory::Choice, sources: &Sources, chosen: &mut Chosen) -> String {
+    let (layout, checkpointing, why) = choice;
+    if let Some(ac) = checkpointing {
+        c.wrap.activation_checkpointing = ac;
+        chosen.extend(checkpointing_keys("wrap.strategy = \"auto\""));
+    }
+    (c.wrap.strategy, c.wrap.fsdp.reshard_after_forward) = match layout {
+        memory::Layout::Replica => (WrapStrategy::Ddp, true),
+        memory::Layout::Fsdp { zero3 } => (WrapStrategy::Fsdp, zero3),
+        memory::Layout::Pipeline => (WrapStrategy::Pipeline, true),
+    };
+    let from = sources.get("wrap.strategy").map_or("default", String::as_str);
+    chosen.push(("wrap.strategy", format!("wrap.strategy = \"auto\" ({from})")));
+    if c.wrap.strategy == WrapStrategy::Fsdp {
+        chosen.push(("wrap.fsdp.reshard_after_forward", "wrap.strategy = \"auto\"".into()));
+    }
+    why
+}
+
+/// `run.memory_per_rank_mb` checked; the checkpointing it turns on (where the policy was left
+/// out and it makes the rank fit) into the configuration, with the reason.
+fn limit_checkpointing(
+    c: &mut Config,
+    planner: &memory::Planner,
+    stages: &[Range<usize>],
+    chosen: &mut Chosen,
+    bad: &mut impl FnMut(&str, String),
+) -> Option<String> {
+    let (ac, why) = strategy::check_memory_limit(c, planner, stages, bad)?;
+    c.wrap.activation_checkpointing = ac;
+    chosen.extend(checkpointing_keys("run.memory_per_rank_mb"));
+    Some(why)
+}
+
+/// The keys of `wrap.activation_checkpointing` the plan sets when it turns it on, and by what.
+fn checkpointing_keys(by: &str) -> [(&'static str, String); 2] {
+    [("wrap.activation_checkpointing.policy", by.into()), ("wrap.activation_checkpointing.every", by.into())]
+}
+
+/// FSDP shards every parameter by its rows: a model with a scalar parameter is refused under it.
+fn fsdp_needs_rows(c: &Config, arch: Option<&dyn Architecture>, bad: &mut impl FnMut(&str, String)) {
+    if let (Some(name), WrapStrategy::Fsdp) = (arch.and_then(scalar_parameter), c.wrap.strategy) {
+        bad(
+            "wrap.strategy",
+            format!(
+                "\"fsdp\" shards every parameter by its rows (dim 0), but the model's parameter `{name}` is \
+                 0-dimensional (a scalar); use wrap.strategy = \"ddp\", or make it a 1-element tensor \
+                 (nn.Parameter(torch.tensor([value])))"
+            ),
+        );
+    }
+}
+
+/// The first 0-dimensional (scalar) trainable parameter of the model, which FSDP cannot shard.
+fn scalar_parameter(arch: &dyn Architecture) -> Option<String> {
+    arch.parameters(0..arch.layers().len()).into_iter().find(|(_, shape)| shape.is_empty()).map(|(name, _)| name)
+}
+
+/// A rank's training state under the configured strategy, and under DDP to compare with when
+/// the strategy is another.
+fn training_state(
+    c: &Config,
+    planner: &memory::Planner,
+    stages: &[Range<usize>],
+) -> Option<(memory::State, Option<memory::State>)> {
+    let layout = memory::Layout::of(c);
+    // FSDP shards each tensor rank's slices over the data dimension.
+    let sharded_over = c.run.world_size / mesh::Shape::of(c).tensor.max(1);
+    planner.state(layout, sharded_over.max(1), Some(stages)).map(|s| {
+        let ddp = (layout != memory::Layout::Replica)
+            .then(|| planner.state(memory::Layout::Replica, c.run.world_size, None))
+            .flatten();
+        (s, ddp)
+    })
+}
+
+/// Every problem found, under the pipeline file's name.
+fn refusal(file: &Path, errors: &[String]) -> ConfigError {
+    let n = errors.len();
+    let head = if n == 1 { "invalid configuration".to_string() } else { format!("{n} problems in the configuration") };
+    ConfigError::new(format!("{}: {head}:\n  {}", file.display(), errors.join("\n  ")))
+}
