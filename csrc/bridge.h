@@ -219,8 +219,9 @@ typedef struct rn_fsdp_stats {
 // its backward. Every rank must make the same.
 char* rn_fsdp_new(rn_pg* pg, size_t n_units, const size_t* layer_units, const size_t* layer_counts, size_t n_layers,
                   int zero3, rn_fsdp** out);
-// Shards the next unit: params, its parameters in module order (trainable leaves of at least one
-// dimension). Copies this rank's rows of each into its shard and frees the parameters' own memory,
+// Shards the next unit: params, its parameters in module order (leaves of at least one dimension,
+// all trainable, or all frozen: a frozen unit, a LoRA run's base, gets no gradients and no
+// reduce-scatter, and is freed once the backward has passed every layer reading it). Copies this rank's rows of each into its shard and frees the parameters' own memory,
 // so that a model built and sharded one unit at a time never holds more than one unit whole. Every
 // rank must call it with the same shapes; the other calls need every unit sharded.
 char* rn_fsdp_add_unit(rn_fsdp* f, void** params, size_t n_params);

@@ -59,8 +59,13 @@ struct Unit {
   c10::intrusive_ptr<c10d::Work> gather_work;
   // The layer after whose forward it is freed (ZeRO-3), or -1: kept until its backward ends.
   int64_t free_after = -1;
-  // The last layer that reads it (the forward's end, without autograd).
+  // The last layer that reads it (the forward's end, without autograd), and the first.
   int64_t last_read = -1;
+  int64_t first_read = -1;
+  // Parameters that are not trained (a LoRA run's base model): no gradients, no reduce-scatter;
+  // gathered for the backward (the layers before need their input's gradient), freed when the
+  // backward has passed every layer reading it.
+  bool frozen = false;
   // This backward pass: parameters whose gradient was accumulated, and whether its reduce-scatter
   // started (`reduce_out` receives this rank's averaged rows).
   size_t grads_ready = 0;
@@ -182,6 +187,7 @@ struct GradReady : public torch::autograd::PostAccumulateGradHook {
 
 rn_fsdp::~rn_fsdp() {
   for (auto& u : units) {
+    if (u.frozen) continue;
     for (auto& p : u.params) torch::autograd::impl::set_post_acc_grad_hooks(p.param, nullptr);
   }
   // Work in flight writes into buffers we hold: let it end first.
@@ -261,6 +267,11 @@ void rn_fsdp::free(Unit& u) {
 }
 
 void rn_fsdp::pre_backward(size_t layer) {
+  // The backward has passed every layer after `layer`: a frozen unit read by none of the layers
+  // up to `layer` is done (a trained one is freed when its gradients are reduced).
+  for (auto& u : units) {
+    if (u.frozen && u.first_read > static_cast<int64_t>(layer)) free(u);
+  }
   gather_for(layer, static_cast<int64_t>(layer) - 1);
 }
 
@@ -377,7 +388,7 @@ void rn_fsdp::finish_backward() {
   // Units the hooks did not start (a parameter that got no gradient counts as zeros), in unit
   // order: every rank reduce-scatters the same units in the same order.
   for (size_t i = 0; i < units.size(); ++i) {
-    if (!units[i].reduced) start_reduce(i);
+    if (!units[i].reduced && !units[i].frozen) start_reduce(i);
   }
   finish_in_flight();
   for (auto& u : units) {
@@ -413,6 +424,7 @@ char* rn_fsdp_new(rn_pg* pg, size_t n_units, const size_t* layer_units, const si
       for (size_t u : reads) {
         TORCH_CHECK(u < n_units, "layer ", l, " reads unit ", u, " of ", n_units);
         f->units[u].last_read = static_cast<int64_t>(l);
+        if (f->units[u].first_read < 0) f->units[u].first_read = static_cast<int64_t>(l);
       }
       f->layers.push_back(std::move(reads));
     }
@@ -440,8 +452,11 @@ char* rn_fsdp_add_unit(rn_fsdp* f, void** params_ptr, size_t n_params) {
       Param p;
       p.param = params[k];
       TORCH_CHECK(p.param.dim() >= 1, "parameter ", k, " of unit ", u, " is a scalar: sharding needs a first dimension");
-      TORCH_CHECK(p.param.requires_grad() && p.param.is_leaf(), "parameter ", k, " of unit ", u,
-                  " is not a trainable leaf");
+      TORCH_CHECK(p.param.is_leaf(), "parameter ", k, " of unit ", u, " is not a leaf");
+      // A unit is trained or frozen whole: its reduce-scatter covers all of its parameters.
+      if (k == 0) unit.frozen = !p.param.requires_grad();
+      TORCH_CHECK(p.param.requires_grad() != unit.frozen, "parameter ", k, " of unit ", u,
+                  unit.frozen ? " is trained, but the unit's first is frozen" : " is frozen, but the unit's first is trained");
       p.rows = p.param.size(0);
       p.row_numel = p.rows == 0 ? 0 : p.param.numel() / p.rows;
       p.shard_rows = (p.rows + f->world - 1) / f->world;
@@ -461,7 +476,7 @@ char* rn_fsdp_add_unit(rn_fsdp* f, void** params_ptr, size_t n_params) {
       }
       std::vector<int64_t> shape = p.param.sizes().vec();
       shape[0] = p.shard_rows;
-      p.shard = alias(unit.flat, p.offset, shape).set_requires_grad(true);
+      p.shard = alias(unit.flat, p.offset, shape).set_requires_grad(!unit.frozen);
       // The parameter gets storage of its own, contiguous from offset 0 and as long as its padded
       // whole (the gathered rows of every rank land in it in one copy, and it is freed and regrown
       // without touching any other tensor), then freed: its built values go now, and the storage is
@@ -469,7 +484,7 @@ char* rn_fsdp_add_unit(rn_fsdp* f, void** params_ptr, size_t n_params) {
       auto storage = at::empty({f->world * p.shard_numel()}, p.param.options().requires_grad(false));
       p.param.set_data(storage.narrow(0, 0, p.param.numel()).view(p.param.sizes()));
       resize_storage(p.param, 0);
-      torch::autograd::impl::set_post_acc_grad_hooks(p.param, std::make_unique<GradReady>(f, u, k));
+      if (!unit.frozen) torch::autograd::impl::set_post_acc_grad_hooks(p.param, std::make_unique<GradReady>(f, u, k));
       f->stats.shard_bytes += p.shard_numel() * p.param.element_size();
     }
     f->added += 1;

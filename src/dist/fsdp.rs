@@ -86,7 +86,8 @@ impl<'pg> Sharded<'pg> {
         Ok(Sharded { raw, pg, params: 0 })
     }
 
-    /// Shards the next unit, `params` (its parameters in module order, each a trainable leaf):
+    /// Shards the next unit, `params` (its parameters in module order, leaves all trainable or all
+    /// frozen: a frozen unit gets no gradients and no reduce-scatter):
     /// this rank keeps its rows of each, and the parameters' own memory is freed (they keep
     /// their shapes, and hold memory again only while their unit is gathered).
     pub fn add_unit(&mut self, params: &[Tensor]) -> Result<()> {

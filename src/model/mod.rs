@@ -288,7 +288,7 @@ pub fn check(model: &Model, bad: &mut impl FnMut(&str, String)) -> bool {
 /// own unit and those of the layers it shares parameters with ([`Architecture::reads`]).
 pub fn shard_units(arch: &dyn Architecture) -> crate::dist::Units {
     let layers = arch.layers().len();
-    let counts: Vec<usize> = (0..layers).map(|l| arch.parameters(l..l + 1).len()).collect();
+    let counts: Vec<usize> = (0..layers).map(|l| sharded_parameters(arch, l..l + 1).len()).collect();
     // The unit of each layer with parameters.
     let mut unit_of = vec![None; layers];
     let mut sizes = Vec::new();
@@ -300,6 +300,23 @@ pub fn shard_units(arch: &dyn Architecture) -> crate::dist::Units {
     }
     let layers = (0..layers).map(|l| arch.reads(l).into_iter().filter_map(|r| unit_of[r]).collect()).collect();
     crate::dist::Units { sizes, layers }
+}
+
+/// The parameters of layers `range` that FSDP shards, in module order: all of them, but in a
+/// model with frozen parameters (a LoRA run) the frozen base alone. Its trained adapters are a
+/// fraction of a percent of it: each rank holds them whole, and their gradients are all-reduced,
+/// which is cheaper than a unit of its own to gather and reduce-scatter around every layer.
+pub fn sharded_parameters(arch: &dyn Architecture, range: Range<usize>) -> Vec<(String, Vec<i64>)> {
+    let mut v = arch.parameters(range);
+    if has_frozen(arch) {
+        v.retain(|(name, _)| arch.frozen(name));
+    }
+    v
+}
+
+/// Whether some parameter of the model is frozen (a LoRA run's base).
+pub fn has_frozen(arch: &dyn Architecture) -> bool {
+    arch.parameters(0..arch.layers().len()).iter().any(|(name, _)| arch.frozen(name))
 }
 
 /// MiB of `parameters` float32 values.

@@ -11,7 +11,9 @@
 //!   plus what is gathered at once: the layer being computed (its parameters and, while they
 //!   arrive, the all-gather's buffer of the same size; with ZeRO-2 every layer at the end of the
 //!   forward pass), and in the backward pass one layer's whole gradients in the reduce-scatter's
-//!   buffer, and the whole gradient of one parameter on its way into it.
+//!   buffer, and the whole gradient of one parameter on its way into it. With LoRA, the frozen
+//!   base is sharded and gathered but has no gradients and no state; the adapters, whole on every
+//!   rank, have both.
 //! - A pipeline: the heaviest stage's parameters, gradients and optimizer state (and with copies
 //!   of the pipeline, the flat copy of its gradients that is averaged over them).
 use std::fmt;
@@ -103,6 +105,9 @@ pub struct Shapes {
     pub reads: Vec<Vec<usize>>,
     /// Values of the frozen parameters (a LoRA run's base model): no gradients, no state.
     pub frozen: f64,
+    /// Values of the parameters FSDP leaves whole on every rank (a LoRA run's adapters: see
+    /// [`crate::model::sharded_parameters`]); `layers` holds the others.
+    pub whole: f64,
 }
 
 impl Shapes {
@@ -111,7 +116,7 @@ impl Shapes {
         let n = arch.layers().len();
         let layers = (0..n)
             .map(|l| {
-                arch.parameters(l..l + 1)
+                crate::model::sharded_parameters(arch, l..l + 1)
                     .into_iter()
                     .map(|(name, s)| {
                         let rows = s.first().copied().unwrap_or(1);
@@ -131,7 +136,9 @@ impl Shapes {
             .filter(|(name, _)| arch.frozen(name))
             .map(|(_, s)| s.iter().product::<i64>() as f64)
             .sum();
-        Shapes { layers, reads: (0..n).map(|l| arch.reads(l)).collect(), frozen }
+        let values = |v: Vec<(String, Vec<i64>)>| v.iter().map(|(_, s)| s.iter().product::<i64>() as f64).sum::<f64>();
+        let whole = values(arch.parameters(0..n)) - values(crate::model::sharded_parameters(arch, 0..n));
+        Shapes { layers, reads: (0..n).map(|l| arch.reads(l)).collect(), frozen, whole }
     }
 
     fn values(&self, layer: usize) -> f64 {
@@ -160,7 +167,7 @@ pub fn optimizer_slots(c: &Config) -> f64 {
 /// `gloo`: the collectives run over gloo (CPU), whose reduce-scatter FSDP does as an all-to-all.
 pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest: Option<usize>, gloo: bool) -> State {
     let layers = shapes.layers.len();
-    let all: f64 = (0..layers).map(|l| shapes.values(l)).sum();
+    let all: f64 = (0..layers).map(|l| shapes.values(l)).sum::<f64>() + shapes.whole;
     match layout {
         Layout::Replica => State::whole(F * all, F * (all - shapes.frozen), F * slots * (all - shapes.frozen)),
         Layout::Pipeline => {
@@ -207,6 +214,12 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
             // At once: in the forward pass, the gathered layers beside the gradients' shards; in
             // the backward pass at layer l, what is still gathered there beside its reduction.
             let moment = (0..layers).map(|l| gathered_at(l) + shards.max(reducing_at(l))).fold(0.0, f64::max);
+            if shapes.frozen > 0.0 {
+                // LoRA: the sharded base is frozen (no reduce-scatter, no state); the adapters,
+                // whole on every rank, have their gradients and state.
+                let trained = shapes.whole;
+                return State::whole(F * (shards + gathered + trained), F * trained, F * slots * trained);
+            }
             State {
                 parameters: F * (shards + gathered),
                 gradients: F * reduce,
@@ -441,6 +454,7 @@ mod tests {
             layers: vec![vec![(64, 10), (64, 1)], vec![(64, 64), (64, 1)], vec![(4, 64), (4, 1)]],
             reads: vec![vec![0], vec![1], vec![2]],
             frozen: 0.0,
+            whole: 0.0,
         }
     }
 
@@ -467,8 +481,24 @@ mod tests {
     }
 
     #[test]
+    fn lora_under_fsdp_shards_the_frozen_base_and_trains_the_whole_adapters() {
+        // The MLP as a frozen base, 100 adapter values beside it, whole on every rank.
+        let base = (64 * 10 + 64 + 64 * 64 + 64 + 4 * 64 + 4) as f64;
+        let s = Shapes { frozen: base, whole: 100.0, ..mlp() };
+        let lora = state(&s, Layout::Fsdp { zero3: true }, 4, 2.0, None, true);
+        let full = state(&mlp(), Layout::Fsdp { zero3: true }, 4, 2.0, None, true);
+        // The base's shards and what is gathered, as full FSDP's, and the adapters whole.
+        assert_eq!(lora.parameters, full.parameters + 400.0);
+        assert_eq!((lora.gradients, lora.optimizer), (400.0, 800.0));
+        assert_eq!(lora.total(), full.parameters + 400.0 + 1200.0);
+        // Under DDP the adapters count once, beside the whole base.
+        let ddp = state(&s, Layout::Replica, 4, 2.0, None, true);
+        assert_eq!(ddp, State::whole(4.0 * (base + 100.0), 400.0, 800.0));
+    }
+
+    #[test]
     fn uneven_rows_are_padded_per_parameter() {
-        let s = Shapes { layers: vec![vec![(5, 3)]], reads: vec![vec![0]], frozen: 0.0 };
+        let s = Shapes { layers: vec![vec![(5, 3)]], reads: vec![vec![0]], frozen: 0.0, whole: 0.0 };
         // 5 rows over 4 ranks: 2 rows each, 8 padded.
         assert_eq!(s.shard(0, 4), (6.0, 24.0));
     }
@@ -479,6 +509,7 @@ mod tests {
             layers: vec![vec![(100, 8)], vec![(8, 8)], vec![(8, 1)]],
             reads: vec![vec![0], vec![1], vec![2, 0]],
             frozen: 0.0,
+            whole: 0.0,
         };
         let fsdp = state(&s, Layout::Fsdp { zero3: true }, 2, 0.0, None, true);
         // At layer 1 the embedding (800 values) is still held, besides layer 1 and its buffer.

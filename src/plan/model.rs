@@ -123,23 +123,18 @@ fn lora(c: &Config, base: &Path, model: &Model, l: &Lora, bad: &mut impl FnMut(&
     true
 }
 
-/// The strategies LoRA runs under: whole replicas (DDP, or none), one replica per rank.
+/// The strategies LoRA runs under: whole replicas (DDP, or none), one replica per rank, or FSDP
+/// (the frozen base sharded, the adapters whole on every rank).
 pub(super) fn lora_strategy(c: &Config, bad: &mut impl FnMut(&str, String)) {
     if c.wrap.lora.is_none() {
         return;
     }
-    let name = match c.wrap.strategy {
-        WrapStrategy::Fsdp => "fsdp",
-        WrapStrategy::Pipeline => "pipeline",
-        _ => "",
-    };
-    if !name.is_empty() {
+    if c.wrap.strategy == WrapStrategy::Pipeline {
         bad(
             "wrap.strategy",
-            format!(
-                "is \"{name}\", but [wrap.lora] trains whole replicas only (its frozen base is not sharded or cut \
-                 yet); use wrap.strategy = \"ddp\", which all-reduces only the adapters' gradients"
-            ),
+            "is \"pipeline\", but [wrap.lora] does not cut its frozen base into stages yet; use wrap.strategy = \
+             \"fsdp\", which shards the base, or \"ddp\", which all-reduces only the adapters' gradients"
+                .into(),
         );
     }
     if c.wrap.mesh.tensor.is_some_and(|t| t > 1) {

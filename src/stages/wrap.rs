@@ -156,13 +156,24 @@ fn wrap_sharded<'pg>(
     let mut shapes = Vec::new();
     for l in all.clone() {
         layers.push(arch.build(&vs.root(), l..l + 1, ctx));
-        // A layer with parameters is a unit (crate::model::shard_units), in the layers' order.
-        let params = crate::model::parameters_in_module_order(arch, l..l + 1, &vs);
+        let vars = vs.variables();
+        // A LoRA run's base is frozen: a unit with no gradients and no optimizer state.
+        for (name, _) in arch.parameters(l..l + 1) {
+            if arch.frozen(&name) {
+                let _ = vars[&name].set_requires_grad(false);
+            }
+        }
+        // A layer with sharded parameters is a unit (crate::model::shard_units), in the layers' order.
+        let params: Vec<Tensor> = crate::model::sharded_parameters(arch, l..l + 1)
+            .iter()
+            .map(|(name, _)| vars[name].shallow_clone())
+            .collect();
         shapes.extend(params.iter().map(Tensor::size));
         if !params.is_empty() {
             sharding.add_unit(&params)?;
         }
     }
+    load_adapters(plan, &vs)?;
     let vars = vs.variables();
     let buffers: Vec<(String, Tensor)> =
         arch.buffers(all.clone()).into_iter().map(|(name, _)| (name.clone(), vars[&name].shallow_clone())).collect();
@@ -174,7 +185,15 @@ fn wrap_sharded<'pg>(
             tch::no_grad(|| var.detach().copy_(&saved));
         }
     }
-    let names: Vec<String> = arch.parameters(all).into_iter().map(|(name, _)| name).collect();
+    let names: Vec<String> =
+        crate::model::sharded_parameters(arch, all.clone()).into_iter().map(|(name, _)| name).collect();
+    // What each rank holds whole: a LoRA run's adapters.
+    let replicated: Vec<(String, Tensor)> = arch
+        .parameters(all)
+        .into_iter()
+        .filter(|(name, _)| !names.contains(name))
+        .map(|(name, _)| (name.clone(), vars[&name].shallow_clone()))
+        .collect();
     let sharded = Arc::new(sharding);
     let model: Box<dyn ModuleT + 'pg> = Box::new(ShardedModel::new(layers, sharded.clone()));
     let held: Vec<Tensor> = buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
@@ -182,7 +201,8 @@ fn wrap_sharded<'pg>(
         let slices = Slices::new(arch, g.group());
         (g, slices)
     });
-    let strategy = Fsdp::new(plan, pg, sharded, names, shapes, &held, ctx.batch_norm.clone(), tensor)?;
+    let parameters = crate::strategy::fsdp::Parameters { names, shapes, replicated };
+    let strategy = Fsdp::new(plan, pg, sharded, parameters, &held, ctx.batch_norm.clone(), tensor)?;
     if let Some(file) = init.as_mut() {
         let slices = strategy.slices().map(|tp| Slices::new(arch, tp.group()));
         // Under FSDP × TP: this rank's tensor slice read alone, then its rows of it.
@@ -194,7 +214,7 @@ fn wrap_sharded<'pg>(
             None => file.rows(name, rows, shard),
         })?;
     }
-    // The optimizer steps on the shards alone.
-    let optimizer = Optimizer::new(&c.train, strategy.shards());
+    // The optimizer steps on the trained shards and the replicated adapters alone.
+    let optimizer = Optimizer::new(&c.train, strategy.trained());
     Ok(Wrapped { vs, model, strategy: Strategy::Fsdp(strategy), optimizer })
 }

@@ -9,6 +9,11 @@
 //! running statistics) are whole on every rank and broadcast from rank 0 before each
 //! synchronised forward pass and before validation, as under DDP.
 //!
+//! A LoRA run's frozen base is sharded and gathered the same way, but has no gradients, no
+//! reduce-scatter and no optimizer state; its adapters are held whole by every rank (they are a
+//! fraction of a percent of the base) and their gradients averaged by an all-reduce on the step's
+//! last batch, as DDP averages them ([`crate::model::sharded_parameters`]).
+//!
 //! The collectives live in [`crate::dist::Sharded`]; this module only runs the layers in order
 //! around them, so every model kind (a TorchScript module too, as one layer) is sharded unchanged.
 use std::ops::Range;
@@ -65,6 +70,15 @@ impl ModuleT for ShardedModel<'_> {
     }
 }
 
+/// The parameters as a sharding holds them: the sharded ones' names in module order and their
+/// whole shapes (under tensor parallelism, this rank's slices'), and those every rank holds whole,
+/// with their names (a LoRA run's adapters).
+pub struct Parameters {
+    pub names: Vec<String>,
+    pub shapes: Vec<Vec<i64>>,
+    pub replicated: Vec<(String, Tensor)>,
+}
+
 pub struct Fsdp<'pg> {
     pg: &'pg ProcessGroup,
     sharded: Arc<Sharded<'pg>>,
@@ -73,6 +87,7 @@ pub struct Fsdp<'pg> {
     names: Vec<String>,
     shapes: Vec<Vec<i64>>,
     shards: Vec<Tensor>,
+    replicated: Vec<(String, Tensor)>,
     task: Task,
     precision: Precision,
     /// The model's buffers, broadcast from rank 0 (with more than one rank).
@@ -85,15 +100,12 @@ pub struct Fsdp<'pg> {
 }
 
 impl<'pg> Fsdp<'pg> {
-    /// `names` and `shapes`: the parameters' in module order, as `sharded` holds them (under
-    /// tensor parallelism, this rank's slices of them).
-    #[allow(clippy::too_many_arguments)]
+    /// `parameters`: as `sharded` holds them, and those held whole.
     pub fn new(
         plan: &Plan,
         pg: &'pg ProcessGroup,
         sharded: Arc<Sharded<'pg>>,
-        names: Vec<String>,
-        shapes: Vec<Vec<i64>>,
+        parameters: Parameters,
         buffers: &[Tensor],
         batch_norm: Option<Arc<StatsGroup<'pg>>>,
         tensor: Option<(Arc<TensorGroup<'pg>>, Slices<'pg>)>,
@@ -101,6 +113,10 @@ impl<'pg> Fsdp<'pg> {
         let buffers = if pg.size() > 1 { buffers.iter().map(Tensor::shallow_clone).collect() } else { Vec::new() };
         // Every rank starts from rank 0's buffers, as DDP's construction makes them.
         super::broadcast_from_rank0(pg, &buffers)?;
+        let Parameters { names, shapes, replicated } = parameters;
+        // Every rank starts from rank 0's whole parameters, as DDP's construction makes them.
+        let whole: Vec<Tensor> = replicated.iter().map(|(_, t)| t.shallow_clone()).collect();
+        super::broadcast_from_rank0(pg, &whole)?;
         let shards = sharded.shards()?;
         Ok(Fsdp {
             pg,
@@ -108,6 +124,7 @@ impl<'pg> Fsdp<'pg> {
             names,
             shapes,
             shards,
+            replicated,
             task: plan.data.task,
             precision: plan.config.train.precision,
             buffers,
@@ -136,9 +153,27 @@ impl<'pg> Fsdp<'pg> {
         &self.sharded
     }
 
-    /// This rank's shard of each parameter, under the parameter's name.
+    /// This rank's shard of each sharded parameter, under the parameter's name.
     pub fn shards(&self) -> Vec<(String, Tensor)> {
         self.names.iter().cloned().zip(self.shards.iter().map(Tensor::shallow_clone)).collect()
+    }
+
+    /// What the optimizer updates: the shards of the trained parameters (not a frozen base's),
+    /// and the parameters held whole.
+    pub fn trained(&self) -> Vec<(String, Tensor)> {
+        let mut trained = self.shards();
+        trained.retain(|(_, t)| t.requires_grad());
+        trained.extend(self.replicated.iter().map(|(n, t)| (n.clone(), t.shallow_clone())));
+        trained
+    }
+
+    /// The parameters every rank holds whole (a LoRA run's adapters), by name.
+    pub fn replicated(&self) -> &[(String, Tensor)] {
+        &self.replicated
+    }
+
+    fn is_replicated(&self, param: &str) -> bool {
+        self.replicated.iter().any(|(n, _)| n == param)
     }
 
     /// Forward, loss and backward of one batch; the gradients, averaged over the ranks, are added
@@ -170,6 +205,10 @@ impl<'pg> Fsdp<'pg> {
             self.pg.explain(crate::dist::Error::new("backward (gather and reduce-scatter)", e.to_string()))
         })?;
         self.sharded.finish_backward()?;
+        if micro.sync && !self.replicated.is_empty() && self.pg.size() > 1 {
+            let whole: Vec<Tensor> = self.replicated.iter().map(|(_, t)| t.shallow_clone()).collect();
+            super::average_gradients(self.pg, &whole)?;
+        }
         let backward = timer.elapsed(t2);
         let after = self.sharded.stats(false)?;
         // The time this step spent waiting for all-gathers and reduce-scatters.
@@ -236,12 +275,23 @@ impl<'pg> Fsdp<'pg> {
             let tensor = held.detach().narrow(0, 0, rows.end - rows.start).to_device(tch::Device::Cpu).copy();
             Piece { name, shape: self.shapes[i].clone(), offset: rows.start, tensor }
         };
-        let mut pieces: Vec<Piece> =
-            (0..self.names.len()).map(|i| piece(self.names[i].clone(), i, &self.shards[i])).collect();
+        // A frozen base is not saved: it is read from wrap.init again on resume.
+        let mut pieces: Vec<Piece> = (0..self.names.len())
+            .filter(|&i| self.shards[i].requires_grad())
+            .map(|i| piece(self.names[i].clone(), i, &self.shards[i]))
+            .collect();
+        let first = self.pg.rank() == 0;
         for s in optimizer.state() {
-            pieces.push(piece(s.name, self.index(&s.param)?, &s.tensor));
+            if !self.is_replicated(&s.param) {
+                pieces.push(piece(s.name, self.index(&s.param)?, &s.tensor));
+            } else if first {
+                pieces.push(Piece::whole(s.name, &s.tensor.detach().to_device(tch::Device::Cpu)));
+            }
         }
-        if self.pg.rank() == 0 {
+        if first {
+            let whole =
+                |(name, t): &(String, Tensor)| Piece::whole(name.clone(), &t.detach().to_device(tch::Device::Cpu));
+            pieces.extend(self.replicated.iter().map(whole));
             pieces.extend(buffers.iter().map(|(name, t)| Piece::whole(name.clone(), t)));
             pieces.push(Piece::whole(optim::STEPS.to_owned(), &Tensor::from(optimizer.steps() as i64)));
         }
@@ -253,9 +303,18 @@ impl<'pg> Fsdp<'pg> {
     /// and a checkpoint's, read without the rest of the tensor.
     pub fn load_rows(
         &self,
+        read: impl FnMut(&str, Range<i64>, &Tensor) -> anyhow::Result<Tensor>,
+    ) -> anyhow::Result<()> {
+        self.load_rows_of(|_| true, read)
+    }
+
+    /// [`Fsdp::load_rows`] for the parameters `which` picks (by index).
+    fn load_rows_of(
+        &self,
+        which: impl Fn(usize) -> bool,
         mut read: impl FnMut(&str, Range<i64>, &Tensor) -> anyhow::Result<Tensor>,
     ) -> anyhow::Result<()> {
-        for i in 0..self.names.len() {
+        for i in (0..self.names.len()).filter(|&i| which(i)) {
             let (name, rows) = (&self.names[i], self.rows(i));
             let loaded = padded(name, read(name, rows.clone(), &self.shards[i])?, rows, &self.shards[i])?;
             let mut shard = self.shards[i].shallow_clone();
@@ -281,12 +340,16 @@ impl<'pg> Fsdp<'pg> {
             }
             _ => reader.rows(name, rows),
         };
-        self.load_rows(|name, rows, _| read(name, name, rows))?;
+        // A frozen base is not in the checkpoint: it was read from wrap.init.
+        self.load_rows_of(|i| self.shards[i].requires_grad(), |name, rows, _| read(name, name, rows))?;
         optimizer.load_state(|name, param, held| {
+            if self.is_replicated(param) {
+                return reader.whole(name);
+            }
             let rows = self.rows(self.index(param)?);
             padded(name, read(name, param, rows.clone())?, rows, held)
         })?;
-        for (name, t) in buffers {
+        for (name, t) in self.replicated.iter().chain(buffers) {
             let saved = reader.whole(name)?;
             anyhow::ensure!(
                 saved.size() == t.size(),
@@ -342,9 +405,18 @@ impl<'pg> Fsdp<'pg> {
         };
         let mut out = Vec::new();
         for (i, name) in self.names.iter().enumerate() {
-            out.push((name.clone(), whole(name, self.sharded.full(i)?)?));
+            // Every rank gathers every parameter (a collective); a frozen base is not state.
+            let full = whole(name, self.sharded.full(i)?)?;
+            if self.shards[i].requires_grad() {
+                out.push((name.clone(), full));
+            }
         }
+        out.extend(self.replicated.iter().map(|(n, t)| (n.clone(), t.detach())));
         for s in optimizer.state() {
+            if self.is_replicated(&s.param) {
+                out.push((s.name, s.tensor.detach()));
+                continue;
+            }
             let d0 = self.shapes[self.index(&s.param)?][0];
             let parts = self.pg.all_gather(&s.tensor.detach().contiguous())?;
             out.push((s.name, whole(&s.param, Tensor::cat(&parts, 0).narrow(0, 0, d0))?));

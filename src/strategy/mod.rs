@@ -260,7 +260,15 @@ impl<'pg> Strategy<'pg> {
         };
         match self {
             Strategy::Replica(r) => r.slices().map(|tp| NormGroup { pg: tp.group(), copies: 1, weights: weights(tp) }),
-            // Each rank holds other rows of every gradient: their squares add up, once each.
+            // Each rank holds other rows of every gradient: their squares add up, once each; every
+            // rank holds the whole gradient of a replicated parameter (a LoRA run's adapters,
+            // never under tensor parallelism): counted once, not once per rank.
+            Strategy::Fsdp(f) if !f.replicated().is_empty() => {
+                let share = 1.0 / world.size() as f64;
+                let replicated = |n: &String| f.replicated().iter().any(|(r, _)| r == n);
+                let weights = names.iter().map(|n| if replicated(n) { share } else { 1.0 }).collect();
+                Some(NormGroup { pg: world, copies: 1, weights })
+            }
             Strategy::Fsdp(f) => {
                 Some(NormGroup { pg: world, copies: 1, weights: f.slices().map(weights).unwrap_or_default() })
             }
@@ -421,7 +429,10 @@ impl<'pg> Strategy<'pg> {
     /// themselves hold no memory between steps).
     pub fn held(&self, plan: &Plan, vs: &nn::VarStore) -> Vec<(String, Tensor)> {
         let mut held: Vec<(String, Tensor)> = match self {
-            Strategy::Fsdp(f) => f.shards().into_iter().chain(buffers(plan, vs)).collect(),
+            Strategy::Fsdp(f) => {
+                let whole = f.replicated().iter().map(|(n, t)| (n.clone(), t.shallow_clone()));
+                f.shards().into_iter().chain(whole).chain(buffers(plan, vs)).collect()
+            }
             _ => vs.variables().into_iter().collect(),
         };
         held.sort_by(|a, b| a.0.cmp(&b.0));
@@ -450,9 +461,10 @@ impl<'pg> Strategy<'pg> {
         Ok(match self {
             Strategy::Fsdp(f) => {
                 let s = f.sharded().stats(reset)?;
+                let whole = || f.replicated().iter().map(|(_, t)| t.shallow_clone());
                 StateBytes {
-                    parameters: s.shard_bytes + s.peak_gathered_bytes,
-                    gradients: s.shard_grad_bytes.max(s.peak_grad_bytes),
+                    parameters: s.shard_bytes + s.peak_gathered_bytes + bytes_of(whole()),
+                    gradients: s.shard_grad_bytes.max(s.peak_grad_bytes) + bytes_of(whole().map(|t| t.grad())),
                     optimizer,
                 }
             }
