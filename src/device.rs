@@ -171,8 +171,8 @@ pub fn notes(device: Device) -> Vec<String> {
 
 /// Rank 0's line at the end of a run on a GPU: the most its tensors held at once and the most the
 /// caching allocator reserved (torch.cuda.max_memory_allocated / max_memory_reserved), beside the
-/// plan's estimate of both (`plan::device_memory`). `None` on the CPU.
-pub fn peak_line(device: tch::Device, estimate: Option<crate::plan::device_memory::DeviceMemory>) -> Option<String> {
+/// plan's estimate of both (`plan::device_memory`, as the plan words it). `None` on the CPU.
+pub fn peak_line(device: tch::Device, estimate: Option<String>) -> Option<String> {
     let tch::Device::Cuda(index) = device else {
         return None;
     };

@@ -11,6 +11,7 @@ use crate::launch::env::{Launcher, RankEnv};
 use crate::launch::rank;
 use crate::launch::restart;
 use crate::launch::slurm;
+use crate::plan::device_memory::DeviceMemory;
 use crate::plan::Plan;
 use crate::rundir;
 use crate::rundir::lock::{self, RunLock};
@@ -195,7 +196,7 @@ fn summary(plan: &Plan, env: &RankEnv, rows: &[EpochRow], run_dir: &Path) {
     };
     crate::say!("  loss\n{}", view::chart(&unit, &losses, 6));
     if let Some(line) =
-        crate::device::peak_line(plan.device(env.local_rank), crate::plan::device_memory::DeviceMemory::of(plan))
+        crate::device::peak_line(plan.device(env.local_rank), DeviceMemory::of(plan).map(|e| e.to_string()))
     {
         crate::say!("{line}");
     }

@@ -12,10 +12,22 @@ use std::path::Path;
 
 use polars::prelude::*;
 
-/// Columns of trace.parquet that measure time (and the process's resident memory, which
-/// depends on the allocator's history): they differ from run to run by nature.
-pub const TIMING_COLUMNS: &[&str] =
-    &["epoch_s", "samples_per_s", "comm_s", "compute_s", "bubble", "tokens_per_s", "mfu", "peak_rss_bytes"];
+/// Columns of trace.parquet that measure time, the process's resident memory (which depends on
+/// the allocator's history) and the bytes sent (a resumed run's process groups set up again: DDP's
+/// Reducer sends its bucket order once more): they differ from run to run by nature.
+pub const TIMING_COLUMNS: &[&str] = &[
+    "epoch_s",
+    "samples_per_s",
+    "comm_s",
+    "compute_s",
+    "bubble",
+    "tokens_per_s",
+    "mfu",
+    "peak_rss_bytes",
+    "sent_data_bytes",
+    "sent_tensor_bytes",
+    "sent_pipeline_bytes",
+];
 
 /// One rank's epoch. `global_*` are all-reduced over every rank (the same on each row).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]

@@ -73,7 +73,7 @@ const CASES: &[Case] = &[
         args: &["--set", "train.lrr=0.1"],
         env: &[],
         expected: "error: --set train.lrr=0.1: unknown key `train.lrr`; did you mean `train.lr`? (valid keys in [train]: \
-                   train.epochs, train.steps, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.betas, train.eps, train.weight_decay, train.weight_decay_on, train.task, \
+                   train.epochs, train.steps, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.betas, train.eps, train.weight_decay, train.weight_decay_on, train.fused, train.task, \
                    train.clip_grad_norm, train.accumulate, train.precision, train.schedule, train.early_stop)",
     },
     Case {
@@ -96,7 +96,7 @@ const CASES: &[Case] = &[
         args: &[],
         env: &[("RUNNER_TRAIN__LRR", "0.5")],
         expected: "error: environment variable RUNNER_TRAIN__LRR: unknown key `train.lrr`; did you mean `train.lr`? (valid keys in [train]: \
-                   train.epochs, train.steps, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.betas, train.eps, train.weight_decay, train.weight_decay_on, train.task, \
+                   train.epochs, train.steps, train.batch_size, train.global_batch_size, train.optimizer, train.lr, train.momentum, train.betas, train.eps, train.weight_decay, train.weight_decay_on, train.fused, train.task, \
                    train.clip_grad_norm, train.accumulate, train.precision, train.schedule, train.early_stop)",
     },
     Case {
