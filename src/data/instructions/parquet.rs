@@ -144,9 +144,10 @@ fn conversation(a: &dyn Array, r: usize) -> Result<Option<Vec<Message>>, String>
         unreachable!("a column checked to be a list is {:?}", a.dtype())
     };
     let items = items.as_any().downcast_ref::<StructArray>().expect("a list of structs");
+    // This row's messages of a field.
     let field = |name: &str| {
         let i = items.fields().iter().position(|f| f.name.as_str() == name).expect("a field checked");
-        &items.values()[i]
+        strings(&*items.values()[i].sliced(start, end - start))
     };
     let (role, content) = (field("role"), field("content"));
     let mut out = Vec::with_capacity(end - start);
@@ -154,10 +155,10 @@ fn conversation(a: &dyn Array, r: usize) -> Result<Option<Vec<Message>>, String>
         if items.is_null(j) {
             return Err(format!("messages[{k}] is null: each message is {{role, content}}"));
         }
-        let text = |a: &Box<dyn Array>, key: &str| {
-            strings(&*a.sliced(j, 1))[0].clone().ok_or_else(|| format!("messages[{k}].{key} is null, not a string"))
+        let text = |v: &[Option<String>], key: &str| {
+            v[k].clone().ok_or_else(|| format!("messages[{k}].{key} is null, not a string"))
         };
-        out.push(Message { role: text(role, "role")?, content: text(content, "content")? });
+        out.push(Message { role: text(&role, "role")?, content: text(&content, "content")? });
     }
     Ok(Some(out))
 }
