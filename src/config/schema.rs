@@ -256,7 +256,7 @@ pub struct Load {
     pub labels: Option<PathBuf>,
     /// A separate validation file (instead of a split): the same columns (csv / parquet), the same
     /// arrays (tensors), a token file such as nanoGPT's `val.bin` (tokens, text), or a JSON Lines
-    /// file of examples (instructions).
+    /// or parquet file of examples (instructions).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub validation_path: Option<PathBuf>,
     /// Language models: how each step's windows are drawn. "epoch": DistributedSampler over fixed
@@ -399,8 +399,8 @@ pub enum Source {
     Tokens,
     /// Any UTF-8 file read as bytes (token ids 0..256), cut into windows like `tokens`.
     Text,
-    /// Instruction data for supervised fine-tuning: JSON Lines of `prompt`/`response` pairs or
-    /// chat `messages`, tokenized with `load.tokenizer`, the loss on the responses only, each
+    /// Instruction data for supervised fine-tuning: JSON Lines (or parquet columns, for a path
+    /// ending in `.parquet`) of `prompt`/`response` pairs or chat `messages`, tokenized with `load.tokenizer`, the loss on the responses only, each
     /// example padded to `wrap.model.seq_len` (or packed: `load.packing`).
     Instructions,
 }

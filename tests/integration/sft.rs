@@ -222,3 +222,147 @@ fn bad_lines_and_templates_are_refused_with_the_file_and_line() {
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).1.contains("data/train.jsonl:2: this template renders nothing"), "{}", text(&o).1);
 }
+
+/// Writes parquet files with pyarrow from JSON (`{"name": {"columns": {column: type},
+/// "rows": [...]}}`, a type "string", "int" or "messages"), in row groups of 20 rows; a name
+/// whose value is a string gets that text as it is (a file that is not parquet).
+const TO_PARQUET: &str = r#"
+import json, sys
+import pyarrow as pa, pyarrow.parquet as pq
+types = {"string": pa.string(), "int": pa.int64(),
+         "messages": pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))}
+for name, t in json.load(open(sys.argv[1])).items():
+    if isinstance(t, str):
+        open(name, "w").write(t)
+        continue
+    schema = pa.schema([(c, types[k]) for c, k in t["columns"].items()])
+    pq.write_table(pa.Table.from_pylist(t["rows"], schema=schema), name, row_group_size=20)
+"#;
+
+fn to_parquet(dir: &Path, files: serde_json::Value) {
+    write(dir, "to_parquet.json", &files.to_string());
+    let o = Command::new(reference_python())
+        .args(["-c", TO_PARQUET, "to_parquet.json"])
+        .current_dir(dir)
+        .output()
+        .expect("python");
+    assert!(o.status.success(), "{}", text(&o).1);
+}
+
+/// The JSON Lines file `path` of `dir` as rows, and the columns of every shape.
+fn jsonl_rows(dir: &Path, path: &str) -> serde_json::Value {
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(dir.join(path))
+        .unwrap()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let columns = serde_json::json!({"prompt": "string", "response": "string", "messages": "messages"});
+    serde_json::json!({"columns": columns, "rows": rows})
+}
+
+/// What a command printed, with the parquet file named as the JSON Lines one and the run id
+/// (a digest of the files) left out; the plan's table (`table`) without its column widths.
+fn as_jsonl(out: &str, table: bool) -> Vec<String> {
+    out.replace(".parquet row ", ".jsonl:")
+        .replace(".parquet", ".jsonl")
+        .lines()
+        .filter(|l| !l.starts_with("run sft ("))
+        .map(|l| if table { l.split_whitespace().collect::<Vec<_>>().join(" ") } else { l.to_owned() })
+        .collect()
+}
+
+#[test]
+fn parquet_instructions_give_what_the_same_jsonl_gives() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    let p = dir.path();
+    let files = serde_json::json!({
+        "data/train.parquet": jsonl_rows(p, "data/train.jsonl"),
+        "data/val.parquet": jsonl_rows(p, "data/val.jsonl"),
+    });
+    to_parquet(p, files);
+    let parquet = ["--set", "load.path=\"data/train.parquet\"", "--set", "load.validation_path=\"data/val.parquet\""];
+    let both = |args: &[&str], table: bool| {
+        let (j, q) = (run(args, p), run(&[args, &parquet[..]].concat(), p));
+        assert_ok(&j);
+        assert_ok(&q);
+        // runner data names an example by its row.
+        let named = if table { "data/train.parquet" } else { "example 1 (data/train.parquet row 1)" };
+        assert!(text(&q).0.contains(named), "{}", text(&q).0);
+        (as_jsonl(&text(&j).0, table), as_jsonl(&text(&q).0, table))
+    };
+    // The same examples, texts, ids and masks; the same plan counts.
+    let (j, q) = both(&["data", "sft.toml", "--rows", "1000"], false);
+    assert_eq!(j, q);
+    assert_eq!(shown(&j.join("\n")).len(), 48);
+    let (j, q) = both(&["validate", "sft.toml"], true);
+    assert_eq!(j, q);
+    assert!(j.iter().any(|l| l.starts_with("instructions, training: 48 examples")), "{j:?}");
+    // The same losses, step after step: 3 steps an epoch, 2 epochs.
+    let train = ["run", "sft.toml", "--set", "train.batch_size=16", "--set", "train.epochs=2", "--out"];
+    let (j, q) = (run(&[&train[..], &["rj"]].concat(), p), run(&[&train[..], &["rq"], &parquet[..]].concat(), p));
+    assert_ok(&j);
+    assert_ok(&q);
+    for column in ["train_loss", "val_loss"] {
+        let losses = |run: &str| -> Vec<Option<f64>> {
+            common::trace(&p.join(run)).column(column).unwrap().f64().unwrap().iter().collect()
+        };
+        assert_eq!(losses("rj").len(), 2);
+        assert_eq!(losses("rj"), losses("rq"), "{column}");
+    }
+}
+
+#[test]
+fn bad_parquet_rows_are_refused_with_the_file_and_row() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    let p = dir.path();
+    let pair = serde_json::json!({"prompt": "Question: What is 1 plus 2?\nAnswer:", "response": " 3."});
+    let talk = |content: serde_json::Value| serde_json::json!({"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "3."}]});
+    let (pairs, chats) =
+        (serde_json::json!({"prompt": "string", "response": "string"}), serde_json::json!({"messages": "messages"}));
+    let all = serde_json::json!({"prompt": "string", "response": "string", "messages": "messages"});
+    let file = |columns: &serde_json::Value, third: serde_json::Value| {
+        let first = if columns.get("prompt").is_some() { pair.clone() } else { talk("1 plus 2?".into()) };
+        serde_json::json!({"columns": columns, "rows": [first, first, third]})
+    };
+    let long = serde_json::json!({"prompt": "x", "response": "one two ".repeat(40)});
+    let cases = [
+        (file(&pairs, serde_json::json!({"prompt": "x"})), "row 3: has \"prompt\" but its \"response\" is null"),
+        (file(&pairs, serde_json::json!({})), "row 3: \"prompt\" and \"response\" are null"),
+        (file(&chats, talk(serde_json::Value::Null)), "row 3: messages[0].content is null, not a string"),
+        (file(&chats, serde_json::json!({"messages": [null]})), "row 3: messages[0] is null"),
+        (file(&chats, serde_json::json!({})), "row 3: \"messages\" is null"),
+        (
+            file(&chats, serde_json::json!({"messages": [{"role": "user", "content": "x"}]})),
+            "row 3: has no message of role \"assistant\"",
+        ),
+        (
+            file(&all, serde_json::json!({"prompt": "x", "response": "y", "messages": []})),
+            "row 3: has both \"messages\" and prompt/response",
+        ),
+        (file(&all, serde_json::json!({})), "row 3: \"prompt\", \"response\" and \"messages\" are all null"),
+        (file(&pairs, long), "row 3: the example is"),
+        (
+            serde_json::json!({"columns": {"prompt": "int", "response": "string"}, "rows": [{"prompt": 1, "response": "y"}]}),
+            "bad.parquet: column \"prompt\" is Int64, not strings",
+        ),
+        (
+            file(&serde_json::json!({"prompt": "string"}), serde_json::json!({})),
+            "bad.parquet: has a column \"prompt\" but no column \"response\"",
+        ),
+        (
+            serde_json::json!({"columns": {"text": "string"}, "rows": [{"text": "x"}]}),
+            "bad.parquet: has none of the columns (it has \"text\")",
+        ),
+        (serde_json::json!("{\"prompt\": \"x\", \"response\": \"y\"}\n"), "data/bad.parquet is not a parquet file"),
+    ];
+    for (bad, want) in cases {
+        to_parquet(p, serde_json::json!({ "data/bad.parquet": bad }));
+        let o = run(&["validate", "sft.toml", "--set", "load.path=\"data/bad.parquet\""], p);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{want}\n{out}\n{err}");
+        assert!(err.contains(want) && err.contains("data/bad.parquet"), "{want}\n{err}");
+    }
+}

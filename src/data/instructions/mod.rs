@@ -1,5 +1,6 @@
 //! Instruction data for supervised fine-tuning (`load.source = "instructions"`): JSON Lines of
-//! prompt/response pairs or chat `messages` ([`jsonl`]), rendered as text (a pair as prompt +
+//! prompt/response pairs or chat `messages` ([`jsonl`]), or the same in parquet columns
+//! ([`parquet`], a path ending in `.parquet`), rendered as text (a pair as prompt +
 //! response + the tokenizer's `eos_token`; messages by the tokenizer's chat [`template`]) and
 //! tokenized whole with the run's `tokenizer.json`. A token counts in the loss when its text lies
 //! in a response: the response (and `eos_token`) of a pair; of a conversation, the text each
@@ -13,6 +14,7 @@
 //! transformer splits back apart (`model::transformer::packed`). An example longer than
 //! `seq_len` + 1 tokens is refused or cut (`load.too_long`), and counted in the plan's note.
 pub mod jsonl;
+mod parquet;
 mod show;
 mod spec;
 pub mod template;
@@ -35,7 +37,7 @@ pub const IGNORE: i64 = -100;
 /// What the plan knows of an instruction source.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct InstructionsSpec {
-    /// The JSON Lines file of training examples (and of the validation ones, from its end, when
+    /// The JSON Lines (or parquet) file of training examples (and of the validation ones, from its end, when
     /// `validation_path` is absent).
     pub path: PathBuf,
     pub validation_path: Option<PathBuf>,
@@ -75,7 +77,7 @@ impl InstructionsSpec {
 /// One example, tokenized: at most `seq_len` + 1 ids, and whether each counts in the loss.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Encoded {
-    /// Its line in its file (from 1).
+    /// Its line in its file (from 1; of parquet, its row).
     pub line: usize,
     /// The rendered text (before any cut).
     pub text: String,
@@ -131,7 +133,7 @@ impl Encoder {
 
     /// Example `line` of `file` tokenized, cut or refused when longer than `seq_len` + 1 tokens.
     pub fn encode(&self, file: &Path, line: &Line, seq_len: usize, too_long: TooLong) -> Result<Encoded, String> {
-        let at = format!("{}:{}", file.display(), line.line);
+        let at = place(file, line.line);
         let (text, spans) = self.render(&line.example).map_err(|e| format!("{at}: {e}"))?;
         let (mut ids, starts) = self.tokenizer.encode_with_starts(&text).map_err(|e| format!("{at}: {e:#}"))?;
         let mut counted: Vec<bool> = starts.iter().map(|&s| spans.iter().any(|&(a, b)| a <= s && s < b)).collect();
@@ -158,7 +160,31 @@ impl Encoder {
 
     /// Every example of `file`, tokenized; the first problem is the error.
     pub fn encode_file(&self, file: &Path, seq_len: usize, too_long: TooLong) -> Result<Vec<Encoded>, String> {
-        jsonl::read(file)?.iter().map(|l| self.encode(file, l, seq_len, too_long)).collect()
+        read(file)?.iter().map(|l| self.encode(file, l, seq_len, too_long)).collect()
+    }
+}
+
+/// Whether `file` is read as parquet (its name ends in `.parquet`) rather than JSON Lines.
+fn is_parquet(file: &Path) -> bool {
+    file.extension().is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
+}
+
+/// Every example of `file`, JSON Lines or parquet by its name.
+pub fn read(file: &Path) -> Result<Vec<Line>, String> {
+    if is_parquet(file) {
+        parquet::read(file)
+    } else {
+        jsonl::read(file)
+    }
+}
+
+/// Where example `line` of `file` is, as refusals and `runner data` name it: `file:line` of
+/// JSON Lines, `file row N` of parquet.
+pub fn place(file: &Path, line: usize) -> String {
+    if is_parquet(file) {
+        format!("{} row {line}", file.display())
+    } else {
+        format!("{}:{line}", file.display())
     }
 }
 

@@ -1,7 +1,7 @@
 //! `runner data` on instruction data: the first examples as the model sees them, each with its
 //! rendered text, its token ids, which of them count in the loss, and the text of those (each
 //! text after a bar, line by line, exactly as it is).
-use super::{examples, Encoder, InstructionsSpec};
+use super::{examples, place, Encoder, InstructionsSpec};
 
 /// Prints the first `n` training examples of `spec`.
 pub fn show(spec: &InstructionsSpec, n: usize) -> anyhow::Result<()> {
@@ -11,10 +11,9 @@ pub fn show(spec: &InstructionsSpec, n: usize) -> anyhow::Result<()> {
         let counted: Vec<u32> = e.ids.iter().zip(&e.counted).filter(|(_, &c)| c).map(|(&i, _)| i).collect();
         let cut = if e.cut > 0 { format!(", {} cut off its end", e.cut) } else { String::new() };
         crate::say!(
-            "\nexample {} ({}:{}): {} tokens{cut}, {} of them in the loss",
+            "\nexample {} ({}): {} tokens{cut}, {} of them in the loss",
             k + 1,
-            spec.path.display(),
-            e.line,
+            place(&spec.path, e.line),
             e.ids.len(),
             counted.len()
         );

@@ -16,11 +16,11 @@ pub fn spec(c: &Config, t: &Transformer, base: &Path, bad: &mut impl FnMut(&str,
     let path = match &c.load.path {
         Some(Paths::One(p)) => base.join(p),
         Some(Paths::Many(_)) => {
-            bad("load.path", "instructions are read from one JSON Lines file: give one path".into());
+            bad("load.path", "instructions are read from one file (JSON Lines, or parquet: a path ending in .parquet): give one path".into());
             return None;
         }
         None => {
-            bad("load.path", "source = \"instructions\" needs a JSON Lines file of examples".into());
+            bad("load.path", "source = \"instructions\" needs a file of examples: JSON Lines, or parquet (a path ending in .parquet)".into());
             return None;
         }
     };
