@@ -393,30 +393,19 @@ fn fsdp() -> Workload {
 /// The fsdp workload's GPT split over 2 tensor ranks against PyTorch DTensor's tensor
 /// parallelism (issue 52's target: at least 1.2× its tokens/s at no more memory).
 fn tp() -> Workload {
+    let fsdp = fsdp();
     Workload {
         name: "tp",
-        kind: Kind::Transformer(gpt_5m()),
-        rows: 256,
-        batch: 8,
-        epochs: 3,
-        optimizer: Optimizer::Adamw,
-        lr: 0.001,
-        weight_decay: 0.01,
-        compute_bound: true,
         targets: Targets {
-            throughput: 1.2,
-            throughput_ws1: None,
-            wall: None,
-            peak: None,
-            world_sizes: None,
             // Over 96 AdamW steps of this model the rounding of a split layer's sums drifts
             // the epoch losses apart by a few 1e-5: the runner at tensor 2 and the runner in
             // one process differ by 2.9e-5 at epoch 2, more than the runner and DTensor do.
             // The step-by-step agreement within 1e-5 is tests/integration/tp_twin.rs's.
             loss: 1e-4,
+            ..fsdp.targets
         },
-        bf16: false,
         peer: Peer::TorchTp { tensor: 2, memory: 1.0 },
+        ..fsdp
     }
 }
 
