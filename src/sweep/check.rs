@@ -16,21 +16,12 @@ use crate::trace;
 
 pub use crate::trace::TIMING_COLUMNS;
 
-/// Columns added to trace.parquet after traces were committed (the training recipe's, the memory
-/// columns, the bytes sent per mesh dimension): a stored trace without them is compared on the others; one that has them is
-/// compared on them too.
-pub const LATER_COLUMNS: &[&str] = &[
-    "lr",
-    "grad_norm_mean",
-    "grad_norm_max",
-    "param_bytes",
-    "grad_bytes",
-    "optim_bytes",
-    "peak_rss_bytes",
-    "sent_data_bytes",
-    "sent_tensor_bytes",
-    "sent_pipeline_bytes",
-];
+/// Columns added to trace.parquet after traces were committed (the training recipe's, the state's
+/// bytes): a stored trace without them is compared on the others; one that has them is compared
+/// on them too. Measured columns added later (peak memory, the bytes sent) are never compared:
+/// [`TIMING_COLUMNS`].
+pub const LATER_COLUMNS: &[&str] =
+    &["lr", "grad_norm_mean", "grad_norm_max", "param_bytes", "grad_bytes", "optim_bytes"];
 
 /// Makes the reruns compute under the stored sweep's `MKL_CBWR` (its children inherit it and keep
 /// it, whatever their run.numerics says); returns the stored settings and those of the reruns
