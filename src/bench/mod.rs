@@ -119,58 +119,12 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
         let files = workload::prepare(&w, &work.join(w.name))?;
         let mut cells = Vec::new();
         for &ws in &opts.world_sizes {
-            if matches!(w.peer, Peer::TorchFsdp2 { .. }) && ws < 2 {
-                crate::say!("  world size {ws}: skipped (sharding needs at least 2 ranks)");
+            if let Some(why) = skipped(&w, ws) {
+                crate::say!("  world size {ws}: skipped ({why})");
                 continue;
             }
-            if let Peer::TorchTp { tensor, .. } = w.peer {
-                if ws != tensor {
-                    crate::say!(
-                        "  world size {ws}: skipped (the mesh is tensor {tensor} × data 1: world size {tensor})"
-                    );
-                    continue;
-                }
-            }
-            let threads = (cores / ws).max(1);
-            let mut cell = Cell {
-                world_size: ws,
-                threads,
-                runner: Vec::new(),
-                torch: Vec::new(),
-                runner_portable: Vec::new(),
-                runner_ddp: Vec::new(),
-            };
-            for rep in 1..=opts.repetitions {
-                let r = retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native, None))?;
-                let t = retried(|| run_torch(&torchrun, &root.join(w.peer.script()), &files, &w, ws, threads))?;
-                let third = match w.peer {
-                    Peer::TorchDdp => Some((
-                        retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Portable, None))?,
-                        "runner with portable numerics",
-                    )),
-                    Peer::TorchFsdp2 { .. } => Some((
-                        retried(|| run_runner(&files, &w, ws, threads, CpuNumerics::Native, Some("ddp")))?,
-                        "runner with DDP",
-                    )),
-                    Peer::TorchTp { .. } => None,
-                };
-                let third_summary =
-                    third.as_ref().map_or(String::new(), |(k, what)| format!(", {what} {}", summary(k)));
-                crate::say!(
-                    "  world size {ws}, run {rep}/{}: runner {}, PyTorch {}{third_summary}",
-                    opts.repetitions,
-                    summary(&r),
-                    summary(&t),
-                );
-                cell.runner.push(r);
-                cell.torch.push(t);
-                match (w.peer, third) {
-                    (Peer::TorchDdp, Some((k, _))) => cell.runner_portable.push(k),
-                    (Peer::TorchFsdp2 { .. }, Some((k, _))) => cell.runner_ddp.push(k),
-                    _ => {}
-                }
-            }
-            cells.push(cell);
+            let side = Sides { files: &files, w: &w, ws, threads: (cores / ws).max(1) };
+            cells.push(side.cell(&torchrun, &root, opts.repetitions)?);
         }
         results.push(WorkloadResult { workload: w, cells });
     }
@@ -186,6 +140,76 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
         crate::say!("written to {}", opts.out.display());
     }
     Ok(0)
+}
+
+/// Why a workload does not run at world size `ws`, if it does not.
+fn skipped(w: &Workload, ws: usize) -> Option<String> {
+    match w.peer {
+        Peer::TorchFsdp2 { .. } if ws < 2 => Some("sharding needs at least 2 ranks".into()),
+        Peer::TorchTp { tensor, .. } if ws != tensor => {
+            Some(format!("the mesh is tensor {tensor} × data 1: world size {tensor}"))
+        }
+        _ => None,
+    }
+}
+
+/// One workload at one world size: what both sides run with.
+struct Sides<'a> {
+    files: &'a workload::Files,
+    w: &'a Workload,
+    ws: usize,
+    threads: usize,
+}
+
+impl Sides<'_> {
+    /// `repetitions` rounds of runner, PyTorch and the peer's third run, alternating.
+    fn cell(&self, torchrun: &Path, root: &Path, repetitions: usize) -> anyhow::Result<Cell> {
+        let (files, w, ws, threads) = (self.files, self.w, self.ws, self.threads);
+        let mut cell = Cell {
+            world_size: ws,
+            threads,
+            runner: Vec::new(),
+            torch: Vec::new(),
+            runner_portable: Vec::new(),
+            runner_ddp: Vec::new(),
+        };
+        for rep in 1..=repetitions {
+            let r = retried(|| run_runner(files, w, ws, threads, CpuNumerics::Native, None))?;
+            let t = retried(|| run_torch(torchrun, &root.join(w.peer.script()), files, w, ws, threads))?;
+            let third = self.third()?;
+            let third_summary = third.as_ref().map_or(String::new(), |(k, what)| format!(", {what} {}", summary(k)));
+            crate::say!(
+                "  world size {ws}, run {rep}/{repetitions}: runner {}, PyTorch {}{third_summary}",
+                summary(&r),
+                summary(&t),
+            );
+            cell.runner.push(r);
+            cell.torch.push(t);
+            match (w.peer, third) {
+                (Peer::TorchDdp, Some((k, _))) => cell.runner_portable.push(k),
+                (Peer::TorchFsdp2 { .. }, Some((k, _))) => cell.runner_ddp.push(k),
+                _ => {}
+            }
+        }
+        Ok(cell)
+    }
+
+    /// The third run that prices a choice against the peer: portable numerics beside PyTorch DDP,
+    /// the runner's DDP beside FSDP2; none beside DTensor.
+    fn third(&self) -> anyhow::Result<Option<(Measure, &'static str)>> {
+        let (files, w, ws, threads) = (self.files, self.w, self.ws, self.threads);
+        Ok(match w.peer {
+            Peer::TorchDdp => Some((
+                retried(|| run_runner(files, w, ws, threads, CpuNumerics::Portable, None))?,
+                "runner with portable numerics",
+            )),
+            Peer::TorchFsdp2 { .. } => Some((
+                retried(|| run_runner(files, w, ws, threads, CpuNumerics::Native, Some("ddp")))?,
+                "runner with DDP",
+            )),
+            Peer::TorchTp { .. } => None,
+        })
+    }
 }
 
 /// "12.34 s (0.567 s/epoch, peak MiB per rank 512 / 498)".
