@@ -65,6 +65,46 @@ pub fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "a panic".into())
 }
 
+/// Whether a panic's text is an allocator's failure: libtorch's (tch's panicking wrappers raise
+/// it as a panic: "DefaultCPUAllocator: can't allocate memory", "CUDA out of memory") or Rust's.
+pub fn is_out_of_memory(text: &str) -> bool {
+    ["can't allocate memory", "out of memory", "memory allocation of"].iter().any(|m| text.contains(m))
+}
+
+/// The process's panic hook: the default one, but silent on an allocation failure. The default
+/// hook symbolizes a backtrace (RUST_BACKTRACE), which reads the binary's debug information into
+/// hundreds of MiB; with memory exhausted that allocation fails too, and std's out-of-memory
+/// handler then waits for the backtrace lock the hook holds: the rank hung instead of failing.
+/// Whoever catches the panic reports it in one line ([`panic_report`]).
+pub fn install_panic_hook() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let text = payload.downcast_ref::<String>().map(String::as_str).or(payload.downcast_ref::<&str>().copied());
+        if !text.is_some_and(is_out_of_memory) {
+            default(info)
+        }
+    }));
+}
+
+/// A caught panic as the one line a user reads: a libtorch error without its C++ frames, and an
+/// allocation failure said as running out of memory, with what lowers the need.
+pub fn panic_report(panic: &Box<dyn std::any::Any + Send>) -> String {
+    let text = panic_text(panic);
+    if is_out_of_memory(&text) {
+        // tch's wrappers unwrap libtorch's error: `... Err` value: Torch("message\n...")`.
+        let inner = text.split_once("Torch(\"").map_or(text.as_str(), |(_, t)| t);
+        let line = inner.split("\\n").next().unwrap_or(inner).trim_end_matches("\")");
+        format!(
+            "out of memory: {} (lower train.batch_size, shard the model with wrap.strategy = \"fsdp\" or \
+             [wrap.mesh], or recompute activations with wrap.activation_checkpointing.policy = \"full\"; `runner plan` estimates each rank's peak)",
+            torch_message(&line)
+        )
+    } else {
+        text
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod fuzz {
     //! A fuzz harness for any reader of files: mutated bytes, cut files and lying lengths must
@@ -121,5 +161,26 @@ mod tests {
                         (most recent call last):\n  File \"code/__torch__.py\", line 9\n    raise \
                         builtins.RuntimeError(\"boom\")\nbuiltins.RuntimeError: boom\n";
         assert_eq!(torch_message(&scripted), "RuntimeError: boom");
+    }
+
+    /// libtorch's allocation failure, as tch's panicking wrappers raise it, reads as one line.
+    #[test]
+    fn an_allocation_failure_is_reported_as_running_out_of_memory_in_one_line() {
+        let text = "called `Result::unwrap()` on an `Err` value: Torch(\"DefaultCPUAllocator: can't allocate memory: \
+                    you tried to allocate 4194304 bytes. Error code 12 (Cannot allocate memory)\\nException raised from \
+                    malloc at alloc_cpu.cpp:117\")";
+        let panic: Box<dyn std::any::Any + Send> = Box::new(text.to_string());
+        let report = panic_report(&panic);
+        assert!(
+            report.starts_with(
+                "out of memory: DefaultCPUAllocator: can't allocate memory: you tried to allocate 4194304 bytes. \
+                 Error code 12 (Cannot allocate memory) (lower train.batch_size"
+            ),
+            "{report}"
+        );
+        let other: Box<dyn std::any::Any + Send> = Box::new("index out of bounds");
+        assert_eq!(panic_report(&other), "index out of bounds");
+        assert!(is_out_of_memory("memory allocation of 5632 bytes failed"));
+        assert!(!is_out_of_memory("index out of bounds"));
     }
 }

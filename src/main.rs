@@ -27,5 +27,13 @@ fn main() {
         runner::say_err!("error: cannot set up the signal handlers: {e}");
         runner::dist::exit_now(1);
     }
-    runner::dist::exit_now(runner::cli::main(cli))
+    runner::checked::install_panic_hook();
+    // A panic that no command caught (a libtorch allocation failure outside a rank) still ends
+    // with its one line and exit status 1, not an unexplained 101.
+    let code =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runner::cli::main(cli))).unwrap_or_else(|panic| {
+            runner::say_err!("error: {}", runner::checked::panic_report(&panic));
+            1
+        });
+    runner::dist::exit_now(code)
 }

@@ -172,6 +172,9 @@ fn run_rank(plan: Plan, env: &RankEnv, run_dir_of: &dyn Fn(&Plan) -> PathBuf, cl
 fn panic_error(panic: Box<dyn std::any::Any + Send>, rank: usize) -> anyhow::Error {
     match panic.downcast::<crate::checked::Failure>() {
         Ok(failure) => anyhow::anyhow!(failure.0),
+        Err(panic) if crate::checked::is_out_of_memory(&panic_text(&panic)) => {
+            anyhow::anyhow!("ran {}", crate::checked::panic_report(&panic))
+        }
         Err(panic) => anyhow::anyhow!("rank {rank} panicked: {}", panic_text(&panic)),
     }
 }

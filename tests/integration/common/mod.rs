@@ -23,7 +23,55 @@ pub fn runner() -> Command {
 }
 
 pub fn run(args: &[&str], dir: &Path) -> Output {
-    runner().args(args).current_dir(dir).output().expect("runner starts")
+    output_within(runner().args(args).current_dir(dir), HANG)
+}
+
+/// How long one command of a test may take before it counts as hung: far beyond any test's
+/// command, far below CI's limit, so that a hang fails its test with what it printed instead of
+/// holding the whole suite until CI is killed.
+pub const HANG: std::time::Duration = std::time::Duration::from_secs(900);
+
+/// `cmd`'s output, as `Command::output`, in its own process group; past `limit` the group (the
+/// launcher and its ranks) is killed and the test fails with what the command printed so far.
+pub fn output_within(cmd: &mut Command, limit: std::time::Duration) -> Output {
+    use std::io::Read;
+    use std::os::unix::process::CommandExt;
+    let mut child = cmd
+        .process_group(0)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the command starts");
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = r.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > limit {
+            let group = nix::unistd::Pid::from_raw(child.id() as i32);
+            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let (stdout, stderr) = (out.join().unwrap(), err.join().unwrap());
+    match status {
+        Some(status) => Output { status, stdout, stderr },
+        None => panic!(
+            "{cmd:?} hung: killed after {limit:?}\nstdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&stdout),
+            String::from_utf8_lossy(&stderr)
+        ),
+    }
 }
 
 pub fn text(o: &Output) -> (String, String) {
