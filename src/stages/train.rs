@@ -219,8 +219,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
 
     /// Trains optimizer steps `steps` of the interval `iv`.
     pub fn train(&mut self, iv: &mut Interval, steps: Range<usize>) -> anyhow::Result<()> {
-        let c = &self.plan.config;
-        let (rank, dev) = (self.pg.rank(), self.device);
+        let dev = self.device;
         let schedule = Schedule::of(self.plan);
         let train_start = device::now(dev);
         for step in steps {
@@ -234,89 +233,109 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
             let step_rows: usize = batches.clone().map(|b| self.clock.rows(b)).sum();
             let sent_before = self.wrapped.strategy.sent();
             for b in batches.clone() {
-                self.position.set("train", epoch, b + 1);
-                // Dropout masks differ across ranks (as each torch rank draws its own) and depend
-                // only on (seed, rank, batch), so a run resumed at any step draws the same ones.
-                let global = (step * self.clock.accumulate + b - batches.start) as i64;
-                let stream = self.plan.dropout_rank(rank) as i64;
-                tch::manual_seed((c.run.seed as i64) ^ (stream << 32) ^ global.wrapping_mul(0x9E37_79B9));
-                let sampled = c.trace.step_every > 0 && (global as usize).is_multiple_of(c.trace.step_every);
-                let timer = device::StepTimer::new(dev, sampled);
-                let t0 = timer.now();
-                let (xb, yb, wb) = self.batch(epoch, b)?;
-                let t1 = timer.now();
-                let len = yb.size()[0];
-                let (first, last) = (b == batches.start, b + 1 == batches.end);
-                let w_ = &mut self.wrapped;
-                if first {
-                    w_.optimizer.zero_grad()?;
-                }
-                // Each batch's share of the step's mean loss: its rows over the step's rows.
-                let scale = if self.clock.accumulate == 1 { 1.0 } else { len as f64 / step_rows as f64 };
-                let micro = Micro { scale, sync: last };
-                let recomputed = crate::dist::recompute_time();
-                let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, timer, micro)?;
-                let recompute = crate::dist::recompute_time().saturating_sub(recomputed);
-                let t2 = timer.now();
-                if last {
-                    // The optimizer's step count is the schedule's clock: restored by a checkpoint.
-                    w_.optimizer.set_lr(schedule.lr(w_.optimizer.steps()));
-                    if let Some(max) = c.train.clip_grad_norm {
-                        let group = w_.strategy.norm_group(self.pg, w_.optimizer.names());
-                        iv.buffers.norms.push(clip_grad_norm(w_.optimizer.params(), Some(max), group)?);
-                    }
-                    w_.optimizer.step()?;
-                    iv.sent = iv.sent + (w_.strategy.sent() - sent_before);
-                    iv.sent_steps += 1;
-                }
-                // The step's end waits for the device on every step: its total is right.
-                let update = device::elapsed(dev, t2);
-                let at = iv.filled as i64;
-                tch::no_grad(|| {
-                    iv.buffers.weights.narrow(0, at, len).copy_(&wb);
-                    if let (Some(per_sample), Some(right)) = (&s.per_sample, &s.correct) {
-                        iv.buffers.losses.narrow(0, at, len).copy_(per_sample);
-                        iv.buffers.correct.narrow(0, at, len).copy_(right);
-                        iv.step_measured = true;
-                    }
-                });
-                iv.filled += len as usize;
-                if let Some(c) = s.comm {
-                    iv.comm += c;
-                    iv.comm_measured += 1;
-                }
-                iv.compute_s += (s.forward + s.loss + s.backward + update).as_secs_f64();
-                iv.wait += s.wait;
-                if sampled {
-                    iv.step_rows.push(StepSample {
-                        epoch: epoch as f64,
-                        step: b as f64,
-                        batch_s: (t1 - t0).as_secs_f64(),
-                        forward_s: s.forward.as_secs_f64(),
-                        loss_s: s.loss.as_secs_f64(),
-                        backward_s: s.backward.as_secs_f64(),
-                        sync_s: s.comm.map_or(s.wait, |c| c + s.wait).as_secs_f64(),
-                        overlap_s: s.overlap.as_secs_f64(),
-                        update_s: update.as_secs_f64(),
-                        recompute_s: recompute.as_secs_f64(),
-                    });
-                }
-                let batches_done = self.batches_done(iv, step, b);
-                if batches_done.is_multiple_of(iv.report_every) || (last && step + 1 == iv.steps.end) {
-                    // A loss that is no longer finite stops the run here, not at the interval's end.
-                    let (from, to) = (iv.checked as i64, iv.filled as i64);
-                    check_finite(&iv.buffers.losses.narrow(0, from, to - from), rank, epoch, step + 1)?;
-                    iv.checked = iv.filled;
-                    if rank == 0 {
-                        let loss = s.per_sample.as_ref().map(|p| p.mean(Kind::Double).double_value(&[]));
-                        let done = if c.train.steps.is_some() { step + 1 } else { b + 1 };
-                        let rate = self.samples_per_s(iv);
-                        self.progress.step(done, loss, rate, self.mfu.map(|m| m.at(rate)));
-                    }
-                }
+                let at = BatchAt { step, b, first: b == batches.start, last: b + 1 == batches.end, step_rows };
+                self.train_batch(iv, &at, &schedule)?;
             }
+            iv.sent = iv.sent + (self.wrapped.strategy.sent() - sent_before);
+            iv.sent_steps += 1;
         }
         iv.train_s += device::elapsed(dev, train_start);
+        Ok(())
+    }
+
+    /// One batch of an optimizer step: forward, backward, and on the step's last batch the update;
+    /// its losses into the interval's buffers, its phase times into the step trace when sampled.
+    fn train_batch(&mut self, iv: &mut Interval, at: &BatchAt, schedule: &Schedule) -> anyhow::Result<()> {
+        let c = &self.plan.config;
+        let (rank, dev) = (self.pg.rank(), self.device);
+        let (step, b) = (at.step, at.b);
+        let epoch = self.clock.epoch(step);
+        self.position.set("train", epoch, b + 1);
+        // Dropout masks differ across ranks (as each torch rank draws its own) and depend only
+        // on (seed, rank, batch), so a run resumed at any step draws the same ones.
+        let global = (step * self.clock.accumulate + b - self.clock.batches(step).start) as i64;
+        let stream = self.plan.dropout_rank(rank) as i64;
+        tch::manual_seed((c.run.seed as i64) ^ (stream << 32) ^ global.wrapping_mul(0x9E37_79B9));
+        let sampled = c.trace.step_every > 0 && (global as usize).is_multiple_of(c.trace.step_every);
+        let timer = device::StepTimer::new(dev, sampled);
+        let t0 = timer.now();
+        let (xb, yb, wb) = self.batch(epoch, b)?;
+        let t1 = timer.now();
+        let len = yb.size()[0];
+        let w_ = &mut self.wrapped;
+        if at.first {
+            w_.optimizer.zero_grad()?;
+        }
+        // Each batch's share of the step's mean loss: its rows over the step's rows.
+        let scale = if self.clock.accumulate == 1 { 1.0 } else { len as f64 / at.step_rows as f64 };
+        let micro = Micro { scale, sync: at.last };
+        let recomputed = crate::dist::recompute_time();
+        let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, timer, micro)?;
+        let recompute = crate::dist::recompute_time().saturating_sub(recomputed);
+        let t2 = timer.now();
+        if at.last {
+            // The optimizer's step count is the schedule's clock: restored by a checkpoint.
+            w_.optimizer.set_lr(schedule.lr(w_.optimizer.steps()));
+            if let Some(max) = c.train.clip_grad_norm {
+                let group = w_.strategy.norm_group(self.pg, w_.optimizer.names());
+                iv.buffers.norms.push(clip_grad_norm(w_.optimizer.params(), Some(max), group)?);
+            }
+            w_.optimizer.step()?;
+        }
+        // The step's end waits for the device on every step: its total is right.
+        let update = device::elapsed(dev, t2);
+        let at_row = iv.filled as i64;
+        tch::no_grad(|| {
+            iv.buffers.weights.narrow(0, at_row, len).copy_(&wb);
+            if let (Some(per_sample), Some(right)) = (&s.per_sample, &s.correct) {
+                iv.buffers.losses.narrow(0, at_row, len).copy_(per_sample);
+                iv.buffers.correct.narrow(0, at_row, len).copy_(right);
+                iv.step_measured = true;
+            }
+        });
+        iv.filled += len as usize;
+        if let Some(c) = s.comm {
+            iv.comm += c;
+            iv.comm_measured += 1;
+        }
+        iv.compute_s += (s.forward + s.loss + s.backward + update).as_secs_f64();
+        iv.wait += s.wait;
+        if sampled {
+            iv.step_rows.push(StepSample {
+                epoch: epoch as f64,
+                step: b as f64,
+                batch_s: (t1 - t0).as_secs_f64(),
+                forward_s: s.forward.as_secs_f64(),
+                loss_s: s.loss.as_secs_f64(),
+                backward_s: s.backward.as_secs_f64(),
+                sync_s: s.comm.map_or(s.wait, |c| c + s.wait).as_secs_f64(),
+                overlap_s: s.overlap.as_secs_f64(),
+                update_s: update.as_secs_f64(),
+                recompute_s: recompute.as_secs_f64(),
+            });
+        }
+        self.report(iv, at, s.per_sample.as_ref())
+    }
+
+    /// Every `report_every` batches and at the interval's last: the losses so far checked to be
+    /// finite (a loss that is not stops the run here, not at the interval's end), and rank 0's
+    /// progress line.
+    fn report(&mut self, iv: &mut Interval, at: &BatchAt, per_sample: Option<&Tensor>) -> anyhow::Result<()> {
+        let (step, b) = (at.step, at.b);
+        let batches_done = self.batches_done(iv, step, b);
+        if !(batches_done.is_multiple_of(iv.report_every) || (at.last && step + 1 == iv.steps.end)) {
+            return Ok(());
+        }
+        let (rank, epoch) = (self.pg.rank(), self.clock.epoch(step));
+        let (from, to) = (iv.checked as i64, iv.filled as i64);
+        check_finite(&iv.buffers.losses.narrow(0, from, to - from), rank, epoch, step + 1)?;
+        iv.checked = iv.filled;
+        if rank == 0 {
+            let loss = per_sample.map(|p| p.mean(Kind::Double).double_value(&[]));
+            let done = if self.plan.config.train.steps.is_some() { step + 1 } else { b + 1 };
+            let rate = self.samples_per_s(iv);
+            self.progress.step(done, loss, rate, self.mfu.map(|m| m.at(rate)));
+        }
         Ok(())
     }
 
@@ -408,6 +427,17 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
         let steps = gather_step_rows(self.pg, &iv.step_rows)?;
         Ok(EpochOutput { rows, steps })
     }
+}
+
+/// Where a batch sits in its optimizer step.
+struct BatchAt {
+    step: usize,
+    /// The batch's index in its epoch.
+    b: usize,
+    first: bool,
+    last: bool,
+    /// Rows of the whole step, all its batches.
+    step_rows: usize,
 }
 
 /// The interval in progress on a rank.
