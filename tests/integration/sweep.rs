@@ -367,7 +367,8 @@ fn most_on_a_rank(run_dir: &Path, columns: &[&str]) -> f64 {
     let epochs = df.column("epoch").unwrap().u32().unwrap();
     let last = df.filter(&epochs.equal(epochs.max().unwrap())).unwrap();
     let sum = |i: usize| -> f64 {
-        columns.iter().map(|c| last.column(c).unwrap().u64().unwrap().get(i).unwrap() as f64).sum()
+        let value = |c: &&str| last.column(c).unwrap().cast(&DataType::Float64).unwrap().f64().unwrap().get(i).unwrap();
+        columns.iter().map(value).sum()
     };
     (0..last.height()).map(sum).fold(0.0, f64::max)
 }
@@ -435,8 +436,10 @@ fn a_strategy_axis_puts_each_ranks_memory_beside_throughput_and_older_traces_rep
         assert!(peak[row] > 50.0 * 1048576.0 && peak[row] < 4096.0 * 1048576.0, "{point}: {}", peak[row]);
     }
     assert_eq!((state[0], state[1]), (16.0 * PARAMETERS, 16.0 * PARAMETERS));
-    // One rank sends nothing; DDP at 2 ranks hands every gradient to one all-reduce a step.
-    assert_eq!((sent[0], sent[2], sent[1]), (0.0, 0.0, 4.0 * PARAMETERS));
+    // One rank sends nothing; DDP at 2 ranks hands every gradient to one all-reduce a step (and
+    // rank 0 its Reducer's rebuilt bucket order once, a few hundred bytes over the epoch's steps).
+    assert_eq!((sent[0], sent[2]), (0.0, 0.0));
+    assert!(sent[1] >= 4.0 * PARAMETERS && sent[1] < 4.0 * PARAMETERS + 64.0, "{}", sent[1]);
     let (fsdp1, fsdp2) = (state[2], state[3]);
     assert!(fsdp2 < state[1], "FSDP at 2 ranks holds {fsdp2} bytes a rank, DDP {}", state[1]);
     assert!(fsdp2 < fsdp1, "FSDP's state falls with the world size: {fsdp1} at 1 rank, {fsdp2} at 2");
