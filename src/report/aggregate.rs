@@ -6,6 +6,7 @@ use std::path::Path;
 use anyhow::Context;
 use polars::prelude::*;
 
+use super::measured;
 use super::stats::{self, Spread};
 use crate::rundir::index::Index;
 use crate::rundir::manifest::{Manifest, Status};
@@ -14,6 +15,8 @@ use crate::rundir::manifest::{Manifest, Status};
 pub const SEED_KEY: &str = "run.seed";
 /// The axis the table is about; taken from each run's manifest, swept or not.
 pub const WORLD_KEY: &str = "run.world_size";
+/// The table's column of a named point's name (`[[points]]`).
+pub const POINT_KEY: &str = "point";
 
 /// One completed point.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,6 +58,12 @@ pub struct Final {
     /// The largest peak resident memory of any rank's process, in bytes (measured: it differs
     /// between reruns); absent from traces written before the memory columns.
     pub peak_rss_bytes: Option<f64>,
+    /// Tokens per second of all ranks together, counted as `samples_per_s` is; a language model's.
+    pub tokens_per_s: Option<f64>,
+    /// The plan's estimate of the heaviest rank's process ([`measured::estimate`]).
+    pub estimate_bytes: Option<f64>,
+    /// The most any rank sent per step along each mesh dimension ([`measured::SENT`]).
+    pub sent_bytes: [Option<f64>; 3],
 }
 
 /// The completed points of a sweep directory, and the others with why they are left out.
@@ -85,9 +94,12 @@ pub fn load(dir: &Path, index: &Index) -> anyhow::Result<Loaded> {
             continue;
         }
         let path = run.join(crate::rundir::TRACE);
-        let group = p.values.iter().filter(|(k, _)| k != SEED_KEY && k != WORLD_KEY).cloned().collect();
+        let named = p.point.iter().map(|name| (POINT_KEY.to_owned(), name.clone()));
+        let group = named.chain(p.values.iter().filter(|(k, _)| k != SEED_KEY && k != WORLD_KEY).cloned()).collect();
+        // The mesh and the memory estimate; a run of an older runner may have no plan this one reads.
+        let plan = crate::plan::Plan::load(&run.join(crate::rundir::PLAN)).ok();
         let result = crate::trace::read_parquet(&path).and_then(|df| {
-            point_result(&df, p.dir.clone(), group, &manifest)
+            point_result(&df, p.dir.clone(), group, &manifest, plan.as_ref())
                 .with_context(|| format!("{} is not a runner trace", path.display()))
         });
         match result {
@@ -103,6 +115,7 @@ fn point_result(
     dir: String,
     group: Vec<(String, String)>,
     m: &Manifest,
+    plan: Option<&crate::plan::Plan>,
 ) -> anyhow::Result<PointResult> {
     let epoch = df.column("epoch")?.u32()?;
     let last_epoch = epoch.max().context("the trace has no rows")?;
@@ -115,10 +128,14 @@ fn point_result(
     let first =
         |df: &DataFrame, c: &str| -> anyhow::Result<Option<f64>> { Ok(f64s(df, c)?.into_iter().next().flatten()) };
     let needed = |v: Option<f64>, c: &str| v.with_context(|| format!("rank 0 has no {c}"));
-    // A pipeline's ranks all pass the same samples: its throughput is its slowest rank's, not the
-    // sum over ranks. Only pipelines fill `bubble` (traces from before it have no such column).
+    // Ranks that pass the same samples count them once (a pipeline's stages, a tensor group).
+    // Only pipelines fill `bubble` (traces from before it have no such column).
     let pipeline = df.column("bubble").is_ok_and(|c| c.null_count() < c.len());
-    let sps = final_rows.column("samples_per_s")?.f64()?;
+    let mesh = measured::mesh(plan, m.world_size);
+    let rate = |c: &str| -> anyhow::Result<Option<f64>> {
+        Ok(measured::per_rank(&final_rows, c)?.map(|r| measured::throughput(&r, pipeline, mesh)))
+    };
+    let sent = |i: usize| measured::most_on_a_rank(&final_rows, &[measured::SENT[i].0]);
     let last = Final {
         epoch: last_epoch,
         train_loss: needed(first(&final_rank0, "global_train_loss")?, "global_train_loss")?,
@@ -127,10 +144,13 @@ fn point_result(
         val_acc: first(&final_rank0, "val_acc")?,
         val_f1: if df.column("val_f1").is_ok() { first(&final_rank0, "val_f1")? } else { None },
         epoch_s: final_rows.column("epoch_s")?.f64()?.max().context("no epoch_s")?,
-        samples_per_s: if pipeline { sps.min() } else { sps.sum() }.unwrap_or(0.0),
-        state_bytes: most_on_a_rank(&final_rows, &["param_bytes", "grad_bytes", "optim_bytes"])?,
+        samples_per_s: rate("samples_per_s")?.context("no samples_per_s")?,
+        state_bytes: measured::most_on_a_rank(&final_rows, &["param_bytes", "grad_bytes", "optim_bytes"])?,
         // A peak so far: the final row's is the run's.
-        peak_rss_bytes: most_on_a_rank(&final_rows, &["peak_rss_bytes"])?,
+        peak_rss_bytes: measured::most_on_a_rank(&final_rows, &["peak_rss_bytes"])?,
+        tokens_per_s: rate("tokens_per_s")?,
+        estimate_bytes: measured::estimate(plan),
+        sent_bytes: [sent(0)?, sent(1)?, sent(2)?],
     };
     Ok(PointResult {
         dir,
@@ -146,22 +166,6 @@ fn point_result(
             format!("{n} restart{}; {}", if n == 1 { "" } else { "s" }, g.line(m.failures.len()))
         }),
     })
-}
-
-/// The largest per-rank sum of `columns` in `rows` (one row per rank), or `None` where the trace
-/// predates them: absent, not zero.
-fn most_on_a_rank(rows: &DataFrame, columns: &[&str]) -> anyhow::Result<Option<f64>> {
-    if columns.iter().any(|c| rows.column(c).is_err()) {
-        return Ok(None);
-    }
-    let mut sums = vec![0.0; rows.height()];
-    for c in columns {
-        let values = rows.column(c)?.cast(&DataType::Float64)?;
-        for (sum, v) in sums.iter_mut().zip(values.f64()?.iter()) {
-            *sum += v.with_context(|| format!("a null {c}"))?;
-        }
-    }
-    Ok(sums.into_iter().reduce(f64::max))
 }
 
 /// One row of the table: a world size (and values of the other non-seed axes) across seeds.
@@ -187,6 +191,9 @@ pub struct Row {
     /// whose traces have it; absent when none has.
     pub state_bytes: Option<Spread>,
     pub peak_rss_bytes: Option<Spread>,
+    pub tokens_per_s: Option<Spread>,
+    pub estimate_bytes: Option<Spread>,
+    pub sent_bytes: [Option<Spread>; 3],
     pub threads_per_rank: usize,
     pub cores: usize,
     /// Mean across seeds, per epoch.
@@ -272,6 +279,9 @@ fn row(group: &[(String, String)], world_size: usize, points: &[&PointResult]) -
         efficiency: f64::NAN,
         state_bytes: optional(|f| f.state_bytes),
         peak_rss_bytes: optional(|f| f.peak_rss_bytes),
+        tokens_per_s: optional(|f| f.tokens_per_s),
+        estimate_bytes: optional(|f| f.estimate_bytes),
+        sent_bytes: [optional(|f| f.sent_bytes[0]), optional(|f| f.sent_bytes[1]), optional(|f| f.sent_bytes[2])],
         threads_per_rank: points.iter().map(|p| p.threads_per_rank).max().unwrap_or(1),
         cores: points.iter().map(|p| p.cores).min().unwrap_or(1),
         loss_curve: per_epoch(&|p, e| p.loss_curve.get(e).copied()).into_iter().flatten().collect(),
@@ -303,6 +313,9 @@ mod tests {
                 samples_per_s,
                 state_bytes: Some(1000.0 / world as f64),
                 peak_rss_bytes: None,
+                tokens_per_s: None,
+                estimate_bytes: None,
+                sent_bytes: [None; 3],
             },
             failures: None,
         }
@@ -361,26 +374,6 @@ mod tests {
         assert_eq!(r1.loss_curve.len(), 2);
         assert!((r1.loss_curve[1] - 0.32).abs() < 1e-12);
         assert_eq!(r1.val_acc_curve, [None, Some(0.8)]);
-    }
-
-    #[test]
-    fn memory_is_the_rank_holding_the_most_and_absent_from_older_traces() {
-        use crate::trace::{epochs_frame, EpochRow};
-        let row = |rank: u32, param_bytes: u64, peak_rss_bytes: u64| -> EpochRow {
-            serde_json::from_value(serde_json::json!({
-                "epoch": 1, "rank": rank, "world_size": 2, "train_loss": 0.5, "train_acc": 0.5, "global_train_loss": 0.5,
-                "global_train_acc": 0.5, "val_loss": null, "val_acc": null, "samples": 8, "steps": 1,
-                "epoch_s": 1.0, "samples_per_s": 8.0, "comm_s": 0.1,
-                "param_bytes": param_bytes, "grad_bytes": 10, "optim_bytes": 20, "peak_rss_bytes": peak_rss_bytes,
-            }))
-            .unwrap()
-        };
-        let df = epochs_frame("r", &[row(0, 100, 7000), row(1, 130, 5000)]).unwrap();
-        assert_eq!(most_on_a_rank(&df, &["param_bytes", "grad_bytes", "optim_bytes"]).unwrap(), Some(160.0));
-        assert_eq!(most_on_a_rank(&df, &["peak_rss_bytes"]).unwrap(), Some(7000.0));
-        let older = df.drop_many(["param_bytes", "peak_rss_bytes"]);
-        assert_eq!(most_on_a_rank(&older, &["param_bytes", "grad_bytes", "optim_bytes"]).unwrap(), None);
-        assert_eq!(most_on_a_rank(&older, &["peak_rss_bytes"]).unwrap(), None);
     }
 
     #[test]

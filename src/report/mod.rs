@@ -8,6 +8,7 @@
 //! runner report results/world_size
 //! ```
 pub mod aggregate;
+pub mod measured;
 pub mod plot;
 pub mod search;
 pub mod search_plot;

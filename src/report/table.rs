@@ -3,6 +3,7 @@
 use polars::prelude::*;
 
 use super::aggregate::{Loaded, Row, SEED_KEY};
+use super::measured;
 use super::stats::{Spread, MIB};
 use crate::rundir::index::Index;
 
@@ -32,7 +33,8 @@ fn intro(index: &Index, loaded: &Loaded, rows: &[Row]) -> String {
         "# Sweep {}\n\n{} of {} points complete, run on {cores} cores. Final epoch ({epochs}) of each \
          point; mean ± sample standard deviation across {}. Loss and accuracy are global (all ranks); \
          val is rank 0's validation set; epoch s is the slowest rank's; samples/s is all ranks \
-         together. Speedup: samples/s ÷ samples/s at the smallest world size; efficiency: speedup ÷ \
+         together, each sample counted once however many ranks pass it (a tensor group, a \
+         pipeline's stages). Speedup: samples/s ÷ samples/s at the smallest world size; efficiency: speedup ÷ \
          (world size ÷ smallest world size).\n\n",
         index.experiment,
         loaded.points.len(),
@@ -50,11 +52,21 @@ fn table(rows: &[Row]) -> String {
     let mut out = String::new();
     // Per-rank memory beside throughput, where the traces have it (not in tables of older traces).
     let memory = has_memory(rows);
+    let estimate = memory && rows.iter().any(|r| r.estimate_bytes.is_some());
+    let tokens = rows.iter().any(|r| r.tokens_per_s.is_some());
+    let sent = sent_dimensions(rows);
     if memory {
         out += "State MiB: the training state (parameters, gradients and optimizer state) of the rank \
                 holding the most at the final epoch, under FSDP its shards plus the most it had gathered \
                 at once. Peak RSS MiB: the largest peak resident memory of any rank's process (measured, \
-                like the timings: it differs between reruns). MiB = 2^20 bytes.\n\n";
+                like the timings: it differs between reruns)";
+        out += if estimate { "; estimate MiB: the plan's estimate of that process" } else { "" };
+        out += ". MiB = 2^20 bytes.\n\n";
+    }
+    if !sent.is_empty() {
+        out += "Sent MiB/step: what the rank sending the most handed to the process group of each mesh \
+                dimension per optimizer step at the final epoch (measured in the group; the wire carries \
+                what the collective's algorithm makes of it).\n\n";
     }
     let group_keys: Vec<&str> =
         rows.first().map(|r| r.group.iter().map(|(k, _)| k.as_str()).collect()).unwrap_or_default();
@@ -66,9 +78,18 @@ fn table(rows: &[Row]) -> String {
     if f1 {
         header.push("val f1");
     }
-    header.extend(["epoch s", "samples/s", "speedup", "efficiency"]);
+    header.extend(["epoch s", "samples/s"]);
+    if tokens {
+        header.push("tokens/s");
+    }
+    header.extend(["speedup", "efficiency"]);
+    let sent_headers: Vec<String> = sent.iter().map(|&i| format!("{} sent MiB/step", measured::SENT[i].1)).collect();
+    header.extend(sent_headers.iter().map(String::as_str));
     if memory {
         header.extend(["state MiB", "peak RSS MiB"]);
+    }
+    if estimate {
+        header.push("estimate MiB");
     }
     out += &format!("| {} |\n", header.join(" | "));
     let align: Vec<&str> = header.iter().map(|h| if group_keys.contains(h) { "---" } else { "---:" }).collect();
@@ -88,14 +109,17 @@ fn table(rows: &[Row]) -> String {
         if f1 {
             cells.push(opt(&r.val_f1, 4));
         }
-        cells.extend([
-            r.epoch_s.display(3),
-            r.samples_per_s.display(0),
-            format!("{:.2}", r.speedup),
-            format!("{:.2}", r.efficiency),
-        ]);
+        cells.extend([r.epoch_s.display(3), r.samples_per_s.display(0)]);
+        if tokens {
+            cells.push(opt(&r.tokens_per_s, 0));
+        }
+        cells.extend([format!("{:.2}", r.speedup), format!("{:.2}", r.efficiency)]);
+        cells.extend(sent.iter().map(|&i| mib(&r.sent_bytes[i])));
         if memory {
             cells.extend([mib(&r.state_bytes), mib(&r.peak_rss_bytes)]);
+        }
+        if estimate {
+            cells.push(mib(&r.estimate_bytes));
         }
         out += &format!("| {} |\n", cells.join(" | "));
     }
@@ -153,6 +177,11 @@ fn mib(bytes: &Option<Spread>) -> String {
     })
 }
 
+/// The mesh dimensions ([`measured::SENT`]) along which any row sent bytes.
+fn sent_dimensions(rows: &[Row]) -> Vec<usize> {
+    (0..measured::SENT.len()).filter(|&i| rows.iter().any(|r| r.sent_bytes[i].is_some_and(|s| s.mean > 0.0))).collect()
+}
+
 /// Whether any row has the per-rank memory columns (traces from before them have none).
 pub fn has_memory(rows: &[Row]) -> bool {
     rows.iter().any(|r| r.state_bytes.is_some() || r.peak_rss_bytes.is_some())
@@ -196,9 +225,21 @@ pub fn frame(rows: &[Row]) -> PolarsResult<DataFrame> {
         stats.push(("val_f1", |r| r.val_f1));
     }
     stats.extend([("epoch_s", (|r| Some(r.epoch_s)) as Stat), ("samples_per_s", |r| Some(r.samples_per_s))]);
+    if rows.iter().any(|r| r.tokens_per_s.is_some()) {
+        stats.push(("tokens_per_s", |r| r.tokens_per_s));
+    }
+    let sent: [(&str, Stat); 3] = [
+        ("sent_data_bytes", |r| r.sent_bytes[0]),
+        ("sent_tensor_bytes", |r| r.sent_bytes[1]),
+        ("sent_pipeline_bytes", |r| r.sent_bytes[2]),
+    ];
+    stats.extend(sent_dimensions(rows).into_iter().map(|i| sent[i]));
     // In bytes; null for rows whose traces predate the memory columns.
     if has_memory(rows) {
         stats.extend([("state_bytes", (|r| r.state_bytes) as Stat), ("peak_rss_bytes", |r| r.peak_rss_bytes)]);
+        if rows.iter().any(|r| r.estimate_bytes.is_some()) {
+            stats.push(("estimate_bytes", |r| r.estimate_bytes));
+        }
     }
     for (name, f) in stats {
         let mean: Vec<Option<f64>> = rows.iter().map(|r| f(r).map(|s| s.mean)).collect();

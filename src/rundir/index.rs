@@ -57,6 +57,9 @@ pub struct SearchIndex {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct IndexPoint {
     pub dir: String,
+    /// The named point's name (`[[points]]`); grids without them lack it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub point: Option<String>,
     /// Each axis key with its value as TOML text, in the order of `axes`.
     pub values: Vec<(String, String)>,
 }

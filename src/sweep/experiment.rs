@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::grid::{self, Axis, Point};
+use super::points;
+pub use super::scaling::{BatchScaling, LrScaling, Scaling};
 use crate::config::extends::{normalize, FileKind, Layers};
 use crate::config::resolve::{flatten, parse_layers};
 use crate::config::{self, ConfigError, Override};
@@ -33,33 +35,8 @@ struct ExperimentFile {
     slurm: super::slurm::Resources,
     /// A search at every point of the grid.
     search: Option<crate::search::spec::SearchTable>,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Scaling {
-    pub batch: BatchScaling,
-    pub lr: LrScaling,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BatchScaling {
-    /// `train.batch_size` is each rank's batch: the global batch grows with the world size.
-    #[default]
-    PerRank,
-    /// `train.batch_size` is the global batch, split evenly over the ranks.
-    Global,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LrScaling {
-    #[default]
-    None,
-    /// `train.lr` is the rate for a global batch of `train.batch_size`; each point's rate is
-    /// multiplied by its global batch ÷ `train.batch_size` (the linear scaling rule).
-    Linear,
+    /// Named points, each a name and the keys it sets ([`points`]).
+    points: Option<Vec<toml::Table>>,
 }
 
 /// A checked experiment file.
@@ -69,112 +46,51 @@ pub struct Experiment {
     pub pipeline: PathBuf,
     pub fixed: Vec<(String, toml::Value)>,
     pub axes: Vec<Axis>,
+    /// The named points (`[[points]]`), in the file's order; none for a grid alone.
+    pub named: Vec<points::Named>,
     pub scaling: Scaling,
     pub slurm: super::slurm::Resources,
     pub search: Option<crate::search::spec::Spec>,
 }
 
 impl Experiment {
-    /// Reads and checks the file: its keys, the pipeline it names, and that every `[set]` key and
-    /// every axis value resolves against that pipeline. Reports every problem found.
+    /// Reads and checks the file: its keys, the pipeline it names, and that every `[set]` key,
+    /// every axis value and every named point's key resolves against that pipeline. Reports every
+    /// problem found.
     pub fn load(file: &Path) -> Result<Experiment, ConfigError> {
         let layers = Layers::read(file, FileKind::Experiment, "the experiment file")?;
         let raw: ExperimentFile = parse_layers(&layers)?;
-        // Problems are reported in the chain's and the files' order.
-        let mut errors: Vec<((usize, usize), String)> = Vec::new();
-        let mut bad = |section: &str, key: &str, message: String| {
-            let dotted = if section.is_empty() { key.to_owned() } else { format!("{section}.{key}") };
-            let at = match layers.origin(&dotted).or_else(|| layers.origin_of_quoted(section, key)) {
-                Some((f, Some(line))) => format!("{}:{line}", f.display()),
-                Some((f, None)) => f.display().to_string(),
-                None => file.display().to_string(),
-            };
-            errors.push((layers.position(&dotted), format!("{at}: {message}")));
-        };
-        let Some(named) = &raw.pipeline else {
-            return Err(ConfigError::new(format!(
-                "{}: no `pipeline`: name the pipeline file the experiment runs, e.g. pipeline = \"../pipelines/ddp.toml\"",
-                file.display()
-            )));
-        };
-        let (named_in, _) = layers.origin("pipeline").expect("the chain sets `pipeline`");
-        let base = named_in.parent().unwrap_or(Path::new(""));
-        let pipeline = normalize(&base.join(named));
-        if !pipeline.is_file() {
-            bad(
-                "",
-                "pipeline",
-                format!(
-                    "`pipeline` names {}, which is not a file (the path is relative to the experiment file)",
-                    pipeline.display()
-                ),
-            );
-            return Err(ConfigError::new(errors.remove(0).1));
-        }
-
+        let mut found = Problems { layers: &layers, file, errors: Vec::new() };
+        let pipeline = pipeline_of(&raw, &layers, file, &mut found)?;
         let fixed = leaves(&raw.set);
         for (key, value) in &fixed {
             if let Err(e) = resolve_one(&pipeline, SET_LABEL, key, value) {
-                bad("set", key, e.message);
+                found.bad("set", key, e.message);
             }
         }
-        let mut axes = Vec::new();
-        for (key, value) in leaves(&raw.sweep) {
-            if fixed.iter().any(|(k, _)| *k == key) {
-                let message = format!("`{key}` is both fixed in [set] and swept in [sweep]; keep one");
-                bad("sweep", &key, message);
-                continue;
+        let axes = check_axes(&raw.sweep, &fixed, &pipeline, &mut found);
+        let fixed_keys: Vec<String> = fixed.iter().map(|(k, _)| k.clone()).collect();
+        let swept: Vec<String> = axes.iter().map(|(_, a)| a.key.clone()).collect();
+        let named = match &raw.points {
+            None => Vec::new(),
+            Some(entries) => {
+                let taken = points::Taken { fixed: &fixed_keys, swept: &swept };
+                let resolves = |label: &str, key: &str, value: &toml::Value| {
+                    resolve_one(&pipeline, label, key, value).map_err(|e| e.message)
+                };
+                let (named, problems) = points::check(entries, &layers, &taken, &resolves);
+                found.errors.extend(problems);
+                named
             }
-            let values = match value {
-                toml::Value::Array(values) if values.is_empty() => {
-                    let message = format!("the axis `{key}` is empty; give it at least one value");
-                    bad("sweep", &key, message);
-                    continue;
-                }
-                toml::Value::Array(values) => values,
-                other => {
-                    let message = format!("the axis `{key}` must be a list of values, e.g. [{other}]");
-                    bad("sweep", &key, message);
-                    continue;
-                }
-            };
-            // A bad key fails on the first value; report it once, not once per value.
-            for value in &values {
-                if let Err(e) = resolve_one(&pipeline, AXIS_LABEL, &key, value) {
-                    bad("sweep", &key, e.message);
-                    if value == &values[0] {
-                        break;
-                    }
-                }
-            }
-            axes.push((layers.position(&format!("sweep.{key}")), Axis { key, values }));
+        };
+        let taken: Vec<String> = fixed_keys.into_iter().chain(swept).collect();
+        let search = raw.search.as_ref().and_then(|table| check_search(table, &taken, &pipeline, &mut found));
+        if search.is_some() && !named.is_empty() {
+            // A search's trials and its report follow the grid's axes; named points are not built there.
+            found.bad("", "search", "[search] and [[points]] cannot be combined yet: search over a [sweep] grid, or run the named points without [search]".into());
         }
-        let search = raw.search.as_ref().and_then(|table| {
-            let taken: Vec<String> =
-                fixed.iter().map(|(k, _)| k.clone()).chain(axes.iter().map(|(_, a)| a.key.clone())).collect();
-            let spec = crate::search::spec::Spec::check(table, &taken);
-            if let Ok(spec) = &spec {
-                for p in &spec.space.0 {
-                    if let Err(e) = check_values(&pipeline, p) {
-                        bad("search.space", &p.key, e);
-                    }
-                }
-            }
-            spec.map_err(|problems| {
-                for (key, message) in problems {
-                    match key.strip_prefix("space.") {
-                        Some(k) => bad("search.space", k, message),
-                        None => bad("search", &key, message),
-                    }
-                }
-            })
-            .ok()
-        });
-        if !errors.is_empty() {
-            errors.sort_by_key(|(at, _)| *at);
-            let lines: Vec<String> = errors.into_iter().map(|(_, m)| m).collect();
-            return Err(ConfigError::new(lines.join("\n")));
-        }
+        found.into_result()?;
+        let mut axes = axes;
         // The grid follows the file's order of axes, whatever order the TOML map keeps.
         axes.sort_by_key(|(at, _)| *at);
         Ok(Experiment {
@@ -182,6 +98,7 @@ impl Experiment {
             pipeline,
             fixed,
             axes: axes.into_iter().map(|(_, a)| a).collect(),
+            named,
             scaling: raw.scaling,
             slurm: raw.slurm,
             search,
@@ -193,12 +110,26 @@ impl Experiment {
         self.file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "sweep".into())
     }
 
-    /// Every point of the grid, resolved and validated; every bad point is reported.
+    /// Every point, resolved and validated; every bad point is reported. Without named points,
+    /// the grid's; with them, each named point at each combination of the axes.
     pub fn points(&self) -> Result<Vec<Point>, ConfigError> {
         let grid = grid::product(&self.axes);
-        let dirs = grid::dir_names(&self.axes, &grid);
-        for (i, dir) in dirs.iter().enumerate() {
-            if dirs[..i].contains(dir) {
+        let names: Vec<Option<&points::Named>> =
+            if self.named.is_empty() { vec![None] } else { self.named.iter().map(Some).collect() };
+        let mut combos = Vec::with_capacity(names.len() * grid.len());
+        for named in names {
+            let dirs = grid::dir_names(&self.axes, &grid);
+            for (values, dir) in grid.iter().zip(dirs) {
+                let dir = match (named, dir.as_str()) {
+                    (None, _) => dir,
+                    (Some(n), "default") => n.name.clone(),
+                    (Some(n), _) => format!("{},{dir}", n.name),
+                };
+                combos.push((named, values.clone(), dir));
+            }
+        }
+        for (i, (_, _, dir)) in combos.iter().enumerate() {
+            if combos[..i].iter().any(|(_, _, d)| d == dir) {
                 return Err(ConfigError::new(format!(
                     "{}: two points would share the directory `{dir}`: an axis repeats a value, \
                      or two values differ only in characters a path cannot hold",
@@ -206,11 +137,14 @@ impl Experiment {
                 )));
             }
         }
-        let mut points = Vec::with_capacity(grid.len());
+        let mut points = Vec::with_capacity(combos.len());
         let mut errors = Vec::new();
-        for (values, dir) in grid.into_iter().zip(dirs) {
-            match self.plan(&values) {
-                Ok((plan, overrides)) => points.push(Point { dir, values, plan, overrides }),
+        for (named, values, dir) in combos {
+            match self.plan(named, &values) {
+                Ok((plan, overrides)) => {
+                    let name = named.map(|n| n.name.clone());
+                    points.push(Point { dir, name, values, plan, overrides })
+                }
                 Err(e) => errors.push(format!("point {dir}:\n    {}", e.replace('\n', "\n    "))),
             }
         }
@@ -226,9 +160,18 @@ impl Experiment {
         )))
     }
 
-    /// One point's plan and the overrides (in order) that produce it.
-    fn plan(&self, values: &[(String, toml::Value)]) -> Result<(Plan, Vec<Override>), String> {
-        self.plan_of(values.iter().map(|(k, v)| labelled(AXIS_LABEL, k, v)).collect())
+    /// One point's plan and the overrides (in order) that produce it: its named point's keys,
+    /// then its axis values.
+    fn plan(
+        &self,
+        named: Option<&points::Named>,
+        values: &[(String, toml::Value)],
+    ) -> Result<(Plan, Vec<Override>), String> {
+        let set = named
+            .map(|n| (n.label(), &n.set[..]))
+            .into_iter()
+            .flat_map(|(label, set)| set.iter().map(move |(k, v)| labelled(&label, k, v)));
+        self.plan_of(set.chain(values.iter().map(|(k, v)| labelled(AXIS_LABEL, k, v))).collect())
     }
 
     /// The plan of [set], then `given` (a point's axis values, a search trial's values), then
@@ -237,7 +180,7 @@ impl Experiment {
         let mut overrides: Vec<Override> =
             self.fixed.iter().map(|(k, v)| labelled(SET_LABEL, k, v)).chain(given).collect();
         let resolved = config::resolve(&self.pipeline, &overrides).map_err(|e| e.message)?;
-        let scaled = scale(self.scaling, &resolved.config)?;
+        let scaled = super::scaling::scale(self.scaling, &resolved.config)?;
         let resolved = if scaled.is_empty() {
             resolved
         } else {
@@ -249,36 +192,128 @@ impl Experiment {
     }
 }
 
-/// The overrides `[scaling]` adds to a point whose configuration (before scaling) is `c`.
-fn scale(s: Scaling, c: &config::Config) -> Result<Vec<Override>, String> {
-    let (world, batch) = (c.run.world_size, c.train.batch_size);
-    if world == 0 || batch == 0 {
-        return Ok(vec![]); // Plan::new names these.
-    }
-    let mut out = Vec::new();
-    let per_rank = match s.batch {
-        BatchScaling::PerRank => batch,
-        BatchScaling::Global if batch % world != 0 => {
-            return Err(format!(
-                "[scaling] batch = \"global\": the global batch train.batch_size = {batch} does not \
-                 split evenly over {world} ranks; use a multiple of {world}"
-            ))
-        }
-        BatchScaling::Global => {
-            let per_rank = batch / world;
-            out.push(text_override("train.batch_size", per_rank.to_string()));
-            per_rank
-        }
-    };
-    if s.lr == LrScaling::Linear {
-        let lr = c.train.lr * (per_rank * world) as f64 / batch as f64;
-        out.push(text_override("train.lr", format!("{lr:?}")));
-    }
-    Ok(out)
+/// The problems found in an experiment file, each with where it is, reported together in the
+/// chain's and the files' order.
+struct Problems<'a> {
+    layers: &'a Layers,
+    file: &'a Path,
+    errors: Vec<points::Problem>,
 }
 
-fn text_override(key: &str, value: String) -> Override {
-    Override { label: SCALING_LABEL.into(), text: format!("{key}={value}") }
+impl Problems<'_> {
+    fn bad(&mut self, section: &str, key: &str, message: String) {
+        let dotted = if section.is_empty() { key.to_owned() } else { format!("{section}.{key}") };
+        let at = match self.layers.origin(&dotted).or_else(|| self.layers.origin_of_quoted(section, key)) {
+            Some((f, Some(line))) => format!("{}:{line}", f.display()),
+            Some((f, None)) => f.display().to_string(),
+            None => self.file.display().to_string(),
+        };
+        self.errors.push((self.layers.position(&dotted), format!("{at}: {message}")));
+    }
+
+    fn into_result(mut self) -> Result<(), ConfigError> {
+        if self.errors.is_empty() {
+            return Ok(());
+        }
+        self.errors.sort_by_key(|(at, _)| *at);
+        let lines: Vec<String> = self.errors.into_iter().map(|(_, m)| m).collect();
+        Err(ConfigError::new(lines.join("\n")))
+    }
+}
+
+/// The pipeline file the experiment names, relative to the file of the chain that names it.
+fn pipeline_of(
+    raw: &ExperimentFile,
+    layers: &Layers,
+    file: &Path,
+    found: &mut Problems,
+) -> Result<PathBuf, ConfigError> {
+    let Some(named) = &raw.pipeline else {
+        return Err(ConfigError::new(format!(
+            "{}: no `pipeline`: name the pipeline file the experiment runs, e.g. pipeline = \"../pipelines/ddp.toml\"",
+            file.display()
+        )));
+    };
+    let (named_in, _) = layers.origin("pipeline").expect("the chain sets `pipeline`");
+    let base = named_in.parent().unwrap_or(Path::new(""));
+    let pipeline = normalize(&base.join(named));
+    if !pipeline.is_file() {
+        let why = format!(
+            "`pipeline` names {}, which is not a file (the path is relative to the experiment file)",
+            pipeline.display()
+        );
+        found.bad("", "pipeline", why);
+        return Err(ConfigError::new(found.errors.remove(0).1));
+    }
+    Ok(pipeline)
+}
+
+/// The `[sweep]` axes, each with where it is in the chain; a bad axis is reported and left out.
+fn check_axes(
+    sweep: &toml::Table,
+    fixed: &[(String, toml::Value)],
+    pipeline: &Path,
+    found: &mut Problems,
+) -> Vec<((usize, usize), Axis)> {
+    let mut axes = Vec::new();
+    for (key, value) in leaves(sweep) {
+        if fixed.iter().any(|(k, _)| *k == key) {
+            let message = format!("`{key}` is both fixed in [set] and swept in [sweep]; keep one");
+            found.bad("sweep", &key, message);
+            continue;
+        }
+        let values = match value {
+            toml::Value::Array(values) if values.is_empty() => {
+                let message = format!("the axis `{key}` is empty; give it at least one value");
+                found.bad("sweep", &key, message);
+                continue;
+            }
+            toml::Value::Array(values) => values,
+            other => {
+                let message = format!("the axis `{key}` must be a list of values, e.g. [{other}]");
+                found.bad("sweep", &key, message);
+                continue;
+            }
+        };
+        // A bad key fails on the first value; report it once, not once per value.
+        for value in &values {
+            if let Err(e) = resolve_one(pipeline, AXIS_LABEL, &key, value) {
+                found.bad("sweep", &key, e.message);
+                if value == &values[0] {
+                    break;
+                }
+            }
+        }
+        axes.push((found.layers.position(&format!("sweep.{key}")), Axis { key, values }));
+    }
+    axes
+}
+
+/// The `[search]` table checked, with every value of its space resolved against the pipeline;
+/// none (and the problems reported) where it is bad.
+fn check_search(
+    table: &crate::search::spec::SearchTable,
+    taken: &[String],
+    pipeline: &Path,
+    found: &mut Problems,
+) -> Option<crate::search::spec::Spec> {
+    let spec = crate::search::spec::Spec::check(table, taken);
+    if let Ok(spec) = &spec {
+        for p in &spec.space.0 {
+            if let Err(e) = check_values(pipeline, p) {
+                found.bad("search.space", &p.key, e);
+            }
+        }
+    }
+    spec.map_err(|problems| {
+        for (key, message) in problems {
+            match key.strip_prefix("space.") {
+                Some(k) => found.bad("search.space", k, message),
+                None => found.bad("search", &key, message),
+            }
+        }
+    })
+    .ok()
 }
 
 pub fn labelled(label: &str, key: &str, value: &toml::Value) -> Override {
@@ -318,37 +353,4 @@ pub fn check_values(pipeline: &Path, param: &crate::search::Param) -> Result<(),
         crate::config::resolve(pipeline, &[labelled(SEARCH_LABEL, &param.key, &v)]).map_err(|e| e.message)?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn config(world: usize, batch: usize, lr: f64) -> config::Config {
-        let mut c = config::Config::default();
-        c.run.world_size = world;
-        c.train.batch_size = batch;
-        c.train.lr = lr;
-        c
-    }
-
-    fn texts(o: Vec<Override>) -> Vec<String> {
-        o.into_iter().map(|o| o.text).collect()
-    }
-
-    #[test]
-    fn scaling_splits_the_global_batch_and_scales_the_rate_linearly() {
-        let s = |batch, lr| Scaling { batch, lr };
-        use {BatchScaling::*, LrScaling as L};
-        assert!(scale(s(PerRank, L::None), &config(4, 32, 0.1)).unwrap().is_empty());
-        // Per-rank batch 32 on 4 ranks: global 128 = 4 × 32, so lr × 4.
-        assert_eq!(texts(scale(s(PerRank, L::Linear), &config(4, 32, 0.05)).unwrap()), ["train.lr=0.2"]);
-        // Global batch 32 over 4 ranks: 8 each; the global batch stays 32, so lr stays.
-        assert_eq!(
-            texts(scale(s(Global, L::Linear), &config(4, 32, 0.05)).unwrap()),
-            ["train.batch_size=8", "train.lr=0.05"]
-        );
-        let e = scale(s(Global, L::None), &config(3, 32, 0.05)).unwrap_err();
-        assert!(e.contains("does not split evenly over 3 ranks"), "{e}");
-    }
 }

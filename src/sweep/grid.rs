@@ -17,6 +17,8 @@ pub struct Axis {
 #[derive(Debug, Clone)]
 pub struct Point {
     pub dir: String,
+    /// The named point's name (`[[points]]`); none for a point of the grid alone.
+    pub name: Option<String>,
     pub values: Vec<(String, toml::Value)>,
     pub plan: Plan,
     /// What `runner run` is given to resolve the same plan: [set], axis values, scaling.
@@ -77,6 +79,7 @@ pub fn index(experiment: &Path, axes: &[Axis], points: &[Point]) -> Index {
             .iter()
             .map(|p| IndexPoint {
                 dir: p.dir.clone(),
+                point: p.name.clone(),
                 values: p.values.iter().map(|(k, v)| (k.clone(), v.to_string())).collect(),
             })
             .collect(),

@@ -14,7 +14,9 @@ pub mod check;
 pub mod execute;
 pub mod experiment;
 pub mod grid;
+pub mod points;
 pub mod progress;
+pub mod scaling;
 pub mod search;
 pub mod slurm;
 pub mod state;
@@ -43,7 +45,10 @@ pub fn sweep(file: &Path, opts: &Options) -> anyhow::Result<u8> {
         Launcher::Slurm => Runs::Slurm(&experiment.slurm),
     };
     let dir = opts.out.clone().unwrap_or_else(|| Path::new("results").join(experiment.name()));
-    let axes: Vec<String> = experiment.axes.iter().map(|a| format!("{} ({})", a.key, a.values.len())).collect();
+    let mut axes: Vec<String> = experiment.axes.iter().map(|a| format!("{} ({})", a.key, a.values.len())).collect();
+    if !experiment.named.is_empty() {
+        axes.insert(0, format!("{} named points", experiment.named.len()));
+    }
     crate::say!(
         "{}: {} points of {} over {}",
         file.display(),

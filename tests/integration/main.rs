@@ -54,6 +54,7 @@ mod slurm_hosts;
 mod steps;
 mod supervision;
 mod sweep;
+mod sweep_points;
 mod tensor_parallel;
 mod thread_replicas;
 mod tokenizer;

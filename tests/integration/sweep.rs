@@ -214,7 +214,7 @@ const BAD: &[Bad] = &[
         name: "unknown key in the experiment file",
         experiment: "pipeline = \"p.toml\"\n[sweeps]\n\"run.seed\" = [0]\n",
         expected: "error: e.toml:2:2: unknown key `sweeps`; did you mean `sweep`? \
-                   (valid keys in the file: pipeline, set, sweep, scaling, slurm, search)\n  2 | [sweeps]",
+                   (valid keys in the file: pipeline, set, sweep, scaling, slurm, search, points)\n  2 | [sweeps]",
     },
     Bad {
         name: "axes naming no key, an empty axis, a value of the wrong type",
@@ -367,15 +367,25 @@ fn most_on_a_rank(run_dir: &Path, columns: &[&str]) -> f64 {
     let epochs = df.column("epoch").unwrap().u32().unwrap();
     let last = df.filter(&epochs.equal(epochs.max().unwrap())).unwrap();
     let sum = |i: usize| -> f64 {
-        columns.iter().map(|c| last.column(c).unwrap().u64().unwrap().get(i).unwrap() as f64).sum()
+        let value = |c: &&str| last.column(c).unwrap().cast(&DataType::Float64).unwrap().f64().unwrap().get(i).unwrap();
+        columns.iter().map(value).sum()
     };
     (0..last.height()).map(sum).fold(0.0, f64::max)
 }
 
-/// Rewrites a point's trace as a runner from before the memory columns wrote it.
+/// Rewrites a point's trace as a runner from before the memory columns (and the bytes sent, which
+/// came after them) wrote it.
 fn drop_memory_columns(run_dir: &Path) {
     let path = run_dir.join("trace.parquet");
-    let mut df = parquet(&path).drop_many(["param_bytes", "grad_bytes", "optim_bytes", "peak_rss_bytes"]);
+    let mut df = parquet(&path).drop_many([
+        "param_bytes",
+        "grad_bytes",
+        "optim_bytes",
+        "peak_rss_bytes",
+        "sent_data_bytes",
+        "sent_tensor_bytes",
+        "sent_pipeline_bytes",
+    ]);
     ParquetWriter::new(std::fs::File::create(&path).unwrap()).finish(&mut df).unwrap();
 }
 
@@ -408,14 +418,28 @@ fn a_strategy_axis_puts_each_ranks_memory_beside_throughput_and_older_traces_rep
     assert_eq!(worlds, [1, 2, 1, 2]);
     let state = f64s(&summary, "state_bytes_mean");
     let peak = f64s(&summary, "peak_rss_bytes_mean");
+    let estimate = f64s(&summary, "estimate_bytes_mean");
+    let sent = f64s(&summary, "sent_data_bytes_mean");
     for (row, point) in [POINTS[0], POINTS[2], POINTS[1], POINTS[3]].iter().enumerate() {
         let run_dir = s.join(point);
         assert_eq!(state[row], most_on_a_rank(&run_dir, &["param_bytes", "grad_bytes", "optim_bytes"]), "{point}");
         assert_eq!(peak[row], most_on_a_rank(&run_dir, &["peak_rss_bytes"]), "{point}");
+        assert_eq!(sent[row], most_on_a_rank(&run_dir, &["sent_data_bytes"]), "{point}");
+        // The plan's whole-process estimate beside it (a debug build adds about 28 MiB of code).
+        assert!(
+            (estimate[row] - peak[row]).abs() < 0.3 * peak[row],
+            "{point}: {} against {}",
+            estimate[row],
+            peak[row]
+        );
         // A process that has loaded libtorch.
         assert!(peak[row] > 50.0 * 1048576.0 && peak[row] < 4096.0 * 1048576.0, "{point}: {}", peak[row]);
     }
     assert_eq!((state[0], state[1]), (16.0 * PARAMETERS, 16.0 * PARAMETERS));
+    // One rank sends nothing; DDP at 2 ranks hands every gradient to one all-reduce a step (and
+    // rank 0 its Reducer's rebuilt bucket order once, a few hundred bytes over the epoch's steps).
+    assert_eq!((sent[0], sent[2]), (0.0, 0.0));
+    assert!(sent[1] >= 4.0 * PARAMETERS && sent[1] < 4.0 * PARAMETERS + 64.0, "{}", sent[1]);
     let (fsdp1, fsdp2) = (state[2], state[3]);
     assert!(fsdp2 < state[1], "FSDP at 2 ranks holds {fsdp2} bytes a rank, DDP {}", state[1]);
     assert!(fsdp2 < fsdp1, "FSDP's state falls with the world size: {fsdp1} at 1 rank, {fsdp2} at 2");
@@ -425,22 +449,26 @@ fn a_strategy_axis_puts_each_ranks_memory_beside_throughput_and_older_traces_rep
     assert!(
         header.starts_with("wrap.strategy,world_size,")
             && header.contains(
-                ",samples_per_s_std,state_bytes_mean,state_bytes_std,peak_rss_bytes_mean,peak_rss_bytes_std,speedup,"
+                ",samples_per_s_std,sent_data_bytes_mean,sent_data_bytes_std,state_bytes_mean,state_bytes_std,\
+                 peak_rss_bytes_mean,peak_rss_bytes_std,estimate_bytes_mean,estimate_bytes_std,speedup,"
             ),
         "{header}"
     );
     let table = std::fs::read_to_string(s.join("table.md")).unwrap();
     assert!(
         table.contains("| world size | wrap.strategy | seeds |")
-            && table.contains("| speedup | efficiency | state MiB | peak RSS MiB |\n")
+            && table
+                .contains("| speedup | efficiency | data sent MiB/step | state MiB | peak RSS MiB | estimate MiB |\n")
             && table.contains("State MiB: the training state (parameters, gradients and optimizer state)"),
         "{table}"
     );
-    // FSDP at 2 ranks: its state in MiB to three significant digits, then its peak resident memory.
+    // FSDP at 2 ranks: its state in MiB to three significant digits, then its peak resident memory
+    // and the plan's estimate.
     let row = table.lines().find(|l| l.starts_with("| 2 | \"fsdp\" |")).unwrap();
     let mib = fsdp2 / 1048576.0;
     let digits = (2 - mib.log10().floor() as i64) as usize;
-    assert!(row.ends_with(&format!(" | {mib:.digits$} | {:.0} |", peak[3] / 1048576.0)), "{row}");
+    let (peak_mib, estimate_mib) = (peak[3] / 1048576.0, estimate[3] / 1048576.0);
+    assert!(row.ends_with(&format!(" | {mib:.digits$} | {peak_mib:.0} | {estimate_mib:.0} |")), "{row}");
     assert!(std::fs::read(s.join("memory.png")).unwrap().starts_with(b"\x89PNG"));
 
     // `report` rebuilds all of it from the traces alone.
@@ -457,7 +485,7 @@ fn a_strategy_axis_puts_each_ranks_memory_beside_throughput_and_older_traces_rep
     assert_ok(&run(&["report", "s"], dir.path()));
     let table = std::fs::read_to_string(s.join("table.md")).unwrap();
     let row = table.lines().find(|l| l.starts_with("| 2 | \"fsdp\" |")).unwrap();
-    assert!(row.ends_with(" | — | — |"), "{row}");
+    assert!(row.ends_with(&format!(" | — | — | {estimate_mib:.0} |")), "{row}");
     let summary = parquet(&s.join("summary.parquet"));
     assert_eq!(summary.column("state_bytes_mean").unwrap().f64().unwrap().get(3), None);
     assert_eq!(summary.column("peak_rss_bytes_mean").unwrap().f64().unwrap().get(0), Some(peak[0]));

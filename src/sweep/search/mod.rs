@@ -241,7 +241,7 @@ pub fn index(
         .map(|(p, t)| {
             overrides.push(t.full.iter().map(|o| o.text.clone()).collect());
             let values = p.values.iter().chain(&t.values).map(|(k, v)| (k.clone(), v.to_string())).collect();
-            IndexPoint { dir: t.dir.clone(), values }
+            IndexPoint { dir: t.dir.clone(), point: None, values }
         })
         .collect();
     let spec = &search.spec;

@@ -100,7 +100,7 @@ impl Trial {
         given.extend(self.budget(search, rung));
         let (plan, overrides) = experiment.plan_of(given)?;
         let values = self.axes.iter().chain(&self.values).cloned().collect();
-        Ok(Point { dir: self.dir.clone(), values, plan, overrides })
+        Ok(Point { dir: self.dir.clone(), name: None, values, plan, overrides })
     }
 
     /// What its run directory says, where the run there is this trial's (its run id).
