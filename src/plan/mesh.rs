@@ -102,9 +102,10 @@ impl Shape {
     }
 }
 
-/// Under the plan's table, where `[wrap.mesh]` is set: the shape, the ranks of each group, and
-/// what each rank holds.
-pub(super) fn note(c: &Config) -> String {
+/// Under the plan's table, where `[wrap.mesh]` is set: the shape, the ranks of each group, what
+/// each rank holds, and what each is predicted to send per step.
+pub(super) fn note(plan: &super::Plan) -> String {
+    let c = &plan.config;
     if c.wrap.mesh == crate::config::schema::Mesh::default() {
         return String::new();
     }
@@ -142,7 +143,7 @@ pub(super) fn note(c: &Config) -> String {
         _ => "every layer, whole",
     };
     note += &format!("    each rank holds {holds}\n");
-    note
+    note + &super::traffic::note(plan)
 }
 
 /// Under the memory estimate, with `wrap.mesh.sequence_parallel`: what each tensor rank keeps
