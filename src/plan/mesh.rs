@@ -293,7 +293,7 @@ fn product_problem(shape: Shape, world: usize) -> String {
 
 /// The model parts `tensor` ranks split: refused where they do not divide, naming the degrees
 /// that would; and the strategies tensor parallelism does not compose with yet.
-fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&str, String)) {
+pub(super) fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&str, String)) {
     let sizes: Vec<(&str, usize)> = match &c.wrap.model {
         Model::Torchscript(_) => {
             bad(

@@ -5,6 +5,7 @@
 //! [`recipe`] (training values and the run's length), [`stages`] (which layers each rank holds),
 //! [`input`] (the files read and the run id).
 mod annotate;
+pub mod auto_mesh;
 mod build;
 mod data;
 pub mod device_memory;

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use super::memory::Shapes;
 use super::Plan;
-use crate::config::schema::{Model, Precision, WrapStrategy};
+use crate::config::schema::{Config, Model, Precision, WrapStrategy};
 use crate::model::Architecture;
 
 /// Bytes of one float32 value: gradients, parameters and (in float32 training) activations
@@ -106,7 +106,7 @@ pub fn predict(plan: &Plan) -> Result<Vec<Sent>, String> {
     Ok((0..plan.world_size())
         .map(|rank| {
             let stage = plan.stages[rank].clone();
-            let tensor = tensor_bytes(plan, arch.as_ref(), &stage, rows, batches);
+            let tensor = tensor_bytes(c, mesh.tensor, arch.as_ref(), &plan.data.input, &stage, rows, batches);
             let mut sent = Sent { tensor, ..Sent::default() };
             let (data, t) = (mesh.data, mesh.tensor);
             match c.wrap.strategy {
@@ -138,6 +138,29 @@ pub fn predict(plan: &Plan) -> Result<Vec<Sent>, String> {
         .collect())
 }
 
+/// What one rank of data × `t` tensor ranks (`data` copies of the model, each split over a tensor
+/// group) sends per step in both dimensions, under DDP (`zero3`: `None`) or FSDP over the data
+/// dimension: the sum `wrap.strategy = "auto"` weighs mesh shapes by. `rows` and `batches`: a
+/// copy's per step.
+pub fn split_copies(
+    c: &Config,
+    arch: &dyn Architecture,
+    input: &[usize],
+    data: usize,
+    t: usize,
+    zero3: Option<bool>,
+    rows: f64,
+    batches: f64,
+) -> f64 {
+    let n = arch.layers().len();
+    let data_bytes = match (data > 1, zero3) {
+        (false, _) => 0.0,
+        (true, None) => ddp(trained(arch, 0..n, t)),
+        (true, Some(zero3)) => fsdp(&Shapes::of(arch, t), data, zero3, batches),
+    };
+    data_bytes + tensor_bytes(c, t, arch, input, &(0..n), rows, batches)
+}
+
 /// Values of the trained parameters of layers `range` one of `t` tensor ranks holds.
 fn trained(arch: &dyn Architecture, range: Range<usize>, t: usize) -> f64 {
     arch.parameters(range)
@@ -156,15 +179,22 @@ fn trained(arch: &dyn Architecture, range: Range<usize>, t: usize) -> f64 {
 
 /// What a rank holding layers `stage` sends in its tensor group per step of `rows` rows in
 /// `batches` batches.
-fn tensor_bytes(plan: &Plan, arch: &dyn Architecture, stage: &Range<usize>, rows: f64, batches: f64) -> f64 {
-    let (c, t) = (&plan.config, plan.mesh().tensor);
+fn tensor_bytes(
+    c: &Config,
+    t: usize,
+    arch: &dyn Architecture,
+    data_input: &[usize],
+    stage: &Range<usize>,
+    rows: f64,
+    batches: f64,
+) -> f64 {
     if t < 2 {
         return 0.0;
     }
     let layers = arch.layers();
     let values = |l: usize| layers[l].output.iter().product::<usize>() as f64;
     // The values per row entering layer l (the data's, or the layer before's output).
-    let input = |l: usize| if l == 0 { plan.data.input.iter().product::<usize>() as f64 } else { values(l - 1) };
+    let input = |l: usize| if l == 0 { data_input.iter().product::<usize>() as f64 } else { values(l - 1) };
     match &c.wrap.model {
         // Blocks are the layers between the embedding and the head; each is two split pairs
         // whose input is the residual stream (the embeddings have a gradient).

@@ -271,3 +271,83 @@ fn an_mlp_s_predicted_bytes_equal_the_measured_with_clipping_and_short_batches()
         }
     }
 }
+
+/// A GPT of one block over a context of 1024 tokens, whose activations (8 heads' attention
+/// matrices) outgrow a rank under every strategy over the whole world at 4 ranks: `auto` under
+/// `run.memory_per_rank_mb`.
+const LONG: &str = r#"
+[run]
+name = "auto-mesh"
+seed = 5
+world_size = 4
+
+[load]
+rows = 256
+validation_rows = 8
+
+[normalize]
+method = "none"
+
+[wrap]
+strategy = "auto"
+
+[wrap.model]
+kind = "transformer"
+vocab = 64
+d_model = 64
+heads = 8
+layers = 1
+seq_len = 1024
+tied = true
+
+[train]
+steps = 1
+batch_size = 32
+optimizer = "sgd"
+lr = 0.1
+"#;
+
+/// At 300 MiB a rank, no strategy over the whole world fits (DDP and FSDP need about 361 MiB,
+/// every block checkpointed 369; the tied head takes no pipeline), two mesh shapes do: data 2 ×
+/// tensor 2 (277 MiB) and tensor 4 (250 MiB). `auto` names each and picks the one that sends the
+/// least per row trained (data 2 × tensor 2: about the same bytes a step for twice the rows),
+/// and the run trains on it. At 100 MiB nothing fits: refused, naming the smallest.
+#[test]
+fn auto_chooses_the_mesh_shape_that_fits_and_sends_least_or_names_the_smallest() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", LONG);
+    let o = run(&["run", "p.toml", "--out", "fits", "--set", "run.memory_per_rank_mb=300"], dir.path());
+    assert_ok(&o);
+    let out = text(&o).0;
+    for said in [
+        "chose the mesh data 2 × tensor 2 under DDP (wrap.mesh.data = 2, wrap.mesh.tensor = 2): a rank needs 277 MiB \
+         within run.memory_per_rank_mb = 300",
+        "no strategy over the whole world fits (DDP would need 361 MiB",
+        "considered: data 2 × tensor 2 under DDP needs 277 MiB and sends 32 MiB a step of 64 rows, data 2 × tensor 2 \
+         under FSDP (ZeRO-3) needs 277 MiB and sends 33 MiB a step of 64 rows, data 1 × tensor 4 under DDP needs 250 \
+         MiB and sends 32 MiB a step of 32 rows",
+        "mesh: data 2 × tensor 2 × pipeline 1",
+    ] {
+        assert!(out.contains(said), "the plan lacks {said:?}:\n{out}");
+    }
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("fits/plan.json")).unwrap()).unwrap();
+    let wrap = &plan["config"]["wrap"];
+    assert_eq!(
+        (wrap["strategy"].as_str(), wrap["mesh"]["data"].as_u64(), wrap["mesh"]["tensor"].as_u64()),
+        (Some("ddp"), Some(2), Some(2))
+    );
+    assert_eq!(plan["sources"]["wrap.mesh.tensor"], "wrap.strategy = \"auto\"");
+    let o = run(&["validate", "p.toml", "--set", "run.memory_per_rank_mb=100"], dir.path());
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+    let err = text(&o).1;
+    assert!(
+        err.contains("`wrap.strategy` (file p.toml:15): no strategy fits run.memory_per_rank_mb = 100 at world size 4"),
+        "{err}"
+    );
+    assert!(
+        err.contains("; no mesh shape fits either: data 2 × tensor 2 under DDP needs 277 MiB")
+            && err.contains("; the smallest, data 1 × tensor 4 under DDP, needs 250 MiB"),
+        "{err}"
+    );
+}
