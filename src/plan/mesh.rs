@@ -204,8 +204,8 @@ pub(super) fn check(c: &Config, sources: &BTreeMap<String, String>, bad: &mut im
     if c.wrap.strategy == WrapStrategy::Auto {
         bad(
             mesh_key,
-            "wrap.strategy = \"auto\" picks the strategy for the whole world size, not within a mesh; set \
-             wrap.strategy (\"ddp\", \"fsdp\" or \"pipeline\"), or remove [wrap.mesh]"
+            "wrap.strategy = \"auto\" chooses the strategy and, where none over the whole world fits, the mesh \
+             itself; set wrap.strategy (\"ddp\", \"fsdp\" or \"pipeline\") for this mesh, or remove [wrap.mesh]"
                 .into(),
         );
         return;
