@@ -245,10 +245,7 @@ fn over_meshes(
     };
     // A copy's rows and batches per optimizer step.
     let (rows, batches) = ((c.train.batch_size * c.train.accumulate) as f64, c.train.accumulate as f64);
-    let sends = |m: &Config| {
-        let (shape, zero3) = (mesh::Shape::of(m), (m.wrap.strategy == WrapStrategy::Fsdp).then_some(true));
-        super::traffic::split_copies(m, a, &d.input, shape.data, shape.tensor, zero3, rows, batches)
-    };
+    let sends = |m: &Config| super::traffic::split_copies(m, a, &d.input, rows, batches);
     let shapes = auto_mesh::candidates(c, &needs, &sends, c.train.batch_size * c.train.accumulate);
     // The 1-D strategies' reasons, without the advice that follows them.
     let before = before.split_once(": ").map_or(before, |(_, r)| r).split("; ").next().unwrap_or_default();

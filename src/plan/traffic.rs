@@ -138,20 +138,12 @@ pub fn predict(plan: &Plan) -> Result<Vec<Sent>, String> {
         .collect())
 }
 
-/// What one rank of data × `t` tensor ranks (`data` copies of the model, each split over a tensor
-/// group) sends per step in both dimensions, under DDP (`zero3`: `None`) or FSDP over the data
-/// dimension: the sum `wrap.strategy = "auto"` weighs mesh shapes by. `rows` and `batches`: a
-/// copy's per step.
-pub fn split_copies(
-    c: &Config,
-    arch: &dyn Architecture,
-    input: &[usize],
-    data: usize,
-    t: usize,
-    zero3: Option<bool>,
-    rows: f64,
-    batches: f64,
-) -> f64 {
+/// What one rank of `c`'s mesh (data copies of the model, each split over a tensor group) sends
+/// per step in both dimensions, under DDP or FSDP over the data dimension: the sum
+/// `wrap.strategy = "auto"` weighs mesh shapes by. `rows` and `batches`: a copy's per step.
+pub fn split_copies(c: &Config, arch: &dyn Architecture, input: &[usize], rows: f64, batches: f64) -> f64 {
+    let super::mesh::Shape { data, tensor: t, .. } = super::mesh::Shape::of(c);
+    let zero3 = (c.wrap.strategy == WrapStrategy::Fsdp).then_some(c.wrap.fsdp.reshard_after_forward);
     let n = arch.layers().len();
     let data_bytes = match (data > 1, zero3) {
         (false, _) => 0.0,
