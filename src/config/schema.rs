@@ -652,7 +652,9 @@ pub enum WrapStrategy {
     /// (or this machine's memory shared by its ranks), else FSDP keeping parameters gathered from forward
     /// to backward (ZeRO-2), else FSDP gathering them again for the backward pass (ZeRO-3), else
     /// the pipeline; each with activation checkpointing before the next, where the model is a
-    /// transformer and wrap.activation_checkpointing is left out; it prints which and why.
+    /// transformer and wrap.activation_checkpointing is left out; else the mesh shape data ×
+    /// tensor (DDP or FSDP over the data dimension) that fits and sends the least per row
+    /// trained; it prints which and why, naming every shape it considered.
     Auto,
 }
 

@@ -3,7 +3,7 @@
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use super::{data, input, memory, mesh, model, recipe, stages, strategy, values, vocabulary};
+use super::{auto_mesh, data, input, memory, mesh, model, recipe, stages, strategy, values, vocabulary};
 use super::{Machine, Plan, Resuming};
 use crate::config::schema::*;
 use crate::config::{ConfigError, Resolved};
@@ -49,26 +49,47 @@ impl Plan {
         let layer_parameters = arch.as_ref().map(|a| crate::model::layer_parameters(a.as_ref())).unwrap_or_default();
         let planner = arch.as_ref().map(|a| {
             let (data, layout) = (data.as_ref(), layout.as_ref());
-            planner(&c, &sources, resuming, a.as_ref(), &layer_parameters, data, layout)
+            planner_of(&c, &sources, resuming, a.as_ref(), &layer_parameters, data, layout)
         });
         strategy::strategy_keys(&c, &sources, resuming.map(|r| r.own_config.as_str()), &mut bad);
         mesh::check(&c, &sources, &mut bad);
-        let mut auto = None;
-        if let (WrapStrategy::Auto, Some(planner), true) =
-            (c.wrap.strategy, &planner, data.is_some() && layout.is_some())
+        let (mut auto, mut meshed) = (None, false);
+        if let (WrapStrategy::Auto, Some(planner), Some(d), Some(l), Some(a)) =
+            (c.wrap.strategy, &planner, &data, &layout, &arch)
         {
             match strategy::choose_strategy(&c, planner) {
                 Ok(choice) => auto = Some(apply_auto(&mut c, choice, &sources, &mut chosen)),
-                Err(e) => bad("wrap.strategy", e),
+                Err(e) => match over_meshes(&c, &sources, resuming, a.as_ref(), &layer_parameters, d, l, &e) {
+                    Ok((shape, why)) => {
+                        c = shape.config(&c);
+                        chosen.extend(mesh_keys(&sources));
+                        (auto, meshed) = (Some(why), true);
+                    }
+                    Err(more) => bad("wrap.strategy", format!("{e}; {more}")),
+                },
             }
         }
+        // A mesh chosen: its copies share the data, and each rank holds its slices.
+        let remeshed = match meshed {
+            true => data.as_ref().and_then(|d| data::shard_layout(&c, d, &mut bad)),
+            false => None,
+        };
+        let planner = match (meshed, &arch) {
+            (true, Some(a)) => {
+                drop(planner);
+                let (d, l) = (data.as_ref(), remeshed.as_ref());
+                Some(planner_of(&c, &sources, resuming, a.as_ref(), &layer_parameters, d, l))
+            }
+            _ => planner,
+        };
+        let layout_now = if meshed { remeshed.as_ref() } else { layout.as_ref() };
         let stages = checks_of_the_strategy(
             &c,
             &sources,
             arch.as_deref(),
             &layer_parameters,
             data.as_ref(),
-            layout.as_ref(),
+            layout_now,
             &mut bad,
         );
         // An "auto" still unresolved has been refused with the numbers already.
@@ -76,20 +97,21 @@ impl Plan {
             (Some(stages), Some(planner), false) => limit_checkpointing(&mut c, planner, stages, &mut chosen, &mut bad),
             _ => None,
         };
-        if let Some(l) = &layout {
+        if let Some(l) = layout_now {
             values::thread_replicas(&c, l.split_batch.unwrap_or(c.train.batch_size), &mut bad);
         }
         let state = match (&stages, &planner) {
             (Some(stages), Some(planner)) => training_state(&c, planner, stages),
             _ => None,
         };
-        let memory = match (&data, &arch, &layout, &state) {
+        let memory = match (&data, &arch, layout_now, &state) {
             (Some(d), Some(arch), Some(l), Some((state, _))) => {
                 Some(strategy::memory_estimate(&c, d, l, arch.as_ref(), state.total(), machine, &mut bad))
             }
             _ => None,
         };
         drop(planner);
+        let layout = if meshed { remeshed } else { layout };
         let vocabulary = vocabulary::record(&c, &base, &mut bad);
         if !errors.is_empty() {
             return Err(refusal(&file, &errors));
@@ -167,7 +189,7 @@ fn checks_of_the_strategy(
 
 /// What the memory model needs of this configuration: the model's shapes and split, the
 /// optimizer's state, what a rank holds besides it.
-fn planner<'a>(
+fn planner_of<'a>(
     c: &Config,
     sources: &Sources,
     resuming: Option<&Resuming>,
@@ -198,6 +220,48 @@ fn planner<'a>(
         checkpointable: strategy::checkpointable(c, sources, resuming.map(|r| r.own_config.as_str())),
         choose_checkpointing: strategy::choose_checkpointing(sources),
     }
+}
+
+/// `wrap.strategy = "auto"` where no strategy over the whole world fits (`before` says why): the
+/// mesh shapes of the world size, each estimated as the plan would estimate it configured
+/// ([`auto_mesh`]), and the one chosen with why; or why none fits.
+#[allow(clippy::too_many_arguments)]
+fn over_meshes(
+    c: &Config,
+    sources: &Sources,
+    resuming: Option<&Resuming>,
+    a: &dyn Architecture,
+    layer_parameters: &[usize],
+    d: &DataSpec,
+    l: &ShardLayout,
+    before: &str,
+) -> Result<(auto_mesh::Candidate, String), String> {
+    let Some((limit, limit_text)) = strategy::auto_limit(c) else { return Err(String::new()) };
+    let needs = |m: &Config| {
+        let p = planner_of(m, sources, resuming, a, layer_parameters, Some(d), Some(l));
+        let shape = mesh::Shape::of(m);
+        let s = p.state(memory::Layout::of(m), shape.data, None)?;
+        Some(p.needs(&s, m.run.world_size))
+    };
+    // A copy's rows and batches per optimizer step.
+    let (rows, batches) = ((c.train.batch_size * c.train.accumulate) as f64, c.train.accumulate as f64);
+    let sends = |m: &Config| super::traffic::split_copies(m, a, &d.input, rows, batches);
+    let shapes = auto_mesh::candidates(c, &needs, &sends, c.train.batch_size * c.train.accumulate);
+    // The 1-D strategies' reasons, without the advice that follows them.
+    let before = before.split_once(": ").map_or(before, |(_, r)| r).split("; ").next().unwrap_or_default();
+    auto_mesh::choose(&shapes, limit, &limit_text, before)
+}
+
+/// The keys `wrap.strategy = "auto"` sets when it chooses a mesh, and by what.
+fn mesh_keys(sources: &Sources) -> Chosen {
+    let from = sources.get("wrap.strategy").map_or("default", String::as_str);
+    let by = "wrap.strategy = \"auto\"";
+    vec![
+        ("wrap.strategy", format!("{by} ({from})")),
+        ("wrap.fsdp.reshard_after_forward", by.into()),
+        ("wrap.mesh.data", by.into()),
+        ("wrap.mesh.tensor", by.into()),
+    ]
 }
 
 /// `wrap.strategy = "auto"`'s choice into the configuration, each key it set recorded with what

@@ -53,7 +53,7 @@ impl Plan {
             self.threads_per_rank,
             if self.threads_per_rank == 1 { "" } else { "s" },
             fitted_table(&["stage", "input", "operation", "output"], &rows, terminal_width()),
-            self.bubble_note() + &self.memory_note() + &super::mesh::note(&self.config)
+            self.bubble_note() + &self.memory_note() + &super::mesh::note(self)
         )
     }
 

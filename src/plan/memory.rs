@@ -141,12 +141,12 @@ impl Shapes {
         Shapes { layers, reads: (0..n).map(|l| arch.reads(l)).collect(), frozen, whole }
     }
 
-    fn values(&self, layer: usize) -> f64 {
+    pub(super) fn values(&self, layer: usize) -> f64 {
         self.layers[layer].iter().map(|&(r, v)| (r * v) as f64).sum()
     }
 
     /// Values of layer `layer`'s shard on one of `world` ranks, and of its padded whole.
-    fn shard(&self, layer: usize, world: usize) -> (f64, f64) {
+    pub(super) fn shard(&self, layer: usize, world: usize) -> (f64, f64) {
         let w = world as i64;
         let shard: f64 = self.layers[layer].iter().map(|&(r, v)| ((r + w - 1) / w * v) as f64).sum();
         (shard, shard * world as f64)

@@ -102,9 +102,10 @@ impl Shape {
     }
 }
 
-/// Under the plan's table, where `[wrap.mesh]` is set: the shape, the ranks of each group, and
-/// what each rank holds.
-pub(super) fn note(c: &Config) -> String {
+/// Under the plan's table, where `[wrap.mesh]` is set: the shape, the ranks of each group, what
+/// each rank holds, and what each is predicted to send per step.
+pub(super) fn note(plan: &super::Plan) -> String {
+    let c = &plan.config;
     if c.wrap.mesh == crate::config::schema::Mesh::default() {
         return String::new();
     }
@@ -142,7 +143,7 @@ pub(super) fn note(c: &Config) -> String {
         _ => "every layer, whole",
     };
     note += &format!("    each rank holds {holds}\n");
-    note
+    note + &super::traffic::note(plan)
 }
 
 /// Under the memory estimate, with `wrap.mesh.sequence_parallel`: what each tensor rank keeps
@@ -203,8 +204,8 @@ pub(super) fn check(c: &Config, sources: &BTreeMap<String, String>, bad: &mut im
     if c.wrap.strategy == WrapStrategy::Auto {
         bad(
             mesh_key,
-            "wrap.strategy = \"auto\" picks the strategy for the whole world size, not within a mesh; set \
-             wrap.strategy (\"ddp\", \"fsdp\" or \"pipeline\"), or remove [wrap.mesh]"
+            "wrap.strategy = \"auto\" chooses the strategy and, where none over the whole world fits, the mesh \
+             itself; set wrap.strategy (\"ddp\", \"fsdp\" or \"pipeline\") for this mesh, or remove [wrap.mesh]"
                 .into(),
         );
         return;
@@ -292,7 +293,7 @@ fn product_problem(shape: Shape, world: usize) -> String {
 
 /// The model parts `tensor` ranks split: refused where they do not divide, naming the degrees
 /// that would; and the strategies tensor parallelism does not compose with yet.
-fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&str, String)) {
+pub(super) fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&str, String)) {
     let sizes: Vec<(&str, usize)> = match &c.wrap.model {
         Model::Torchscript(_) => {
             bad(

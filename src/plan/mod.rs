@@ -5,6 +5,7 @@
 //! [`recipe`] (training values and the run's length), [`stages`] (which layers each rank holds),
 //! [`input`] (the files read and the run id).
 mod annotate;
+pub mod auto_mesh;
 mod build;
 mod data;
 pub mod device_memory;
@@ -21,6 +22,7 @@ mod saved;
 pub mod schedule;
 mod stages;
 mod strategy;
+pub mod traffic;
 mod values;
 mod vocabulary;
 
@@ -184,9 +186,14 @@ impl Plan {
         (input, shape(&all[layers.end - 1].output))
     }
 
-    /// Writes the plan to `path` (the run directory's plan.json), atomically.
+    /// Writes the plan to `path` (the run directory's plan.json), atomically, with each rank's
+    /// predicted bytes sent per step ([`traffic::predict`]: derived, so not read back).
     pub fn save(&self, path: &Path) -> anyhow::Result<()> {
-        let json = serde_json::to_string_pretty(self)? + "\n";
+        let mut value = serde_json::to_value(self)?;
+        if let (Ok(sent), Some(fields)) = (traffic::predict(self), value.as_object_mut()) {
+            fields.insert("sent_per_step_predicted".into(), serde_json::to_value(sent)?);
+        }
+        let json = serde_json::to_string_pretty(&value)? + "\n";
         crate::rundir::atomic_write(path, json.as_bytes())
     }
 

@@ -253,24 +253,32 @@ pub(super) fn check_memory_limit(
 
 /// `wrap.strategy = "auto"`: the first strategy whose rank fits `run.memory_per_rank_mb`, or else
 /// this machine's available memory shared by the ranks.
+// `!(x > 0.0)` is meant: it also rejects NaN.
+#[allow(clippy::neg_cmp_op_on_partial_ord)]
 pub(super) fn choose_strategy(c: &Config, planner: &memory::Planner) -> Result<memory::Choice, String> {
+    if c.run.memory_per_rank_mb.is_some_and(|limit| !(limit > 0.0 && limit.is_finite())) {
+        return Err("cannot choose: run.memory_per_rank_mb is not a limit (see above)".into());
+    }
+    match auto_limit(c) {
+        Some((limit, text)) => planner.choose(c.run.world_size, limit, &text),
+        None => Ok((memory::Layout::Replica, None, "chose DDP: this machine's memory cannot be read".into())),
+    }
+}
+
+/// What `wrap.strategy = "auto"` fits a rank into: `run.memory_per_rank_mb` (in bytes), or else
+/// this machine's available memory shared by the ranks, with its words; `None` where neither is
+/// known (a limit that is not one is refused with the run's values).
+pub(super) fn auto_limit(c: &Config) -> Option<(f64, String)> {
     let w = c.run.world_size;
     if let Some(limit) = c.run.memory_per_rank_mb {
-        if !(limit > 0.0 && limit.is_finite()) {
-            return Err("cannot choose: run.memory_per_rank_mb is not a limit (see above)".into());
-        }
-        return planner.choose(w, limit * 1048576.0, &format!("run.memory_per_rank_mb = {limit}"));
+        return (limit > 0.0 && limit.is_finite())
+            .then(|| (limit * 1048576.0, format!("run.memory_per_rank_mb = {limit}")));
     }
-    let Some(available) = crate::limits::available_memory() else {
-        return Ok((memory::Layout::Replica, None, "chose DDP: this machine's memory cannot be read".into()));
-    };
-    planner.choose(
-        w,
-        available / w as f64,
-        &format!(
-            "this machine's {} available over {w} rank{}",
-            crate::limits::size(available),
-            if w == 1 { "" } else { "s" }
-        ),
-    )
+    let available = crate::limits::available_memory()?;
+    let text = format!(
+        "this machine's {} available over {w} rank{}",
+        crate::limits::size(available),
+        if w == 1 { "" } else { "s" }
+    );
+    Some((available / w as f64, text))
 }

@@ -406,15 +406,27 @@ fn auto_picks_ddp_zero2_zero3_or_the_pipeline_by_the_memory_limit_and_says_why()
     assert_ok(&o);
     assert!(text(&o).0.contains("FSDP (ZeRO-3): each rank holds 1/2 of every parameter"), "{}", text(&o).0);
 
+    // Where no strategy over the whole world fits, auto considers mesh shapes (tests/integration/mesh.rs):
+    // tensor 2 holds half of each block.
     let o = validate("155");
+    assert_ok(&o);
+    assert!(
+        text(&o).0.contains(
+            "chose the mesh data 1 × tensor 2 under DDP (wrap.mesh.data = 1, wrap.mesh.tensor = 2): a rank needs 155 \
+             MiB within run.memory_per_rank_mb = 155"
+        ),
+        "{}",
+        text(&o).0
+    );
+    let o = validate("153");
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(
         text(&o).1.trim(),
         "error: p.toml: invalid configuration:\n  `wrap.strategy` (--set wrap.strategy=\"auto\"): no strategy fits \
-         run.memory_per_rank_mb = 155 at world size 2: DDP would need 159 MiB, FSDP (ZeRO-2) would need 157 MiB, FSDP \
-         (ZeRO-3) would need 156 MiB, the pipeline would need 155 MiB; FSDP (ZeRO-3) fits from run.world_size = 4 (155 \
-         MiB a rank), the pipeline fits from run.world_size = 3 (155 MiB a rank): raise run.world_size, or use a \
-         smaller model"
+         run.memory_per_rank_mb = 153 at world size 2: DDP would need 159 MiB, FSDP (ZeRO-2) would need 157 MiB, FSDP \
+         (ZeRO-3) would need 156 MiB, the pipeline would need 155 MiB; none fits on up to 4096 ranks: use a smaller \
+         model; no mesh shape fits either: data 1 × tensor 2 under DDP needs 155 MiB and sends 0.5 MiB a step of 4 \
+         rows; the smallest, data 1 × tensor 2 under DDP, needs 155 MiB"
     );
 }
 

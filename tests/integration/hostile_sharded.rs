@@ -460,13 +460,22 @@ fn auto_and_the_memory_advice_name_only_what_the_run_could_use() {
     // A rank needs 159 MiB under DDP, 158 under ZeRO-2, 157 under ZeRO-3 (3.2 MiB of training
     // state); the pipeline would need less, untied.
     let auto = ["--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=156.5"];
+    // Tied, no strategy over the whole world fits, and auto considers the mesh shapes: tensor 2 fits.
     let o = run(&[&["validate", "lm.toml"][..], &auto].concat(), d);
+    assert_ok(&o);
+    let said = "no strategy over the whole world fits (DDP would need 159 MiB, FSDP (ZeRO-2) would need 158 MiB, FSDP \
+                (ZeRO-3) would need 157 MiB); considered: data 1 × tensor 2 under DDP needs 155 MiB";
+    assert!(text(&o).0.contains(said), "{}", text(&o).0);
+    let why = text(&o).0.lines().find(|l| l.contains("wrap.strategy = \"auto\"")).unwrap_or_default().to_owned();
+    assert!(!why.contains("pipeline"), "{why}");
+    let o = run(&["validate", "lm.toml", "--set", "wrap.strategy=\"auto\"", "--set", "run.memory_per_rank_mb=154"], d);
     assert_says(
         &o,
         2,
-        &["`wrap.strategy` (--set wrap.strategy=\"auto\"): no strategy fits run.memory_per_rank_mb = 156.5 at world size \
-           2: DDP would need 159 MiB, FSDP (ZeRO-2) would need 158 MiB, FSDP (ZeRO-3) would need 157 MiB; FSDP (ZeRO-3) \
-           fits from run.world_size = 3 (156 MiB a rank): raise run.world_size, or use a smaller model"],
+        &["`wrap.strategy` (--set wrap.strategy=\"auto\"): no strategy fits run.memory_per_rank_mb = 154 at world size \
+           2: DDP would need 159 MiB, FSDP (ZeRO-2) would need 158 MiB, FSDP (ZeRO-3) would need 157 MiB; none fits on \
+           up to 4096 ranks: use a smaller model; no mesh shape fits either: data 1 × tensor 2 under DDP needs 155 MiB \
+           and sends 0.8 MiB a step of 4 rows; the smallest, data 1 × tensor 2 under DDP, needs 155 MiB"],
         "auto, tied",
     );
     assert!(!text(&o).1.contains("pipeline"), "{}", text(&o).1);
