@@ -389,3 +389,19 @@ fn the_adapters_rank_and_alpha_are_searchable_and_a_rank_the_model_refuses_is_na
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("is 64, larger than self_attn.q_proj (32 inputs, 32 outputs)"), "{err}");
 }
+
+/// results/lora_search, committed with portable numerics (experiments/lora_search.toml: TPE with
+/// successive halving over the adapters' rank and alpha and the learning rate, on the committed
+/// tiny Llama and instruction set): a rerun of the whole search reproduces every trial's trace.
+#[test]
+fn the_committed_lora_search_reproduces() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let o =
+        common::runner().args(["sweep", "experiments/lora_search.toml", "--check"]).current_dir(root).output().unwrap();
+    assert_ok(&o);
+    let (out, _) = text(&o);
+    assert!(
+        out.contains("trials reproduce results/lora_search: every non-timing value of every trace is identical."),
+        "{out}"
+    );
+}
