@@ -177,7 +177,8 @@ fn run_limited(dir: &Path, out: &str, strategy: &str) -> std::process::Output {
         c.env_remove(k);
     }
     // A rank out of memory once hung for ever (its panic hook symbolized a backtrace, which needs
-    // memory too); it fails in seconds.
+    // memory too); it fails in seconds, backtraces asked for or not.
+    c.env("RUST_BACKTRACE", "1");
     common::output_within(&mut c, std::time::Duration::from_secs(300))
 }
 
