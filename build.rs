@@ -1,4 +1,4 @@
-//! Compiles the C++ bridge to c10d (csrc/bridge.cpp, csrc/checkpoint.cpp, csrc/fsdp.cpp) against the libtorch that tch links, and
+//! Compiles the C++ bridge to c10d (csrc/*.cpp) against the libtorch that tch links, and
 //! sets an rpath so the binary runs without LD_LIBRARY_PATH.
 //!
 //! With `--features cuda`, the bridge also compiles c10d's ProcessGroupNCCL (`-DUSE_C10D_NCCL`)
@@ -43,6 +43,7 @@ fn main() {
         "csrc/checkpoint.cpp",
         "csrc/fsdp.cpp",
         "csrc/memory.cpp",
+        "csrc/events.cpp",
         "csrc/bridge.h",
         "csrc/internal.hpp",
         "csrc/traffic.hpp",
@@ -64,7 +65,8 @@ fn main() {
         .file("csrc/bridge.cpp")
         .file("csrc/checkpoint.cpp")
         .file("csrc/fsdp.cpp")
-        .file("csrc/memory.cpp");
+        .file("csrc/memory.cpp")
+        .file("csrc/events.cpp");
     let cuda = env::var_os("CARGO_FEATURE_CUDA").is_some();
     if cuda {
         let headers = cuda_include(&root, &lib);

@@ -127,6 +127,15 @@ char* rn_cuda_device(int index, char** name, int* major, int* minor, int64_t* to
 // (torch.cuda.max_memory_allocated / max_memory_reserved).
 char* rn_cuda_peak_memory(int index, int64_t* allocated, int64_t* reserved);
 
+// CUDA events (csrc/events.cpp): *event, recorded now on the current stream of cuda:index, with
+// timing on; freed with rn_cuda_event_free. *done = 1 once the device has passed it (no wait).
+// *ms: the device's time from `from` to `to`, waiting for `to` to pass. Errors in a build
+// without CUDA.
+char* rn_cuda_event_record(int index, void** event);
+char* rn_cuda_event_done(void* event, int* done);
+char* rn_cuda_event_elapsed(void* from, void* to, double* ms);
+void rn_cuda_event_free(void* event);
+
 // Autocast to bfloat16 on this thread, on CPU and CUDA (torch.autocast(device, dtype=torch.bfloat16)
 // for the device the tensors are on): enabled = 1 enters a region, enabled = 0 leaves it (clearing
 // the cache of cast weights when the outermost region ends, as torch does, so updated weights are

@@ -1,6 +1,7 @@
-//! What libtorch sees of a CUDA device (torch.cuda.get_device_properties) and the peaks of its
-//! caching allocator there (torch.cuda.max_memory_allocated): tch exposes neither. In a build
-//! without the `cuda` feature both are errors.
+//! What libtorch sees of a CUDA device (torch.cuda.get_device_properties), the peaks of its
+//! caching allocator there (torch.cuda.max_memory_allocated) and timing events on its stream
+//! (torch.cuda.Event(enable_timing=True)): tch exposes none of them. In a build without the
+//! `cuda` feature each is an error.
 use super::error::Result;
 use super::{check, ffi};
 
@@ -46,13 +47,59 @@ pub fn cuda_peak_memory(index: usize) -> Result<CudaPeak> {
     Ok(CudaPeak { allocated: allocated.max(0) as u64, reserved: reserved.max(0) as u64 })
 }
 
+/// An event recorded on a GPU's current stream, with timing on: it passes when the device has
+/// done the work queued before it.
+#[derive(Debug)]
+pub struct CudaEvent(*mut std::ffi::c_void);
+
+// SAFETY: a CUDA event is a driver handle, usable from any thread; the bridge's object is owned
+// here alone and freed once, in `drop`.
+unsafe impl Send for CudaEvent {}
+// SAFETY: `&self` methods only query the event or wait for it, which CUDA allows concurrently.
+unsafe impl Sync for CudaEvent {}
+
+impl CudaEvent {
+    /// An event recorded now on `cuda:index`'s current stream.
+    pub fn record(index: usize) -> Result<CudaEvent> {
+        let mut event = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local; the bridge catches what libtorch throws.
+        check("cuda_event_record", unsafe { ffi::rn_cuda_event_record(index as i32, &mut event) })?;
+        Ok(CudaEvent(event))
+    }
+
+    /// Whether the device has passed the event (no wait).
+    pub fn done(&self) -> Result<bool> {
+        let mut done = 0;
+        // SAFETY: self.0 is a live event of the bridge's; an out-pointer to a local.
+        check("cuda_event_done", unsafe { ffi::rn_cuda_event_done(self.0, &mut done) })?;
+        Ok(done == 1)
+    }
+
+    /// The device's seconds from `self` to `to`, once `to` has passed (waiting for it).
+    pub fn seconds_to(&self, to: &CudaEvent) -> Result<f64> {
+        let mut ms = 0.0;
+        // SAFETY: both are live events of the bridge's; an out-pointer to a local.
+        check("cuda_event_elapsed", unsafe { ffi::rn_cuda_event_elapsed(self.0, to.0, &mut ms) })?;
+        Ok(ms / 1e3)
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        // SAFETY: recorded by the bridge, freed only here.
+        unsafe { ffi::rn_cuda_event_free(self.0) }
+    }
+}
+
 #[cfg(all(test, not(feature = "cuda")))]
 mod tests {
     #[test]
-    fn without_the_cuda_feature_both_say_what_is_missing() {
+    fn without_the_cuda_feature_each_says_what_is_missing() {
         let err = super::cuda_device(0).unwrap_err().to_string();
         assert!(err.contains("--features cuda"), "{err}");
         let err = super::cuda_peak_memory(0).unwrap_err().to_string();
+        assert!(err.contains("--features cuda"), "{err}");
+        let err = super::CudaEvent::record(0).unwrap_err().to_string();
         assert!(err.contains("--features cuda"), "{err}");
     }
 }

@@ -226,6 +226,10 @@ extern "C" {
         processors: *mut c_int,
     ) -> *mut c_char;
     pub fn rn_cuda_peak_memory(index: c_int, allocated: *mut i64, reserved: *mut i64) -> *mut c_char;
+    pub fn rn_cuda_event_record(index: c_int, event: *mut *mut c_void) -> *mut c_char;
+    pub fn rn_cuda_event_done(event: *mut c_void, done: *mut c_int) -> *mut c_char;
+    pub fn rn_cuda_event_elapsed(from: *mut c_void, to: *mut c_void, ms: *mut f64) -> *mut c_char;
+    pub fn rn_cuda_event_free(event: *mut c_void);
     pub fn rn_all_reduce_sum_autograd(
         pg: *mut RnPg,
         input: *mut c_void,

@@ -34,15 +34,17 @@ impl Accumulation {
 }
 
 /// Clips `params`' gradients (already averaged) to a global L2 norm of `max` when they exceed it,
-/// as `torch.nn.utils.clip_grad_norm_`; returns the norm before clipping. `group`: the ranks
-/// holding the other parts of the model (a pipeline's stages, each copy holding the same
-/// averaged gradients `copies` times), whose squared norms add up to the global one.
+/// as `torch.nn.utils.clip_grad_norm_`; returns the norm before clipping, a float32 tensor of one
+/// value on the parameters' device: nothing here waits for the device. `group`: the ranks holding
+/// the other parts of the model (a pipeline's stages, each copy holding the same averaged
+/// gradients `copies` times), whose squared norms add up to the global one.
 pub fn clip_grad_norm(
     params: &[Tensor],
     max: Option<f64>,
     group: Option<crate::strategy::NormGroup>,
-) -> anyhow::Result<f64> {
-    let norm = tch::no_grad(|| -> anyhow::Result<f64> {
+) -> anyhow::Result<Tensor> {
+    let device = params.first().map_or(tch::Device::Cpu, Tensor::device);
+    let norm = tch::no_grad(|| -> anyhow::Result<Tensor> {
         let share = |i: usize| group.as_ref().and_then(|g| g.weights.get(i).copied()).unwrap_or(1.0);
         let squares: Vec<Tensor> = params
             .iter()
@@ -58,7 +60,7 @@ pub fn clip_grad_norm(
             })
             .collect();
         let mut sq = match squares.len() {
-            0 => Tensor::zeros([1], (Kind::Float, tch::Device::Cpu)),
+            0 => Tensor::zeros([1], (Kind::Float, device)),
             _ => Tensor::stack(&squares, 0).sum(Kind::Float).view([1]),
         };
         if let Some(g) = &group {
@@ -67,20 +69,28 @@ pub fn clip_grad_norm(
                 sq /= g.copies as f64;
             }
         }
-        Ok(sq.sqrt().double_value(&[0]))
+        Ok(sq.sqrt())
     })?;
-    let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
     if let Some(max) = max {
-        let coef = max / (norm + 1e-6);
-        if coef < 1.0 {
-            tch::no_grad(|| {
-                for g in &grads {
-                    let _ = g.shallow_clone().g_mul_scalar_(coef);
-                }
-            });
-        }
+        tch::no_grad(|| scale_gradients(params, &norm, max));
     }
     Ok(norm)
+}
+
+/// Multiplies the gradients by max / (norm + 1e-6) where that is below 1. The coefficient is
+/// computed in float64 on the device and rounded to float32, as a float64 scalar multiplied into
+/// a float32 tensor is: the same bits as computing it on the host, without reading the norm.
+/// A product by 1 changes nothing, so on a GPU every step multiplies (torch does too); on the
+/// CPU, where reading the norm costs no wait, an unclipped step skips the pass over the gradients.
+fn scale_gradients(params: &[Tensor], norm: &Tensor, max: f64) {
+    let max_t = Tensor::full([1], max, (Kind::Double, norm.device()));
+    let coef = (max_t / (norm.to_kind(Kind::Double) + 1e-6)).clamp_max(1.0).to_kind(Kind::Float);
+    if norm.device() == tch::Device::Cpu && coef.double_value(&[0]) == 1.0 {
+        return;
+    }
+    for g in params.iter().map(Tensor::grad).filter(Tensor::defined) {
+        let _ = g.shallow_clone().g_mul_(&coef);
+    }
 }
 
 /// Early stopping's state: the best value of the metric and when it was seen. It is rebuilt from
@@ -172,7 +182,7 @@ mod tests {
     fn clipping_scales_to_the_max_norm() {
         let p = Tensor::from_slice(&[3.0f32, 4.0]).set_requires_grad(true);
         (&p * &p).sum(Kind::Float).backward(); // gradient (6, 8), norm 10
-        let norm = clip_grad_norm(std::slice::from_ref(&p), Some(5.0), None).unwrap();
+        let norm = clip_grad_norm(std::slice::from_ref(&p), Some(5.0), None).unwrap().double_value(&[0]);
         assert!((norm - 10.0).abs() < 1e-5);
         let g = Vec::<f32>::try_from(p.grad()).unwrap();
         assert!((g[0] - 3.0).abs() < 1e-4 && (g[1] - 4.0).abs() < 1e-4, "{g:?}");

@@ -75,7 +75,8 @@ struct Buffers {
     losses: Tensor,
     correct: Tensor,
     weights: Tensor,
-    norms: Vec<f64>,
+    /// The gradient norms of the steps, on the device: read at the interval's end.
+    norms: Vec<Tensor>,
 }
 
 impl Buffers {
@@ -88,8 +89,18 @@ impl Buffers {
                 for (t, v) in [(&b.losses, &p.losses), (&b.correct, &p.correct), (&b.weights, &p.weights)] {
                     tch::no_grad(|| t.narrow(0, 0, v.len() as i64).copy_(&Tensor::from_slice(v)));
                 }
-                Buffers { norms: p.norms, ..b }
+                let norms = p.norms.iter().map(|&n| Tensor::from_slice(&[n as f32]).to_device(device)).collect();
+                Buffers { norms, ..b }
             }
+        }
+    }
+
+    /// The gradient norms, read from the device.
+    fn norms(&self) -> Vec<f64> {
+        match self.norms.len() {
+            0 => Vec::new(),
+            _ => Vec::<f64>::try_from(Tensor::cat(&self.norms, 0).to_kind(Kind::Double).to_device(tch::Device::Cpu))
+                .expect("float64"),
         }
     }
 
@@ -102,7 +113,7 @@ impl Buffers {
             losses: take(&self.losses),
             correct: take(&self.correct),
             weights: take(&self.weights),
-            norms: self.norms.clone(),
+            norms: self.norms(),
             seconds: 0.0,
         }
     }
@@ -204,7 +215,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
             start: Instant::now(),
             before,
             train_s: Duration::ZERO,
-            compute_s: 0.0,
+            compute: device::Pending::default(),
             comm: Duration::ZERO,
             comm_measured: 0,
             wait: Duration::ZERO,
@@ -257,10 +268,10 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
         let stream = self.plan.dropout_rank(rank) as i64;
         tch::manual_seed((c.run.seed as i64) ^ (stream << 32) ^ global.wrapping_mul(0x9E37_79B9));
         let sampled = c.trace.step_every > 0 && (global as usize).is_multiple_of(c.trace.step_every);
-        let timer = device::StepTimer::new(dev, sampled);
-        let t0 = timer.now();
+        let timer = device::StepClock::new(dev, sampled);
+        let t0 = timer.mark();
         let (xb, yb, wb) = self.batch(epoch, b)?;
-        let t1 = timer.now();
+        let t1 = timer.mark();
         let len = yb.size()[0];
         let w_ = &mut self.wrapped;
         if at.first {
@@ -272,7 +283,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
         let recomputed = crate::dist::recompute_time();
         let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, timer, micro)?;
         let recompute = crate::dist::recompute_time().saturating_sub(recomputed);
-        let t2 = timer.now();
+        let t2 = timer.mark();
         if at.last {
             // The optimizer's step count is the schedule's clock: restored by a checkpoint.
             w_.optimizer.set_lr(schedule.lr(w_.optimizer.steps()));
@@ -282,8 +293,7 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
             }
             w_.optimizer.step()?;
         }
-        // The step's end waits for the device on every step: its total is right.
-        let update = device::elapsed(dev, t2);
+        let update = timer.since(&t2);
         let at_row = iv.filled as i64;
         tch::no_grad(|| {
             iv.buffers.weights.narrow(0, at_row, len).copy_(&wb);
@@ -298,20 +308,20 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
             iv.comm += c;
             iv.comm_measured += 1;
         }
-        iv.compute_s += (s.forward + s.loss + s.backward + update).as_secs_f64();
+        iv.compute.push(s.forward.clone() + s.loss.clone() + s.backward.clone() + update.clone());
         iv.wait += s.wait;
         if sampled {
-            iv.step_rows.push(StepSample {
-                epoch: epoch as f64,
-                step: b as f64,
-                batch_s: (t1 - t0).as_secs_f64(),
-                forward_s: s.forward.as_secs_f64(),
-                loss_s: s.loss.as_secs_f64(),
-                backward_s: s.backward.as_secs_f64(),
-                sync_s: s.comm.map_or(s.wait, |c| c + s.wait).as_secs_f64(),
-                overlap_s: s.overlap.as_secs_f64(),
-                update_s: update.as_secs_f64(),
-                recompute_s: recompute.as_secs_f64(),
+            iv.step_rows.push(TracedStep {
+                epoch,
+                step: b,
+                batch: device::Span::between(&t0, &t1),
+                forward: s.forward,
+                loss: s.loss,
+                backward: s.backward,
+                sync: s.comm.map_or(s.wait, |c| c + s.wait),
+                overlap: s.overlap,
+                update,
+                recompute,
             });
         }
         self.report(iv, at, s.per_sample.as_ref())
@@ -370,13 +380,13 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
             ..RankEpoch::default()
         };
         mine.lr = self.wrapped.optimizer.lr();
-        let norms = &iv.buffers.norms;
+        let norms = &iv.buffers.norms();
         (mine.grad_norm_mean, mine.grad_norm_max) = match norms.len() {
             0 => (f64::NAN, f64::NAN),
             k => (norms.iter().sum::<f64>() / k as f64, norms.iter().copied().fold(f64::MIN, f64::max)),
         };
         mine.epoch_s = iv.seconds();
-        mine.compute_s = iv.compute_s;
+        mine.compute_s = iv.compute.total().as_secs_f64();
         let b = &iv.buffers;
         mine.samples = b.weights.sum(Kind::Double).double_value(&[]);
         mine.loss_sum = (&b.losses * &b.weights).sum(Kind::Double).double_value(&[]);
@@ -424,8 +434,40 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
         if self.data.task.is_language_model() {
             rows.iter_mut().for_each(|r| r.language_model(self.plan.data.input[0]));
         }
-        let steps = gather_step_rows(self.pg, &iv.step_rows)?;
+        let samples: Vec<StepSample> = iv.step_rows.iter().map(TracedStep::resolve).collect();
+        let steps = gather_step_rows(self.pg, &samples)?;
         Ok(EpochOutput { rows, steps })
+    }
+}
+
+/// A traced step's phases, read from the device at the interval's end.
+struct TracedStep {
+    epoch: usize,
+    step: usize,
+    batch: device::Span,
+    forward: device::Span,
+    loss: device::Span,
+    backward: device::Span,
+    sync: Duration,
+    overlap: Duration,
+    update: device::Span,
+    recompute: Duration,
+}
+
+impl TracedStep {
+    fn resolve(&self) -> StepSample {
+        StepSample {
+            epoch: self.epoch as f64,
+            step: self.step as f64,
+            batch_s: self.batch.resolve().as_secs_f64(),
+            forward_s: self.forward.resolve().as_secs_f64(),
+            loss_s: self.loss.resolve().as_secs_f64(),
+            backward_s: self.backward.resolve().as_secs_f64(),
+            sync_s: self.sync.as_secs_f64(),
+            overlap_s: self.overlap.as_secs_f64(),
+            update_s: self.update.resolve().as_secs_f64(),
+            recompute_s: self.recompute.as_secs_f64(),
+        }
     }
 }
 
@@ -453,11 +495,12 @@ pub struct Interval {
     /// resumed from: the steps after it are timed here, each step once.
     before: Duration,
     train_s: Duration,
-    compute_s: f64,
+    /// Forward, loss, backward and update of every batch, as the device ran them.
+    compute: device::Pending,
     comm: Duration,
     comm_measured: usize,
     wait: Duration,
-    step_rows: Vec<StepSample>,
+    step_rows: Vec<TracedStep>,
     report_every: usize,
     /// Where the last optimizer step's rows start in the buffers, and whether this rank
     /// computed their losses.
@@ -478,7 +521,7 @@ impl Interval {
             let sum = (b.losses.narrow(0, from, len) * &w).sum(Kind::Double).double_value(&[]);
             sum / w.sum(Kind::Double).double_value(&[])
         });
-        super::track::StepMetrics { loss, lr, grad_norm: b.norms.last().copied() }
+        super::track::StepMetrics { loss, lr, grad_norm: b.norms.last().map(|n| n.double_value(&[0])) }
     }
 
     /// What a checkpoint in the middle of the interval saves of it.

@@ -183,10 +183,10 @@ impl<'pg> Fsdp<'pg> {
         model: &dyn ModuleT,
         x: &Tensor,
         y: &Tensor,
-        timer: device::StepTimer,
+        timer: device::StepClock,
         micro: Micro,
     ) -> anyhow::Result<StepOut> {
-        let t0 = timer.now();
+        let t0 = timer.mark();
         let before = self.sharded.stats(false)?;
         if micro.sync {
             super::broadcast_from_rank0(self.pg, &self.buffers)?;
@@ -198,9 +198,9 @@ impl<'pg> Fsdp<'pg> {
         if let Some(e) = self.tensor.as_ref().and_then(|(g, _)| g.failure()) {
             return Err(e.into());
         }
-        let t1 = timer.now();
+        let t1 = timer.mark();
         let (per_sample, loss) = super::scaled_loss(self.task, &out, y, micro.scale);
-        let t2 = timer.now();
+        let t2 = timer.mark();
         loss.f_backward().map_err(|e| {
             self.pg.explain(crate::dist::Error::new("backward (gather and reduce-scatter)", e.to_string()))
         })?;
@@ -209,15 +209,15 @@ impl<'pg> Fsdp<'pg> {
             let whole: Vec<Tensor> = self.replicated.iter().map(|(_, t)| t.shallow_clone()).collect();
             super::average_gradients(self.pg, &whole)?;
         }
-        let backward = timer.elapsed(t2);
+        let backward = timer.since(&t2);
         let after = self.sharded.stats(false)?;
         // The time this step spent waiting for all-gathers and reduce-scatters.
         let comm = (after.gather_wait + after.reduce_wait).saturating_sub(before.gather_wait + before.reduce_wait);
         Ok(StepOut {
             correct: Some(tch::no_grad(|| self.task.correct(&out, y))),
             per_sample: Some(per_sample.detach()),
-            forward: t1 - t0,
-            loss: t2 - t1,
+            forward: device::Span::between(&t0, &t1),
+            loss: device::Span::between(&t1, &t2),
             backward,
             comm: Some(comm),
             overlap: Duration::ZERO,

@@ -97,9 +97,10 @@ pub struct StepOut {
     /// loss (every rank of a replica, the last rank of a pipeline).
     pub per_sample: Option<Tensor>,
     pub correct: Option<Tensor>,
-    pub forward: Duration,
-    pub loss: Duration,
-    pub backward: Duration,
+    /// The phases' times, as the device ran them ([`crate::device::clock`]).
+    pub forward: crate::device::Span,
+    pub loss: crate::device::Span,
+    pub backward: crate::device::Span,
     /// Gradient communication, where it was measured: DDP's all-reduce as the Reducer timed it
     /// (on the steps it samples), or the averaging of a pipeline stage's gradients over its copies.
     pub comm: Option<Duration>,
@@ -233,7 +234,7 @@ impl<'pg> Strategy<'pg> {
         optimizer: &mut Optimizer,
         x: &Tensor,
         y: &Tensor,
-        timer: crate::device::StepTimer,
+        timer: crate::device::StepClock,
         micro: Micro,
     ) -> anyhow::Result<StepOut> {
         match self {

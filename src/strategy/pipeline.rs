@@ -392,17 +392,17 @@ impl<'a, 'pg> Step<'a, 'pg> {
     }
 
     fn forward(&mut self, i: usize, input: Tensor) -> anyhow::Result<()> {
-        let t = device::now(self.stage.device);
+        let t = device::clock::mark(self.stage.device);
         let h = super::in_precision(self.stage.precision, || self.model.forward_t(&input, true))?;
         // Activations travel, and losses are taken, in float32.
         let h = if h.kind() == Kind::Float { h } else { h.to_kind(Kind::Float) };
         if let Some(e) = self.stage.tensor_failure() {
             return Err(e.into());
         }
-        self.out.forward += device::elapsed(self.stage.device, t);
+        let t1 = device::clock::mark(self.stage.device);
+        self.out.forward += device::Span::between(&t, &t1);
         self.inputs[i] = Some(input);
         if self.stage.is_last() {
-            let t = device::now(self.stage.device);
             let y = self.y.narrow(0, self.offsets[i], self.sizes[i]);
             let ps = self.stage.task.per_sample_loss(&h, &y);
             // Each micro-batch's share of the batch mean, so the gradients add up to it.
@@ -410,7 +410,7 @@ impl<'a, 'pg> Step<'a, 'pg> {
             self.outputs[i] = Some(if self.scale == 1.0 { share } else { share * self.scale });
             self.per_sample.push(ps.detach());
             self.correct.push(tch::no_grad(|| self.stage.task.correct(&h, &y)));
-            self.out.loss += device::elapsed(self.stage.device, t);
+            self.out.loss += device::Span::between(&t1, &device::clock::mark(self.stage.device));
         } else {
             self.outputs[i] = Some(h);
         }
@@ -458,9 +458,9 @@ impl<'a, 'pg> Step<'a, 'pg> {
             Some(g) => (output * g).sum(Kind::Float),
             None => output,
         };
-        let t = device::now(self.stage.device);
+        let t = device::clock::mark(self.stage.device);
         target.f_backward()?;
-        self.out.backward += device::elapsed(self.stage.device, t);
+        self.out.backward += device::Span::between(&t, &device::clock::mark(self.stage.device));
         Ok(())
     }
 

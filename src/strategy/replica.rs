@@ -135,10 +135,10 @@ impl<'pg> Replica<'pg> {
         Ok(StepOut {
             correct: Some(part.correct),
             per_sample: Some(part.per_sample),
-            forward,
+            forward: device::Span::host(forward),
             loss: Default::default(),
             // With the other replicas' backward passes, and the sum of their gradients.
-            backward: (t1 - t0).saturating_sub(forward),
+            backward: device::Span::host((t1 - t0).saturating_sub(forward)),
             comm,
             overlap: Default::default(),
             wait: Default::default(),
@@ -154,7 +154,7 @@ impl<'pg> Replica<'pg> {
         _optimizer: &mut Optimizer,
         x: &Tensor,
         y: &Tensor,
-        timer: device::StepTimer,
+        timer: device::StepClock,
         micro: Micro,
     ) -> anyhow::Result<StepOut> {
         if micro.sync || self.ddp.is_none() {
@@ -163,7 +163,7 @@ impl<'pg> Replica<'pg> {
         if self.threads.is_some() {
             return self.step_threads(model, x, y, micro);
         }
-        let t0 = timer.now();
+        let t0 = timer.mark();
         if let Some(ddp) = self.ddp.as_mut() {
             ddp.set_sync(micro.sync);
             ddp.prepare_forward()?;
@@ -179,15 +179,15 @@ impl<'pg> Replica<'pg> {
         if let Some(e) = self.tensor.as_ref().and_then(|(g, _)| g.failure()) {
             return Err(e.into());
         }
-        let t1 = timer.now();
+        let t1 = timer.mark();
         let (per_sample, loss) = super::scaled_loss(self.task, &out, y, micro.scale);
-        let t2 = timer.now();
+        let t2 = timer.mark();
         if let Some(ddp) = self.ddp.as_mut() {
             ddp.prepare_backward()?;
         }
         loss.f_backward()
             .map_err(|e| self.pg.explain(crate::dist::Error::new("backward (gradient all-reduce)", e.to_string())))?;
-        let backward = timer.elapsed(t2);
+        let backward = timer.since(&t2);
         let times = match self.ddp.as_mut() {
             Some(ddp) if micro.sync && (timer.traced() || self.iteration <= 10) => ddp.reducer_times(self.iteration)?,
             _ => None,
@@ -195,8 +195,8 @@ impl<'pg> Replica<'pg> {
         Ok(StepOut {
             correct: Some(tch::no_grad(|| self.task.correct(&out, y))),
             per_sample: Some(per_sample.detach()),
-            forward: t1 - t0,
-            loss: t2 - t1,
+            forward: device::Span::between(&t0, &t1),
+            loss: device::Span::between(&t1, &t2),
             backward,
             comm: times.map(|t| t.backward_comm),
             overlap: times.map(|t| t.overlap).unwrap_or_default(),

@@ -368,3 +368,62 @@ fn torchrun_rank(dir: &std::path::Path, port: u16, rank: usize, extra: &[&str]) 
         .env("MASTER_PORT", port.to_string())
         .output_later()
 }
+
+/// The phases of every traced step (`trace.step_every = 1`: each one) add up to the epoch row's
+/// `compute_s`, which is the same spans summed ([`runner::device::clock`]: CUDA events on a GPU,
+/// the host's clock here), for DDP, FSDP and a pipeline; no phase is negative, and the compute
+/// time fits in the epoch's.
+#[test]
+fn the_traced_steps_phases_add_up_to_each_epoch_s_compute_time() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", TINY);
+    for (name, strategy) in [("ddp", "ddp"), ("fsdp", "fsdp"), ("pipeline", "pipeline")] {
+        let model = if strategy == "pipeline" { "wrap.model.hidden=[16, 16]" } else { "wrap.model.hidden=[16]" };
+        let o = run(
+            &["run", "p.toml", "--out", name, "--set", "trace.step_every=1"]
+                .into_iter()
+                .chain(["--set", &format!("wrap.strategy=\"{strategy}\""), "--set", model])
+                .collect::<Vec<_>>(),
+            dir.path(),
+        );
+        assert_ok(&o);
+        let epochs = trace(&dir.path().join(name));
+        let steps = ParquetReader::new(std::fs::File::open(dir.path().join(name).join("steps.parquet")).unwrap())
+            .finish()
+            .unwrap();
+        let col = |df: &DataFrame, c: &str| -> Vec<f64> {
+            df.column(c).unwrap().f64().unwrap().into_no_null_iter().collect()
+        };
+        let u32s = |df: &DataFrame, c: &str| -> Vec<u32> {
+            df.column(c).unwrap().u32().unwrap().into_no_null_iter().collect()
+        };
+        let (s_epoch, s_rank) = (u32s(&steps, "epoch"), u32s(&steps, "rank"));
+        let phases: Vec<f64> = ["forward_s", "loss_s", "backward_s", "update_s"]
+            .iter()
+            .map(|c| col(&steps, c))
+            .fold(vec![0.0; steps.height()], |acc, v| acc.iter().zip(v).map(|(a, b)| a + b).collect());
+        assert!(col(&steps, "batch_s").iter().chain(&phases).all(|&s| s >= 0.0), "{name}: {steps}");
+        let (e_epoch, e_rank) = (u32s(&epochs, "epoch"), u32s(&epochs, "rank"));
+        let (compute, wall) = (col(&epochs, "compute_s"), col(&epochs, "epoch_s"));
+        for i in 0..epochs.height() {
+            let traced: Vec<f64> = (0..steps.height())
+                .filter(|&j| s_epoch[j] == e_epoch[i] && s_rank[j] == e_rank[i])
+                .map(|j| phases[j])
+                .collect();
+            assert!(!traced.is_empty(), "{name}: rank {} traced its steps", e_rank[i]);
+            let sum: f64 = traced.iter().sum();
+            assert!(
+                (sum - compute[i]).abs() < 1e-6,
+                "{name} rank {}: phases {sum} s, compute_s {}",
+                e_rank[i],
+                compute[i]
+            );
+            assert!(
+                compute[i] > 0.0 && compute[i] <= wall[i],
+                "{name}: compute_s {} of epoch_s {}",
+                compute[i],
+                wall[i]
+            );
+        }
+    }
+}

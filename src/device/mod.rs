@@ -1,6 +1,6 @@
 //! Where a rank's tensors live: `run.device` and `run.backend` checked against this build and this
 //! machine (on the plan, before any rank starts), the device of each rank (`cuda:LOCAL_RANK`),
-//! and the synchronisation that step timings need on a GPU.
+//! and the clock of a training step's phases ([`clock`]: CUDA events on a GPU, never a wait).
 //!
 //! What torch does with the mixed pairs, and what the runner does with them:
 //! - `backend = "nccl"` with `device = "cpu"`: torch creates the group and fails its first
@@ -11,6 +11,9 @@
 //!   also sends and receives CUDA tensors over gloo through host memory (torch's gloo has no GPU
 //!   send/recv).
 use std::time::Instant;
+
+pub mod clock;
+pub use clock::{Mark, Pending, Span};
 
 use crate::config::schema::{Backend, Device};
 
@@ -106,37 +109,30 @@ pub fn elapsed(device: tch::Device, since: Instant) -> std::time::Duration {
     since.elapsed()
 }
 
-/// The timer of one training step's phases (batch, forward, loss, backward, update). On a GPU,
-/// waiting for the device at every phase boundary drains its queue 8 times a step: 10 to 16% of
-/// a GPT-2-small step on an H200 (docs/gpus.md). So only a traced step (`trace.step_every`),
-/// whose phases are recorded one by one, waits at each; any other reads the host's clock there,
-/// and waits once, at the step's end ([`elapsed`]), so that each step's total stays right while
-/// its split between phases is the launches'. On the CPU both are the same.
+/// The clock of one training step's phases (batch, forward, loss, backward, update): its marks
+/// never wait for the device ([`clock`]). `traced`: the step trace records this step's phases.
 #[derive(Debug, Clone, Copy)]
-pub struct StepTimer {
+pub struct StepClock {
     device: tch::Device,
     traced: bool,
 }
 
-impl StepTimer {
-    /// `traced`: the step trace records this step, its phases timed one by one.
-    pub fn new(device: tch::Device, traced: bool) -> StepTimer {
-        StepTimer { device, traced }
+impl StepClock {
+    pub fn new(device: tch::Device, traced: bool) -> StepClock {
+        StepClock { device, traced }
     }
 
     pub fn traced(&self) -> bool {
         self.traced
     }
 
-    pub fn now(&self) -> Instant {
-        if self.traced {
-            synchronize(self.device);
-        }
-        Instant::now()
+    pub fn mark(&self) -> Mark {
+        clock::mark(self.device)
     }
 
-    pub fn elapsed(&self, since: Instant) -> std::time::Duration {
-        self.now() - since
+    /// The span from `since` to now.
+    pub fn since(&self, since: &Mark) -> Span {
+        Span::between(since, &self.mark())
     }
 }
 
