@@ -315,19 +315,30 @@ impl Plan {
 
     /// The training recipe: the learning rate's shape, and what each optimizer step does besides.
     fn recipe_rows(&self) -> Vec<Vec<String>> {
-        let t = &self.config.train;
+        let mut rows = vec![self.schedule_row(), self.step_row()];
+        rows.extend(self.batch_norm_row());
+        rows.extend(self.early_stop_row());
+        rows
+    }
+
+    fn schedule_row(&self) -> Vec<String> {
         let schedule = super::schedule::Schedule::of(self);
-        let steps = self.optimizer_steps_per_epoch();
-        let mut rows = vec![vec![
+        vec![
             "  schedule".into(),
             format!("optimizer step 1..{}", schedule.total),
             schedule.describe(),
             if schedule.kind == ScheduleKind::Constant && schedule.warmup == 0 {
-                format!("lr {} at every step", t.lr)
+                format!("lr {} at every step", self.config.train.lr)
             } else {
                 format!("lr at steps {}", schedule.points())
             },
-        ]];
+        ]
+    }
+
+    /// What an optimizer step does with the gradients: accumulation, clipping, precision, numerics.
+    fn step_row(&self) -> Vec<String> {
+        let t = &self.config.train;
+        let steps = self.optimizer_steps_per_epoch();
         let mut step = Vec::new();
         if t.accumulate == 1 {
             step.push("an optimizer step per batch".into());
@@ -355,47 +366,52 @@ impl Plan {
                 if self.threads_per_rank == 1 { "" } else { "s" }
             ),
         });
-        rows.push(vec![
+        vec![
             "  step".into(),
             "gradients".into(),
             step.join("; "),
             (if t.steps.is_some() { "lr, grad norm per validation interval" } else { "lr, grad norm per epoch" })
                 .into(),
-        ]);
-        if self.config.wrap.sync_batchnorm {
-            let w = self.world_size();
-            let (input, op, output) = if self.syncs_batch_norm() {
-                (
-                    format!("the {w} ranks' batches"),
-                    "SyncBatchNorm: per-channel sums all-reduced in the forward pass, their gradients in the \
-                     backward pass; validation uses the running statistics"
-                        .to_string(),
-                    "running statistics, the same on every rank",
-                )
-            } else {
-                let why = if w == 1 { "one rank" } else { "with wrap.strategy = \"none\" the ranks train alone" };
-                let op = format!("plain batch norm: nothing to synchronise ({why})");
-                ("each rank's batch".into(), op, "running statistics")
-            };
-            rows.push(vec!["  batch norm".into(), input, op, output.into()]);
+        ]
+    }
+
+    fn batch_norm_row(&self) -> Option<Vec<String>> {
+        if !self.config.wrap.sync_batchnorm {
+            return None;
         }
-        if let Some(e) = &t.early_stop {
-            let metric = match e.metric {
-                StopMetric::ValLoss => "val_loss",
-                StopMetric::ValAcc => "val_acc",
-            };
-            let mode = match e.mode() {
-                StopMode::Min => "min",
-                StopMode::Max => "max",
-            };
-            rows.push(vec![
-                "  early stop".into(),
-                metric.into(),
-                format!("stop after {} validations without a {mode} improvement > {}", e.patience, e.min_delta),
-                "model.best.safetensors".into(),
-            ]);
-        }
-        rows
+        let w = self.world_size();
+        let (input, op, output) = if self.syncs_batch_norm() {
+            (
+                format!("the {w} ranks' batches"),
+                "SyncBatchNorm: per-channel sums all-reduced in the forward pass, their gradients in the \
+                 backward pass; validation uses the running statistics"
+                    .to_string(),
+                "running statistics, the same on every rank",
+            )
+        } else {
+            let why = if w == 1 { "one rank" } else { "with wrap.strategy = \"none\" the ranks train alone" };
+            let op = format!("plain batch norm: nothing to synchronise ({why})");
+            ("each rank's batch".into(), op, "running statistics")
+        };
+        Some(vec!["  batch norm".into(), input, op, output.into()])
+    }
+
+    fn early_stop_row(&self) -> Option<Vec<String>> {
+        let e = self.config.train.early_stop.as_ref()?;
+        let metric = match e.metric {
+            StopMetric::ValLoss => "val_loss",
+            StopMetric::ValAcc => "val_acc",
+        };
+        let mode = match e.mode() {
+            StopMode::Min => "min",
+            StopMode::Max => "max",
+        };
+        Some(vec![
+            "  early stop".into(),
+            metric.into(),
+            format!("stop after {} validations without a {mode} improvement > {}", e.patience, e.min_delta),
+            "model.best.safetensors".into(),
+        ])
     }
 
     /// One row per FSDP unit: its layer, what each rank holds of it, when it is gathered.

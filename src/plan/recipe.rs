@@ -138,7 +138,6 @@ fn step_values(c: &Config, sources: &Sources, bad: &mut impl FnMut(&str, String)
 /// The training recipe's own values (schedule, clipping, accumulation, precision, early stopping).
 pub fn recipe_values(c: &Config, validation_rows: Option<usize>, bad: &mut impl FnMut(&str, String)) {
     let t = &c.train;
-    let s = &t.schedule;
     if t.accumulate == 0 {
         bad("train.accumulate", "must be at least 1 (1: an optimizer step per batch)".into());
     }
@@ -170,6 +169,26 @@ pub fn recipe_values(c: &Config, validation_rows: Option<usize>, bad: &mut impl 
         ),
         _ => {}
     }
+    schedule_values(t, bad);
+    if let Some(e) = &t.early_stop {
+        let why = "[train.early_stop] watches a validation metric: validate, or remove [train.early_stop]";
+        if c.validate.every == 0 {
+            bad("validate.every", format!("is 0 (no validation), but {why}"));
+        } else if validation_rows == Some(0) {
+            bad("load.validation_rows", format!("is 0 (no validation rows), but {why}"));
+        }
+        if e.patience == 0 {
+            bad("train.early_stop.patience", "must be at least 1 validation".into());
+        }
+        if !(e.min_delta >= 0.0 && e.min_delta.is_finite()) {
+            bad("train.early_stop.min_delta", format!("must be 0 or more, got {}", e.min_delta));
+        }
+    }
+}
+
+/// `[train.schedule]`'s values: each key read only by the kinds that read it.
+fn schedule_values(t: &crate::config::schema::Train, bad: &mut impl FnMut(&str, String)) {
+    let s = &t.schedule;
     if s.warmup_steps > 0 && s.warmup_epochs > 0 {
         bad("train.schedule.warmup_epochs", "give the warmup in steps or in epochs, not both".into());
     }
@@ -201,20 +220,6 @@ pub fn recipe_values(c: &Config, validation_rows: Option<usize>, bad: &mut impl 
             if set {
                 bad(key, "is only read by kind = \"step\"".into());
             }
-        }
-    }
-    if let Some(e) = &t.early_stop {
-        let why = "[train.early_stop] watches a validation metric: validate, or remove [train.early_stop]";
-        if c.validate.every == 0 {
-            bad("validate.every", format!("is 0 (no validation), but {why}"));
-        } else if validation_rows == Some(0) {
-            bad("load.validation_rows", format!("is 0 (no validation rows), but {why}"));
-        }
-        if e.patience == 0 {
-            bad("train.early_stop.patience", "must be at least 1 validation".into());
-        }
-        if !(e.min_delta >= 0.0 && e.min_delta.is_finite()) {
-            bad("train.early_stop.min_delta", format!("must be 0 or more, got {}", e.min_delta));
         }
     }
 }
