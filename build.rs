@@ -44,6 +44,7 @@ fn main() {
         "csrc/fsdp.cpp",
         "csrc/memory.cpp",
         "csrc/events.cpp",
+        "csrc/graph.cpp",
         "csrc/bridge.h",
         "csrc/internal.hpp",
         "csrc/traffic.hpp",
@@ -66,7 +67,8 @@ fn main() {
         .file("csrc/checkpoint.cpp")
         .file("csrc/fsdp.cpp")
         .file("csrc/memory.cpp")
-        .file("csrc/events.cpp");
+        .file("csrc/events.cpp")
+        .file("csrc/graph.cpp");
     let cuda = env::var_os("CARGO_FEATURE_CUDA").is_some();
     if cuda {
         let headers = cuda_include(&root, &lib);

@@ -136,6 +136,19 @@ char* rn_cuda_event_done(void* event, int* done);
 char* rn_cuda_event_elapsed(void* from, void* to, double* ms);
 void rn_cuda_event_free(void* event);
 
+// CUDA graphs (csrc/graph.cpp). rn_cuda_side_stream makes a stream of libtorch's pool the current
+// one of cuda:index on this thread (a capture needs a stream other than the default). Between
+// rn_cuda_graph_begin and rn_cuda_graph_end the kernels launched on the current stream are
+// recorded, not run (torch.cuda.CUDAGraph.capture_begin / capture_end); rn_cuda_graph_end fails
+// where the capture did (an operation a capture cannot hold), and always ends it.
+// rn_cuda_graph_replay launches them again, on the same memory. Errors in a build without CUDA.
+typedef struct rn_graph rn_graph;
+char* rn_cuda_side_stream(int index);
+char* rn_cuda_graph_begin(rn_graph** out);
+char* rn_cuda_graph_end(rn_graph* graph);
+char* rn_cuda_graph_replay(rn_graph* graph);
+void rn_cuda_graph_free(rn_graph* graph);
+
 // Autocast to bfloat16 on this thread, on CPU and CUDA (torch.autocast(device, dtype=torch.bfloat16)
 // for the device the tensors are on): enabled = 1 enters a region, enabled = 0 leaves it (clearing
 // the cache of cast weights when the outermost region ends, as torch does, so updated weights are

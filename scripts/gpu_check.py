@@ -13,8 +13,8 @@ Sections (each runs on, records PASS or FAIL with its numbers, and never stops t
   gpt2       a GPT-2-small-sized transformer (124M parameters, 1024 context) for a few hundred
              steps: tokens/s, MFU, peak device memory against the plan's estimate; then the same
              shapes in PyTorch (benches/reference/gpt_throughput.py) with this machine's torch
-  perf       GPT-2-small shapes at batch 8, 32 and 64: the runner, PyTorch eager and torch.compile
-             back to back; tokens/s, MFU, the GPU's peak memory against the plan's estimate (within 15%)
+  perf       GPT-2-small shapes at batch 8, 32 and 64: the runner without and with CUDA graphs (the same
+             losses), PyTorch eager and torch.compile back to back; tokens/s, MFU, the GPU's peak memory against the plan's estimate (within 15%)
   pipeline   pipelines/pipeline_parallel.toml with 2 stages over gloo on CUDA tensors (two launchers)
              against its CPU run
 
@@ -253,7 +253,13 @@ class Check:
         # On the CPU, dynamo's tracing alone: inductor's C++ takes half a minute a point on 2 cores.
         compiled = ["--compile"] + (["--compile-backend", "eager"] if self.cpu else [])
         self.say(f"{shape_parameters(shape) / 1e6:.1f}M parameters, context {shape['seq_len']}, bf16, AdamW; {steps} steps a run")
-        self.say("CUDA graphs: not built yet (docs/gpus.md, 'Verified, and not'), so no runner row with them\n")
+        if self.cpu:
+            # CUDA graphs replay CUDA kernels: on the CPU the plan refuses them, naming the key.
+            toml, _ = write_gpt2(self.work, shape, batches[0], self.device, self.nccl, steps, every, name="graphs.toml")
+            refused = self.sh([self.runner, "validate", toml, "--set", "run.cuda_graphs=true"], 120, check=False)
+            if "`run.cuda_graphs`" not in refused:
+                raise RuntimeError(f"run.cuda_graphs on the CPU was not refused by name:\n{tail(refused)}")
+            self.say("CUDA graphs: refused on the CPU by the plan, as they must be\n")
         self.say("| batch | who | tokens/s | MFU | peak allocated | peak reserved | plan: allocated | plan: reserved |")
         self.say("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         off, rates = [], {}
@@ -268,12 +274,15 @@ class Check:
                 comp = fits(last, lambda: json.loads(self.sh(twin + compiled, 400).strip().splitlines()[-1]))
             except RuntimeError as e:  # inductor needs a C compiler and Triton: a machine may lack them
                 comp = f"failed ({str(e).strip().splitlines()[-1][:120]})"
-            peak = None
+            peak, graphed = None, self.graphs_row(batch, toml, ran, last)
             if ran:
                 (tps, mfu, _), peak = steady(ran[0]), measured_peak(ran[1])
                 self.say(f"| {batch} | runner | {tps:,.0f} | {fmt_mfu(mfu)} | {gib(peak and peak[0])} | {gib(peak and peak[1])} | {gib(plan[0])} | {gib(plan[1])} |")
             else:
                 self.say(f"| {batch} | runner: did not fit (out of memory) | | | | | {gib(plan[0])} | {gib(plan[1])} |")
+            if graphed:
+                (g_tps, g_mfu, _), g_peak = steady(graphed[0]), measured_peak(graphed[1])
+                self.say(f"| {batch} | runner, CUDA graphs | {g_tps:,.0f} | {fmt_mfu(g_mfu)} | {gib(g_peak and g_peak[0])} | {gib(g_peak and g_peak[1])} | | |")
             for who, py in (("PyTorch eager", eager), ("torch.compile", comp)):
                 if not isinstance(py, dict):
                     self.say(f"| {batch} | {who}: {py or 'did not fit (out of memory)'} | | | | | | |")
@@ -281,19 +290,34 @@ class Check:
                 how = f" ({py['compiled']}, {py['warmup_s']} s to warm up)" if py["compiled"] else f" {py['torch']}"
                 self.say(f"| {batch} | {who}{how} | {py['tokens_per_s']:,.0f} | {fmt_mfu(py['mfu'])} | {gib(py.get('peak_allocated_bytes'))} | {gib(py.get('peak_reserved_bytes'))} | | |")
             if ran and eager:
-                rates[batch] = (tps, eager["tokens_per_s"], comp["tokens_per_s"] if isinstance(comp, dict) else None, mfu)
+                g_rate = steady(graphed[0])[0] if graphed else None
+                rates[batch] = (tps, eager["tokens_per_s"], comp["tokens_per_s"] if isinstance(comp, dict) else None, mfu, g_rate)
             if peak:
                 off += [(batch, "allocated", plan[0], peak[0]), (batch, "reserved", plan[1], peak[1])]
         self.say("")
-        for batch, (tps, eager, comp, mfu) in rates.items():
+        for batch, (tps, eager, comp, mfu, g_rate) in rates.items():
             versus = f"{tps / comp:.2f}" if comp else "-"
-            self.say(f"- batch {batch}: runner ÷ eager {tps / eager:.2f}, runner ÷ torch.compile {versus}, MFU {fmt_mfu(mfu)}")
-        self.say("- issue 56's targets, reported here and not judged: runner ÷ eager ≥ 1.05 at batch 8 and ≥ 1.0 at 32, MFU ≥ 35% at 32; judged: the plan's estimate within 15% of both peaks (on a GPU)")
+            graphs = f", with CUDA graphs ÷ torch.compile {g_rate / comp:.2f}" if g_rate and comp else ""
+            self.say(f"- batch {batch}: runner ÷ eager {tps / eager:.2f}, runner ÷ torch.compile {versus}{graphs}, MFU {fmt_mfu(mfu)}")
+        self.say("- issue 56's targets, reported here and not judged: runner ÷ eager ≥ 1.05 at batch 8 and ≥ 1.0 at 32, with CUDA graphs ≥ 0.95 × torch.compile, MFU ≥ 35% at 32; judged: the plan's estimate within 15% of both peaks, and the same losses with CUDA graphs as without (on a GPU)")
         worst = [f"batch {b} {what}: plan {gib(p)} against {gib(m)} ({(p - m) / m:+.0%})" for b, what, p, m in off if abs(p - m) / m > 0.15]
         if off:
             self.say(f"- the plan's GPU estimate against the peaks: {', '.join(f'batch {b} {what} {(p - m) / m:+.0%}' for b, what, p, m in off)}")
         if worst:
             raise RuntimeError("the plan's GPU memory estimate is off by more than 15%: " + "; ".join(worst))
+
+    def graphs_row(self, batch, toml, ran, last):
+        """The runner again with `run.cuda_graphs = true` (on a GPU): its run, whose losses must
+        equal the uncaptured run's exactly, or None (the CPU; out of memory at the last batch)."""
+        if self.cpu:
+            return None
+        graphed = fits(last, lambda: self.run(f"perf{batch}-graphs", toml, [f"run.peak_tflops={H200_TFLOPS}", "run.cuda_graphs=true"], timeout=300))
+        if graphed and ran:
+            for col in ("train_loss", "val_loss"):
+                a, b = losses(ran[0], col), losses(graphed[0], col)
+                if a != b:
+                    raise RuntimeError(f"batch {batch}: {col} with CUDA graphs {b} differs from without {a}")
+        return graphed
 
     def pipeline(self):
         pp = os.path.join(PIPELINES, "pipeline_parallel.toml")

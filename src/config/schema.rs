@@ -91,6 +91,15 @@ pub struct Run {
     /// leaves it out.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_tflops: Option<f64>,
+    /// Replays each training step's forward and backward passes as one CUDA graph, as
+    /// torch.compile's mode = "reduce-overhead" does: three eager steps warm up, the fourth is
+    /// captured, and every later step is one replay of it (its kernels launched at once, no host
+    /// work between them); the optimizer step runs after it, as without. CUDA only; refused on the
+    /// plan where a step cannot be replayed (collectives in the step, dropout, varying batch
+    /// shapes, gradient accumulation, activation checkpointing). Changes no result: the run id
+    /// leaves it out.
+    #[serde(skip_serializing_if = "is_default")]
+    pub cuda_graphs: bool,
     /// The signal that preempts the run: every rank finishes its step, a checkpoint is written
     /// at that step, the manifest says `preempted`, and under Slurm the job requeues itself and
     /// resumes there. `#SBATCH --signal=USR1@90` sends SIGUSR1 90 s before the time limit;
@@ -196,6 +205,7 @@ impl Default for Run {
             step_timeout_s: None,
             memory_per_rank_mb: None,
             peak_tflops: None,
+            cuda_graphs: false,
             preempt_signal: PreemptSignal::Usr1,
             max_restarts: 0,
             rejoin_timeout_s: REJOIN_TIMEOUT_S,
@@ -1368,13 +1378,19 @@ pub struct Track {
 
 impl Config {
     /// The configuration without what only records a run (TensorBoard, MLflow, step logging, the
-    /// peak MFU is measured against) or how it survives failures (`run.max_restarts`,
+    /// peak MFU is measured against), how its steps are launched (`run.cuda_graphs`) or how it survives failures (`run.max_restarts`,
     /// `run.rejoin_timeout_s`, `checkpoint.async`): what the run id covers, since none of it
     /// changes what the run computes.
     pub fn without_tracking(&self) -> Config {
         let d = Trace::default();
         let trace = Trace { tensorboard: d.tensorboard, log_every_steps: d.log_every_steps, ..self.trace.clone() };
-        let run = Run { max_restarts: 0, rejoin_timeout_s: REJOIN_TIMEOUT_S, peak_tflops: None, ..self.run.clone() };
+        let run = Run {
+            max_restarts: 0,
+            rejoin_timeout_s: REJOIN_TIMEOUT_S,
+            peak_tflops: None,
+            cuda_graphs: false,
+            ..self.run.clone()
+        };
         let checkpoint = Checkpoint { asynchronous: false, ..self.checkpoint.clone() };
         Config { trace, track: Track::default(), run, checkpoint, ..self.clone() }
     }

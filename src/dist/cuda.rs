@@ -1,6 +1,6 @@
 //! What libtorch sees of a CUDA device (torch.cuda.get_device_properties), the peaks of its
 //! caching allocator there (torch.cuda.max_memory_allocated) and timing events on its stream
-//! (torch.cuda.Event(enable_timing=True)): tch exposes none of them. In a build without the
+//! (torch.cuda.Event(enable_timing=True)), and CUDA graphs of a step: tch exposes none of them. In a build without the
 //! `cuda` feature each is an error.
 use super::error::Result;
 use super::{check, ffi};
@@ -91,6 +91,47 @@ impl Drop for CudaEvent {
     }
 }
 
+/// Makes a stream of libtorch's pool the current one of `cuda:index` on this thread: a CUDA graph
+/// cannot be captured on the default stream, and the steps before the capture warm up the one
+/// it replays on.
+pub fn use_side_stream(index: usize) -> Result<()> {
+    // SAFETY: plain values; the bridge catches what libtorch throws.
+    check("cuda_side_stream", unsafe { ffi::rn_cuda_side_stream(index as i32) })
+}
+
+/// A CUDA graph (torch.cuda.CUDAGraph): from [`CudaGraph::begin`] to [`CudaGraph::end`], the
+/// kernels launched on the current stream are recorded, not run; [`CudaGraph::replay`] runs them
+/// again, on the same memory.
+#[derive(Debug)]
+pub struct CudaGraph(*mut ffi::RnGraph);
+
+impl CudaGraph {
+    pub fn begin() -> Result<CudaGraph> {
+        let mut graph = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local; the bridge catches what libtorch throws.
+        check("cuda_graph_begin", unsafe { ffi::rn_cuda_graph_begin(&mut graph) })?;
+        Ok(CudaGraph(graph))
+    }
+
+    /// Ends the capture (always), failing where it failed.
+    pub fn end(&self) -> Result<()> {
+        // SAFETY: self.0 is a live graph of the bridge's.
+        check("cuda_graph_end", unsafe { ffi::rn_cuda_graph_end(self.0) })
+    }
+
+    pub fn replay(&self) -> Result<()> {
+        // SAFETY: self.0 is a live graph of the bridge's.
+        check("cuda_graph_replay", unsafe { ffi::rn_cuda_graph_replay(self.0) })
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        // SAFETY: made by the bridge, freed only here.
+        unsafe { ffi::rn_cuda_graph_free(self.0) }
+    }
+}
+
 #[cfg(all(test, not(feature = "cuda")))]
 mod tests {
     #[test]
@@ -100,6 +141,10 @@ mod tests {
         let err = super::cuda_peak_memory(0).unwrap_err().to_string();
         assert!(err.contains("--features cuda"), "{err}");
         let err = super::CudaEvent::record(0).unwrap_err().to_string();
+        assert!(err.contains("--features cuda"), "{err}");
+        let err = super::CudaGraph::begin().unwrap_err().to_string();
+        assert!(err.contains("--features cuda"), "{err}");
+        let err = super::use_side_stream(0).unwrap_err().to_string();
         assert!(err.contains("--features cuda"), "{err}");
     }
 }

@@ -11,6 +11,10 @@ pub struct RnPg {
     _private: [u8; 0],
 }
 #[repr(C)]
+pub struct RnGraph {
+    _private: [u8; 0],
+}
+#[repr(C)]
 pub struct RnDdp {
     _private: [u8; 0],
 }
@@ -230,6 +234,11 @@ extern "C" {
     pub fn rn_cuda_event_done(event: *mut c_void, done: *mut c_int) -> *mut c_char;
     pub fn rn_cuda_event_elapsed(from: *mut c_void, to: *mut c_void, ms: *mut f64) -> *mut c_char;
     pub fn rn_cuda_event_free(event: *mut c_void);
+    pub fn rn_cuda_side_stream(index: c_int) -> *mut c_char;
+    pub fn rn_cuda_graph_begin(out: *mut *mut RnGraph) -> *mut c_char;
+    pub fn rn_cuda_graph_end(graph: *mut RnGraph) -> *mut c_char;
+    pub fn rn_cuda_graph_replay(graph: *mut RnGraph) -> *mut c_char;
+    pub fn rn_cuda_graph_free(graph: *mut RnGraph);
     pub fn rn_all_reduce_sum_autograd(
         pg: *mut RnPg,
         input: *mut c_void,

@@ -39,7 +39,7 @@ mod script;
 mod store;
 
 pub use checkpoint::{checkpoint, recompute_time};
-pub use cuda::{cuda_device, cuda_peak_memory, CudaDevice, CudaEvent, CudaPeak};
+pub use cuda::{cuda_device, cuda_peak_memory, use_side_stream, CudaDevice, CudaEvent, CudaGraph, CudaPeak};
 pub use ddp::{Ddp, ReducerTimes};
 pub use error::{Error, PeerExit, Result};
 pub use fsdp::{ShardStats, Sharded, Units};

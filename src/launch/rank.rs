@@ -45,6 +45,10 @@ pub fn run(
     check_world_size(plan, env)?;
     let device = plan.device(env.local_rank);
     crate::device::check_rank(device)?;
+    if let (true, tch::Device::Cuda(index)) = (plan.config.run.cuda_graphs, device) {
+        // Before anything runs on the device: every kernel of the rank on the stream it captures on.
+        crate::dist::use_side_stream(index)?;
+    }
     let timeout = Duration::from_secs_f64(plan.config.run.timeout_s);
     let host =
         if env.single_node() { "127.0.0.1".to_string() } else { address_towards(&env.master_addr, env.master_port)? };

@@ -3,7 +3,7 @@
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use super::{auto_mesh, data, input, memory, mesh, model, recipe, stages, strategy, values, vocabulary};
+use super::{auto_mesh, data, graphs, input, memory, mesh, model, recipe, stages, strategy, values, vocabulary};
 use super::{Machine, Plan, Resuming};
 use crate::config::schema::*;
 use crate::config::{ConfigError, Resolved};
@@ -43,6 +43,7 @@ impl Plan {
         recipe::train_values(&c, &sources, &mut bad);
         recipe::recipe_values(&c, data.as_ref().map(|d| d.validation_rows), &mut bad);
         let layout = data.as_ref().and_then(|d| data::shard_layout(&c, d, &mut bad));
+        graphs::refusals(&c, layout.as_ref(), &mut bad);
         let model = model::model_parts(&c, &base, data.as_ref(), layout.as_ref(), model_ok, &mut bad);
         let inputs = input_digests(data.as_ref(), &model, &mut bad);
         let arch = model.arch;

@@ -352,6 +352,12 @@ impl Plan {
             }
             None => step.push("no clipping".into()),
         }
+        if self.config.run.cuda_graphs {
+            let at = crate::stages::graph::WARMUP_STEPS + 1;
+            step.push(format!(
+                "forward and backward captured as a CUDA graph at step {at}, replayed from then on (run.cuda_graphs)"
+            ));
+        }
         step.push(match t.precision {
             Precision::Fp32 => "fp32".into(),
             Precision::Bf16 => "bf16 autocast, float32 weights and optimizer state".into(),

@@ -2,6 +2,7 @@
 //! receives what the previous one produced and the part of the plan it owns.
 pub mod checkpoint;
 mod clock;
+pub mod graph;
 pub mod mfu;
 pub mod preempt;
 pub mod recipe;

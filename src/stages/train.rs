@@ -68,6 +68,8 @@ pub struct Trainer<'a, 'pg> {
     pub mfu: Option<super::mfu::Mfu>,
     /// The epoch whose rows are ready, and its rows.
     epoch_rows: Option<(usize, EpochRows)>,
+    /// The step's CUDA graph (`run.cuda_graphs`).
+    graph: Option<super::graph::StepGraph>,
 }
 
 /// The state of the interval in progress: filled step by step, restored from a checkpoint.
@@ -133,7 +135,8 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
     ) -> Trainer<'a, 'pg> {
         let clock = Clock::of(plan);
         let mfu = super::mfu::Mfu::of(plan, device);
-        Trainer { plan, pg, device, data, normalizer, wrapped, progress, position, clock, mfu, epoch_rows: None }
+        let graph = super::graph::StepGraph::of(plan.config.run.cuda_graphs, device);
+        Trainer { plan, pg, device, data, normalizer, wrapped, progress, position, clock, mfu, epoch_rows: None, graph }
     }
 
     /// Rows trained in steps `steps` of the interval starting at `start` (batch sizes vary at an
@@ -274,14 +277,20 @@ impl<'a, 'pg> Trainer<'a, 'pg> {
         let t1 = timer.mark();
         let len = yb.size()[0];
         let w_ = &mut self.wrapped;
-        if at.first {
+        // A captured graph's backward pass writes the gradients it assigned when captured.
+        if at.first && !self.graph.as_ref().is_some_and(|g| g.captured()) {
             w_.optimizer.zero_grad()?;
         }
         // Each batch's share of the step's mean loss: its rows over the step's rows.
         let scale = if self.clock.accumulate == 1 { 1.0 } else { len as f64 / at.step_rows as f64 };
         let micro = Micro { scale, sync: at.last };
         let recomputed = crate::dist::recompute_time();
-        let s = w_.strategy.step(w_.model.as_ref(), &mut w_.optimizer, &xb, &yb, timer, micro)?;
+        let (model, strategy, optimizer) = (w_.model.as_ref(), &mut w_.strategy, &mut w_.optimizer);
+        let mut step = |x: &Tensor, y: &Tensor, timer| strategy.step(model, optimizer, x, y, timer, micro);
+        let s = match self.graph.as_mut() {
+            Some(graph) => graph.step(&xb, &yb, timer, step)?,
+            None => step(&xb, &yb, timer)?,
+        };
         let recompute = crate::dist::recompute_time().saturating_sub(recomputed);
         let t2 = timer.mark();
         if at.last {

@@ -38,6 +38,8 @@ fn the_gpu_check_runs_its_sections_on_the_cpu_and_writes_its_report() {
         }
         assert!(report.contains(&format!("- batch {batch}: runner ÷ eager ")), "{report}");
     }
+    // CUDA graphs replay CUDA kernels: on the CPU the plan refuses them by name, which the check checks.
+    assert!(report.contains("CUDA graphs: refused on the CPU by the plan"), "{report}");
     // The runner's row ends with the plan's two GPU estimates (`runner validate --device cuda`).
     let row = report.lines().find(|l| l.starts_with("| 4 | runner |")).unwrap_or_default();
     assert_eq!(row.matches(" MiB |").count(), 2, "{row}\n{report}");

@@ -10,6 +10,7 @@ mod bench;
 mod big_data;
 mod checkpoint;
 mod config_errors;
+mod cuda_graphs;
 mod device_memory;
 mod dist;
 mod docs;
