@@ -3,6 +3,7 @@
 pub mod checkpoint;
 mod clock;
 pub mod graph;
+mod interval;
 pub mod mfu;
 pub mod preempt;
 pub mod recipe;
