@@ -16,6 +16,8 @@
 //! runner at `[wrap.mesh] tensor = 2` against PyTorch's DTensor (benches/reference/tp_torch.py) at
 //! the same mesh, with no third run. Every run's per-rank peak resident memory is measured from
 //! outside ([`memory`]), the same way for both sides.
+pub mod catalogue;
+pub mod files;
 pub mod memory;
 pub mod peak;
 mod report;
@@ -79,7 +81,7 @@ pub struct WorkloadResult {
 
 pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     let root = std::env::current_dir()?;
-    let chosen: Vec<Workload> = workload::all()
+    let chosen: Vec<Workload> = catalogue::all()
         .into_iter()
         .filter(|w| opts.workloads.is_empty() || opts.workloads.iter().any(|n| n == w.name))
         .collect();
@@ -116,7 +118,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<u8> {
     for w in chosen.into_iter().flat_map(in_precisions) {
         measure_peak(&format!("before {}", w.name));
         crate::say!("\n{}: {}", w.name, w.describe());
-        let files = workload::prepare(&w, &work.join(w.name))?;
+        let files = files::prepare(&w, &work.join(w.name))?;
         let mut cells = Vec::new();
         for &ws in &opts.world_sizes {
             if let Some(why) = skipped(&w, ws) {
@@ -155,7 +157,7 @@ fn skipped(w: &Workload, ws: usize) -> Option<String> {
 
 /// One workload at one world size: what both sides run with.
 struct Sides<'a> {
-    files: &'a workload::Files,
+    files: &'a files::Files,
     w: &'a Workload,
     ws: usize,
     threads: usize,
@@ -232,7 +234,7 @@ fn reference_python(root: &Path) -> anyhow::Result<PathBuf> {
 
 /// The runner on the workload's pipeline; `strategy`: another `wrap.strategy` than the pipeline's.
 fn run_runner(
-    files: &workload::Files,
+    files: &files::Files,
     w: &Workload,
     ws: usize,
     threads: usize,
@@ -293,7 +295,7 @@ fn run_runner(
 fn run_torch(
     torchrun: &Path,
     script: &Path,
-    files: &workload::Files,
+    files: &files::Files,
     w: &Workload,
     ws: usize,
     threads: usize,
@@ -307,7 +309,7 @@ fn run_torch(
 fn run_torch_ddp(
     torchrun: &Path,
     script: &Path,
-    files: &workload::Files,
+    files: &files::Files,
     w: &Workload,
     ws: usize,
     threads: usize,
@@ -357,7 +359,7 @@ fn reference_epochs(result: &Path, list: &str, seconds: &str, who: &str) -> anyh
 fn run_torch_lm(
     torchrun: &Path,
     script: &Path,
-    files: &workload::Files,
+    files: &files::Files,
     w: &Workload,
     ws: usize,
     threads: usize,
@@ -436,7 +438,7 @@ mod tests {
 
     #[test]
     fn the_command_line_accepts_every_workload_and_only_those() {
-        for w in super::workload::all() {
+        for w in super::catalogue::all() {
             assert!(crate::cli::Cli::try_parse_from(["runner", "bench", "--workload", w.name]).is_ok(), "{}", w.name);
         }
         assert!(crate::cli::Cli::try_parse_from(["runner", "bench", "--workload", "tiny"]).is_err());

@@ -9,6 +9,7 @@ use std::path::Path;
 use common::{assert_ok, run};
 use polars::prelude::*;
 use runner::bench::workload::{self, Workload};
+use runner::bench::{catalogue, files};
 
 fn losses(dir: &Path) -> Vec<f64> {
     let df =
@@ -18,7 +19,7 @@ fn losses(dir: &Path) -> Vec<f64> {
 }
 
 fn tiny(name: &str) -> Workload {
-    let w = workload::all().into_iter().find(|w| w.name == name).expect("the workload");
+    let w = catalogue::all().into_iter().find(|w| w.name == name).expect("the workload");
     Workload { rows: 32, batch: 8, epochs: 2, ..w }
 }
 
@@ -27,7 +28,7 @@ fn the_cnn_and_transformer_workloads_train_from_the_shared_initial_weights() {
     let dir = tempfile::tempdir().unwrap();
     for name in ["cnn", "transformer"] {
         let w = tiny(name);
-        let files = workload::prepare(&w, &dir.path().join(name)).unwrap();
+        let files = files::prepare(&w, &dir.path().join(name)).unwrap();
         let pipeline = files.pipeline.to_str().unwrap();
         let threads = "run.threads_per_rank=1";
 
@@ -77,7 +78,7 @@ fn the_cnn_and_transformer_workloads_train_from_the_shared_initial_weights() {
 fn the_fsdp_workload_trains_under_its_strategy_as_under_ddp() {
     let dir = tempfile::tempdir().unwrap();
     let w = tiny("fsdp");
-    let files = workload::prepare(&w, dir.path()).unwrap();
+    let files = files::prepare(&w, dir.path()).unwrap();
     let pipeline = files.pipeline.to_str().unwrap();
     let go = |out: &str, extra: &[&str]| {
         let args = ["run", pipeline, "--set", "run.world_size=2", "--set", "run.threads_per_rank=1", "--out", out];
@@ -99,7 +100,7 @@ fn the_fsdp_workload_trains_under_its_strategy_as_under_ddp() {
 fn the_tp_workload_splits_over_2_tensor_ranks_as_one_process_trains() {
     let dir = tempfile::tempdir().unwrap();
     let w = tiny("tp");
-    let files = workload::prepare(&w, dir.path()).unwrap();
+    let files = files::prepare(&w, dir.path()).unwrap();
     let pipeline = files.pipeline.to_str().unwrap();
     let go = |out: &str, extra: &[&str]| {
         let args = ["run", pipeline, "--set", "run.threads_per_rank=1", "--out", out];

@@ -33,7 +33,7 @@ fn the_tables_have_the_kinds_columns_and_targets() {
         runner_portable: vec![m(1.25, vec![2.0, 1.000001])],
         runner_ddp: Vec::new(),
     };
-    let results: Vec<WorkloadResult> = crate::bench::workload::all()
+    let results: Vec<WorkloadResult> = crate::bench::catalogue::all()
         .into_iter()
         .filter(|w| w.name == "cnn" || w.name == "transformer")
         .map(|w| WorkloadResult { workload: w, cells: vec![cell(1), cell(2)] })
@@ -78,7 +78,7 @@ fn bf16_is_compared_with_fp32_where_both_ran() {
         runner_portable: Vec::new(),
         runner_ddp: Vec::new(),
     };
-    let w = crate::bench::workload::all().into_iter().find(|w| w.name == "compute-bound").unwrap();
+    let w = crate::bench::catalogue::all().into_iter().find(|w| w.name == "compute-bound").unwrap();
     let results = vec![
         WorkloadResult { workload: w.clone().in_precision(false), cells: vec![cell(1.0, 1.2, 1.0)] },
         WorkloadResult { workload: w.in_precision(true), cells: vec![cell(0.8, 1.0, 1.01)] },
@@ -120,7 +120,7 @@ fn the_fsdp_workload_has_memory_and_the_ddp_step() {
         runner_portable: Vec::new(),
         runner_ddp: vec![m(0.8, [340, 350], 4.0), m(1.0, [340, 350], 4.0)],
     };
-    let w = crate::bench::workload::all().into_iter().find(|w| w.name == "fsdp").unwrap();
+    let w = crate::bench::catalogue::all().into_iter().find(|w| w.name == "fsdp").unwrap();
     let results = vec![WorkloadResult { workload: w, cells: vec![cell(2), cell(4)] }];
     let machine = Machine {
         cpu: "test".into(),

@@ -92,7 +92,7 @@ mod tests {
             runner_portable: Vec::new(),
             runner_ddp: Vec::new(),
         };
-        let w = crate::bench::workload::all().into_iter().find(|w| w.name == "tp").unwrap();
+        let w = crate::bench::catalogue::all().into_iter().find(|w| w.name == "tp").unwrap();
         let results = vec![WorkloadResult { workload: w, cells: vec![cell] }];
         let machine = Machine {
             cpu: "test".into(),
