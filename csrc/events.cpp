@@ -6,7 +6,9 @@
 #include "internal.hpp"
 
 #ifdef RUNNER_NCCL
-#include <ATen/cuda/CUDAEvent.h>
+// c10::Event, not at::cuda::CUDAEvent: the latter calls the CUDA runtime inline, which this
+// bridge does not link; c10::Event goes through libc10_cuda's device guard.
+#include <c10/core/Event.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -24,8 +26,8 @@ extern "C" {
 char* rn_cuda_event_record(int index, void** event) {
 #ifdef RUNNER_NCCL
   return protect([&] {
-    // cudaEventDefault: timing on (at::cuda::CUDAEvent's own default turns it off).
-    auto e = std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault);
+    // BACKEND_DEFAULT: cudaEventDefault, timing on (PyTorch's default turns it off).
+    auto e = std::make_unique<c10::Event>(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
     e->record(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index)));
     *event = e.release();
   });
@@ -37,7 +39,7 @@ char* rn_cuda_event_record(int index, void** event) {
 
 char* rn_cuda_event_done(void* event, int* done) {
 #ifdef RUNNER_NCCL
-  return protect([&] { *done = static_cast<at::cuda::CUDAEvent*>(event)->query() ? 1 : 0; });
+  return protect([&] { *done = static_cast<c10::Event*>(event)->query() ? 1 : 0; });
 #else
   (void)event, (void)done;
   return copy_message(kWithoutCuda);
@@ -47,9 +49,9 @@ char* rn_cuda_event_done(void* event, int* done) {
 char* rn_cuda_event_elapsed(void* from, void* to, double* ms) {
 #ifdef RUNNER_NCCL
   return protect([&] {
-    auto* end = static_cast<at::cuda::CUDAEvent*>(to);
+    auto* end = static_cast<c10::Event*>(to);
     end->synchronize();
-    *ms = static_cast<at::cuda::CUDAEvent*>(from)->elapsed_time(*end);
+    *ms = static_cast<c10::Event*>(from)->elapsedTime(*end);
   });
 #else
   (void)from, (void)to, (void)ms;
@@ -59,7 +61,7 @@ char* rn_cuda_event_elapsed(void* from, void* to, double* ms) {
 
 void rn_cuda_event_free(void* event) {
 #ifdef RUNNER_NCCL
-  delete static_cast<at::cuda::CUDAEvent*>(event);
+  delete static_cast<c10::Event*>(event);
 #else
   (void)event;
 #endif
