@@ -353,7 +353,7 @@ impl Plan {
             None => step.push("no clipping".into()),
         }
         if self.config.run.cuda_graphs {
-            let at = crate::stages::graph::WARMUP_STEPS + 1;
+            let at = super::graphs::WARMUP_STEPS + 1;
             step.push(format!(
                 "forward and backward captured as a CUDA graph at step {at}, replayed from then on (run.cuda_graphs)"
             ));

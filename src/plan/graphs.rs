@@ -5,6 +5,9 @@
 use crate::config::schema::{CheckpointPolicy, Config, Device, Model, Sampling, WrapStrategy};
 use crate::data::shard::ShardLayout;
 
+/// Eager steps before the capture (torch's docs warm up with 3 on a side stream, as the runner does).
+pub const WARMUP_STEPS: usize = 3;
+
 /// Problems of `run.cuda_graphs = true` with the rest of `c` (nothing when it is off). `layout`:
 /// how the training rows divide over the ranks, where known.
 pub fn refusals(c: &Config, layout: Option<&ShardLayout>, bad: &mut impl FnMut(&str, String)) {

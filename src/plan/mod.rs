@@ -10,7 +10,7 @@ mod build;
 mod data;
 pub mod device_memory;
 mod flow;
-mod graphs;
+pub mod graphs;
 mod input;
 pub mod memory;
 pub mod mesh;

@@ -14,8 +14,7 @@ use crate::device::{self, Span, StepClock};
 use crate::dist::CudaGraph;
 use crate::strategy::StepOut;
 
-/// Eager steps before the capture (torch's docs warm up with 3 on a side stream, as here).
-pub const WARMUP_STEPS: usize = 3;
+use crate::plan::graphs::WARMUP_STEPS;
 
 /// The graph of one rank's step, once captured.
 pub struct StepGraph {

@@ -2,7 +2,7 @@
 //! receives what the previous one produced and the part of the plan it owns.
 pub mod checkpoint;
 mod clock;
-pub mod graph;
+mod graph;
 mod interval;
 pub mod mfu;
 pub mod preempt;

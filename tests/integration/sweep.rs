@@ -222,7 +222,7 @@ const BAD: &[Bad] = &[
                      \"train.epochs\" = [1, \"two\"]\n",
         expected: "error: e.toml:3: sweep axis run.wrld_size=1: unknown key `run.wrld_size`; did you mean \
                    `run.world_size`? (valid keys in [run]: run.name, run.seed, run.world_size, run.backend, \
-                   run.device, run.threads_per_rank, run.timeout_s, run.abort_after_s, run.step_timeout_s, run.memory_per_rank_mb, run.peak_tflops, run.preempt_signal, run.max_restarts, run.rejoin_timeout_s, run.numerics)\n\
+                   run.device, run.threads_per_rank, run.timeout_s, run.abort_after_s, run.step_timeout_s, run.memory_per_rank_mb, run.peak_tflops, run.cuda_graphs, run.preempt_signal, run.max_restarts, run.rejoin_timeout_s, run.numerics)\n\
                    e.toml:4: the axis `run.seed` is empty; give it at least one value\n\
                    e.toml:5: sweep axis train.epochs=\"two\": `train.epochs`: invalid type: found string \"two\", \
                    expected usize",
