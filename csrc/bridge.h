@@ -186,6 +186,12 @@ typedef char* (*rn_segment_fn)(void* closure, void* input, void** output);
 typedef void (*rn_segment_drop)(void* closure);
 char* rn_checkpoint(void* input, void** params, size_t n_params, rn_segment_fn call, rn_segment_drop drop,
                     void* closure, void** out);
+// Selective checkpointing: linear(segment(source), weight, bias) as a tensor whose backward pass
+// runs the segment again (as rn_checkpoint does) but not the product, whose gradients it computes
+// as at::linear's backward does. `params`: the segment's n_segment parameters, then the weight,
+// then the bias if there is one. The segment's output must be a contiguous [B, T, features].
+char* rn_checkpoint_linear(void* source, void** params, size_t n_params, size_t n_segment, rn_segment_fn call,
+                           rn_segment_drop drop, void* closure, void** out);
 // Nanoseconds this process has spent recomputing checkpointed segments in backward passes (host
 // time: on CUDA, the kernels' launches), since it started.
 int64_t rn_checkpoint_recompute_ns(void);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <ATen/Context.h>
+#include <ATen/ExpandUtils.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/ivalue.h>
@@ -133,16 +134,64 @@ int64_t now_ns() {
 // Nanoseconds this process has spent recomputing segments (rn_checkpoint_recompute_ns).
 std::atomic<int64_t> recompute_ns{0};
 
+// What the recomputation of a segment on `x` replays: the generators' states and autocast's flags
+// of the forward.
+void save_forward_state(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
+  ctx->saved_data["rng"] = c10::List<at::Tensor>(rng_states(generators(x)));
+  auto autocast = AutocastState::now();
+  ctx->saved_data["autocast_cpu"] = autocast.enabled[0];
+  ctx->saved_data["autocast_cuda"] = autocast.enabled[1];
+  ctx->saved_data["dtype_cpu"] = static_cast<int64_t>(autocast.dtype[0]);
+  ctx->saved_data["dtype_cuda"] = static_cast<int64_t>(autocast.dtype[1]);
+}
+
+// The segment run again on `input` (the forward's input, detached) with grad on, under the state
+// save_forward_state saved; its time counted.
+at::Tensor recompute(torch::autograd::AutogradContext* ctx, const Segment& segment, const at::Tensor& input) {
+  AutocastState autocast;
+  autocast.enabled[0] = ctx->saved_data["autocast_cpu"].toBool();
+  autocast.enabled[1] = ctx->saved_data["autocast_cuda"].toBool();
+  autocast.dtype[0] = static_cast<at::ScalarType>(ctx->saved_data["dtype_cpu"].toInt());
+  autocast.dtype[1] = static_cast<at::ScalarType>(ctx->saved_data["dtype_cuda"].toInt());
+  auto states = ctx->saved_data["rng"].toTensorList().vec();
+  int64_t t0 = now_ns();
+  at::Tensor out;
+  {
+    ForwardState state(generators(input), states, autocast);
+    at::AutoGradMode grad(true);
+    out = segment.run(input);
+  }
+  recompute_ns += now_ns() - t0;
+  return out;
+}
+
+// Gradients of `out` (grad_out) with respect to the input and the parameters that need one, at
+// their places in a backward's result (the input at 0, parameter i at i + 1).
+void differentiate(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& input,
+                   const std::vector<at::Tensor>& params, torch::autograd::variable_list& result) {
+  std::vector<at::Tensor> wrt;
+  std::vector<size_t> at_index;
+  if (input.requires_grad()) {
+    wrt.push_back(input);
+    at_index.push_back(0);
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].requires_grad()) {
+      wrt.push_back(params[i]);
+      at_index.push_back(i + 1);
+    }
+  }
+  if (!wrt.empty() && out.requires_grad()) {
+    auto got = torch::autograd::grad({out}, wrt, {grad_out}, /*retain_graph=*/false, /*create_graph=*/false,
+                                     /*allow_unused=*/true);
+    for (size_t k = 0; k < got.size(); ++k) result[at_index[k]] = got[k];
+  }
+}
+
 struct Checkpoint : public torch::autograd::Function<Checkpoint> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, at::TensorList params,
                             c10::intrusive_ptr<Segment> segment) {
-    auto gens = generators(x);
-    ctx->saved_data["rng"] = c10::List<at::Tensor>(rng_states(gens));
-    auto autocast = AutocastState::now();
-    ctx->saved_data["autocast_cpu"] = autocast.enabled[0];
-    ctx->saved_data["autocast_cuda"] = autocast.enabled[1];
-    ctx->saved_data["dtype_cpu"] = static_cast<int64_t>(autocast.dtype[0]);
-    ctx->saved_data["dtype_cuda"] = static_cast<int64_t>(autocast.dtype[1]);
+    save_forward_state(ctx, x);
     ctx->saved_data["params"] = c10::List<at::Tensor>(params.vec());
     ctx->saved_data["segment"] = c10::IValue::make_capsule(segment);
     ctx->save_for_backward({x});
@@ -157,41 +206,75 @@ struct Checkpoint : public torch::autograd::Function<Checkpoint> {
     auto params = ctx->saved_data["params"].toTensorList().vec();
     auto holder = ctx->saved_data["segment"].toCapsule();
     const auto* segment = static_cast<const Segment*>(holder.get());
-    AutocastState autocast;
-    autocast.enabled[0] = ctx->saved_data["autocast_cpu"].toBool();
-    autocast.enabled[1] = ctx->saved_data["autocast_cuda"].toBool();
-    autocast.dtype[0] = static_cast<at::ScalarType>(ctx->saved_data["dtype_cpu"].toInt());
-    autocast.dtype[1] = static_cast<at::ScalarType>(ctx->saved_data["dtype_cuda"].toInt());
-    auto states = ctx->saved_data["rng"].toTensorList().vec();
-
     at::Tensor input = x.detach().requires_grad_(x.requires_grad());
-    at::Tensor out;
+    at::Tensor out = recompute(ctx, *segment, input);
+    differentiate(out, grads[0], input, params, result);
+    return result;
+  }
+};
+
+
+// Selective checkpointing's unit: linear(segment(source), weight, bias), which keeps the source
+// and not the segment's output (the product's input): the backward pass runs the segment again
+// (a norm, an activation, a copy: cheap), but not the product, whose gradients it computes as
+// libtorch's own backward of at::linear does, so they are the same bits. at::linear on a
+// contiguous 3-D input is an addmm (with a bias) or an mm (without) of the input viewed as rows:
+// AddmmBackward0 / MmBackward0 give the input grad.mm(weight), the weight grad.t().mm(input) (the
+// transposed weight is column-major) and the bias sum_to(grad, bias's shape). Under autocast the
+// product ran on bfloat16 copies of the input, weight and bias (the same casts here); their
+// gradients return to float32 exactly.
+struct RecomputedLinear : public torch::autograd::Function<RecomputedLinear> {
+  // params: the segment's parameters, then the weight, then the bias where there is one.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& source, at::TensorList params,
+                            int64_t n_segment, c10::intrusive_ptr<Segment> segment) {
+    save_forward_state(ctx, source);
+    ctx->saved_data["params"] = c10::List<at::Tensor>(params.vec());
+    ctx->saved_data["n_segment"] = n_segment;
+    ctx->saved_data["segment"] = c10::IValue::make_capsule(segment);
+    ctx->save_for_backward({source});
+    bool bias = static_cast<int64_t>(params.size()) == n_segment + 2;
+    at::Tensor x = segment->run(source);
+    TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "a recomputed product's input must be contiguous [B, T, features]");
+    return at::linear(x, params[n_segment], bias ? std::optional<at::Tensor>(params[n_segment + 1]) : std::nullopt);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto params = ctx->saved_data["params"].toTensorList().vec();
+    auto n_segment = static_cast<size_t>(ctx->saved_data["n_segment"].toInt());
+    torch::autograd::variable_list result(params.size() + 3);
+    const at::Tensor& g = grads[0];
+    if (!g.defined()) return result;
+    at::Tensor source = ctx->get_saved_variables()[0];
+    auto holder = ctx->saved_data["segment"].toCapsule();
+    const auto* segment = static_cast<const Segment*>(holder.get());
+    at::Tensor input = source.detach().requires_grad_(source.requires_grad());
+    at::Tensor x = recompute(ctx, *segment, input);
+    // The product's dtype is its output's (autocast's casts of x, the weight and the bias: the
+    // values a plain linear's recorded casts gave).
+    auto dtype = g.scalar_type();
+    at::Tensor xc = x.scalar_type() == dtype ? x : x.to(dtype);
+    const at::Tensor& w = params[n_segment];
+    bool has_bias = params.size() == n_segment + 2;
+    at::Tensor dx, dw, db;
     {
-      int64_t t0 = now_ns();
-      ForwardState state(generators(x), states, autocast);
-      at::AutoGradMode grad(true);
-      out = segment->run(input);
-      recompute_ns += now_ns() - t0;
-    }
-    // What to differentiate with respect to: the input where it needs a gradient, and every
-    // parameter that does.
-    std::vector<at::Tensor> wrt;
-    std::vector<size_t> at_index;
-    if (input.requires_grad()) {
-      wrt.push_back(input);
-      at_index.push_back(0);
-    }
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (params[i].requires_grad()) {
-        wrt.push_back(params[i]);
-        at_index.push_back(i + 1);
+      at::NoGradGuard no_grad;
+      at::Tensor wc = w.scalar_type() == dtype ? w : w.to(dtype);
+      at::Tensor g2 = g.reshape({-1, g.size(-1)});
+      at::Tensor x2 = xc.detach().reshape({-1, xc.size(-1)});
+      dx = g2.mm(wc).view(xc.sizes());
+      if (w.requires_grad()) dw = g2.t().mm(x2).to(w.scalar_type());
+      if (has_bias && params[n_segment + 1].requires_grad()) {
+        const at::Tensor& b = params[n_segment + 1];
+        db = at::sum_to(g2, b.sizes()).to(b.scalar_type());
       }
     }
-    if (!wrt.empty() && out.requires_grad()) {
-      auto got = torch::autograd::grad({out}, wrt, {grads[0]}, /*retain_graph=*/false, /*create_graph=*/false,
-                                       /*allow_unused=*/true);
-      for (size_t k = 0; k < got.size(); ++k) result[at_index[k]] = got[k];
-    }
+    std::vector<at::Tensor> segment_params(params.begin(), params.begin() + n_segment);
+    // The cast of x runs here without grad (a backward pass records nothing), so x's gradient
+    // goes back through it by hand, as ToCopyBackward0 does: the gradient cast to x's dtype.
+    differentiate(x, dx.to(x.scalar_type()), input, segment_params, result);
+    result[n_segment + 1] = dw;
+    if (has_bias) result[n_segment + 2] = db;
     return result;
   }
 };
@@ -207,6 +290,18 @@ char* rn_checkpoint(void* input, void** params, size_t n_params, rn_segment_fn c
   return rn::protect([&] {
     auto ps = rn::tensors(params, n_params);
     at::Tensor r = Checkpoint::apply(rn::tensor(input), at::TensorList(ps), segment);
+    *out = new at::Tensor(std::move(r));
+  });
+}
+
+char* rn_checkpoint_linear(void* source, void** params, size_t n_params, size_t n_segment, rn_segment_fn call,
+                           rn_segment_drop drop, void* closure, void** out) {
+  auto segment = c10::make_intrusive<Segment>(call, drop, closure);
+  return rn::protect([&] {
+    TORCH_CHECK(n_params == n_segment + 1 || n_params == n_segment + 2, "a recomputed product needs a weight and at most a bias");
+    auto ps = rn::tensors(params, n_params);
+    at::Tensor r =
+        RecomputedLinear::apply(rn::tensor(source), at::TensorList(ps), static_cast<int64_t>(n_segment), segment);
     *out = new at::Tensor(std::move(r));
   });
 }

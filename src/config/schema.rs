@@ -582,7 +582,9 @@ impl Default for Wrap {
 #[serde(deny_unknown_fields, default)]
 pub struct ActivationCheckpointing {
     /// "none": every activation kept; "full": a checkpointed block keeps only its input, and its
-    /// forward pass runs again in the backward pass.
+    /// forward pass runs again in the backward pass; "selective" (a transformer's blocks): a
+    /// checkpointed block keeps the outputs of its matrix products and attention, and recomputes
+    /// only what feeds each product (its LayerNorms, its MLP's activation, the heads' merge).
     pub policy: CheckpointPolicy,
     /// Checkpoint every k-th block: blocks 0, k, 2k, ... (an MLP's layers 1, 1 + k, ...: its
     /// first layer reads the data); 1: every block.
@@ -609,6 +611,7 @@ pub enum CheckpointPolicy {
     #[default]
     None,
     Full,
+    Selective,
 }
 
 /// `[wrap.mesh]`: the ranks as a grid of data × tensor × pipeline = run.world_size, one process

@@ -58,6 +58,46 @@ where
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
 }
 
+/// Selective checkpointing's unit: `segment(source).linear(weight, bias)`, computed now, keeping
+/// `source` but not the segment's output (the product's input, which `segment` recomputes in
+/// the backward pass: a norm, an activation, a copy), nor running the product again: its
+/// gradients are computed as at::linear's backward computes them, so they are the same bits.
+/// `params`: the parameters `segment` reads. The segment's output must be a contiguous
+/// [B, T, features]; under autocast the product runs in its dtype, as a plain linear would.
+pub fn checkpoint_linear<F>(
+    source: &Tensor,
+    params: &[Tensor],
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    segment: F,
+) -> Result<Tensor>
+where
+    F: Fn(&Tensor) -> Tensor + Send + 'static,
+{
+    let body: Box<Body> = Box::new(Box::new(segment));
+    let closure = Box::into_raw(body) as *mut c_void;
+    let all = params.iter().chain(std::iter::once(weight)).chain(bias);
+    let ptrs: Vec<*mut c_void> = all.map(|p| p.as_ptr() as *mut c_void).collect();
+    let mut out = std::ptr::null_mut();
+    // SAFETY: as in `checkpoint`: live tensors for the call, a leaked Box<Body> the bridge frees
+    // once through `drop_body`, and the callbacks bridge.h declares.
+    let err = unsafe {
+        ffi::rn_checkpoint_linear(
+            source.as_ptr() as *mut c_void,
+            ptrs.as_ptr(),
+            ptrs.len(),
+            params.len(),
+            call_body,
+            drop_body,
+            closure,
+            &mut out,
+        )
+    };
+    check("checkpoint", err)?;
+    // SAFETY: on success the bridge allocated `out` with `new at::Tensor`, what tch's handles are.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
 /// Time this process has spent recomputing checkpointed segments in backward passes since it
 /// started (host time: on CUDA, what launching the kernels took).
 pub fn recompute_time() -> Duration {
@@ -129,6 +169,36 @@ mod tests {
         let kept = y.detach().ne(0.0).to_kind(Kind::Float) * 2.0;
         assert!(x.grad().equal(&kept));
         assert!(kept.sum(Kind::Float).double_value(&[]) > 0.0);
+    }
+
+    /// A recomputed product gives the plain linear's output and gradients to the bit, with and
+    /// without a bias, for the segment's parameters too.
+    #[test]
+    fn a_recomputed_product_gives_the_plain_linears_gradients() {
+        let opts = (Kind::Float, Device::Cpu);
+        let values = [Tensor::randn([2, 5, 6], opts), Tensor::randn([6], opts), Tensor::randn([7, 6], opts)];
+        let bias_values = Tensor::randn([7], opts);
+        for bias in [false, true] {
+            let run = |selective: bool| {
+                let leaf = |t: &Tensor| t.copy().set_requires_grad(true);
+                let (x, g, w) = (leaf(&values[0]), leaf(&values[1]), leaf(&values[2]));
+                let b = bias.then(|| leaf(&bias_values));
+                let gc = g.shallow_clone();
+                let norm = move |h: &Tensor| h.layer_norm([6], Some(&gc), None::<&Tensor>, 1e-5, true).gelu("none");
+                let y = if selective {
+                    checkpoint_linear(&x, &[g.shallow_clone()], &w, b.as_ref(), norm).unwrap()
+                } else {
+                    norm(&x).linear(&w, b.as_ref())
+                };
+                (y.square().sum(Kind::Float) * 0.5).backward();
+                (y.detach(), x.grad(), g.grad(), w.grad(), b.map(|b| b.grad()))
+            };
+            let (a, b) = (run(false), run(true));
+            assert!(a.0.equal(&b.0) && a.1.equal(&b.1) && a.2.equal(&b.2) && a.3.equal(&b.3), "bias {bias}");
+            if let (Some(p), Some(q)) = (&a.4, &b.4) {
+                assert!(p.equal(q));
+            }
+        }
     }
 
     #[test]

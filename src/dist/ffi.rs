@@ -214,6 +214,16 @@ extern "C" {
         closure: *mut c_void,
         out: *mut *mut c_void,
     ) -> *mut c_char;
+    pub fn rn_checkpoint_linear(
+        source: *mut c_void,
+        params: *const *mut c_void,
+        n_params: usize,
+        n_segment: usize,
+        call: SegmentFn,
+        drop: SegmentDrop,
+        closure: *mut c_void,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
     pub fn rn_checkpoint_recompute_ns() -> i64;
     pub fn rn_cpu_kernels(
         pin: c_int,

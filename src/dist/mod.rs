@@ -38,7 +38,7 @@ mod process_group;
 mod script;
 mod store;
 
-pub use checkpoint::{checkpoint, recompute_time};
+pub use checkpoint::{checkpoint, checkpoint_linear, recompute_time};
 pub use cuda::{cuda_device, cuda_peak_memory, use_side_stream, CudaDevice, CudaEvent, CudaGraph, CudaPeak};
 pub use ddp::{Ddp, ReducerTimes};
 pub use error::{Error, PeerExit, Result};

@@ -357,29 +357,36 @@ mod tests {
         }
     }
 
-    /// A checkpointed model's loss and every gradient are the bits of the plain one (with dropout
-    /// in tests/integration/activations.rs: the tests of this binary share one generator).
+    /// A checkpointed model's loss and every gradient are the bits of the plain one, under full
+    /// and selective checkpointing, for GPT-2's blocks (LayerNorm, biases, GELU; here with RoPE
+    /// and grouped keys) and Llama's (RMSNorm, no biases, SwiGLU) (with dropout in
+    /// tests/integration/activations.rs: the tests of this binary share one generator).
     #[test]
     fn checkpointed_blocks_give_the_same_gradients() {
         use crate::config::schema::{ActivationCheckpointing, CheckpointPolicy};
-        let grads = |policy: CheckpointPolicy| {
-            let t = Transformer { positions: Some(Positions::Rope), kv_heads: Some(1), ..small(false) };
-            let arch = TransformerArch::new(&t);
-            let vs = nn::VarStore::new(tch::Device::Cpu);
-            let checkpointing = ActivationCheckpointing { policy, every: 1 };
-            let ctx = BuildContext { checkpointing, ..BuildContext::new(3) };
-            let net = arch.build(&vs.root(), 0..5, &ctx);
-            let x = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6, 7, 8, 9, 10]).view([2, 5]);
-            let loss = net.forward_t(&x, true).square().mean(tch::Kind::Float);
-            loss.backward();
-            let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.grad())).collect();
-            named.sort_by(|a, b| a.0.cmp(&b.0));
-            (loss, named)
-        };
-        let (a, b) = (grads(CheckpointPolicy::None), grads(CheckpointPolicy::Full));
-        assert!(a.0.equal(&b.0), "loss");
-        for ((name, g), (_, h)) in a.1.iter().zip(&b.1) {
-            assert!(g.equal(h), "{name}: {}", (g - h).abs().max());
+        let gpt = Transformer { positions: Some(Positions::Rope), kv_heads: Some(1), ..small(false) };
+        for t in [gpt, llama()] {
+            let grads = |policy: CheckpointPolicy| {
+                let arch = TransformerArch::new(&t);
+                let vs = nn::VarStore::new(tch::Device::Cpu);
+                let checkpointing = ActivationCheckpointing { policy, every: 1 };
+                let ctx = BuildContext { checkpointing, ..BuildContext::new(3) };
+                let net = arch.build(&vs.root(), 0..5, &ctx);
+                let x = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6, 7, 8, 9, 10]).view([2, 5]);
+                let loss = net.forward_t(&x, true).square().mean(tch::Kind::Float);
+                loss.backward();
+                let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.grad())).collect();
+                named.sort_by(|a, b| a.0.cmp(&b.0));
+                (loss, named)
+            };
+            let plain = grads(CheckpointPolicy::None);
+            for policy in [CheckpointPolicy::Full, CheckpointPolicy::Selective] {
+                let other = grads(policy);
+                assert!(plain.0.equal(&other.0), "{policy:?}: loss");
+                for ((name, g), (_, h)) in plain.1.iter().zip(&other.1) {
+                    assert!(g.equal(h), "{policy:?}: {name}: {}", (g - h).abs().max());
+                }
+            }
         }
     }
 

@@ -313,11 +313,12 @@ impl Planner<'_> {
     }
 
     /// The activation checkpointing the plan turns on where a rank holding `state` at `world`
-    /// ranks needs more than `limit` bytes without: full, on every k-th block with the largest k
-    /// that fits (the fewest blocks recomputed, the least extra time); `None` where the plan may
-    /// not choose it, or even every block recomputed does not fit. Tried before a larger world
-    /// size or another strategy: it costs about a third of a forward pass per recomputed block,
-    /// and changes no result (the recomputation is bit-identical).
+    /// ranks needs more than `limit` bytes without: selective on every block where that fits (it
+    /// recomputes no matrix product: the least extra time, a few percent of a step), else full,
+    /// on every k-th block with the largest k that fits (the fewest blocks recomputed); `None`
+    /// where the plan may not choose it, or even every block recomputed does not fit. Tried
+    /// before a larger world size or another strategy: full costs about a third of a forward pass
+    /// per recomputed block, and neither changes a result (the recomputation is bit-identical).
     pub fn lighten(&self, state: &State, world: usize, limit: f64) -> Option<ActivationCheckpointing> {
         let full = ActivationCheckpointing { policy: CheckpointPolicy::Full, every: 1 };
         // Every block recomputed needs the least: where even that does not fit, nothing does.
@@ -328,10 +329,11 @@ impl Planner<'_> {
         {
             return None;
         }
-        (1..=self.checkpointable)
+        let selective = ActivationCheckpointing { policy: CheckpointPolicy::Selective, every: 1 };
+        let fulls = (1..=self.checkpointable)
             .rev()
-            .map(|every| ActivationCheckpointing { policy: CheckpointPolicy::Full, every })
-            .find(|&ac| self.needs_with(state, world, ac) <= limit)
+            .map(|every| ActivationCheckpointing { policy: CheckpointPolicy::Full, every });
+        std::iter::once(selective).chain(fulls).find(|&ac| self.needs_with(state, world, ac) <= limit)
     }
 
     /// ", N with every block checkpointed" where the plan may checkpoint, after what a rank needs.
@@ -530,7 +532,11 @@ mod tests {
             global_batch: None,
             pipeline_copies: 1,
             gloo: true,
-            besides: Box::new(|_, ac| 1e5 - 2e4 * (0..4).filter(|&i| ac.applies(i)).count() as f64),
+            // A block recomputed saves 2e4 bytes, or 4e3 where selective.
+            besides: Box::new(|_, ac| {
+                let saves = if ac.policy == CheckpointPolicy::Selective { 4e3 } else { 2e4 };
+                1e5 - saves * (0..4).filter(|&i| ac.applies(i)).count() as f64
+            }),
             checkpointing: ActivationCheckpointing::default(),
             checkpointable: 4,
             choose_checkpointing,
@@ -545,6 +551,9 @@ mod tests {
         let need = |blocks: f64| ddp.total() + 1e5 - 2e4 * blocks;
         // Every 4th block (1 recomputed), every 3rd (blocks 0 and 3), every block (4, where 3 are
         // asked: no k recomputes 3 of 4); nothing fits below.
+        // Selective on every block first (it saves 1.6e4), where it fits.
+        let selective = ActivationCheckpointing { policy: CheckpointPolicy::Selective, every: 1 };
+        assert_eq!(p.lighten(&ddp, 1, need(0.8)), Some(selective));
         assert_eq!(p.lighten(&ddp, 1, need(1.0)), full(4));
         assert_eq!(p.lighten(&ddp, 1, need(2.0)), full(3));
         assert_eq!(p.lighten(&ddp, 1, need(3.0)), full(1));

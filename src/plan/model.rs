@@ -249,6 +249,11 @@ fn activation_checkpointing(c: &Config, bad: &mut impl FnMut(&str, String)) {
     }
     let why = match &c.wrap.model {
         Model::Transformer(_) => return,
+        Model::Mlp(_) if ac.policy == CheckpointPolicy::Selective => {
+            let why = "\"selective\" recomputes a transformer block's norms and activation between its products, \
+                       which an MLP's layers do not have; set it to \"full\" (an MLP's hidden layers recomputed whole)";
+            return bad("wrap.activation_checkpointing.policy", why.into());
+        }
         Model::Mlp(m) if !m.hidden.is_empty() => return,
         Model::Mlp(_) => "an MLP without hidden layers has no layer to recompute",
         Model::Cnn(_) => "a CNN's blocks cannot be recomputed (not implemented)",

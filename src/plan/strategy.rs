@@ -114,9 +114,15 @@ pub(super) fn checkpointing_note(plan: &super::Plan) -> Option<String> {
     };
     let recomputed = (0..blocks).filter(|&i| ac.applies(i)).count();
     let which = if ac.every == 1 { "every block".to_string() } else { format!("one block in {}", ac.every) };
+    let how_kept = match ac.policy {
+        CheckpointPolicy::Selective => {
+            "keeping its products' and attention's outputs, the element-wise ops between them recomputed in the \
+             backward pass"
+        }
+        _ => "recomputed in the backward pass, each keeping only its input",
+    };
     let mut note = format!(
-        "  activation checkpointing: {}, {which} ({recomputed} of {blocks} recomputed in the backward pass, each \
-         keeping only its input)",
+        "  activation checkpointing: {}, {which} ({recomputed} of {blocks} {how_kept})",
         format!("{:?}", ac.policy).to_lowercase()
     );
     let batch = plan.layout.split_batch.unwrap_or(c.train.batch_size);

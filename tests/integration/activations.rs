@@ -76,14 +76,20 @@ fn assert_same_run(dir: &Path, base: &str, out: &str) {
 }
 
 /// Under `layout` (--set values), runs without checkpointing, with every block checkpointed and
-/// with every second one: the three runs are the same bits.
-fn assert_checkpointing_changes_nothing(dir: &Path, name: &str, layout: &[&str]) {
+/// with every second one, and for a transformer (`selective`) with every block's products kept
+/// and the rest recomputed: the runs are the same bits.
+fn assert_checkpointing_changes_nothing(dir: &Path, name: &str, layout: &[&str], selective: bool) {
     let sets = |extra: &[&str]| -> Vec<String> { layout.iter().chain(extra).map(|s| s.to_string()).collect() };
     train(dir, &format!("{name}-none"), &sets(&[]));
     train(dir, &format!("{name}-full"), &sets(&["wrap.activation_checkpointing.policy=\"full\""]));
     let every2 = ["wrap.activation_checkpointing.policy=\"full\"", "wrap.activation_checkpointing.every=2"];
     train(dir, &format!("{name}-every2"), &sets(&every2));
-    for policy in ["full", "every2"] {
+    let mut policies = vec!["full", "every2"];
+    if selective {
+        train(dir, &format!("{name}-selective"), &sets(&["wrap.activation_checkpointing.policy=\"selective\""]));
+        policies.push("selective");
+    }
+    for policy in policies {
         assert_same_run(dir, &format!("{name}-none"), &format!("{name}-{policy}"));
     }
     // steps.parquet's recompute_s: the time spent recomputing, only where blocks are.
@@ -94,14 +100,23 @@ fn assert_checkpointing_changes_nothing(dir: &Path, name: &str, layout: &[&str])
     };
     assert_eq!(recompute(&format!("{name}-none")), 0.0, "{name}");
     assert!(recompute(&format!("{name}-full")) > 0.0, "{name}");
+    if selective {
+        assert!(recompute(&format!("{name}-selective")) > 0.0, "{name}");
+    }
 }
 
 #[test]
 fn checkpointed_transformer_blocks_give_the_same_bits_under_ddp_at_one_and_two_ranks() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", LM);
-    assert_checkpointing_changes_nothing(dir.path(), "ddp1", &[]);
-    assert_checkpointing_changes_nothing(dir.path(), "ddp2", &["run.world_size=2", "train.batch_size=4"]);
+    assert_checkpointing_changes_nothing(dir.path(), "ddp1", &[], true);
+    assert_checkpointing_changes_nothing(dir.path(), "ddp2", &["run.world_size=2", "train.batch_size=4"], true);
+    // Under bf16 autocast the kept products are bfloat16, and their gradients return to float32
+    // as a plain linear's do.
+    let bf16 = "train.precision=\"bf16\"";
+    train(dir.path(), "bf16-none", &[bf16.into()]);
+    train(dir.path(), "bf16-selective", &[bf16.into(), "wrap.activation_checkpointing.policy=\"selective\"".into()]);
+    assert_same_run(dir.path(), "bf16-none", "bf16-selective");
 }
 
 #[test]
@@ -109,11 +124,12 @@ fn checkpointed_transformer_blocks_give_the_same_bits_under_fsdp_at_one_and_two_
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", LM);
     let fsdp = "wrap.strategy=\"fsdp\"";
-    assert_checkpointing_changes_nothing(dir.path(), "fsdp1", &[fsdp]);
-    assert_checkpointing_changes_nothing(dir.path(), "fsdp2", &[fsdp, "run.world_size=2", "train.batch_size=4"]);
+    assert_checkpointing_changes_nothing(dir.path(), "fsdp1", &[fsdp], true);
+    assert_checkpointing_changes_nothing(dir.path(), "fsdp2", &[fsdp, "run.world_size=2", "train.batch_size=4"], true);
     // ZeRO-2 keeps each layer gathered until its backward: the recomputation reads it there too.
     let zero2 = "wrap.fsdp.reshard_after_forward=false";
-    assert_checkpointing_changes_nothing(dir.path(), "zero2", &[fsdp, zero2, "run.world_size=2", "train.batch_size=4"]);
+    let zero2 = [fsdp, zero2, "run.world_size=2", "train.batch_size=4"];
+    assert_checkpointing_changes_nothing(dir.path(), "zero2", &zero2, true);
 }
 
 #[test]
@@ -121,7 +137,7 @@ fn checkpointed_blocks_give_the_same_bits_in_a_pipeline_and_in_an_mlp_with_bf16(
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", LM);
     let pipeline = ["wrap.strategy=\"pipeline\"", "run.world_size=2", "wrap.pipeline.micro_batches=2"];
-    assert_checkpointing_changes_nothing(dir.path(), "pipe", &pipeline);
+    assert_checkpointing_changes_nothing(dir.path(), "pipe", &pipeline, true);
     // An MLP's hidden layers (activation, dropout, product), under autocast to bfloat16, on two
     // ranks: the recomputation casts as the forward did.
     let mlp = r#"
@@ -150,7 +166,7 @@ precision = "bf16"
 log_every_steps = 1
 "#;
     write(dir.path(), "p.toml", mlp);
-    assert_checkpointing_changes_nothing(dir.path(), "mlp", &[]);
+    assert_checkpointing_changes_nothing(dir.path(), "mlp", &[], false);
 }
 
 #[test]
@@ -168,7 +184,7 @@ fn the_plan_refuses_what_cannot_be_checkpointed() {
         assert!(stderr.contains(want), "{stderr}");
     };
     let full = "wrap.activation_checkpointing.policy=\"full\"";
-    refused(&["wrap.activation_checkpointing.policy=\"some\""], "`wrap.activation_checkpointing.policy` cannot be \"some\"; did you mean \"none\"? (one of: \"none\", \"full\")");
+    refused(&["wrap.activation_checkpointing.policy=\"some\""], "`wrap.activation_checkpointing.policy` cannot be \"some\"; did you mean \"none\"? (one of: \"none\", \"full\", \"selective\")");
     refused(
         &[full, "wrap.activation_checkpointing.every=0"],
         "`wrap.activation_checkpointing.every` (--set wrap.activation_checkpointing.every=0): must be at least 1 (1: \
@@ -185,6 +201,12 @@ fn the_plan_refuses_what_cannot_be_checkpointed() {
         "`wrap.activation_checkpointing.policy` (--set wrap.activation_checkpointing.policy=\"full\"): an MLP without hidden layers has no layer to recompute; set it to \
          \"none\" (a transformer's blocks and an MLP's hidden layers can be checkpointed)",
     );
+    refused(
+        &["wrap.activation_checkpointing.policy=\"selective\""],
+        "`wrap.activation_checkpointing.policy` (--set wrap.activation_checkpointing.policy=\"selective\"): \
+         \"selective\" recomputes a transformer block's norms and activation between its products, which an MLP's \
+         layers do not have; set it to \"full\"",
+    );
     let cnn = "[load]\nimage = [1, 8, 8]\nclasses = 3\nrows = 64\n\n[wrap.model]\nkind = \"cnn\"\n\
                conv = [{ channels = 4, kernel = 3, padding = 1, pool = \"max\" }]\n";
     write(dir.path(), "p.toml", cnn);
@@ -192,18 +214,21 @@ fn the_plan_refuses_what_cannot_be_checkpointed() {
 }
 
 /// The plan's activation model against the measured peak: a model whose activations are most
-/// of its memory ([`long_lm`]), without and with full checkpointing. The
-/// whole-process estimate holds within 15% of every rank's peak under each policy, and the peak
-/// falls by at least 60% of what the plan says checkpointing saves.
+/// of its memory ([`long_lm`]), without checkpointing, with full and with selective. The
+/// whole-process estimate holds within 15% of every rank's peak under each policy, the peak
+/// falls by at least 60% of what the plan says checkpointing saves, and selective's peak lies
+/// between the other two.
 #[test]
 fn the_estimate_holds_with_and_without_checkpointing_and_the_saving_is_measured() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", &long_lm());
     train(dir.path(), "none", &[]);
     train(dir.path(), "full", &["wrap.activation_checkpointing.policy=\"full\"".into()]);
-    let (none, full) = (dir.path().join("none"), dir.path().join("full"));
+    train(dir.path(), "selective", &["wrap.activation_checkpointing.policy=\"selective\"".into()]);
+    let (none, full, selective) = (dir.path().join("none"), dir.path().join("full"), dir.path().join("selective"));
     common::assert_estimate_holds(&none);
     common::assert_estimate_holds(&full);
+    common::assert_estimate_holds(&selective);
     let activations = |d: &Path| -> f64 {
         let plan: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(d.join("plan.json")).unwrap()).unwrap();
@@ -213,8 +238,14 @@ fn the_estimate_holds_with_and_without_checkpointing_and_the_saving_is_measured(
         let t = common::trace(d);
         t.column("peak_rss_bytes").unwrap().u64().unwrap().into_no_null_iter().max().unwrap() as f64
     };
-    let (planned, measured) = (activations(&none) - activations(&full), peak(&none) - peak(&full));
-    assert!(planned > 0.0 && measured >= 0.6 * planned, "saved {measured:.0} bytes, planned {planned:.0}");
+    for policy in [&full, &selective] {
+        let (planned, measured) = (activations(&none) - activations(policy), peak(&none) - peak(policy));
+        let name = policy.display();
+        assert!(planned > 0.0 && measured >= 0.6 * planned, "{name}: saved {measured:.0} bytes, planned {planned:.0}");
+    }
+    let mib = |d: &Path| peak(d) / 1048576.0;
+    let (n, f, s) = (mib(&none), mib(&full), mib(&selective));
+    assert!(f < s && s < n, "peaks: none {n:.0} MiB, selective {s:.0} MiB, full {f:.0} MiB");
 }
 
 /// A transformer whose activations are most of its memory: context 512, 6 blocks of width 128,
@@ -233,8 +264,9 @@ fn long_lm() -> String {
 }
 
 /// `run.memory_per_rank_mb` and `wrap.strategy = "auto"` turn checkpointing on before another
-/// strategy or more ranks, on the fewest blocks that fit, and say so; a policy set by hand is
-/// kept (and the refusal says checkpointing would fit); the run checkpoints as the plan chose.
+/// strategy or more ranks: selective where it fits (it recomputes no product), else full on the
+/// fewest blocks that fit, and say so; a policy set by hand is kept (and the refusal says
+/// checkpointing would fit); the run checkpoints as the plan chose.
 #[test]
 fn a_memory_limit_turns_checkpointing_on_before_another_strategy_or_more_ranks() {
     let dir = tempfile::tempdir().unwrap();
@@ -249,28 +281,28 @@ fn a_memory_limit_turns_checkpointing_on_before_another_strategy_or_more_ranks()
     let o = validate(&["run.memory_per_rank_mb=250"]);
     assert_ok(&o);
     let out = text(&o).0;
-    assert!(out.contains("activation checkpointing: full, every block (6 of 6 recomputed"), "{out}");
+    assert!(out.contains("activation checkpointing: selective, every block (6 of 6 keeping"), "{out}");
     assert!(
         out.contains(
-            "run.memory_per_rank_mb = 250 turned it on: a rank needs 206 MiB with it, 290 MiB without, under DDP at \
+            "run.memory_per_rank_mb = 250 turned it on: a rank needs 248 MiB with it, 290 MiB without, under DDP at \
              world size 1"
         ),
         "{out}"
     );
-    // Room for more activations: fewer blocks recomputed (every 3rd would need 270 MiB).
-    let o = validate(&["run.memory_per_rank_mb=265"]);
+    // Less room: full, on every block (every 2nd would need 254 MiB).
+    let o = validate(&["run.memory_per_rank_mb=230"]);
     assert_ok(&o);
     let out = text(&o).0;
-    assert!(out.contains("activation checkpointing: full, one block in 2 (3 of 6 recomputed"), "{out}");
-    assert!(out.contains("a rank needs 254 MiB with it, 290 MiB without"), "{out}");
+    assert!(out.contains("activation checkpointing: full, every block (6 of 6 recomputed"), "{out}");
+    assert!(out.contains("a rank needs 206 MiB with it, 290 MiB without"), "{out}");
     // auto tries checkpointing under DDP before FSDP.
     let o = validate(&["run.memory_per_rank_mb=250", "wrap.strategy=\"auto\"", "run.world_size=2", "load.rows=16"]);
     assert_ok(&o);
     let out = text(&o).0;
     assert!(
         out.contains(
-            "wrap.strategy = \"auto\": chose DDP with activation checkpointing (full, every block): a rank needs 206 \
-             MiB"
+            "wrap.strategy = \"auto\": chose DDP with activation checkpointing (selective, every block): a rank \
+             needs 248 MiB"
         ),
         "{out}"
     );
@@ -287,7 +319,7 @@ fn a_memory_limit_turns_checkpointing_on_before_another_strategy_or_more_ranks()
     // The run recomputes, and records the policy the plan chose.
     train(dir.path(), "limited", &["run.memory_per_rank_mb=250".into()]);
     let config = std::fs::read_to_string(dir.path().join("limited/config.toml")).unwrap();
-    assert!(config.contains("policy = \"full\""), "{config}");
+    assert!(config.contains("policy = \"selective\""), "{config}");
     let file = std::fs::File::open(dir.path().join("limited/steps.parquet")).expect("steps.parquet");
     let steps = ParquetReader::new(file).finish().unwrap();
     let recompute: f64 = steps.column("recompute_s").unwrap().f64().unwrap().into_no_null_iter().sum();

@@ -10,7 +10,7 @@
 //! stream, the norms' inputs, the residual dropout), though the gathered input of each
 //! column-parallel layer is whole.
 use super::Spec;
-use crate::config::schema::{FeedForward, Positions};
+use crate::config::schema::{CheckpointPolicy, FeedForward, Norm, Positions};
 use crate::model::Activations;
 
 /// float32: the residual stream, the loss's log-softmax.
@@ -70,6 +70,18 @@ pub(super) fn block_kept(s: &Spec, a: f64, p: Split) -> f64 {
     t * per_token + mlp_kept(s, a) / p.split + square
 }
 
+/// Bytes per sample a block keeps under selective checkpointing: [`block_kept`] less the
+/// products' inputs it recomputes (the two LayerNorms' outputs: an RMSNorm's stays kept, see
+/// block/selective.rs; the MLP's activation; where the fused attention kernel keeps its own
+/// output, the heads' merged copy of it).
+pub(super) fn selective_kept(s: &Spec, a: f64, p: Split) -> f64 {
+    let (d, t) = (s.d as f64, s.seq_len as f64);
+    let q = (s.heads * s.head_dim) as f64 / p.split;
+    let norms = if s.norm == Norm::Layernorm { 2.0 * a * d } else { 0.0 };
+    let merged = if s.dropout > 0.0 { 0.0 } else { a * q };
+    block_kept(s, a, p) - t * (norms + merged) - mlp_kept(s, a) / 2.0 / p.split
+}
+
 /// Bytes per sample the MLP of a block keeps: SwiGLU's gate and up product, the gate's SiLU and
 /// their product; GELU's product and its GELU. Its backward pass holds gradients of that size.
 fn mlp_kept(s: &Spec, a: f64) -> f64 {
@@ -86,8 +98,13 @@ pub(super) fn peak_bytes(s: &Spec, batch: usize, validation: usize, how: &Activa
     let p = Split::of(how);
     let kept = block_kept(s, a, p);
     let checkpointed = (0..s.layers).filter(|&i| how.checkpointing.applies(i)).count() as f64;
-    // A checkpointed block keeps only its input.
-    let blocks = checkpointed * F32 * t * d / p.sequence + (s.layers as f64 - checkpointed) * kept;
+    // A fully checkpointed block keeps only its input; a selective one its products' outputs.
+    let (each, recomputed) = match how.checkpointing.policy {
+        CheckpointPolicy::None => (kept, 0.0),
+        CheckpointPolicy::Full => (F32 * t * d / p.sequence, block_kept(s, F32, p)),
+        CheckpointPolicy::Selective => (selective_kept(s, a, p), mlp_kept(s, a) / 2.0 / p.split),
+    };
+    let blocks = checkpointed * each + (s.layers as f64 - checkpointed) * kept;
     let embedding = if s.dropout > 0.0 { 2.0 * F32 * t * d / p.sequence } else { 0.0 };
     // The logits (kept by the step, for its accuracy) and log-softmax's output (float32), and at
     // the start of the backward pass the gradients of both; the final norm's output.
@@ -96,9 +113,10 @@ pub(super) fn peak_bytes(s: &Spec, batch: usize, validation: usize, how: &Activa
     let part = if how.sequence { logits / p.sequence } else { 0.0 };
     let head = a * t * d / p.sequence + part + logits + 3.0 * F32 * t * v;
     // A block's backward pass holds its MLP's gradients at once, and a checkpointed block's
-    // recomputed values besides: under bf16 about their float32 size (the kernels' float32
-    // gradients and buffers; measured: docs/memory.md).
-    let backward = mlp_kept(s, a) / p.split + if checkpointed > 0.0 { block_kept(s, F32, p) } else { 0.0 };
+    // recomputed values besides: under full checkpointing about their float32 size under bf16
+    // too (the kernels' float32 gradients and buffers; measured: docs/memory.md); under
+    // selective, the largest recomputed input of a product (the MLP's activation).
+    let backward = mlp_kept(s, a) / p.split + if checkpointed > 0.0 { recomputed } else { 0.0 };
     let train = batch as f64 * (embedding + blocks + head.max(logits + backward));
     // Without gradients, a block's largest values at a time, and the logits with log-softmax's.
     let gated = if s.mlp == FeedForward::Swiglu { 2.0 } else { 1.0 };

@@ -9,10 +9,12 @@ use super::lora::{Adapters, BlockAdapters, Site};
 use std::sync::Arc;
 
 use super::Spec;
-use crate::config::schema::{ActivationCheckpointing, FeedForward, Norm, Positions};
+use crate::config::schema::{ActivationCheckpointing, CheckpointPolicy, FeedForward, Norm, Positions};
 use crate::model::tensor_group::TensorGroup;
 use crate::model::TensorSlice;
 use crate::rng::Rng;
+
+mod selective;
 
 /// Separates the layers' streams from other uses of the run's seed.
 const LAYER_STREAM: u64 = 0x7F0A_0000;
@@ -156,6 +158,9 @@ impl<'a> Stage<'a> {
         if !(train && self.tensor.is_none() && self.checkpointing.applies(self.first_block + i)) {
             return self.block_forward(block, h, rope, train);
         }
+        if self.checkpointing.policy == CheckpointPolicy::Selective {
+            return self.selective_block(block, h, rope, train);
+        }
         // The recomputation owns its block's parameters, the model's shape and the positions.
         let one = Stage {
             embed: None,
@@ -180,12 +185,8 @@ impl<'a> Stage<'a> {
     }
 
     fn norm(&self, x: &Tensor, (w, b): &Affine) -> Tensor {
-        let d = [self.s.d as i64];
         let (w, b) = (self.replicated(w), b.as_ref().map(|b| self.replicated(b)));
-        match self.s.norm {
-            Norm::Layernorm => x.layer_norm(d.as_slice(), Some(&w), b.as_ref(), self.s.eps, true),
-            Norm::Rmsnorm => x.rms_norm(d.as_slice(), Some(&w), self.s.eps),
-        }
+        norm(&self.s, x, &w, b.as_ref())
     }
 
     /// Under sequence parallelism, the tensor group the activations between the split layers are
@@ -251,16 +252,21 @@ impl<'a> Stage<'a> {
     }
 
     fn attention(&self, block: &Block, x: &Tensor, rope: Option<&(Tensor, Tensor)>, train: bool) -> Tensor {
+        // Under sequence parallelism, the whole sequence from the ranks' parts.
+        let x = self.enter(x);
+        let qkv = block.adapters.apply(Site::Qkv, &x, linear(&x, &block.qkv), train);
+        let y = merge_heads(&self.attend(&qkv, rope, train));
+        block.adapters.apply(Site::Proj, &y, self.leave(&y, &block.proj), train)
+    }
+
+    /// The attention's heads [B, heads, T, head_dim] from the product of the queries, keys and
+    /// values [B, T, ...].
+    fn attend(&self, qkv: &Tensor, rope: Option<&(Tensor, Tensor)>, train: bool) -> Tensor {
         let s = &self.s;
         let n = self.parts();
         let (hd, heads, kv) = (s.head_dim as i64, s.heads as i64 / n, s.kv_heads as i64 / n);
-        // Under sequence parallelism, the whole sequence from the ranks' parts.
-        let x = self.enter(x);
-        let (b, t) = (x.size()[0], x.size()[1]);
-        let qkv = block
-            .adapters
-            .apply(Site::Qkv, &x, linear(&x, &block.qkv), train)
-            .split_with_sizes([heads * hd, kv * hd, kv * hd], -1);
+        let (b, t) = (qkv.size()[0], qkv.size()[1]);
+        let qkv = qkv.split_with_sizes([heads * hd, kv * hd, kv * hd], -1);
         let split = |h: &Tensor, n: i64| h.view([b, t, n, hd]).transpose(1, 2);
         let (mut q, mut k, mut v) = (split(&qkv[0], heads), split(&qkv[1], kv), split(&qkv[2], kv));
         if let Some((cos, sin)) = rope {
@@ -276,7 +282,7 @@ impl<'a> Stage<'a> {
         }
         let p = if train { s.dropout } else { 0.0 };
         // A packed batch: each example attends within itself (the block-diagonal causal mask).
-        let y = super::packed::with(|packed| match (&self.tensor, packed) {
+        super::packed::with(|packed| match (&self.tensor, packed) {
             // libtorch's attention draws its mask for this rank's heads alone; one process
             // draws it for all of them.
             (Some(g), packed) if p > 0.0 => {
@@ -290,22 +296,12 @@ impl<'a> Stage<'a> {
             }
             (_, Some(pk)) => Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&pk.mask), p, false, None, false),
             (_, None) => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, p, true, None, false),
-        });
-        let y = y.transpose(1, 2).contiguous().view([b, t, heads * hd]);
-        block.adapters.apply(Site::Proj, &y, self.leave(&y, &block.proj), train)
+        })
     }
 
     fn mlp(&self, block: &Block, x: &Tensor, train: bool) -> Tensor {
         let x = self.enter(x);
-        let h = block.adapters.apply(Site::Fc, &x, linear(&x, &block.fc), train);
-        let h = match self.s.mlp {
-            FeedForward::Gelu => h.gelu("none"),
-            FeedForward::GeluTanh => h.gelu("tanh"),
-            FeedForward::Swiglu => {
-                let gate_up = h.chunk(2, -1);
-                gate_up[0].silu() * &gate_up[1]
-            }
-        };
+        let h = activation(self.s.mlp, &block.adapters.apply(Site::Fc, &x, linear(&x, &block.fc), train));
         block.adapters.apply(Site::Out, &h, self.leave(&h, &block.out), train)
     }
 }
@@ -316,6 +312,33 @@ fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let halves = x.chunk(2, -1);
     let rotated = Tensor::cat(&[-&halves[1], halves[0].shallow_clone()], -1);
     x * cos + rotated * sin
+}
+
+/// A norm of `s`'s kind over the model's width.
+fn norm(s: &Spec, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    let d = [s.d as i64];
+    match s.norm {
+        Norm::Layernorm => x.layer_norm(d.as_slice(), Some(w), b, s.eps, true),
+        Norm::Rmsnorm => x.rms_norm(d.as_slice(), Some(w), s.eps),
+    }
+}
+
+/// The MLP's activation of its first product.
+fn activation(mlp: FeedForward, h: &Tensor) -> Tensor {
+    match mlp {
+        FeedForward::Gelu => h.gelu("none"),
+        FeedForward::GeluTanh => h.gelu("tanh"),
+        FeedForward::Swiglu => {
+            let gate_up = h.chunk(2, -1);
+            gate_up[0].silu() * &gate_up[1]
+        }
+    }
+}
+
+/// The attention's heads [B, heads, T, head_dim] as the projection reads them: [B, T, heads × head_dim].
+fn merge_heads(y: &Tensor) -> Tensor {
+    let (b, heads, t, hd) = y.size4().expect("the attention's heads are [B, heads, T, head_dim]");
+    y.transpose(1, 2).contiguous().view([b, t, heads * hd])
 }
 
 fn linear(x: &Tensor, (w, b): &Affine) -> Tensor {
