@@ -1,7 +1,8 @@
 """Activation checkpointing, the runner beside PyTorch (docs/benchmarks.md): docs/memory.md's
 `long.toml` (6 blocks of width 128, 4 heads, vocabulary 512, batches of 4 windows, AdamW, one
-rank of 2 threads) at one context, without and with every block checkpointed, alternating the
-runner's runs and checkpoint_torch.py's (torch.utils.checkpoint, use_reentrant=False).
+rank of 2 threads) at one context, without checkpointing and with every block checkpointed,
+selective and full, alternating the runner's runs and checkpoint_torch.py's
+(torch.utils.checkpoint, use_reentrant=False; selective: torchtitan's op-level policy).
 
     .deps/reference/bin/python benches/reference/checkpoint_side_by_side.py [--runner
         target/debug/runner] [--seq-len 2048] [--rounds 2]
@@ -73,11 +74,12 @@ def main():
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
-    res = {(who, p): {"cpu": [], "peak": [], "base": []} for who in ["runner", "torch"] for p in ["none", "full"]}
+    policies = ["none", "selective", "full"]
+    res = {(who, p): {"cpu": [], "peak": [], "base": []} for who in ["runner", "torch"] for p in policies}
     with tempfile.TemporaryDirectory(prefix="ckpt-sbs-") as work:
         open(os.path.join(work, "long.toml"), "w").write(long_toml())
         for _ in range(a.rounds):
-            for policy in ["none", "full"]:
+            for policy in policies:
                 c1, _ = runner(a.runner, work, policy, a.seq_len, 1)
                 c4, peak = runner(a.runner, work, policy, a.seq_len, 4)
                 res["runner", policy]["cpu"].append((c4 - c1) / 3)
@@ -88,15 +90,16 @@ def main():
                 res["torch", policy]["base"].append(t["base_bytes"])
     mib = 1 << 20
     print(f"context {a.seq_len}, {a.rounds} round(s), medians")
-    print("| | peak none | peak full | saved | CPU s/step none | CPU s/step full | full / none |")
-    print("|---|---|---|---|---|---|---|")
+    print("| | policy | peak | saved | CPU s per step | / none |")
+    print("|---|---|---|---|---|---|")
     for who in ["runner", "torch"]:
-        m = {p: {k: statistics.median(v) for k, v in res[who, p].items() if v} for p in ["none", "full"]}
-        saved = m["none"]["peak"] - m["full"]["peak"]
-        print(
-            f"| {who} | {m['none']['peak'] / mib:.0f} MiB | {m['full']['peak'] / mib:.0f} MiB | {saved / mib:.0f} MiB "
-            f"| {m['none']['cpu']:.2f} | {m['full']['cpu']:.2f} | {m['full']['cpu'] / m['none']['cpu']:.2f}× |"
-        )
+        m = {p: {k: statistics.median(v) for k, v in res[who, p].items() if v} for p in policies}
+        for p in policies:
+            saved = m["none"]["peak"] - m[p]["peak"]
+            print(
+                f"| {who} | {p} | {m[p]['peak'] / mib:.0f} MiB | {saved / mib:.0f} MiB | {m[p]['cpu']:.2f} "
+                f"| {m[p]['cpu'] / m['none']['cpu']:.2f}× |"
+            )
     base = statistics.median(res["torch", "none"]["base"])
     print(f"PyTorch's process before its first step: {base / mib:.0f} MiB (libtorch and the model)")
 

@@ -1,9 +1,12 @@
 """The PyTorch side of activation checkpointing's side by side (docs/benchmarks.md,
 benches/reference/checkpoint_side_by_side.sh): the runner's transformer (transformer_torch.py's
 model) trained on random tokens with every block kept or checkpointed by
-torch.utils.checkpoint's non-reentrant variant (use_reentrant=False, as torchtitan uses it).
+torch.utils.checkpoint's non-reentrant variant (use_reentrant=False, as torchtitan uses it):
+"full" recomputes the whole block; "selective" is torchtitan's op-level policy
+(create_selective_checkpoint_contexts: the matrix products' and the attention's outputs saved,
+everything else recomputed).
 
-    python3 checkpoint_torch.py --policy none|full --seq-len 2048 [--layers 6 --d-model 128
+    python3 checkpoint_torch.py --policy none|selective|full --seq-len 2048 [--layers 6 --d-model 128
         --heads 4 --vocab 512 --batch 4 --steps 4 --threads 2]
 
 Prints one JSON line: the policy, the process's peak resident memory (ru_maxrss), its resident
@@ -21,9 +24,11 @@ import statistics
 import sys
 import time
 
+import functools
+
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from transformer_torch import Transformer  # noqa: E402
@@ -34,9 +39,33 @@ def rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+# torchtitan's op-level policy: what selective checkpointing keeps (the products and the attention).
+SAVED = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+}
+
+
+def keep_products(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def run_block(policy, block, h):
+    if policy == "full":
+        return checkpoint(block, h, use_reentrant=False)
+    if policy == "selective":
+        contexts = functools.partial(create_selective_checkpoint_contexts, keep_products)
+        return checkpoint(block, h, use_reentrant=False, context_fn=contexts)
+    return block(h)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--policy", choices=["none", "full"], required=True)
+    ap.add_argument("--policy", choices=["none", "selective", "full"], required=True)
     ap.add_argument("--seq-len", type=int, required=True)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--d-model", type=int, default=128)
@@ -55,7 +84,7 @@ def main():
     def forward(x):
         h = model.tok(x) + model.pos.weight[: x.shape[1]]
         for block in model.blocks:
-            h = checkpoint(block, h, use_reentrant=False) if a.policy == "full" else block(h)
+            h = run_block(a.policy, block, h)
         return model.head(model.ln_f(h))
 
     times, cpu, base = [], [], rss_bytes()

@@ -117,6 +117,12 @@ fn checkpointed_transformer_blocks_give_the_same_bits_under_ddp_at_one_and_two_r
     train(dir.path(), "bf16-none", &[bf16.into()]);
     train(dir.path(), "bf16-selective", &[bf16.into(), "wrap.activation_checkpointing.policy=\"selective\"".into()]);
     assert_same_run(dir.path(), "bf16-none", "bf16-selective");
+    // Llama's blocks (RMSNorm, kept; SwiGLU; no biases; one key and value head; RoPE), under bf16.
+    let llama = LM.replace("kind = \"transformer\"", "kind = \"transformer\"\nfamily = \"llama\"\nkv_heads = 1");
+    write(dir.path(), "p.toml", &llama);
+    train(dir.path(), "llama-none", &[bf16.into()]);
+    train(dir.path(), "llama-selective", &[bf16.into(), "wrap.activation_checkpointing.policy=\"selective\"".into()]);
+    assert_same_run(dir.path(), "llama-none", "llama-selective");
 }
 
 #[test]
