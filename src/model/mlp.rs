@@ -121,7 +121,7 @@ fn row_parallel(i: usize) -> bool {
 
 /// The built layers of an MLP: the whole model, or the contiguous layers one pipeline stage holds.
 #[derive(Debug)]
-struct MlpStage<'a> {
+struct MlpStage {
     /// Each layer with its index in the whole model (the activation goes before every layer but
     /// the model's first).
     layers: Vec<(usize, nn::Linear)>,
@@ -131,7 +131,7 @@ struct MlpStage<'a> {
     /// (its activation, dropout and product; the first layer reads the data).
     checkpointing: ActivationCheckpointing,
     /// Under tensor parallelism, the group the layers' pairs are split across.
-    tensor: Option<Arc<TensorGroup<'a>>>,
+    tensor: Option<Arc<TensorGroup>>,
 }
 
 /// A linear layer with tch's default initialisation (weights uniform in ±√(6 / in), biases in
@@ -161,15 +161,6 @@ pub(super) fn init_linear(
 /// Separates the layers' streams from other uses of the run's seed.
 const LAYER_STREAM: u64 = 0x1A7E_0000;
 
-/// Layer `i` (> 0) on the previous layer's output: the activation, dropout, the product.
-fn hidden_layer(layer: &nn::Linear, activation: Activation, dropout: f64, h: &Tensor, train: bool) -> Tensor {
-    let mut h = activate(activation, h);
-    if dropout > 0.0 {
-        h = h.dropout(dropout, train);
-    }
-    layer.forward(&h)
-}
-
 fn activate(activation: Activation, h: &Tensor) -> Tensor {
     match activation {
         Activation::Relu => h.relu(),
@@ -178,56 +169,88 @@ fn activate(activation: Activation, h: &Tensor) -> Tensor {
     }
 }
 
-impl ModuleT for MlpStage<'_> {
+impl ModuleT for MlpStage {
     fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
         let mut h = x.shallow_clone();
         for (i, layer) in &self.layers {
-            let (activation, dropout) = (self.activation, self.dropout);
-            h = if let Some(g) = &self.tensor {
-                self.split_layer(g, *i, layer, &h, train)
-            } else if *i == 0 {
-                layer.forward(&if h.dim() > 2 { h.flatten(1, -1) } else { h })
-            } else if train && self.checkpointing.applies(i - 1) {
-                // The recomputation owns its own handles on the layer's parameters.
+            let step = self.step(*i, layer);
+            h = if *i > 0 && train && self.checkpointing.applies(i - 1) {
+                // The recomputation owns its handles on the layer's parameters (and the group).
                 let params = [layer.ws.shallow_clone(), layer.bs.as_ref().expect("a bias").shallow_clone()];
-                let own = nn::Linear { ws: params[0].shallow_clone(), bs: Some(params[1].shallow_clone()) };
-                let recompute = move |x: &Tensor| hidden_layer(&own, activation, dropout, x, train);
+                let recompute = move |x: &Tensor| step.forward(x, train);
                 // A forward pass returns no Result: a failure ends the rank.
                 crate::dist::checkpoint(&h, &params, recompute).unwrap_or_else(|e| crate::checked::fail(e.to_string()))
             } else {
-                hidden_layer(layer, activation, dropout, &h, train)
+                step.forward(&h, train)
             };
         }
         h
     }
 }
 
-impl MlpStage<'_> {
-    /// Layer `i` under tensor parallelism (activation checkpointing is refused with it on the
-    /// plan): a column-parallel layer takes the whole input, a row-parallel one this rank's part
-    /// of it, its dropout drawn whole as one process draws it.
-    fn split_layer(&self, g: &TensorGroup, i: usize, layer: &nn::Linear, h: &Tensor, train: bool) -> Tensor {
-        let mut h = if i == 0 && h.dim() > 2 { h.flatten(1, -1) } else { h.shallow_clone() };
-        if i > 0 {
-            h = activate(self.activation, &h);
-            if self.dropout > 0.0 {
-                h = if row_parallel(i) {
-                    g.dropout(&h, self.dropout, 1, train)
+impl MlpStage {
+    fn step(&self, i: usize, layer: &nn::Linear) -> LayerStep {
+        let layer = nn::Linear { ws: layer.ws.shallow_clone(), bs: layer.bs.as_ref().map(Tensor::shallow_clone) };
+        let split = self.tensor.clone().map(|g| {
+            let column = !row_parallel(i) && self.layers.iter().any(|(j, _)| *j == i + 1);
+            (
+                g,
+                if row_parallel(i) {
+                    Split::Row
+                } else if column {
+                    Split::Column
                 } else {
-                    h.dropout(self.dropout, train)
-                };
-            }
+                    Split::Whole
+                },
+            )
+        });
+        LayerStep { first: i == 0, layer, activation: self.activation, dropout: self.dropout, split }
+    }
+}
+
+/// How a tensor rank runs a layer: column-parallel (a row-parallel partner follows it),
+/// row-parallel, or whole (a last layer without a partner).
+#[derive(Clone, Copy)]
+enum Split {
+    Column,
+    Row,
+    Whole,
+}
+
+/// One layer's step, owning what it reads: on the previous layer's output the activation,
+/// dropout and the product; the first layer reads the (flattened) data.
+struct LayerStep {
+    first: bool,
+    layer: nn::Linear,
+    activation: Activation,
+    dropout: f64,
+    split: Option<(Arc<TensorGroup>, Split)>,
+}
+
+impl LayerStep {
+    /// Under tensor parallelism a column-parallel layer takes the whole input and a row-parallel
+    /// one this rank's part of it, its dropout drawn whole as one process draws it.
+    fn forward(&self, h: &Tensor, train: bool) -> Tensor {
+        if self.first {
+            let h = if h.dim() > 2 { h.flatten(1, -1) } else { h.shallow_clone() };
+            return self.product(&h);
         }
-        match layer.bs.as_ref() {
-            Some(b) if row_parallel(i) => g.leave(&h.linear(&layer.ws, None::<Tensor>)) + b,
-            _ if self.tensor_column(i) => layer.forward(&g.enter(&h)),
-            _ => layer.forward(&h),
+        let mut h = activate(self.activation, h);
+        if self.dropout > 0.0 {
+            h = match &self.split {
+                Some((g, Split::Row)) => g.dropout(&h, self.dropout, 1, train),
+                _ => h.dropout(self.dropout, train),
+            };
         }
+        self.product(&h)
     }
 
-    /// Whether layer `i` is column-parallel: it has a row-parallel partner after it.
-    fn tensor_column(&self, i: usize) -> bool {
-        !row_parallel(i) && self.layers.iter().any(|(j, _)| *j == i + 1)
+    fn product(&self, h: &Tensor) -> Tensor {
+        match (&self.split, self.layer.bs.as_ref()) {
+            (Some((g, Split::Row)), Some(b)) => g.leave(&h.linear(&self.layer.ws, None::<Tensor>)) + b,
+            (Some((g, Split::Column)), _) => self.layer.forward(&g.enter(h)),
+            _ => self.layer.forward(h),
+        }
     }
 }
 

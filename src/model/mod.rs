@@ -38,7 +38,7 @@ pub struct BuildContext<'a> {
     /// The mesh's tensor group (`wrap.mesh.tensor` > 1): each layer holds its rank's slice of
     /// the parameters [`Architecture::tensor_slice`] cuts, and its forward pass sums the
     /// partial results across the group.
-    pub tensor: Option<Arc<tensor_group::TensorGroup<'a>>>,
+    pub tensor: Option<Arc<tensor_group::TensorGroup>>,
     /// Which blocks recompute their activations in the backward pass
     /// (`wrap.activation_checkpointing`; the plan allows it only for kinds that have blocks).
     pub checkpointing: ActivationCheckpointing,

@@ -18,16 +18,16 @@ use tch::Tensor;
 
 use crate::dist::ProcessGroup;
 
-pub struct TensorGroup<'pg> {
-    pg: &'pg ProcessGroup,
+pub struct TensorGroup {
+    pg: Arc<ProcessGroup>,
     /// Whether the activations outside the split layers are split along the sequence (dim 1).
     sequence: bool,
     failure: Mutex<Option<crate::dist::Error>>,
 }
 
-impl<'pg> TensorGroup<'pg> {
+impl TensorGroup {
     /// `sequence`: sequence parallelism (`wrap.mesh.sequence_parallel`).
-    pub fn new(pg: &'pg ProcessGroup, sequence: bool) -> Arc<TensorGroup<'pg>> {
+    pub fn new(pg: Arc<ProcessGroup>, sequence: bool) -> Arc<TensorGroup> {
         Arc::new(TensorGroup { pg, sequence, failure: Mutex::new(None) })
     }
 
@@ -45,8 +45,8 @@ impl<'pg> TensorGroup<'pg> {
         self.pg.size()
     }
 
-    pub fn group(&self) -> &'pg ProcessGroup {
-        self.pg
+    pub fn group(&self) -> &Arc<ProcessGroup> {
+        &self.pg
     }
 
     /// The failed collective of a forward pass, taken (none when every one succeeded).
@@ -149,7 +149,7 @@ impl<'pg> TensorGroup<'pg> {
     }
 }
 
-impl std::fmt::Debug for TensorGroup<'_> {
+impl std::fmt::Debug for TensorGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "TensorGroup(rank {} of {})", self.pg.rank(), self.pg.size())
     }

@@ -330,11 +330,11 @@ pub(super) fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&s
         );
     }
     // What is built: tensor parallelism within each copy of the model, DDP across the copies.
-    if c.wrap.activation_checkpointing.policy != crate::config::schema::CheckpointPolicy::None {
+    if c.wrap.activation_checkpointing.policy == crate::config::schema::CheckpointPolicy::Selective {
         bad(
             "wrap.activation_checkpointing.policy",
-            "recomputing a block split across tensor ranks is not built yet (docs/memory.md); use policy = \"none\" \
-             with wrap.mesh.tensor > 1, or tensor = 1"
+            "selective checkpointing of a block split across tensor ranks is not built (docs/memory.md); use \
+             policy = \"full\" with wrap.mesh.tensor > 1, or tensor = 1"
                 .into(),
         );
     }

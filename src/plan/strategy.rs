@@ -49,8 +49,9 @@ pub(super) fn besides_state(
     estimate(&c, d, layout, arch, 0.0).per_rank()
 }
 
-/// The blocks the run could checkpoint as the estimate counts them: a transformer's (the plan
-/// refuses checkpointing with LoRA, tensor parallelism and thread replicas); 0 otherwise (an
+/// The blocks the plan may checkpoint by itself: a transformer's (the plan refuses checkpointing
+/// with LoRA and thread replicas, and under tensor parallelism the selective policy the choice
+/// tries first); 0 otherwise (an
 /// MLP's estimate does not count what checkpointing saves), and on a resume that keeps the run's
 /// own policy (`own`: the source of its config.toml), which a resume may not change.
 pub(super) fn checkpointable(

@@ -185,6 +185,9 @@ fn tensor_bytes(
     }
     let layers = arch.layers();
     let values = |l: usize| layers[l].output.iter().product::<usize>() as f64;
+    // A checkpointed block (a transformer's layer l, an MLP's hidden layer l: block l - 1) runs
+    // its forward collectives again in the backward pass.
+    let recomputed = |l: usize| l > 0 && c.wrap.activation_checkpointing.applies(l - 1);
     // The values per row entering layer l (the data's, or the layer before's output).
     let input = |l: usize| if l == 0 { data_input.iter().product::<usize>() as f64 } else { values(l - 1) };
     match &c.wrap.model {
@@ -192,6 +195,7 @@ fn tensor_bytes(
         // whose input is the residual stream (the embeddings have a gradient).
         Model::Transformer(m) => {
             let blocks = stage.clone().filter(|&l| l > 0 && l + 1 < layers.len()).count() as f64;
+            let again = stage.clone().filter(|&l| l + 1 < layers.len() && recomputed(l)).count() as f64;
             let width = values(0);
             if c.wrap.mesh.sequence_parallel {
                 // A tied head uses the token embedding a second time.
@@ -201,19 +205,22 @@ fn tensor_bytes(
                     arch.parameters(stage.clone()).into_iter().filter(|(n, _)| arch.tensor_slice(n, 0, t).is_none());
                 let replicated = whole.map(|(_, s)| s.iter().product::<i64>() as f64).sum::<f64>() + tied;
                 let logits = values(layers.len() - 1);
-                return sequence_parallel(blocks, width, t as f64, rows, batches, replicated, logits);
+                // Each pair's all-gather and reduce-scatter again.
+                let recomputation = F * rows * again * 2.0 * (width / t as f64 + width);
+                return sequence_parallel(blocks, width, t as f64, rows, batches, replicated, logits) + recomputation;
             }
-            tensor(&vec![(width, true, width); 2 * blocks as usize], rows)
+            // Each pair's partial outputs all-reduced again.
+            tensor(&vec![(width, true, width); 2 * blocks as usize], rows) + F * rows * again * 2.0 * width
         }
         // Layers 0, 2, ... are column-parallel where a row-parallel partner follows; the first
         // layer's input (the data, or a stage's received activations) has a gradient past stage 0.
         Model::Mlp(_) => {
-            let pairs: Vec<(f64, bool, f64)> = stage
-                .clone()
-                .filter(|&l| l % 2 == 0 && l + 1 < stage.end)
-                .map(|l| (input(l), l > 0, values(l + 1)))
-                .collect();
-            tensor(&pairs, rows)
+            let columns = || stage.clone().filter(|&l| l % 2 == 0 && l + 1 < stage.end);
+            let pairs: Vec<(f64, bool, f64)> = columns().map(|l| (input(l), l > 0, values(l + 1))).collect();
+            // A recomputed row-parallel layer's partial outputs all-reduced again (a
+            // column-parallel layer's input is copied into the group: nothing sent forward).
+            let again: f64 = columns().map(|l| l + 1).filter(|&l| recomputed(l)).map(values).sum();
+            tensor(&pairs, rows) + F * rows * again
         }
         _ => 0.0,
     }

@@ -46,7 +46,7 @@ pub fn wrap<'pg>(
     // With wrap.sync_batchnorm under DDP or FSDP, batch norm's statistics cover the data-parallel
     // group: every rank of the job. The step reports a failed collective.
     let batch_norm = plan.syncs_batch_norm().then(|| StatsGroup::new(pg));
-    let tensor = groups.tensor().map(|g| TensorGroup::new(g, c.wrap.mesh.sequence_parallel));
+    let tensor = groups.tensor().map(|g| TensorGroup::new(g.clone(), c.wrap.mesh.sequence_parallel));
     let ctx = BuildContext { seed: c.run.seed, batch_norm, tensor, checkpointing: c.wrap.activation_checkpointing };
     if c.wrap.strategy == WrapStrategy::Fsdp {
         return wrap_sharded(plan, groups.data(pg), vs, arch.as_ref(), &ctx);
@@ -198,13 +198,13 @@ fn wrap_sharded<'pg>(
     let model: Box<dyn ModuleT + 'pg> = Box::new(ShardedModel::new(layers, sharded.clone()));
     let held: Vec<Tensor> = buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
     let tensor = ctx.tensor.clone().map(|g| {
-        let slices = Slices::new(arch, g.group());
+        let slices = Slices::new(arch, g.group().clone());
         (g, slices)
     });
     let parameters = crate::strategy::fsdp::Parameters { names, shapes, replicated };
     let strategy = Fsdp::new(plan, pg, sharded, parameters, &held, ctx.batch_norm.clone(), tensor)?;
     if let Some(file) = init.as_mut() {
-        let slices = strategy.slices().map(|tp| Slices::new(arch, tp.group()));
+        let slices = strategy.slices().map(|tp| Slices::new(arch, tp.group().clone()));
         // Under FSDP × TP: this rank's tensor slice read alone, then its rows of it.
         strategy.load_rows(|name, rows, shard| match slices.as_ref().and_then(|tp| Some((tp, tp.mine(name)?))) {
             Some((tp, slice)) => {

@@ -96,7 +96,7 @@ pub struct Fsdp<'pg> {
     /// Under tensor parallelism (FSDP × TP, torchtitan's 2-D): the tensor group, and what each
     /// of its ranks holds of each parameter. `pg` is then the mesh's data group, over which this
     /// rank's slices are sharded.
-    tensor: Option<(Arc<TensorGroup<'pg>>, Slices<'pg>)>,
+    tensor: Option<(Arc<TensorGroup>, Slices)>,
 }
 
 impl<'pg> Fsdp<'pg> {
@@ -108,7 +108,7 @@ impl<'pg> Fsdp<'pg> {
         parameters: Parameters,
         buffers: &[Tensor],
         batch_norm: Option<Arc<StatsGroup<'pg>>>,
-        tensor: Option<(Arc<TensorGroup<'pg>>, Slices<'pg>)>,
+        tensor: Option<(Arc<TensorGroup>, Slices)>,
     ) -> anyhow::Result<Fsdp<'pg>> {
         let buffers = if pg.size() > 1 { buffers.iter().map(Tensor::shallow_clone).collect() } else { Vec::new() };
         // Every rank starts from rank 0's buffers, as DDP's construction makes them.
@@ -139,7 +139,7 @@ impl<'pg> Fsdp<'pg> {
     }
 
     /// What each tensor rank holds of each parameter, under FSDP × TP.
-    pub fn slices(&self) -> Option<&Slices<'pg>> {
+    pub fn slices(&self) -> Option<&Slices> {
         self.tensor.as_ref().map(|(_, s)| s)
     }
 
@@ -204,6 +204,10 @@ impl<'pg> Fsdp<'pg> {
         loss.f_backward().map_err(|e| {
             self.pg.explain(crate::dist::Error::new("backward (gather and reduce-scatter)", e.to_string()))
         })?;
+        // A checkpointed block's recomputation ran its tensor collectives again.
+        if let Some(e) = self.tensor.as_ref().and_then(|(g, _)| g.failure()) {
+            return Err(e.into());
+        }
         self.sharded.finish_backward()?;
         if micro.sync && !self.replicated.is_empty() && self.pg.size() > 1 {
             let whole: Vec<Tensor> = self.replicated.iter().map(|(_, t)| t.shallow_clone()).collect();

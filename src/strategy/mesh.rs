@@ -1,5 +1,7 @@
 //! The mesh's process groups as the strategies use them: one per dimension, built once.
 use crate::config::schema::WrapStrategy;
+use std::sync::Arc;
+
 use crate::dist::ProcessGroup;
 use crate::plan::Plan;
 
@@ -26,7 +28,9 @@ pub(super) fn mesh_group(
 #[derive(Default)]
 pub struct MeshGroups {
     data: Option<ProcessGroup>,
-    tensor: Option<ProcessGroup>,
+    /// Shared with the tensor parallel layers, whose recomputation (activation checkpointing)
+    /// outlives any borrow of the step.
+    tensor: Option<Arc<ProcessGroup>>,
 }
 
 impl MeshGroups {
@@ -46,7 +50,7 @@ impl MeshGroups {
             WrapStrategy::Pipeline => None,
             _ => Some(group(crate::plan::mesh::Dim::Data)?),
         };
-        Ok(MeshGroups { data, tensor: Some(group(crate::plan::mesh::Dim::Tensor)?) })
+        Ok(MeshGroups { data, tensor: Some(Arc::new(group(crate::plan::mesh::Dim::Tensor)?)) })
     }
 
     /// The ranks that hold copies of this rank's part of the model: the data group, or `world`.
@@ -54,7 +58,7 @@ impl MeshGroups {
         self.data.as_ref().unwrap_or(world)
     }
 
-    pub fn tensor(&self) -> Option<&ProcessGroup> {
+    pub fn tensor(&self) -> Option<&Arc<ProcessGroup>> {
         self.tensor.as_ref()
     }
 }

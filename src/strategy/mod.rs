@@ -286,7 +286,7 @@ impl<'pg> Strategy<'pg> {
     /// the step sent. A pipeline's stages exchange activations over the job's group, point to
     /// point; its collectives there (the metrics, clipping's norm) belong to no one dimension.
     pub fn sent(&self) -> MeshBytes {
-        let tensor = self.slices().map(tensor::Slices::group);
+        let tensor = self.slices().map(|s| s.group().as_ref());
         match self {
             Strategy::Replica(r) => MeshBytes::of(Some(r.group()), tensor, None),
             Strategy::Fsdp(f) => MeshBytes::of(Some(f.group()), tensor, None),
@@ -295,7 +295,7 @@ impl<'pg> Strategy<'pg> {
     }
 
     /// Under tensor parallelism, what each rank of the tensor group holds of each parameter.
-    fn slices(&self) -> Option<&tensor::Slices<'pg>> {
+    fn slices(&self) -> Option<&tensor::Slices> {
         match self {
             Strategy::Replica(r) => r.slices(),
             Strategy::Fsdp(f) => f.slices(),

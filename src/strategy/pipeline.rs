@@ -59,7 +59,7 @@ pub struct Stage<'pg> {
     owners: std::collections::HashMap<String, usize>,
     /// Under tensor parallelism (pipeline × TP): the stage's tensor group, and what each of its
     /// ranks holds of each parameter. A stage's neighbours are then `tensor` ranks away.
-    tensor: Option<(Arc<TensorGroup<'pg>>, Slices<'pg>)>,
+    tensor: Option<(Arc<TensorGroup>, Slices)>,
 }
 
 /// The micro-batch sizes of a batch of `n` rows: `min(micro, n)` parts differing by at most one
@@ -76,7 +76,7 @@ impl<'pg> Stage<'pg> {
         plan: &Plan,
         pg: &'pg ProcessGroup,
         device: tch::Device,
-        tensor: Option<Arc<TensorGroup<'pg>>>,
+        tensor: Option<Arc<TensorGroup>>,
     ) -> crate::dist::Result<Stage<'pg>> {
         let rank = pg.rank();
         let c = &plan.config;
@@ -112,7 +112,7 @@ impl<'pg> Stage<'pg> {
             copies: plan.layout.world_size,
             owners,
             tensor: tensor.map(|g| {
-                let slices = Slices::new(arch.as_ref(), g.group());
+                let slices = Slices::new(arch.as_ref(), g.group().clone());
                 (g, slices)
             }),
         })
@@ -139,11 +139,12 @@ impl<'pg> Stage<'pg> {
         self.replicas.as_ref()
     }
 
-    pub fn slices(&self) -> Option<&Slices<'pg>> {
+    pub fn slices(&self) -> Option<&Slices> {
         self.tensor.as_ref().map(|(_, s)| s)
     }
 
-    /// A collective of the tensor group that failed in the last forward pass.
+    /// A collective of the tensor group that failed in the last forward pass (or a checkpointed
+    /// block's recomputation).
     pub fn tensor_failure(&self) -> Option<crate::dist::Error> {
         self.tensor.as_ref().and_then(|(g, _)| g.failure())
     }
@@ -460,6 +461,10 @@ impl<'a, 'pg> Step<'a, 'pg> {
         };
         let t = device::clock::mark(self.stage.device);
         target.f_backward()?;
+        // A checkpointed block's recomputation ran its tensor collectives again.
+        if let Some(e) = self.stage.tensor_failure() {
+            return Err(e.into());
+        }
         self.out.backward += device::Span::between(&t, &device::clock::mark(self.stage.device));
         Ok(())
     }

@@ -46,7 +46,7 @@ pub struct Replica<'pg> {
     /// Under tensor parallelism: the group the layers are split across (whose forward pass can
     /// leave a failed collective), and what each rank holds of each parameter. `pg` is then the
     /// mesh's data group.
-    tensor: Option<(Arc<TensorGroup<'pg>>, Slices<'pg>)>,
+    tensor: Option<(Arc<TensorGroup>, Slices)>,
 }
 
 impl<'pg> Replica<'pg> {
@@ -66,7 +66,7 @@ impl<'pg> Replica<'pg> {
         let c = &plan.config;
         let batch_norm = ctx.batch_norm.clone();
         let tensor = ctx.tensor.clone().map(|g| {
-            let slices = Slices::new(plan.model().as_ref(), g.group());
+            let slices = Slices::new(plan.model().as_ref(), g.group().clone());
             (g, slices)
         });
         let average_after = threads.is_some() && c.wrap.strategy == WrapStrategy::Ddp && pg.size() > 1;
@@ -109,7 +109,7 @@ impl<'pg> Replica<'pg> {
         self.pg
     }
 
-    pub fn slices(&self) -> Option<&Slices<'pg>> {
+    pub fn slices(&self) -> Option<&Slices> {
         self.tensor.as_ref().map(|(_, s)| s)
     }
 
@@ -187,6 +187,10 @@ impl<'pg> Replica<'pg> {
         }
         loss.f_backward()
             .map_err(|e| self.pg.explain(crate::dist::Error::new("backward (gradient all-reduce)", e.to_string())))?;
+        // A checkpointed block's recomputation ran its tensor collectives again.
+        if let Some(e) = self.tensor.as_ref().and_then(|(g, _)| g.failure()) {
+            return Err(e.into());
+        }
         let backward = timer.since(&t2);
         let times = match self.ddp.as_mut() {
             Some(ddp) if micro.sync && (timer.traced() || self.iteration <= 10) => ddp.reducer_times(self.iteration)?,

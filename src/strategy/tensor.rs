@@ -8,19 +8,21 @@ use std::collections::HashMap;
 
 use tch::Tensor;
 
+use std::sync::Arc;
+
 use crate::dist::ProcessGroup;
 use crate::model::{Architecture, TensorSlice};
 
-pub struct Slices<'pg> {
-    group: &'pg ProcessGroup,
+pub struct Slices {
+    group: Arc<ProcessGroup>,
     /// Each split parameter's slice on every rank of the group, by name.
     slices: HashMap<String, Vec<TensorSlice>>,
     /// The whole shapes of the split parameters.
     shapes: HashMap<String, Vec<i64>>,
 }
 
-impl<'pg> Slices<'pg> {
-    pub fn new(arch: &dyn Architecture, group: &'pg ProcessGroup) -> Slices<'pg> {
+impl Slices {
+    pub fn new(arch: &dyn Architecture, group: Arc<ProcessGroup>) -> Slices {
         let n = group.size();
         let (mut slices, mut shapes) = (HashMap::new(), HashMap::new());
         for (name, shape) in arch.parameters(0..arch.layers().len()) {
@@ -33,8 +35,8 @@ impl<'pg> Slices<'pg> {
         Slices { group, slices, shapes }
     }
 
-    pub fn group(&self) -> &'pg ProcessGroup {
-        self.group
+    pub fn group(&self) -> &Arc<ProcessGroup> {
+        &self.group
     }
 
     /// The whole shape of `name` (parameter `param`'s tensor, or its optimizer state), given

@@ -1,7 +1,7 @@
 //! `wrap.activation_checkpointing`: recomputing blocks in the backward pass gives the same bits
 //! as keeping their activations (every trace column but the timings, and the final model's
-//! bytes), with dropout, under DDP and FSDP at one and two ranks and in a pipeline, for a
-//! transformer and an MLP; the plan's refusals.
+//! bytes), with dropout, under DDP and FSDP at one and two ranks, in a pipeline and under tensor
+//! parallelism, for a transformer and an MLP; the plan's refusals.
 use crate::common;
 
 use std::path::Path;
@@ -173,6 +173,43 @@ log_every_steps = 1
 "#;
     write(dir.path(), "p.toml", mlp);
     assert_checkpointing_changes_nothing(dir.path(), "mlp", &[], false);
+}
+
+/// Under tensor parallelism the recomputation runs the block's collectives again (its
+/// all-reduces, or under sequence parallelism its all-gathers and reduce-scatters): the same bits
+/// at TP = 2, with and without sequence parallelism, under FSDP × TP at 4 ranks, and for an MLP's
+/// split pairs; selective is refused by name.
+#[test]
+fn checkpointed_blocks_give_the_same_bits_under_tensor_parallelism() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", LM);
+    let tp = ["run.world_size=2", "wrap.mesh.tensor=2"];
+    assert_checkpointing_changes_nothing(dir.path(), "tp2", &tp, false);
+    let sp = ["run.world_size=2", "wrap.mesh.tensor=2", "wrap.mesh.sequence_parallel=true"];
+    assert_checkpointing_changes_nothing(dir.path(), "sp2", &sp, false);
+    let fsdp_tp = ["run.world_size=4", "wrap.mesh.tensor=2", "wrap.strategy=\"fsdp\"", "train.batch_size=4"];
+    assert_checkpointing_changes_nothing(dir.path(), "fsdp-tp", &fsdp_tp, false);
+    let o = run(
+        &[
+            "validate",
+            "p.toml",
+            "--set",
+            tp[0],
+            "--set",
+            tp[1],
+            "--set",
+            "wrap.activation_checkpointing.policy=\"selective\"",
+        ],
+        dir.path(),
+    );
+    let (_, stderr) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("selective checkpointing of a block split across tensor ranks is not built"), "{stderr}");
+    let mlp = "[run]\nseed = 3\nworld_size = 2\n\n[load]\nrows = 128\nfeatures = 6\nclasses = 3\n\n\
+               [wrap.model]\nhidden = [32, 32, 16]\ndropout = 0.3\n\n[wrap.mesh]\ntensor = 2\n\n\
+               [train]\nsteps = 8\nbatch_size = 8\n\n[trace]\nlog_every_steps = 1\n";
+    write(dir.path(), "p.toml", mlp);
+    assert_checkpointing_changes_nothing(dir.path(), "mlp-tp", &[], false);
 }
 
 #[test]

@@ -201,6 +201,11 @@ fn bytes_sent_per_mesh_dimension_are_measured_equal_the_model_s_shapes_and_the_p
     train("pp-tp", &[&pp_tp[..], &["--set", "wrap.pipeline.micro_batches=2"]].concat());
     train("ddp-tp", &["--set", "run.world_size=4", "--set", "wrap.mesh.tensor=2"]);
     train("sp", &["--set", "wrap.mesh.tensor=2", "--set", "wrap.mesh.sequence_parallel=true"]);
+    // Checkpointed blocks run their forward collectives again in the backward pass.
+    let full = ["--set", "wrap.activation_checkpointing.policy=\"full\""];
+    train("tp-ac", &[&["--set", "wrap.mesh.tensor=2"][..], &full].concat());
+    let sp = ["--set", "wrap.mesh.tensor=2", "--set", "wrap.mesh.sequence_parallel=true"];
+    train("sp-ac", &[&sp[..], &full, &["--set", "wrap.activation_checkpointing.every=2"]].concat());
     let said = "bytes sent per step per rank, predicted (the trace measures them: sent_data_bytes, sent_tensor_bytes, \
                 sent_pipeline_bytes):\n      ranks 0, 1: data 0 B, tensor 64.0 KiB, pipeline 0 B";
     assert!(tp.contains(said), "{tp}");
@@ -239,20 +244,25 @@ fn bytes_sent_per_mesh_dimension_are_measured_equal_the_model_s_shapes_and_the_p
     // Each data group all-reduces a tensor rank's slices; the tensor groups see 16 rows each.
     expect("ddp-tp", None);
     expect("sp", None);
+    // Both blocks' two partial outputs all-reduced again.
+    expect("tp-ac", Some([0.0, (2.0 * 4.0 + 2.0 * 2.0) * activations, 0.0]));
+    expect("sp-ac", None);
 }
 
 /// An MLP of two split pairs (5 → 16 → 16 → 16 → 3) with `train.clip_grad_norm`, on 600 rows in
 /// batches of 16 (a short last batch each epoch): the plan's prediction, the epoch's mean per
-/// step, equals what each rank measured under TP = 2, DDP × TP (2 × 2) and two copies of a
-/// 2-stage pipeline.
+/// step, equals what each rank measured under TP = 2 (with and without activation
+/// checkpointing), DDP × TP (2 × 2) and two copies of a 2-stage pipeline.
 #[test]
 fn an_mlp_s_predicted_bytes_equal_the_measured_with_clipping_and_short_batches() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", TINY);
     let both = ["--set", "wrap.model.hidden=[16, 16, 16]", "--set", "train.clip_grad_norm=1.0"];
     let four = ["--set", "run.world_size=4"];
-    let runs: [(&str, Vec<&str>); 3] = [
+    let runs: [(&str, Vec<&str>); 4] = [
         ("tp", vec!["--set", "wrap.mesh.tensor=2"]),
+        // Each recomputed row-parallel layer all-reduces its partial outputs again.
+        ("tp-ac", vec!["--set", "wrap.mesh.tensor=2", "--set", "wrap.activation_checkpointing.policy=\"full\""]),
         ("ddp-tp", [&four[..], &["--set", "wrap.mesh.tensor=2"]].concat()),
         ("pp-copies", [&four[..], &["--set", "wrap.strategy=\"pipeline\"", "--set", "wrap.mesh.data=2"]].concat()),
     ];

@@ -62,7 +62,7 @@ struct Head {
 }
 
 #[derive(Debug)]
-pub struct Stage<'a> {
+pub struct Stage {
     /// The token embedding, and the position table with learned positions.
     embed: Option<(Tensor, Option<Tensor>)>,
     blocks: Vec<Block>,
@@ -70,7 +70,7 @@ pub struct Stage<'a> {
     s: Spec,
     /// Under tensor parallelism, the group the blocks' heads and hidden units are split across:
     /// this rank holds 1 / its size of each block's `qkv`, `proj`, `fc` and `out`.
-    tensor: Option<Arc<TensorGroup<'a>>>,
+    tensor: Option<Arc<TensorGroup>>,
     /// The model's index of the first block here (a pipeline stage or an FSDP layer holds a part).
     first_block: usize,
     /// Which blocks recompute their activations in the backward pass.
@@ -80,7 +80,7 @@ pub struct Stage<'a> {
 /// What a tensor rank holds of a parameter, by its name in the whole model (`None`: whole).
 pub type Slicer<'s> = &'s dyn Fn(&str, usize, usize) -> Option<TensorSlice>;
 
-impl<'a> Stage<'a> {
+impl Stage {
     /// Layers `range` of the model `s`, under `p`, each drawn from its own stream of (`seed`,
     /// layer) in a fixed order; under `tensor`, each parameter drawn whole and this rank's slice
     /// of it (`slice`) kept, so the tensor ranks together hold the one-process model; each block
@@ -90,10 +90,10 @@ impl<'a> Stage<'a> {
         p: &nn::Path,
         range: Range<usize>,
         seed: u64,
-        tensor: Option<Arc<TensorGroup<'a>>>,
+        tensor: Option<Arc<TensorGroup>>,
         slice: Slicer,
         lora: Option<&Adapters>,
-    ) -> Stage<'a> {
+    ) -> Stage {
         let at = tensor.as_ref().map(|g| (g.rank(), g.size()));
         let cut = |name: &str| at.and_then(|(k, n)| slice(name, k, n));
         let (first_block, checkpointing) = (range.start.max(1) - 1, ActivationCheckpointing::default());
@@ -146,7 +146,7 @@ impl<'a> Stage<'a> {
     }
 
     /// The stage with its blocks checkpointed as `checkpointing` says.
-    pub fn with_checkpointing(self, checkpointing: ActivationCheckpointing) -> Stage<'a> {
+    pub fn with_checkpointing(self, checkpointing: ActivationCheckpointing) -> Stage {
         Stage { checkpointing, ..self }
     }
 
@@ -154,20 +154,20 @@ impl<'a> Stage<'a> {
     /// activations, and again in the backward pass (crate::dist::checkpoint: the same bits).
     fn block(&self, i: usize, h: &Tensor, rope: Option<&(Tensor, Tensor)>, train: bool) -> Tensor {
         let block = &self.blocks[i];
-        // Under tensor parallelism (the plan refuses checkpointing with it) every block is kept.
-        if !(train && self.tensor.is_none() && self.checkpointing.applies(self.first_block + i)) {
+        if !(train && self.checkpointing.applies(self.first_block + i)) {
             return self.block_forward(block, h, rope, train);
         }
         if self.checkpointing.policy == CheckpointPolicy::Selective {
             return self.selective_block(block, h, rope, train);
         }
-        // The recomputation owns its block's parameters, the model's shape and the positions.
+        // The recomputation owns its block's parameters, the model's shape, the positions and,
+        // under tensor parallelism, the group whose collectives it runs again.
         let one = Stage {
             embed: None,
             blocks: vec![block.shallow_clone()],
             head: None,
             s: self.s.clone(),
-            tensor: None,
+            tensor: self.tensor.clone(),
             first_block: 0,
             checkpointing: ActivationCheckpointing::default(),
         };
@@ -191,7 +191,7 @@ impl<'a> Stage<'a> {
 
     /// Under sequence parallelism, the tensor group the activations between the split layers are
     /// split across along the sequence.
-    fn sequence(&self) -> Option<&TensorGroup<'a>> {
+    fn sequence(&self) -> Option<&TensorGroup> {
         self.tensor.as_deref().filter(|g| g.sequence_parallel())
     }
 
@@ -345,7 +345,7 @@ fn linear(x: &Tensor, (w, b): &Affine) -> Tensor {
     x.linear(w, b.as_ref())
 }
 
-impl ModuleT for Stage<'_> {
+impl ModuleT for Stage {
     fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
         // The whole sequence's length: under sequence parallelism, a block's input is this rank's part.
         let parts = if self.embed.is_none() && self.sequence().is_some() { self.parts() } else { 1 };

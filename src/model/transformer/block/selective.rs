@@ -15,7 +15,7 @@ use tch::Tensor;
 use super::{activation, linear, merge_heads, norm, Affine, Block, Stage};
 use crate::config::schema::Norm;
 
-impl Stage<'_> {
+impl Stage {
     /// Block `block` on `h` in training, keeping only the products' and the attention's outputs
     /// (besides the block's input and first residual sum). Not under tensor parallelism, nor with
     /// LoRA's adapters (the plan refuses both with checkpointing).
