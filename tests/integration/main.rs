@@ -5,6 +5,7 @@
 mod common;
 
 mod activations;
+mod activations_table;
 mod architecture;
 mod bench;
 mod big_data;
