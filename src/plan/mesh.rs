@@ -330,14 +330,6 @@ pub(super) fn tensor_problems(c: &Config, tensor: usize, bad: &mut impl FnMut(&s
         );
     }
     // What is built: tensor parallelism within each copy of the model, DDP across the copies.
-    if c.wrap.activation_checkpointing.policy == crate::config::schema::CheckpointPolicy::Selective {
-        bad(
-            "wrap.activation_checkpointing.policy",
-            "selective checkpointing of a block split across tensor ranks is not built (docs/memory.md); use \
-             policy = \"full\" with wrap.mesh.tensor > 1, or tensor = 1"
-                .into(),
-        );
-    }
     if c.wrap.threads_per_replica.is_some() {
         bad(
             "wrap.threads_per_replica",

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use super::memory::Shapes;
 use super::Plan;
-use crate::config::schema::{Config, Model, Precision, WrapStrategy};
+use crate::config::schema::{CheckpointPolicy, Config, Model, Norm, Precision, WrapStrategy};
 use crate::model::Architecture;
 
 /// Bytes of one float32 value: gradients, parameters and (in float32 training) activations
@@ -196,21 +196,18 @@ fn tensor_bytes(
         Model::Transformer(m) => {
             let blocks = stage.clone().filter(|&l| l > 0 && l + 1 < layers.len()).count() as f64;
             let again = stage.clone().filter(|&l| l + 1 < layers.len() && recomputed(l)).count() as f64;
-            let width = values(0);
-            if c.wrap.mesh.sequence_parallel {
+            let (width, sp, s) = (values(0), c.wrap.mesh.sequence_parallel, crate::model::transformer::Spec::of(m));
+            let recomputation = F * rows * again * recomputed_per_row(c, &s, width, t as f64);
+            if sp {
                 // A tied head uses the token embedding a second time.
-                let s = crate::model::transformer::Spec::of(m);
                 let tied = if s.tied { (s.vocab * s.d) as f64 } else { 0.0 };
                 let whole =
                     arch.parameters(stage.clone()).into_iter().filter(|(n, _)| arch.tensor_slice(n, 0, t).is_none());
                 let replicated = whole.map(|(_, s)| s.iter().product::<i64>() as f64).sum::<f64>() + tied;
                 let logits = values(layers.len() - 1);
-                // Each pair's all-gather and reduce-scatter again.
-                let recomputation = F * rows * again * 2.0 * (width / t as f64 + width);
                 return sequence_parallel(blocks, width, t as f64, rows, batches, replicated, logits) + recomputation;
             }
-            // Each pair's partial outputs all-reduced again.
-            tensor(&vec![(width, true, width); 2 * blocks as usize], rows) + F * rows * again * 2.0 * width
+            tensor(&vec![(width, true, width); 2 * blocks as usize], rows) + recomputation
         }
         // Layers 0, 2, ... are column-parallel where a row-parallel partner follows; the first
         // layer's input (the data, or a stage's received activations) has a gradient past stage 0.
@@ -222,6 +219,21 @@ fn tensor_bytes(
             let again: f64 = columns().map(|l| l + 1).filter(|&l| recomputed(l)).map(values).sum();
             tensor(&pairs, rows) + F * rows * again
         }
+        _ => 0.0,
+    }
+}
+
+/// Values per row a checkpointed transformer block of `width` values per row sends again over
+/// `t` tensor ranks in its recomputation: under full checkpointing its forward (each pair's
+/// partial outputs all-reduced, or under sequence parallelism each pair's all-gather and
+/// reduce-scatter); under selective, with sequence parallelism and LayerNorm, each pair's
+/// all-gather (what a product's segment recomputes after the norm; an RMSNorm's output is kept).
+fn recomputed_per_row(c: &Config, s: &crate::model::transformer::Spec, width: f64, t: f64) -> f64 {
+    let sp = c.wrap.mesh.sequence_parallel;
+    match c.wrap.activation_checkpointing.policy {
+        CheckpointPolicy::Full if sp => 2.0 * (width / t + width),
+        CheckpointPolicy::Full => 2.0 * width,
+        CheckpointPolicy::Selective if sp && s.norm == Norm::Layernorm => 2.0 * width / t,
         _ => 0.0,
     }
 }

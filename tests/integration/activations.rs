@@ -177,34 +177,23 @@ log_every_steps = 1
 
 /// Under tensor parallelism the recomputation runs the block's collectives again (its
 /// all-reduces, or under sequence parallelism its all-gathers and reduce-scatters): the same bits
-/// at TP = 2, with and without sequence parallelism, under FSDP × TP at 4 ranks, and for an MLP's
-/// split pairs; selective is refused by name.
+/// under full and selective checkpointing at TP = 2, with and without sequence parallelism, under
+/// FSDP × TP at 4 ranks, for Llama's blocks, and for an MLP's split pairs.
 #[test]
 fn checkpointed_blocks_give_the_same_bits_under_tensor_parallelism() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "p.toml", LM);
     let tp = ["run.world_size=2", "wrap.mesh.tensor=2"];
-    assert_checkpointing_changes_nothing(dir.path(), "tp2", &tp, false);
+    assert_checkpointing_changes_nothing(dir.path(), "tp2", &tp, true);
     let sp = ["run.world_size=2", "wrap.mesh.tensor=2", "wrap.mesh.sequence_parallel=true"];
-    assert_checkpointing_changes_nothing(dir.path(), "sp2", &sp, false);
+    assert_checkpointing_changes_nothing(dir.path(), "sp2", &sp, true);
     let fsdp_tp = ["run.world_size=4", "wrap.mesh.tensor=2", "wrap.strategy=\"fsdp\"", "train.batch_size=4"];
-    assert_checkpointing_changes_nothing(dir.path(), "fsdp-tp", &fsdp_tp, false);
-    let o = run(
-        &[
-            "validate",
-            "p.toml",
-            "--set",
-            tp[0],
-            "--set",
-            tp[1],
-            "--set",
-            "wrap.activation_checkpointing.policy=\"selective\"",
-        ],
-        dir.path(),
-    );
-    let (_, stderr) = text(&o);
-    assert_eq!(o.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("selective checkpointing of a block split across tensor ranks is not built"), "{stderr}");
+    assert_checkpointing_changes_nothing(dir.path(), "fsdp-tp", &fsdp_tp, true);
+    // Llama's blocks (an RMSNorm's output kept, SwiGLU's gate and up split together), with
+    // sequence parallelism.
+    let llama = LM.replace("kind = \"transformer\"", "kind = \"transformer\"\nfamily = \"llama\"\nkv_heads = 2");
+    write(dir.path(), "p.toml", &llama);
+    assert_checkpointing_changes_nothing(dir.path(), "llama-sp2", &sp, true);
     let mlp = "[run]\nseed = 3\nworld_size = 2\n\n[load]\nrows = 128\nfeatures = 6\nclasses = 3\n\n\
                [wrap.model]\nhidden = [32, 32, 16]\ndropout = 0.3\n\n[wrap.mesh]\ntensor = 2\n\n\
                [train]\nsteps = 8\nbatch_size = 8\n\n[trace]\nlog_every_steps = 1\n";

@@ -206,6 +206,8 @@ fn bytes_sent_per_mesh_dimension_are_measured_equal_the_model_s_shapes_and_the_p
     train("tp-ac", &[&["--set", "wrap.mesh.tensor=2"][..], &full].concat());
     let sp = ["--set", "wrap.mesh.tensor=2", "--set", "wrap.mesh.sequence_parallel=true"];
     train("sp-ac", &[&sp[..], &full, &["--set", "wrap.activation_checkpointing.every=2"]].concat());
+    // Selective recomputes a LayerNorm and the all-gather after it.
+    train("sp-sel", &[&sp[..], &["--set", "wrap.activation_checkpointing.policy=\"selective\""]].concat());
     let said = "bytes sent per step per rank, predicted (the trace measures them: sent_data_bytes, sent_tensor_bytes, \
                 sent_pipeline_bytes):\n      ranks 0, 1: data 0 B, tensor 64.0 KiB, pipeline 0 B";
     assert!(tp.contains(said), "{tp}");
@@ -247,6 +249,7 @@ fn bytes_sent_per_mesh_dimension_are_measured_equal_the_model_s_shapes_and_the_p
     // Both blocks' two partial outputs all-reduced again.
     expect("tp-ac", Some([0.0, (2.0 * 4.0 + 2.0 * 2.0) * activations, 0.0]));
     expect("sp-ac", None);
+    expect("sp-sel", None);
 }
 
 /// An MLP of two split pairs (5 → 16 → 16 → 16 → 3) with `train.clip_grad_norm`, on 600 rows in

@@ -12,13 +12,16 @@
 //! and the residual branches' dropout stay as they are (no segment draws random numbers).
 use tch::Tensor;
 
-use super::{activation, linear, merge_heads, norm, Affine, Block, Stage};
+use super::{activation, linear, merge_heads, Affine, Block, Stage};
 use crate::config::schema::Norm;
 
 impl Stage {
     /// Block `block` on `h` in training, keeping only the products' and the attention's outputs
-    /// (besides the block's input and first residual sum). Not under tensor parallelism, nor with
-    /// LoRA's adapters (the plan refuses both with checkpointing).
+    /// (besides the block's input and first residual sum). Under tensor parallelism each
+    /// column-parallel product's segment ends with the copy (or, under sequence parallelism, the
+    /// all-gather) into the group, run again with it; a row-parallel product's partial output is
+    /// summed over the group after the node, its bias added once, as without checkpointing. Not
+    /// with LoRA's adapters (the plan refuses them with checkpointing).
     pub(super) fn selective_block(
         &self,
         block: &Block,
@@ -28,29 +31,54 @@ impl Stage {
     ) -> Tensor {
         let qkv = self.normed_product(h, &block.ln1, &block.qkv);
         let heads = self.attend(&qkv, rope, train);
-        let merged = product(&heads, &[], &block.proj, |y: &Tensor| merge_heads(y));
+        let merged = self.row_product(&heads, &block.proj, |y: &Tensor| merge_heads(y));
         let h = h + self.dropout(&merged, train);
         let hidden = self.normed_product(&h, &block.ln2, &block.fc);
         let mlp = self.s.mlp;
-        let out = product(&hidden, &[], &block.out, move |x: &Tensor| activation(mlp, x));
+        let out = self.row_product(&hidden, &block.out, move |x: &Tensor| activation(mlp, x));
         &h + self.dropout(&out, train)
     }
 
-    /// `linear(norm(x))`, keeping `x` and recomputing the norm where the norm is one autograd
-    /// node (LayerNorm). An RMSNorm's output is kept as without checkpointing: libtorch composes
-    /// it of element-wise ops (on the CPU), two of which read `x` (its square and its scaling),
-    /// so with the residual stream's use `x`'s gradient is a sum of three, which autograd adds in
-    /// the order they arrive, (residual + scaling) + square; a node returning the norm's two as
-    /// one sum would add residual + (scaling + square): a few ulps off "none".
+    /// `linear(enter(norm(x)))`, keeping `x` and recomputing the norm (and the group's copy)
+    /// where the norm is one autograd node (LayerNorm). An RMSNorm's output is kept as without
+    /// checkpointing: libtorch composes it of element-wise ops (on the CPU), two of which read `x`
+    /// (its square and its scaling), so with the residual stream's use `x`'s gradient is a sum of
+    /// three, which autograd adds in the order they arrive, (residual + scaling) + square; a node
+    /// returning the norm's two as one sum would add residual + (scaling + square): a few ulps
+    /// off "none".
     fn normed_product(&self, x: &Tensor, ln: &Affine, affine: &Affine) -> Tensor {
         if self.s.norm == Norm::Rmsnorm {
-            return linear(&self.norm(x, ln), affine);
+            return linear(&self.enter(&self.norm(x, ln)), affine);
         }
         let (w, b) = ln;
-        let s = self.s.clone();
-        let (nw, nb) = (w.shallow_clone(), b.as_ref().map(Tensor::shallow_clone));
         let params: Vec<Tensor> = std::iter::once(w).chain(b).map(Tensor::shallow_clone).collect();
-        product(x, &params, affine, move |x: &Tensor| norm(&s, x, &nw, nb.as_ref()))
+        // The segment owns its handles on the norm's parameters, the model's shape and the group.
+        let one = Stage {
+            embed: None,
+            blocks: Vec::new(),
+            head: None,
+            s: self.s.clone(),
+            tensor: self.tensor.clone(),
+            first_block: 0,
+            checkpointing: self.checkpointing,
+        };
+        let ln = (w.shallow_clone(), b.as_ref().map(Tensor::shallow_clone));
+        product(x, &params, affine, move |x: &Tensor| one.enter(&one.norm(x, &ln)))
+    }
+
+    /// A row-parallel product `linear(segment(source))`: under tensor parallelism this rank's
+    /// columns, summed over the group, and the bias added once.
+    fn row_product<F>(&self, source: &Tensor, affine: &Affine, segment: F) -> Tensor
+    where
+        F: Fn(&Tensor) -> Tensor + Send + 'static,
+    {
+        let Some(g) = &self.tensor else { return product(source, &[], affine, segment) };
+        let (w, b) = affine;
+        let sum = g.leave(&product(source, &[], &(w.shallow_clone(), None), segment));
+        match b {
+            Some(b) => sum + self.replicated(b),
+            None => sum,
+        }
     }
 }
 
