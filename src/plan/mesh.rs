@@ -252,14 +252,6 @@ fn sequence_problems(c: &Config, bad: &mut impl FnMut(&str, String)) {
         bad(key, "splits a transformer's sequence; this model has none: remove sequence_parallel".into());
         return;
     };
-    if c.wrap.strategy == WrapStrategy::Pipeline {
-        bad(
-            key,
-            "is not built for a pipeline yet (its stages send whole activations); use wrap.strategy = \"ddp\" or \
-             \"fsdp\", or remove sequence_parallel"
-                .into(),
-        );
-    }
     if t.seq_len > 0 && !t.seq_len.is_multiple_of(tensor) {
         let divide: Vec<String> =
             (1..=t.seq_len.min(64)).filter(|d| t.seq_len.is_multiple_of(*d)).map(|d| d.to_string()).collect();
@@ -403,7 +395,7 @@ mod tests {
     }
 
     #[test]
-    fn sequence_parallelism_needs_tensor_ranks_a_sequence_they_split_and_no_pipeline() {
+    fn sequence_parallelism_needs_tensor_ranks_and_a_sequence_they_split() {
         let mut c = Config::default();
         c.run.world_size = 2;
         c.wrap.mesh.sequence_parallel = true;
@@ -418,10 +410,6 @@ mod tests {
         );
         c.wrap.model = Model::Transformer(crate::config::schema::Transformer { seq_len: 8, ..t });
         assert!(problems(&c).is_empty(), "{:?}", problems(&c));
-        c.wrap.strategy = WrapStrategy::Pipeline;
-        c.wrap.mesh.pipeline = Some(1);
-        assert!(problems(&c).iter().any(|p| p.contains("is not built for a pipeline yet")), "{:?}", problems(&c));
-        c.wrap.strategy = WrapStrategy::Ddp;
         c.wrap.model = Model::Mlp(Default::default());
         assert!(problems(&c).iter().any(|p| p.contains("this model has none")), "{:?}", problems(&c));
     }

@@ -179,12 +179,23 @@ impl Plan {
         crate::model::architecture(&model, &self.data.input, self.data.task.outputs(), self.config.wrap.lora.as_ref())
     }
 
-    /// The per-sample shapes flowing into and out of layers `layers`.
+    /// The per-sample shapes flowing into and out of layers `layers` on one rank: under sequence
+    /// parallelism, a tensor rank's part of the sequence between the embedding and the head.
     pub fn stage_shapes(&self, layers: &Range<usize>) -> (Vec<i64>, Vec<i64>) {
         let all = self.model().layers();
-        let shape = |v: &[usize]| v.iter().map(|&d| d as i64).collect::<Vec<i64>>();
-        let input = if layers.start == 0 { shape(&self.data.input) } else { shape(&all[layers.start - 1].output) };
-        (input, shape(&all[layers.end - 1].output))
+        let parts = if self.config.wrap.mesh.sequence_parallel { self.mesh().tensor } else { 1 };
+        let shape = |l: usize| {
+            let mut s: Vec<i64> = all[l].output.iter().map(|&d| d as i64).collect();
+            if l + 1 < all.len() {
+                s[0] /= parts as i64;
+            }
+            s
+        };
+        let input = match layers.start {
+            0 => self.data.input.iter().map(|&d| d as i64).collect(),
+            l => shape(l - 1),
+        };
+        (input, shape(layers.end - 1))
     }
 
     /// Writes the plan to `path` (the run directory's plan.json), atomically, with each rank's

@@ -106,7 +106,12 @@ pub fn predict(plan: &Plan) -> Result<Vec<Sent>, String> {
     Ok((0..plan.world_size())
         .map(|rank| {
             let stage = plan.stages[rank].clone();
-            let tensor = tensor_bytes(c, mesh.tensor, arch.as_ref(), &plan.data.input, &stage, rows, batches);
+            // A pipeline runs a backward pass per micro-batch.
+            let passes = match c.wrap.strategy {
+                WrapStrategy::Pipeline => batches * c.wrap.pipeline.micro_batches as f64,
+                _ => batches,
+            };
+            let tensor = tensor_bytes(c, mesh.tensor, arch.as_ref(), &plan.data.input, &stage, rows, passes);
             let mut sent = Sent { tensor, ..Sent::default() };
             let (data, t) = (mesh.data, mesh.tensor);
             match c.wrap.strategy {
@@ -170,7 +175,7 @@ fn trained(arch: &dyn Architecture, range: Range<usize>, t: usize) -> f64 {
 }
 
 /// What a rank holding layers `stage` sends in its tensor group per step of `rows` rows in
-/// `batches` batches.
+/// `batches` backward passes (a pipeline's micro-batches each run one).
 fn tensor_bytes(
     c: &Config,
     t: usize,
@@ -204,7 +209,8 @@ fn tensor_bytes(
                 let whole =
                     arch.parameters(stage.clone()).into_iter().filter(|(n, _)| arch.tensor_slice(n, 0, t).is_none());
                 let replicated = whole.map(|(_, s)| s.iter().product::<i64>() as f64).sum::<f64>() + tied;
-                let logits = values(layers.len() - 1);
+                // The last stage's logits (all of them without a pipeline).
+                let logits = if stage.end == layers.len() { values(layers.len() - 1) } else { 0.0 };
                 return sequence_parallel(blocks, width, t as f64, rows, batches, replicated, logits) + recomputation;
             }
             tensor(&vec![(width, true, width); 2 * blocks as usize], rows) + recomputation

@@ -208,6 +208,8 @@ fn bytes_sent_per_mesh_dimension_are_measured_equal_the_model_s_shapes_and_the_p
     train("sp-ac", &[&sp[..], &full, &["--set", "wrap.activation_checkpointing.every=2"]].concat());
     // Selective recomputes a LayerNorm and the all-gather after it.
     train("sp-sel", &[&sp[..], &["--set", "wrap.activation_checkpointing.policy=\"selective\""]].concat());
+    // Under sequence parallelism a pipeline's stages send a tensor rank's part of the sequence.
+    train("pp-sp", &[&pp_tp[..], &["--set", "wrap.pipeline.micro_batches=2"], &sp[2..]].concat());
     let said = "bytes sent per step per rank, predicted (the trace measures them: sent_data_bytes, sent_tensor_bytes, \
                 sent_pipeline_bytes):\n      ranks 0, 1: data 0 B, tensor 64.0 KiB, pipeline 0 B";
     assert!(tp.contains(said), "{tp}");
@@ -250,6 +252,8 @@ fn bytes_sent_per_mesh_dimension_are_measured_equal_the_model_s_shapes_and_the_p
     expect("tp-ac", Some([0.0, (2.0 * 4.0 + 2.0 * 2.0) * activations, 0.0]));
     expect("sp-ac", None);
     expect("sp-sel", None);
+    expect("pp-sp", None);
+    assert_eq!(predicted(&dir.path().join("pp-sp"))[0][2], activations / 2.0, "a tensor rank's half of the sequence");
 }
 
 /// An MLP of two split pairs (5 → 16 → 16 → 16 → 3) with `train.clip_grad_norm`, on 600 rows in

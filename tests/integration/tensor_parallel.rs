@@ -222,6 +222,10 @@ fn pipeline_times_tensor_and_the_3d_mesh_at_8_ranks_equal_one_process_and_resume
     assert!(stdout.contains("pipeline over 2 ranks (each stage split across 2 tensor ranks)"), "{stdout}");
     assert!(stdout.contains("(micro-batches + stages - 1) = 33%"), "{stdout}");
     crate::common::assert_close_runs(&dir.path().join("pp-tp"), &dir.path().join("one"), 1e-5);
+    // With sequence parallelism the stages send each tensor rank's part of the sequence.
+    let sp = ["--set", "wrap.mesh.sequence_parallel=true"];
+    train(dir.path(), "pp-sp", &[&pipeline[..], &two_d, &sp].concat());
+    crate::common::assert_close_runs(&dir.path().join("pp-sp"), &dir.path().join("one"), 1e-5);
     // Data 2 × pipeline 2 × tensor 2: each copy takes half of the global batch.
     let three_d = [
         "--set",
