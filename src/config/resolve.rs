@@ -404,7 +404,7 @@ impl SetArg {
 }
 
 impl SetArg {
-    /// The defaults that a stored configuration without the key does not mean (schema.rs): a
+    /// The defaults that a stored configuration without the key does not mean (config/schema/): a
     /// pipeline file without run.numerics computes natively, a plan.json without it portably.
     fn stored_differently() -> SetArg {
         let native = toml::Value::try_from(super::schema::CpuNumerics::default()).expect("an enum serializes");
