@@ -5,157 +5,91 @@ use tch::Tensor;
 use crate::dist::ProcessGroup;
 use crate::trace::{EpochRow, StepRow};
 
-/// What one rank measured over an epoch. Ranks all-gather it as one float64 tensor, in the
-/// order of [`RankEpoch::to_array`]; NaN marks what a rank did not measure.
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct RankEpoch {
-    pub(super) loss_sum: f64,
-    pub(super) correct: f64,
-    pub(super) samples: f64,
-    pub(super) steps: f64,
-    pub(super) epoch_s: f64,
-    pub(super) comm_s: f64,
-    pub(super) val_loss: f64,
-    pub(super) val_acc: f64,
-    pub(super) compute_s: f64,
-    pub(super) bubble: f64,
-    /// The learning rate of the epoch's last optimizer step.
-    pub(super) lr: f64,
-    /// The global gradient norm before clipping, over the epoch's optimizer steps (NaN without
-    /// clipping).
-    pub(super) grad_norm_mean: f64,
-    pub(super) grad_norm_max: f64,
-    pub(super) val_f1: f64,
-    pub(super) val_rmse: f64,
-    pub(super) val_mae: f64,
-    pub(super) val_r2: f64,
-    /// The training state's bytes (see `strategy::StateBytes`) and the process's peak resident
-    /// memory.
-    pub(super) param_bytes: f64,
-    pub(super) grad_bytes: f64,
-    pub(super) optim_bytes: f64,
-    pub(super) peak_rss_bytes: f64,
-    /// Model FLOPs utilisation (NaN where unknown).
-    pub(super) mfu: f64,
-    /// Bytes sent per optimizer step along each mesh dimension (`strategy::MeshBytes`), the
-    /// mean over the interval's steps this process trained.
-    pub(super) sent_data_bytes: f64,
-    pub(super) sent_tensor_bytes: f64,
-    pub(super) sent_pipeline_bytes: f64,
-}
-
-impl RankEpoch {
-    const FIELDS: usize = 25;
-
-    fn to_array(self) -> [f64; Self::FIELDS] {
-        let RankEpoch {
-            loss_sum,
-            correct,
-            samples,
-            steps,
-            epoch_s,
-            comm_s,
-            val_loss,
-            val_acc,
-            compute_s,
-            bubble,
-            lr,
-            grad_norm_mean,
-            grad_norm_max,
-            val_f1,
-            val_rmse,
-            val_mae,
-            val_r2,
-            param_bytes,
-            grad_bytes,
-            optim_bytes,
-            peak_rss_bytes,
-            mfu,
-            sent_data_bytes,
-            sent_tensor_bytes,
-            sent_pipeline_bytes,
-        } = self;
-        [
-            loss_sum,
-            correct,
-            samples,
-            steps,
-            epoch_s,
-            comm_s,
-            val_loss,
-            val_acc,
-            compute_s,
-            bubble,
-            lr,
-            grad_norm_mean,
-            grad_norm_max,
-            val_f1,
-            val_rmse,
-            val_mae,
-            val_r2,
-            param_bytes,
-            grad_bytes,
-            optim_bytes,
-            peak_rss_bytes,
-            mfu,
-            sent_data_bytes,
-            sent_tensor_bytes,
-            sent_pipeline_bytes,
-        ]
-    }
-
-    fn from_slice(v: &[f64]) -> RankEpoch {
-        let [loss_sum, correct, samples, steps, epoch_s, comm_s, val_loss, val_acc, compute_s, bubble, lr, grad_norm_mean, grad_norm_max, val_f1, val_rmse, val_mae, val_r2, param_bytes, grad_bytes, optim_bytes, peak_rss_bytes, mfu, sent_data_bytes, sent_tensor_bytes, sent_pipeline_bytes] =
-            v.try_into().expect("25 values per rank");
-        RankEpoch {
-            loss_sum,
-            correct,
-            samples,
-            steps,
-            epoch_s,
-            comm_s,
-            val_loss,
-            val_acc,
-            compute_s,
-            bubble,
-            lr,
-            grad_norm_mean,
-            grad_norm_max,
-            val_f1,
-            val_rmse,
-            val_mae,
-            val_r2,
-            param_bytes,
-            grad_bytes,
-            optim_bytes,
-            peak_rss_bytes,
-            mfu,
-            sent_data_bytes,
-            sent_tensor_bytes,
-            sent_pipeline_bytes,
+/// A record of float64 fields that ranks all-gather as one tensor, in field order: the struct,
+/// its field count and its conversions from one list of fields.
+macro_rules! float_record {
+    ($(#[$meta:meta])* $name:ident { $($(#[$fmeta:meta])* $field:ident,)* }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, Default)]
+        pub(super) struct $name {
+            $($(#[$fmeta])* pub(super) $field: f64,)*
         }
+
+        impl $name {
+            const FIELDS: usize = [$(stringify!($field)),*].len();
+
+            fn to_array(self) -> [f64; Self::FIELDS] {
+                [$(self.$field),*]
+            }
+
+            fn from_slice(v: &[f64]) -> $name {
+                assert_eq!(v.len(), Self::FIELDS, "{} values per {}", Self::FIELDS, stringify!($name));
+                let mut values = v.iter().copied();
+                // A struct expression evaluates its fields in the order written.
+                $name { $($field: values.next().unwrap_or(f64::NAN),)* }
+            }
+        }
+    };
+}
+
+float_record! {
+    /// What one rank measured over an epoch. Ranks all-gather it as one float64 tensor, in the
+    /// order of [`RankEpoch::to_array`]; NaN marks what a rank did not measure.
+    RankEpoch {
+        loss_sum,
+        correct,
+        samples,
+        steps,
+        epoch_s,
+        comm_s,
+        val_loss,
+        val_acc,
+        compute_s,
+        bubble,
+        /// The learning rate of the epoch's last optimizer step.
+        lr,
+        /// The global gradient norm before clipping, over the epoch's optimizer steps (NaN without
+        /// clipping).
+        grad_norm_mean,
+        grad_norm_max,
+        val_f1,
+        val_rmse,
+        val_mae,
+        val_r2,
+        /// The training state's bytes (see `strategy::StateBytes`) and the process's peak resident
+        /// memory.
+        param_bytes,
+        grad_bytes,
+        optim_bytes,
+        peak_rss_bytes,
+        /// Model FLOPs utilisation (NaN where unknown).
+        mfu,
+        /// Bytes sent per optimizer step along each mesh dimension (`strategy::MeshBytes`), the
+        /// mean over the interval's steps this process trained.
+        sent_data_bytes,
+        sent_tensor_bytes,
+        sent_pipeline_bytes,
     }
 }
 
-/// One sampled step's phases on one rank, all-gathered as float64 values in field order.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct StepSample {
-    pub(super) epoch: f64,
-    pub(super) step: f64,
-    pub(super) batch_s: f64,
-    pub(super) forward_s: f64,
-    pub(super) loss_s: f64,
-    pub(super) backward_s: f64,
-    pub(super) sync_s: f64,
-    pub(super) overlap_s: f64,
-    pub(super) update_s: f64,
-    pub(super) recompute_s: f64,
+float_record! {
+    /// One sampled step's phases on one rank, all-gathered as float64 values in field order.
+    StepSample {
+        epoch,
+        step,
+        batch_s,
+        forward_s,
+        loss_s,
+        backward_s,
+        sync_s,
+        overlap_s,
+        update_s,
+        recompute_s,
+    }
 }
 
 impl StepSample {
-    const FIELDS: usize = 10;
-
-    fn to_array(self) -> [f64; Self::FIELDS] {
+    fn row(self, rank: usize) -> StepRow {
         let StepSample {
             epoch,
             step,
@@ -168,12 +102,6 @@ impl StepSample {
             update_s,
             recompute_s,
         } = self;
-        [epoch, step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s, recompute_s]
-    }
-
-    fn row(v: &[f64], rank: usize) -> StepRow {
-        let [epoch, step, batch_s, forward_s, loss_s, backward_s, sync_s, overlap_s, update_s, recompute_s] =
-            v.try_into().expect("10 values per step");
         StepRow {
             epoch: epoch as u32,
             step: step as u32,
@@ -266,7 +194,7 @@ pub(super) fn gather_step_rows(pg: &ProcessGroup, mine: &[StepSample]) -> anyhow
         .enumerate()
         .flat_map(|(r, t)| {
             let v = Vec::<f64>::try_from(t).expect("float64 values");
-            v.chunks(StepSample::FIELDS).map(|s| StepSample::row(s, r)).collect::<Vec<_>>()
+            v.chunks(StepSample::FIELDS).map(|s| StepSample::from_slice(s).row(r)).collect::<Vec<_>>()
         })
         .collect())
 }
