@@ -242,7 +242,7 @@ impl Plan {
     fn train_row(&self) -> Vec<String> {
         let (c, d) = (&self.config, &self.data);
         let (f, per) = (self.sample_shape(), self.per_rank_label());
-        let (stages, copies) = (self.pipeline_stages(), self.layout.world_size);
+        let copies = self.layout.world_size;
         let opt = optimizer_text(&c.train, |key| self.sources.get(key).is_some_and(|s| s != "default"));
         let length = match c.train.steps {
             Some(n) if c.train.accumulate > 1 => format!("{n} optimizer steps × {} batches", c.train.accumulate),
@@ -260,7 +260,12 @@ impl Plan {
                     format!(" per copy ({} global)", self.batch_per_rank * copies)
                 },
                 c.train.lr,
-                if copies == 1 { format!("rank {}", stages - 1) } else { "the last rank of each copy".into() },
+                // The last stage's last tensor rank measures it.
+                if copies == 1 {
+                    format!("rank {}", self.pipeline_ranks() - 1)
+                } else {
+                    "the last rank of each copy".into()
+                },
             )
         } else {
             format!(
@@ -284,7 +289,6 @@ impl Plan {
 
     fn validate_op(&self) -> String {
         let c = &self.config;
-        let stages = self.pipeline_stages();
         let every = match (c.validate.every_steps, c.train.steps) {
             (Some(n), _) => format!("every {n} step(s)"),
             (None, Some(n)) => format!("after step {n}"),
@@ -299,7 +303,8 @@ impl Plan {
         match (c.validate.every, c.validate.on) {
             (0, _) => "off".to_string(),
             _ if self.is_pipeline() => {
-                format!("{every}{fixed}, forward through ranks 0-{}, measured on rank {}", stages - 1, stages - 1)
+                let last = self.pipeline_ranks() - 1;
+                format!("{every}{fixed}, forward through ranks 0-{last}, measured on rank {last}")
             }
             (_, ValidateOn::All) => format!("{every}{fixed} on every rank"),
             (_, ValidateOn::Split) if self.world_size() > 1 => {
@@ -457,19 +462,20 @@ impl Plan {
         let layers = self.model().layers();
         let dims = |v: &[i64]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" × ");
         let mb = micro_size(self.batch_per_rank, c.wrap.pipeline.micro_batches);
-        let w = self.pipeline_ranks();
+        let (w, t) = (self.pipeline_ranks(), self.mesh().tensor.max(1));
         (0..w)
             .map(|r| {
                 let s = &self.stages[r];
                 let ranks: Vec<String> = (r..self.world_size()).step_by(w).map(|x| x.to_string()).collect();
                 let label =
                     if ranks.len() == 1 { format!("  rank {r}") } else { format!("  ranks {}", ranks.join(", ")) };
-                let (from, to) = match (r, r + 1 == w, ranks.len()) {
-                    (0, _, _) => ("batch".to_string(), format!("to rank {}", r + 1)),
-                    (_, _, 1) => (format!("from rank {}", r - 1), format!("to rank {}", r + 1)),
+                // A stage's tensor ranks each exchange with the same tensor rank of the next stage.
+                let (from, to) = match (r < t, ranks.len()) {
+                    (true, _) => ("batch".to_string(), format!("to rank {}", r + t)),
+                    (_, 1) => (format!("from rank {}", r - t), format!("to rank {}", r + t)),
                     _ => ("from the stage before".to_string(), "to the next stage".to_string()),
                 };
-                let to = if r + 1 == w { "logits → loss".to_string() } else { to };
+                let to = if r + t >= w { "logits → loss".to_string() } else { to };
                 let (input, output) = self.stage_shapes(s);
                 // "10-64-64" for linear layers: the widths the stage's activations take.
                 let layer_widths: Vec<String> = std::iter::once(dims(&input))

@@ -221,6 +221,13 @@ fn pipeline_times_tensor_and_the_3d_mesh_at_8_ranks_equal_one_process_and_resume
     // Two stages, each split across two ranks: the bubble of two stages, not four.
     assert!(stdout.contains("pipeline over 2 ranks (each stage split across 2 tensor ranks)"), "{stdout}");
     assert!(stdout.contains("(micro-batches + stages - 1) = 33%"), "{stdout}");
+    // Each tensor rank of a stage exchanges with the same tensor rank of the next stage; the
+    // last stage's last rank measures the loss.
+    for said in
+        [" to rank 2\n", " to rank 3\n", " from rank 0 ", " from rank 1 ", "loss on rank 3", "measured on rank 3"]
+    {
+        assert!(stdout.contains(said), "{said}: {stdout}");
+    }
     crate::common::assert_close_runs(&dir.path().join("pp-tp"), &dir.path().join("one"), 1e-5);
     // With sequence parallelism the stages send each tensor rank's part of the sequence.
     let sp = ["--set", "wrap.mesh.sequence_parallel=true"];
