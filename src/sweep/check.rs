@@ -345,25 +345,8 @@ mod tests {
             samples_per_s: 100.0 / epoch_s,
             comm_s: epoch_s / 10.0,
             compute_s: epoch_s / 2.0,
-            bubble: None,
-            val_f1: None,
-            val_rmse: None,
-            val_mae: None,
-            val_r2: None,
-            perplexity: None,
-            val_perplexity: None,
-            tokens_per_s: None,
-            mfu: None,
             lr: 0.1,
-            grad_norm_mean: None,
-            grad_norm_max: None,
-            param_bytes: 0,
-            grad_bytes: 0,
-            optim_bytes: 0,
-            peak_rss_bytes: 0,
-            sent_data_bytes: 0.0,
-            sent_tensor_bytes: 0.0,
-            sent_pipeline_bytes: 0.0,
+            ..Default::default()
         }
     }
 

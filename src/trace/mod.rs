@@ -30,7 +30,7 @@ pub const TIMING_COLUMNS: &[&str] = &[
 ];
 
 /// One rank's epoch. `global_*` are all-reduced over every rank (the same on each row).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EpochRow {
     /// The epoch in progress at the row's end (with random windows: the passes over the
     /// stream's windows so far, plus one).
