@@ -63,7 +63,7 @@ impl Plan {
                 Err(e) => match over_meshes(&c, &sources, resuming, a.as_ref(), &layer_parameters, d, l, &e) {
                     Ok((shape, why)) => {
                         c = shape.config(&c);
-                        chosen.extend(mesh_keys(&sources));
+                        chosen.extend(mesh_keys(&sources, shape.pipeline > 1));
                         (auto, meshed) = (Some(why), true);
                     }
                     Err(more) => bad("wrap.strategy", format!("{e}; {more}")),
@@ -243,8 +243,10 @@ fn over_meshes(
     let Some((limit, limit_text)) = strategy::auto_limit(c) else { return Err(String::new()) };
     let needs = |m: &Config| {
         let p = planner_of(m, sources, resuming, a, layer_parameters, Some(d), Some(l));
-        let shape = mesh::Shape::of(m);
-        let s = p.state(memory::Layout::of(m), shape.data, None)?;
+        let (shape, layout) = (mesh::Shape::of(m), memory::Layout::of(m));
+        // FSDP shards over the data dimension; a pipeline's stages are its own.
+        let over = if layout == memory::Layout::Pipeline { shape.pipeline } else { shape.data };
+        let s = p.state(layout, over, None)?;
         Some(p.needs(&s, m.run.world_size))
     };
     // A copy's rows and batches per optimizer step.
@@ -256,16 +258,21 @@ fn over_meshes(
     auto_mesh::choose(&shapes, limit, &limit_text, before)
 }
 
-/// The keys `wrap.strategy = "auto"` sets when it chooses a mesh, and by what.
-fn mesh_keys(sources: &Sources) -> Chosen {
+/// The keys `wrap.strategy = "auto"` sets when it chooses a mesh (`pipeline`: one with pipeline
+/// stages), and by what.
+fn mesh_keys(sources: &Sources, pipeline: bool) -> Chosen {
     let from = sources.get("wrap.strategy").map_or("default", String::as_str);
     let by = "wrap.strategy = \"auto\"";
-    vec![
+    let mut keys = vec![
         ("wrap.strategy", format!("{by} ({from})")),
         ("wrap.fsdp.reshard_after_forward", by.into()),
         ("wrap.mesh.data", by.into()),
         ("wrap.mesh.tensor", by.into()),
-    ]
+    ];
+    if pipeline {
+        keys.push(("wrap.mesh.pipeline", by.into()));
+    }
+    keys
 }
 
 /// `wrap.strategy = "auto"`'s choice into the configuration, each key it set recorded with what

@@ -71,3 +71,80 @@ fn the_estimate_holds_on_every_rank_under_every_mesh_shape() {
         }
     }
 }
+
+/// A GPT of 2 blocks over 256 tokens at 4 ranks, `wrap.strategy = "auto"`, its checkpointing
+/// set to "none" by hand (the plan may not turn it on).
+const AUTO: &str = r#"
+[run]
+name = "auto-pipeline"
+seed = 5
+world_size = 4
+
+[load]
+rows = 256
+validation_rows = 8
+
+[normalize]
+method = "none"
+
+[wrap]
+strategy = "auto"
+
+[wrap.activation_checkpointing]
+policy = "none"
+
+[wrap.model]
+kind = "transformer"
+vocab = 64
+d_model = 64
+heads = 8
+layers = 2
+seq_len = 256
+tied = false
+
+[train]
+steps = 1
+batch_size = 64
+optimizer = "sgd"
+lr = 0.1
+"#;
+
+/// At 220 MiB a rank no strategy over the whole world fits (the pipeline of 4 stages needs 237
+/// MiB: one whole block on a rank), nor any shape without a pipeline (tensor 4: 229 MiB, every
+/// rank keeping both blocks' replicated activations), nor a pipeline of 2 copies (246 MiB): only
+/// a pipeline of 2 stages × tensor 2 does (210 MiB: half a block's split activations on each
+/// rank). `auto` names every shape, picks it, and the run trains on it, within its estimate. At
+/// 150 MiB nothing fits: refused, naming the smallest.
+#[test]
+fn auto_chooses_a_pipeline_times_tensor_mesh_where_only_it_fits_or_names_the_smallest() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", AUTO);
+    let o = run(&["run", "p.toml", "--out", "fits", "--set", "run.memory_per_rank_mb=220"], dir.path());
+    assert_ok(&o);
+    let out = text(&o).0;
+    for said in [
+        "chose the mesh data 1 × tensor 2 × pipeline 2 (wrap.mesh.data = 1, wrap.mesh.tensor = 2, wrap.mesh.pipeline \
+         = 2): a rank needs 210 MiB within run.memory_per_rank_mb = 220",
+        "the pipeline would need 237 MiB",
+        "data 1 × tensor 4 under DDP needs 229 MiB",
+        "data 2 × tensor 1 × pipeline 2 needs 246 MiB",
+        "mesh: data 1 × tensor 2 × pipeline 2",
+    ] {
+        assert!(out.contains(said), "the plan lacks {said:?}:\n{out}");
+    }
+    let run_dir = dir.path().join("fits");
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("plan.json")).unwrap()).unwrap();
+    let wrap = &plan["config"]["wrap"];
+    assert_eq!(
+        (wrap["strategy"].as_str(), wrap["mesh"]["tensor"].as_u64(), wrap["mesh"]["pipeline"].as_u64()),
+        (Some("pipeline"), Some(2), Some(2))
+    );
+    assert_eq!(plan["sources"]["wrap.mesh.pipeline"], "wrap.strategy = \"auto\"");
+    assert_estimate_holds(&run_dir);
+
+    let o = run(&["validate", "p.toml", "--set", "run.memory_per_rank_mb=150"], dir.path());
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+    let err = text(&o).1;
+    assert!(err.contains("; the smallest, data 1 × tensor 2 × pipeline 2, needs 210 MiB"), "{err}");
+}
