@@ -165,6 +165,31 @@ pub fn choose(shapes: &[Candidate], limit: f64, limit_text: &str, before: &str) 
     Err(format!("no mesh shape fits either: {}{smallest}", considered.join(", ")))
 }
 
+/// Under a configured strategy that does not fit `limit` bytes a rank: the mesh shapes of this
+/// world size that do, least first, with what a rank needs and how to choose one; where none
+/// does, the one that needs the least; `None` where the model has no mesh shape.
+pub fn fitting(shapes: &[Candidate], limit: f64) -> Option<String> {
+    let mut all: Vec<(&Candidate, f64)> = shapes.iter().filter_map(|s| Some((s, s.needs?))).collect();
+    all.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let fits: Vec<(&Candidate, f64)> = all.iter().copied().filter(|(_, n)| *n <= limit).collect();
+    if fits.is_empty() {
+        let (smallest, needs) = all.first()?;
+        return Some(format!(
+            "no mesh shape of this world size fits either (the smallest, {}, needs {})",
+            smallest.name(),
+            size(*needs)
+        ));
+    }
+    let named: Vec<String> =
+        fits.iter().map(|(s, n)| format!("{} ({}: {} a rank)", s.name(), s.keys(), size(*n))).collect();
+    Some(format!(
+        "at this world size the mesh {} {} (set wrap.strategy and [wrap.mesh] so, or wrap.strategy = \"auto\" with \
+         no [wrap.mesh] chooses among them)",
+        if fits.len() == 1 { "shape" } else { "shapes" },
+        named.join(", ") + if fits.len() == 1 { " fits" } else { " fit" }
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -187,5 +212,23 @@ mod tests {
         assert_eq!(choose(&shapes, 1000.0, "", "").unwrap().0, shapes[0]);
         let refused = choose(&shapes, 100.0, "", "").unwrap_err();
         assert!(refused.ends_with("the smallest, data 2 × tensor 2 under FSDP (ZeRO-3), needs 0.0 MiB"), "{refused}");
+    }
+
+    #[test]
+    fn a_limit_s_advice_names_the_shapes_that_fit_least_first_or_the_smallest() {
+        let pipeline = Candidate { pipeline: 2, ..shape(WrapStrategy::Pipeline, 1, 2, 550.0, 10.0) };
+        let shapes =
+            [shape(WrapStrategy::Ddp, 2, 2, 900.0, 20.0), shape(WrapStrategy::Ddp, 1, 4, 600.0, 20.0), pipeline];
+        let advice = fitting(&shapes, 700.0).unwrap();
+        assert!(
+            advice.starts_with(
+                "at this world size the mesh shapes data 1 × tensor 2 × pipeline 2 (wrap.mesh.data = 1, \
+                 wrap.mesh.tensor = 2, wrap.mesh.pipeline = 2: 0.0 MiB a rank), data 1 × tensor 4 under DDP"
+            ),
+            "{advice}"
+        );
+        let none = fitting(&shapes, 100.0).unwrap();
+        assert!(none.ends_with("(the smallest, data 1 × tensor 2 × pipeline 2, needs 0.0 MiB)"), "{none}");
+        assert_eq!(fitting(&[], 100.0), None);
     }
 }

@@ -60,14 +60,17 @@ impl Plan {
         {
             match strategy::choose_strategy(&c, planner) {
                 Ok(choice) => auto = Some(apply_auto(&mut c, choice, &sources, &mut chosen)),
-                Err(e) => match over_meshes(&c, &sources, resuming, a.as_ref(), &layer_parameters, d, l, &e) {
-                    Ok((shape, why)) => {
-                        c = shape.config(&c);
-                        chosen.extend(mesh_keys(&sources, shape.pipeline > 1));
-                        (auto, meshed) = (Some(why), true);
+                Err(e) => {
+                    match over_meshes(&c, &mesh_shapes(&c, &sources, resuming, a.as_ref(), &layer_parameters, d, l), &e)
+                    {
+                        Ok((shape, why)) => {
+                            c = shape.config(&c);
+                            chosen.extend(mesh_keys(&sources, shape.pipeline > 1));
+                            (auto, meshed) = (Some(why), true);
+                        }
+                        Err(more) => bad("wrap.strategy", format!("{e}; {more}")),
                     }
-                    Err(more) => bad("wrap.strategy", format!("{e}; {more}")),
-                },
+                }
             }
         }
         // A mesh chosen: its copies share the data, and each rank holds its slices.
@@ -94,8 +97,19 @@ impl Plan {
             &mut bad,
         );
         // An "auto" still unresolved has been refused with the numbers already.
+        // Where a configured strategy does not fit the limit: the mesh shapes that would.
+        let config = c.clone();
+        let meshes = |limit: f64| match (&arch, &data, layout_now) {
+            (Some(a), Some(d), Some(l)) => {
+                let shapes = mesh_shapes(&config, &sources, resuming, a.as_ref(), &layer_parameters, d, l);
+                auto_mesh::fitting(&shapes, limit)
+            }
+            _ => None,
+        };
         let checkpointing_chosen = match (&stages, &planner, c.wrap.strategy == WrapStrategy::Auto) {
-            (Some(stages), Some(planner), false) => limit_checkpointing(&mut c, planner, stages, &mut chosen, &mut bad),
+            (Some(stages), Some(planner), false) => {
+                limit_checkpointing(&mut c, (planner, &meshes), stages, &mut chosen, &mut bad)
+            }
             _ => None,
         };
         if let Some(l) = layout_now {
@@ -226,11 +240,9 @@ fn planner_of<'a>(
     }
 }
 
-/// `wrap.strategy = "auto"` where no strategy over the whole world fits (`before` says why): the
-/// mesh shapes of the world size, each estimated as the plan would estimate it configured
-/// ([`auto_mesh`]), and the one chosen with why; or why none fits.
-#[allow(clippy::too_many_arguments)]
-fn over_meshes(
+/// The mesh shapes of `c`'s world size, each estimated as the plan would estimate it configured
+/// ([`auto_mesh`]).
+fn mesh_shapes(
     c: &Config,
     sources: &Sources,
     resuming: Option<&Resuming>,
@@ -238,9 +250,7 @@ fn over_meshes(
     layer_parameters: &[usize],
     d: &DataSpec,
     l: &ShardLayout,
-    before: &str,
-) -> Result<(auto_mesh::Candidate, String), String> {
-    let Some((limit, limit_text)) = strategy::auto_limit(c) else { return Err(String::new()) };
+) -> Vec<auto_mesh::Candidate> {
     let needs = |m: &Config| {
         let p = planner_of(m, sources, resuming, a, layer_parameters, Some(d), Some(l));
         let (shape, layout) = (mesh::Shape::of(m), memory::Layout::of(m));
@@ -252,10 +262,20 @@ fn over_meshes(
     // A copy's rows and batches per optimizer step.
     let (rows, batches) = ((c.train.batch_size * c.train.accumulate) as f64, c.train.accumulate as f64);
     let sends = |m: &Config| super::traffic::split_copies(m, a, &d.input, rows, batches);
-    let shapes = auto_mesh::candidates(c, &needs, &sends, c.train.batch_size * c.train.accumulate);
+    auto_mesh::candidates(c, &needs, &sends, c.train.batch_size * c.train.accumulate)
+}
+
+/// `wrap.strategy = "auto"` where no strategy over the whole world fits (`before` says why): of
+/// the mesh `shapes`, the one chosen with why; or why none fits.
+fn over_meshes(
+    c: &Config,
+    shapes: &[auto_mesh::Candidate],
+    before: &str,
+) -> Result<(auto_mesh::Candidate, String), String> {
+    let Some((limit, limit_text)) = strategy::auto_limit(c) else { return Err(String::new()) };
     // The 1-D strategies' reasons, without the advice that follows them.
     let before = before.split_once(": ").map_or(before, |(_, r)| r).split("; ").next().unwrap_or_default();
-    auto_mesh::choose(&shapes, limit, &limit_text, before)
+    auto_mesh::choose(shapes, limit, &limit_text, before)
 }
 
 /// The keys `wrap.strategy = "auto"` sets when it chooses a mesh (`pipeline`: one with pipeline
@@ -300,12 +320,12 @@ fn apply_auto(c: &mut Config, choice: memory::Choice, sources: &Sources, chosen:
 /// out and it makes the rank fit) into the configuration, with the reason.
 fn limit_checkpointing(
     c: &mut Config,
-    planner: &memory::Planner,
+    (planner, meshes): (&memory::Planner, &dyn Fn(f64) -> Option<String>),
     stages: &[Range<usize>],
     chosen: &mut Chosen,
     bad: &mut impl FnMut(&str, String),
 ) -> Option<String> {
-    let (ac, why) = strategy::check_memory_limit(c, planner, stages, bad)?;
+    let (ac, why) = strategy::check_memory_limit(c, planner, meshes, stages, bad)?;
     c.wrap.activation_checkpointing = ac;
     chosen.extend(checkpointing_keys("run.memory_per_rank_mb"));
     Some(why)

@@ -210,12 +210,14 @@ pub(super) fn strategy_keys(
 /// `run.memory_per_rank_mb` against what the heaviest rank needs under the configured strategy:
 /// its training state and everything besides. Where it does not fit, the activation
 /// checkpointing that makes it fit ([`memory::Planner::lighten`]) and why, or a refusal that
-/// names the strategies and world sizes that fit.
+/// names the strategies and world sizes that fit, and the mesh shapes of this world size that do
+/// (`meshes`, of the limit in bytes).
 // `!(x > 0.0)` is meant: it also rejects NaN, which `x <= 0.0` would let through.
 #[allow(clippy::neg_cmp_op_on_partial_ord)]
 pub(super) fn check_memory_limit(
     c: &Config,
     planner: &memory::Planner,
+    meshes: &dyn Fn(f64) -> Option<String>,
     stages: &[Range<usize>],
     bad: &mut impl FnMut(&str, String),
 ) -> Option<(ActivationCheckpointing, String)> {
@@ -263,6 +265,10 @@ pub(super) fn check_memory_limit(
             "leave wrap.pipeline.stages out: the split balanced by parameters fits".to_string()
         }
         _ => planner.advice(layout, w, bytes, checkpoint),
+    };
+    let advice = match meshes(bytes) {
+        Some(shapes) => format!("{advice}; {shapes}"),
+        None => advice,
     };
     let under = match c.wrap.strategy {
         WrapStrategy::None => "wrap.strategy = \"none\"".to_string(),

@@ -148,3 +148,34 @@ fn auto_chooses_a_pipeline_times_tensor_mesh_where_only_it_fits_or_names_the_sma
     let err = text(&o).1;
     assert!(err.contains("; the smallest, data 1 × tensor 2 × pipeline 2, needs 210 MiB"), "{err}");
 }
+
+/// `run.memory_per_rank_mb` under a configured strategy that does not fit: the refusal names the
+/// mesh shapes of this world size that would, with what a rank needs there; where none would,
+/// the one that needs the least.
+#[test]
+fn a_memory_limit_under_ddp_names_the_mesh_shapes_that_would_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "p.toml", AUTO);
+    let refused = |limit: &str| {
+        let limit = format!("run.memory_per_rank_mb={limit}");
+        let o = run(&["validate", "p.toml", "--set", "wrap.strategy=\"ddp\"", "--set", &limit], dir.path());
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+        text(&o).1
+    };
+    let err = refused("220");
+    assert!(
+        err.contains(
+            "; at this world size the mesh shape data 1 × tensor 2 × pipeline 2 (wrap.mesh.data = 1, wrap.mesh.tensor \
+             = 2, wrap.mesh.pipeline = 2: 210 MiB a rank) fits (set wrap.strategy and [wrap.mesh] so, or wrap.strategy \
+             = \"auto\" with no [wrap.mesh] chooses among them)"
+        ),
+        "{err}"
+    );
+    let err = refused("150");
+    assert!(
+        err.contains(
+            "no mesh shape of this world size fits either (the smallest, data 1 × tensor 2 × pipeline 2, needs 210 MiB)"
+        ),
+        "{err}"
+    );
+}
