@@ -121,8 +121,15 @@ impl Plan {
         };
         let (memory, memory_by_rank) = match (&data, &arch, layout_now, &state, &planner, &stages) {
             (Some(d), Some(arch), Some(l), Some((state, _)), Some(planner), Some(stages)) => {
-                let (heaviest, by_rank) =
-                    memory_of_ranks(&c, (d, l, arch.as_ref()), planner, stages, state, machine, &mut bad);
+                let (heaviest, by_rank) = super::stage_memory::memory_of_ranks(
+                    &c,
+                    (d, l, arch.as_ref()),
+                    planner,
+                    stages,
+                    state,
+                    machine,
+                    &mut bad,
+                );
                 (Some(heaviest), by_rank)
             }
             _ => (None, Vec::new()),
@@ -371,33 +378,6 @@ fn training_state(
             .flatten();
         (s, ddp)
     })
-}
-
-/// What a rank needs: under a pipeline each stage's own state and activations, every rank's
-/// (with the heaviest, checked against this machine); otherwise one estimate for every rank.
-fn memory_of_ranks(
-    c: &Config,
-    (d, l, arch): (&DataSpec, &ShardLayout, &dyn Architecture),
-    planner: &memory::Planner,
-    stages: &[Range<usize>],
-    state: &memory::State,
-    machine: Machine,
-    bad: &mut impl FnMut(&str, String),
-) -> (crate::limits::Estimate, Vec<crate::limits::Estimate>) {
-    if c.wrap.strategy != WrapStrategy::Pipeline {
-        return (strategy::memory_estimate(c, d, l, arch, state.total(), None, machine, bad), Vec::new());
-    }
-    let distinct = super::stage_memory::distinct(stages);
-    let estimate_of = |s: usize, machine, bad: &mut dyn FnMut(&str, String)| {
-        let own = planner.state(memory::Layout::Pipeline, c.run.world_size, Some(std::slice::from_ref(&distinct[s])));
-        let own = own.map_or(state.total(), |o| o.total());
-        strategy::memory_estimate(c, d, l, arch, own, Some((&distinct, s)), machine, &mut |k: &str, m| bad(k, m))
-    };
-    let by_stage: Vec<_> = (0..distinct.len()).map(|s| estimate_of(s, Machine::Another, &mut |_, _| {})).collect();
-    let heaviest = (0..by_stage.len()).max_by(|&a, &b| by_stage[a].per_rank().total_cmp(&by_stage[b].per_rank()));
-    let heaviest = estimate_of(heaviest.unwrap_or(0), machine, &mut |k: &str, m| bad(k, m));
-    let stage_of = |r: &Range<usize>| distinct.iter().position(|s| s == r).unwrap_or(0);
-    (heaviest, stages.iter().map(|r| by_stage[stage_of(r)]).collect())
 }
 
 /// Every problem found, under the pipeline file's name.

@@ -238,6 +238,10 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
 /// A pipeline stage: the layers it holds.
 pub type Stage = std::ops::Range<usize>;
 
+/// Bytes a rank needs besides its training state, at a world size under an activation
+/// checkpointing, of a pipeline's stages where given: [`Planner::besides`].
+pub type Besides<'a> = Box<dyn Fn(usize, ActivationCheckpointing, Option<&[Stage]>) -> f64 + 'a>;
+
 /// Whether a model takes the given pipeline stages.
 pub type Cuts<'a> = Box<dyn Fn(&[Stage]) -> bool + 'a>;
 
@@ -266,7 +270,7 @@ pub struct Planner<'a> {
     /// activation checkpointing: activations, data, libtorch (`limits::estimate`); of a
     /// pipeline's stages (each once, in order), the heaviest stage's. A limit is on the whole:
     /// the state and this.
-    pub besides: Box<dyn Fn(usize, ActivationCheckpointing, Option<&[Stage]>) -> f64 + 'a>,
+    pub besides: Besides<'a>,
     /// The configured `wrap.activation_checkpointing`.
     pub checkpointing: ActivationCheckpointing,
     /// The blocks the run could checkpoint, as the estimate counts them (0: none, or the model's

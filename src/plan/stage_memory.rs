@@ -1,10 +1,12 @@
 //! A pipeline rank's activations: its stage's share of the model's, for the micro-batches its
 //! schedule keeps in flight, and the activations that cross its boundaries. Without these every
 //! stage was estimated to hold the whole model's activations: a stage of the embedding alone
-//! measured 195 MiB against an estimate of 499 MiB.
+//! measured 195 MiB against an estimate of 499 MiB. [`memory_of_ranks`] gives every rank's.
 use std::ops::Range;
 
-use crate::config::schema::{Config, Schedule};
+use crate::config::schema::{Config, Schedule, WrapStrategy};
+use crate::data::shard::ShardLayout;
+use crate::data::DataSpec;
 use crate::model::Architecture;
 
 /// Bytes of one float32 value: a pipeline's activations cross its boundaries in float32.
@@ -58,6 +60,37 @@ pub fn distinct(stages: &[Range<usize>]) -> Vec<Range<usize>> {
     }
     out.sort_by_key(|s| s.start);
     out
+}
+
+/// What a rank needs: under a pipeline each stage's own state and activations, every rank's
+/// (with the heaviest, checked against this machine); otherwise one estimate for every rank.
+pub(super) fn memory_of_ranks(
+    c: &Config,
+    (d, l, arch): (&DataSpec, &ShardLayout, &dyn Architecture),
+    planner: &super::memory::Planner,
+    stages: &[Range<usize>],
+    state: &super::memory::State,
+    machine: super::Machine,
+    bad: &mut impl FnMut(&str, String),
+) -> (crate::limits::Estimate, Vec<crate::limits::Estimate>) {
+    if c.wrap.strategy != WrapStrategy::Pipeline {
+        return (super::strategy::memory_estimate(c, d, l, arch, (state.total(), None), machine, bad), Vec::new());
+    }
+    let distinct = distinct(stages);
+    let estimate_of = |s: usize, machine, bad: &mut dyn FnMut(&str, String)| {
+        let own =
+            planner.state(super::memory::Layout::Pipeline, c.run.world_size, Some(std::slice::from_ref(&distinct[s])));
+        let own = own.map_or(state.total(), |o| o.total());
+        super::strategy::memory_estimate(c, d, l, arch, (own, Some((&distinct, s))), machine, &mut |k: &str, m| {
+            bad(k, m)
+        })
+    };
+    let by_stage: Vec<_> =
+        (0..distinct.len()).map(|s| estimate_of(s, super::Machine::Another, &mut |_, _| {})).collect();
+    let heaviest = (0..by_stage.len()).max_by(|&a, &b| by_stage[a].per_rank().total_cmp(&by_stage[b].per_rank()));
+    let heaviest = estimate_of(heaviest.unwrap_or(0), machine, &mut |k: &str, m| bad(k, m));
+    let stage_of = |r: &Range<usize>| distinct.iter().position(|s| s == r).unwrap_or(0);
+    (heaviest, stages.iter().map(|r| by_stage[stage_of(r)]).collect())
 }
 
 #[cfg(test)]

@@ -20,8 +20,7 @@ pub(super) fn memory_estimate(
     d: &DataSpec,
     layout: &ShardLayout,
     arch: &dyn Architecture,
-    state: f64,
-    stage: Option<Stage>,
+    (state, stage): (f64, Option<Stage>),
     machine: super::Machine,
     bad: &mut impl FnMut(&str, String),
 ) -> crate::limits::Estimate {
