@@ -183,7 +183,7 @@ fn panic_error(panic: Box<dyn std::any::Any + Send>, rank: usize) -> anyhow::Err
 fn summary(plan: &Plan, env: &RankEnv, rows: &[EpochRow], run_dir: &Path) {
     let by_step = plan.config.train.steps.is_some();
     crate::say!("\n{}", view::epoch_table(rows, by_step));
-    let memory = view::memory_line(rows, plan.memory.as_ref());
+    let memory = view::memory_line(rows, plan.memory.as_ref(), &plan.memory_by_rank);
     if !memory.is_empty() {
         crate::say!("{memory}\n");
     }

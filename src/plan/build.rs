@@ -60,14 +60,17 @@ impl Plan {
         {
             match strategy::choose_strategy(&c, planner) {
                 Ok(choice) => auto = Some(apply_auto(&mut c, choice, &sources, &mut chosen)),
-                Err(e) => match over_meshes(&c, &sources, resuming, a.as_ref(), &layer_parameters, d, l, &e) {
-                    Ok((shape, why)) => {
-                        c = shape.config(&c);
-                        chosen.extend(mesh_keys(&sources));
-                        (auto, meshed) = (Some(why), true);
+                Err(e) => {
+                    match over_meshes(&c, &mesh_shapes(&c, &sources, resuming, a.as_ref(), &layer_parameters, d, l), &e)
+                    {
+                        Ok((shape, why)) => {
+                            c = shape.config(&c);
+                            chosen.extend(mesh_keys(&sources, shape.pipeline > 1));
+                            (auto, meshed) = (Some(why), true);
+                        }
+                        Err(more) => bad("wrap.strategy", format!("{e}; {more}")),
                     }
-                    Err(more) => bad("wrap.strategy", format!("{e}; {more}")),
-                },
+                }
             }
         }
         // A mesh chosen: its copies share the data, and each rank holds its slices.
@@ -94,8 +97,19 @@ impl Plan {
             &mut bad,
         );
         // An "auto" still unresolved has been refused with the numbers already.
+        // Where a configured strategy does not fit the limit: the mesh shapes that would.
+        let config = c.clone();
+        let meshes = |limit: f64| match (&arch, &data, layout_now) {
+            (Some(a), Some(d), Some(l)) => {
+                let shapes = mesh_shapes(&config, &sources, resuming, a.as_ref(), &layer_parameters, d, l);
+                auto_mesh::fitting(&shapes, limit)
+            }
+            _ => None,
+        };
         let checkpointing_chosen = match (&stages, &planner, c.wrap.strategy == WrapStrategy::Auto) {
-            (Some(stages), Some(planner), false) => limit_checkpointing(&mut c, planner, stages, &mut chosen, &mut bad),
+            (Some(stages), Some(planner), false) => {
+                limit_checkpointing(&mut c, (planner, &meshes), stages, &mut chosen, &mut bad)
+            }
             _ => None,
         };
         if let Some(l) = layout_now {
@@ -105,11 +119,20 @@ impl Plan {
             (Some(stages), Some(planner)) => training_state(&c, planner, stages),
             _ => None,
         };
-        let memory = match (&data, &arch, layout_now, &state) {
-            (Some(d), Some(arch), Some(l), Some((state, _))) => {
-                Some(strategy::memory_estimate(&c, d, l, arch.as_ref(), state.total(), machine, &mut bad))
+        let (memory, memory_by_rank) = match (&data, &arch, layout_now, &state, &planner, &stages) {
+            (Some(d), Some(arch), Some(l), Some((state, _)), Some(planner), Some(stages)) => {
+                let (heaviest, by_rank) = super::stage_memory::memory_of_ranks(
+                    &c,
+                    (d, l, arch.as_ref()),
+                    planner,
+                    stages,
+                    state,
+                    machine,
+                    &mut bad,
+                );
+                (Some(heaviest), by_rank)
             }
-            _ => None,
+            _ => (None, Vec::new()),
         };
         drop(planner);
         let layout = if meshed { remeshed } else { layout };
@@ -136,6 +159,7 @@ impl Plan {
             layer_parameters,
             stages,
             memory,
+            memory_by_rank,
             started_with: Default::default(),
             state,
             auto,
@@ -213,9 +237,9 @@ fn planner_of<'a>(
         besides: match (data, layout) {
             (Some(d), Some(l)) => {
                 let c = c.clone();
-                Box::new(move |w, ac| strategy::besides_state(&c, d, l, a, w, ac))
+                Box::new(move |w, ac, stages| strategy::besides_state(&c, d, l, a, w, ac, stages))
             }
-            _ => Box::new(|_, _| 0.0),
+            _ => Box::new(|_, _, _| 0.0),
         },
         checkpointing: c.wrap.activation_checkpointing,
         checkpointable: strategy::checkpointable(c, sources, resuming.map(|r| r.own_config.as_str())),
@@ -223,11 +247,9 @@ fn planner_of<'a>(
     }
 }
 
-/// `wrap.strategy = "auto"` where no strategy over the whole world fits (`before` says why): the
-/// mesh shapes of the world size, each estimated as the plan would estimate it configured
-/// ([`auto_mesh`]), and the one chosen with why; or why none fits.
-#[allow(clippy::too_many_arguments)]
-fn over_meshes(
+/// The mesh shapes of `c`'s world size, each estimated as the plan would estimate it configured
+/// ([`auto_mesh`]).
+fn mesh_shapes(
     c: &Config,
     sources: &Sources,
     resuming: Option<&Resuming>,
@@ -235,34 +257,49 @@ fn over_meshes(
     layer_parameters: &[usize],
     d: &DataSpec,
     l: &ShardLayout,
-    before: &str,
-) -> Result<(auto_mesh::Candidate, String), String> {
-    let Some((limit, limit_text)) = strategy::auto_limit(c) else { return Err(String::new()) };
+) -> Vec<auto_mesh::Candidate> {
     let needs = |m: &Config| {
         let p = planner_of(m, sources, resuming, a, layer_parameters, Some(d), Some(l));
-        let shape = mesh::Shape::of(m);
-        let s = p.state(memory::Layout::of(m), shape.data, None)?;
+        let (shape, layout) = (mesh::Shape::of(m), memory::Layout::of(m));
+        // FSDP shards over the data dimension; a pipeline's stages are its own.
+        let over = if layout == memory::Layout::Pipeline { shape.pipeline } else { shape.data };
+        let s = p.state(layout, over, None)?;
         Some(p.needs(&s, m.run.world_size))
     };
     // A copy's rows and batches per optimizer step.
     let (rows, batches) = ((c.train.batch_size * c.train.accumulate) as f64, c.train.accumulate as f64);
     let sends = |m: &Config| super::traffic::split_copies(m, a, &d.input, rows, batches);
-    let shapes = auto_mesh::candidates(c, &needs, &sends, c.train.batch_size * c.train.accumulate);
-    // The 1-D strategies' reasons, without the advice that follows them.
-    let before = before.split_once(": ").map_or(before, |(_, r)| r).split("; ").next().unwrap_or_default();
-    auto_mesh::choose(&shapes, limit, &limit_text, before)
+    auto_mesh::candidates(c, &needs, &sends, c.train.batch_size * c.train.accumulate)
 }
 
-/// The keys `wrap.strategy = "auto"` sets when it chooses a mesh, and by what.
-fn mesh_keys(sources: &Sources) -> Chosen {
+/// `wrap.strategy = "auto"` where no strategy over the whole world fits (`before` says why): of
+/// the mesh `shapes`, the one chosen with why; or why none fits.
+fn over_meshes(
+    c: &Config,
+    shapes: &[auto_mesh::Candidate],
+    before: &str,
+) -> Result<(auto_mesh::Candidate, String), String> {
+    let Some((limit, limit_text)) = strategy::auto_limit(c) else { return Err(String::new()) };
+    // The 1-D strategies' reasons, without the advice that follows them.
+    let before = before.split_once(": ").map_or(before, |(_, r)| r).split("; ").next().unwrap_or_default();
+    auto_mesh::choose(shapes, limit, &limit_text, before)
+}
+
+/// The keys `wrap.strategy = "auto"` sets when it chooses a mesh (`pipeline`: one with pipeline
+/// stages), and by what.
+fn mesh_keys(sources: &Sources, pipeline: bool) -> Chosen {
     let from = sources.get("wrap.strategy").map_or("default", String::as_str);
     let by = "wrap.strategy = \"auto\"";
-    vec![
+    let mut keys = vec![
         ("wrap.strategy", format!("{by} ({from})")),
         ("wrap.fsdp.reshard_after_forward", by.into()),
         ("wrap.mesh.data", by.into()),
         ("wrap.mesh.tensor", by.into()),
-    ]
+    ];
+    if pipeline {
+        keys.push(("wrap.mesh.pipeline", by.into()));
+    }
+    keys
 }
 
 /// `wrap.strategy = "auto"`'s choice into the configuration, each key it set recorded with what
@@ -290,12 +327,12 @@ fn apply_auto(c: &mut Config, choice: memory::Choice, sources: &Sources, chosen:
 /// out and it makes the rank fit) into the configuration, with the reason.
 fn limit_checkpointing(
     c: &mut Config,
-    planner: &memory::Planner,
+    (planner, meshes): (&memory::Planner, &dyn Fn(f64) -> Option<String>),
     stages: &[Range<usize>],
     chosen: &mut Chosen,
     bad: &mut impl FnMut(&str, String),
 ) -> Option<String> {
-    let (ac, why) = strategy::check_memory_limit(c, planner, stages, bad)?;
+    let (ac, why) = strategy::check_memory_limit(c, planner, meshes, stages, bad)?;
     c.wrap.activation_checkpointing = ac;
     chosen.extend(checkpointing_keys("run.memory_per_rank_mb"));
     Some(why)

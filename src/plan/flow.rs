@@ -514,7 +514,7 @@ impl Plan {
         }
         if let Some((state, ddp)) = &self.state {
             let layout = super::memory::Layout::of(&self.config);
-            let versus = ddp.map(|d| versus_ddp(layout, state, &d, self.world_size())).unwrap_or_default();
+            let versus = ddp.as_ref().map(|d| versus_ddp(layout, state, d, self.world_size())).unwrap_or_default();
             note += &format!("  training state under {layout}: {state} per rank{versus}\n");
         }
         note += &super::strategy::checkpointing_note(self).unwrap_or_default();

@@ -61,7 +61,7 @@ impl fmt::Display for Layout {
 }
 
 /// Bytes of training state on one rank at its peak: each part's most, and the most held at once.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct State {
     pub parameters: f64,
     pub gradients: f64,
@@ -70,11 +70,15 @@ pub struct State {
     /// the end of the forward pass, its gradients in the backward pass); absent: their sum.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub at_once: Option<f64>,
+    /// A pipeline's stages (each once, in order) the state was estimated over: what a rank needs
+    /// besides its state is its heaviest stage's ([`Planner::needs`]). Empty: not a pipeline.
+    #[serde(skip)]
+    pub stages: Vec<std::ops::Range<usize>>,
 }
 
 impl State {
     fn whole(parameters: f64, gradients: f64, optimizer: f64) -> State {
-        State { parameters, gradients, optimizer, at_once: None }
+        State { parameters, gradients, optimizer, at_once: None, stages: Vec::new() }
     }
 
     pub fn total(&self) -> f64 {
@@ -225,6 +229,7 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
                 gradients: F * reduce,
                 optimizer: F * slots * shards,
                 at_once: Some(F * (shards + moment + slots * shards)),
+                stages: Vec::new(),
             }
         }
     }
@@ -232,6 +237,10 @@ pub fn state(shapes: &Shapes, layout: Layout, world: usize, slots: f64, heaviest
 
 /// A pipeline stage: the layers it holds.
 pub type Stage = std::ops::Range<usize>;
+
+/// Bytes a rank needs besides its training state, at a world size under an activation
+/// checkpointing, of a pipeline's stages where given: [`Planner::besides`].
+pub type Besides<'a> = Box<dyn Fn(usize, ActivationCheckpointing, Option<&[Stage]>) -> f64 + 'a>;
 
 /// Whether a model takes the given pipeline stages.
 pub type Cuts<'a> = Box<dyn Fn(&[Stage]) -> bool + 'a>;
@@ -258,9 +267,10 @@ pub struct Planner<'a> {
     /// The collectives run over gloo (the CPU backend).
     pub gloo: bool,
     /// Bytes the heaviest rank needs besides its training state at a world size under an
-    /// activation checkpointing: activations, data, libtorch (`limits::estimate`). A limit is on
-    /// the whole: the state and this.
-    pub besides: Box<dyn Fn(usize, ActivationCheckpointing) -> f64 + 'a>,
+    /// activation checkpointing: activations, data, libtorch (`limits::estimate`); of a
+    /// pipeline's stages (each once, in order), the heaviest stage's. A limit is on the whole:
+    /// the state and this.
+    pub besides: Besides<'a>,
     /// The configured `wrap.activation_checkpointing`.
     pub checkpointing: ActivationCheckpointing,
     /// The blocks the run could checkpoint, as the estimate counts them (0: none, or the model's
@@ -276,30 +286,39 @@ impl Planner<'_> {
     /// there (a pipeline needs 2 to `layers` ranks). A pipeline's stages are balanced by
     /// parameters, or `stages` where given.
     pub fn state(&self, layout: Layout, world: usize, stages: Option<&[std::ops::Range<usize>]>) -> Option<State> {
-        let heaviest = match layout {
+        let (heaviest, stages) = match layout {
             Layout::Fsdp { .. } if !self.shards => return None,
             Layout::Pipeline => {
-                let balanced;
                 let stages = match stages {
-                    Some(s) => s,
+                    Some(s) => super::stage_memory::distinct(s),
                     None if world < 2 || world > self.layer_parameters.len() => return None,
                     None => {
-                        balanced = crate::model::partition::balanced(self.layer_parameters, world)?;
+                        let balanced = crate::model::partition::balanced(self.layer_parameters, world)?;
                         if !(self.cuts)(&balanced) {
                             return None;
                         }
-                        &balanced
+                        balanced
                     }
                 };
-                stages.iter().map(|r| self.layer_parameters[r.clone()].iter().sum::<usize>()).max()
+                (stages.iter().map(|r| self.stage_values(r)).max(), stages)
             }
-            _ => None,
+            _ => (None, Vec::new()),
         };
         let mut s = state(&self.shapes, layout, world, self.slots, heaviest, self.gloo);
         if layout == Layout::Pipeline && self.pipeline_copies > 1 {
             s.gradients *= 2.0;
         }
+        s.stages = stages;
         Some(s)
+    }
+
+    /// Values a rank of the stage holding `layers` holds: under tensor parallelism its slices.
+    fn stage_values(&self, layers: &Stage) -> usize {
+        match self.shapes.whole > 0.0 {
+            // A LoRA run's adapters are counted apart from the layers' shapes.
+            true => self.layer_parameters[layers.clone()].iter().sum(),
+            false => layers.clone().map(|l| self.shapes.values(l) as usize).sum(),
+        }
     }
 
     /// Bytes a rank of `world` needs that holds `state`: the state and everything besides.
@@ -309,7 +328,8 @@ impl Planner<'_> {
 
     /// Bytes a rank of `world` needs that holds `state`, under `checkpointing`.
     pub fn needs_with(&self, state: &State, world: usize, checkpointing: ActivationCheckpointing) -> f64 {
-        state.total() + (self.besides)(world, checkpointing)
+        let stages = (!state.stages.is_empty()).then_some(state.stages.as_slice());
+        state.total() + (self.besides)(world, checkpointing, stages)
     }
 
     /// The activation checkpointing the plan turns on where a rank holding `state` at `world`
@@ -533,7 +553,7 @@ mod tests {
             pipeline_copies: 1,
             gloo: true,
             // A block recomputed saves 2e4 bytes, or 4e3 where selective.
-            besides: Box::new(|_, ac| {
+            besides: Box::new(|_, ac, _| {
                 let saves = if ac.policy == CheckpointPolicy::Selective { 4e3 } else { 2e4 };
                 1e5 - saves * (0..4).filter(|&i| ac.applies(i)).count() as f64
             }),

@@ -21,6 +21,7 @@ mod recovery;
 mod resume;
 mod saved;
 pub mod schedule;
+mod stage_memory;
 mod stages;
 mod strategy;
 pub mod traffic;
@@ -70,6 +71,10 @@ pub struct Plan {
     /// What one rank needs in memory, by part (when the data and model could be sized).
     #[serde(default)]
     pub memory: Option<crate::limits::Estimate>,
+    /// Under a pipeline, what each rank needs (its stage's state and activations); `memory` is
+    /// the heaviest rank's. Empty: every rank needs `memory`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub memory_by_rank: Vec<crate::limits::Estimate>,
     /// Keys a resume extended (`train.epochs`), with their values when the run started: the run
     /// id is the digest of that first configuration.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]

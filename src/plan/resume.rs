@@ -193,7 +193,8 @@ impl Plan {
             plan.stages = asked.stages.clone();
             plan.memory = asked.memory;
             // The training state a rank holds under the new layout, not the run's first one.
-            plan.state = asked.state;
+            plan.memory_by_rank = asked.memory_by_rank.clone();
+            plan.state = asked.state.clone();
         }
         Ok(plan)
     }

@@ -9,18 +9,22 @@ use crate::model::Architecture;
 
 use super::memory;
 
-/// What one rank needs in memory, `state` bytes of training state among it, checked against what
-/// this machine has (unless the run is planned for another machine).
+/// A pipeline's stages (each once, in order) and the one a rank holds.
+pub(super) type Stage<'a> = (&'a [Range<usize>], usize);
+
+/// What one rank needs in memory, `state` bytes of training state among it (`stage`: the
+/// pipeline stage it holds), checked against what this machine has (unless the run is planned
+/// for another machine).
 pub(super) fn memory_estimate(
     c: &Config,
     d: &DataSpec,
     layout: &ShardLayout,
     arch: &dyn Architecture,
-    state: f64,
+    (state, stage): (f64, Option<Stage>),
     machine: super::Machine,
     bad: &mut impl FnMut(&str, String),
 ) -> crate::limits::Estimate {
-    let estimate = estimate(c, d, layout, arch, state);
+    let estimate = estimate(c, d, layout, arch, state, stage);
     if machine == super::Machine::Another {
         return estimate;
     }
@@ -34,7 +38,8 @@ pub(super) fn memory_estimate(
 }
 
 /// Bytes the heaviest rank of `world` needs besides its training state under `checkpointing`:
-/// activations, data, libtorch.
+/// activations, data, libtorch; of a pipeline's `stages` (each once, in order), the heaviest
+/// stage's.
 pub(super) fn besides_state(
     c: &Config,
     d: &DataSpec,
@@ -42,11 +47,17 @@ pub(super) fn besides_state(
     arch: &dyn Architecture,
     world: usize,
     checkpointing: ActivationCheckpointing,
+    stages: Option<&[Range<usize>]>,
 ) -> f64 {
     let mut c = c.clone();
     c.run.world_size = world;
     c.wrap.activation_checkpointing = checkpointing;
-    estimate(&c, d, layout, arch, 0.0).per_rank()
+    match stages {
+        Some(stages) => (0..stages.len())
+            .map(|s| estimate(&c, d, layout, arch, 0.0, Some((stages, s))).per_rank())
+            .fold(0.0, f64::max),
+        None => estimate(&c, d, layout, arch, 0.0, None).per_rank(),
+    }
 }
 
 /// The blocks the plan may checkpoint by itself: a transformer's (the plan refuses checkpointing
@@ -82,6 +93,7 @@ fn estimate(
     layout: &ShardLayout,
     arch: &dyn Architecture,
     state: f64,
+    stage: Option<Stage>,
 ) -> crate::limits::Estimate {
     let batch = layout.split_batch.unwrap_or(c.train.batch_size);
     let layers = arch.layers();
@@ -94,10 +106,21 @@ fn estimate(
         tensor: crate::plan::mesh::Shape::of(c).tensor,
         sequence: c.wrap.mesh.sequence_parallel,
     };
-    match arch.activation_bytes(batch, d.validation_rows, &how) {
+    let whole = match arch.activation_bytes(batch, d.validation_rows, &how) {
         Some(activations) => crate::limits::Estimate { activations, ..estimate },
         None => estimate,
-    }
+    };
+    let Some((stages, s)) = stage else { return whole };
+    // A stage keeps its layers' share of the micro-batches in flight in training, and its share
+    // of the validation forward pass; beside them, what crosses its boundaries.
+    let (range, flight) = (&stages[s], super::stage_memory::in_flight(c, s, stages.len()));
+    let share = super::stage_memory::share(arch, range);
+    let activations = match (arch.activation_bytes(batch, 0, &how), arch.activation_bytes(0, d.validation_rows, &how)) {
+        (Some(train), Some(forward)) => share * (flight * train).max(forward),
+        _ => share * flight * whole.activations,
+    };
+    let boundary = super::stage_memory::boundary(arch, range, batch, c.wrap.pipeline.micro_batches, flight);
+    crate::limits::Estimate { activations: activations + boundary, ..whole }
 }
 
 /// Under the memory estimate, with `wrap.activation_checkpointing`: the policy, the blocks it
@@ -187,12 +210,14 @@ pub(super) fn strategy_keys(
 /// `run.memory_per_rank_mb` against what the heaviest rank needs under the configured strategy:
 /// its training state and everything besides. Where it does not fit, the activation
 /// checkpointing that makes it fit ([`memory::Planner::lighten`]) and why, or a refusal that
-/// names the strategies and world sizes that fit.
+/// names the strategies and world sizes that fit, and the mesh shapes of this world size that do
+/// (`meshes`, of the limit in bytes).
 // `!(x > 0.0)` is meant: it also rejects NaN, which `x <= 0.0` would let through.
 #[allow(clippy::neg_cmp_op_on_partial_ord)]
 pub(super) fn check_memory_limit(
     c: &Config,
     planner: &memory::Planner,
+    meshes: &dyn Fn(f64) -> Option<String>,
     stages: &[Range<usize>],
     bad: &mut impl FnMut(&str, String),
 ) -> Option<(ActivationCheckpointing, String)> {
@@ -241,6 +266,10 @@ pub(super) fn check_memory_limit(
         }
         _ => planner.advice(layout, w, bytes, checkpoint),
     };
+    let advice = match meshes(bytes) {
+        Some(shapes) => format!("{advice}; {shapes}"),
+        None => advice,
+    };
     let under = match c.wrap.strategy {
         WrapStrategy::None => "wrap.strategy = \"none\"".to_string(),
         _ => layout.to_string(),
@@ -252,7 +281,11 @@ pub(super) fn check_memory_limit(
              world size {w}, more than the {limit} MiB a rank may use; {advice}",
             crate::limits::size(planner.needs(&state, w)),
             planner.checkpointed_too(&state, w),
-            crate::limits::size((planner.besides)(w, planner.checkpointing))
+            crate::limits::size((planner.besides)(
+                w,
+                planner.checkpointing,
+                (!state.stages.is_empty()).then_some(&state.stages)
+            ))
         ),
     );
     None

@@ -147,7 +147,10 @@ pub fn predict(plan: &Plan) -> Result<Vec<Sent>, String> {
 /// per step in both dimensions, under DDP or FSDP over the data dimension: the sum
 /// `wrap.strategy = "auto"` weighs mesh shapes by. `rows` and `batches`: a copy's per step.
 pub fn split_copies(c: &Config, arch: &dyn Architecture, input: &[usize], rows: f64, batches: f64) -> f64 {
-    let super::mesh::Shape { data, tensor: t, .. } = super::mesh::Shape::of(c);
+    let super::mesh::Shape { data, tensor: t, pipeline } = super::mesh::Shape::of(c);
+    if c.wrap.strategy == WrapStrategy::Pipeline {
+        return stages_of_copies(c, arch, input, pipeline, rows, batches);
+    }
     let zero3 = (c.wrap.strategy == WrapStrategy::Fsdp).then_some(c.wrap.fsdp.reshard_after_forward);
     let n = arch.layers().len();
     let data_bytes = match (data > 1, zero3) {
@@ -156,6 +159,36 @@ pub fn split_copies(c: &Config, arch: &dyn Architecture, input: &[usize], rows: 
         (true, Some(zero3)) => fsdp(&Shapes::of(arch, t), data, zero3, batches),
     };
     data_bytes + tensor_bytes(c, t, arch, input, &(0..n), rows, batches)
+}
+
+/// What the busiest rank of a pipeline of `stages` stages (balanced by parameters) sends per
+/// step: its activations and their gradients to its neighbours, its tensor group's traffic and,
+/// with copies of the pipeline, its stage's gradients averaged over them.
+fn stages_of_copies(
+    c: &Config,
+    arch: &dyn Architecture,
+    input: &[usize],
+    stages: usize,
+    rows: f64,
+    batches: f64,
+) -> f64 {
+    let super::mesh::Shape { data, tensor: t, .. } = super::mesh::Shape::of(c);
+    let layers = arch.layers();
+    let Some(stages) = crate::model::partition::balanced(&crate::model::layer_parameters(arch), stages) else {
+        return 0.0;
+    };
+    let values = |v: &[usize]| v.iter().product::<usize>() as f64;
+    stages
+        .iter()
+        .map(|r| {
+            let entering = if r.start == 0 { values(input) } else { values(&layers[r.start - 1].output) };
+            let (first, last) = (r.start == 0, r.end == layers.len());
+            let copies = if data > 1 { ddp(trained(arch, r.clone(), t)) } else { 0.0 };
+            pipeline(entering, values(&layers[r.end - 1].output), first, last, rows)
+                + copies
+                + tensor_bytes(c, t, arch, input, r, rows, batches)
+        })
+        .fold(0.0, f64::max)
 }
 
 /// Values of the trained parameters of layers `range` one of `t` tensor ranks holds.

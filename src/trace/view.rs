@@ -137,15 +137,20 @@ pub fn pipeline_table(rows: &[EpochRow]) -> String {
 }
 
 /// Each rank's peak resident memory as measured (the trace's `peak_rss_bytes`) beside the plan's
-/// estimate for it: "  peak memory: rank 0 192 MiB (estimated 190 MiB), rank 1 …". Empty
-/// where neither is known.
-pub fn memory_line(rows: &[EpochRow], estimate: Option<&crate::limits::Estimate>) -> String {
+/// estimate for it (`by_rank`: each rank's, under a pipeline; else `estimate` for every rank):
+/// "  peak memory: rank 0 192 MiB (estimated 190 MiB), rank 1 …". Empty where neither is known.
+pub fn memory_line(
+    rows: &[EpochRow],
+    estimate: Option<&crate::limits::Estimate>,
+    by_rank: &[crate::limits::Estimate],
+) -> String {
     let ranks = rows.iter().map(|r| r.rank).max();
     let (Some(last), Some(e)) = (ranks, estimate) else { return String::new() };
     let peaks: Vec<String> = (0..=last)
         .map(|rank| {
             let peak = rows.iter().filter(|r| r.rank == rank).map(|r| r.peak_rss_bytes).max().unwrap_or(0);
             let size = crate::limits::size;
+            let e = by_rank.get(rank as usize).unwrap_or(e);
             format!("rank {rank} {} (estimated {})", size(peak as f64), size(e.per_rank()))
         })
         .collect();

@@ -284,7 +284,7 @@ const CASES: &[Case] = &[
                    need 156 MiB: 2.0 MiB (parameters 1.0 MiB, gradients 1.0 MiB, optimizer 0.0 MiB) of training state and 154 \
                    MiB besides (activations, data, libtorch), under wrap.strategy = \"none\" at world size 1, more than the \
                    153.5 MiB a rank may use; wrap.strategy = \"fsdp\" fits from run.world_size = 32 (153 MiB a rank), or \
-                   wrap.strategy = \"pipeline\" fits from run.world_size = 4 (153 MiB on its heaviest rank); wrap.strategy = \
+                   wrap.strategy = \"pipeline\" fits from run.world_size = 2 (153 MiB on its heaviest rank); wrap.strategy = \
                    \"auto\" picks the first strategy that fits",
     },
     Case {
@@ -296,18 +296,19 @@ const CASES: &[Case] = &[
                    would need 156 MiB: 2.0 MiB (parameters 1.0 MiB, gradients 1.0 MiB, optimizer 0.0 MiB) of training state \
                    and 154 MiB besides (activations, data, libtorch), under the pipeline at world size 1, more than the 153.5 \
                    MiB a rank may use; wrap.strategy = \"fsdp\" fits from run.world_size = 32 (153 MiB a rank), or the \
-                   pipeline fits from run.world_size = 4 (153 MiB on its heaviest rank); wrap.strategy = \"auto\" picks the \
+                   pipeline fits from run.world_size = 2 (153 MiB on its heaviest rank); wrap.strategy = \"auto\" picks the \
                    first strategy that fits",
     },
     Case {
         name: "a layer over the memory one rank may use",
         file: "",
-        args: &["--set", "run.world_size=4", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=152"],
+        args: &["--set", "run.world_size=4", "--set", "wrap.strategy=\"pipeline\"", "--set", "load.features=256", "--set", "load.classes=256", "--set", "wrap.model.hidden=[256, 256, 256]", "--set", "run.memory_per_rank_mb=151.5"],
         env: &[],
-        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=152): rank 0 (layer 0) would \
-                   need 153 MiB: 0.5 MiB (parameters 0.3 MiB, gradients 0.3 MiB, optimizer 0.0 MiB) of training state and 153 \
-                   MiB besides (activations, data, libtorch), under the pipeline at world size 4, more than the 152 MiB a rank \
-                   may use; no strategy fits it on up to 4096 ranks: use a smaller model, or a higher run.memory_per_rank_mb",
+        expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=151.5): rank 0 (layer 0) would \
+                   need 152 MiB: 0.5 MiB (parameters 0.3 MiB, gradients 0.3 MiB, optimizer 0.0 MiB) of training state and 151 \
+                   MiB besides (activations, data, libtorch), under the pipeline at world size 4, more than the 151.5 MiB a rank \
+                   may use; no strategy fits it on up to 4096 ranks: use a smaller model, or a higher run.memory_per_rank_mb; no \
+                   mesh shape of this world size fits either (the smallest, data 1 × tensor 2 × pipeline 2, needs 152 MiB)",
     },
     Case {
         name: "explicit stages that overload a rank",
@@ -317,7 +318,9 @@ const CASES: &[Case] = &[
         expected: "error: p.toml: invalid configuration:\n  `run.memory_per_rank_mb` (--set run.memory_per_rank_mb=154): rank 1 (layers 1-3) \
                    would need 154 MiB: 1.5 MiB (parameters 0.8 MiB, gradients 0.8 MiB, optimizer 0.0 MiB) of training state \
                    and 153 MiB besides (activations, data, libtorch), under the pipeline at world size 2, more than the 154 MiB \
-                   a rank may use; leave wrap.pipeline.stages out: the split balanced by parameters fits",
+                   a rank may use; leave wrap.pipeline.stages out: the split balanced by parameters fits; at this world size \
+                   the mesh shape data 1 × tensor 2 under DDP (wrap.mesh.data = 1, wrap.mesh.tensor = 2: 154 MiB a rank) fits \
+                   (set wrap.strategy and [wrap.mesh] so, or wrap.strategy = \"auto\" with no [wrap.mesh] chooses among them)",
     },
     Case {
         name: "copies of a pipeline that do not split the ranks",

@@ -33,6 +33,7 @@ mod hostile_turn;
 mod lm_recipe;
 mod lora;
 mod mesh;
+mod mesh_memory;
 mod mlflow;
 mod models;
 mod multinode;

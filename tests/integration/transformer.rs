@@ -274,7 +274,7 @@ fn the_large_model_holds_a_quarter_of_100_million_parameters_per_rank_and_one_ra
     assert!(
         stderr.contains(
             "more than the 1000 MiB a rank may use; wrap.strategy = \"fsdp\" fits from run.world_size = 3 (960 MiB a \
-             rank), or the pipeline fits from run.world_size = 2 (946 MiB on its heaviest rank, with activation \
+             rank), or the pipeline fits from run.world_size = 2 (970 MiB on its heaviest rank, with activation \
              checkpointing)"
         ),
         "{stderr}"
