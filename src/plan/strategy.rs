@@ -61,16 +61,15 @@ pub(super) fn besides_state(
 }
 
 /// The blocks the plan may checkpoint by itself: a transformer's (the plan refuses checkpointing
-/// with LoRA and thread replicas, and under tensor parallelism the selective policy the choice
-/// tries first); 0 otherwise (an
-/// MLP's estimate does not count what checkpointing saves), and on a resume that keeps the run's
-/// own policy (`own`: the source of its config.toml), which a resume may not change.
+/// with LoRA and thread replicas); 0 otherwise (an MLP's estimate does not count what
+/// checkpointing saves), and on a resume that keeps the run's own policy (`own`: the source of
+/// its config.toml), which a resume may not change.
 pub(super) fn checkpointable(
     c: &Config,
     sources: &std::collections::BTreeMap<String, String>,
     own: Option<&str>,
 ) -> usize {
-    let able = c.wrap.lora.is_none() && c.wrap.threads_per_replica.is_none() && super::mesh::Shape::of(c).tensor <= 1;
+    let able = c.wrap.lora.is_none() && c.wrap.threads_per_replica.is_none();
     let kept = own.is_some_and(|o| {
         sources.get("wrap.activation_checkpointing.policy").is_some_and(|s| s.starts_with(&format!("{o}:")))
     });

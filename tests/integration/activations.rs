@@ -297,7 +297,7 @@ fn long_lm() -> String {
 
 /// `run.memory_per_rank_mb` and `wrap.strategy = "auto"` turn checkpointing on before another
 /// strategy or more ranks: selective where it fits (it recomputes no product), else full on the
-/// fewest blocks that fit, and say so; a policy set by hand is kept (and the refusal says
+/// fewest blocks that fit, and say so, under tensor parallelism too; a policy set by hand is kept (and the refusal says
 /// checkpointing would fit); the run checkpoints as the plan chose.
 #[test]
 fn a_memory_limit_turns_checkpointing_on_before_another_strategy_or_more_ranks() {
@@ -339,6 +339,12 @@ fn a_memory_limit_turns_checkpointing_on_before_another_strategy_or_more_ranks()
         "{out}"
     );
     assert!(out.contains("where keeping every activation it would need 290 MiB"), "{out}");
+    // Under tensor parallelism too (the recomputation runs the block's collectives again).
+    let o = validate(&["run.memory_per_rank_mb=225", "run.world_size=2", "wrap.mesh.tensor=2"]);
+    assert_ok(&o);
+    let out = text(&o).0;
+    assert!(out.contains("activation checkpointing: selective, every block (6 of 6 keeping"), "{out}");
+    assert!(out.contains("a rank needs 215 MiB with it, 242 MiB without"), "{out}");
     // "none" set by hand stays: the refusal says what checkpointing would need.
     let o = validate(&["run.memory_per_rank_mb=250", "wrap.activation_checkpointing.policy=\"none\""]);
     assert_eq!(o.status.code(), Some(2));
