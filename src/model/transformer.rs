@@ -65,9 +65,10 @@ impl TransformerArch {
     }
 
     /// Values per sample (per window) a block keeps for its backward pass besides its output, in
-    /// float32 ([`activations::block_kept`]).
+    /// float32 ([`activations::block_kept`], and with LoRA [`activations::lora_kept`]).
     fn block_held(&self) -> usize {
-        (activations::block_kept(&self.s, 4.0, activations::Split::WHOLE) / 4.0) as usize
+        let lora = self.lora.as_ref().map_or(0.0, |l| activations::lora_kept(&self.s, l, 4.0));
+        ((activations::block_kept(&self.s, 4.0, activations::Split::WHOLE) + lora) / 4.0) as usize
     }
 
     /// "LoRA of rank 8 (alpha 16) on q_proj, v_proj: 3584 parameters trained".
@@ -206,7 +207,7 @@ impl Architecture for TransformerArch {
     }
 
     fn activation_bytes(&self, batch: usize, validation: usize, how: &Activations) -> Option<f64> {
-        Some(activations::peak_bytes(&self.s, batch, validation, how))
+        Some(activations::peak_bytes(&self.s, self.lora.as_ref(), batch, validation, how))
     }
 
     fn build<'a>(&self, p: &nn::Path, range: Range<usize>, ctx: &BuildContext<'a>) -> Box<dyn ModuleT + 'a> {

@@ -32,6 +32,7 @@ mod hostile_sharded;
 mod hostile_turn;
 mod lm_recipe;
 mod lora;
+mod lora_memory;
 mod mesh;
 mod mesh_memory;
 mod mlflow;

@@ -205,27 +205,17 @@ impl BlockAdapters {
     }
 
     /// `y`, the output of the linear `site` on `x`, with its adapters' updates added to their
-    /// rows: y + scale · B · A · dropout(x), as PEFT's `lora.Linear` adds it.
+    /// rows: y + scale · B · A · dropout(x), as PEFT's `lora.Linear` adds it. Added in place, to
+    /// a view of the rows: cutting `y` into pieces and concatenating them again gives the same
+    /// values, but its backward pass holds a zero-padded copy of the whole output's gradient for
+    /// every piece (measured: four times the MLP's hidden width per token, with up_proj adapted).
     pub fn apply(&self, site: Site, x: &Tensor, y: Tensor, train: bool) -> Tensor {
-        let mut mine: Vec<&Adapter> = self.list.iter().filter(|a| a.site == site).collect();
-        if mine.is_empty() {
-            return y;
-        }
-        mine.sort_by_key(|a| a.rows.start);
-        let out = *y.size().last().expect("a linear's output has a last dimension");
-        let (mut pieces, mut at) = (Vec::new(), 0);
-        for a in mine {
-            if a.rows.start > at {
-                pieces.push(y.narrow(-1, at, a.rows.start - at));
-            }
+        for a in self.list.iter().filter(|a| a.site == site) {
             let update = x.dropout(self.dropout, train).linear(&a.a, None::<Tensor>).linear(&a.b, None::<Tensor>);
-            pieces.push(y.narrow(-1, a.rows.start, a.rows.end - a.rows.start) + update * self.scale);
-            at = a.rows.end;
+            let mut rows = y.narrow(-1, a.rows.start, a.rows.end - a.rows.start);
+            rows += update * self.scale;
         }
-        if at < out {
-            pieces.push(y.narrow(-1, at, out - at));
-        }
-        Tensor::cat(&pieces, -1)
+        y
     }
 }
 
