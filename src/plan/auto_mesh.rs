@@ -167,13 +167,14 @@ pub fn choose(shapes: &[Candidate], limit: f64, limit_text: &str, before: &str) 
 
 /// Under a configured strategy that does not fit `limit` bytes a rank: the mesh shapes of this
 /// world size that do, least first, with what a rank needs and how to choose one; where none
-/// does, the one that needs the least; `None` where the model has no mesh shape.
-pub fn fitting(shapes: &[Candidate], limit: f64) -> Option<String> {
+/// does, with `smallest_too`, the one that needs the least; `None` where the model has no mesh
+/// shape, or none fits and the smallest is not asked for.
+pub fn fitting(shapes: &[Candidate], limit: f64, smallest_too: bool) -> Option<String> {
     let mut all: Vec<(&Candidate, f64)> = shapes.iter().filter_map(|s| Some((s, s.needs?))).collect();
     all.sort_by(|a, b| a.1.total_cmp(&b.1));
     let fits: Vec<(&Candidate, f64)> = all.iter().copied().filter(|(_, n)| *n <= limit).collect();
     if fits.is_empty() {
-        let (smallest, needs) = all.first()?;
+        let (smallest, needs) = all.first().filter(|_| smallest_too)?;
         return Some(format!(
             "no mesh shape of this world size fits either (the smallest, {}, needs {})",
             smallest.name(),
@@ -219,7 +220,7 @@ mod tests {
         let pipeline = Candidate { pipeline: 2, ..shape(WrapStrategy::Pipeline, 1, 2, 550.0, 10.0) };
         let shapes =
             [shape(WrapStrategy::Ddp, 2, 2, 900.0, 20.0), shape(WrapStrategy::Ddp, 1, 4, 600.0, 20.0), pipeline];
-        let advice = fitting(&shapes, 700.0).unwrap();
+        let advice = fitting(&shapes, 700.0, false).unwrap();
         assert!(
             advice.starts_with(
                 "at this world size the mesh shapes data 1 × tensor 2 × pipeline 2 (wrap.mesh.data = 1, \
@@ -227,8 +228,10 @@ mod tests {
             ),
             "{advice}"
         );
-        let none = fitting(&shapes, 100.0).unwrap();
+        let none = fitting(&shapes, 100.0, true).unwrap();
         assert!(none.ends_with("(the smallest, data 1 × tensor 2 × pipeline 2, needs 0.0 MiB)"), "{none}");
-        assert_eq!(fitting(&[], 100.0), None);
+        // Where a strategy or world size fits, a shape that does not is not named.
+        assert_eq!(fitting(&shapes, 100.0, false), None);
+        assert_eq!(fitting(&[], 100.0, true), None);
     }
 }

@@ -99,10 +99,10 @@ impl Plan {
         // An "auto" still unresolved has been refused with the numbers already.
         // Where a configured strategy does not fit the limit: the mesh shapes that would.
         let config = c.clone();
-        let meshes = |limit: f64| match (&arch, &data, layout_now) {
+        let meshes = |limit: f64, smallest_too: bool| match (&arch, &data, layout_now) {
             (Some(a), Some(d), Some(l)) => {
                 let shapes = mesh_shapes(&config, &sources, resuming, a.as_ref(), &layer_parameters, d, l);
-                auto_mesh::fitting(&shapes, limit)
+                auto_mesh::fitting(&shapes, limit, smallest_too)
             }
             _ => None,
         };
@@ -327,7 +327,7 @@ fn apply_auto(c: &mut Config, choice: memory::Choice, sources: &Sources, chosen:
 /// out and it makes the rank fit) into the configuration, with the reason.
 fn limit_checkpointing(
     c: &mut Config,
-    (planner, meshes): (&memory::Planner, &dyn Fn(f64) -> Option<String>),
+    (planner, meshes): (&memory::Planner, &dyn Fn(f64, bool) -> Option<String>),
     stages: &[Range<usize>],
     chosen: &mut Chosen,
     bad: &mut impl FnMut(&str, String),

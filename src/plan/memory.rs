@@ -382,7 +382,8 @@ impl Planner<'_> {
 
     /// What to do when `layout` at `world` ranks needs more than `limit` bytes a rank: the
     /// strategies that fit, and from which world size; `first`: a way to name before them.
-    pub fn advice(&self, layout: Layout, world: usize, limit: f64, first: Option<String>) -> String {
+    /// Whether any way was found.
+    pub fn advice(&self, layout: Layout, world: usize, limit: f64, first: Option<String>) -> (String, bool) {
         let mut ways: Vec<String> = first.into_iter().collect();
         for (candidate, name, what) in
             [(Layout::Fsdp { zero3: true }, "fsdp", "a rank"), (Layout::Pipeline, "pipeline", "on its heaviest rank")]
@@ -399,12 +400,13 @@ impl Planner<'_> {
             });
         }
         if ways.is_empty() {
-            return format!(
+            let none = format!(
                 "no strategy fits it on up to {MAX_SEARCH} ranks: use a smaller model, or a higher \
                  run.memory_per_rank_mb"
             );
+            return (none, false);
         }
-        format!("{}; wrap.strategy = \"auto\" picks the first strategy that fits", ways.join(", or "))
+        (format!("{}; wrap.strategy = \"auto\" picks the first strategy that fits", ways.join(", or ")), true)
     }
 
     /// `wrap.strategy = "auto"` at `world` ranks with `limit` bytes a rank: the first of DDP,

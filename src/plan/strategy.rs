@@ -216,7 +216,7 @@ pub(super) fn strategy_keys(
 pub(super) fn check_memory_limit(
     c: &Config,
     planner: &memory::Planner,
-    meshes: &dyn Fn(f64) -> Option<String>,
+    meshes: &dyn Fn(f64, bool) -> Option<String>,
     stages: &[Range<usize>],
     bad: &mut impl FnMut(&str, String),
 ) -> Option<(ActivationCheckpointing, String)> {
@@ -257,15 +257,16 @@ pub(super) fn check_memory_limit(
             crate::limits::size(planner.needs_with(&state, w, full))
         )
     });
-    let advice = match (layout, &c.wrap.pipeline.stages) {
+    let (advice, some_way) = match (layout, &c.wrap.pipeline.stages) {
         (memory::Layout::Pipeline, Some(_))
             if planner.state(layout, w, None).is_some_and(|s| planner.needs(&s, w) <= bytes) =>
         {
-            "leave wrap.pipeline.stages out: the split balanced by parameters fits".to_string()
+            ("leave wrap.pipeline.stages out: the split balanced by parameters fits".to_string(), true)
         }
         _ => planner.advice(layout, w, bytes, checkpoint),
     };
-    let advice = match meshes(bytes) {
+    // The smallest mesh shape is named only where nothing else fits.
+    let advice = match meshes(bytes, !some_way) {
         Some(shapes) => format!("{advice}; {shapes}"),
         None => advice,
     };
