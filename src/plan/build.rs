@@ -13,6 +13,9 @@ use crate::model::Architecture;
 
 type Sources = std::collections::BTreeMap<String, String>;
 
+/// A rank's training state under the strategy, and under DDP to compare with.
+type States = (memory::State, Option<memory::State>);
+
 /// The keys the plan set itself, each with what set it (added to the plan's sources).
 type Chosen = Vec<(&'static str, String)>;
 
@@ -35,104 +38,56 @@ impl Plan {
         for (key, problem) in imported {
             bad(&key, problem);
         }
-        values::run_values(&c, machine, &mut bad);
-        values::track_values(&c.track, &mut bad);
-        let data = data::spec(&c, &base, &mut bad);
-        // Out-of-bounds model sizes leave no architecture: nothing below computes a shape from them.
-        let model_ok = crate::model::check(&c.wrap.model, &mut bad);
-        recipe::train_values(&c, &sources, &mut bad);
-        recipe::recipe_values(&c, data.as_ref().map(|d| d.validation_rows), &mut bad);
-        let layout = data.as_ref().and_then(|d| data::shard_layout(&c, d, &mut bad));
-        graphs::refusals(&c, layout.as_ref(), &mut bad);
+        let (data, layout, model_ok) = value_checks(&c, &sources, &base, machine, &mut bad);
         let model = model::model_parts(&c, &base, data.as_ref(), layout.as_ref(), model_ok, &mut bad);
         let inputs = input_digests(data.as_ref(), &model, &mut bad);
         let arch = model.arch;
         let layer_parameters = arch.as_ref().map(|a| crate::model::layer_parameters(a.as_ref())).unwrap_or_default();
-        let planner = arch.as_ref().map(|a| {
-            let (data, layout) = (data.as_ref(), layout.as_ref());
-            planner_of(&c, &sources, resuming, a.as_ref(), &layer_parameters, data, layout)
-        });
+        let planner_for = |c: &Config, layout| {
+            arch.as_ref()
+                .map(|a| planner_of(c, &sources, resuming, a.as_ref(), &layer_parameters, data.as_ref(), layout))
+        };
+        let planner = planner_for(&c, layout.as_ref());
         strategy::strategy_keys(&c, &sources, resuming.map(|r| r.own_config.as_str()), &mut bad);
         mesh::check(&c, &sources, &mut bad);
-        let (mut auto, mut meshed) = (None, false);
-        if let (WrapStrategy::Auto, Some(planner), Some(d), Some(l), Some(a)) =
-            (c.wrap.strategy, &planner, &data, &layout, &arch)
-        {
-            match strategy::choose_strategy(&c, planner) {
-                Ok(choice) => auto = Some(apply_auto(&mut c, choice, &sources, &mut chosen)),
-                Err(e) => {
-                    match over_meshes(&c, &mesh_shapes(&c, &sources, resuming, a.as_ref(), &layer_parameters, d, l), &e)
-                    {
-                        Ok((shape, why)) => {
-                            c = shape.config(&c);
-                            chosen.extend(mesh_keys(&sources, shape.pipeline > 1));
-                            (auto, meshed) = (Some(why), true);
-                        }
-                        Err(more) => bad("wrap.strategy", format!("{e}; {more}")),
-                    }
-                }
+        let (auto, meshed) = match (c.wrap.strategy, &planner, &data, &layout, &arch) {
+            (WrapStrategy::Auto, Some(p), Some(d), Some(l), Some(a)) => {
+                let model = (a.as_ref(), layer_parameters.as_slice(), d, l);
+                resolve_auto(&mut c, (&sources, resuming), model, p, &mut chosen, &mut bad)
             }
-        }
+            _ => (None, false),
+        };
         // A mesh chosen: its copies share the data, and each rank holds its slices.
         let remeshed = match meshed {
             true => data.as_ref().and_then(|d| data::shard_layout(&c, d, &mut bad)),
             false => None,
         };
-        let planner = match (meshed, &arch) {
-            (true, Some(a)) => {
-                drop(planner);
-                let (d, l) = (data.as_ref(), remeshed.as_ref());
-                Some(planner_of(&c, &sources, resuming, a.as_ref(), &layer_parameters, d, l))
-            }
-            _ => planner,
-        };
         let layout_now = if meshed { remeshed.as_ref() } else { layout.as_ref() };
-        let stages = checks_of_the_strategy(
-            &c,
-            &sources,
-            arch.as_deref(),
-            &layer_parameters,
-            data.as_ref(),
-            layout_now,
-            &mut bad,
-        );
-        // An "auto" still unresolved has been refused with the numbers already.
-        // Where a configured strategy does not fit the limit: the mesh shapes that would.
-        let config = c.clone();
-        let meshes = |limit: f64, smallest_too: bool| match (&arch, &data, layout_now) {
-            (Some(a), Some(d), Some(l)) => {
-                let shapes = mesh_shapes(&config, &sources, resuming, a.as_ref(), &layer_parameters, d, l);
-                auto_mesh::fitting(&shapes, limit, smallest_too)
+        let planner = match meshed {
+            true => {
+                drop(planner);
+                planner_for(&c, layout_now)
             }
-            _ => None,
+            false => planner,
         };
-        let checkpointing_chosen = match (&stages, &planner, c.wrap.strategy == WrapStrategy::Auto) {
-            (Some(stages), Some(planner), false) => {
-                limit_checkpointing(&mut c, (planner, &meshes), stages, &mut chosen, &mut bad)
+        let parts = (arch.as_deref(), layer_parameters.as_slice(), data.as_ref(), layout_now);
+        let stages = checks_of_the_strategy(&c, &sources, parts, &mut bad);
+        // An "auto" still unresolved has been refused with the numbers already.
+        let checkpointing_chosen = match (&stages, &planner, &arch, &data, layout_now) {
+            (Some(stages), Some(planner), Some(a), Some(d), Some(l)) if c.wrap.strategy != WrapStrategy::Auto => {
+                let model = (a.as_ref(), layer_parameters.as_slice(), d, l);
+                limit_checkpointing(&mut c, (&sources, resuming), model, (planner, stages), &mut chosen, &mut bad)
             }
             _ => None,
         };
         if let Some(l) = layout_now {
             values::thread_replicas(&c, l.split_batch.unwrap_or(c.train.batch_size), &mut bad);
         }
-        let state = match (&stages, &planner) {
-            (Some(stages), Some(planner)) => training_state(&c, planner, stages),
-            _ => None,
-        };
-        let (memory, memory_by_rank) = match (&data, &arch, layout_now, &state, &planner, &stages) {
-            (Some(d), Some(arch), Some(l), Some((state, _)), Some(planner), Some(stages)) => {
-                let (heaviest, by_rank) = super::stage_memory::memory_of_ranks(
-                    &c,
-                    (d, l, arch.as_ref()),
-                    planner,
-                    stages,
-                    state,
-                    machine,
-                    &mut bad,
-                );
-                (Some(heaviest), by_rank)
+        let (state, memory, memory_by_rank) = match (&data, &arch, layout_now, &planner, &stages) {
+            (Some(d), Some(a), Some(l), Some(planner), Some(stages)) => {
+                estimates(&c, (d, l, a.as_ref()), planner, stages, machine, &mut bad)
             }
-            _ => (None, Vec::new()),
+            _ => (None, None, Vec::new()),
         };
         drop(planner);
         let layout = if meshed { remeshed } else { layout };
@@ -169,6 +124,27 @@ impl Plan {
     }
 }
 
+/// The checks of each section's values: the data it describes and its shard layout, and whether
+/// the model's sizes are in bounds (out-of-bounds sizes leave no architecture: nothing after
+/// computes a shape from them).
+fn value_checks(
+    c: &Config,
+    sources: &Sources,
+    base: &Path,
+    machine: Machine,
+    bad: &mut impl FnMut(&str, String),
+) -> (Option<DataSpec>, Option<ShardLayout>, bool) {
+    values::run_values(c, machine, bad);
+    values::track_values(&c.track, bad);
+    let data = data::spec(c, base, bad);
+    let model_ok = crate::model::check(&c.wrap.model, bad);
+    recipe::train_values(c, sources, bad);
+    recipe::recipe_values(c, data.as_ref().map(|d| d.validation_rows), bad);
+    let layout = data.as_ref().and_then(|d| data::shard_layout(c, d, bad));
+    graphs::refusals(c, layout.as_ref(), bad);
+    (data, layout, model_ok)
+}
+
 /// The digests of every file the run reads: its data, the weights it starts from, the model's
 /// own files.
 fn input_digests(
@@ -189,10 +165,12 @@ fn input_digests(
 fn checks_of_the_strategy(
     c: &Config,
     sources: &Sources,
-    arch: Option<&dyn Architecture>,
-    layer_parameters: &[usize],
-    data: Option<&DataSpec>,
-    layout: Option<&ShardLayout>,
+    (arch, layer_parameters, data, layout): (
+        Option<&dyn Architecture>,
+        &[usize],
+        Option<&DataSpec>,
+        Option<&ShardLayout>,
+    ),
     bad: &mut impl FnMut(&str, String),
 ) -> Option<Vec<Range<usize>>> {
     model::lora_strategy(c, bad);
@@ -302,6 +280,49 @@ fn mesh_keys(sources: &Sources, pipeline: bool) -> Chosen {
     keys
 }
 
+/// `wrap.strategy = "auto"`: the first strategy over the whole world that fits, set in `c`; where
+/// none does, the mesh shape that fits (then `true`: the data's shard layout and the estimates
+/// follow the mesh); or the refusal naming both. The reason, for the plan to print.
+fn resolve_auto(
+    c: &mut Config,
+    (sources, resuming): (&Sources, Option<&Resuming>),
+    (a, layer_parameters, d, l): (&dyn Architecture, &[usize], &DataSpec, &ShardLayout),
+    planner: &memory::Planner,
+    chosen: &mut Chosen,
+    bad: &mut impl FnMut(&str, String),
+) -> (Option<String>, bool) {
+    let e = match strategy::choose_strategy(c, planner) {
+        Ok(choice) => return (Some(apply_auto(c, choice, sources, chosen)), false),
+        Err(e) => e,
+    };
+    match over_meshes(c, &mesh_shapes(c, sources, resuming, a, layer_parameters, d, l), &e) {
+        Ok((shape, why)) => {
+            *c = shape.config(c);
+            chosen.extend(mesh_keys(sources, shape.pipeline > 1));
+            (Some(why), true)
+        }
+        Err(more) => {
+            bad("wrap.strategy", format!("{e}; {more}"));
+            (None, false)
+        }
+    }
+}
+
+/// A rank's training state (and DDP's, to compare with), the heaviest rank's memory estimate
+/// and, under a pipeline, each rank's.
+fn estimates(
+    c: &Config,
+    model: (&DataSpec, &ShardLayout, &dyn Architecture),
+    planner: &memory::Planner,
+    stages: &[Range<usize>],
+    machine: Machine,
+    bad: &mut impl FnMut(&str, String),
+) -> (Option<States>, Option<crate::limits::Estimate>, Vec<crate::limits::Estimate>) {
+    let Some(state) = training_state(c, planner, stages) else { return (None, None, Vec::new()) };
+    let (heaviest, by_rank) = super::stage_memory::memory_of_ranks(c, model, planner, stages, &state.0, machine, bad);
+    (Some(state), Some(heaviest), by_rank)
+}
+
 /// `wrap.strategy = "auto"`'s choice into the configuration, each key it set recorded with what
 /// set it; the reason, for the plan to print.
 fn apply_auto(c: &mut Config, choice: memory::Choice, sources: &Sources, chosen: &mut Chosen) -> String {
@@ -323,16 +344,23 @@ fn apply_auto(c: &mut Config, choice: memory::Choice, sources: &Sources, chosen:
     why
 }
 
-/// `run.memory_per_rank_mb` checked; the checkpointing it turns on (where the policy was left
-/// out and it makes the rank fit) into the configuration, with the reason.
+/// `run.memory_per_rank_mb` checked under a configured strategy; the checkpointing it turns on
+/// (where the policy was left out and it makes the rank fit) into the configuration, with the
+/// reason; where nothing makes it fit, a refusal that names the mesh shapes that would.
 fn limit_checkpointing(
     c: &mut Config,
-    (planner, meshes): (&memory::Planner, &dyn Fn(f64, bool) -> Option<String>),
-    stages: &[Range<usize>],
+    (sources, resuming): (&Sources, Option<&Resuming>),
+    (a, layer_parameters, d, l): (&dyn Architecture, &[usize], &DataSpec, &ShardLayout),
+    (planner, stages): (&memory::Planner, &[Range<usize>]),
     chosen: &mut Chosen,
     bad: &mut impl FnMut(&str, String),
 ) -> Option<String> {
-    let (ac, why) = strategy::check_memory_limit(c, planner, meshes, stages, bad)?;
+    let config = c.clone();
+    let meshes = |limit: f64, smallest_too: bool| {
+        let shapes = mesh_shapes(&config, sources, resuming, a, layer_parameters, d, l);
+        auto_mesh::fitting(&shapes, limit, smallest_too)
+    };
+    let (ac, why) = strategy::check_memory_limit(c, planner, &meshes, stages, bad)?;
     c.wrap.activation_checkpointing = ac;
     chosen.extend(checkpointing_keys("run.memory_per_rank_mb"));
     Some(why)
@@ -364,11 +392,7 @@ fn scalar_parameter(arch: &dyn Architecture) -> Option<String> {
 
 /// A rank's training state under the configured strategy, and under DDP to compare with when
 /// the strategy is another.
-fn training_state(
-    c: &Config,
-    planner: &memory::Planner,
-    stages: &[Range<usize>],
-) -> Option<(memory::State, Option<memory::State>)> {
+fn training_state(c: &Config, planner: &memory::Planner, stages: &[Range<usize>]) -> Option<States> {
     let layout = memory::Layout::of(c);
     // FSDP shards each tensor rank's slices over the data dimension.
     let sharded_over = c.run.world_size / mesh::Shape::of(c).tensor.max(1);

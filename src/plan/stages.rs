@@ -67,6 +67,33 @@ fn pipeline_stages(
         return None;
     }
     let w = mesh.pipeline;
+    pipeline_keys(c, bad);
+    let layers = layer_parameters.len();
+    if layers == 0 {
+        return None;
+    }
+    let stages = match &p.stages {
+        Some(stages) => explicit_stages(c, sources, stages, (layers, w), bad),
+        None if w > layers => {
+            bad(
+                "run.world_size",
+                format!(
+                    "{w} ranks, but the model has {layers} layers ({} hidden + the output layer); a pipeline \
+                     needs at least one layer per rank: use at most {layers} ranks, or more hidden layers",
+                    layers - 1
+                ),
+            );
+            None
+        }
+        None => crate::model::partition::balanced(layer_parameters, w),
+    }?;
+    Some((0..c.run.world_size).map(|r| stages[mesh.coords(r).pipeline].clone()).collect())
+}
+
+/// The pipeline's keys that do not depend on the model: the shard strategy, the micro-batches,
+/// where validation runs.
+fn pipeline_keys(c: &Config, bad: &mut impl FnMut(&str, String)) {
+    let p = &c.wrap.pipeline;
     if c.shard.strategy == ShardStrategy::Batch {
         bad(
             "shard.strategy",
@@ -102,48 +129,38 @@ fn pipeline_stages(
                 .into(),
         );
     }
-    let layers = layer_parameters.len();
-    if layers == 0 {
+}
+
+/// `wrap.pipeline.stages` as given: its ranges over `layers` layers, one per rank of a copy (`w`).
+fn explicit_stages(
+    c: &Config,
+    sources: &BTreeMap<String, String>,
+    stages: &[Vec<usize>],
+    (layers, w): (usize, usize),
+    bad: &mut impl FnMut(&str, String),
+) -> Option<Vec<Range<usize>>> {
+    let (p, meshed) = (&c.wrap.pipeline, c.wrap.mesh != Mesh::default());
+    let ranges = match crate::model::partition::explicit(stages, layers) {
+        Ok(r) => r,
+        Err(e) => {
+            bad("wrap.pipeline.stages", e);
+            return None;
+        }
+    };
+    if ranges.len() != w {
+        let from = sources.get("run.world_size").map(String::as_str).unwrap_or("default");
+        let ranks = if meshed {
+            format!("the mesh's pipeline dimension is {w} ([wrap.mesh])")
+        } else if p.replicas == 1 {
+            format!("run.world_size ({from}) is {w}")
+        } else {
+            format!("each of the {} copies has {w} ranks (run.world_size ({from}) / replicas)", p.replicas)
+        };
+        bad(
+            "wrap.pipeline.stages",
+            format!("lists {} stages but {ranks}; a pipeline has one stage per rank", ranges.len()),
+        );
         return None;
     }
-    let stages = match &p.stages {
-        Some(stages) => {
-            let ranges = match crate::model::partition::explicit(stages, layers) {
-                Ok(r) => r,
-                Err(e) => {
-                    bad("wrap.pipeline.stages", e);
-                    return None;
-                }
-            };
-            if ranges.len() != w {
-                let from = sources.get("run.world_size").map(String::as_str).unwrap_or("default");
-                let ranks = if meshed {
-                    format!("the mesh's pipeline dimension is {w} ([wrap.mesh])")
-                } else if p.replicas == 1 {
-                    format!("run.world_size ({from}) is {w}")
-                } else {
-                    format!("each of the {} copies has {w} ranks (run.world_size ({from}) / replicas)", p.replicas)
-                };
-                bad(
-                    "wrap.pipeline.stages",
-                    format!("lists {} stages but {ranks}; a pipeline has one stage per rank", ranges.len()),
-                );
-                return None;
-            }
-            Some(ranges)
-        }
-        None if w > layers => {
-            bad(
-                "run.world_size",
-                format!(
-                    "{w} ranks, but the model has {layers} layers ({} hidden + the output layer); a pipeline \
-                     needs at least one layer per rank: use at most {layers} ranks, or more hidden layers",
-                    layers - 1
-                ),
-            );
-            None
-        }
-        None => crate::model::partition::balanced(layer_parameters, w),
-    }?;
-    Some((0..c.run.world_size).map(|r| stages[mesh.coords(r).pipeline].clone()).collect())
+    Some(ranges)
 }
