@@ -9,17 +9,8 @@ use crate::common;
 
 use std::path::Path;
 
-use common::{assert_ok, run, text};
+use common::committed::{assert_reports_as_committed, assert_reproduces, read, table_lines};
 use polars::prelude::*;
-
-fn read(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-/// The table lines (`| ... |`) of a markdown text, from the header on.
-fn table_lines(md: &str) -> Vec<&str> {
-    md.lines().skip_while(|l| !l.starts_with("| world size |")).take_while(|l| l.starts_with('|')).collect()
-}
 
 /// A point's (train loss, val loss) at its epochs, and its peak resident memory.
 fn measured(run_dir: &Path) -> (Vec<(f64, f64)>, f64) {
@@ -40,16 +31,7 @@ fn estimate(run_dir: &Path) -> f64 {
 fn the_committed_activations_table_agrees_reports_as_committed_and_reproduces() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let committed = root.join("results/activations");
-    let dir = tempfile::tempdir().unwrap();
-    let copy = dir.path().join("activations");
-    common::copy_tree(&committed, &copy);
-    for f in ["table.md", "table.csv"] {
-        std::fs::remove_file(copy.join(f)).unwrap();
-    }
-    assert_ok(&run(&["report", "activations"], dir.path()));
-    for f in ["table.md", "table.csv"] {
-        assert_eq!(read(&copy.join(f)), read(&committed.join(f)), "{f}");
-    }
+    assert_reports_as_committed("activations");
     for context in [256, 1024, 2048] {
         let point = |policy: &str| committed.join(format!("seq_len={context},policy={policy}"));
         let (none, none_peak) = measured(&point("none"));
@@ -69,17 +51,5 @@ fn the_committed_activations_table_agrees_reports_as_committed_and_reproduces() 
     let page = read(&root.join("docs/memory.md"));
     let table = read(&committed.join("table.md"));
     assert_eq!(table_lines(&page), table_lines(&table), "docs/memory.md shows the committed table");
-
-    let mut check = common::runner();
-    check.args(["sweep", "experiments/activations.toml", "--check"]).current_dir(root);
-    for var in ["MKL_CBWR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"] {
-        check.env_remove(var);
-    }
-    let o = check.output().unwrap();
-    assert_ok(&o);
-    let out = text(&o).0;
-    assert!(
-        out.contains("9 points reproduce results/activations: every non-timing value of every trace is identical."),
-        "{out}"
-    );
+    assert_reproduces("activations", 9);
 }

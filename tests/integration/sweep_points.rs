@@ -8,6 +8,7 @@ use crate::common;
 
 use std::path::Path;
 
+use common::committed::{assert_reports_as_committed, assert_reproduces, read, table_lines};
 use common::{assert_ok, run, text, write, TINY};
 use polars::prelude::*;
 
@@ -60,10 +61,6 @@ fn losses(run_dir: &Path) -> Vec<f64> {
     let df = parquet(&run_dir.join("trace.parquet"));
     let rank0 = df.filter(&df.column("rank").unwrap().u32().unwrap().equal(0)).unwrap();
     f64s(&rank0, "global_train_loss")
-}
-
-fn read(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 #[test]
@@ -153,11 +150,6 @@ fn bad_points_are_refused_by_name_and_line_before_anything_runs() {
     }
 }
 
-/// The table lines (`| ... |`) of a markdown text, from the header on.
-fn table_lines(md: &str) -> Vec<&str> {
-    md.lines().skip_while(|l| !l.starts_with("| world size |")).take_while(|l| l.starts_with('|')).collect()
-}
-
 /// `results/parallelism`: `runner report` rebuilds its committed table from the traces alone,
 /// every row's loss at every epoch is DDP's within 1e-5 (the same global batch from the same
 /// seed, split six ways), docs/parallelism.md shows that table, and every point reproduces bit
@@ -166,16 +158,7 @@ fn table_lines(md: &str) -> Vec<&str> {
 fn the_committed_parallelism_table_agrees_reports_as_committed_and_reproduces() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let committed = root.join("results/parallelism");
-    let dir = tempfile::tempdir().unwrap();
-    let copy = dir.path().join("parallelism");
-    common::copy_tree(&committed, &copy);
-    for f in ["table.md", "table.csv"] {
-        std::fs::remove_file(copy.join(f)).unwrap();
-    }
-    assert_ok(&run(&["report", "parallelism"], dir.path()));
-    for f in ["table.md", "table.csv"] {
-        assert_eq!(read(&copy.join(f)), read(&committed.join(f)), "{f}");
-    }
+    assert_reports_as_committed("parallelism");
     let table = read(&committed.join("table.md"));
     let names = ["ddp", "fsdp", "tp4", "fsdp2xtp2", "pp2xtp2", "pp2xdata2"];
     let ddp = losses(&committed.join("ddp"));
@@ -201,16 +184,5 @@ fn the_committed_parallelism_table_agrees_reports_as_committed_and_reproduces() 
     let manifest = read(&committed.join("tp4/manifest.json"));
     assert!(manifest.contains("ATEN_CPU_CAPABILITY=default"), "made under the lowest kernels: {manifest}");
 
-    let mut check = common::runner();
-    check.args(["sweep", "experiments/parallelism.toml", "--check"]).current_dir(root);
-    for var in ["MKL_CBWR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"] {
-        check.env_remove(var);
-    }
-    let o = check.output().unwrap();
-    assert_ok(&o);
-    let out = text(&o).0;
-    assert!(
-        out.contains("6 points reproduce results/parallelism: every non-timing value of every trace is identical."),
-        "{out}"
-    );
+    assert_reproduces("parallelism", 6);
 }

@@ -1,5 +1,6 @@
 //! Helpers for tests that run the real `runner` binary.
 #![allow(dead_code)]
+pub mod committed;
 pub mod slurm;
 
 use std::path::{Path, PathBuf};
