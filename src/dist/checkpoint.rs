@@ -35,9 +35,8 @@ pub fn checkpoint<F>(input: &Tensor, params: &[Tensor], segment: F) -> Result<Te
 where
     F: Fn(&Tensor) -> Tensor + Send + 'static,
 {
-    let body: Box<Body> = Box::new(Box::new(segment));
-    let closure = Box::into_raw(body) as *mut c_void;
-    let ptrs: Vec<*mut c_void> = params.iter().map(|p| p.as_ptr() as *mut c_void).collect();
+    let closure = leaked(segment);
+    let ptrs = handles(params.iter());
     let mut out = std::ptr::null_mut();
     // SAFETY: `input` and every parameter are live tensors for the call; `closure` is a leaked
     // Box<Body> that the bridge owns from now on and frees exactly once through `drop_body`;
@@ -54,8 +53,7 @@ where
         )
     };
     check("checkpoint", err)?;
-    // SAFETY: on success the bridge allocated `out` with `new at::Tensor`, what tch's handles are.
-    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    Ok(adopted(out))
 }
 
 /// Selective checkpointing's unit: `segment(source).linear(weight, bias)`, computed now, keeping
@@ -74,10 +72,8 @@ pub fn checkpoint_linear<F>(
 where
     F: Fn(&Tensor) -> Tensor + Send + 'static,
 {
-    let body: Box<Body> = Box::new(Box::new(segment));
-    let closure = Box::into_raw(body) as *mut c_void;
-    let all = params.iter().chain(std::iter::once(weight)).chain(bias);
-    let ptrs: Vec<*mut c_void> = all.map(|p| p.as_ptr() as *mut c_void).collect();
+    let closure = leaked(segment);
+    let ptrs = handles(params.iter().chain(std::iter::once(weight)).chain(bias));
     let mut out = std::ptr::null_mut();
     // SAFETY: as in `checkpoint`: live tensors for the call, a leaked Box<Body> the bridge frees
     // once through `drop_body`, and the callbacks bridge.h declares.
@@ -94,8 +90,27 @@ where
         )
     };
     check("checkpoint", err)?;
-    // SAFETY: on success the bridge allocated `out` with `new at::Tensor`, what tch's handles are.
-    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    Ok(adopted(out))
+}
+
+/// The segment boxed for the bridge, which owns it from now on and frees it once (`drop_body`).
+fn leaked<F>(segment: F) -> *mut c_void
+where
+    F: Fn(&Tensor) -> Tensor + Send + 'static,
+{
+    let body: Box<Body> = Box::new(Box::new(segment));
+    Box::into_raw(body) as *mut c_void
+}
+
+/// The tensors' at::Tensor handles, as the bridge takes them.
+fn handles<'a>(tensors: impl Iterator<Item = &'a Tensor>) -> Vec<*mut c_void> {
+    tensors.map(|t| t.as_ptr() as *mut c_void).collect()
+}
+
+/// The tensor the bridge returned (allocated with `new at::Tensor`, what tch's handles are).
+fn adopted(out: *mut c_void) -> Tensor {
+    // SAFETY: called only on a successful bridge call, whose out-slot holds such a tensor.
+    unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) }
 }
 
 /// Time this process has spent recomputing checkpointed segments in backward passes since it
